@@ -1,0 +1,227 @@
+"""Configuration: one dataclass per concern, presets, and `--key=value` overrides.
+
+    from config import ModelConfig
+    cfg = ModelConfig.preset("tiny")                  # the CPU default of `python train.py`
+    cfg = ModelConfig.from_hf("path/to/config.json")  # any Qwen3-MoE config.json (old or new field names)
+
+Field names follow Hugging Face's Qwen3-MoE config so a checkpoint's config.json maps one to one.
+Every dataclass validates itself in `__post_init__`; `apply_overrides` turns command-line
+`--key=value` strings into typed fields and rejects unknown keys and bad values by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A config value, key or file that cannot be used; the message says what to change."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 32
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    num_experts: int = 8                 # 0 makes every layer a dense SwiGLU MLP
+    num_experts_per_tok: int = 2         # top-k
+    moe_intermediate_size: int = 128     # per expert
+    intermediate_size: int = 256         # dense MLP layers
+    norm_topk_prob: bool = True          # renormalise the top-k router probabilities to sum to 1
+    mlp_only_layers: list[int] = field(default_factory=lambda: [0])
+    decoder_sparse_step: int = 1
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 256
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "decoder_sparse_step", "max_position_embeddings"):
+            _require(getattr(self, name) > 0, f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                 f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
+        _require(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        _require(self.num_experts >= 0, f"num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts > 0:
+            _require(1 <= self.num_experts_per_tok <= self.num_experts,
+                     f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts="
+                     f"{self.num_experts}]")
+            _require(self.moe_intermediate_size > 0, "moe_intermediate_size must be > 0 when num_experts > 0")
+        _require(self.rope_theta > 0 and self.rms_norm_eps > 0, "rope_theta and rms_norm_eps must be > 0")
+        self.mlp_only_layers = sorted(int(i) for i in self.mlp_only_layers)
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        _require(not bad, f"mlp_only_layers {bad} are outside [0, num_hidden_layers={self.num_hidden_layers})")
+        if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
+            _require(self.intermediate_size > 0, "intermediate_size must be > 0: the config has dense layers")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @staticmethod
+    def preset(name: str) -> "ModelConfig":
+        if name not in MODEL_PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
+        return ModelConfig(**MODEL_PRESETS[name])
+
+    # ---- Hugging Face config.json ----
+    @staticmethod
+    def from_hf(path_or_dict: str | dict) -> "ModelConfig":
+        """Read a Qwen3-MoE (or Qwen3 dense) config.json; accepts old and new transformers field names."""
+        if isinstance(path_or_dict, dict):
+            hf = dict(path_or_dict)
+        else:
+            path = path_or_dict
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise ConfigError(f"no config.json at {path_or_dict!r}")
+            with open(path) as f:
+                hf = json.load(f)
+        mt = hf.get("model_type", "qwen3_moe")
+        _require(mt in ("qwen3_moe", "qwen3"), f"model_type {mt!r} is not supported (expected qwen3_moe or qwen3)")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        _require(rope_type == "default", f"rope type {rope_type!r} is not supported, only 'default' RoPE")
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        _require(not hf.get("attention_bias", False), "attention_bias=True is not supported (Qwen3 has none)")
+        _require(hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')!r} is not supported")
+        if hf.get("use_sliding_window", False):
+            raise ConfigError("use_sliding_window=True is not supported: this model attends to the whole context")
+        n_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) if mt == "qwen3_moe" else 0
+        kw = dict(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            num_experts=n_experts or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 1) if n_experts else 1,
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0) if n_experts else 0,
+            intermediate_size=hf.get("intermediate_size", 0),
+            norm_topk_prob=hf.get("norm_topk_prob", False),
+            mlp_only_layers=hf.get("mlp_only_layers") or [],
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+            rope_theta=float(theta), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            initializer_range=hf.get("initializer_range", 0.02),
+        )
+        return ModelConfig(**kw)
+
+    def to_hf(self) -> dict:
+        """The config.json that transformers' Qwen3MoeForCausalLM reads (both old and new rope keys)."""
+        d = {k: v for k, v in dataclasses.asdict(self).items()}
+        d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu",
+                 attention_bias=False, attention_dropout=0.0, use_sliding_window=False, sliding_window=None,
+                 num_local_experts=self.num_experts, output_router_logits=False, router_aux_loss_coef=0.0,
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                 rope_scaling=None, use_cache=True)
+        return d
+
+
+MODEL_PRESETS: dict[str, dict] = {
+    # ~1.9M parameters: 4 layers (1 dense + 3 MoE with 8 experts, top-2); trains in minutes on 2 CPU cores.
+    "tiny": dict(),
+    # The real Qwen3-30B-A3B shapes (48 layers, 128 experts, top-8, 3.3B active parameters).
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, intermediate_size=6144, norm_topk_prob=True, mlp_only_layers=[],
+        decoder_sparse_step=1, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        max_position_embeddings=40960),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# --key=value overrides, checked against the dataclass field types
+# ---------------------------------------------------------------------------------------------------
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _convert(key: str, raw: str, tp):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if raw.lower() in ("none", "null"):
+            return None
+        return _convert(key, raw, args[0])
+    if origin in (list, tuple):
+        (inner, *_) = typing.get_args(tp) or (str,)
+        items = [s for s in raw.replace("[", "").replace("]", "").split(",") if s.strip()]
+        return [_convert(key, s.strip(), inner) for s in items]
+    conv = {int: int, float: float, str: str, bool: _parse_bool}.get(tp)
+    if conv is None:
+        raise ConfigError(f"--{key}: unsupported field type {tp}")
+    try:
+        return conv(raw)
+    except ValueError:
+        raise ConfigError(f"--{key} expects {tp.__name__}, got {raw!r}") from None
+
+
+def _parse_bool(raw: str) -> bool:
+    if raw.lower() in _TRUE | _FALSE:
+        return raw.lower() in _TRUE
+    raise ValueError(raw)
+
+
+def parse_args(argv: list[str]) -> dict[str, str]:
+    """['--a=1', '--flag', '--b', '2'] -> {'a': '1', 'flag': 'true', 'b': '2'}; anything else is an error."""
+    out, i = {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r}: options look like --key=value")
+        key, eq, val = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                val, i = argv[i + 1], i + 1
+            else:
+                val = "true"   # a bare --flag sets a bool field
+        out[key.replace("-", "_")] = val
+        i += 1
+    return out
+
+
+def apply_overrides(overrides: dict[str, str], *configs) -> None:
+    """Set each key on the one config dataclass that has it, converting by the field's type.
+
+    Unknown keys and wrong types raise ConfigError naming the key; each config is re-validated.
+    """
+    hints = [(c, typing.get_type_hints(type(c))) for c in configs]
+    for key, raw in overrides.items():
+        owners = [(c, h[key]) for c, h in hints if key in h]
+        if not owners:
+            known = sorted(k for _, h in hints for k in h)
+            raise ConfigError(f"unknown config key --{key}; known keys: {', '.join(known)}")
+        for c, tp in owners:
+            setattr(c, key, _convert(key, raw, tp))
+    for c in configs:
+        c.__post_init__()
+
+
+def help_text(*configs) -> str:
+    lines = []
+    for c in configs:
+        lines.append(f"{type(c).__name__}:")
+        for f in dataclasses.fields(c):
+            lines.append(f"  --{f.name}={getattr(c, f.name)!r}")
+    return "\n".join(lines)

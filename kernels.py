@@ -1,0 +1,214 @@
+"""Every numeric op of the forward pass, written to be batch-invariant.
+
+Batch invariance: the result for one row (token) is bitwise the same whatever other rows share the
+call, how many there are, and how the batch is padded. The sampler and the trainer both call these
+functions, so the log-probs and expert routes recorded at rollout are exactly what training recomputes.
+
+How each op keeps the contract on the CPU (torch backend; each rule is checked by tests/):
+* linear:    the rows are cut into fixed ROW_CHUNK-row tiles (the last one zero-padded) and multiplied
+             with one batched matmul of fixed tile shape, so a row never sees a different GEMM shape.
+             A plain `x @ w.T` picks its blocking from the number of rows and is NOT invariant.
+* norms, log-softmax, softmax: reductions over the last dim only, one code path for every row count.
+* elementwise: only ops that round the same in the vector body and tail (exp, division, mul/add);
+             SiLU is written as x / (1 + exp(-x)), RMSNorm divides by sqrt instead of using rsqrt.
+* attention: keys are visited in KV_BLOCK-key tiles at absolute positions 0, 16, 32, ... with an
+             online softmax; a fully masked tile is an exact no-op, so prefill (many queries), decode
+             (one query) and any padding give the same bits. q.k and p.v are multiply-then-sum over the
+             last dim (never a bmm whose shape depends on the number of queries).
+* MoE:       a stable sort of (token, k) slots by expert, each expert's rows through the chunked linear,
+             the router weight applied in fp32, then a fixed-order fp32 sum over k. No index_add_, no atomics.
+* router:    softmax in fp32, top-k by a stable descending sort (ties go to the lowest expert id).
+
+Backward passes come from autograd on these ops: correct and deterministic, not batch-invariant.
+
+Set KERNELS_BACKEND=torch to force this backend (the only one in this file so far).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+ROW_CHUNK = 32   # rows per matmul tile; fixed, never chosen from the number of rows
+KV_BLOCK = 16    # keys per attention tile; a KV page holds a whole number of tiles
+
+BACKEND = os.environ.get("KERNELS_BACKEND", "torch")
+if BACKEND != "torch":
+    raise ValueError(f"KERNELS_BACKEND={BACKEND!r}: only 'torch' is available in this build")
+
+
+# ---------------------------------------------------------------------------------------------------
+# linear
+# ---------------------------------------------------------------------------------------------------
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y = x @ w.T with fp32 accumulation, bitwise independent of the number of rows.
+
+    x (..., K), w (N, K) -> (..., N) in x.dtype.
+    """
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)                                           # (M, K)
+    M = x2.shape[0]
+    pad = (-M) % ROW_CHUNK
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, K)])
+    tiles = x2.float().view(-1, ROW_CHUNK, K)                       # (M/C, C, K)
+    wt = w.float().t().unsqueeze(0).expand(tiles.shape[0], -1, -1)  # (M/C, K, N), a view
+    y = torch.bmm(tiles, wt).view(-1, w.shape[0])[:M]               # (M, N) fp32
+    return y.to(x.dtype).view(*lead, w.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# elementwise and row reductions
+# ---------------------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm: normalise in fp32, round to x.dtype, then scale (as transformers does)."""
+    xf = x.float()
+    var = (xf * xf).mean(-1, keepdim=True)
+    return weight * (xf / torch.sqrt(var + eps)).to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, computed in fp32 with the row-invariant x / (1 + exp(-x))."""
+    g = gate.float()
+    return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, max_pos: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables (max_pos, head_dim // 2) in fp32, computed once (same formula as transformers)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX half-split rotary embedding in fp32. x (B, T, H, D); cos, sin (B, T, D/2)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)                                    # (B, T, H, D/2) each
+    c, s = cos[:, :, None, :], sin[:, :, None, :]                   # (B, T, 1, D/2)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# attention over a paged KV cache
+# ---------------------------------------------------------------------------------------------------
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of queries against their sequence's keys in a paged cache.
+
+    q (B, T, H, D): queries of B sequences, T per sequence (prefill) or 1 (decode).
+    k_cache, v_cache (num_pages, page_size, KVH, D): page p holds positions [i*page_size, (i+1)*page_size)
+        of the sequence whose block_table row has p at index i.
+    block_table (B, n_blocks) int: page ids per sequence; entries past the sequence's end may be any
+        valid page (they are masked).
+    positions (B, T) int: absolute position of each query; query at p sees keys 0..p.
+    Returns (B, T, H, D) in q.dtype.
+
+    The keys are visited in KV_BLOCK tiles from position 0 upward with an online softmax in fp32;
+    the number of tiles only depends on the largest position, and tiles past a query's position are
+    exact no-ops for it (max unchanged, alpha = exp(0) = 1, p = 0).
+    """
+    B, T, H, D = q.shape
+    page_size, KVH = k_cache.shape[1], k_cache.shape[2]
+    G = H // KVH
+    assert page_size % KV_BLOCK == 0, "page_size must be a multiple of KV_BLOCK"
+    n_tiles = (int(positions.max()) + KV_BLOCK) // KV_BLOCK
+    n_pages = -(-n_tiles * KV_BLOCK // page_size)
+    pages = block_table[:, :n_pages].long()
+    # gather each sequence's keys into a contiguous run: (B, n_pages * page_size, KVH, D)
+    keys = k_cache[pages].flatten(1, 2)
+    vals = v_cache[pages].flatten(1, 2)
+
+    qf = (q.float() * scale).view(B, T, KVH, G, 1, D)               # fold the scale into q once
+    m = q.new_full((B, T, KVH, G), float("-inf"), dtype=torch.float32)
+    l = torch.zeros((B, T, KVH, G), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((B, T, KVH, G, D), dtype=torch.float32, device=q.device)
+    offs = torch.arange(KV_BLOCK, device=q.device)
+    for t in range(n_tiles):
+        lo = t * KV_BLOCK
+        k = keys[:, lo:lo + KV_BLOCK].float().permute(0, 2, 1, 3)   # (B, KVH, KB, D)
+        v = vals[:, lo:lo + KV_BLOCK].float().permute(0, 2, 3, 1)   # (B, KVH, D, KB)
+        s = (qf * k[:, None, :, None]).sum(-1)                      # (B, T, KVH, G, KB)
+        visible = (lo + offs)[None, None, :] <= positions[:, :, None]   # (B, T, KB)
+        s = s.masked_fill(~visible[:, :, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])                         # (B, T, KVH, G, KB)
+        l = l * alpha + p.sum(-1)
+        pv = (p[:, :, :, :, None, :] * v[:, None, :, None]).sum(-1)  # (B, T, KVH, G, D)
+        acc = acc * alpha[..., None] + pv
+        m = m_new
+    out = acc / l[..., None]
+    return out.view(B, T, H, D).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE: router and experts
+# ---------------------------------------------------------------------------------------------------
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: softmax in fp32, top-k with lowest-index tie-break, optional renormalisation.
+
+    logits (M, E) -> ids (M, k) int64, weights (M, k) fp32.
+    forced_ids (M, k): replay (R3) these experts instead of choosing; the weights are still the
+    model's own softmax probabilities of those experts, so the router keeps its gradient. A row of
+    all -1 (a position nobody recorded, e.g. padding) is routed normally.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    if forced_ids is not None:
+        forced_ids = forced_ids.long()
+        free = (forced_ids < 0).all(-1, keepdim=True)               # (M, 1) unrecorded rows
+        ids = torch.where(free, ids, forced_ids)
+    weights = probs.gather(-1, ids)
+    if norm_topk_prob:
+        total = weights[:, 0]
+        for j in range(1, top_k):                                    # fixed order, k ascending
+            total = total + weights[:, j]
+        weights = weights / total[:, None]
+    return ids, weights
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sum over k of weight_k * down(silu(gate x) * up x) for each token's chosen experts.
+
+    x (M, D); w13 (E, 2I, D) gate rows first; w2 (E, D, I); ids (M, k); weights (M, k) fp32.
+    """
+    M, D = x.shape
+    E, k = w13.shape[0], ids.shape[1]
+    I = w2.shape[2]
+    slot_expert = ids.reshape(-1)                                    # (M*k,) slot s = token s // k
+    order = torch.sort(slot_expert, stable=True).indices             # slots grouped by expert
+    counts = torch.bincount(slot_expert, minlength=E).tolist()
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start:start + n]
+        start += n
+        h = linear(x[slots // k], w13[e])                           # (n, 2I)
+        a = silu_mul(h[:, :I], h[:, I:])                            # (n, I)
+        y = linear(a, w2[e]).float()                                # (n, D)
+        outs.append(y * weights.reshape(-1)[slots, None])
+    sorted_out = torch.cat(outs)                                    # (M*k, D) in expert order
+    per_slot = sorted_out[torch.argsort(order)].view(M, k, D)       # back to slot order
+    out = per_slot[:, 0]
+    for j in range(1, k):                                           # fixed-order fp32 combine
+        out = out + per_slot[:, j]
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# log-prob of the chosen tokens
+# ---------------------------------------------------------------------------------------------------
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[target] in fp32. logits (..., V), targets (...) -> (...).
+
+    The one definition of a token's log-prob, used by the sampler and the trainer alike.
+    temperature 0 (greedy sampling) scores under the unscaled distribution.
+    """
+    z = logits.float()
+    if temperature not in (0.0, 1.0):
+        z = z / temperature
+    return torch.log_softmax(z, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)

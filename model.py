@@ -1,0 +1,376 @@
+"""The Mixture-of-Experts transformer (Qwen3-MoE semantics), its checkpoints, and route record/replay.
+
+    from config import ModelConfig
+    from model import Transformer
+    model = Transformer(ModelConfig.preset("tiny"))          # or Transformer.from_pretrained(dir)
+    logits = model(tokens)                                   # (B, T) -> (B, T, V)
+    logp, routes = model.score(tokens, temperature=1.0)      # (B, T-1), (B, T, n_moe_layers, top_k)
+    logp, _ = model.score(tokens, routes=routes)             # R3: replay recorded expert choices
+
+There is one forward. The trainer calls it with no cache (keys and values of the call itself are laid
+out as pages); the sampler (rollout.py) calls it with a `PagedKV` batch whose pages persist across
+decode steps. Both go through the same kernels.py functions, so both compute the same bits.
+
+Layer: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)), where mlp is MoE on layers chosen by
+ModelConfig.is_moe_layer and a dense SwiGLU elsewhere. Attention: GQA, per-head RMSNorm on q and k
+before NeoX RoPE, scale head_dim^-0.5, no biases. Router: softmax(gate(x)) in fp32, top-k,
+optional renormalisation. Experts are stacked: w13 (E, 2I, D) with gate rows first, w2 (E, D, I).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model config; the message names the tensor."""
+
+
+@dataclass
+class PagedKV:
+    """What the sampler hands the forward for one batch (vLLM calls this attention metadata).
+
+    caches: per layer a (k_pages, v_pages) pair, each (num_pages, page_size, KVH, D).
+    block_table (B, n_blocks): the pages of each sequence, in position order.
+    slot_mapping (B, T): flat slot (page * page_size + offset) where each new token's K/V is written;
+        -1 for padding tokens, which are not written.
+    positions (B, T): absolute position of each new token.
+    """
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer whose matmul is kernels.linear (nn.Linear's is not batch-invariant)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x):
+        return kernels.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim)
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, positions, kv: tuple | None, block_table, slot_mapping):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))      # (B, T, H, D)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))   # (B, T, KVH, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
+        if kv is None:
+            # Trainer path: this call's own keys, laid out as pages of KV_BLOCK positions, sequence b
+            # owning pages [b * n_blocks, (b + 1) * n_blocks).
+            pad = (-T) % kernels.KV_BLOCK
+            k_pages = F.pad(k, (0, 0, 0, 0, 0, pad)).reshape(-1, kernels.KV_BLOCK, self.n_kv_heads, self.head_dim)
+            v_pages = F.pad(v, (0, 0, 0, 0, 0, pad)).reshape(-1, kernels.KV_BLOCK, self.n_kv_heads, self.head_dim)
+            block_table = torch.arange(k_pages.shape[0], device=x.device).view(B, -1)
+        else:
+            # Sampler path: write the new keys into the persistent pages, then attend over them.
+            k_pages, v_pages = kv
+            keep = slot_mapping.reshape(-1) >= 0
+            slots = slot_mapping.reshape(-1)[keep]
+            k_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = k.reshape(-1, self.n_kv_heads, self.head_dim)[keep]
+            v_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = v.reshape(-1, self.n_kv_heads, self.head_dim)[keep]
+        o = kernels.paged_attention(q, k_pages, v_pages, block_table, positions, self.head_dim ** -0.5)
+        return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU: down(silu(gate x) * up x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = Linear(dim, hidden), Linear(dim, hidden), Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Linear(D, E)                               # the router
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))      # gate_proj rows then up_proj rows
+        self.w2 = nn.Parameter(torch.empty(E, D, I))           # down_proj
+
+    def forward(self, x, forced_ids=None):
+        B, T, D = x.shape
+        x2 = x.reshape(B * T, D)                                # (M, D)
+        logits = self.gate(x2)                                  # (M, E)
+        ids, weights = kernels.route(logits, self.top_k, self.norm_topk_prob,
+                                     None if forced_ids is None else forced_ids.reshape(B * T, -1))
+        out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
+        return out.view(B, T, D), ids.view(B, T, self.top_k)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.n_moe_layers = len(config.moe_layers)
+        self._rope: dict = {}    # device -> (cos, sin) fp32; not a buffer so .to(bf16) leaves it fp32
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    def reset_parameters(self, seed: int | None = None):
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def lm_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._rope:
+            c = self.config
+            self._rope[device] = kernels.rope_tables(c.head_dim, c.rope_theta, c.max_position_embeddings, device)
+        return self._rope[device]
+
+    # ---- the one forward ----
+    def hidden_states(self, tokens: torch.Tensor, routes: torch.Tensor | None = None,
+                      kv: PagedKV | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens (B, T) -> final normed hidden states (B, T, D) and routes (B, T, n_moe_layers, top_k)."""
+        B, T = tokens.shape
+        if kv is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        else:
+            positions = kv.positions
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} is past max_position_embeddings="
+                             f"{self.config.max_position_embeddings}; shorten the sequence or raise the limit")
+        if routes is not None:
+            self._check_routes(routes, B, T)
+        cos_t, sin_t = self.rope(tokens.device)
+        cos, sin = cos_t[positions], sin_t[positions]                     # (B, T, D/2)
+        x = self.embed_tokens(tokens)                                     # (B, T, D)
+        recorded, moe_i = [], 0
+        for i, layer in enumerate(self.layers):
+            layer_kv = None if kv is None else kv.caches[i]
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, positions, layer_kv,
+                                    None if kv is None else kv.block_table,
+                                    None if kv is None else kv.slot_mapping)
+            h = layer.post_attention_layernorm(x)
+            if layer.is_moe:
+                out, ids = layer.mlp(h, None if routes is None else routes[:, :, moe_i])
+                recorded.append(ids)
+                moe_i += 1
+            else:
+                out = layer.mlp(h)
+            x = x + out
+        if recorded:
+            routes_out = torch.stack(recorded, dim=2)                     # (B, T, n_moe, k)
+        else:
+            routes_out = torch.zeros(B, T, 0, self.config.num_experts_per_tok, dtype=torch.long, device=tokens.device)
+        return self.norm(x), routes_out
+
+    def _check_routes(self, routes: torch.Tensor, B: int, T: int):
+        c = self.config
+        want = (B, T, self.n_moe_layers, c.num_experts_per_tok)
+        if tuple(routes.shape) != want:
+            raise ValueError(f"routes have shape {tuple(routes.shape)} but the tokens need {want} "
+                             f"(batch, tokens, moe layers, top_k); pass the routes recorded for these exact tokens")
+        if routes.dtype.is_floating_point:
+            raise ValueError(f"routes must be integer expert ids, got {routes.dtype}")
+        unset = routes < 0
+        if (unset.any(-1) & ~unset.all(-1)).any():
+            raise ValueError("routes have a (token, layer) row that is partly -1; -1 marks a whole unrecorded row")
+        if (routes >= c.num_experts).any():
+            raise ValueError(f"routes hold expert ids >= num_experts={c.num_experts}")
+        if (~unset).any() and (torch.sort(routes, -1).values.diff(dim=-1) == 0).any():
+            raise ValueError("routes repeat an expert inside one token's top-k")
+
+    def forward(self, tokens: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
+        h, _ = self.hidden_states(tokens, routes)
+        return kernels.linear(h, self.lm_weight())                        # (B, T, V)
+
+    def score(self, tokens: torch.Tensor, temperature: float = 1.0,
+              routes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of tokens[:, 1:] under softmax(logits / temperature), and the routes used.
+
+        tokens (B, T) int, right padding allowed (padded positions get values the caller masks out).
+        Returns logp (B, T-1) fp32 and routes (B, T, n_moe_layers, top_k) int64. With routes=, the
+        given experts are replayed (R3) and returned unchanged where set.
+        """
+        h, used = self.hidden_states(tokens, routes)
+        logits = kernels.linear(h[:, :-1], self.lm_weight())              # (B, T-1, V)
+        return kernels.token_logprobs(logits, tokens[:, 1:], temperature), used
+
+    # ---- Hugging Face checkpoints ----
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype | None = None, device="cpu") -> "Transformer":
+        """Load a Qwen3-MoE safetensors directory (single file or sharded; per-expert or fused experts)."""
+        config = ModelConfig.from_hf(path)
+        with torch.device("meta"):
+            model = cls(config)
+        tensors = read_safetensors_dir(path)
+        state = hf_to_state(tensors, model)
+        dtype = dtype or _common_dtype(state.values())
+        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True)
+        return model
+
+    def save_pretrained(self, path: str, max_shard_bytes: int = 2 << 30) -> None:
+        """Write config.json + safetensors (sharded past max_shard_bytes) in the per-expert HF layout."""
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        state = state_to_hf(self)
+        dtype = next(iter(state.values())).dtype
+        hf_cfg = self.config.to_hf()
+        hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(dtype).removeprefix("torch.")
+        shards, cur, size = [], {}, 0
+        for k, v in state.items():
+            nbytes = v.numel() * v.element_size()
+            if cur and size + nbytes > max_shard_bytes:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[k], size = v, size + nbytes
+        shards.append(cur)
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+                weight_map.update({k: name for k in shard})
+            total = sum(v.numel() * v.element_size() for v in state.values())
+            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf_cfg, f, indent=2)
+
+
+def _common_dtype(tensors) -> torch.dtype:
+    dts = {t.dtype for t in tensors if t.is_floating_point()}
+    return dts.pop() if len(dts) == 1 else torch.float32
+
+
+def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
+    out = {}
+    for name in files:
+        out.update(load_file(os.path.join(path, name)))
+    return out
+
+
+def hf_to_state(tensors: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
+    """Map HF Qwen3-MoE keys onto this model's state_dict keys, stacking per-expert weights.
+
+    Raises CheckpointError naming the first missing, unexpected or mis-shaped tensor.
+    """
+    cfg = model.config
+    want = {k: v.shape for k, v in model.state_dict().items()}
+    src = dict(tensors)
+    state: dict[str, torch.Tensor] = {}
+
+    def take(hf_key: str):
+        if hf_key not in src:
+            raise CheckpointError(f"checkpoint is missing {hf_key!r} (does config.json match the weights?)")
+        return src.pop(hf_key)
+
+    for name in want:
+        if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
+            continue
+        hf = name if name.startswith("lm_head") else "model." + name
+        state[name] = take(hf)
+    if cfg.tie_word_embeddings:
+        src.pop("lm_head.weight", None)   # some tools write the tied copy too
+    for i in cfg.moe_layers:
+        pre = f"model.layers.{i}.mlp.experts"
+        if f"{pre}.gate_up_proj" in src:   # fused layout of newer transformers: (E, 2I, D), (E, D, I)
+            state[f"layers.{i}.mlp.w13"] = take(f"{pre}.gate_up_proj")
+            state[f"layers.{i}.mlp.w2"] = take(f"{pre}.down_proj")
+        else:
+            gate = [take(f"{pre}.{e}.gate_proj.weight") for e in range(cfg.num_experts)]
+            up = [take(f"{pre}.{e}.up_proj.weight") for e in range(cfg.num_experts)]
+            down = [take(f"{pre}.{e}.down_proj.weight") for e in range(cfg.num_experts)]
+            state[f"layers.{i}.mlp.w13"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
+            state[f"layers.{i}.mlp.w2"] = torch.stack(down)
+    if src:
+        extra = sorted(src)
+        raise CheckpointError(f"checkpoint has {len(extra)} tensors the config does not use, e.g. {extra[0]!r} "
+                              f"(does config.json match the weights?)")
+    for name, shape in want.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(state[name].shape)}, the config needs "
+                                  f"{tuple(shape)}")
+    return state
+
+
+def state_to_hf(model: Transformer) -> dict[str, torch.Tensor]:
+    """This model's weights under HF Qwen3-MoE keys, experts split per expert (what transformers/vLLM read)."""
+    cfg = model.config
+    I = cfg.moe_intermediate_size
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().contiguous()
+        if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
+            pre = "model." + name.rsplit(".", 1)[0] + ".experts"
+            for e in range(t.shape[0]):
+                if name.endswith("w13"):
+                    out[f"{pre}.{e}.gate_proj.weight"] = t[e, :I].clone()
+                    out[f"{pre}.{e}.up_proj.weight"] = t[e, I:].clone()
+                else:
+                    out[f"{pre}.{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name if name.startswith("lm_head") else "model." + name] = t
+    return out
