@@ -151,6 +151,96 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 
+@dataclass
+class RolloutConfig:
+    block_size: int = 16              # KV positions per page
+    num_blocks: int = 0               # 0: sized from the device (see rollout.Sampler)
+    max_batch_size: int = 256         # running sequences at most
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 0           # 0: the task's default
+
+    def __post_init__(self):
+        _require(self.block_size > 0 and self.max_batch_size > 0 and self.num_blocks >= 0,
+                 "block_size and max_batch_size must be > 0, num_blocks >= 0")
+        _require(self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0,
+                 "need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+
+
+LOSSES = ("grpo", "gspo", "gspo_token", "sapo", "cispo")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "drgrpo")
+CORRECTIONS = ("none", "tis", "mis", "seq_tis", "seq_mis")
+
+
+@dataclass
+class TrainConfig:
+    init_from: str = "tiny"           # a model preset name or an HF checkpoint directory
+    out_dir: str = "out"
+    device: str = "auto"              # auto: cuda if available, else cpu
+    dtype: str = "float32"            # float32 | bfloat16 (the same weights serve sampler and trainer)
+    seed: int = 0
+    resume: bool = False
+    # data
+    task: str = "reverse"             # reverse | copy | jsonl (see tasks.py)
+    n_digits: int = 4
+    data: str = ""                    # --task=jsonl: the JSONL file
+    tokenizer: str = ""               # --task=jsonl: an HF tokenizer.json
+    reward_fn: str = ""               # --task=jsonl: module:function
+    # batch
+    steps: int = 150
+    prompts_per_step: int = 32
+    group_size: int = 8               # G responses per prompt
+    epochs: int = 1                   # passes over each rollout batch
+    minibatch_size: int = 128         # sequences per optimizer step
+    micro_batch_size: int = 0         # sequences per forward/backward (0: the whole minibatch)
+    # optimizer
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    lr_schedule: str = "cosine"       # cosine | constant
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    # loss
+    loss: str = "grpo"                # grpo | gspo | gspo_token | sapo | cispo
+    agg: str = "token_mean"           # token_mean | seq_mean_token_mean | seq_mean_token_sum | drgrpo
+    adv_std_norm: bool = True         # False: Dr.GRPO advantages (no division by the group std)
+    eps_low: float = 0.2
+    eps_high: float = 0.28            # DAPO clip-higher
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    kl_coef: float = 0.0              # KL to the frozen initial policy
+    kl_estimator: str = "k3"          # k1 | k2 | k3
+    # train-inference mismatch
+    recompute_old_logp: bool = False  # recompute old log-probs with the trainer (default: use the rollout's)
+    correction: str = "none"          # none | tis | mis | seq_tis | seq_mis
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 5.0
+    replay: str = "none"              # none | r3
+    # logging
+    log_every: int = 1
+    save_every: int = 50
+    progress: bool = True
+
+    def __post_init__(self):
+        _require(self.loss in LOSSES, f"--loss={self.loss!r}: choose one of {LOSSES}")
+        _require(self.agg in AGGREGATIONS, f"--agg={self.agg!r}: choose one of {AGGREGATIONS}")
+        _require(self.correction in CORRECTIONS, f"--correction={self.correction!r}: choose one of {CORRECTIONS}")
+        _require(self.replay in ("none", "r3"), f"--replay={self.replay!r}: choose none or r3")
+        _require(self.kl_estimator in ("k1", "k2", "k3"), f"--kl_estimator={self.kl_estimator!r}: k1, k2 or k3")
+        _require(self.lr_schedule in ("cosine", "constant"), "--lr_schedule: cosine or constant")
+        _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
+        _require(self.group_size >= 2, "--group_size must be >= 2: advantages compare responses within a group")
+        _require(self.steps >= 0 and self.prompts_per_step > 0 and self.epochs > 0 and self.minibatch_size > 0,
+                 "steps >= 0, prompts_per_step > 0, epochs > 0, minibatch_size > 0")
+        _require(self.micro_batch_size >= 0, "--micro_batch_size must be >= 0")
+
+
 # ---------------------------------------------------------------------------------------------------
 # --key=value overrides, checked against the dataclass field types
 # ---------------------------------------------------------------------------------------------------

@@ -223,12 +223,15 @@ class Transformer(nn.Module):
                              f"(batch, tokens, moe layers, top_k); pass the routes recorded for these exact tokens")
         if routes.dtype.is_floating_point:
             raise ValueError(f"routes must be integer expert ids, got {routes.dtype}")
+        if (routes < -1).any():
+            raise ValueError("routes hold negative ids other than -1 (the mark of an unrecorded row)")
         unset = routes < 0
         if (unset.any(-1) & ~unset.all(-1)).any():
             raise ValueError("routes have a (token, layer) row that is partly -1; -1 marks a whole unrecorded row")
         if (routes >= c.num_experts).any():
             raise ValueError(f"routes hold expert ids >= num_experts={c.num_experts}")
-        if (~unset).any() and (torch.sort(routes, -1).values.diff(dim=-1) == 0).any():
+        ordered = torch.sort(routes, -1).values
+        if ((ordered.diff(dim=-1) == 0) & (ordered[..., 1:] >= 0)).any():
             raise ValueError("routes repeat an expert inside one token's top-k")
 
     def forward(self, tokens: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
@@ -322,37 +325,37 @@ def hf_to_state(tensors: dict[str, torch.Tensor], model: Transformer) -> dict[st
     src = dict(tensors)
     state: dict[str, torch.Tensor] = {}
 
-    def take(hf_key: str):
+    def take(hf_key: str, shape=None):
         if hf_key not in src:
             raise CheckpointError(f"checkpoint is missing {hf_key!r} (does config.json match the weights?)")
-        return src.pop(hf_key)
+        t = src.pop(hf_key)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {hf_key!r} has shape {tuple(t.shape)}, the config needs {tuple(shape)}")
+        return t
 
     for name in want:
         if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
             continue
         hf = name if name.startswith("lm_head") else "model." + name
-        state[name] = take(hf)
+        state[name] = take(hf, want[name])
     if cfg.tie_word_embeddings:
         src.pop("lm_head.weight", None)   # some tools write the tied copy too
     for i in cfg.moe_layers:
         pre = f"model.layers.{i}.mlp.experts"
         if f"{pre}.gate_up_proj" in src:   # fused layout of newer transformers: (E, 2I, D), (E, D, I)
-            state[f"layers.{i}.mlp.w13"] = take(f"{pre}.gate_up_proj")
-            state[f"layers.{i}.mlp.w2"] = take(f"{pre}.down_proj")
+            state[f"layers.{i}.mlp.w13"] = take(f"{pre}.gate_up_proj", want[f"layers.{i}.mlp.w13"])
+            state[f"layers.{i}.mlp.w2"] = take(f"{pre}.down_proj", want[f"layers.{i}.mlp.w2"])
         else:
-            gate = [take(f"{pre}.{e}.gate_proj.weight") for e in range(cfg.num_experts)]
-            up = [take(f"{pre}.{e}.up_proj.weight") for e in range(cfg.num_experts)]
-            down = [take(f"{pre}.{e}.down_proj.weight") for e in range(cfg.num_experts)]
+            D, I = cfg.hidden_size, cfg.moe_intermediate_size
+            gate = [take(f"{pre}.{e}.gate_proj.weight", (I, D)) for e in range(cfg.num_experts)]
+            up = [take(f"{pre}.{e}.up_proj.weight", (I, D)) for e in range(cfg.num_experts)]
+            down = [take(f"{pre}.{e}.down_proj.weight", (D, I)) for e in range(cfg.num_experts)]
             state[f"layers.{i}.mlp.w13"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
             state[f"layers.{i}.mlp.w2"] = torch.stack(down)
     if src:
         extra = sorted(src)
         raise CheckpointError(f"checkpoint has {len(extra)} tensors the config does not use, e.g. {extra[0]!r} "
                               f"(does config.json match the weights?)")
-    for name, shape in want.items():
-        if tuple(state[name].shape) != tuple(shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(state[name].shape)}, the config needs "
-                                  f"{tuple(shape)}")
     return state
 
 

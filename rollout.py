@@ -179,6 +179,8 @@ class Sampler:
             for max_batch_size full-context sequences, capped at cpu_kv_bytes.
         max_batch_size: running sequences at most; max_num_batched_tokens: tokens per prefill step.
         """
+        if max_batch_size < 1 or max_num_batched_tokens < 1 or (num_blocks is not None and num_blocks < 1):
+            raise ValueError("max_batch_size, max_num_batched_tokens and num_blocks must be >= 1")
         if block_size % kernels.KV_BLOCK:
             raise ValueError(f"block_size={block_size} must be a multiple of kernels.KV_BLOCK={kernels.KV_BLOCK}")
         self.model, cfg = model, model.config
@@ -215,6 +217,8 @@ class Sampler:
             raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1, n >= 1")
         seqs: list[Sequence] = []
         for i, prompt in enumerate(prompts):
+            if not all(isinstance(t, int) or (torch.is_tensor(t) and not t.is_floating_point()) for t in prompt):
+                raise ValueError(f"prompt {i} must be a list of integer token ids")
             prompt = [int(t) for t in prompt]
             if not prompt:
                 raise ValueError(f"prompt {i} is empty: give at least one token (e.g. a BOS token)")

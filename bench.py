@@ -1,0 +1,242 @@
+"""Benchmarks, each measured side by side in one run so the ratios mean something on a noisy machine.
+
+    python bench.py                        # every section, CPU, about 1-3 minutes on 2 cores
+    python bench.py --only rollout         # or: forward; a comma-separated list runs several
+    python bench.py --prompts 64 --max-new-tokens 96 --repeats 5 --threads 0   # 0: torch's thread default
+    python bench.py --help
+
+What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random weights, fp32, CPU):
+* rollout: the same prompts (random token ids of mixed lengths) decoded three ways; tokens/s counts
+  generated tokens only, wall clock around the whole call, median over --repeats after a warm-up:
+    ours       rollout.Sampler.generate (paged KV cache, continuous batching, batch-invariant kernels)
+    hf         transformers Qwen3MoeForCausalLM.generate on the same weights (saved with
+               model.save_pretrained, loaded by transformers), batched with left padding, do_sample=False,
+               its default attention/experts implementations
+    no-cache   model(tokens) over the whole right-padded, growing batch at every step, greedy
+  The three run interleaved within each repeat, so load from other processes hits them alike.
+  With --temperature 0 (default) ours and no-cache are both greedy over the same kernels, and the
+  script checks that they produced the same tokens.
+* forward: model.score on a (batch, seq) = (64, 64) batch of random tokens: tokens/s.
+
+One intra-op thread by default (--threads): steadier on a shared machine; pass --threads 0 for all cores.
+
+Sections to add later (trainer step, fused MoE, GPU kernels) go in as one `bench_<name>` function each,
+registered in BENCHMARKS; they get the parsed args and return rows for the table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from config import ModelConfig
+from model import Transformer
+from rollout import Sampler
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------
+def build_model(args) -> Transformer:
+    cfg = ModelConfig.preset(args.preset)
+    model = Transformer(cfg)
+    model.reset_parameters(seed=args.seed)
+    return model.eval()
+
+
+def make_prompts(args, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(args.min_prompt_len, args.max_prompt_len + 1, (args.prompts,), generator=g)
+    return [torch.randint(0, vocab, (int(L),), generator=g).tolist() for L in lengths]
+
+
+def timed(fn, warmup: int, repeats: int) -> tuple[float, object]:
+    """Median wall seconds of fn() over `repeats` runs after `warmup` runs; also the last result."""
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def interleaved(fns: dict, warmup: int, repeats: int, warmup_fns: dict | None = None) -> dict:
+    """Like timed() for several functions, alternating them within each repeat. name -> (median s, out).
+
+    warmup_fns: cheaper stand-ins for the warm-up of some functions (same code path, less work)."""
+    outs, warmup_fns = {}, warmup_fns or {}
+    for _ in range(warmup):
+        for name, fn in fns.items():
+            warmup_fns.get(name, fn)()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(times[name]), outs[name]) for name in fns}
+
+
+# ---------------------------------------------------------------------------------------------------
+# rollout: ours vs transformers generate vs a no-cache loop
+# ---------------------------------------------------------------------------------------------------
+def load_hf(model: Transformer, tmp: str):
+    import transformers
+    model.save_pretrained(tmp)
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    return hf.eval()
+
+
+def run_ours(sampler: Sampler, prompts, args) -> list[list[int]]:
+    outs = sampler.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            seed=args.seed, progress=False)
+    return [o.tokens for o in outs]
+
+
+@torch.no_grad()
+def run_hf(hf, prompts, args) -> list[list[int]]:
+    B, T = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, T, dtype=torch.long)              # left padding: (B, T)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(p)
+        mask[b, T - len(p):] = 1
+    kw = dict(do_sample=False) if args.temperature == 0 else dict(do_sample=True, temperature=args.temperature,
+                                                                     top_p=1.0, top_k=0)
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                      min_new_tokens=args.max_new_tokens, pad_token_id=0, eos_token_id=None, **kw)
+    return out[:, T:].tolist()                            # generated tokens only
+
+
+@torch.no_grad()
+def run_nocache(model: Transformer, prompts, args) -> list[list[int]]:
+    """Greedy, recomputing the whole (right-padded) batch every step: what a cache saves."""
+    B = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts])
+    tokens = torch.zeros(B, int(lens.max()) + args.max_new_tokens, dtype=torch.long)   # (B, T_max)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p)
+    rows = torch.arange(B)
+    for _ in range(args.max_new_tokens):
+        logits = model(tokens[:, :int(lens.max())])                                    # (B, T, V)
+        nxt = logits[rows, lens - 1].argmax(-1)                                         # (B,)
+        tokens[rows, lens] = nxt
+        lens = lens + 1
+    return [tokens[b, len(p):len(p) + args.max_new_tokens].tolist() for b, p in enumerate(prompts)]
+
+
+def bench_rollout(args) -> list[tuple[str, float, str]]:
+    model = build_model(args)
+    prompts = make_prompts(args, model.config.vocab_size)
+    n_gen = len(prompts) * args.max_new_tokens
+    sampler = Sampler(model, max_batch_size=max(len(prompts), 1))
+    fns = {"ours": lambda: run_ours(sampler, prompts, args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            hf = load_hf(model, tmp)
+            fns["hf"] = lambda: run_hf(hf, prompts, args)
+        except ImportError:
+            print("transformers is not installed: skipping the transformers generate baseline")
+        warm = {}
+        if not args.skip_nocache:
+            fns["no-cache"] = lambda: run_nocache(model, prompts, args)
+            short = argparse.Namespace(**{**vars(args), "max_new_tokens": 2})
+            warm["no-cache"] = lambda: run_nocache(model, prompts, short)   # its steps are all alike
+        res = interleaved(fns, args.warmup, args.repeats, warm)
+    toks = {name: n_gen / t for name, (t, _) in res.items()}
+    ours = res["ours"][1]
+    assert all(len(t) == args.max_new_tokens for t in ours), "a sequence stopped early"
+    notes = {}
+    if "no-cache" in res and args.temperature == 0:
+        same = ours == res["no-cache"][1]
+        notes["no-cache"] = f"tokens {'identical to' if same else 'DIFFER from'} ours"
+        if not same:
+            print("WARNING: greedy tokens of the sampler and the no-cache loop differ (contract broken?)")
+    if "hf" in res and args.temperature == 0:
+        agree = sum(a == b for x, y in zip(ours, res["hf"][1]) for a, b in zip(x, y)) / n_gen
+        notes["hf"] = f"{agree:.1%} of tokens as ours (fp32 near-ties may flip)"
+    rows = [(f"rollout {name}", toks[name], notes.get(name, "")) for name in res]
+    for name in res:
+        if name != "ours":
+            rows.append((f"rollout ours / {name}", toks["ours"] / toks[name], "ratio"))
+    print(f"rollout: {len(prompts)} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, "
+          f"{args.max_new_tokens} new tokens each ({n_gen} generated), temperature {args.temperature}, "
+          f"median of {args.repeats} after {args.warmup} warm-up")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# forward: model.score throughput
+# ---------------------------------------------------------------------------------------------------
+def bench_forward(args) -> list[tuple[str, float, str]]:
+    model = build_model(args)
+    B, T = args.score_batch, args.score_len
+    tokens = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(args.seed))
+
+    @torch.no_grad()
+    def fn():
+        return model.score(tokens)
+
+    t, _ = timed(fn, args.warmup, args.repeats)
+    return [(f"forward score ({B}, {T})", B * T / t, f"{t * 1e3:.0f} ms per call")]
+
+
+BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward}
+
+
+# ---------------------------------------------------------------------------------------------------
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--only", default=",".join(BENCHMARKS),
+                   help=f"comma-separated sections to run, from: {', '.join(BENCHMARKS)}")
+    p.add_argument("--preset", default="tiny", help="config.ModelConfig preset")
+    p.add_argument("--prompts", type=int, default=32, help="number of prompts")
+    p.add_argument("--min-prompt-len", type=int, default=8)
+    p.add_argument("--max-prompt-len", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then tokens are cross-checked)")
+    p.add_argument("--score-batch", type=int, default=64)
+    p.add_argument("--score-len", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (0: torch's default). 1 by default: on a shared CPU, "
+                        "multi-threaded runs slowed down unevenly, by up to 10x, and skewed the ratios")
+    p.add_argument("--skip-nocache", action="store_true", help="leave out the (slow) no-cache loop")
+    args = p.parse_args(argv)
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown section(s) {unknown}; choose from {list(BENCHMARKS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+        p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cores} cores, "
+          f"load average {load:.1f}, preset {args.preset!r}, fp32 CPU")
+    if torch.get_num_threads() > 1 and load > 0.5 * cores:
+        print("note: the machine is busy; multi-threaded CPU runs then slow down unevenly (OpenMP "
+              "threads wait on each other), which skews ratios. --threads 1 gives steadier numbers.")
+    rows, t0 = [], time.perf_counter()
+    for name in sections:
+        rows += BENCHMARKS[name](args)
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'benchmark':<{width}}  {'tokens/s':>12}  note")
+    for label, value, note in rows:
+        val = f"{value:10.2f}x  " if note == "ratio" else f"{value:12.1f}"
+        print(f"{label:<{width}}  {val:>12}  {'' if note == 'ratio' else note}")
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Prompts and rewards: the built-in verifiable tasks, and the hook for your own.
+
+Built-in (no tokenizer needed; a token is a character):
+    reverse   BOS 3 1 4 1 =  ->  1 4 1 3 EOS     (the default task of `python train.py`)
+    copy      BOS 3 1 4 1 =  ->  3 1 4 1 EOS
+Reward: the fraction of target tokens (the digits, then EOS) produced at their position, so a random
+policy scores ~1/vocab and a perfect one 1.0: a dense, honest signal for RL from scratch.
+
+Your own task: a JSONL file with one {"prompt": "...", "answer": ...} object per line, a tokenizer
+(an HF tokenizer.json, read with the `tokenizers` package) and a reward function you write:
+
+    python train.py --task=jsonl --data=my.jsonl --tokenizer=dir/tokenizer.json --reward_fn=my_mod:reward
+
+where `def reward(prompt: str, response: str, answer) -> float` lives in my_mod.py.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass
+class Example:
+    prompt: list[int]     # token ids
+    answer: Any           # what the reward function compares against
+
+
+class DigitTask:
+    """Digit-string transformations with a per-position reward; `name` picks reverse or copy."""
+
+    DIGITS = "0123456789"
+    EQ, BOS, EOS = 10, 11, 12
+    vocab_size = 13          # ids used; the model may have more (they are never rewarded)
+
+    def __init__(self, name: str = "reverse", n_digits: int = 4, seed: int = 0):
+        if name not in ("reverse", "copy"):
+            raise ValueError(f"unknown digit task {name!r}; choose reverse or copy")
+        self.name, self.n_digits = name, n_digits
+        self.rng = random.Random(seed)
+        self.stop_token_ids = (self.EOS,)
+        self.max_new_tokens = n_digits + 1
+
+    def sample(self, n: int) -> list[Example]:
+        out = []
+        for _ in range(n):
+            digits = [self.rng.randrange(10) for _ in range(self.n_digits)]
+            target = (digits[::-1] if self.name == "reverse" else digits) + [self.EOS]
+            out.append(Example([self.BOS, *digits, self.EQ], target))
+        return out
+
+    def reward(self, ex: Example, response: list[int]) -> float:
+        target = ex.answer
+        return sum(int(i < len(response) and response[i] == t) for i, t in enumerate(target)) / len(target)
+
+    def decode(self, ids: list[int]) -> str:
+        sym = {self.EQ: "=", self.BOS: "^", self.EOS: "$"}
+        return "".join(self.DIGITS[i] if i < 10 else sym.get(i, f"<{i}>") for i in ids)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(_as_tuple(state["rng"]))
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+class JsonlTask:
+    """Prompts and answers from a JSONL file, a tokenizer, and a user reward function.
+
+    Examples are drawn in a shuffled order, epoch after epoch; the position is saved in checkpoints.
+    """
+
+    def __init__(self, path: str, tokenizer_path: str, reward_fn: str, max_new_tokens: int = 256,
+                 seed: int = 0):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--data={path!r}: no such JSONL file")
+        with open(path) as f:
+            self.rows = [json.loads(line) for line in f if line.strip()]
+        for i, row in enumerate(self.rows):
+            if "prompt" not in row:
+                raise ValueError(f"{path}: line {i + 1} has no 'prompt' field")
+        self.tok = load_tokenizer(tokenizer_path)
+        self.reward_fn: Callable = load_function(reward_fn)
+        self.max_new_tokens = max_new_tokens
+        eos = self.tok.token_to_id("<|im_end|>") or self.tok.token_to_id("</s>") or self.tok.token_to_id("<|endoftext|>")
+        self.stop_token_ids = (eos,) if eos is not None else ()
+        self.vocab_size = self.tok.get_vocab_size()
+        self.seed, self.epoch, self.pos = seed, 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def sample(self, n: int) -> list[Example]:
+        out = []
+        for _ in range(n):
+            if self.pos == len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._shuffle()
+            row = self.rows[self._order[self.pos]]
+            self.pos += 1
+            out.append(Example(self.tok.encode(row["prompt"]).ids, row.get("answer")))
+        return out
+
+    def reward(self, ex: Example, response: list[int]) -> float:
+        ids = [t for t in response if t not in self.stop_token_ids]
+        return float(self.reward_fn(self.tok.decode(ex.prompt), self.tok.decode(ids), ex.answer))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._shuffle()
+
+
+def load_tokenizer(path: str):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError("reading an HF tokenizer.json needs the `tokenizers` package: pip install tokenizers") from None
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--tokenizer={path!r}: no tokenizer.json there")
+    return Tokenizer.from_file(path)
+
+
+def load_function(spec: str) -> Callable:
+    """'module:function' or 'path/to/file.py:function' -> the function."""
+    mod_name, _, fn_name = spec.rpartition(":")
+    if not mod_name or not fn_name:
+        raise ValueError(f"--reward_fn={spec!r}: expected 'module:function' or 'file.py:function'")
+    if mod_name.endswith(".py"):
+        spec_ = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
+        module = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(module)
+    else:
+        module = importlib.import_module(mod_name)
+    if not hasattr(module, fn_name):
+        raise ValueError(f"--reward_fn={spec!r}: {mod_name} has no function {fn_name!r}")
+    return getattr(module, fn_name)
+
+
+def make_task(name: str, seed: int = 0, n_digits: int = 4, data: str = "", tokenizer: str = "",
+              reward_fn: str = "", max_new_tokens: int = 0):
+    if name in ("reverse", "copy"):
+        return DigitTask(name, n_digits, seed)
+    if name == "jsonl":
+        if not (data and tokenizer and reward_fn):
+            raise ValueError("--task=jsonl needs --data=file.jsonl, --tokenizer=tokenizer.json and --reward_fn=mod:fn")
+        return JsonlTask(data, tokenizer, reward_fn, max_new_tokens or 256, seed)
+    raise ValueError(f"unknown task {name!r}; choose reverse, copy or jsonl")

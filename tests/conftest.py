@@ -1,0 +1,122 @@
+"""Shared helpers for the tests: tiny configs, random models, random Hugging Face checkpoints.
+
+Everything here is CPU-only and tiny (hidden 32, 3 layers, vocab 50) so the whole suite runs in
+about a minute on two cores. transformers is only needed by the tests that compare against it;
+they call `pytest.importorskip("transformers")` (see `hf_classes`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from config import ModelConfig  # noqa: E402
+from model import Transformer  # noqa: E402
+
+# A deterministic CPU: no TF32 anywhere, fixed thread count for the whole run.
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+TINY = dict(
+    vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16,                       # explicit head_dim: 4 heads * 16 != hidden 32, as in Qwen3
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, intermediate_size=48,
+    norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1, rope_theta=10000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=256, initializer_range=0.2,
+)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A very small ModelConfig (3 layers: 1 dense + 2 MoE with 8 experts, top-2); fields overridable."""
+    kw = dict(TINY)
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def randomize_(module: torch.nn.Module, seed: int, std: float = 0.15) -> torch.nn.Module:
+    """Large random weights so that any semantic error is visible: N(0, std) everywhere, and norm
+    weights in [0.5, 1.5] (not 1.0, so swapped or missing norms change the output)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_((torch.rand(p.shape, generator=g) + 0.5).to(p.dtype))
+            else:
+                p.copy_((torch.randn(p.shape, generator=g) * std).to(p.dtype))
+    return module
+
+
+def make_model(cfg: ModelConfig | None = None, seed: int = 0, std: float | None = None) -> Transformer:
+    """A random Transformer: N(0, std) weights (std defaults to cfg.initializer_range) and random
+    norm weights in [0.5, 1.5]."""
+    cfg = cfg or tiny_config()
+    model = Transformer(cfg)
+    return randomize_(model, seed, cfg.initializer_range if std is None else std)
+
+
+def hf_classes():
+    transformers = pytest.importorskip("transformers")
+    return transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+
+
+def hf_config(**overrides):
+    """A transformers Qwen3MoeConfig built directly (not through our to_hf), new-style field names."""
+    Qwen3MoeConfig, _ = hf_classes()
+    kw = dict(TINY)
+    kw.update(overrides)
+    theta = kw.pop("rope_theta")
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    return Qwen3MoeConfig(**kw, attn_implementation="eager", experts_implementation="eager")
+
+
+def make_hf_model(seed: int = 0, std: float = 0.15, **overrides):
+    """A random transformers Qwen3MoeForCausalLM in fp32 eval mode, eager attention and experts."""
+    _, Qwen3MoeForCausalLM = hf_classes()
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(hf_config(**overrides)).eval()
+    return randomize_(model, seed, std)
+
+
+def load_hf(path: str, dtype=torch.float32):
+    """transformers' Qwen3MoeForCausalLM from a directory; fails if any weight was missing or unused."""
+    _, Qwen3MoeForCausalLM = hf_classes()
+    model, info = Qwen3MoeForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation="eager", experts_implementation="eager",
+        output_loading_info=True)
+    assert not info["missing_keys"], info
+    assert not info["unexpected_keys"], info
+    assert not info.get("mismatched_keys"), info
+    return model.eval()
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """Factory: hf_checkpoint(seed=..., **config_overrides) -> (hf_model, directory) with the random
+    transformers model saved by its own save_pretrained."""
+    counter = iter(range(1000))
+
+    def make(seed: int = 0, std: float = 0.15, **overrides):
+        hf = make_hf_model(seed=seed, std=std, **overrides)
+        path = str(tmp_path / f"hf{next(counter)}")
+        hf.save_pretrained(path)
+        return hf, path
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| in fp64."""
+    a, ref = a.double(), ref.double()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))

@@ -1,0 +1,555 @@
+"""The rollout sampler (rollout.py): the same-bits contract, scheduling, stopping, errors, sampling.
+
+    python -m pytest -q tests/test_rollout.py
+
+The central property (DESIGN.md section 2): whatever the batch, the page size, the prefix sharing or
+the preemptions, every generated token's log-prob is bitwise model.score's, every recorded route is
+score's, and the sampled tokens depend only on (weights, prompt, seed, index in the request).
+Everything runs on the CPU at tiny sizes; the helpers live here so this file stands alone.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from config import ModelConfig  # noqa: E402
+from model import Transformer  # noqa: E402
+from rollout import BlockManager, Sampler, Scheduler, Sequence, draw_seed, sample_token  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------
+VOCAB = 48
+MAX_POS = 128
+MAX_NEW = 12
+N = 3                                           # samples per prompt (a GRPO group)
+LENGTHS = [1, 15, 16, 17, 31, 40, 5, 33]        # around the 16- and 32-position page boundaries
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """3 layers (1 dense + 2 MoE, 6 experts, top-2): big enough that routing is non-trivial."""
+    kw = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+              moe_intermediate_size=32, intermediate_size=64, mlp_only_layers=[0],
+              max_position_embeddings=MAX_POS, initializer_range=0.2)
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Transformer:
+    """Random N(0, 0.2) weights and norm weights in [0.5, 1.5] (so a missing norm would show)."""
+    model = Transformer(tiny_config(**overrides))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * model.config.initializer_range)
+    return model.to(dtype).eval()
+
+
+def make_prompts(lengths, seed: int, vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+def request_prompts() -> list[list[int]]:
+    """Mixed lengths, plus two prompts repeated explicitly (at other indices) besides n=3."""
+    prompts = make_prompts(LENGTHS, seed=1)
+    return prompts + [prompts[2], prompts[5]]
+
+
+def assert_contract(model: Transformer, outs, temperature: float) -> None:
+    """Each output's log-probs and routes are bitwise what model.score computes for prompt + tokens."""
+    score_t = 1.0 if temperature == 0 else temperature      # greedy records log-probs at temperature 1
+    for i, o in enumerate(outs):
+        P, G = len(o.prompt), len(o.tokens)
+        assert G >= 1 and o.logprobs.shape == (G,) and o.logprobs.dtype == torch.float32, i
+        assert o.routes.shape == (P + G - 1, model.n_moe_layers, model.config.num_experts_per_tok), i
+        logp, routes = model.score(torch.tensor([o.prompt + o.tokens]), temperature=score_t)
+        assert torch.equal(o.logprobs, logp[0, P - 1:]), \
+            f"output {i}: logprobs differ from score by {(o.logprobs - logp[0, P - 1:]).abs().max()}"
+        assert torch.equal(o.routes, routes[0, :P + G - 1]), f"output {i}: routes differ from score"
+
+
+def assert_complete(outs, prompts, n: int, max_new: int, stop=()) -> None:
+    """No sequence was dropped: one output per (prompt, sample), prompt-major, each properly finished."""
+    assert len(outs) == len(prompts) * n
+    for i, o in enumerate(outs):
+        assert o.prompt == prompts[i // n]
+        assert o.finish_reason in ("stop", "length")
+        assert not any(t in stop for t in o.tokens[:-1]), "generation ran past a stop token"
+        if o.finish_reason == "stop":
+            assert o.tokens[-1] in stop
+        else:
+            assert len(o.tokens) == min(max_new, MAX_POS - len(o.prompt))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: these shapes gain nothing from more, and on a shared 2-core machine OpenMP
+    spin-waiting made a run 100x slower. (test_contract_with_two_threads covers the threaded path.)"""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.lru_cache(maxsize=None)
+def fp32_model() -> Transformer:
+    return make_model(seed=0)
+
+
+# sampling settings (temperature, top_p, top_k) and sampler configurations
+SETTINGS = [(1.0, 1.0, 0), (1.0, 0.9, 0), (1.0, 1.0, 5), (0.7, 1.0, 0), (0.7, 0.8, 8), (0.0, 1.0, 0)]
+CONFIGS = {
+    "default": dict(),
+    "batch1": dict(max_batch_size=1),
+    "batch2": dict(max_batch_size=2),
+    "preempt": dict(num_blocks=9, max_batch_size=16),      # 30 sequences of up to 4 pages each
+    "block32": dict(block_size=32),
+    "small_prefill": dict(max_num_batched_tokens=24),       # prefill one or two prompts at a time
+}
+
+
+@functools.lru_cache(maxsize=None)
+def run(setting: tuple, config: str, seed: int = 1234):
+    """Generate the standard request under a sampling setting and sampler config (cached per module)."""
+    temperature, top_p, top_k = setting
+    sampler = Sampler(fp32_model(), **CONFIGS[config])
+    outs = sampler.generate(request_prompts(), max_new_tokens=MAX_NEW, temperature=temperature,
+                            top_p=top_p, top_k=top_k, n=N, seed=seed, progress=False)
+    return outs, sampler.num_preemptions
+
+
+# ---------------------------------------------------------------------------------------------------
+# the contract
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"T{s[0]}-p{s[1]}-k{s[2]}")
+def test_contract_across_configs(setting):
+    model, prompts = fp32_model(), request_prompts()
+    ref, _ = run(setting, "default")
+    assert_complete(ref, prompts, N, MAX_NEW)
+    assert_contract(model, ref, setting[0])
+    for name in CONFIGS:
+        outs, preemptions = run(setting, name)
+        if name == "preempt":
+            assert preemptions > 0, "the small pool was meant to force preemption"
+        else:
+            assert preemptions == 0, f"config {name} has room for every running sequence"
+        assert_complete(outs, prompts, N, MAX_NEW)
+        # bitwise equal to the default config's outputs, hence to score's (checked above) as well
+        for i, (a, b) in enumerate(zip(ref, outs)):
+            assert a.tokens == b.tokens, f"config {name}, output {i}: tokens differ from the default config"
+            assert torch.equal(a.logprobs, b.logprobs), f"config {name}, output {i}: logprobs differ"
+            assert torch.equal(a.routes, b.routes), f"config {name}, output {i}: routes differ"
+
+
+def test_contract_with_two_threads():
+    """Intra-op threading must not change the bits either (a small request; threads restored after)."""
+    model, prompts = fp32_model(), make_prompts([1, 17, 40, 9], seed=9)
+    torch.set_num_threads(2)
+    try:
+        outs = {}
+        for name in ("default", "batch2"):
+            outs[name] = Sampler(model, **CONFIGS[name]).generate(
+                prompts, max_new_tokens=8, temperature=1.0, n=2, seed=4, progress=False)
+            assert_contract(model, outs[name], 1.0)
+    finally:
+        torch.set_num_threads(1)
+    assert_contract(model, outs["default"], 1.0)                # one thread scores the same bits
+    assert [o.tokens for o in outs["default"]] == [o.tokens for o in outs["batch2"]]
+
+
+def test_samples_in_a_group_are_independent_draws():
+    """n samples of one prompt (and explicit repeats) get their own seeds: they are not copies."""
+    outs, _ = run((1.0, 1.0, 0), "default")
+    k = len(LENGTHS)
+    for i in range(len(outs) // N):
+        group = [tuple(o.tokens) for o in outs[i * N:(i + 1) * N]]
+        assert len(set(group)) > 1, f"prompt {i}: all {N} samples identical"
+    # an explicitly repeated prompt is a different sequence index, hence different draws
+    assert [o.tokens for o in outs[2 * N:3 * N]] != [o.tokens for o in outs[k * N:(k + 1) * N]]
+
+
+def test_greedy_is_the_same_for_every_member():
+    outs, _ = run((0.0, 1.0, 0), "default")
+    for i in range(len(outs) // N):
+        assert all(o.tokens == outs[i * N].tokens for o in outs[i * N:(i + 1) * N])
+
+
+@pytest.mark.parametrize("setting", [(1.0, 1.0, 0), (0.7, 0.8, 8)], ids=["T1", "T0.7-p0.8-k8"])
+def test_tokens_do_not_depend_on_neighbours(setting):
+    """A prompt sampled alone (at the same request index) or among other prompts gets the same tokens."""
+    temperature, top_p, top_k = setting
+    prompts = request_prompts()
+    ref, _ = run(setting, "default")
+    sampler = Sampler(fp32_model())
+    kw = dict(max_new_tokens=MAX_NEW, temperature=temperature, top_p=top_p, top_k=top_k, n=N,
+              seed=1234, progress=False)
+    for idx in (0, 3, 5):
+        # different neighbours: other contents and lengths, the same count before idx, none or some after
+        before = make_prompts([7 + 9 * j for j in range(idx)], seed=100 + idx)
+        for after in ([], make_prompts([3, 45, 20], seed=200 + idx)):
+            outs = sampler.generate(before + [prompts[idx]] + after, **kw)
+            assert_contract(fp32_model(), outs, temperature)
+            mine = outs[idx * N:(idx + 1) * N]
+            for j in range(N):
+                assert mine[j].tokens == ref[idx * N + j].tokens, (idx, len(after), j)
+                assert torch.equal(mine[j].logprobs, ref[idx * N + j].logprobs)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_are_log_softmax_of_tempered_logits(temperature):
+    """What is recorded: log softmax(logits / T)[token], T = 1 for greedy (checked against plain torch)."""
+    model = fp32_model()
+    outs, _ = run((temperature, 1.0, 0), "default")
+    for o in outs[::5]:
+        P = len(o.prompt)
+        logits = model(torch.tensor([o.prompt + o.tokens]))[0, P - 1:-1].double()   # (G, V)
+        ref = torch.log_softmax(logits / (temperature or 1.0), -1)
+        ref = ref.gather(-1, torch.tensor(o.tokens)[:, None])[:, 0]
+        assert torch.allclose(o.logprobs.double(), ref, rtol=0, atol=1e-5)
+        if temperature == 0:
+            assert o.tokens == logits.argmax(-1).tolist()
+
+
+def test_trainer_batch_scoring_matches_rollout():
+    """The trainer scores many rollouts in one right-padded batch: still the rollout's bits."""
+    model = fp32_model()
+    outs, _ = run((1.0, 1.0, 0), "preempt")
+    seqs = [o.prompt + o.tokens for o in outs]
+    T = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        tokens[b, :len(s)] = torch.tensor(s)
+    logp, routes = model.score(tokens, temperature=1.0)
+    for b, o in enumerate(outs):
+        P, G = len(o.prompt), len(o.tokens)
+        assert torch.equal(logp[b, P - 1:P - 1 + G], o.logprobs)
+        assert torch.equal(routes[b, :P + G - 1], o.routes)
+
+
+def test_bf16_contract():
+    model = make_model(seed=0, dtype=torch.bfloat16)
+    prompts = request_prompts()
+    ref = None
+    for config in ("default", "preempt", "batch2"):
+        for temperature in (1.0, 0.7):
+            sampler = Sampler(model, **CONFIGS[config])
+            outs = sampler.generate(prompts, max_new_tokens=MAX_NEW, temperature=temperature, n=N,
+                                    seed=7, progress=False)
+            assert sampler.caches[0][0].dtype == torch.bfloat16
+            assert_complete(outs, prompts, N, MAX_NEW)
+            assert_contract(model, outs, temperature)
+            if temperature == 1.0:
+                if ref is None:
+                    ref = outs
+                assert [o.tokens for o in outs] == [o.tokens for o in ref], config
+
+
+def test_sampler_sees_weight_updates():
+    """The sampler holds the model, not a copy: after an in-place update it samples from the new weights."""
+    model = make_model(seed=3)
+    sampler = Sampler(model)
+    prompts = make_prompts([4, 9], seed=5)
+    before = sampler.generate(prompts, max_new_tokens=8, temperature=0, progress=False)
+    with torch.no_grad():
+        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
+    after = sampler.generate(prompts, max_new_tokens=8, temperature=0, progress=False)
+    assert [o.tokens for o in before] != [o.tokens for o in after]
+    assert_contract(model, after, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# greedy against transformers
+# ---------------------------------------------------------------------------------------------------
+def test_greedy_matches_transformers_generate(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = make_model(seed=0)
+    model.save_pretrained(str(tmp_path))
+    hf, info = transformers.Qwen3MoeForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    hf.eval()
+    prompts = make_prompts([1, 5, 15, 17, 30], seed=1)
+    outs = Sampler(model).generate(prompts, max_new_tokens=MAX_NEW, temperature=0, progress=False)
+    for p, o in zip(prompts, outs):
+        x = torch.tensor([p])
+        with torch.no_grad():
+            y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
+                            min_new_tokens=MAX_NEW, pad_token_id=0, eos_token_id=None)
+        assert y[0, len(p):].tolist() == o.tokens, f"prompt of length {len(p)}"
+        assert o.finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------------------------------
+# stopping
+# ---------------------------------------------------------------------------------------------------
+def test_stop_on_first_generated_token():
+    model = fp32_model()
+    sampler = Sampler(model)
+    prompts = make_prompts([6, 20, 33], seed=11)
+    free = sampler.generate(prompts, max_new_tokens=MAX_NEW, temperature=0, progress=False)
+    stop = free[1].tokens[0]                         # the greedy first token of prompt 1
+    outs = sampler.generate(prompts, max_new_tokens=MAX_NEW, temperature=0, stop_token_ids=(stop,),
+                            progress=False)
+    assert outs[1].tokens == [stop] and outs[1].finish_reason == "stop"
+    assert outs[1].routes.shape[0] == len(prompts[1]) and outs[1].logprobs.shape == (1,)
+    assert_complete(outs, prompts, 1, MAX_NEW, stop=(stop,))
+    assert_contract(model, outs, 0.0)
+    for f, o in zip(free, outs):                     # the others are cut at their first stop token
+        cut = f.tokens.index(stop) + 1 if stop in f.tokens else len(f.tokens)
+        assert o.tokens == f.tokens[:cut]
+
+
+def test_stop_tokens_truncate_the_same_samples():
+    """Draws depend on (seed, index, position) only, so stopping just truncates the unstopped samples."""
+    model = fp32_model()
+    prompts = request_prompts()
+    kw = dict(max_new_tokens=20, temperature=1.0, n=N, seed=5, progress=False)
+    free = Sampler(model).generate(prompts, **kw)
+    stop = (3, 17, 40)
+    sampler = Sampler(model, num_blocks=10)
+    outs = sampler.generate(prompts, stop_token_ids=stop, **kw)
+    assert_complete(outs, prompts, N, 20, stop=stop)
+    assert_contract(model, outs, 1.0)
+    n_stopped = 0
+    for f, o in zip(free, outs):
+        hits = [j for j, t in enumerate(f.tokens) if t in stop]
+        cut = hits[0] + 1 if hits else len(f.tokens)
+        assert o.tokens == f.tokens[:cut]
+        assert torch.equal(o.logprobs, f.logprobs[:cut])
+        assert o.finish_reason == ("stop" if hits else "length")
+        n_stopped += bool(hits)
+    assert 0 < n_stopped < len(outs)
+
+
+def test_max_new_tokens_gives_length():
+    outs = Sampler(fp32_model()).generate(make_prompts([2, 17], seed=4), max_new_tokens=5, temperature=1.0,
+                                          n=2, progress=False)
+    assert all(o.finish_reason == "length" and len(o.tokens) == 5 for o in outs)
+    outs = Sampler(fp32_model()).generate(make_prompts([9], seed=4), max_new_tokens=1, temperature=1.0,
+                                          progress=False)
+    assert len(outs[0].tokens) == 1 and outs[0].finish_reason == "length"
+    assert outs[0].routes.shape[0] == 9
+
+
+def test_context_limit_gives_length():
+    model = fp32_model()
+    prompts = make_prompts([MAX_POS - 5, MAX_POS - 1, 30], seed=8)
+    sampler = Sampler(model, max_batch_size=2)
+    outs = sampler.generate(prompts, max_new_tokens=50, temperature=1.0, n=2, progress=False)
+    assert [len(o.tokens) for o in outs] == [5, 5, 1, 1, 50, 50]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert all(len(o.prompt) + len(o.tokens) <= MAX_POS for o in outs)
+    assert_contract(model, outs, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompts, kwargs, match", [
+    ([[]], {}, "empty"),
+    ([[1, 2], []], {}, "prompt 1 is empty"),
+    ([[1] * MAX_POS], {}, "max_position_embeddings"),
+    ([[1] * (MAX_POS + 40)], {}, "max_position_embeddings"),
+    ([[1, VOCAB]], {}, "vocab_size"),
+    ([[-1, 2]], {}, "vocab_size"),
+    ([[1, 2]], dict(temperature=-0.5), "temperature"),
+    ([[1, 2]], dict(top_p=0.0), "top_p"),
+    ([[1, 2]], dict(top_p=1.5), "top_p"),
+    ([[1, 2]], dict(top_k=-1), "top_k"),
+    ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens"),
+    ([[1, 2]], dict(n=0), "n >= 1"),
+])
+def test_bad_requests_raise(prompts, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Sampler(fp32_model()).generate(prompts, progress=False, **kwargs)
+
+
+def test_pool_too_small_for_one_sequence():
+    sampler = Sampler(fp32_model(), num_blocks=2)            # 32 positions
+    with pytest.raises(ValueError, match="num_blocks"):
+        sampler.generate([[1] * 30], max_new_tokens=10, progress=False)
+    # a sequence that fits exactly is fine
+    outs = sampler.generate([[1] * 30], max_new_tokens=2, progress=False)
+    assert len(outs[0].tokens) == 2
+
+
+def test_bad_block_size_raises():
+    with pytest.raises(ValueError, match="KV_BLOCK"):
+        Sampler(fp32_model(), block_size=24)
+
+
+# ---------------------------------------------------------------------------------------------------
+# BlockManager and Scheduler
+# ---------------------------------------------------------------------------------------------------
+def seq(seq_id: int, length: int) -> Sequence:
+    return Sequence(seq_id, list(range(length)), length, max_len=10_000)
+
+
+def test_block_manager_allocate_and_free():
+    bm = BlockManager(8, 16)
+    a, b = seq(0, 40), seq(1, 16)
+    bm.allocate(a, 40)
+    assert len(a.block_table) == 3 and bm.num_free == 5
+    assert all(bm.ref_counts[x] == 1 for x in a.block_table)
+    bm.allocate(a, 48)                                        # still inside the third page
+    assert len(a.block_table) == 3
+    bm.allocate(a, 49)
+    assert len(a.block_table) == 4 and bm.num_free == 4
+    bm.allocate(b, 16)
+    assert len(b.block_table) == 1 and not set(a.block_table) & set(b.block_table)
+    with pytest.raises(RuntimeError):
+        bm.allocate(b, 16 * 5)                                # 4 more, 3 free
+    assert len(b.block_table) == 1 and bm.num_free == 3      # a failed allocation takes nothing
+    bm.free(a)
+    assert a.block_table == [] and bm.num_free == 7
+    bm.free(b)
+    assert bm.num_free == 8 and sorted(bm.free_block_ids) == list(range(8))
+    assert bm.ref_counts == [0] * 8
+
+
+@pytest.mark.parametrize("order", ["parent_first", "children_first"])
+def test_block_manager_fork_partial_block(order):
+    bm = BlockManager(10, 16)
+    parent = seq(0, 40)
+    bm.allocate(parent, 40)                                   # 2 full pages + a partial one
+    children = [seq(i, 40) for i in (1, 2)]
+    copies = [bm.fork(parent, c, 40) for c in children]
+    for c, cp in zip(children, copies):
+        assert c.block_table[:2] == parent.block_table[:2]
+        src, dst = cp
+        assert src == parent.block_table[2] and dst == c.block_table[2]
+        assert dst not in parent.block_table and bm.ref_counts[dst] == 1
+    assert copies[0][1] != copies[1][1]
+    assert [bm.ref_counts[x] for x in parent.block_table] == [3, 3, 1]
+    assert bm.num_free == 10 - 3 - 2
+    for s in ([parent] + children if order == "parent_first" else children + [parent]):
+        bm.free(s)
+    assert bm.num_free == 10 and sorted(bm.free_block_ids) == list(range(10))   # each freed exactly once
+    assert bm.ref_counts == [0] * 10
+
+
+def test_block_manager_fork_full_blocks_shares_everything():
+    bm = BlockManager(6, 16)
+    parent, child = seq(0, 32), seq(1, 32)
+    bm.allocate(parent, 32)
+    assert bm.fork(parent, child, 32) is None
+    assert child.block_table == parent.block_table
+    assert [bm.ref_counts[x] for x in parent.block_table] == [2, 2] and bm.num_free == 4
+    bm.allocate(child, 33)                                    # the child's next position: its own page
+    assert len(child.block_table) == 3 and child.block_table[2] not in parent.block_table
+    bm.free(parent)
+    assert bm.num_free == 3 and [bm.ref_counts[x] for x in child.block_table] == [1, 1, 1]
+    bm.free(child)
+    assert bm.num_free == 6 and sorted(bm.free_block_ids) == list(range(6))
+
+
+def test_scheduler_preempts_newest_to_front_of_waiting():
+    bm = BlockManager(4, 16)
+    sched = Scheduler(bm, max_batch_size=8, max_num_batched_tokens=1024)
+    running = [seq(i, 16) for i in range(3)]                  # each fills one page exactly
+    for s in running:
+        bm.allocate(s, 16)
+        s.token_ids.append(0)                                 # one generated token: needs a 2nd page
+    sched.running = list(running)
+    other = [seq(9, 5)]
+    sched.waiting.append(other)
+    batch = sched.schedule_decode()
+    assert batch == running[:2]                               # the newest (last admitted) was preempted
+    assert sched.num_preemptions == 1
+    assert list(sched.waiting) == [[running[2]], other]       # first in line for recompute
+    assert running[2].block_table == []
+    assert all(len(s.block_table) == 2 for s in running[:2]) and bm.num_free == 0
+    # the preempted sequence is readmitted (recomputing its 17 tokens) once pages are free
+    for s in running[:2]:
+        bm.free(s)
+    sched.running = []
+    groups = sched.schedule_prefill()
+    assert groups[0] == [running[2]]
+
+
+def test_scheduler_splits_a_group_larger_than_the_batch():
+    bm = BlockManager(32, 16)
+    sched = Scheduler(bm, max_batch_size=2, max_num_batched_tokens=1024)
+    group = [seq(i, 20) for i in range(5)]
+    sched.waiting.append(group)
+    assert sched.schedule_prefill() == [group[:2]]
+    assert list(sched.waiting) == [group[2:]]
+
+
+def test_preemption_end_to_end_never_drops_a_sequence():
+    model = fp32_model()
+    prompts = make_prompts([40, 33, 17, 1, 31, 16] * 2, seed=21)
+    sampler = Sampler(model, num_blocks=6, max_batch_size=8)  # a 52-token sequence needs 4 of the 6
+    outs = sampler.generate(prompts, max_new_tokens=MAX_NEW, temperature=1.0, n=2, seed=3, progress=False)
+    assert sampler.num_preemptions > 0
+    assert_complete(outs, prompts, 2, MAX_NEW)
+    assert_contract(model, outs, 1.0)
+    ref = Sampler(model).generate(prompts, max_new_tokens=MAX_NEW, temperature=1.0, n=2, seed=3, progress=False)
+    assert [o.tokens for o in outs] == [o.tokens for o in ref]
+
+
+# ---------------------------------------------------------------------------------------------------
+# sampling
+# ---------------------------------------------------------------------------------------------------
+def test_same_request_same_tokens_and_seed_matters():
+    sampler = Sampler(fp32_model())
+    prompts = make_prompts([3, 12], seed=30)
+    kw = dict(max_new_tokens=40, temperature=1.0, n=2, progress=False)
+    a = sampler.generate(prompts, seed=0, **kw)
+    b = sampler.generate(prompts, seed=0, **kw)               # the same sampler, stale pages and all
+    c = Sampler(fp32_model(), block_size=32).generate(prompts, seed=0, **kw)
+    d = sampler.generate(prompts, seed=1, **kw)
+    for x, y, z in zip(a, b, c):
+        assert x.tokens == y.tokens == z.tokens
+        assert torch.equal(x.logprobs, y.logprobs) and torch.equal(x.logprobs, z.logprobs)
+    assert all(x.tokens != w.tokens for x, w in zip(a, d))
+
+
+def test_sample_token_top_k_1_and_tiny_top_p_are_argmax():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        logits = torch.randn(VOCAB, generator=g) * 3
+        best = int(torch.argmax(logits))
+        for seed in range(5):
+            s = 1000 * trial + seed
+            assert sample_token(logits, 1.0, 1.0, 1, s) == best
+            assert sample_token(logits, 0.7, 1e-6, 0, s) == best
+            assert sample_token(logits, 1.3, 1e-6, 7, s) == best
+
+
+def test_sample_token_distribution_and_truncation():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    draws = torch.tensor([sample_token(logits, 1.0, 1.0, 0, draw_seed(0, 0, p)) for p in range(4000)])
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert torch.allclose(freq, torch.tensor([0.5, 0.25, 0.15, 0.1]), atol=0.03), freq
+    # temperature 0.5 squares the probabilities (then renormalises)
+    draws = torch.tensor([sample_token(logits, 0.5, 1.0, 0, draw_seed(1, 0, p)) for p in range(4000)])
+    want = torch.tensor([0.25, 0.0625, 0.0225, 0.01]) / 0.345
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert torch.allclose(freq, want, atol=0.03), freq
+    # top_k=2 keeps tokens 0 and 1; top_p=0.7 keeps the smallest prefix reaching 0.7: tokens 0 and 1
+    for top_p, top_k in ((1.0, 2), (0.7, 0), (0.74, 0)):
+        draws = {sample_token(logits, 1.0, top_p, top_k, draw_seed(2, 0, p)) for p in range(300)}
+        assert draws == {0, 1}, (top_p, top_k, draws)
+    draws = {sample_token(logits, 1.0, 0.76, 0, draw_seed(3, 0, p)) for p in range(300)}
+    assert draws == {0, 1, 2}
+
+
+def test_draw_seed_depends_on_each_argument():
+    seeds = {draw_seed(s, i, p) for s in range(3) for i in range(20) for p in range(50)}
+    assert len(seeds) == 3 * 20 * 50
+    assert all(0 <= x < 1 << 63 for x in seeds)
+    assert draw_seed(5, 2, 9) == draw_seed(5, 2, 9)

@@ -1,0 +1,248 @@
+"""train.py: the loss formulas, corrections, routing replay, an end-to-end run, and resume."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
+from model import Transformer
+from replay import pack_routes, route_audit
+from rollout import Sampler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cfg(**kw) -> TrainConfig:
+    return TrainConfig(**kw)
+
+
+# ---- hand-computed toy cases ------------------------------------------------------------------------
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    a = train.group_advantages(r, 4)
+    std = math.sqrt(((0.75 ** 2) + 3 * (0.25 ** 2)) / 3)        # unbiased std of [1, 0, 0, 0]
+    assert torch.allclose(a[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6))
+    assert torch.equal(a[4:], torch.zeros(4))                      # a group with equal rewards learns nothing
+    assert torch.allclose(train.group_advantages(r, 4, std_norm=False)[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_grpo_clip_by_hand():
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))           # with old = 0: ratios 1.5, 0.5, 1.1
+    old = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    pos, _ = train.policy_loss(logp, old, torch.tensor([2.0]), mask, cfg())
+    # A > 0: max(-A r, -A clip(r, 0.8, 1.28)) -> -2*1.28, -2*0.5, -2*1.1
+    assert torch.allclose(pos, torch.tensor([[-2.56, -1.0, -2.2]]))
+    neg, clipped = train.policy_loss(logp, old, torch.tensor([-1.0]), mask, cfg())
+    # A < 0: max(r, clip(r)) -> 1.5, 0.8, 1.1
+    assert torch.allclose(neg, torch.tensor([[1.5, 0.8, 1.1]]))
+    assert clipped.tolist() == [[False, True, False]]
+
+
+def test_gspo_by_hand():
+    logp = torch.tensor([[0.1, -0.1, 0.3, 0.0]])
+    old = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])                  # the last token is padding
+    c = cfg(loss="gspo")
+    loss, clipped = train.policy_loss(logp, old, torch.tensor([1.0]), mask, c)
+    s = math.exp((0.1 - 0.1 + 0.3) / 3)                           # geometric mean ratio, padding excluded
+    assert s > 1 + c.gspo_eps_high
+    assert torch.allclose(loss, torch.full((1, 4), -(1 + c.gspo_eps_high)))
+    assert clipped[0, :3].all()
+
+
+def test_sapo_and_cispo_by_hand():
+    logp = torch.log(torch.tensor([[1.2, 0.9]]))
+    old, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    loss, _ = train.policy_loss(logp, old, torch.tensor([1.0]), mask, cfg(loss="sapo"))
+    r = torch.tensor([1.2, 0.9])
+    assert torch.allclose(loss[0], -(torch.sigmoid(r - 1) * 4))
+    loss, _ = train.policy_loss(logp, old, torch.tensor([-2.0]), mask, cfg(loss="sapo"))
+    assert torch.allclose(loss[0], 2 * torch.sigmoid(1.05 * (r - 1)) * 4 / 1.05)
+    loss, _ = train.policy_loss(logp, old, torch.tensor([1.0]), mask, cfg(loss="cispo"))
+    assert torch.allclose(loss[0], -torch.tensor([1.2, 0.9]) * logp[0])
+
+
+def test_aggregations_by_hand():
+    L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert train.aggregate(L, m, "token_mean", 4, 2, 3).item() == pytest.approx(10 / 4)
+    assert train.aggregate(L, m, "seq_mean_token_mean", 4, 2, 3).item() == pytest.approx((2 + 4) / 2)
+    assert train.aggregate(L, m, "seq_mean_token_sum", 4, 2, 3).item() == pytest.approx((6 + 4) / 2)
+    assert train.aggregate(L, m, "drgrpo", 4, 2, 3).item() == pytest.approx(10 / 6)
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
+    assert train.kl_penalty(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert train.kl_penalty(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert train.kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)
+
+
+# ---- gradient identities ----------------------------------------------------------------------------
+def _toy(seed=0, B=4, T=5):
+    g = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(B, T, generator=g) * 3)
+    mask = torch.ones(B, T)
+    mask[1, 3:] = 0
+    mask[3, 1:] = 0
+    adv = torch.randn(B, generator=g)
+    return logp, mask, adv
+
+
+def _grad(loss_name, logp0, old, mask, adv, agg):
+    logp = logp0.clone().requires_grad_(True)
+    c = cfg(loss=loss_name)
+    L, _ = train.policy_loss(logp, old, adv, mask, c)
+    train.aggregate(L, mask, agg, int(mask.sum()), mask.shape[0], mask.shape[1]).backward()
+    return logp.grad
+
+
+@pytest.mark.parametrize("loss", ["grpo", "sapo", "cispo", "gspo", "gspo_token"])
+def test_ratio_one_reduces_to_reinforce(loss):
+    logp0, mask, adv = _toy()
+    agg = "seq_mean_token_mean" if loss.startswith("gspo") else "token_mean"
+    g = _grad(loss, logp0, logp0.clone(), mask, adv, agg)
+    # REINFORCE with the same aggregation: loss = agg(-A * logp)
+    logp = logp0.clone().requires_grad_(True)
+    train.aggregate(-adv[:, None] * logp, mask, agg, int(mask.sum()), 4, 5).backward()
+    assert torch.allclose(g, logp.grad, atol=1e-6), loss
+    assert g.abs().sum() > 0
+
+
+def test_gspo_token_gradient_equals_gspo_off_policy():
+    logp0, mask, adv = _toy(1)
+    old = logp0 + 0.0002 * torch.randn(logp0.shape, generator=torch.Generator().manual_seed(5))
+    ga = _grad("gspo", logp0, old, mask, adv, "seq_mean_token_mean")
+    gb = _grad("gspo_token", logp0, old, mask, adv, "seq_mean_token_mean")
+    assert torch.allclose(ga, gb, atol=1e-7)
+    assert ga.abs().sum() > 0
+
+
+# ---- corrections ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("corr", ["tis", "mis", "seq_tis", "seq_mis"])
+def test_corrections_exact_noop_without_mismatch(corr):
+    logp0, mask, _ = _toy(2)
+    w = train.correction_weights(logp0.clone(), logp0.clone(), mask, cfg(correction=corr))
+    assert torch.equal(w, torch.ones_like(w))
+
+
+def test_corrections_act_on_mismatch():
+    mu = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    old = torch.log(torch.tensor([[0.5, 2.0, 0.1]]))               # rho = 1, 4, 0.2
+    mask = torch.ones(1, 3)
+    assert torch.allclose(train.correction_weights(old, mu, mask, cfg(correction="tis")), torch.tensor([[1.0, 2.0, 0.2]]))
+    assert torch.equal(train.correction_weights(old, mu, mask, cfg(correction="mis")), torch.tensor([[1.0, 1.0, 0.0]]))
+    rho_seq = (1 * 4 * 0.2) ** (1 / 3)
+    assert torch.allclose(train.correction_weights(old, mu, mask, cfg(correction="seq_tis")), torch.full((1, 3), rho_seq))
+
+
+# ---- routing replay in the trainer ------------------------------------------------------------------
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(vocab_size=24, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                   moe_intermediate_size=16, intermediate_size=32, max_position_embeddings=64,
+                                   initializer_range=0.3))
+
+
+def test_r3_replays_recorded_routes_and_router_learns():
+    model = _model()
+    outs = Sampler(model).generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=6, n=2, progress=False)
+    batch = train.make_batch(outs, torch.zeros(len(outs)))
+    # the trainer reproduces the rollout exactly, with and without replay
+    lp_free, r_free = model.score(batch.tokens)
+    lp_r3, r_r3 = model.score(batch.tokens, routes=batch.routes)
+    m = batch.route_mask
+    assert torch.equal(r_free[m], batch.routes[m]) and torch.equal(r_r3[m], batch.routes[m])
+    assert torch.equal(lp_r3 * batch.mask, batch.rollout_logp * batch.mask)
+    # replay forces other routes, and gradients still reach every router
+    forced = batch.routes.clone()
+    forced[m] = (forced[m] + 1) % 6
+    lp, used = model.score(batch.tokens, routes=forced)
+    assert torch.equal(used[m], forced[m])
+    (lp * batch.mask).sum().backward()
+    for layer in model.layers:
+        if layer.is_moe:
+            assert layer.mlp.gate.weight.grad.abs().sum() > 0
+    # routes that do not fit the tokens are errors
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_routes([o.routes[:-1] for o in outs], [len(o.prompt) + len(o.tokens) for o in outs], batch.tokens.shape[1])
+    with pytest.raises(ValueError, match="shape"):
+        model.score(batch.tokens[:, :-1], routes=batch.routes)
+
+
+def test_route_audit_counts_flips():
+    a = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]]])      # (1, 2 tokens, 2 layers, k=2)
+    b = torch.tensor([[[[1, 0], [2, 4]], [[0, 1], [2, 3]]]])
+    m = torch.ones(1, 2, dtype=torch.bool)
+    r = route_audit(a, b, m, 5)
+    assert r["route_flip_frac"] == pytest.approx(1 / 4)           # only token 0, layer 1 changed its set
+    assert r["top1_flip_frac"] == pytest.approx(1 / 4)            # token 0 layer 0 swapped order only
+    assert r["token_any_flip_frac"] == pytest.approx(1 / 2)
+    assert r["topk_overlap"] == pytest.approx((1 + 0.5 + 1 + 1) / 4)
+
+
+# ---- end to end -------------------------------------------------------------------------------------
+def _run(tmp, argv):
+    tcfg, rcfg = TrainConfig(), RolloutConfig()
+    apply_overrides(train.parse_args(argv + [f"--out_dir={tmp}", "--progress=false"]), tcfg, rcfg)
+    return train.train(tcfg, rcfg)
+
+
+SMALL = ["--task=copy", "--n_digits=2", "--prompts_per_step=16", "--group_size=8", "--minibatch_size=64",
+         "--lr=1e-2", "--warmup_steps=2"]
+
+
+def test_short_run_learns_with_zero_mismatch(tmp_path):
+    hist = _run(tmp_path, SMALL + ["--steps=30", "--save_every=100"])
+    first = sum(h["reward_mean"] for h in hist[:5]) / 5
+    last = sum(h["reward_mean"] for h in hist[-5:]) / 5
+    assert last > first + 0.15, (first, last)
+    for h in hist:
+        assert h["train_rollout_kl"] == 0 and h["logp_max_abs_diff"] == 0 and h["route_flip_frac"] == 0
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    for key in ("reward_mean", "train_rollout_kl", "logp_max_abs_diff", "route_flip_frac", "clip_frac", "grad_norm"):
+        assert key in rows[0]
+    assert os.path.isfile(tmp_path / "ckpt-000030" / "model.safetensors")
+
+
+@pytest.mark.parametrize("extra", [["--recompute_old_logp=true", "--replay=r3", "--epochs=2", "--micro_batch_size=24"],
+                                   ["--loss=gspo", "--correction=seq_mis", "--kl_coef=0.05"]])
+def test_variants_run_with_zero_mismatch(tmp_path, extra):
+    hist = _run(tmp_path, SMALL + ["--steps=2"] + extra)
+    for h in hist:
+        assert h["train_rollout_kl"] == 0 and h["logp_max_abs_diff"] == 0 and h["route_flip_frac"] == 0
+        assert math.isfinite(h["loss"])
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    timing = {"step_time", "rollout_tokens_per_s"}
+    full = _run(tmp_path / "a", SMALL + ["--steps=6", "--save_every=3"])
+    _run(tmp_path / "b", SMALL + ["--steps=3", "--save_every=3"])
+    tcfg, rcfg = TrainConfig(), RolloutConfig()
+    apply_overrides(train.parse_args(SMALL + ["--steps=6", "--save_every=3", f"--out_dir={tmp_path / 'b'}",
+                                              "--resume=true", "--progress=false"]), tcfg, rcfg)
+    resumed = train.train(tcfg, rcfg)
+    assert [h["step"] for h in resumed] == [4, 5, 6]
+    for a, b in zip(full[3:], resumed):
+        assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+    rows = [json.loads(line) for line in open(tmp_path / "b" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+
+
+def test_cli_errors_and_help():
+    r = subprocess.run([sys.executable, "train.py", "--stepz=3"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "--stepz" in r.stderr
+    r = subprocess.run([sys.executable, "train.py", "--steps=x"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "--steps expects int" in r.stderr
+    r = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "--group_size=8" in r.stdout and "--replay='none'" in r.stdout
+    with pytest.raises(ConfigError, match="loss"):
+        TrainConfig(loss="ppo")

@@ -1,0 +1,388 @@
+"""RL post-training of the MoE transformer: GRPO / GSPO and variants, with the train-inference fixes.
+
+    python train.py                                   # CPU default: tiny MoE learns to reverse digits
+    python train.py --help                            # every option and its default
+    python train.py --loss=gspo --replay=r3 --steps=50 --out_dir=out/gspo
+    python train.py --resume --out_dir=out            # continue from out/latest
+
+Each step: sample `group_size` responses for each of `prompts_per_step` prompts with the Sampler (the
+same model object, the same kernels), reward them, compute group-normalised advantages, then take
+optimizer steps over minibatches of the rollout batch on `model.score`. In the default invariant mode
+the rollout log-probs ARE the old policy's log-probs, so the logged train-rollout KL, max |logp diff|
+and route flip fraction are exactly 0. Metrics go to out_dir/metrics.jsonl, one JSON object per step.
+Formulas: DESIGN.md section 5 (A_i = (r_i - mean) / (std + 1e-6); ratio r_t = exp(logp_t - old_logp_t)).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text, parse_args
+from model import Transformer, hf_to_state, read_safetensors_dir
+from replay import pack_routes, route_audit
+from rollout import Sampler
+from tasks import make_task
+
+
+# ---------------------------------------------------------------------------------------------------
+# losses: per-token loss L (B, T) to be aggregated; every tensor here is (B, T) unless said otherwise
+# ---------------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True) -> torch.Tensor:
+    """A_i = (r_i - mean_group) / (std_group + 1e-6); rewards (B,) grouped consecutively -> (B,)."""
+    r = rewards.view(-1, group_size)                                  # (n_groups, G)
+    a = r - r.mean(-1, keepdim=True)
+    if std_norm:
+        a = a / (r.std(-1, keepdim=True) + 1e-6)
+    return a.view(-1)
+
+
+def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over each sequence's masked tokens: (B, T) -> (B,)."""
+    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def policy_loss(logp, old_logp, adv, mask, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss (B, T) of cfg.loss, and a (B, T) bool tensor of clipped tokens.
+
+    logp carries the gradient; old_logp is the behaviour policy's (no gradient); adv (B,).
+    """
+    A = adv[:, None]
+    log_ratio = (logp - old_logp).clamp(-20, 20)
+    if cfg.loss in ("gspo", "gspo_token"):
+        seq_log_ratio = seq_mean(log_ratio, mask)                     # (B,) log s_i
+        lo, hi = 1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high
+        if cfg.loss == "gspo":
+            s = torch.exp(seq_log_ratio)[:, None].expand_as(logp)    # s_i on every token
+        else:   # log s_it = sg[log s_i] + logp_t - sg[logp_t]: value s_i, gradient per token
+            s = torch.exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())
+        l1, l2 = -A * s, -A * s.clamp(lo, hi)
+        return torch.maximum(l1, l2), l2 > l1
+    ratio = torch.exp(log_ratio)
+    if cfg.loss == "grpo":                                            # PPO-clip with clip-higher
+        l1, l2 = -A * ratio, -A * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+        return torch.maximum(l1, l2), l2 > l1
+    if cfg.loss == "sapo":                                            # soft gate instead of a hard clip
+        tau = torch.where(A > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+        return -gate * A, torch.zeros_like(mask, dtype=torch.bool)
+    if cfg.loss == "cispo":                                           # clipped IS weight, no gradient through it
+        w = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high).detach()
+        return -w * A * logp, (ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high)
+    raise ValueError(cfg.loss)
+
+
+def aggregate(loss_tok, mask, agg: str, n_tokens: int, n_seqs: int, max_new_tokens: int) -> torch.Tensor:
+    """Reduce a micro-batch's per-token loss with the minibatch's normalisers (so micro-batches add up)."""
+    if agg == "token_mean":
+        return (loss_tok * mask).sum() / n_tokens
+    if agg == "seq_mean_token_mean":
+        return seq_mean(loss_tok, mask).sum() / n_seqs
+    if agg == "seq_mean_token_sum":
+        return (loss_tok * mask).sum() / n_seqs
+    if agg == "drgrpo":                                               # a constant normaliser
+        return (loss_tok * mask).sum() / (n_seqs * max_new_tokens)
+    raise ValueError(agg)
+
+
+def correction_weights(old_logp, rollout_logp, mask, cfg: TrainConfig) -> torch.Tensor:
+    """Importance weights against the rollout policy mu, rho = pi_old / mu (no gradient), (B, T).
+
+    tis: min(rho_t, C); mis (IcePop): 1 inside [low, high], else 0; seq_*: the same with the
+    sequence's geometric-mean rho. With zero mismatch rho == 1 exactly, so every weight is exactly 1.
+    """
+    log_rho = (old_logp - rollout_logp).detach()
+    if cfg.correction.startswith("seq_"):
+        log_rho = seq_mean(log_rho, mask)[:, None].expand_as(log_rho)
+    rho = torch.exp(log_rho.clamp(-20, 20))
+    if cfg.correction in ("tis", "seq_tis"):
+        return rho.clamp(max=cfg.tis_cap)
+    if cfg.correction in ("mis", "seq_mis"):
+        return ((rho >= cfg.mis_low) & (rho <= cfg.mis_high)).float()
+    return torch.ones_like(rho)
+
+
+def kl_penalty(logp, ref_logp, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate from samples of pi (Schulman's k1, k2, k3)."""
+    d = ref_logp - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    return torch.exp(d) - d - 1
+
+
+def mismatch_metrics(train_logp, rollout_logp, mask) -> dict:
+    """How far the trainer's log-probs are from the rollout's, on the response tokens."""
+    m = mask.bool()
+    t, r = train_logp[m].double(), rollout_logp[m].double()
+    d = t - r
+    rho = torch.exp(d)
+    return {
+        "train_rollout_kl": (-d).mean().item(),                      # k1 of KL(mu || pi)
+        "train_rollout_k3": (rho - d - 1).mean().item(),
+        "logp_max_abs_diff": d.abs().max().item(),
+        "extreme_token_frac": (d.abs() > math.log(2)).double().mean().item(),
+        "is_ratio_min": rho.min().item(), "is_ratio_mean": rho.mean().item(), "is_ratio_max": rho.max().item(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# rollout -> padded training batch
+# ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Batch:
+    tokens: torch.Tensor          # (B, T) prompt + response, right-padded
+    mask: torch.Tensor            # (B, T-1) 1 where logp[:, j] scores a response token
+    rollout_logp: torch.Tensor    # (B, T-1)
+    routes: torch.Tensor          # (B, T, n_moe, k), -1 where unrecorded
+    route_mask: torch.Tensor      # (B, T) positions whose routes the rollout recorded
+    adv: torch.Tensor             # (B,)
+
+    def select(self, idx):
+        return Batch(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
+
+
+def make_batch(outs, adv: torch.Tensor) -> Batch:
+    lengths = [len(o.prompt) + len(o.tokens) for o in outs]
+    B, T = len(outs), max(lengths)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T - 1)
+    rollout_logp = torch.zeros(B, T - 1)
+    route_mask = torch.zeros(B, T, dtype=torch.bool)
+    for i, o in enumerate(outs):
+        P, N = len(o.prompt), len(o.tokens)
+        tokens[i, :P + N] = torch.tensor(o.prompt + o.tokens)
+        mask[i, P - 1:P - 1 + N] = 1                                  # logp[:, j] scores tokens[:, j + 1]
+        rollout_logp[i, P - 1:P - 1 + N] = o.logprobs
+        route_mask[i, :P + N - 1] = True
+    routes = pack_routes([o.routes for o in outs], lengths, T)
+    return Batch(tokens, mask, rollout_logp, routes, route_mask, adv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoints: out_dir/ckpt-NNNNNN/ (HF weights + trainer_state.pt), out_dir/latest names the newest
+# ---------------------------------------------------------------------------------------------------
+def save_checkpoint(out_dir, step, model, opt, tcfg, rcfg, task):
+    final = os.path.join(out_dir, f"ckpt-{step:06d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": opt.state_dict(), "train_config": dataclasses.asdict(tcfg),
+                "rollout_config": dataclasses.asdict(rcfg), "model_config": dataclasses.asdict(model.config),
+                "task": task.state_dict(), "torch_rng": torch.get_rng_state()},
+               os.path.join(tmp, "trainer_state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)                                            # a checkpoint appears whole or not at all
+    with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
+        f.write(os.path.basename(final))
+    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+    for name in os.listdir(out_dir):                                  # keep only the newest
+        if name.startswith("ckpt-") and name != os.path.basename(final):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+
+
+def latest_checkpoint(out_dir) -> str:
+    path = os.path.join(out_dir, "latest")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--resume: no checkpoint in {out_dir!r} (no 'latest' file); drop --resume to start fresh")
+    with open(path) as f:
+        return os.path.join(out_dir, f.read().strip())
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def build_model(tcfg: TrainConfig, device, dtype) -> Transformer:
+    if os.path.isdir(tcfg.init_from):
+        return Transformer.from_pretrained(tcfg.init_from, dtype=dtype, device=device)
+    torch.manual_seed(tcfg.seed)
+    return Transformer(ModelConfig.preset(tcfg.init_from)).to(device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the loop
+# ---------------------------------------------------------------------------------------------------
+def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
+    device = torch.device("cuda" if tcfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if tcfg.device == "auto" else tcfg.device))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[tcfg.dtype]
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    os.makedirs(tcfg.out_dir, exist_ok=True)
+    task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens)
+    model = build_model(tcfg, device, dtype)
+    if task.vocab_size > model.config.vocab_size:
+        raise ConfigError(f"task {tcfg.task!r} uses {task.vocab_size} token ids, the model has vocab_size="
+                          f"{model.config.vocab_size}")
+    ref_model = None
+    if tcfg.kl_coef > 0:
+        ref_model = build_model(tcfg, device, dtype).requires_grad_(False)
+        ref_model.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2),
+                            weight_decay=tcfg.weight_decay)
+    start, metrics_path = 0, os.path.join(tcfg.out_dir, "metrics.jsonl")
+    if tcfg.resume:
+        ckpt = latest_checkpoint(tcfg.out_dir)
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        if state["model_config"] != dataclasses.asdict(model.config):
+            raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
+        weights = hf_to_state(read_safetensors_dir(ckpt), model)
+        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
+        opt.load_state_dict(state["optimizer"])
+        task.load_state_dict(state["task"])
+        torch.set_rng_state(state["torch_rng"])
+        start = state["step"]
+        with open(metrics_path) as f:                                 # drop lines logged after the checkpoint
+            kept = [line for line in f if json.loads(line)["step"] <= start]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+    elif os.path.exists(metrics_path):
+        os.remove(metrics_path)
+
+    sampler = Sampler(model, block_size=rcfg.block_size, num_blocks=rcfg.num_blocks or None,
+                      max_batch_size=rcfg.max_batch_size)
+    max_new = rcfg.max_new_tokens or task.max_new_tokens
+    G, history = tcfg.group_size, []
+    bar = tqdm(range(start, tcfg.steps), desc="train", disable=not tcfg.progress, initial=start, total=tcfg.steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        # ---- rollout ----
+        model.eval()
+        examples = task.sample(tcfg.prompts_per_step)
+        outs = sampler.generate([ex.prompt for ex in examples], max_new_tokens=max_new, n=G,
+                                temperature=rcfg.temperature, top_p=rcfg.top_p, top_k=rcfg.top_k,
+                                stop_token_ids=task.stop_token_ids, seed=tcfg.seed * 1_000_003 + step, progress=False)
+        t_rollout = time.perf_counter() - t0
+        rewards = torch.tensor([task.reward(examples[i // G], o.tokens) for i, o in enumerate(outs)])
+        adv = group_advantages(rewards, G, tcfg.adv_std_norm)
+        batch = make_batch(outs, adv)
+        B = batch.tokens.shape[0]
+        replay = batch.routes if tcfg.replay == "r3" else None
+        mb_size = min(tcfg.minibatch_size, B)
+        micro = tcfg.micro_batch_size or mb_size
+
+        def score(m, b: Batch, grad: bool):
+            with torch.set_grad_enabled(grad):
+                return m.score(b.tokens.to(device), rcfg.temperature,
+                               None if replay is None else b.routes.to(device))
+
+        # ---- old-policy log-probs (the rollout's, unless asked to recompute) ----
+        old_logp, audit = batch.rollout_logp, None
+        if tcfg.recompute_old_logp or ref_model is not None:
+            chunks = [batch.select(slice(i, i + micro)) for i in range(0, B, micro)]
+            if tcfg.recompute_old_logp:
+                scored = [score(model, c, False) for c in chunks]
+                old_logp = torch.cat([s[0].float().cpu() for s in scored])
+                audit = (old_logp, torch.cat([s[1].cpu() for s in scored]), torch.arange(B))
+            if ref_model is not None:
+                ref_logp = torch.cat([score(ref_model, c, False)[0].float().cpu() for c in chunks])
+        weights = correction_weights(old_logp, batch.rollout_logp, batch.mask, tcfg)
+
+        # ---- updates ----
+        model.train()
+        stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
+        n_updates = 0
+        perm_gen = torch.Generator().manual_seed(tcfg.seed * 7919 + step)
+        for epoch in range(tcfg.epochs):
+            perm = torch.randperm(B, generator=perm_gen)
+            for lo in range(0, B, mb_size):
+                idx = perm[lo:lo + mb_size]
+                n_tok, n_seq = int(batch.mask[idx].sum()), len(idx)
+                lr = lr_at(step, tcfg)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                opt.zero_grad(set_to_none=True)
+                for mlo in range(0, len(idx), micro):
+                    sub = idx[mlo:mlo + micro]
+                    mb = batch.select(sub)
+                    logp, train_routes = score(model, mb, True)
+                    logp = logp.float()
+                    if audit is None and n_updates == 0:
+                        # the policy has not moved yet: this forward measures train vs rollout
+                        part = (logp.detach().cpu(), train_routes.cpu(), sub)
+                        audit = part if mlo == 0 else tuple(torch.cat([a, b]) for a, b in zip(audit, part))
+                    mask = mb.mask.to(device)
+                    loss_tok, clipped = policy_loss(logp, old_logp[sub].to(device), mb.adv.to(device), mask, tcfg)
+                    loss_tok = loss_tok * weights[sub].to(device)
+                    if ref_model is not None:
+                        loss_tok = loss_tok + tcfg.kl_coef * kl_penalty(logp, ref_logp[sub].to(device), tcfg.kl_estimator)
+                    agg = "seq_mean_token_mean" if tcfg.loss.startswith("gspo") else tcfg.agg
+                    loss = aggregate(loss_tok, mask, agg, n_tok, n_seq, max_new)
+                    loss.backward()
+                    stats["loss"] += loss.item()
+                    stats["clip_frac"] += (clipped.float() * mask).sum().item() / n_tok
+                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+                stats["grad_norm"] += gn.item()
+                opt.step()
+                n_updates += 1
+
+        # ---- metrics ----
+        a_logp, a_routes, a_idx = audit
+        a_mask = batch.mask[a_idx]
+        lengths = torch.tensor([len(o.tokens) for o in outs], dtype=torch.float)
+        n_gen = int(lengths.sum())
+        dt = time.perf_counter() - t0
+        row = {"step": step + 1, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+               "response_len": lengths.mean().item(),
+               **{k: v / n_updates for k, v in stats.items()},
+               **mismatch_metrics(a_logp, batch.rollout_logp[a_idx], a_mask),
+               **route_audit(batch.routes[a_idx], a_routes, batch.route_mask[a_idx], model.config.num_experts),
+               "entropy": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
+               "lr": lr, "rollout_tokens_per_s": n_gen / t_rollout, "step_time": dt,
+               "preemptions": sampler.num_preemptions}
+        history.append(row)
+        if (step + 1) % tcfg.log_every == 0 or step + 1 == tcfg.steps:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
+                        flip=f"{row.get('route_flip_frac', 0):.3f}")
+        if (step + 1) % tcfg.save_every == 0 or step + 1 == tcfg.steps:
+            save_checkpoint(tcfg.out_dir, step + 1, model, opt, tcfg, rcfg, task)
+    bar.close()
+    return history
+
+
+def main(argv: list[str]) -> None:
+    tcfg, rcfg = TrainConfig(), RolloutConfig()
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        print(help_text(tcfg, rcfg))
+        return
+    overrides = parse_args(argv)
+    if overrides.get("resume", "false").lower() in ("1", "true", "yes", "on"):
+        # continue the saved run: its configs, with this command line's overrides on top
+        state = torch.load(os.path.join(latest_checkpoint(overrides.get("out_dir", tcfg.out_dir)),
+                                        "trainer_state.pt"), weights_only=False)
+        tcfg, rcfg = TrainConfig(**state["train_config"]), RolloutConfig(**state["rollout_config"])
+    apply_overrides(overrides, tcfg, rcfg)
+    t0 = time.time()
+    history = train(tcfg, rcfg)
+    if history:
+        n = max(1, len(history) // 10)
+        first = sum(h["reward_mean"] for h in history[:n]) / n
+        last = sum(h["reward_mean"] for h in history[-n:]) / n
+        worst_kl = max(abs(h["train_rollout_kl"]) for h in history)
+        worst_flip = max(h.get("route_flip_frac", 0.0) for h in history)
+        print(f"done: {len(history)} steps in {time.time() - t0:.0f}s; reward {first:.3f} (first tenth) -> "
+              f"{last:.3f} (last tenth); max |train-rollout KL| {worst_kl:.2e}; max route flips {worst_flip:.2e}; "
+              f"metrics in {os.path.join(tcfg.out_dir, 'metrics.jsonl')}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
