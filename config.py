@@ -181,21 +181,22 @@ class TrainConfig:
     dtype: str = "float32"            # float32 | bfloat16 (the same weights serve sampler and trainer)
     seed: int = 0
     resume: bool = False
+    parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
     # data
-    task: str = "reverse"             # reverse | copy | jsonl (see tasks.py)
+    task: str = "copy"                # copy | reverse | jsonl (see tasks.py)
     n_digits: int = 4
     data: str = ""                    # --task=jsonl: the JSONL file
     tokenizer: str = ""               # --task=jsonl: an HF tokenizer.json
     reward_fn: str = ""               # --task=jsonl: module:function
     # batch
-    steps: int = 150
+    steps: int = 200
     prompts_per_step: int = 32
     group_size: int = 8               # G responses per prompt
     epochs: int = 1                   # passes over each rollout batch
     minibatch_size: int = 128         # sequences per optimizer step
     micro_batch_size: int = 0         # sequences per forward/backward (0: the whole minibatch)
     # optimizer
-    lr: float = 3e-3
+    lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 5
     lr_schedule: str = "cosine"       # cosine | constant
@@ -238,6 +239,7 @@ class TrainConfig:
         _require(self.group_size >= 2, "--group_size must be >= 2: advantages compare responses within a group")
         _require(self.steps >= 0 and self.prompts_per_step > 0 and self.epochs > 0 and self.minibatch_size > 0,
                  "steps >= 0, prompts_per_step > 0, epochs > 0, minibatch_size > 0")
+        _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")
         _require(self.micro_batch_size >= 0, "--micro_batch_size must be >= 0")
 
 

@@ -82,7 +82,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, kv: tuple | None, block_table, slot_mapping):
+    def forward(self, x, cos, sin, positions, kv: PagedKV | None, layer_idx: int):
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))      # (B, T, H, D)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))   # (B, T, KVH, D)
@@ -97,9 +97,9 @@ class Attention(nn.Module):
             block_table = torch.arange(k_pages.shape[0], device=x.device).view(B, -1)
         else:
             # Sampler path: write the new keys into the persistent pages, then attend over them.
-            k_pages, v_pages = kv
-            keep = slot_mapping.reshape(-1) >= 0
-            slots = slot_mapping.reshape(-1)[keep]
+            (k_pages, v_pages), block_table = kv.caches[layer_idx], kv.block_table
+            keep = kv.slot_mapping.reshape(-1) >= 0
+            slots = kv.slot_mapping.reshape(-1)[keep]
             k_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = k.reshape(-1, self.n_kv_heads, self.head_dim)[keep]
             v_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = v.reshape(-1, self.n_kv_heads, self.head_dim)[keep]
         o = kernels.paged_attention(q, k_pages, v_pages, block_table, positions, self.head_dim ** -0.5)
@@ -144,6 +144,16 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.layer_idx = layer_idx
+
+    def forward(self, x, cos, sin, positions, kv: PagedKV | None, forced_ids=None):
+        """x (B, T, D) -> (B, T, D), and the expert ids (B, T, top_k) on MoE layers (else None)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, self.layer_idx)
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            out, ids = self.mlp(h, forced_ids)
+            return x + out, ids
+        return x + self.mlp(h), None
 
 
 class Transformer(nn.Module):
@@ -195,20 +205,12 @@ class Transformer(nn.Module):
         cos_t, sin_t = self.rope(tokens.device)
         cos, sin = cos_t[positions], sin_t[positions]                     # (B, T, D/2)
         x = self.embed_tokens(tokens)                                     # (B, T, D)
-        recorded, moe_i = [], 0
-        for i, layer in enumerate(self.layers):
-            layer_kv = None if kv is None else kv.caches[i]
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, positions, layer_kv,
-                                    None if kv is None else kv.block_table,
-                                    None if kv is None else kv.slot_mapping)
-            h = layer.post_attention_layernorm(x)
-            if layer.is_moe:
-                out, ids = layer.mlp(h, None if routes is None else routes[:, :, moe_i])
+        recorded = []
+        for layer in self.layers:
+            forced = None if routes is None or not layer.is_moe else routes[:, :, len(recorded)]
+            x, ids = layer(x, cos, sin, positions, kv, forced)
+            if ids is not None:
                 recorded.append(ids)
-                moe_i += 1
-            else:
-                out = layer.mlp(h)
-            x = x + out
         if recorded:
             routes_out = torch.stack(recorded, dim=2)                     # (B, T, n_moe, k)
         else:

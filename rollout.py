@@ -207,11 +207,13 @@ class Sampler:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, n: int = 1, stop_token_ids: tuple[int, ...] = (),
-                 seed: int = 0, progress: bool = True) -> list[SequenceOutput]:
+                 seed: int = 0, progress: bool = True, index_offset: int = 0) -> list[SequenceOutput]:
         """Sample n continuations of each prompt; returns len(prompts) * n outputs, prompt-major.
 
         temperature 0 is greedy (log-probs then use temperature 1). Identical prompts (repeated, or
-        through n) are prefilled once and share their KV blocks.
+        through n) are prefilled once and share their KV blocks. index_offset: the index of this
+        request's first sequence in a larger one (a data-parallel rank passes its global offset, so its
+        draws equal those of a single process sampling the whole request).
         """
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1 or n < 1:
             raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1, n >= 1")
@@ -232,7 +234,7 @@ class Sampler:
                 raise ValueError(f"prompt {i} may grow to {max_len} tokens = {-(-max_len // self.block_size)} "
                                  f"blocks, but the pool has {self.num_blocks}; raise num_blocks")
             for _ in range(n):
-                seqs.append(Sequence(len(seqs), list(prompt), len(prompt), max_len))
+                seqs.append(Sequence(index_offset + len(seqs), list(prompt), len(prompt), max_len))
         sp = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop=set(stop_token_ids), seed=seed)
 
         bm = BlockManager(self.num_blocks, self.block_size)

@@ -1,8 +1,8 @@
 """Prompts and rewards: the built-in verifiable tasks, and the hook for your own.
 
 Built-in (no tokenizer needed; a token is a character):
-    reverse   BOS 3 1 4 1 =  ->  1 4 1 3 EOS     (the default task of `python train.py`)
-    copy      BOS 3 1 4 1 =  ->  3 1 4 1 EOS
+    copy      BOS 3 1 4 1 =  ->  3 1 4 1 EOS     (the default task of `python train.py`)
+    reverse   BOS 3 1 4 1 =  ->  1 4 1 3 EOS     (harder: the tiny preset plateaus near 0.25 in 200 steps)
 Reward: the fraction of target tokens (the digits, then EOS) produced at their position, so a random
 policy scores ~1/vocab and a perfect one 1.0: a dense, honest signal for RL from scratch.
 
@@ -37,7 +37,7 @@ class DigitTask:
     EQ, BOS, EOS = 10, 11, 12
     vocab_size = 13          # ids used; the model may have more (they are never rewarded)
 
-    def __init__(self, name: str = "reverse", n_digits: int = 4, seed: int = 0):
+    def __init__(self, name: str = "copy", n_digits: int = 4, seed: int = 0):
         if name not in ("reverse", "copy"):
             raise ValueError(f"unknown digit task {name!r}; choose reverse or copy")
         self.name, self.n_digits = name, n_digits

@@ -14,7 +14,10 @@ Formulas: DESIGN.md section 5 (A_i = (r_i - mean) / (std + 1e-6); ratio r_t = ex
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -23,6 +26,9 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text, parse_args
@@ -168,16 +174,168 @@ def make_batch(outs, adv: torch.Tensor) -> Batch:
 
 
 # ---------------------------------------------------------------------------------------------------
-# checkpoints: out_dir/ckpt-NNNNNN/ (HF weights + trainer_state.pt), out_dir/latest names the newest
+# distributed: one process, or one rank of a torchrun job (which sets RANK, WORLD_SIZE, LOCAL_RANK)
 # ---------------------------------------------------------------------------------------------------
-def save_checkpoint(out_dir, step, model, opt, tcfg, rcfg, task):
+@dataclasses.dataclass
+class Dist:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def print0(self, *args):
+        if self.master:
+            print(*args, flush=True)
+
+
+def init_distributed(device: str) -> Dist:
+    """NCCL with one GPU per local rank, or gloo on CPU; a single process when not under torchrun."""
+    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if "RANK" not in os.environ:
+        return Dist(0, 1, torch.device(("cuda" if use_cuda else "cpu") if device == "auto" else device))
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if use_cuda:
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return Dist(rank, world, dev)
+
+
+class Scorer(nn.Module):
+    """model.score as a module call: DDP and FSDP2 hook __call__, so training goes through this."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, temperature, routes=None):
+        logp, used = self.model.score(tokens, temperature, routes)
+        return logp.clone(), used                                     # FSDP2 wants no view outputs
+
+
+def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
+    """-> (the scorer to train through, the model the sampler reads, sync() refreshing the latter).
+
+    ddp: every rank holds the full model; the sampler reads it directly.
+    fsdp: FSDP2 shards each block and the rest; the sampler reads a full copy, refreshed by an
+    all-gather before each rollout (bit-identical to the weights the trainer computes with).
+    """
+    scorer = Scorer(model)
+    if d.world == 1:
+        return scorer, model, lambda: None
+    if tcfg.parallel == "ddp":
+        return DDP(scorer, device_ids=[d.device.index] if d.device.type == "cuda" else None), model, lambda: None
+    from torch.distributed.fsdp import fully_shard
+    rollout_model = copy.deepcopy(model).requires_grad_(False)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(scorer)
+    full_params = dict(rollout_model.named_parameters())
+
+    @torch.no_grad()
+    def sync():
+        for name, p in model.named_parameters():
+            full_params[name].copy_(p.full_tensor())
+    return scorer, rollout_model, sync
+
+
+def grad_sync(scorer, enabled: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of an optimizer step."""
+    if isinstance(scorer, DDP) and not enabled:
+        return scorer.no_sync()
+    if hasattr(scorer, "set_requires_gradient_sync"):                # FSDP2
+        scorer.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def all_sum(x: float, d: Dist) -> float:
+    if d.world == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=d.device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def all_cat(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.world == 1:
+        return t
+    parts = [torch.empty_like(t, device=d.device) for _ in range(d.world)]
+    dist.all_gather(parts, t.to(d.device))
+    return torch.cat(parts).cpu()
+
+
+SUMMED = ("loss", "clip_frac", "rollout_tokens_per_s")
+
+
+def reduce_metrics(row: dict, d: Dist) -> dict:
+    """Combine per-rank metrics: sums for SUMMED, max/min for *max*/*min*, the mean otherwise."""
+    if d.world == 1:
+        return row
+    rows = [None] * d.world
+    dist.all_gather_object(rows, row)
+    out = {}
+    for k, v in row.items():
+        vals = [r[k] for r in rows]
+        if isinstance(v, list):
+            out[k] = [sum(x) / d.world for x in zip(*vals)]
+        elif k in SUMMED:
+            out[k] = sum(vals)
+        elif "max" in k:
+            out[k] = max(vals)
+        elif "min" in k:
+            out[k] = min(vals)
+        else:
+            out[k] = sum(vals) / d.world
+    return out
+
+
+def check_in_sync(model: Transformer, d: Dist) -> str:
+    """Raise unless every rank holds bit-identical weights; returns their digest."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digests = [None] * d.world
+    if d.world > 1:
+        dist.all_gather_object(digests, h.hexdigest())
+    else:
+        digests = [h.hexdigest()]
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"ranks hold different weights: {digests}")
+    return digests[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoints: out_dir/ckpt-NNNNNN/ (HF weights + trainer_state.pt), out_dir/latest names the newest.
+# The weights are saved full (FSDP2 gathers them), by rank 0 alone.
+# ---------------------------------------------------------------------------------------------------
+def optimizer_state(scorer, opt, full: bool):
+    if not full:
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(scorer, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(scorer, opt, state, full: bool):
+    if not full:
+        return opt.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(scorer, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task):
     final = os.path.join(out_dir, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": opt.state_dict(), "train_config": dataclasses.asdict(tcfg),
+    torch.save({"step": step, "optimizer": opt_state, "train_config": dataclasses.asdict(tcfg),
                 "rollout_config": dataclasses.asdict(rcfg), "model_config": dataclasses.asdict(model.config),
-                "task": task.state_dict(), "torch_rng": torch.get_rng_state()},
+                "task": task.state_dict()},
                os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)                                            # a checkpoint appears whole or not at all
@@ -207,6 +365,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_model(tcfg: TrainConfig, device, dtype) -> Transformer:
+    """The same initial weights on every rank: from a checkpoint, or a preset seeded by --seed."""
     if os.path.isdir(tcfg.init_from):
         return Transformer.from_pretrained(tcfg.init_from, dtype=dtype, device=device)
     torch.manual_seed(tcfg.seed)
@@ -217,9 +376,19 @@ def build_model(tcfg: TrainConfig, device, dtype) -> Transformer:
 # the loop
 # ---------------------------------------------------------------------------------------------------
 def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
-    device = torch.device("cuda" if tcfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if tcfg.device == "auto" else tcfg.device))
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[tcfg.dtype]
+    d = init_distributed(tcfg.device)
+    try:
+        return _train(tcfg, rcfg, d)
+    finally:
+        if d.world > 1:
+            dist.destroy_process_group()
+
+
+def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
+    if tcfg.prompts_per_step % d.world or tcfg.minibatch_size % d.world:
+        raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) and minibatch_size ({tcfg.minibatch_size}) "
+                          f"must be divisible by the number of ranks ({d.world})")
+    device, dtype = d.device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[tcfg.dtype]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     os.makedirs(tcfg.out_dir, exist_ok=True)
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens)
@@ -227,13 +396,7 @@ def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
     if task.vocab_size > model.config.vocab_size:
         raise ConfigError(f"task {tcfg.task!r} uses {task.vocab_size} token ids, the model has vocab_size="
                           f"{model.config.vocab_size}")
-    ref_model = None
-    if tcfg.kl_coef > 0:
-        ref_model = build_model(tcfg, device, dtype).requires_grad_(False)
-        ref_model.load_state_dict(model.state_dict())
-    opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2),
-                            weight_decay=tcfg.weight_decay)
-    start, metrics_path = 0, os.path.join(tcfg.out_dir, "metrics.jsonl")
+    start, metrics_path, state = 0, os.path.join(tcfg.out_dir, "metrics.jsonl"), None
     if tcfg.resume:
         ckpt = latest_checkpoint(tcfg.out_dir)
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
@@ -241,116 +404,138 @@ def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
             raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
         weights = hf_to_state(read_safetensors_dir(ckpt), model)
         model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
-        opt.load_state_dict(state["optimizer"])
         task.load_state_dict(state["task"])
-        torch.set_rng_state(state["torch_rng"])
         start = state["step"]
-        with open(metrics_path) as f:                                 # drop lines logged after the checkpoint
-            kept = [line for line in f if json.loads(line)["step"] <= start]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
-    elif os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    ref_model = None
+    if tcfg.kl_coef > 0:                                              # a frozen copy of the initial policy
+        ref_model = copy.deepcopy(model).requires_grad_(False)
+        if tcfg.resume:
+            ref_model = build_model(tcfg, device, dtype).requires_grad_(False)
+    scorer, rollout_model, sync_rollout_weights = parallelize(model, tcfg, d)
+    fsdp = d.world > 1 and tcfg.parallel == "fsdp"
+    opt = torch.optim.AdamW(scorer.parameters(), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2),
+                            weight_decay=tcfg.weight_decay)
+    if state is not None:
+        load_optimizer_state(scorer, opt, state["optimizer"], fsdp)
+    if d.master:
+        if tcfg.resume:                                               # drop lines logged after the checkpoint
+            with open(metrics_path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= start]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept)
+        elif os.path.exists(metrics_path):
+            os.remove(metrics_path)
 
-    sampler = Sampler(model, block_size=rcfg.block_size, num_blocks=rcfg.num_blocks or None,
+    sampler = Sampler(rollout_model, block_size=rcfg.block_size, num_blocks=rcfg.num_blocks or None,
                       max_batch_size=rcfg.max_batch_size)
     max_new = rcfg.max_new_tokens or task.max_new_tokens
     G, history = tcfg.group_size, []
-    bar = tqdm(range(start, tcfg.steps), desc="train", disable=not tcfg.progress, initial=start, total=tcfg.steps)
+    n_prompts = tcfg.prompts_per_step // d.world                     # this rank's share; groups stay whole
+    bar = tqdm(range(start, tcfg.steps), desc="train", disable=not (tcfg.progress and d.master),
+               initial=start, total=tcfg.steps)
     for step in bar:
         t0 = time.perf_counter()
-        # ---- rollout ----
+        # ---- rollout: every rank draws the same global prompts and samples its own slice ----
+        sync_rollout_weights()
         model.eval()
-        examples = task.sample(tcfg.prompts_per_step)
+        examples = task.sample(tcfg.prompts_per_step)[d.rank * n_prompts:(d.rank + 1) * n_prompts]
         outs = sampler.generate([ex.prompt for ex in examples], max_new_tokens=max_new, n=G,
                                 temperature=rcfg.temperature, top_p=rcfg.top_p, top_k=rcfg.top_k,
-                                stop_token_ids=task.stop_token_ids, seed=tcfg.seed * 1_000_003 + step, progress=False)
+                                stop_token_ids=task.stop_token_ids, seed=tcfg.seed * 1_000_003 + step,
+                                progress=False, index_offset=d.rank * n_prompts * G)
         t_rollout = time.perf_counter() - t0
         rewards = torch.tensor([task.reward(examples[i // G], o.tokens) for i, o in enumerate(outs)])
-        adv = group_advantages(rewards, G, tcfg.adv_std_norm)
-        batch = make_batch(outs, adv)
+        batch = make_batch(outs, group_advantages(rewards, G, tcfg.adv_std_norm))
         B = batch.tokens.shape[0]
-        replay = batch.routes if tcfg.replay == "r3" else None
-        mb_size = min(tcfg.minibatch_size, B)
+        replay = tcfg.replay == "r3"
+        mb_size = min(tcfg.minibatch_size // d.world, B)
         micro = tcfg.micro_batch_size or mb_size
 
-        def score(m, b: Batch, grad: bool):
+        def score(fn, b: Batch, grad: bool):
             with torch.set_grad_enabled(grad):
-                return m.score(b.tokens.to(device), rcfg.temperature,
-                               None if replay is None else b.routes.to(device))
+                return fn(b.tokens.to(device), rcfg.temperature, b.routes.to(device) if replay else None)
 
         # ---- old-policy log-probs (the rollout's, unless asked to recompute) ----
         old_logp, audit = batch.rollout_logp, None
-        if tcfg.recompute_old_logp or ref_model is not None:
-            chunks = [batch.select(slice(i, i + micro)) for i in range(0, B, micro)]
-            if tcfg.recompute_old_logp:
-                scored = [score(model, c, False) for c in chunks]
-                old_logp = torch.cat([s[0].float().cpu() for s in scored])
-                audit = (old_logp, torch.cat([s[1].cpu() for s in scored]), torch.arange(B))
-            if ref_model is not None:
-                ref_logp = torch.cat([score(ref_model, c, False)[0].float().cpu() for c in chunks])
+        chunks = [batch.select(slice(i, i + micro)) for i in range(0, B, micro)]
+        if tcfg.recompute_old_logp:
+            scored = [score(rollout_model.score, c, False) for c in chunks]
+            old_logp = torch.cat([s[0].float().cpu() for s in scored])
+            audit = (old_logp, torch.cat([s[1].cpu() for s in scored]), torch.arange(B))
+        if ref_model is not None:
+            ref_logp = torch.cat([score(ref_model.score, c, False)[0].float().cpu() for c in chunks])
         weights = correction_weights(old_logp, batch.rollout_logp, batch.mask, tcfg)
 
-        # ---- updates ----
+        # ---- updates: minibatches of the rollout batch, each one optimizer step ----
         model.train()
         stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
         n_updates = 0
-        perm_gen = torch.Generator().manual_seed(tcfg.seed * 7919 + step)
+        perm_gen = torch.Generator().manual_seed(tcfg.seed * 7919 + step * 131 + d.rank)
         for epoch in range(tcfg.epochs):
             perm = torch.randperm(B, generator=perm_gen)
             for lo in range(0, B, mb_size):
                 idx = perm[lo:lo + mb_size]
-                n_tok, n_seq = int(batch.mask[idx].sum()), len(idx)
+                # normalisers over the global minibatch, so every rank's loss adds up to the global one
+                n_tok, n_seq = all_sum(float(batch.mask[idx].sum()), d), len(idx) * d.world
                 lr = lr_at(step, tcfg)
                 for g in opt.param_groups:
                     g["lr"] = lr
                 opt.zero_grad(set_to_none=True)
-                for mlo in range(0, len(idx), micro):
+                micro_starts = list(range(0, len(idx), micro))
+                for mlo in micro_starts:
                     sub = idx[mlo:mlo + micro]
                     mb = batch.select(sub)
-                    logp, train_routes = score(model, mb, True)
-                    logp = logp.float()
-                    if audit is None and n_updates == 0:
-                        # the policy has not moved yet: this forward measures train vs rollout
-                        part = (logp.detach().cpu(), train_routes.cpu(), sub)
-                        audit = part if mlo == 0 else tuple(torch.cat([a, b]) for a, b in zip(audit, part))
-                    mask = mb.mask.to(device)
-                    loss_tok, clipped = policy_loss(logp, old_logp[sub].to(device), mb.adv.to(device), mask, tcfg)
-                    loss_tok = loss_tok * weights[sub].to(device)
-                    if ref_model is not None:
-                        loss_tok = loss_tok + tcfg.kl_coef * kl_penalty(logp, ref_logp[sub].to(device), tcfg.kl_estimator)
-                    agg = "seq_mean_token_mean" if tcfg.loss.startswith("gspo") else tcfg.agg
-                    loss = aggregate(loss_tok, mask, agg, n_tok, n_seq, max_new)
-                    loss.backward()
+                    with grad_sync(scorer, enabled=mlo == micro_starts[-1]):
+                        logp, train_routes = score(scorer, mb, True)
+                        logp = logp.float()
+                        if audit is None and n_updates == 0:
+                            # the policy has not moved yet: this forward measures train vs rollout
+                            part = (logp.detach().cpu(), train_routes.cpu(), sub)
+                            audit = part if mlo == 0 else tuple(torch.cat([a, b]) for a, b in zip(audit, part))
+                        mask = mb.mask.to(device)
+                        loss_tok, clipped = policy_loss(logp, old_logp[sub].to(device), mb.adv.to(device), mask, tcfg)
+                        loss_tok = loss_tok * weights[sub].to(device)
+                        if ref_model is not None:
+                            loss_tok = loss_tok + tcfg.kl_coef * kl_penalty(logp, ref_logp[sub].to(device),
+                                                                             tcfg.kl_estimator)
+                        agg = "seq_mean_token_mean" if tcfg.loss.startswith("gspo") else tcfg.agg
+                        loss = aggregate(loss_tok, mask, agg, n_tok, n_seq, max_new)
+                        (loss * d.world).backward()                   # DDP / FSDP average over ranks
                     stats["loss"] += loss.item()
                     stats["clip_frac"] += (clipped.float() * mask).sum().item() / n_tok
-                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-                stats["grad_norm"] += gn.item()
+                gn = torch.nn.utils.clip_grad_norm_(scorer.parameters(), tcfg.grad_clip)
+                stats["grad_norm"] += gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
                 opt.step()
                 n_updates += 1
 
-        # ---- metrics ----
+        # ---- metrics (reduced over ranks; rank 0 logs) ----
         a_logp, a_routes, a_idx = audit
-        a_mask = batch.mask[a_idx]
         lengths = torch.tensor([len(o.tokens) for o in outs], dtype=torch.float)
-        n_gen = int(lengths.sum())
-        dt = time.perf_counter() - t0
-        row = {"step": step + 1, "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-               "response_len": lengths.mean().item(),
+        all_rewards = all_cat(rewards, d)
+        row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+               "response_len": all_cat(lengths, d).mean().item(),
                **{k: v / n_updates for k, v in stats.items()},
-               **mismatch_metrics(a_logp, batch.rollout_logp[a_idx], a_mask),
+               **mismatch_metrics(a_logp, batch.rollout_logp[a_idx], batch.mask[a_idx]),
                **route_audit(batch.routes[a_idx], a_routes, batch.route_mask[a_idx], model.config.num_experts),
                "entropy": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
-               "lr": lr, "rollout_tokens_per_s": n_gen / t_rollout, "step_time": dt,
-               "preemptions": sampler.num_preemptions}
+               "lr": lr, "rollout_tokens_per_s": lengths.sum().item() / t_rollout,
+               "step_time": time.perf_counter() - t0, "preemptions": sampler.num_preemptions}
+        row = reduce_metrics(row, d)
         history.append(row)
-        if (step + 1) % tcfg.log_every == 0 or step + 1 == tcfg.steps:
+        if d.master and ((step + 1) % tcfg.log_every == 0 or step + 1 == tcfg.steps):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
                         flip=f"{row.get('route_flip_frac', 0):.3f}")
         if (step + 1) % tcfg.save_every == 0 or step + 1 == tcfg.steps:
-            save_checkpoint(tcfg.out_dir, step + 1, model, opt, tcfg, rcfg, task)
+            sync_rollout_weights()
+            digest = check_in_sync(rollout_model, d)
+            opt_state = optimizer_state(scorer, opt, fsdp)            # collective under FSDP2
+            if d.master:
+                save_checkpoint(tcfg.out_dir, step + 1, rollout_model, opt_state, tcfg, rcfg, task)
+            if d.world > 1:
+                dist.barrier()
+                d.print0(f"step {step + 1}: weights identical on {d.world} ranks (sha256 {digest[:16]})")
     bar.close()
     return history
 
@@ -370,7 +555,7 @@ def main(argv: list[str]) -> None:
     apply_overrides(overrides, tcfg, rcfg)
     t0 = time.time()
     history = train(tcfg, rcfg)
-    if history:
+    if history and int(os.environ.get("RANK", "0")) == 0:
         n = max(1, len(history) // 10)
         first = sum(h["reward_mean"] for h in history[:n]) / n
         last = sum(h["reward_mean"] for h in history[-n:]) / n
