@@ -21,7 +21,9 @@ How each op keeps the contract on the CPU (torch backend; each rule is checked b
 
 Backward passes come from autograd on these ops: correct and deterministic, not batch-invariant.
 
-Set KERNELS_BACKEND=torch to force this backend (the only one in this file so far).
+Backends: KERNELS_BACKEND=torch|triton|auto (default auto: the Triton kernels of kernels_triton.py
+for CUDA tensors, this torch code otherwise); `set_backend(name)` overrides it, also as a context
+manager. Triton is imported only when the triton backend is first used.
 """
 from __future__ import annotations
 
@@ -33,9 +35,45 @@ import torch.nn.functional as F
 ROW_CHUNK = 32   # rows per matmul tile; fixed, never chosen from the number of rows
 KV_BLOCK = 16    # keys per attention tile; a KV page holds a whole number of tiles
 
-BACKEND = os.environ.get("KERNELS_BACKEND", "torch")
-if BACKEND != "torch":
-    raise ValueError(f"KERNELS_BACKEND={BACKEND!r}: only 'torch' is available in this build")
+# --- backend selection ------------------------------------------------------------------------------
+BACKENDS = ("torch", "triton", "auto")
+
+
+def _check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"kernels backend {name!r}: choose one of {', '.join(BACKENDS)} (KERNELS_BACKEND)")
+    return name
+
+
+_backend = _check_backend(os.environ.get("KERNELS_BACKEND", "auto"))
+
+
+def get_backend() -> str:
+    return _backend
+
+
+class set_backend:
+    """set_backend("triton") switches every op's backend; `with set_backend(...):` restores it after."""
+
+    def __init__(self, name: str):
+        global _backend
+        self.previous, _backend = _backend, _check_backend(name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        global _backend
+        _backend = self.previous
+
+
+def _triton_for(t: torch.Tensor):
+    """The kernels_triton module if tensor t goes to the Triton backend, else None (lazy import)."""
+    if _backend == "torch" or (_backend == "auto" and not t.is_cuda):
+        return None
+    import kernels_triton
+    return kernels_triton
+# --- end backend selection --------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -46,6 +84,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     x (..., K), w (N, K) -> (..., N) in x.dtype.
     """
+    if (kt := _triton_for(x)) is not None:    # triton backend dispatch
+        return kt.linear(x, w)
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)                                           # (M, K)
     M = x2.shape[0]
@@ -63,6 +103,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3 RMSNorm: normalise in fp32, round to x.dtype, then scale (as transformers does)."""
+    if (kt := _triton_for(x)) is not None:    # triton backend dispatch
+        return kt.rms_norm(x, weight, eps)
     xf = x.float()
     var = (xf * xf).mean(-1, keepdim=True)
     return weight * (xf / torch.sqrt(var + eps)).to(x.dtype)
@@ -108,6 +150,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the number of tiles only depends on the largest position, and tiles past a query's position are
     exact no-ops for it (max unchanged, alpha = exp(0) = 1, p = 0).
     """
+    if (kt := _triton_for(q)) is not None:    # triton backend dispatch
+        return kt.paged_attention(q, k_cache, v_cache, block_table, positions, scale)
     B, T, H, D = q.shape
     page_size, KVH = k_cache.shape[1], k_cache.shape[2]
     G = H // KVH
@@ -175,6 +219,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     x (M, D); w13 (E, 2I, D) gate rows first; w2 (E, D, I); ids (M, k); weights (M, k) fp32.
     """
+    if (kt := _triton_for(x)) is not None:    # triton backend dispatch
+        return kt.moe_experts(x, w13, w2, ids, weights)
     M, D = x.shape
     E, k = w13.shape[0], ids.shape[1]
     I = w2.shape[2]
@@ -208,6 +254,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     The one definition of a token's log-prob, used by the sampler and the trainer alike.
     temperature 0 (greedy sampling) scores under the unscaled distribution.
     """
+    if (kt := _triton_for(logits)) is not None:    # triton backend dispatch
+        return kt.token_logprobs(logits, targets, temperature)
     z = logits.float()
     if temperature not in (0.0, 1.0):
         z = z / temperature

@@ -297,7 +297,7 @@ class Sampler:
                         v_pages[copy[1]] = v_pages[copy[0]]
             for s in group:
                 self._record_routes(s, routes[b, :len(s)])
-                self._append_token(s, logits[b], sp)
+        self._append_tokens([s for g in groups for s in g], [b for b, g in enumerate(groups) for _ in g], logits, sp)
 
     def _decode(self, seqs: list[Sequence], sp: dict) -> None:
         """Feed each sequence's last token at its position; the blocks were allocated by the scheduler."""
@@ -308,10 +308,11 @@ class Sampler:
         logits, routes = self._forward(tokens, positions, slot_mapping, seqs, torch.zeros(len(seqs), dtype=torch.long))
         for b, s in enumerate(seqs):
             self._record_routes(s, routes[b, :1], first_pos=len(s) - 1)
-            self._append_token(s, logits[b], sp)
+        self._append_tokens(seqs, list(range(len(seqs))), logits, sp)
 
     def _forward(self, tokens, positions, slot_mapping, seqs, last):
-        """Run the model over a padded batch; logits (B, V) at index `last` of each row, routes (B, T, ...)."""
+        """Run the model over a padded batch: logits (B, V) at index `last` of each row, on the device,
+        and routes (B, T, n_moe, k) on the CPU."""
         width = max(len(s.block_table) for s in seqs)
         block_table = torch.zeros(len(seqs), width, dtype=torch.long)
         for b, s in enumerate(seqs):
@@ -321,7 +322,7 @@ class Sampler:
         h, routes = self.model.hidden_states(tokens.to(dev), kv=kv)          # (B, T, D), (B, T, n_moe, k)
         h_last = h[torch.arange(len(seqs), device=dev), last.to(dev)]       # (B, D)
         logits = kernels.linear(h_last, self.model.lm_weight())              # (B, V)
-        return logits.float().cpu(), routes.cpu()
+        return logits, routes.cpu()
 
     @staticmethod
     def _record_routes(seq: Sequence, routes: torch.Tensor, first_pos: int = 0) -> None:
@@ -329,20 +330,27 @@ class Sampler:
         for j in range(len(seq.routes) - first_pos, routes.shape[0]):
             seq.routes.append(routes[j].clone())
 
-    def _append_token(self, seq: Sequence, logits: torch.Tensor, sp: dict) -> None:
-        """Sample the next token of `seq` from its logits (V,) and record its log-prob."""
-        temperature = sp["temperature"]
-        if temperature == 0:
-            token = int(torch.argmax(logits))                               # first maximum on ties
-        else:
-            token = sample_token(logits, temperature, sp["top_p"], sp["top_k"],
-                                 draw_seed(sp["seed"], seq.seq_id, len(seq)))
-        seq.logprobs.append(float(kernels.token_logprobs(logits, torch.tensor(token), temperature)))
-        seq.token_ids.append(token)
-        if token in sp["stop"]:
-            seq.finish_reason = "stop"
-        elif len(seq) >= seq.max_len:
-            seq.finish_reason = "length"
+    def _append_tokens(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, sp: dict) -> None:
+        """Sample the next token of seqs[i] from logits[rows[i]] and record its log-prob.
+
+        The log-probs come from one kernels.token_logprobs call on the device, the op score() uses.
+        """
+        temperature, cpu_logits, tokens = sp["temperature"], logits.float().cpu(), []
+        for seq, r in zip(seqs, rows):
+            if temperature == 0:
+                tokens.append(int(torch.argmax(cpu_logits[r])))              # first maximum on ties
+            else:
+                tokens.append(sample_token(cpu_logits[r], temperature, sp["top_p"], sp["top_k"],
+                                           draw_seed(sp["seed"], seq.seq_id, len(seq))))
+        idx = torch.tensor(rows, device=logits.device)
+        logprobs = kernels.token_logprobs(logits[idx], torch.tensor(tokens, device=logits.device), temperature)
+        for seq, token, lp in zip(seqs, tokens, logprobs.cpu().tolist()):
+            seq.logprobs.append(lp)
+            seq.token_ids.append(token)
+            if token in sp["stop"]:
+                seq.finish_reason = "stop"
+            elif len(seq) >= seq.max_len:
+                seq.finish_reason = "length"
 
 
 def draw_seed(seed: int, seq_id: int, position: int) -> int:

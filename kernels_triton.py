@@ -1,0 +1,653 @@
+"""Triton backend of kernels.py: the same ops, the same invariance rules, on the GPU.
+
+kernels.py dispatches here for CUDA tensors (KERNELS_BACKEND=auto, the default) or always
+(KERNELS_BACKEND=triton / kernels.set_backend("triton")). Without a GPU the very same kernels run on
+CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, set below when CUDA is absent); that is
+how tests/test_triton.py checks them at tiny sizes.
+
+    import kernels
+    with kernels.set_backend("triton"):
+        y = kernels.linear(x, w)
+
+Ops (one section each: kernel(s), then the autograd Function):
+* linear            one fixed tile config per dtype, whole K loop in order, fp32 accumulator
+* rms_norm          one program per row, fp32
+* token_logprobs    one program per row, online logsumexp over fixed V chunks (no full log-softmax)
+* paged_attention   one kernel for trainer prefill, rollout prefill and decode; recompute backward
+* moe_experts       stable host sort by expert, grouped GEMMs (SiLU*up fused), fixed-order combine
+The router softmax/top-k, RoPE and the dense SiLU*up stay torch ops (elementwise or tiny, and
+row-local); tests/test_triton.py checks their invariance on CUDA.
+
+Under the interpreter `tl.dot` on bf16 operands is wrong, so every dot upcasts to fp32 there (UPCAST),
+and fp32 -> bf16 casts round toward zero (the GPU rounds to nearest even): test bf16 on a GPU only.
+Cross-backend results agree within tolerance, not bitwise (different summation orders); within one
+backend the invariance contract is bitwise.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the @triton.jit decorators below
+
+import triton                      # noqa: E402
+import triton.language as tl       # noqa: E402
+
+from kernels import KV_BLOCK       # noqa: E402
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+UPCAST = INTERPRET                 # interpreter: dot in fp32 (bf16 tl.dot is broken there)
+
+# Fixed tile configurations, one per dtype. Never a function of the number of rows M.
+#                 (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)
+MM_TILES = {torch.float32: (64, 64, 32, 4), torch.bfloat16: (128, 128, 64, 8), torch.float16: (128, 128, 64, 8)}
+MOE_TILES = {torch.float32: (32, 32, 32, 4), torch.bfloat16: (64, 64, 64, 4), torch.float16: (64, 64, 64, 4)}
+ATTN_ROWS = 64                     # query rows (queries x GQA heads) per attention program
+LOGPROB_CHUNK = 2048               # vocabulary entries per step of the online logsumexp
+
+
+def _tiles(table, *tensors):
+    """The tile config of the operands' dtype (mixed dtypes run in fp32)."""
+    dts = {t.dtype for t in tensors}
+    return table.get(dts.pop() if len(dts) == 1 else torch.float32, table[torch.float32])
+
+
+# ===================================================================================================
+# linear: y = x @ w.T
+# ===================================================================================================
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk, s_cm, s_cn,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    # Invariance: the tile shape (BM, BN, BK) is fixed per dtype, one program owns one output tile
+    # and runs the whole K loop in order (no split-K) into an fp32 accumulator, so a row's result
+    # never depends on M, on its neighbours or on where in the tile it sits.
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)          # int64: M * N may pass 2**31 (LM head)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)               # (BM, BK)
+        b = tl.load(b_ptr + rn[None, :] * s_bn + kk[:, None] * s_bk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)               # (BK, BN)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a (M, K) @ b(N, K).T -> (M, N) in out_dtype; any strides (backward passes transposed views)."""
+    M, K = a.shape
+    N = b.shape[0]
+    c = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    BM, BN, BK, warps = _tiles(MM_TILES, a, b)
+    upcast = UPCAST or a.dtype != b.dtype
+    _matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        BM=BM, BN=BN, BK=BK, UPCAST=upcast, num_warps=warps)
+    return c
+
+
+class _Linear(torch.autograd.Function):
+    # Backward reuses the same kernel on transposed views (other effective tilings; deterministic:
+    # no split-K, no atomics). It is correct and run-to-run stable, not batch-invariant.
+    @staticmethod
+    def forward(ctx, x2, w):
+        ctx.save_for_backward(x2, w)
+        return _mm(x2, w, x2.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w = ctx.saved_tensors
+        dx = _mm(dy, w.t(), x2.dtype) if ctx.needs_input_grad[0] else None        # (M, N) @ (N, K)
+        dw = _mm(dy.t(), x2.t(), w.dtype) if ctx.needs_input_grad[1] else None    # (N, M) @ (M, K)
+        return dx, dw
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    lead, K = x.shape[:-1], x.shape[-1]
+    y = _Linear.apply(x.reshape(-1, K), w)                        # (M, N)
+    return y.view(*lead, w.shape[0])
+
+
+# ===================================================================================================
+# RMSNorm
+# ===================================================================================================
+@triton.jit
+def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, r_ptr, N, s_x, s_y, eps, BLOCK: tl.constexpr):
+    # Invariance: one program per row, the whole row in one fixed-size block (a function of N only),
+    # fp32 math; rows never interact.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * s_x + cols, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    r = tl.sqrt_rn(tl.sum(xf * xf, 0) / N + eps)
+    normed = tl.div_rn(xf, r).to(x.dtype).to(tl.float32)         # round to x.dtype, as transformers
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * s_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(r_ptr + row, r)
+
+
+@triton.jit
+def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dwp_ptr, N, s_dy, s_x, s_dx,
+                    BLOCK: tl.constexpr):
+    # Deterministic: one program per row; the weight gradient is written per row and summed by the
+    # caller in a fixed order (no atomics).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * s_x + cols, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    r = tl.load(r_ptr + row)
+    n = xf / r
+    dy = tl.load(dy_ptr + row * s_dy + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dwp_ptr + row * N + cols, dy * n.to(x.dtype).to(tl.float32), mask=ok)
+    dn = dy * w                                                   # rounding to x.dtype: identity grad
+    dx = (dn - n * (tl.sum(dn * n, 0) / N)) / r
+    tl.store(dx_ptr + row * s_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, eps):
+        M, N = x2.shape
+        y = torch.empty(M, N, dtype=torch.promote_types(x2.dtype, w.dtype), device=x2.device)
+        r = torch.empty(M, dtype=torch.float32, device=x2.device)
+        if M:
+            _rms_fwd_kernel[(M,)](x2, w, y, r, N, x2.stride(0), y.stride(0), eps,
+                                  BLOCK=triton.next_power_of_2(N))
+        ctx.save_for_backward(x2, w, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, r = ctx.saved_tensors
+        M, N = x2.shape
+        dy = dy.contiguous()
+        dx = torch.empty_like(x2)
+        dwp = torch.empty(M, N, dtype=torch.float32, device=x2.device)      # per-row dw
+        if M:
+            _rms_bwd_kernel[(M,)](dy, x2, w, r, dx, dwp, N, dy.stride(0), x2.stride(0), dx.stride(0),
+                                  BLOCK=triton.next_power_of_2(N))
+        return dx, dwp.sum(0).to(w.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)                                          # (M, N)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return _RMSNorm.apply(x2, weight.contiguous(), eps).view(*x.shape[:-1], N)
+
+
+# ===================================================================================================
+# log-prob of the chosen tokens
+# ===================================================================================================
+@triton.jit
+def _logprob_fwd_kernel(z_ptr, t_ptr, out_ptr, lse_ptr, V, s_z, temp,
+                        SCALE: tl.constexpr, BLOCK_V: tl.constexpr):
+    # Invariance: one program per row; the vocabulary is walked in fixed BLOCK_V chunks from 0
+    # upward with an fp32 online logsumexp, so a row's bits depend on its own logits only.
+    row = tl.program_id(0).to(tl.int64)                          # R * V may pass 2**31
+    base = z_ptr + row * s_z
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        z = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
+        if SCALE:
+            z = tl.div_rn(z, temp)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+    lse = m + tl.log(s)
+    tgt = tl.load(t_ptr + row)
+    zt = tl.load(base + tgt).to(tl.float32)
+    if SCALE:
+        zt = tl.div_rn(zt, temp)
+    tl.store(out_ptr + row, zt - lse)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _logprob_bwd_kernel(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, V, s_z, s_dz, temp,
+                        SCALE: tl.constexpr, BLOCK_V: tl.constexpr):
+    # d logp / d z = (onehot(target) - softmax(z / T)) / T, written chunk by chunk.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(g_ptr + row)
+    tgt = tl.load(t_ptr + row)
+    for v0 in range(0, V, BLOCK_V):
+        ok = v0 + cols < V
+        z = tl.load(z_ptr + row * s_z + v0 + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if SCALE:
+            z = tl.div_rn(z, temp)
+        p = tl.exp(z - lse)
+        d = g * (tl.where(v0 + cols == tgt, 1.0, 0.0) - p)
+        if SCALE:
+            d = tl.div_rn(d, temp)
+        tl.store(dz_ptr + row * s_dz + v0 + cols, d.to(dz_ptr.dtype.element_ty), mask=ok)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z2, t1, temperature):
+        R, V = z2.shape
+        out = torch.empty(R, dtype=torch.float32, device=z2.device)
+        lse = torch.empty(R, dtype=torch.float32, device=z2.device)
+        scale = temperature not in (0.0, 1.0)
+        if R:
+            _logprob_fwd_kernel[(R,)](z2, t1, out, lse, V, z2.stride(0), float(temperature),
+                                      SCALE=scale, BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)))
+        ctx.save_for_backward(z2, t1, lse)
+        ctx.temperature = temperature
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        z2, t1, lse = ctx.saved_tensors
+        R, V = z2.shape
+        dz = torch.empty_like(z2)
+        t = ctx.temperature
+        if R:
+            _logprob_bwd_kernel[(R,)](z2, t1, lse, g.contiguous(), dz, V, z2.stride(0), dz.stride(0), float(t),
+                                      SCALE=t not in (0.0, 1.0),
+                                      BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)))
+        return dz, None, None
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    V = logits.shape[-1]
+    z2 = logits.reshape(-1, V)                                     # (R, V)
+    if z2.stride(1) != 1:
+        z2 = z2.contiguous()
+    t1 = targets.reshape(-1).to(device=logits.device, dtype=torch.long).contiguous()   # (R,)
+    return _TokenLogprobs.apply(z2, t1, float(temperature)).view(targets.shape)
+
+
+# ===================================================================================================
+# attention over a paged KV cache
+# ===================================================================================================
+# Program layout, shared by the three kernels: axis 1 is (sequence b, KV head kvh); a program holds
+# BT queries x GP query heads of that KV head packed into BT * GP = ATTN_ROWS rows (row r: query
+# t = first + r // GP, head kvh * G + r % GP; GP = G rounded up to a power of two, extra rows masked).
+@triton.jit
+def _attn_rows(pid_t, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd, pos_ptr, s_pb, s_pt,
+               BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, D):
+    r = tl.arange(0, BT * GP)
+    t = pid_t * BT + r // GP
+    g = r % GP
+    ok = (t < T) & (g < G)
+    d = tl.arange(0, BD)
+    h = kvh * G + g
+    q_off = b * s_qb + t[:, None] * s_qt + h[:, None] * s_qh + d[None, :] * s_qd
+    mask = ok[:, None] & (d[None, :] < D)
+    pos = tl.load(pos_ptr + b * s_pb + t * s_pt, mask=ok, other=0)
+    return t, h, ok, d, q_off, mask, pos
+
+
+@triton.jit
+def _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
+             KB: tl.constexpr, UPCAST: tl.constexpr):
+    # keys [j*KB, (j+1)*KB) of sequence b: KB divides the page size, so a tile never straddles pages
+    page = tl.load(bt_ptr + b * s_bb + ((j * KB) // PAGE) * s_bn).to(tl.int64)
+    slot = (j * KB) % PAGE + tl.arange(0, KB)
+    off = page * s_kp + slot[:, None] * s_ks + kvh * s_kh + d[None, :] * s_kd
+    k = tl.load(k_ptr + off, mask=d[None, :] < D, other=0.0)                         # (KB, BD)
+    v = tl.load(v_ptr + off, mask=d[None, :] < D, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
+                     s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
+                     s_ob, s_ot, s_oh, s_od, T, H, KVH, G, D, PAGE, scale,
+                     BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    # Invariance: KV tiles of KB keys at absolute positions 0, KB, 2KB, ... visited upward with an
+    # fp32 online softmax. Tiles past a row's position are exact no-ops for it (m unchanged, alpha =
+    # exp(0) = 1, p = 0), so the loop bound (this program's largest position) cannot change a row's
+    # bits: decode (T = 1) equals prefill, and the batch / page layout do not matter. The row
+    # tile shape is fixed (ATTN_ROWS rows), so a row's position inside it does not matter either.
+    pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kvh = pid_bh // KVH, pid_bh % KVH
+    t, h, ok, d, q_off, mask, pos = _attn_rows(pid_t, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
+                                               pos_ptr, s_pb, s_pt, BT, GP, BD, D)
+    q = tl.load(q_ptr + q_off, mask=mask, other=0.0)                                  # (R, BD)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m = tl.full((BT * GP,), float("-inf"), tl.float32)
+    l = tl.zeros((BT * GP,), tl.float32)
+    acc = tl.zeros((BT * GP, BD), tl.float32)
+    kpos0 = tl.arange(0, KB)
+    n_tiles = tl.max(pos, 0) // KB + 1
+    for j in range(0, n_tiles):
+        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
+                        KB, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                      # (R, KB)
+        s = tl.where(j * KB + kpos0[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+    out = acc / l[:, None]
+    o_off = b * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + d[None, :] * s_od
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + (b * T + t) * H + h, m + tl.log(l), mask=ok)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                        s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
+                        T, H, KVH, G, D, PAGE, scale,
+                        BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
+                        UPCAST: tl.constexpr):
+    # Deterministic: recompute p from the saved log-sum-exp; dq accumulates over KV tiles in order.
+    # q, do, dq share q's (B, T, H, D) strides (the caller makes them contiguous). Dots take operands
+    # in the input dtype (p, ds rounded to it, as flash-attention does) and accumulate in fp32.
+    pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kvh = pid_bh // KVH, pid_bh % KVH
+    t, h, ok, d, q_off, mask, pos = _attn_rows(pid_t, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
+                                               pos_ptr, s_pb, s_pt, BT, GP, BD, D)
+    q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
+    do = tl.load(do_ptr + q_off, mask=mask, other=0.0)
+    if UPCAST:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    lse = tl.load(lse_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
+    delta = tl.load(delta_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
+    dq = tl.zeros((BT * GP, BD), tl.float32)
+    kpos0 = tl.arange(0, KB)
+    n_tiles = tl.max(pos, 0) // KB + 1
+    for j in range(0, n_tiles):
+        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
+                        KB, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        vis = (j * KB + kpos0[None, :] <= pos[:, None]) & ok[:, None]
+        p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)                                 # (R, KB)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+    tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                         s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
+                         T, H, KVH, G, D, PAGE, NKEYS, scale,
+                         BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    # Deterministic, atomic-free: one program per (KV tile, sequence, KV head) owns its dk/dv tile and
+    # loops over the query blocks in index order. Output: per-sequence (B, NKEYS, KVH, D) fp32.
+    j, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, kvh = pid_bh // KVH, pid_bh % KVH
+    d = tl.arange(0, BD)
+    k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
+    kpos = j * KB + tl.arange(0, KB)
+    dk = tl.zeros((KB, BD), tl.float32)
+    dv = tl.zeros((KB, BD), tl.float32)
+    for i in range(0, tl.cdiv(T, BT)):
+        t, h, ok, d, q_off, mask, pos = _attn_rows(i, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
+                                                   pos_ptr, s_pb, s_pt, BT, GP, BD, D)
+        if tl.max(tl.where(ok, pos, -1), 0) >= j * KB:           # else this block adds exact zeros
+            q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
+            do = tl.load(do_ptr + q_off, mask=mask, other=0.0)
+            if UPCAST:
+                q, do = q.to(tl.float32), do.to(tl.float32)
+            lse = tl.load(lse_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
+            delta = tl.load(delta_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                     # (R, KB)
+            vis = (kpos[None, :] <= pos[:, None]) & ok[:, None]
+            p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")             # (KB, BD)
+            ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
+    off = ((b * NKEYS + kpos[:, None]) * KVH + kvh) * D + d[None, :]
+    tl.store(dk_ptr + off, dk * scale, mask=d[None, :] < D)
+    tl.store(dv_ptr + off, dv, mask=d[None, :] < D)
+
+
+def _attn_meta(q, k_cache):
+    B, T, H, D = q.shape
+    PAGE, KVH = k_cache.shape[1], k_cache.shape[2]
+    G = H // KVH
+    GP = triton.next_power_of_2(G)
+    BT = max(1, ATTN_ROWS // GP)
+    return B, T, H, D, PAGE, KVH, G, GP, BT, triton.next_power_of_2(D)
+
+
+def _strides(*ts):
+    return [s for t in ts for s in t.stride()]
+
+
+class _PagedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_cache, v_cache, block_table, positions, scale):
+        B, T, H, D, PAGE, KVH, G, GP, BT, BD = _attn_meta(q, k_cache)
+        assert PAGE % KV_BLOCK == 0, "page_size must be a multiple of KV_BLOCK"
+        assert k_cache.stride() == v_cache.stride()
+        out = torch.empty_like(q)
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        _attn_fwd_kernel[(triton.cdiv(T, BT), B * KVH)](
+            q, k_cache, v_cache, block_table, positions, out, lse,
+            *_strides(q, k_cache, block_table, positions, out), T, H, KVH, G, D, PAGE, scale,
+            BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST)
+        ctx.save_for_backward(q, k_cache, v_cache, block_table, positions, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_cache, v_cache, block_table, positions, out, lse = ctx.saved_tensors
+        B, T, H, D, PAGE, KVH, G, GP, BT, BD = _attn_meta(q, k_cache)
+        q, dout = q.contiguous(), dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1).contiguous()        # (B, T, H)
+        common = (*_strides(q, k_cache, block_table, positions), T, H, KVH, G, D, PAGE)
+        dq = torch.empty_like(q)
+        _attn_bwd_dq_kernel[(triton.cdiv(T, BT), B * KVH)](
+            q, k_cache, v_cache, block_table, positions, dout, lse, delta, dq, *common, ctx.scale,
+            BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST)
+        # dK, dV per sequence over the tiles any query can see, then into the pages
+        pos_max = positions.amax(1)                                        # (B,)
+        n_tiles = int(pos_max.max()) // KV_BLOCK + 1
+        nkeys = -(-n_tiles * KV_BLOCK // PAGE) * PAGE
+        dk_seq = torch.zeros(B, nkeys, KVH, D, dtype=torch.float32, device=q.device)
+        dv_seq = torch.zeros_like(dk_seq)
+        _attn_bwd_dkv_kernel[(n_tiles, B * KVH)](
+            q, k_cache, v_cache, block_table, positions, dout, lse, delta, dk_seq, dv_seq, *common, nkeys,
+            ctx.scale, BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST)
+        used = torch.arange(nkeys // PAGE, device=q.device)[None, :] <= (pos_max // PAGE)[:, None]  # (B, NP)
+        pages = block_table[:, :nkeys // PAGE].long()[used]               # (n_used,)
+        dk_pages = dk_seq.view(B, -1, PAGE, KVH, D)[used]                 # (n_used, PAGE, KVH, D)
+        dv_pages = dv_seq.view(B, -1, PAGE, KVH, D)[used]
+        dk = torch.zeros(k_cache.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros_like(dk)
+        if torch.unique(pages).numel() == pages.numel():                  # no page shared: plain scatter
+            dk[pages], dv[pages] = dk_pages, dv_pages
+        else:                                                             # shared pages: fixed order
+            for i in range(pages.numel()):
+                dk[pages[i]] += dk_pages[i]
+                dv[pages[i]] += dv_pages[i]
+        return dq, dk.to(k_cache.dtype), dv.to(v_cache.dtype), None, None, None
+
+
+def paged_attention(q, k_cache, v_cache, block_table, positions, scale):
+    return _PagedAttention.apply(q, k_cache, v_cache, block_table, positions.to(q.device), float(scale))
+
+
+# ===================================================================================================
+# MoE experts
+# ===================================================================================================
+@triton.jit
+def _moe_tile(tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr, TOPK, BM: tl.constexpr):
+    tile = tl.program_id(0)
+    e = tl.load(tile_e_ptr + tile)
+    rows = tl.load(row_start_ptr + tile) + tl.arange(0, BM)
+    rmask = rows < tl.load(row_end_ptr + tile)
+    slot = tl.load(order_ptr + rows, mask=rmask, other=0)        # (BM,) slot = token * TOPK + j
+    return e, rows, rmask, slot, slot // TOPK
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w13_ptr, a_ptr, tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr,
+                   D, I, TOPK, s_xm, s_xk, s_we, s_wn, s_wk, s_am,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    # Invariance: each tile holds rows of ONE expert (the host sorted slots by expert, stably) and
+    # runs the whole D loop in order in a fixed tile shape, so a row's gate/up values do not depend
+    # on the other rows or on its place in the tile. SiLU(gate) * up is fused, rounded as the
+    # torch backend rounds (h to x.dtype, then the product).
+    e, rows, rmask, slot, tok = _moe_tile(tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr, TOPK, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, D, BK):
+        kk = k0 + rk
+        a = tl.load(x_ptr + tok[:, None] * s_xm + kk[None, :] * s_xk,
+                    mask=rmask[:, None] & (kk[None, :] < D), other=0.0)                   # (BM, BK)
+        wmask = (rn[None, :] < I) & (kk[:, None] < D)
+        w_off = w13_ptr + e * s_we + kk[:, None] * s_wk
+        wg = tl.load(w_off + rn[None, :] * s_wn, mask=wmask, other=0.0)                 # (BK, BN)
+        wu = tl.load(w_off + (I + rn[None, :]) * s_wn, mask=wmask, other=0.0)
+        if UPCAST:
+            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+        acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+    g = acc_g.to(a_ptr.dtype.element_ty).to(tl.float32)
+    u = acc_u.to(a_ptr.dtype.element_ty).to(tl.float32)
+    act = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+    tl.store(a_ptr + rows[:, None] * s_am + rn[None, :], act.to(a_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (rn[None, :] < I))
+
+
+@triton.jit
+def _moe_down_kernel(a_ptr, w2_ptr, wt_ptr, y_ptr, tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr,
+                     D, I, TOPK, s_am, s_we, s_wn, s_wk,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    # Invariance: as _moe_up_kernel. The result is rounded to x.dtype, scaled by the router weight
+    # in fp32 and stored at the row's slot (no accumulation here: the combine over k is done later
+    # in a fixed order).
+    e, rows, rmask, slot, tok = _moe_tile(tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr, TOPK, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, I, BK):
+        kk = k0 + rk
+        a = tl.load(a_ptr + rows[:, None] * s_am + kk[None, :], mask=rmask[:, None] & (kk[None, :] < I), other=0.0)
+        w = tl.load(w2_ptr + e * s_we + rn[None, :] * s_wn + kk[:, None] * s_wk,
+                    mask=(rn[None, :] < D) & (kk[:, None] < I), other=0.0)                 # (BK, BN)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    wt = tl.load(wt_ptr + slot, mask=rmask, other=0.0)                                     # fp32
+    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
+    tl.store(y_ptr + slot[:, None] * D + rn[None, :], y, mask=rmask[:, None] & (rn[None, :] < D))
+
+
+def _moe_plan(ids: torch.Tensor, E: int, BM: int):
+    """Stable sort of the (token, k) slots by expert and the tile list; torch ops, no atomics, no sync.
+
+    Returns order (S,) sorted row -> slot, offsets (E+1,) first sorted row of each expert, and per
+    tile (expert, first row, end row); the tile count is the upper bound cdiv(S, BM) + E, tiles past
+    the real ones get no rows.
+    """
+    slot_expert = ids.reshape(-1)                                          # (S,) slot s = token s // k
+    order = torch.sort(slot_expert, stable=True).indices
+    offsets = torch.searchsorted(slot_expert[order], torch.arange(E + 1, device=ids.device))
+    tiles = (offsets[1:] - offsets[:-1] + BM - 1) // BM                    # (E,)
+    tile_end = torch.cumsum(tiles, 0)
+    i = torch.arange(triton.cdiv(slot_expert.numel(), BM) + E, device=ids.device)
+    tile_e = torch.searchsorted(tile_end, i, right=True)
+    valid = tile_e < E
+    e = tile_e.clamp(max=E - 1)
+    row_start = offsets[e] + (i - (tile_end[e] - tiles[e])) * BM
+    row_end = torch.where(valid, offsets[e + 1], row_start)
+    return order, offsets, e.contiguous(), row_start.contiguous(), row_end.contiguous()
+
+
+def _moe_backward(x, w13, w2, ids, weights, order, offsets, gout):
+    """Deterministic backward in torch fp32, one expert at a time over its sorted slots (no index_add:
+    every slot is written once, the k-sum is a fixed-order loop)."""
+    M, D = x.shape
+    k, I = ids.shape[1], w2.shape[2]
+    go = gout.float()
+    wflat = weights.reshape(-1)
+    dx_slot = torch.zeros(M * k, D, dtype=torch.float32, device=x.device)
+    dwt = torch.zeros(M * k, dtype=torch.float32, device=x.device)
+    dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
+    offs = offsets.tolist()
+    for e in range(w13.shape[0]):
+        if offs[e] == offs[e + 1]:
+            continue
+        slots = order[offs[e]:offs[e + 1]]
+        tok = slots // k
+        xs, W13, W2 = x[tok].float(), w13[e].float(), w2[e].float()        # (n, D), (2I, D), (D, I)
+        h = (xs @ W13.T).to(x.dtype).float()                               # (n, 2I), rounded as forward
+        g, u = h[:, :I], h[:, I:]
+        sig = 1.0 / (1.0 + torch.exp(-g))
+        a = (g * sig * u).to(x.dtype).float()                              # (n, I)
+        y = (a @ W2.T).to(x.dtype).float()                                 # (n, D)
+        gs = go[tok]
+        dwt[slots] = (gs * y).sum(-1)
+        dy = gs * wflat[slots, None]
+        dw2[e] = dy.T @ a
+        da = dy @ W2                                                       # (n, I)
+        dh = torch.cat([da * u * sig * (1.0 + g * (1.0 - sig)), da * g * sig], 1)   # (n, 2I)
+        dw13[e] = dh.T @ xs
+        dx_slot[slots] = dh @ W13
+    dx_slot = dx_slot.view(M, k, D)
+    dx = dx_slot[:, 0]
+    for j in range(1, k):
+        dx = dx + dx_slot[:, j]
+    return dx.to(x.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype), dwt.view(M, k)
+
+
+class _MoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w13, w2, ids, weights):
+        M, D = x.shape
+        E, k, I = w13.shape[0], ids.shape[1], w2.shape[2]
+        BM, BN, BK, warps = _tiles(MOE_TILES, x, w13, w2)
+        order, offsets, tile_e, row_start, row_end = _moe_plan(ids, E, BM)
+        wt = weights.float().contiguous()
+        act = torch.empty(M * k, I, dtype=x.dtype, device=x.device)      # (S, I) in sorted order
+        y = torch.empty(M * k, D, dtype=torch.float32, device=x.device)  # (S, D) in slot order
+        if M:
+            upcast = UPCAST or len({x.dtype, w13.dtype, w2.dtype}) > 1
+            n_tiles = tile_e.numel()
+            _moe_up_kernel[(n_tiles, triton.cdiv(I, BN))](
+                x, w13, act, tile_e, row_start, row_end, order, D, I, k, x.stride(0), x.stride(1),
+                *w13.stride(), act.stride(0), BM=BM, BN=BN, BK=BK, UPCAST=upcast, num_warps=warps)
+            _moe_down_kernel[(n_tiles, triton.cdiv(D, BN))](
+                act, w2, wt, y, tile_e, row_start, row_end, order, D, I, k, act.stride(0), *w2.stride(),
+                BM=BM, BN=BN, BK=BK, UPCAST=upcast, num_warps=warps)
+        per_slot = y.view(M, k, D)
+        out = per_slot[:, 0]
+        for j in range(1, k):                                            # fixed-order fp32 combine
+            out = out + per_slot[:, j]
+        ctx.save_for_backward(x, w13, w2, ids, weights, order, offsets)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gout):
+        x, w13, w2, ids, weights, order, offsets = ctx.saved_tensors
+        dx, dw13, dw2, dwt = _moe_backward(x, w13, w2, ids, weights, order, offsets, gout)
+        return dx, dw13, dw2, None, dwt.to(weights.dtype)
+
+
+def moe_experts(x, w13, w2, ids, weights):
+    return _MoE.apply(x, w13, w2, ids.long().contiguous(), weights)

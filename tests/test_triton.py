@@ -1,0 +1,468 @@
+"""The Triton backend (kernels_triton.py): agreement with the torch backend, and the invariance contract.
+
+    python -m pytest -q tests/test_triton.py
+
+Without CUDA the kernels run on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1): fp32
+only (the interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest even), tiny shapes, few
+launches per test (the interpreter's cost is per launch and per tile). With CUDA the same tests run
+on the GPU, plus the `gpu` tests (bf16 and fp32, larger shapes), which are skipped
+without CUDA. Bitwise claims use torch.equal; agreement with the torch backend is within
+TOL = 1e-5 (max |a - b| / max |b|, fp32; measured 1e-7 to 6e-7 under the interpreter).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")      # before kernels_triton applies @triton.jit
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+import kernels_triton as kt  # noqa: E402
+from conftest import make_model, tiny_config  # noqa: E402
+from rollout import Sampler  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEV = "cuda" if CUDA else "cpu"
+TOL = 1e-5
+# kernels_triton was imported (its kernels decorated) without the interpreter by an earlier module of
+# this process: the CPU checks cannot run here, test_rerun_in_subprocess runs this file afresh instead.
+STALE = not CUDA and not kt.INTERPRET
+runnable = pytest.mark.skipif(STALE, reason="kernels_triton imported without TRITON_INTERPRET; see subprocess test")
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(autouse=True)
+def _auto_backend():
+    """References run on CPU tensors with the torch backend; tests pick "triton" where they mean it."""
+    with kernels.set_backend("auto"):
+        yield
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def randn(*shape, scale=1.0, seed=None, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    return (torch.randn(*shape, generator=g) * scale).to(device=DEV, dtype=dtype)
+
+
+@pytest.mark.skipif(not STALE, reason="kernels_triton runs under the interpreter in this process")
+def test_rerun_in_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# backend selection
+# ---------------------------------------------------------------------------------------------------
+def test_backend_selection():
+    x = torch.zeros(2, 3)
+    assert kernels.get_backend() in kernels.BACKENDS
+    with kernels.set_backend("torch"):
+        assert kernels._triton_for(x) is None
+        with kernels.set_backend("triton"):
+            assert kernels._triton_for(x) is kt
+        assert kernels.get_backend() == "torch"               # the context manager restores
+    with kernels.set_backend("auto"):
+        assert kernels._triton_for(x) is None                 # CPU tensors stay on torch in auto mode
+    with pytest.raises(ValueError, match="choose one of"):
+        kernels.set_backend("cuda")
+
+
+def test_import_kernels_does_not_import_triton():
+    code = ("import importlib, os, sys, torch, kernels; assert 'triton' not in sys.modules; "
+            "kernels.linear(torch.ones(2, 3), torch.ones(4, 3)); assert 'triton' not in sys.modules\n"
+            "os.environ['KERNELS_BACKEND'] = 'fast'\n"
+            "try:\n    importlib.reload(kernels)\nexcept ValueError as e:\n    assert 'KERNELS_BACKEND' in str(e)\n"
+            "else:\n    raise SystemExit('an unknown KERNELS_BACKEND was accepted')")
+    env = {k: v for k, v in os.environ.items() if k != "KERNELS_BACKEND"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU run tests/gpu_check.py itself")
+def test_gpu_check_script_runs_on_cpu():
+    """tests/gpu_check.py: without CUDA it says so (exit 2); its benchmark code runs at tiny shapes."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "tests/gpu_check.py"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr
+    r = subprocess.run([sys.executable, "tests/gpu_check.py", "--cpu-smoke"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = r.stdout[r.stdout.index("triton/base"):]
+    assert "matmul" in table and "moe fwd" in table and "attn decode" in table and "error" not in table
+
+
+# ---------------------------------------------------------------------------------------------------
+# linear
+# ---------------------------------------------------------------------------------------------------
+@runnable
+def test_linear_matches_torch_and_is_row_invariant():
+    x, w = randn(100, 96, seed=0), randn(80, 96, seed=1)
+    y = kt.linear(x, w)
+    assert y.shape == (100, 80) and y.dtype == torch.float32
+    assert rel(y, kernels.linear(x.cpu(), w.cpu())) < TOL
+    for lo, hi in [(5, 6), (3, 40), (64, 100)]:          # alone, and at other places inside a tile
+        assert torch.equal(kt.linear(x[lo:hi], w), y[lo:hi]), (lo, hi)
+    assert torch.equal(kt.linear(x[:60].view(4, 15, 96), w).view(60, 80), y[:60])   # leading dims flattened
+
+
+@runnable
+def test_control_tile_config_changes_bits(monkeypatch):
+    """A tile config chosen per call (as cuBLAS does from M) would change the bits: why it is fixed."""
+    x, w = randn(16, 512, seed=2), randn(32, 512, seed=3)
+    y = kt.linear(x, w)
+    BM, BN, BK, nw = kt.MM_TILES[torch.float32]
+    monkeypatch.setitem(kt.MM_TILES, torch.float32, (BM, BN, 4 * BK, nw))
+    other = kt.linear(x, w)
+    assert rel(other, y) < TOL and not torch.equal(other, y)
+
+
+@runnable
+def test_linear_gradients():
+    x, w = randn(2, 37, 64, seed=0), randn(48, 64, seed=1)
+    g = randn(2, 37, 48, seed=2)
+    grads = []
+    for f in (kt.linear, kernels.linear):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        (f(xa, wa) * g).sum().backward()
+        grads.append((xa.grad, wa.grad))
+    assert rel(grads[0][0], grads[1][0]) < TOL and rel(grads[0][1], grads[1][1]) < TOL
+
+
+# ---------------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------------
+@runnable
+def test_rms_norm_forward_backward_and_invariance():
+    x, w = randn(5, 9, 40, scale=3, seed=0), (torch.rand(40) + 0.5).to(DEV)
+    g = randn(5, 9, 40, seed=1)
+    outs, grads = [], []
+    for f in (kt.rms_norm, kernels.rms_norm):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = f(xa, wa, 1e-6)
+        (y * g).sum().backward()
+        outs.append(y)
+        grads.append((xa.grad, wa.grad))
+    assert outs[0].dtype == torch.float32 and rel(outs[0], outs[1]) < TOL
+    assert rel(grads[0][0], grads[1][0]) < TOL and rel(grads[0][1], grads[1][1]) < TOL
+    rows = x.view(45, 40)
+    assert torch.equal(kt.rms_norm(rows[7:8], w, 1e-6), outs[0].view(45, 40)[7:8].detach())
+    assert torch.equal(kt.rms_norm(torch.zeros(2, 40, device=DEV), w, 1e-6), torch.zeros(2, 40, device=DEV))
+
+
+# ---------------------------------------------------------------------------------------------------
+# token log-probs
+# ---------------------------------------------------------------------------------------------------
+@runnable
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_chunked(monkeypatch, temperature):
+    monkeypatch.setattr(kt, "LOGPROB_CHUNK", 16)             # V = 50: four chunks, the last partial
+    z, tg = randn(3, 5, 50, scale=4, seed=0), torch.randint(0, 50, (3, 5)).to(DEV)
+    g = randn(3, 5, seed=1)
+    outs, grads = [], []
+    for f in (kt.token_logprobs, kernels.token_logprobs):
+        za = z.clone().requires_grad_()
+        lp = f(za, tg, temperature)
+        (lp * g).sum().backward()
+        outs.append(lp)
+        grads.append(za.grad)
+    assert outs[0].shape == (3, 5) and outs[0].dtype == torch.float32
+    assert rel(outs[0], outs[1]) < TOL and rel(grads[0], grads[1]) < TOL
+    assert torch.equal(kt.token_logprobs(z[1, 2], tg[1, 2], temperature), outs[0][1, 2].detach())   # alone
+
+
+@runnable
+def test_token_logprobs_large_vocab_and_greedy():
+    z, tg = randn(2, 5000, scale=4, seed=0), torch.tensor([7, 4999], device=DEV)
+    lp = kt.token_logprobs(z, tg, 0.0)
+    assert rel(lp, kernels.token_logprobs(z.cpu(), tg.cpu(), 0.0)) < TOL
+    assert torch.equal(lp, kt.token_logprobs(z, tg, 1.0))    # greedy scores at temperature 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# paged attention
+# ---------------------------------------------------------------------------------------------------
+def lay_out(k, page_size, num_pages, seed):
+    """k (B, S, KVH, D) into a cache of finite garbage pages in shuffled order -> cache, block_table."""
+    B, S, KVH, D = k.shape
+    n_blocks = -(-S // page_size)
+    g = torch.Generator().manual_seed(seed)
+    cache = (torch.randn(num_pages, page_size, KVH, D, generator=g) * 7).to(k.device, k.dtype)
+    pages = torch.randperm(num_pages, generator=g)[:B * n_blocks].view(B, n_blocks).to(k.device)
+    for b in range(B):
+        for i in range(n_blocks):
+            chunk = k[b, i * page_size:(i + 1) * page_size]
+            cache[pages[b, i], :chunk.shape[0]] = chunk
+    return cache, pages
+
+
+@runnable
+@pytest.mark.parametrize("page_size, H, KVH", [(16, 4, 2), (32, 8, 2)])
+def test_paged_attention_forward_and_invariance(page_size, H, KVH):
+    B, T, D = 2, 40, 16
+    q, k, v = randn(B, T, H, D, scale=2, seed=0), randn(B, T, KVH, D, scale=2, seed=1), randn(B, T, KVH, D, seed=2)
+    pos = torch.arange(T, device=DEV).expand(B, T)
+    kc, bt = lay_out(k, page_size, 8, seed=1)
+    vc, _ = lay_out(v, page_size, 8, seed=1)
+    out = kt.paged_attention(q, kc, vc, bt, pos, D ** -0.5)
+    assert out.shape == (B, T, H, D) and out.dtype == torch.float32
+    assert rel(out, kernels.paged_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), pos.cpu(), D ** -0.5)) < TOL
+    # another page order and other garbage: the same bits
+    kc2, bt2 = lay_out(k, page_size, 11, seed=5)
+    vc2, _ = lay_out(v, page_size, 11, seed=5)
+    assert torch.equal(kt.paged_attention(q, kc2, vc2, bt2, pos, D ** -0.5), out)
+    # decode (one query per sequence, at its position) equals prefill, across tile boundaries
+    ps = torch.tensor([[0], [16]], device=DEV)
+    assert torch.equal(kt.paged_attention(q[[0, 1], [0, 16]][:, None], kc, vc, bt, ps, D ** -0.5),
+                       out[[0, 1], [0, 16]][:, None])
+    for p in [15, 17, 39]:
+        one = kt.paged_attention(q[:, p:p + 1], kc, vc, bt, torch.full((B, 1), p, device=DEV), D ** -0.5)
+        assert torch.equal(one, out[:, p:p + 1]), p
+    # batch composition: sequence 1 alone, its first 17 queries only
+    assert torch.equal(kt.paged_attention(q[1:, :17], kc, vc, bt[1:], pos[1:, :17], D ** -0.5), out[1:, :17])
+
+
+def _trainer_attention(att, q, k, v):
+    """model.Attention's trainer path: the call's own k, v laid out as KV_BLOCK pages (autograd flows)."""
+    B, T, KVH, D = k.shape
+    pad = (-T) % kernels.KV_BLOCK
+    kp = F.pad(k, (0, 0, 0, 0, 0, pad)).reshape(-1, kernels.KV_BLOCK, KVH, D)
+    vp = F.pad(v, (0, 0, 0, 0, 0, pad)).reshape(-1, kernels.KV_BLOCK, KVH, D)
+    bt = torch.arange(kp.shape[0], device=k.device).view(B, -1)
+    return att(q, kp, vp, bt, torch.arange(T, device=k.device).expand(B, T), D ** -0.5)
+
+
+@runnable
+def test_paged_attention_gradients_deterministic():
+    B, T, H, KVH, D = 2, 20, 4, 2, 16
+    ins = [randn(B, T, H, D, seed=0), randn(B, T, KVH, D, seed=1), randn(B, T, KVH, D, seed=2)]
+    g = randn(B, T, H, D, seed=3)
+    grads = []
+    for f in (kt.paged_attention, kt.paged_attention, kernels.paged_attention):
+        a = [t.clone().requires_grad_() for t in ins]
+        (_trainer_attention(f, *a) * g).sum().backward()
+        grads.append([t.grad for t in a])
+    for tri, tri2, ref in zip(*grads):
+        assert rel(tri, ref) < TOL
+        assert torch.equal(tri, tri2)                        # run to run
+
+
+@runnable
+def test_paged_attention_gradients_shared_pages():
+    """Two sequences share their first page (a GRPO prompt prefix): its dK/dV sums both, in order."""
+    H, KVH, D, P = 4, 2, 16, 16
+    q = randn(2, 24, H, D, seed=0)
+    kc, vc = randn(4, P, KVH, D, seed=1), randn(4, P, KVH, D, seed=2)
+    bt = torch.tensor([[2, 0], [2, 3]], device=DEV)
+    pos = torch.arange(24, device=DEV).expand(2, 24)
+    g = randn(2, 24, H, D, seed=3)
+    grads = []
+    for f in (kt.paged_attention, kernels.paged_attention):
+        a = [t.clone().requires_grad_() for t in (q, kc, vc)]
+        (f(a[0], a[1], a[2], bt, pos, D ** -0.5) * g).sum().backward()
+        grads.append([t.grad for t in a])
+    for tri, ref in zip(*grads):
+        assert rel(tri, ref) < TOL
+    assert torch.equal(grads[0][1][1], torch.zeros_like(grads[0][1][1]))   # page 1 unused
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE experts
+# ---------------------------------------------------------------------------------------------------
+def _moe_inputs(M, E=4, D=32, I=24, k=2, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, D, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, D, generator=g) * 0.2, torch.randn(E, D, I, generator=g) * 0.2
+    ids, weights = kernels.route(torch.randn(M, E, generator=g) * 2, k, True)
+    return (x.to(DEV, dtype), w13.to(DEV, dtype), w2.to(DEV, dtype), ids.to(DEV), weights.to(DEV))
+
+
+@runnable
+def test_moe_forward_and_invariance():
+    x, w13, w2, ids, wt = _moe_inputs(40, k=3)
+    y = kt.moe_experts(x, w13, w2, ids, wt)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel(y, kernels.moe_experts(*(t.cpu() for t in (x, w13, w2, ids, wt)))) < TOL
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(3)).to(DEV)
+    assert torch.equal(kt.moe_experts(x[perm], w13, w2, ids[perm], wt[perm]), y[perm])
+    xe, _, _, ide, we = _moe_inputs(30, k=3, seed=9)                # other tokens around them
+    y_more = kt.moe_experts(torch.cat([xe[:10], x, xe[10:]]), w13, w2, torch.cat([ide[:10], ids, ide[10:]]),
+                            torch.cat([we[:10], wt, we[10:]]))
+    assert torch.equal(y_more[10:50], y)
+    assert torch.equal(kt.moe_experts(x[7:8], w13, w2, ids[7:8], wt[7:8]), y[7:8])   # alone
+
+
+@runnable
+def test_moe_gradients_deterministic():
+    x, w13, w2, ids, wt = _moe_inputs(20)
+    g = randn(20, 32, seed=4)
+    grads = []
+    for f in (kt.moe_experts, kt.moe_experts, kernels.moe_experts):
+        a = [t.clone().requires_grad_() for t in (x, w13, w2, wt)]
+        (f(a[0], a[1], a[2], ids, a[3]) * g).sum().backward()
+        grads.append([t.grad for t in a])
+    for tri, tri2, ref in zip(*grads):
+        assert rel(tri, ref) < TOL
+        assert torch.equal(tri, tri2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the whole model: score() and the sampler, bitwise, with the Triton backend
+# ---------------------------------------------------------------------------------------------------
+def _model(dtype=torch.float32, **kw):
+    cfg = dict(vocab_size=32, num_hidden_layers=2, num_experts=4, max_position_embeddings=64)
+    cfg.update(kw)
+    return make_model(tiny_config(**cfg)).to(DEV, dtype).eval()
+
+
+@runnable
+@torch.no_grad()
+def test_model_score_bitwise_with_triton():
+    model = _model()
+    tokens = torch.randint(0, 32, (3, 19), generator=torch.Generator().manual_seed(1)).to(DEV)
+    ref, ref_routes = model.to("cpu").score(tokens.cpu())
+    model.to(DEV)
+    with kernels.set_backend("triton"):
+        lp, routes = model.score(tokens)
+        assert rel(lp, ref) < TOL and torch.equal(routes.cpu(), ref_routes)
+        one, r1 = model.score(tokens[1:2, :13])                     # alone, shorter (fewer tiles)
+        assert torch.equal(one, lp[1:2, :12]) and torch.equal(r1, routes[1:2, :13])
+        padded = tokens.clone()
+        padded[0, 9:] = 0                                           # right padding next to it
+        two, r2 = model.score(padded[:2])
+        assert torch.equal(two[1], lp[1]) and torch.equal(two[0, :8], lp[0, :8])
+        assert torch.equal(r2[1], routes[1])
+
+
+@runnable
+@torch.no_grad()
+def test_sampler_records_score_bits_with_triton():
+    model = _model()
+    prompts = [[3, 1, 4, 1, 5], list(range(2, 19))]                # 5 and 17 tokens: across a tile
+    with kernels.set_backend("triton"):
+        outs = Sampler(model, max_batch_size=4).generate(prompts, max_new_tokens=3, n=2, progress=False)
+        for o in outs:
+            P, G = len(o.prompt), len(o.tokens)
+            lp, routes = model.score(torch.tensor([o.prompt + o.tokens], device=DEV))
+            assert torch.equal(o.logprobs, lp[0, P - 1:].cpu())
+            assert torch.equal(o.routes, routes[0, :P + G - 1].cpu())
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU only: bf16 and fp32 at larger shapes (skipped, not faked, without CUDA)
+# ---------------------------------------------------------------------------------------------------
+GPU_DTYPES = [torch.float32, torch.bfloat16]
+GTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_linear(dtype):
+    x, w = randn(1000, 1024, seed=0, dtype=dtype), randn(768, 1024, seed=1, dtype=dtype)
+    y = kt.linear(x, w)
+    assert rel(y, x.double() @ w.double().T) < GTOL[dtype]
+    for lo, hi in [(0, 1), (1, 2), (5, 300), (129, 1000), (999, 1000)]:
+        assert torch.equal(kt.linear(x[lo:hi], w), y[lo:hi]), (lo, hi)
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    g = randn(1000, 768, seed=2, dtype=dtype)
+    (kt.linear(xa, wa) * g).sum().backward()
+    assert rel(xa.grad, g.double() @ w.double()) < GTOL[dtype]
+    assert rel(wa.grad, g.double().T @ x.double()) < GTOL[dtype]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_rows_ops(dtype):
+    x, w = randn(300, 2048, scale=3, seed=0, dtype=dtype), (torch.rand(2048) + 0.5).to(DEV, dtype)
+    y = kt.rms_norm(x, w, 1e-6)
+    assert rel(y, kernels.rms_norm(x.cpu(), w.cpu(), 1e-6)) < GTOL[dtype]
+    assert torch.equal(kt.rms_norm(x[17:18], w, 1e-6), y[17:18])
+    z, tg = randn(64, 50000, scale=4, seed=1, dtype=dtype), torch.randint(0, 50000, (64,), device=DEV)
+    lp = kt.token_logprobs(z, tg, 0.7)
+    assert rel(lp, kernels.token_logprobs(z.cpu(), tg.cpu(), 0.7)) < 1e-5
+    assert torch.equal(kt.token_logprobs(z[5:6], tg[5:6], 0.7), lp[5:6])
+    # the ops left to torch on CUDA (router softmax + top-k, RoPE, SiLU*up) are row-invariant too
+    logits = randn(300, 64, scale=3, seed=2, dtype=dtype)
+    ids, wts = kernels.route(logits, 8, True)
+    ids1, wts1 = kernels.route(logits[17:18], 8, True)
+    assert torch.equal(ids1, ids[17:18]) and torch.equal(wts1, wts[17:18])
+    u = randn(300, 2048, seed=3, dtype=dtype)
+    assert torch.equal(kernels.silu_mul(x[17:18], u[17:18]), kernels.silu_mul(x, u)[17:18])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_paged_attention(dtype):
+    B, T, H, KVH, D = 3, 300, 8, 2, 64
+    q, k, v = randn(B, T, H, D, seed=0, dtype=dtype), randn(B, T, KVH, D, seed=1, dtype=dtype), \
+        randn(B, T, KVH, D, seed=2, dtype=dtype)
+    pos = torch.arange(T, device=DEV).expand(B, T)
+    kc, bt = lay_out(k, 32, 40, seed=1)
+    vc, _ = lay_out(v, 32, 40, seed=1)
+    out = kt.paged_attention(q, kc, vc, bt, pos, D ** -0.5)
+    ref = F.scaled_dot_product_attention(q.double().transpose(1, 2), k.double().transpose(1, 2).repeat_interleave(4, 1),
+                                         v.double().transpose(1, 2).repeat_interleave(4, 1), is_causal=True)
+    assert rel(out, ref.transpose(1, 2)) < GTOL[dtype]
+    for p in [0, 15, 16, 100, 299]:
+        one = kt.paged_attention(q[:, p:p + 1], kc, vc, bt, torch.full((B, 1), p, device=DEV), D ** -0.5)
+        assert torch.equal(one, out[:, p:p + 1]), p
+    assert torch.equal(kt.paged_attention(q[2:, :77], kc, vc, bt[2:], pos[2:, :77], D ** -0.5), out[2:, :77])
+    a = [t.clone().requires_grad_() for t in (q, k, v)]
+    r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    g = randn(B, T, H, D, seed=3, dtype=dtype)
+    (_trainer_attention(kt.paged_attention, *a) * g).sum().backward()
+    (_trainer_attention(kernels.paged_attention, *[t.cpu() for t in r]) * g.cpu().double()).sum().backward()
+    for x, y in zip(a, r):
+        assert rel(x.grad, y.grad) < 5 * GTOL[dtype]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_moe(dtype):
+    x, w13, w2, ids, wt = _moe_inputs(500, E=16, D=256, I=128, k=4, dtype=dtype)
+    y = kt.moe_experts(x, w13, w2, ids, wt)
+    assert rel(y, kernels.moe_experts(*(t.cpu() for t in (x, w13, w2, ids, wt)))) < GTOL[dtype]
+    perm = torch.randperm(500, device=DEV)
+    assert torch.equal(kt.moe_experts(x[perm], w13, w2, ids[perm], wt[perm]), y[perm])
+    assert torch.equal(kt.moe_experts(x[3:4], w13, w2, ids[3:4], wt[3:4]), y[3:4])
+    g = randn(500, 256, seed=4, dtype=dtype)
+    grads = []
+    for _ in range(2):
+        a = [t.clone().requires_grad_() for t in (x, w13, w2, wt)]
+        (kt.moe_experts(a[0], a[1], a[2], ids, a[3]) * g).sum().backward()
+        grads.append([t.grad for t in a])
+    assert all(torch.equal(p, q) for p, q in zip(*grads))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@torch.no_grad()
+def test_gpu_model_contract(dtype):
+    """Auto backend on CUDA: score() in any batch and the sampler's recorded log-probs/routes, bitwise."""
+    model = _model(dtype, vocab_size=512, hidden_size=128, num_experts=16, num_experts_per_tok=4,
+                   max_position_embeddings=256)
+    tokens = torch.randint(0, 512, (4, 150), generator=torch.Generator().manual_seed(1)).to(DEV)
+    lp, routes = model.score(tokens)
+    one, r1 = model.score(tokens[2:3, :90])
+    assert torch.equal(one, lp[2:3, :89]) and torch.equal(r1, routes[2:3, :90])
+    prompts = [tokens[0, :30].tolist(), tokens[1, :17].tolist(), tokens[2, :64].tolist()]
+    outs = Sampler(model, max_batch_size=8).generate(prompts, max_new_tokens=20, n=2, progress=False)
+    for o in outs:
+        P, G = len(o.prompt), len(o.tokens)
+        lp, routes = model.score(torch.tensor([o.prompt + o.tokens], device=DEV))
+        assert torch.equal(o.logprobs, lp[0, P - 1:].cpu())
+        assert torch.equal(o.routes, routes[0, :P + G - 1].cpu())
