@@ -187,15 +187,144 @@ def bench_forward(args) -> list[tuple[str, float, str]]:
     return [(f"forward score ({B}, {T})", B * T / t, f"{t * 1e3:.0f} ms per call")]
 
 
-BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward}
+# ---------------------------------------------------------------------------------------------------
+# invariant vs fast (batch-variant) kernels: what the contract costs
+# ---------------------------------------------------------------------------------------------------
+def bench_fast(args) -> list[tuple[str, float, str]]:
+    """Rollout tokens/s and trainer forward+backward tokens/s, invariant vs kernels.variant(batch_variant)."""
+    import kernels
+    model = build_model(args)
+    prompts = make_prompts(args, model.config.vocab_size)
+    n_gen = len(prompts) * args.max_new_tokens
+    samplers = {m: Sampler(model, max_batch_size=max(len(prompts), 1), mode=m) for m in ("invariant", "fast")}
+    res = interleaved({m: (lambda s=s: run_ours(s, prompts, args)) for m, s in samplers.items()}, args.warmup, args.repeats)
+    B, T = args.score_batch, args.score_len
+    tokens = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(args.seed))
+
+    def step(batch_variant):
+        with kernels.variant(batch_variant=batch_variant):
+            model.zero_grad(set_to_none=True)
+            model.score(tokens)[0].sum().backward()
+    tres = interleaved({"invariant": lambda: step(False), "fast": lambda: step(True)}, args.warmup, args.repeats)
+    rows = [(f"rollout {m}", n_gen / t, "") for m, (t, _) in res.items()]
+    rows.append(("rollout invariant / fast", res["fast"][0] / res["invariant"][0], "ratio"))
+    rows += [(f"trainer fwd+bwd {m} ({B}, {T})", B * T / t, f"{t * 1e3:.0f} ms per step") for m, (t, _) in tres.items()]
+    rows.append(("trainer invariant / fast", tres["fast"][0] / tres["invariant"][0], "ratio"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# fused MoE vs a per-expert loop (index_add_, as transformers does)
+# ---------------------------------------------------------------------------------------------------
+def bench_moe(args) -> list[tuple[str, float, str]]:
+    import kernels
+    cfg = ModelConfig.preset(args.preset)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    M, E, D, I, k = args.moe_tokens, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    x = torch.randn(M, D, generator=g).to(dev)
+    w13 = (torch.randn(E, 2 * I, D, generator=g) * 0.05).to(dev)
+    w2 = (torch.randn(E, D, I, generator=g) * 0.05).to(dev)
+    ids, weights = kernels.route(torch.randn(M, E, generator=g).to(dev), k, True)
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    def fused():
+        kernels.moe_experts(x, w13, w2, ids, weights)
+        sync()
+
+    def loop():
+        kernels._fast_moe_experts(x, w13, w2, ids, weights)
+        sync()
+    res = interleaved({"fused": fused, "loop": loop}, args.warmup, args.repeats)
+    return [(f"moe {n} ({M} tokens, {E} experts, top-{k}, {dev})", M / t, "") for n, (t, _) in res.items()] + \
+           [("moe fused / per-expert loop", res["loop"][0] / res["fused"][0], "ratio")]
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU only: absolute decode tokens/s and the fraction of memory bandwidth it reaches
+# ---------------------------------------------------------------------------------------------------
+def bench_gpu_decode(args) -> list[tuple[str, float, str]]:
+    if not torch.cuda.is_available():
+        print("gpu_decode: no CUDA device, skipped")
+        return []
+    model = build_model(args).to("cuda", torch.bfloat16)
+    prompts = make_prompts(args, model.config.vocab_size)
+    sampler = Sampler(model, max_batch_size=max(len(prompts), 1))
+    t, _ = timed(lambda: (run_ours(sampler, prompts, args), torch.cuda.synchronize()), args.warmup, args.repeats)
+    steps = args.max_new_tokens
+    # bytes a decode step must read at least: every weight once, plus the KV cache of the batch
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ctx = (args.min_prompt_len + args.max_prompt_len) / 2 + steps / 2
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * ctx * len(prompts)
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    tc, _ = timed(lambda: (dst.copy_(src), torch.cuda.synchronize()), 2, 5)
+    peak = 2 * src.numel() / tc                                    # read + write of a large copy
+    achieved = (weight_bytes + kv_bytes) * steps / t
+    return [("gpu decode bf16", len(prompts) * steps / t, f"{t * 1e3:.0f} ms for {steps} steps"),
+            ("gpu decode / copy bandwidth", achieved / peak, "ratio")]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the mismatch lab: the same task and seeds, the rollout made to differ, each fix against it
+# ---------------------------------------------------------------------------------------------------
+LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels in a lower precision
+    "invariant": [],
+    "fast": ["--recompute_old_logp=true"],
+    "fast+tis": ["--recompute_old_logp=true", "--correction=tis"],
+    "fast+mis": ["--recompute_old_logp=true", "--correction=mis"],
+    "fast+r3": ["--recompute_old_logp=true", "--replay=r3"],
+    "fast+gspo": ["--recompute_old_logp=true", "--loss=gspo"],
+}
+
+
+def bench_lab(args) -> list[tuple[str, float, str]]:
+    import train
+    from config import RolloutConfig, TrainConfig, apply_overrides, parse_args
+    fast = ["--rollout_mode=fast", f"--rollout_dtype={args.lab_rollout_dtype}"] + \
+        (["--router_bf16=true"] if args.lab_router_bf16 else [])
+    results = {}
+    for name, extra in LAB.items():
+        argv = [f"--steps={args.lab_steps}", f"--seed={args.seed}", f"--out_dir={args.lab_out}/{name}",
+                "--progress=false", "--save_every=1000000"] + extra + (fast if name != "invariant" else [])
+        tcfg, rcfg = TrainConfig(), RolloutConfig()
+        apply_overrides(parse_args(argv + args.lab_args.split()), tcfg, rcfg)
+        t0 = time.perf_counter()
+        hist = train.train(tcfg, rcfg)
+        results[name] = (hist, time.perf_counter() - t0)
+        print(f"lab: {name} done in {results[name][1]:.0f} s")
+    print(f"\nmismatch lab: {args.lab_steps} steps each, seed {args.seed}; fast = batch-variant rollout kernels, "
+          f"rollout weights in {args.lab_rollout_dtype}{', router logits in bf16' if args.lab_router_bf16 else ''}; "
+          f"the trainer is invariant fp32 in every run")
+    head = ("run", "final reward", "mean k3 KL", "max k3 KL", "max |dlogp|", "extreme tok", "route flips", "wall s")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for name, (hist, wall) in results.items():
+        n = max(1, len(hist) // 10)
+        final = sum(h["reward_mean"] for h in hist[-n:]) / n
+        kl = [h["train_rollout_k3"] for h in hist]
+        cells = (name, f"{final:.3f}", f"{sum(kl) / len(kl):.2e}", f"{max(kl):.2e}",
+                 f"{max(h['logp_max_abs_diff'] for h in hist):.2e}",
+                 f"{sum(h['extreme_token_frac'] for h in hist) / len(hist):.2e}",
+                 f"{sum(h.get('route_flip_frac', 0.0) for h in hist) / len(hist):.2e}", f"{wall:.0f}")
+        print("| " + " | ".join(cells) + " |")
+    return []
+
+
+BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "moe": bench_moe,
+              "gpu_decode": bench_gpu_decode, "lab": bench_lab}
+DEFAULT = "rollout,forward,fast,moe,gpu_decode"
 
 
 # ---------------------------------------------------------------------------------------------------
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--only", default=",".join(BENCHMARKS),
-                   help=f"comma-separated sections to run, from: {', '.join(BENCHMARKS)}")
+    p.add_argument("--only", default=DEFAULT,
+                   help=f"comma-separated sections to run, from: {', '.join(BENCHMARKS)} (lab is long: run it alone)")
     p.add_argument("--preset", default="tiny", help="config.ModelConfig preset")
     p.add_argument("--prompts", type=int, default=32, help="number of prompts")
     p.add_argument("--min-prompt-len", type=int, default=8)
@@ -211,6 +340,12 @@ def main(argv=None):
                    help="torch intra-op threads (0: torch's default). 1 by default: on a shared CPU, "
                         "multi-threaded runs slowed down unevenly, by up to 10x, and skewed the ratios")
     p.add_argument("--skip-nocache", action="store_true", help="leave out the (slow) no-cache loop")
+    p.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer in the moe section")
+    p.add_argument("--lab-steps", type=int, default=150, help="train.py steps per mismatch-lab run")
+    p.add_argument("--lab-rollout-dtype", default="bfloat16", help="the fast rollout's weight dtype")
+    p.add_argument("--lab-router-bf16", action="store_true", help="also round the fast rollout's router logits to bf16")
+    p.add_argument("--lab-out", default="out/lab", help="where the lab runs write their metrics")
+    p.add_argument("--lab-args", default="", help="extra train.py overrides for every lab run, space-separated")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in sections if s not in BENCHMARKS]
@@ -230,6 +365,8 @@ def main(argv=None):
     rows, t0 = [], time.perf_counter()
     for name in sections:
         rows += BENCHMARKS[name](args)
+    if not rows:
+        return
     width = max(len(r[0]) for r in rows)
     print(f"\n{'benchmark':<{width}}  {'tokens/s':>12}  note")
     for label, value, note in rows:

@@ -160,8 +160,15 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 0           # 0: the task's default
+    # the mismatch lab: deviations on the rollout side only (the trainer always stays invariant)
+    rollout_mode: str = "invariant"   # invariant | fast (batch-variant torch / cuBLAS / SDPA ops)
+    router_bf16: bool = False         # round the rollout's router logits to bf16
+    rollout_dtype: str = ""           # "" (the trainer's) | bfloat16 | float16: a lower-precision weight copy
 
     def __post_init__(self):
+        _require(self.rollout_mode in ("invariant", "fast"), f"--rollout_mode={self.rollout_mode!r}: invariant or fast")
+        _require(self.rollout_dtype in ("", "float32", "bfloat16", "float16"),
+                 f"--rollout_dtype={self.rollout_dtype!r}: '', float32, bfloat16 or float16")
         _require(self.block_size > 0 and self.max_batch_size > 0 and self.num_blocks >= 0,
                  "block_size and max_batch_size must be > 0, num_blocks >= 0")
         _require(self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0,

@@ -75,6 +75,35 @@ def _triton_for(t: torch.Tensor):
     return kernels_triton
 # --- end backend selection --------------------------------------------------------------------------
 
+# --- rollout variants (the mismatch lab): off unless a `with variant(...)` block is active ----------
+_variant: dict | None = None
+
+
+class variant:
+    """`with kernels.variant(batch_variant=True, router_bf16=False):` computes the way a typical fast
+    inference engine does, on purpose, so the trainer (outside the block) sees a mismatch.
+
+    batch_variant: plain torch ops (F.linear / cuBLAS, SDPA, F.silu, rsqrt, a per-expert MoE loop
+        with index_add_, torch.topk), whose bits depend on the batch. router_bf16: round the router
+        logits to bf16 before the softmax. With neither set, nothing changes.
+    """
+
+    def __init__(self, batch_variant: bool = False, router_bf16: bool = False):
+        self.state = {"batch_variant": batch_variant, "router_bf16": router_bf16}
+
+    def __enter__(self):
+        global _variant
+        self.previous, _variant = _variant, self.state
+        return self
+
+    def __exit__(self, *exc):
+        global _variant
+        _variant = self.previous
+
+
+def _fast() -> bool:
+    return _variant is not None and _variant["batch_variant"]
+
 
 # ---------------------------------------------------------------------------------------------------
 # linear
@@ -84,6 +113,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     x (..., K), w (N, K) -> (..., N) in x.dtype.
     """
+    if _fast():
+        return F.linear(x, w)
     if (kt := _triton_for(x)) is not None:    # triton backend dispatch
         return kt.linear(x, w)
     lead, K = x.shape[:-1], x.shape[-1]
@@ -103,6 +134,9 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3 RMSNorm: normalise in fp32, round to x.dtype, then scale (as transformers does)."""
+    if _fast():                                                     # transformers' formula, rsqrt
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     if (kt := _triton_for(x)) is not None:    # triton backend dispatch
         return kt.rms_norm(x, weight, eps)
     xf = x.float()
@@ -112,6 +146,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in fp32 with the row-invariant x / (1 + exp(-x))."""
+    if _fast():
+        return F.silu(gate) * up
     g = gate.float()
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
 
@@ -150,6 +186,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the number of tiles only depends on the largest position, and tiles past a query's position are
     exact no-ops for it (max unchanged, alpha = exp(0) = 1, p = 0).
     """
+    if _fast():
+        return _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale)
     if (kt := _triton_for(q)) is not None:    # triton backend dispatch
         return kt.paged_attention(q, k_cache, v_cache, block_table, positions, scale)
     B, T, H, D = q.shape
@@ -198,8 +236,13 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     model's own softmax probabilities of those experts, so the router keeps its gradient. A row of
     all -1 (a position nobody recorded, e.g. padding) is routed normally.
     """
+    if _variant is not None and _variant["router_bf16"]:
+        logits = logits.to(torch.bfloat16)                           # an injected rounding (mismatch lab)
     probs = torch.softmax(logits.float(), dim=-1)
-    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    if _fast():
+        ids = torch.topk(probs, top_k, dim=-1).indices               # no tie-break guarantee
+    else:
+        ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
     if forced_ids is not None:
         forced_ids = forced_ids.long()
         free = (forced_ids < 0).all(-1, keepdim=True)               # (M, 1) unrecorded rows
@@ -219,6 +262,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     x (M, D); w13 (E, 2I, D) gate rows first; w2 (E, D, I); ids (M, k); weights (M, k) fp32.
     """
+    if _fast():
+        return _fast_moe_experts(x, w13, w2, ids, weights)
     if (kt := _triton_for(x)) is not None:    # triton backend dispatch
         return kt.moe_experts(x, w13, w2, ids, weights)
     M, D = x.shape
@@ -260,3 +305,32 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     if temperature not in (0.0, 1.0):
         z = z / temperature
     return torch.log_softmax(z, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the batch-variant fast path of `variant(batch_variant=True)`: what a rollout engine typically runs
+# ---------------------------------------------------------------------------------------------------
+def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale):
+    """Gather the pages, then one SDPA call (its kernel and split choices depend on the shapes)."""
+    B, T, H, D = q.shape
+    page_size = k_cache.shape[1]
+    n_pages = -(-(int(positions.max()) + 1) // page_size)
+    pages = block_table[:, :n_pages].long()
+    keys = k_cache[pages].flatten(1, 2).transpose(1, 2)              # (B, KVH, L, D)
+    vals = v_cache[pages].flatten(1, 2).transpose(1, 2)
+    visible = torch.arange(keys.shape[2], device=q.device)[None, None, :] <= positions[:, :, None]  # (B, T, L)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=visible[:, None],
+                                         scale=scale, enable_gqa=True)  # (B, H, T, D)
+    return out.transpose(1, 2)
+
+
+def _fast_moe_experts(x, w13, w2, ids, weights):
+    """A per-expert loop accumulating with index_add_, in the model dtype (as transformers does)."""
+    I = w2.shape[2]
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        h = F.linear(x[token], w13[e])
+        y = F.linear(F.silu(h[:, :I]) * h[:, I:], w2[e])
+        out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
+    return out

@@ -171,14 +171,20 @@ class Scheduler:
 class Sampler:
     def __init__(self, model: Transformer, block_size: int = 16, num_blocks: int | None = None,
                  max_batch_size: int = 64, max_num_batched_tokens: int = 4096,
-                 kv_memory_fraction: float = 0.5, cpu_kv_bytes: int = 1 << 30):
+                 kv_memory_fraction: float = 0.5, cpu_kv_bytes: int = 1 << 30, mode: str = "invariant",
+                 router_bf16: bool = False):
         """A sampler over `model`'s own weights (no copy: the trainer's updates are seen at once).
 
         block_size: KV positions per block (page); a multiple of kernels.KV_BLOCK.
         num_blocks: the pool size. Default: on CUDA, kv_memory_fraction of free memory; on CPU, enough
             for max_batch_size full-context sequences, capped at cpu_kv_bytes.
         max_batch_size: running sequences at most; max_num_batched_tokens: tokens per prefill step.
+        mode: "invariant" (the contract) or "fast" (batch-variant ops, see kernels.variant: the mismatch
+            lab); router_bf16: round router logits to bf16 here, on the rollout side only.
         """
+        if mode not in ("invariant", "fast"):
+            raise ValueError(f"mode={mode!r}: choose invariant or fast")
+        self.variant = dict(batch_variant=mode == "fast", router_bf16=router_bf16)
         if max_batch_size < 1 or max_num_batched_tokens < 1 or (num_blocks is not None and num_blocks < 1):
             raise ValueError("max_batch_size, max_num_batched_tokens and num_blocks must be >= 1")
         if block_size % kernels.KV_BLOCK:
@@ -246,6 +252,16 @@ class Sampler:
 
         bar = tqdm(total=sum(s.max_len - s.num_prompt_tokens for s in seqs), desc="generate",
                    disable=not progress, leave=False)
+        with kernels.variant(**self.variant):
+            self._run(sched, bm, sp, bar)
+        bar.close()
+        self.num_preemptions = sched.num_preemptions
+        return [SequenceOutput(s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:],
+                               torch.tensor(s.logprobs, dtype=torch.float32),
+                               torch.stack(s.routes), s.finish_reason) for s in seqs]
+
+    def _run(self, sched: Scheduler, bm: BlockManager, sp: dict, bar) -> None:
+        """The engine loop: prefill what can be admitted, else decode every running sequence."""
         while sched.waiting or sched.running:
             prefill = sched.schedule_prefill()
             if prefill:
@@ -261,14 +277,6 @@ class Sampler:
                 sched.running.remove(s)
                 bm.free(s)
                 bar.update(s.max_len - len(s))    # credit the tokens it will not generate
-        bar.close()
-        self.num_preemptions = sched.num_preemptions
-        return [SequenceOutput(s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:],
-                               torch.tensor(s.logprobs, dtype=torch.float32),
-                               torch.stack(s.routes) if s.routes else torch.zeros(0, self.model.n_moe_layers,
-                                                                                  self.model.config.num_experts_per_tok,
-                                                                                  dtype=torch.long),
-                               s.finish_reason) for s in seqs]
 
     # ------------------------------------------------------------------------------------------------
     def _prefill(self, groups: list[list[Sequence]], bm: BlockManager, sp: dict) -> None:

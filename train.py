@@ -220,7 +220,7 @@ class Scorer(nn.Module):
 
 
 def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
-    """-> (the scorer to train through, the model the sampler reads, sync() refreshing the latter).
+    """-> (the scorer to train through, a full-weight model for the sampler and checkpoints, sync() refreshing it).
 
     ddp: every rank holds the full model; the sampler reads it directly.
     fsdp: FSDP2 shards each block and the rest; the sampler reads a full copy, refreshed by an
@@ -232,17 +232,30 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
     if tcfg.parallel == "ddp":
         return DDP(scorer, device_ids=[d.device.index] if d.device.type == "cuda" else None), model, lambda: None
     from torch.distributed.fsdp import fully_shard
-    rollout_model = copy.deepcopy(model).requires_grad_(False)
+    full_copy = copy.deepcopy(model).requires_grad_(False)
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(scorer)
-    full_params = dict(rollout_model.named_parameters())
+    full_params = dict(full_copy.named_parameters())
 
     @torch.no_grad()
     def sync():
         for name, p in model.named_parameters():
             full_params[name].copy_(p.full_tensor())
-    return scorer, rollout_model, sync
+    return scorer, full_copy, sync
+
+
+def lower_precision_copy(source: Transformer, dtype: torch.dtype, sync_source):
+    """The mismatch lab's rollout weights: a copy of `source` in `dtype`, refreshed before each rollout."""
+    copy_ = copy.deepcopy(source).to(dtype).requires_grad_(False)
+    pairs = list(zip(source.parameters(), copy_.parameters()))
+
+    @torch.no_grad()
+    def sync():
+        sync_source()
+        for p, q in pairs:
+            q.copy_(p)
+    return copy_, sync
 
 
 def grad_sync(scorer, enabled: bool):
@@ -389,6 +402,10 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) and minibatch_size ({tcfg.minibatch_size}) "
                           f"must be divisible by the number of ranks ({d.world})")
     device, dtype = d.device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[tcfg.dtype]
+    rollout_deviates = rcfg.rollout_mode != "invariant" or rcfg.router_bf16 or rcfg.rollout_dtype not in ("", tcfg.dtype)
+    if rollout_deviates and tcfg.correction != "none" and not tcfg.recompute_old_logp:
+        raise ConfigError(f"--correction={tcfg.correction} weighs the trainer's old log-probs against the rollout's; "
+                          "with a deviating rollout they differ only if recomputed: add --recompute_old_logp=true")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     os.makedirs(tcfg.out_dir, exist_ok=True)
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens)
@@ -411,7 +428,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         ref_model = copy.deepcopy(model).requires_grad_(False)
         if tcfg.resume:
             ref_model = build_model(tcfg, device, dtype).requires_grad_(False)
-    scorer, rollout_model, sync_rollout_weights = parallelize(model, tcfg, d)
+    scorer, full_model, sync_full_weights = parallelize(model, tcfg, d)
+    rollout_model, sync_rollout_weights = full_model, sync_full_weights
     fsdp = d.world > 1 and tcfg.parallel == "fsdp"
     opt = torch.optim.AdamW(scorer.parameters(), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2),
                             weight_decay=tcfg.weight_decay)
@@ -426,8 +444,11 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         elif os.path.exists(metrics_path):
             os.remove(metrics_path)
 
+    if rcfg.rollout_dtype and getattr(torch, rcfg.rollout_dtype) != dtype:
+        rollout_model, sync_rollout_weights = lower_precision_copy(rollout_model, getattr(torch, rcfg.rollout_dtype),
+                                                                   sync_rollout_weights)
     sampler = Sampler(rollout_model, block_size=rcfg.block_size, num_blocks=rcfg.num_blocks or None,
-                      max_batch_size=rcfg.max_batch_size)
+                      max_batch_size=rcfg.max_batch_size, mode=rcfg.rollout_mode, router_bf16=rcfg.router_bf16)
     max_new = rcfg.max_new_tokens or task.max_new_tokens
     G, history = tcfg.group_size, []
     n_prompts = tcfg.prompts_per_step // d.world                     # this rank's share; groups stay whole
@@ -459,7 +480,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         old_logp, audit = batch.rollout_logp, None
         chunks = [batch.select(slice(i, i + micro)) for i in range(0, B, micro)]
         if tcfg.recompute_old_logp:
-            scored = [score(rollout_model.score, c, False) for c in chunks]
+            scored = [score(full_model.score, c, False) for c in chunks]
             old_logp = torch.cat([s[0].float().cpu() for s in scored])
             audit = (old_logp, torch.cat([s[1].cpu() for s in scored]), torch.arange(B))
         if ref_model is not None:
@@ -528,11 +549,11 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
                         flip=f"{row.get('route_flip_frac', 0):.3f}")
         if (step + 1) % tcfg.save_every == 0 or step + 1 == tcfg.steps:
-            sync_rollout_weights()
-            digest = check_in_sync(rollout_model, d)
+            sync_full_weights()
+            digest = check_in_sync(full_model, d)
             opt_state = optimizer_state(scorer, opt, fsdp)            # collective under FSDP2
             if d.master:
-                save_checkpoint(tcfg.out_dir, step + 1, rollout_model, opt_state, tcfg, rcfg, task)
+                save_checkpoint(tcfg.out_dir, step + 1, full_model, opt_state, tcfg, rcfg, task)
             if d.world > 1:
                 dist.barrier()
                 d.print0(f"step {step + 1}: weights identical on {d.world} ranks (sha256 {digest[:16]})")
