@@ -1,7 +1,8 @@
 """Benchmarks, each measured side by side in one run so the ratios mean something on a noisy machine.
 
-    python bench.py                        # every section, CPU, about 1-3 minutes on 2 cores
-    python bench.py --only rollout         # or: forward; a comma-separated list runs several
+    python bench.py                        # the speed sections, CPU, about 1-3 minutes on 2 cores
+    python bench.py --only rollout,moe     # a comma-separated list of sections
+    python bench.py --only lab             # the mismatch lab: six training runs, ~15 minutes on 2 cores
     python bench.py --prompts 64 --max-new-tokens 96 --repeats 5 --threads 0   # 0: torch's thread default
     python bench.py --help
 
@@ -17,11 +18,18 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   With --temperature 0 (default) ours and no-cache are both greedy over the same kernels, and the
   script checks that they produced the same tokens.
 * forward: model.score on a (batch, seq) = (64, 64) batch of random tokens: tokens/s.
+* fast: rollout tokens/s and trainer forward+backward tokens/s with the invariant kernels vs the
+  batch-variant ones of kernels.variant (what the contract costs).
+* moe: the invariant MoE layer (sort by expert, fixed tiles) vs a per-expert index_add_ loop.
+* gpu_decode (CUDA only): absolute decode tokens/s in bf16 and the fraction of the copy bandwidth the
+  decode's minimum traffic (every weight + the KV cache, once per step) reaches.
+* lab: train.py on the same task and seeds, invariant vs a deviating rollout (batch-variant kernels,
+  lower-precision weights) without and with each fix; prints one table.
 
 One intra-op thread by default (--threads): steadier on a shared machine; pass --threads 0 for all cores.
 
-Sections to add later (trainer step, fused MoE, GPU kernels) go in as one `bench_<name>` function each,
-registered in BENCHMARKS; they get the parsed args and return rows for the table.
+A new section is one `bench_<name>` function registered in BENCHMARKS: it gets the parsed args and
+returns rows (label, value, note) for the table; note "ratio" prints the value as a ratio.
 """
 from __future__ import annotations
 
@@ -225,7 +233,7 @@ def bench_moe(args) -> list[tuple[str, float, str]]:
     x = torch.randn(M, D, generator=g).to(dev)
     w13 = (torch.randn(E, 2 * I, D, generator=g) * 0.05).to(dev)
     w2 = (torch.randn(E, D, I, generator=g) * 0.05).to(dev)
-    ids, weights = kernels.route(torch.randn(M, E, generator=g).to(dev), k, True)
+    ids, weights, _ = kernels.route(torch.randn(M, E, generator=g).to(dev), k, True)
 
     def sync():
         if dev == "cuda":
@@ -288,7 +296,12 @@ def bench_lab(args) -> list[tuple[str, float, str]]:
     fast = ["--rollout_mode=fast", f"--rollout_dtype={args.lab_rollout_dtype}"] + \
         (["--router_bf16=true"] if args.lab_router_bf16 else [])
     results = {}
-    for name, extra in LAB.items():
+    runs = [r.strip() for r in args.lab_runs.split(",") if r.strip()] or list(LAB)
+    unknown = [r for r in runs if r not in LAB]
+    if unknown:
+        raise SystemExit(f"--lab-runs: unknown {unknown}; choose from {list(LAB)}")
+    for name in runs:
+        extra = LAB[name]
         argv = [f"--steps={args.lab_steps}", f"--seed={args.seed}", f"--out_dir={args.lab_out}/{name}",
                 "--progress=false", "--save_every=1000000"] + extra + (fast if name != "invariant" else [])
         tcfg, rcfg = TrainConfig(), RolloutConfig()
@@ -345,6 +358,7 @@ def main(argv=None):
     p.add_argument("--lab-rollout-dtype", default="bfloat16", help="the fast rollout's weight dtype")
     p.add_argument("--lab-router-bf16", action="store_true", help="also round the fast rollout's router logits to bf16")
     p.add_argument("--lab-out", default="out/lab", help="where the lab runs write their metrics")
+    p.add_argument("--lab-runs", default="", help=f"comma-separated subset of the lab runs (default all: {','.join(LAB)})")
     p.add_argument("--lab-args", default="", help="extra train.py overrides for every lab run, space-separated")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]

@@ -139,7 +139,7 @@ class ModelConfig:
 
 
 MODEL_PRESETS: dict[str, dict] = {
-    # ~1.9M parameters: 4 layers (1 dense + 3 MoE with 8 experts, top-2); trains in minutes on 2 CPU cores.
+    # ~1.5M parameters: 4 layers (1 dense + 3 MoE with 8 experts, top-2); trains in minutes on 2 CPU cores.
     "tiny": dict(),
     # The real Qwen3-30B-A3B shapes (48 layers, 128 experts, top-8, 3.3B active parameters).
     "qwen3-30b-a3b": dict(
@@ -213,7 +213,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     # loss
     loss: str = "grpo"                # grpo | gspo | gspo_token | sapo | cispo
-    agg: str = "token_mean"           # token_mean | seq_mean_token_mean | seq_mean_token_sum | drgrpo
+    agg: str = "auto"                 # auto (token_mean; seq_mean_token_mean for GSPO) | token_mean |
+    #                                   seq_mean_token_mean | seq_mean_token_sum | drgrpo
     adv_std_norm: bool = True         # False: Dr.GRPO advantages (no division by the group std)
     eps_low: float = 0.2
     eps_high: float = 0.28            # DAPO clip-higher
@@ -237,7 +238,15 @@ class TrainConfig:
 
     def __post_init__(self):
         _require(self.loss in LOSSES, f"--loss={self.loss!r}: choose one of {LOSSES}")
-        _require(self.agg in AGGREGATIONS, f"--agg={self.agg!r}: choose one of {AGGREGATIONS}")
+        _require(self.agg in AGGREGATIONS + ("auto",), f"--agg={self.agg!r}: choose auto or one of {AGGREGATIONS}")
+        _require(not self.loss.startswith("gspo") or self.agg in ("auto", "seq_mean_token_mean"),
+                 f"--loss={self.loss} is defined with per-sequence mean aggregation; drop --agg={self.agg}")
+        _require(self.save_every > 0 and self.log_every > 0, "--save_every and --log_every must be > 0")
+        _require(self.lr > 0 and self.grad_clip > 0 and self.tis_cap > 0 and self.kl_coef >= 0,
+                 "need lr > 0, grad_clip > 0, tis_cap > 0, kl_coef >= 0")
+        _require(0 <= self.eps_low < 1 and self.eps_high >= 0 and 0 <= self.gspo_eps_low < 1,
+                 "clip ranges: need 0 <= eps_low < 1, eps_high >= 0, 0 <= gspo_eps_low < 1")
+        _require(0 <= self.mis_low <= self.mis_high, f"--mis_low ({self.mis_low}) must be in [0, mis_high={self.mis_high}]")
         _require(self.correction in CORRECTIONS, f"--correction={self.correction!r}: choose one of {CORRECTIONS}")
         _require(self.replay in ("none", "r3"), f"--replay={self.replay!r}: choose none or r3")
         _require(self.kl_estimator in ("k1", "k2", "k3"), f"--kl_estimator={self.kl_estimator!r}: k1, k2 or k3")
@@ -248,6 +257,13 @@ class TrainConfig:
                  "steps >= 0, prompts_per_step > 0, epochs > 0, minibatch_size > 0")
         _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")
         _require(self.micro_batch_size >= 0, "--micro_batch_size must be >= 0")
+
+    @property
+    def aggregation(self) -> str:
+        """--agg with auto resolved: GSPO is defined per sequence, the others per token."""
+        if self.agg != "auto":
+            return self.agg
+        return "seq_mean_token_mean" if self.loss.startswith("gspo") else "token_mean"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ How each op keeps the contract on the CPU (torch backend; each rule is checked b
              the router weight applied in fp32, then a fixed-order fp32 sum over k. No index_add_, no atomics.
 * router:    softmax in fp32, top-k by a stable descending sort (ties go to the lowest expert id).
 
-Backward passes come from autograd on these ops: correct and deterministic, not batch-invariant.
+Backward passes of the torch backend come from autograd on these ops: correct and deterministic, not
+batch-invariant (kernels_triton.py writes its own, also deterministic).
 
 Backends: KERNELS_BACKEND=torch|triton|auto (default auto: the Triton kernels of kernels_triton.py
 for CUDA tensors, this torch code otherwise); `set_backend(name)` overrides it, also as a context
@@ -228,10 +229,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # MoE: router and experts
 # ---------------------------------------------------------------------------------------------------
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router: softmax in fp32, top-k with lowest-index tie-break, optional renormalisation.
 
-    logits (M, E) -> ids (M, k) int64, weights (M, k) fp32.
+    logits (M, E) -> ids (M, k) int64 used, weights (M, k) fp32, chosen (M, k) int64: the router's own
+    top-k (equal to ids unless forced).
     forced_ids (M, k): replay (R3) these experts instead of choosing; the weights are still the
     model's own softmax probabilities of those experts, so the router keeps its gradient. A row of
     all -1 (a position nobody recorded, e.g. padding) is routed normally.
@@ -243,6 +245,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
         ids = torch.topk(probs, top_k, dim=-1).indices               # no tie-break guarantee
     else:
         ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    chosen = ids
     if forced_ids is not None:
         forced_ids = forced_ids.long()
         free = (forced_ids < 0).all(-1, keepdim=True)               # (M, 1) unrecorded rows
@@ -253,7 +256,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
         for j in range(1, top_k):                                    # fixed order, k ascending
             total = total + weights[:, j]
         weights = weights / total[:, None]
-    return ids, weights
+    return ids, weights, chosen
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -130,10 +130,10 @@ class MoE(nn.Module):
         B, T, D = x.shape
         x2 = x.reshape(B * T, D)                                # (M, D)
         logits = self.gate(x2)                                  # (M, E)
-        ids, weights = kernels.route(logits, self.top_k, self.norm_topk_prob,
-                                     None if forced_ids is None else forced_ids.reshape(B * T, -1))
+        ids, weights, chosen = kernels.route(logits, self.top_k, self.norm_topk_prob,
+                                             None if forced_ids is None else forced_ids.reshape(B * T, -1))
         out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
-        return out.view(B, T, D), ids.view(B, T, self.top_k)
+        return out.view(B, T, D), chosen.view(B, T, self.top_k)
 
 
 class Block(nn.Module):
@@ -147,7 +147,7 @@ class Block(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, x, cos, sin, positions, kv: PagedKV | None, forced_ids=None):
-        """x (B, T, D) -> (B, T, D), and the expert ids (B, T, top_k) on MoE layers (else None)."""
+        """x (B, T, D) -> (B, T, D), and the router's own top-k ids (B, T, top_k) on MoE layers (else None)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, self.layer_idx)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
@@ -225,6 +225,8 @@ class Transformer(nn.Module):
                              f"(batch, tokens, moe layers, top_k); pass the routes recorded for these exact tokens")
         if routes.dtype.is_floating_point:
             raise ValueError(f"routes must be integer expert ids, got {routes.dtype}")
+        if (routes < 0).all():
+            raise ValueError("routes are all -1: nothing to replay (were they recorded?); pass routes=None to route freely")
         if (routes < -1).any():
             raise ValueError("routes hold negative ids other than -1 (the mark of an unrecorded row)")
         unset = routes < 0
@@ -245,8 +247,9 @@ class Transformer(nn.Module):
         """Log-probs of tokens[:, 1:] under softmax(logits / temperature), and the routes used.
 
         tokens (B, T) int, right padding allowed (padded positions get values the caller masks out).
-        Returns logp (B, T-1) fp32 and routes (B, T, n_moe_layers, top_k) int64. With routes=, the
-        given experts are replayed (R3) and returned unchanged where set.
+        Returns logp (B, T-1) fp32 and routes (B, T, n_moe_layers, top_k) int64: the experts the router
+        chose. With routes=, the given experts are used instead (R3 replay; rows of -1 route freely)
+        and the returned routes are still the router's own choice, so a caller can audit the flips.
         """
         h, used = self.hidden_states(tokens, routes)
         logits = kernels.linear(h[:, :-1], self.lm_weight())              # (B, T-1, V)

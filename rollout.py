@@ -51,10 +51,6 @@ class Sequence:
     def __len__(self):
         return len(self.token_ids)
 
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
 
 class BlockManager:
     """Blocks (pages) of `block_size` KV positions, a free list, and reference counts for sharing."""

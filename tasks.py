@@ -90,8 +90,8 @@ class JsonlTask:
         self.tok = load_tokenizer(tokenizer_path)
         self.reward_fn: Callable = load_function(reward_fn)
         self.max_new_tokens = max_new_tokens
-        eos = self.tok.token_to_id("<|im_end|>") or self.tok.token_to_id("</s>") or self.tok.token_to_id("<|endoftext|>")
-        self.stop_token_ids = (eos,) if eos is not None else ()
+        ids = [self.tok.token_to_id(t) for t in ("<|im_end|>", "</s>", "<|endoftext|>")]
+        self.stop_token_ids = tuple(i for i in ids if i is not None)[:1]     # id 0 is a valid stop token
         self.vocab_size = self.tok.get_vocab_size()
         self.seed, self.epoch, self.pos = seed, 0, 0
         self._order = self._shuffle()

@@ -1,6 +1,6 @@
 """RL post-training of the MoE transformer: GRPO / GSPO and variants, with the train-inference fixes.
 
-    python train.py                                   # CPU default: tiny MoE learns to reverse digits
+    python train.py                                   # CPU default: a tiny MoE learns to copy digits
     python train.py --help                            # every option and its default
     python train.py --loss=gspo --replay=r3 --steps=50 --out_dir=out/gspo
     python train.py --resume --out_dir=out            # continue from out/latest
@@ -117,7 +117,7 @@ def correction_weights(old_logp, rollout_logp, mask, cfg: TrainConfig) -> torch.
 
 def kl_penalty(logp, ref_logp, estimator: str) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate from samples of pi (Schulman's k1, k2, k3)."""
-    d = ref_logp - logp
+    d = (ref_logp - logp).clamp(-20, 20)                             # as the ratio: exp must not overflow
     if estimator == "k1":
         return -d
     if estimator == "k2":
@@ -283,11 +283,13 @@ def all_cat(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return torch.cat(parts).cpu()
 
 
-SUMMED = ("loss", "clip_frac", "rollout_tokens_per_s")
+SUMMED = ("loss", "clip_frac", "rollout_tokens_per_s", "preemptions")
+SHARED = ("step", "lr")
 
 
 def reduce_metrics(row: dict, d: Dist) -> dict:
-    """Combine per-rank metrics: sums for SUMMED, max/min for *max*/*min*, the mean otherwise."""
+    """Combine per-rank metrics: sums for SUMMED, max/min for *max*/*min*, the mean otherwise (ranks
+    hold equal numbers of sequences, so a mean of rank means; token-level means are approximate)."""
     if d.world == 1:
         return row
     rows = [None] * d.world
@@ -295,7 +297,9 @@ def reduce_metrics(row: dict, d: Dist) -> dict:
     out = {}
     for k, v in row.items():
         vals = [r[k] for r in rows]
-        if isinstance(v, list):
+        if k in SHARED:
+            out[k] = v
+        elif isinstance(v, list):
             out[k] = [sum(x) / d.world for x in zip(*vals)]
         elif k in SUMMED:
             out[k] = sum(vals)
@@ -437,8 +441,10 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         load_optimizer_state(scorer, opt, state["optimizer"], fsdp)
     if d.master:
         if tcfg.resume:                                               # drop lines logged after the checkpoint
-            with open(metrics_path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= start]
+            kept = []
+            if os.path.exists(metrics_path):
+                with open(metrics_path) as f:
+                    kept = [line for line in f if json.loads(line)["step"] <= start]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
         elif os.path.exists(metrics_path):
@@ -490,7 +496,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         # ---- updates: minibatches of the rollout batch, each one optimizer step ----
         model.train()
         stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
-        n_updates = 0
+        n_updates, auditing = 0, audit is None
         perm_gen = torch.Generator().manual_seed(tcfg.seed * 7919 + step * 131 + d.rank)
         for epoch in range(tcfg.epochs):
             perm = torch.randperm(B, generator=perm_gen)
@@ -509,7 +515,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
                     with grad_sync(scorer, enabled=mlo == micro_starts[-1]):
                         logp, train_routes = score(scorer, mb, True)
                         logp = logp.float()
-                        if audit is None and n_updates == 0:
+                        if auditing and n_updates == 0:
                             # the policy has not moved yet: this forward measures train vs rollout
                             part = (logp.detach().cpu(), train_routes.cpu(), sub)
                             audit = part if mlo == 0 else tuple(torch.cat([a, b]) for a, b in zip(audit, part))
@@ -519,8 +525,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
                         if ref_model is not None:
                             loss_tok = loss_tok + tcfg.kl_coef * kl_penalty(logp, ref_logp[sub].to(device),
                                                                              tcfg.kl_estimator)
-                        agg = "seq_mean_token_mean" if tcfg.loss.startswith("gspo") else tcfg.agg
-                        loss = aggregate(loss_tok, mask, agg, n_tok, n_seq, max_new)
+                        loss = aggregate(loss_tok, mask, tcfg.aggregation, n_tok, n_seq, max_new)
                         (loss * d.world).backward()                   # DDP / FSDP average over ranks
                     stats["loss"] += loss.item()
                     stats["clip_frac"] += (clipped.float() * mask).sum().item() / n_tok

@@ -122,7 +122,7 @@ def bench(quick: bool, dev: str = "cuda") -> None:
     x = torch.randn(M, D, device=dev, dtype=bf16)
     w13 = (torch.randn(E, 2 * I, D, device=dev) * 0.02).to(bf16)
     w2 = (torch.randn(E, D, I, device=dev) * 0.02).to(bf16)
-    ids, wts = kernels.route(torch.randn(M, E, device=dev), k, True)
+    ids, wts, _ = kernels.route(torch.randn(M, E, device=dev), k, True)
     w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)                 # (E, D, 2I), (E, I, D) views
 
     def moe_loop():

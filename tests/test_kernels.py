@@ -216,27 +216,27 @@ def test_route_tie_break_lowest_index():
     logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0],
                            [2.0, 2.0, 2.0, 2.0, 2.0],
                            [0.0, 0.0, 5.0, 1.0, 5.0]])
-    ids, w = kernels.route(logits, 2, norm_topk_prob=False)
+    ids, w, _ = kernels.route(logits, 2, norm_topk_prob=False)
     assert ids.tolist() == [[1, 2], [0, 1], [2, 4]]
     assert ids.dtype == torch.int64 and w.dtype == torch.float32
-    ids3, _ = kernels.route(logits, 3, norm_topk_prob=False)
+    ids3, _, _ = kernels.route(logits, 3, norm_topk_prob=False)
     assert ids3.tolist() == [[1, 2, 3], [0, 1, 2], [2, 4, 3]]
 
 
 def test_route_weights():
     logits = torch.randn(50, 8) * 3
     probs = torch.softmax(logits.double(), -1)
-    ids, w = kernels.route(logits, 3, norm_topk_prob=False)
+    ids, w, _ = kernels.route(logits, 3, norm_topk_prob=False)
     top = probs.topk(3, dim=-1)
     assert torch.equal(ids, top.indices)                       # no ties in random data
     assert torch.allclose(w.double(), top.values, atol=1e-7)
     assert (w[:, :-1] >= w[:, 1:]).all()                       # descending
-    ids_n, w_n = kernels.route(logits, 3, norm_topk_prob=True)
+    ids_n, w_n, _ = kernels.route(logits, 3, norm_topk_prob=True)
     assert torch.equal(ids_n, ids)
     assert torch.allclose(w_n.sum(-1), torch.ones(50), atol=1e-6)
     assert torch.allclose(w_n.double(), top.values / top.values.sum(-1, keepdim=True), atol=1e-7)
     # bf16 logits: softmax is done in fp32
-    ids_b, w_b = kernels.route(logits.bfloat16(), 3, True)
+    ids_b, w_b, _ = kernels.route(logits.bfloat16(), 3, True)
     assert w_b.dtype == torch.float32
     assert torch.allclose(w_b.sum(-1), torch.ones(50), atol=1e-6)
 
@@ -245,8 +245,8 @@ def test_route_weights():
 def test_route_forced_ids(norm):
     logits = torch.randn(6, 8, requires_grad=True)
     forced = torch.tensor([[7, 0], [3, 5], [-1, -1], [1, 2], [-1, -1], [6, 4]])
-    ids, w = kernels.route(logits, 2, norm, forced_ids=forced)
-    free_ids, free_w = kernels.route(logits, 2, norm)
+    ids, w, _ = kernels.route(logits, 2, norm, forced_ids=forced)
+    free_ids, free_w, _ = kernels.route(logits, 2, norm)
     set_rows = torch.tensor([0, 1, 3, 5])
     assert torch.equal(ids[set_rows], forced[set_rows])        # honoured, in the given order
     assert torch.equal(ids[[2, 4]], free_ids[[2, 4]])          # all -1 rows are routed freely
@@ -281,7 +281,7 @@ def _moe_inputs(M, E=6, D=32, I=24, k=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, D, generator=g)
     w13, w2 = torch.randn(E, 2 * I, D, generator=g) * 0.2, torch.randn(E, D, I, generator=g) * 0.2
-    ids, weights = kernels.route(torch.randn(M, E, generator=g) * 2, k, True)
+    ids, weights, _ = kernels.route(torch.randn(M, E, generator=g) * 2, k, True)
     return x, w13, w2, ids, weights
 
 

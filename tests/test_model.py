@@ -476,12 +476,28 @@ def test_replay_own_routes_is_identity(replay_setup):
     assert torch.equal(lp3, logp) and torch.equal(r3, routes)
 
 
-def test_replay_forced_routes_obeyed_and_router_gets_gradient(replay_setup):
+def spy_expert_ids(monkeypatch):
+    """Record the expert ids every MoE layer actually computes with (what kernels.moe_experts gets)."""
+    seen = []
+    real = kernels.moe_experts
+
+    def spy(x, w13, w2, ids, weights):
+        seen.append(ids.clone())
+        return real(x, w13, w2, ids, weights)
+    monkeypatch.setattr(kernels, "moe_experts", spy)
+    return seen
+
+
+def test_replay_forced_routes_obeyed_and_router_gets_gradient(replay_setup, monkeypatch):
     model, tokens, logp, routes = replay_setup
     forced = rolled(routes, model.config.num_experts)
     model.zero_grad(set_to_none=True)
+    seen = spy_expert_ids(monkeypatch)
     lp, r = model.score(tokens, routes=forced)
-    assert torch.equal(r, forced)
+    used = torch.stack([ids.view(tokens.shape[0], tokens.shape[1], -1) for ids in seen], dim=2)
+    assert torch.equal(used, forced)                           # the experts computed are the forced ones
+    # score reports the router's own choice: at the first MoE layer its inputs are the free run's
+    assert torch.equal(r[:, :, 0], routes[:, :, 0]) and not torch.equal(r, forced)
     assert not torch.equal(lp.detach(), logp)
     assert (lp.detach() - logp).abs().max() > 1e-3
     lp.sum().backward()
@@ -491,14 +507,13 @@ def test_replay_forced_routes_obeyed_and_router_gets_gradient(replay_setup):
     model.zero_grad(set_to_none=True)
 
 
-def test_replay_with_all_unset_routes_is_free_run(replay_setup):
+def test_replay_with_no_recorded_route_is_an_error(replay_setup):
     model, tokens, logp, routes = replay_setup
-    with torch.no_grad():
-        lp, r = model.score(tokens, routes=torch.full_like(routes, -1))
-    assert torch.equal(lp, logp) and torch.equal(r, routes)
+    with pytest.raises(ValueError, match="all -1"):
+        model.score(tokens, routes=torch.full_like(routes, -1))
 
 
-def test_replay_one_unrecorded_token_is_routed_freely(replay_setup):
+def test_replay_one_unrecorded_token_is_routed_freely(replay_setup, monkeypatch):
     """Token t has all -1 rows; earlier tokens replay their own routes, later ones forced other routes.
     Then token t routes exactly as in the free run (its inputs are the free run's), the log-probs up to
     it are the free run's, and later tokens follow the forced routes."""
@@ -507,11 +522,14 @@ def test_replay_one_unrecorded_token_is_routed_freely(replay_setup):
     forced = rolled(routes, model.config.num_experts)
     forced[:, :t] = routes[:, :t]
     forced[:, t] = -1
+    seen = spy_expert_ids(monkeypatch)
     with torch.no_grad():
         lp, r = model.score(tokens, routes=forced)
-    assert torch.equal(r[:, t], routes[:, t])                  # free routing at t = the free run's
-    assert torch.equal(r[:, t + 1:], forced[:, t + 1:])
-    assert torch.equal(r[:, :t], routes[:, :t])
+    used = torch.stack([ids.view(tokens.shape[0], tokens.shape[1], -1) for ids in seen], dim=2)
+    assert torch.equal(used[:, t], routes[:, t])               # free routing at t = the free run's
+    assert torch.equal(used[:, t + 1:], forced[:, t + 1:])
+    assert torch.equal(used[:, :t], routes[:, :t])
+    assert torch.equal(r[:, :t + 1], routes[:, :t + 1])        # the router's own choice, reported
     assert torch.equal(lp[:, :t + 1], logp[:, :t + 1])         # logp[i] is read off hidden state i
     assert not torch.equal(lp[:, t + 1:], logp[:, t + 1:])
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import kernels
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
 from model import Transformer
@@ -161,11 +162,21 @@ def test_r3_replays_recorded_routes_and_router_learns():
     m = batch.route_mask
     assert torch.equal(r_free[m], batch.routes[m]) and torch.equal(r_r3[m], batch.routes[m])
     assert torch.equal(lp_r3 * batch.mask, batch.rollout_logp * batch.mask)
-    # replay forces other routes, and gradients still reach every router
+    # replay forces other routes (the experts computed are the forced ones), score still reports the
+    # router's own choice (so the audit can count flips), and gradients still reach every router
     forced = batch.routes.clone()
     forced[m] = (forced[m] + 1) % 6
-    lp, used = model.score(batch.tokens, routes=forced)
+    seen, real = [], kernels.moe_experts
+    kernels.moe_experts = lambda x, w13, w2, ids, w: (seen.append(ids.clone()), real(x, w13, w2, ids, w))[1]
+    try:
+        lp, own = model.score(batch.tokens, routes=forced)
+    finally:
+        kernels.moe_experts = real
+    B, T = batch.tokens.shape
+    used = torch.stack([ids.view(B, T, -1) for ids in seen], dim=2)
     assert torch.equal(used[m], forced[m])
+    assert torch.equal(own[m][:, 0], r_free[m][:, 0])               # first MoE layer: the free run's inputs
+    assert route_audit(batch.routes, r_r3, m, 6)["route_flip_frac"] == 0   # replaying its own: no flips
     (lp * batch.mask).sum().backward()
     for layer in model.layers:
         if layer.is_moe:

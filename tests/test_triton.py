@@ -287,7 +287,7 @@ def _moe_inputs(M, E=4, D=32, I=24, k=2, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, D, generator=g)
     w13, w2 = torch.randn(E, 2 * I, D, generator=g) * 0.2, torch.randn(E, D, I, generator=g) * 0.2
-    ids, weights = kernels.route(torch.randn(M, E, generator=g) * 2, k, True)
+    ids, weights, _ = kernels.route(torch.randn(M, E, generator=g) * 2, k, True)
     return (x.to(DEV, dtype), w13.to(DEV, dtype), w2.to(DEV, dtype), ids.to(DEV), weights.to(DEV))
 
 
@@ -397,8 +397,8 @@ def test_gpu_rows_ops(dtype):
     assert torch.equal(kt.token_logprobs(z[5:6], tg[5:6], 0.7), lp[5:6])
     # the ops left to torch on CUDA (router softmax + top-k, RoPE, SiLU*up) are row-invariant too
     logits = randn(300, 64, scale=3, seed=2, dtype=dtype)
-    ids, wts = kernels.route(logits, 8, True)
-    ids1, wts1 = kernels.route(logits[17:18], 8, True)
+    ids, wts, _ = kernels.route(logits, 8, True)
+    ids1, wts1, _ = kernels.route(logits[17:18], 8, True)
     assert torch.equal(ids1, ids[17:18]) and torch.equal(wts1, wts[17:18])
     u = randn(300, 2048, seed=3, dtype=dtype)
     assert torch.equal(kernels.silu_mul(x[17:18], u[17:18]), kernels.silu_mul(x, u)[17:18])
