@@ -258,13 +258,16 @@ class Transformer(nn.Module):
     # ---- Hugging Face checkpoints ----
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype | None = None, device="cpu") -> "Transformer":
-        """Load a Qwen3-MoE safetensors directory (single file or sharded; per-expert or fused experts)."""
+        """Load a Qwen3-MoE safetensors directory (single file or sharded; per-expert or fused experts).
+
+        dtype: None keeps the checkpoint's (that of its embedding); any other is converted to.
+        """
         config = ModelConfig.from_hf(path)
         with torch.device("meta"):
             model = cls(config)
         tensors = read_safetensors_dir(path)
         state = hf_to_state(tensors, model)
-        dtype = dtype or _common_dtype(state.values())
+        dtype = dtype or state["embed_tokens.weight"].dtype   # the weights' dtype (norms are often fp32)
         model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True)
         return model
 
@@ -297,11 +300,6 @@ class Transformer(nn.Module):
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
-
-
-def _common_dtype(tensors) -> torch.dtype:
-    dts = {t.dtype for t in tensors if t.is_floating_point()}
-    return dts.pop() if len(dts) == 1 else torch.float32
 
 
 def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:

@@ -166,7 +166,7 @@ class Scheduler:
 
 class Sampler:
     def __init__(self, model: Transformer, block_size: int = 16, num_blocks: int | None = None,
-                 max_batch_size: int = 64, max_num_batched_tokens: int = 4096,
+                 max_batch_size: int = 256, max_num_batched_tokens: int = 4096,
                  kv_memory_fraction: float = 0.5, cpu_kv_bytes: int = 1 << 30, mode: str = "invariant",
                  router_bf16: bool = False):
         """A sampler over `model`'s own weights (no copy: the trainer's updates are seen at once).
