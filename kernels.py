@@ -13,8 +13,8 @@ How each op keeps the contract on the CPU (torch backend; each rule is checked b
              SiLU is written as x / (1 + exp(-x)), RMSNorm divides by sqrt instead of using rsqrt.
 * attention: keys are visited in KV_BLOCK-key tiles at absolute positions 0, 16, 32, ... with an
              online softmax; a fully masked tile is an exact no-op, so prefill (many queries), decode
-             (one query) and any padding give the same bits. q.k and p.v are multiply-then-sum over the
-             last dim (never a bmm whose shape depends on the number of queries).
+             (one query) and any padding give the same bits. q.k and p.v are bmm's over fixed
+             ATTN_ROWS-row tiles of query rows (never a GEMM whose shape depends on the number of queries).
 * MoE:       a stable sort of (token, k) slots by expert, each expert's rows through the chunked linear,
              the router weight applied in fp32, then a fixed-order fp32 sum over k. No index_add_, no atomics.
 * router:    softmax in fp32, top-k by a stable descending sort (ties go to the lowest expert id).
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 ROW_CHUNK = 32   # rows per matmul tile; fixed, never chosen from the number of rows
 KV_BLOCK = 16    # keys per attention tile; a KV page holds a whole number of tiles
+ATTN_ROWS = 16   # query rows per attention bmm tile (small: decode has only heads-per-KV-head rows)
 
 # --- backend selection ------------------------------------------------------------------------------
 BACKENDS = ("torch", "triton", "auto")
@@ -202,27 +203,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     keys = k_cache[pages].flatten(1, 2)
     vals = v_cache[pages].flatten(1, 2)
 
-    qf = (q.float() * scale).view(B, T, KVH, G, 1, D)               # fold the scale into q once
-    m = q.new_full((B, T, KVH, G), float("-inf"), dtype=torch.float32)
-    l = torch.zeros((B, T, KVH, G), dtype=torch.float32, device=q.device)
-    acc = torch.zeros((B, T, KVH, G, D), dtype=torch.float32, device=q.device)
+    # The T * G query rows of each (sequence, KV head) go through fixed ATTN_ROWS-row bmm tiles, as in
+    # linear(): a row's q.k and p.v never see a GEMM shape that depends on how many rows there are.
+    R = T * G
+    n_chunks = -(-R // ATTN_ROWS)
+    pad = n_chunks * ATTN_ROWS - R
+    qr = (q.float() * scale).view(B, T, KVH, G, D).permute(0, 2, 1, 3, 4).reshape(B, KVH, R, D)
+    qr = F.pad(qr, (0, 0, 0, pad)).view(B * KVH * n_chunks, ATTN_ROWS, D)      # (B*KVH*nC, C, D)
+    row_pos = positions[:, None, :, None].expand(B, 1, T, G).reshape(B, 1, R)
+    row_pos = F.pad(row_pos, (0, pad))                               # padding rows see key 0 only: finite
+    m = torch.full((B, KVH, R + pad), float("-inf"), dtype=torch.float32, device=q.device)
+    l = torch.zeros((B, KVH, R + pad), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((B, KVH, R + pad, D), dtype=torch.float32, device=q.device)
     offs = torch.arange(KV_BLOCK, device=q.device)
+
+    def per_chunk(t):                                                # (B, KVH, ...) -> (B*KVH*nC, ...)
+        return t[:, :, None].expand(B, KVH, n_chunks, *t.shape[2:]).reshape(-1, *t.shape[2:])
     for t in range(n_tiles):
         lo = t * KV_BLOCK
-        k = keys[:, lo:lo + KV_BLOCK].float().permute(0, 2, 1, 3)   # (B, KVH, KB, D)
-        v = vals[:, lo:lo + KV_BLOCK].float().permute(0, 2, 3, 1)   # (B, KVH, D, KB)
-        s = (qf * k[:, None, :, None]).sum(-1)                      # (B, T, KVH, G, KB)
-        visible = (lo + offs)[None, None, :] <= positions[:, :, None]   # (B, T, KB)
-        s = s.masked_fill(~visible[:, :, None, None, :], float("-inf"))
+        k = keys[:, lo:lo + KV_BLOCK].float().permute(0, 2, 3, 1)   # (B, KVH, D, KB)
+        v = vals[:, lo:lo + KV_BLOCK].float().permute(0, 2, 1, 3)   # (B, KVH, KB, D)
+        s = torch.bmm(qr, per_chunk(k)).view(B, KVH, R + pad, KV_BLOCK)
+        visible = (lo + offs)[None, None, None, :] <= row_pos[..., None]      # (B, 1, R+pad, KB)
+        s = s.masked_fill(~visible, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[..., None])                         # (B, T, KVH, G, KB)
+        p = torch.exp(s - m_new[..., None])                         # (B, KVH, R+pad, KB)
         l = l * alpha + p.sum(-1)
-        pv = (p[:, :, :, :, None, :] * v[:, None, :, None]).sum(-1)  # (B, T, KVH, G, D)
+        pv = torch.bmm(p.view(-1, ATTN_ROWS, KV_BLOCK), per_chunk(v)).view(B, KVH, R + pad, D)
         acc = acc * alpha[..., None] + pv
         m = m_new
-    out = acc / l[..., None]
-    return out.view(B, T, H, D).to(q.dtype)
+    out = (acc / l[..., None])[:, :, :R].reshape(B, KVH, T, G, D)   # (B, KVH, T, G, D)
+    return out.permute(0, 2, 1, 3, 4).reshape(B, T, H, D).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
