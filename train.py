@@ -428,10 +428,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         task.load_state_dict(state["task"])
         start = state["step"]
     ref_model = None
-    if tcfg.kl_coef > 0:                                              # a frozen copy of the initial policy
-        ref_model = copy.deepcopy(model).requires_grad_(False)
-        if tcfg.resume:
-            ref_model = build_model(tcfg, device, dtype).requires_grad_(False)
+    if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
+        ref_model = (build_model(tcfg, device, dtype) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
     scorer, full_model, sync_full_weights = parallelize(model, tcfg, d)
     rollout_model, sync_rollout_weights = full_model, sync_full_weights
     fsdp = d.world > 1 and tcfg.parallel == "fsdp"
