@@ -14,7 +14,8 @@ Ops (one section each: kernel(s), then the autograd Function):
 * rms_norm          one program per row, fp32
 * token_logprobs    one program per row, online logsumexp over fixed V chunks (no full log-softmax)
 * paged_attention   one kernel for trainer prefill, rollout prefill and decode; recompute backward
-* moe_experts       stable host sort by expert, grouped GEMMs (SiLU*up fused), fixed-order combine
+* moe_experts       stable sort by expert (torch, no atomics), grouped GEMMs (SiLU*up fused),
+                    fixed-order combine; backward: grouped GEMMs + per-expert weight-gradient loops
 The router softmax/top-k, RoPE and the dense SiLU*up stay torch ops (elementwise or tiny, and
 row-local); tests/test_triton.py checks their invariance on CUDA.
 
@@ -22,6 +23,10 @@ Under the interpreter `tl.dot` on bf16 operands is wrong, so every dot upcasts t
 and fp32 -> bf16 casts round toward zero (the GPU rounds to nearest even): test bf16 on a GPU only.
 Cross-backend results agree within tolerance, not bitwise (different summation orders); within one
 backend the invariance contract is bitwise.
+
+The interpreter cannot show that the kernels compile: tests/compile_check.py compiles every launch
+the model makes to a cubin (Triton's bundled ptxas, no GPU needed) and checks that each call site
+gets one binary for every batch geometry (see ATTN_GEOMETRY below).
 """
 from __future__ import annotations
 
@@ -47,6 +52,21 @@ MOE_TILES = {torch.float32: (32, 32, 32, 4), torch.bfloat16: (64, 64, 64, 4), to
 ATTN_ROWS = 64                     # query rows (queries x GQA heads) per attention program
 LOGPROB_CHUNK = 2048               # vocabulary entries per step of the online logsumexp
 
+# One compiled binary per call site, whatever the batch. A CUDA launch specializes integer arguments
+# (== 1 becomes a constant, % 16 == 0 an alignment hint) into separate binaries; the row count and the
+# strides that follow the batch geometry are therefore do_not_specialize, so decode (T = 1) and
+# prefill, one sequence or many, run the same machine code (tests/compile_check.py checks it).
+ATTN_GEOMETRY = ["T", "s_qb", "s_pb", "s_pt", "s_bb"]
+# FP contraction off: every float op rounds as written (no mul+add -> fma chosen by the compiler),
+# which keeps the kernels close to their torch twins and their bits independent of code layout.
+LAUNCH = dict(enable_fp_fusion=False)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it if its data pointer is not 16-byte aligned (a view at an odd offset). A
+    launch specializes on pointer alignment; the copy keeps one call site on one binary."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
 
 def _tiles(table, *tensors):
     """The tile config of the operands' dtype (mixed dtypes run in fp32)."""
@@ -57,7 +77,7 @@ def _tiles(table, *tensors):
 # ===================================================================================================
 # linear: y = x @ w.T
 # ===================================================================================================
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk, s_cm, s_cn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
     # Invariance: the tile shape (BM, BN, BK) is fixed per dtype, one program owns one output tile
@@ -92,7 +112,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     upcast = UPCAST or a.dtype != b.dtype
     _matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BM=BM, BN=BN, BK=BK, UPCAST=upcast, num_warps=warps)
+        BM=BM, BN=BN, BK=BK, UPCAST=upcast, num_warps=warps, **LAUNCH)
     return c
 
 
@@ -114,7 +134,7 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     lead, K = x.shape[:-1], x.shape[-1]
-    y = _Linear.apply(x.reshape(-1, K), w)                        # (M, N)
+    y = _Linear.apply(_aligned(x.reshape(-1, K)), _aligned(w))   # (M, N)
     return y.view(*lead, w.shape[0])
 
 
@@ -165,7 +185,7 @@ class _RMSNorm(torch.autograd.Function):
         r = torch.empty(M, dtype=torch.float32, device=x2.device)
         if M:
             _rms_fwd_kernel[(M,)](x2, w, y, r, N, x2.stride(0), y.stride(0), eps,
-                                  BLOCK=triton.next_power_of_2(N))
+                                  BLOCK=triton.next_power_of_2(N), **LAUNCH)
         ctx.save_for_backward(x2, w, r)
         return y
 
@@ -178,7 +198,7 @@ class _RMSNorm(torch.autograd.Function):
         dwp = torch.empty(M, N, dtype=torch.float32, device=x2.device)      # per-row dw
         if M:
             _rms_bwd_kernel[(M,)](dy, x2, w, r, dx, dwp, N, dy.stride(0), x2.stride(0), dx.stride(0),
-                                  BLOCK=triton.next_power_of_2(N))
+                                  BLOCK=triton.next_power_of_2(N), **LAUNCH)
         return dx, dwp.sum(0).to(w.dtype), None
 
 
@@ -187,7 +207,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.reshape(-1, N)                                          # (M, N)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    return _RMSNorm.apply(x2, weight.contiguous(), eps).view(*x.shape[:-1], N)
+    return _RMSNorm.apply(_aligned(x2), _aligned(weight.contiguous()), eps).view(*x.shape[:-1], N)
 
 
 # ===================================================================================================
@@ -249,7 +269,7 @@ class _TokenLogprobs(torch.autograd.Function):
         scale = temperature not in (0.0, 1.0)
         if R:
             _logprob_fwd_kernel[(R,)](z2, t1, out, lse, V, z2.stride(0), float(temperature),
-                                      SCALE=scale, BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)))
+                                      SCALE=scale, BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)), **LAUNCH)
         ctx.save_for_backward(z2, t1, lse)
         ctx.temperature = temperature
         return out
@@ -263,7 +283,7 @@ class _TokenLogprobs(torch.autograd.Function):
         if R:
             _logprob_bwd_kernel[(R,)](z2, t1, lse, g.contiguous(), dz, V, z2.stride(0), dz.stride(0), float(t),
                                       SCALE=t not in (0.0, 1.0),
-                                      BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)))
+                                      BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)), **LAUNCH)
         return dz, None, None
 
 
@@ -273,7 +293,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     if z2.stride(1) != 1:
         z2 = z2.contiguous()
     t1 = targets.reshape(-1).to(device=logits.device, dtype=torch.long).contiguous()   # (R,)
-    return _TokenLogprobs.apply(z2, t1, float(temperature)).view(targets.shape)
+    return _TokenLogprobs.apply(_aligned(z2), _aligned(t1), float(temperature)).view(targets.shape)
 
 
 # ===================================================================================================
@@ -311,7 +331,7 @@ def _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd
     return k, v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ATTN_GEOMETRY + ["s_ob"])
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
                      s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
                      s_ob, s_ot, s_oh, s_od, T, H, KVH, G, D, PAGE, scale,
@@ -351,7 +371,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
     tl.store(lse_ptr + (b * T + t) * H + h, m + tl.log(l), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ATTN_GEOMETRY)
 def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                         s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
                         T, H, KVH, G, D, PAGE, scale,
@@ -384,7 +404,7 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, d
     tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ATTN_GEOMETRY)
 def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                          s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
                          T, H, KVH, G, D, PAGE, NKEYS, scale,
@@ -444,7 +464,7 @@ class _PagedAttention(torch.autograd.Function):
         _attn_fwd_kernel[(triton.cdiv(T, BT), B * KVH)](
             q, k_cache, v_cache, block_table, positions, out, lse,
             *_strides(q, k_cache, block_table, positions, out), T, H, KVH, G, D, PAGE, scale,
-            BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST)
+            BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST, **LAUNCH)
         ctx.save_for_backward(q, k_cache, v_cache, block_table, positions, out, lse)
         ctx.scale = scale
         return out
@@ -459,7 +479,7 @@ class _PagedAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         _attn_bwd_dq_kernel[(triton.cdiv(T, BT), B * KVH)](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dq, *common, ctx.scale,
-            BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST)
+            BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST, **LAUNCH)
         # dK, dV per sequence over the tiles any query can see, then into the pages
         pos_max = positions.amax(1)                                        # (B,)
         n_tiles = int(pos_max.max()) // KV_BLOCK + 1
@@ -468,7 +488,7 @@ class _PagedAttention(torch.autograd.Function):
         dv_seq = torch.zeros_like(dk_seq)
         _attn_bwd_dkv_kernel[(n_tiles, B * KVH)](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dk_seq, dv_seq, *common, nkeys,
-            ctx.scale, BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST)
+            ctx.scale, BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST, **LAUNCH)
         used = torch.arange(nkeys // PAGE, device=q.device)[None, :] <= (pos_max // PAGE)[:, None]  # (B, NP)
         pages = block_table[:, :nkeys // PAGE].long()[used]               # (n_used,)
         dk_pages = dk_seq.view(B, -1, PAGE, KVH, D)[used]                 # (n_used, PAGE, KVH, D)
@@ -485,12 +505,27 @@ class _PagedAttention(torch.autograd.Function):
 
 
 def paged_attention(q, k_cache, v_cache, block_table, positions, scale):
-    return _PagedAttention.apply(q, k_cache, v_cache, block_table, positions.to(q.device), float(scale))
+    # one index dtype for every caller (the trainer's arange and the sampler's tables are int64)
+    block_table, positions = (_aligned(t.to(device=q.device, dtype=torch.long)) for t in (block_table, positions))
+    return _PagedAttention.apply(_aligned(q), _aligned(k_cache), _aligned(v_cache), block_table, positions, float(scale))
 
 
 # ===================================================================================================
 # MoE experts
 # ===================================================================================================
+# Rows: the (token, k) slots sorted stably by expert (slot = token * TOPK + j); a tile is up to BM
+# sorted rows of ONE expert. Forward: up (gate/up GEMM, SiLU * up fused) -> down (GEMM, router weight
+# in fp32, stored per slot) -> fixed-order fp32 sum over k. Backward, all deterministic (every output
+# element is written by one program, reductions run in index order, no atomics):
+#   gw  = dL/dout[token] @ W2[e]                 (S, I) per sorted row       _moe_gemm_kernel
+#   act, dh = d(SiLU(g) * u), dwt partial sums    recomputes gate/up          _moe_up_kernel(BWD)
+#   dx  = dh @ W13[e] per slot, then sum over k   (S, D)                      _moe_gemm_kernel
+#   dW2[e] = (wt * dL/dout)^T act, dW13[e] = dh^T x, each over expert e's rows in order   _moe_wgrad_kernel
+EPI_WEIGHTED = tl.constexpr(0)    # forward down projection: round, times the router weight, at the slot
+EPI_SLOT = tl.constexpr(1)        # fp32 result at the slot (dx)
+EPI_ROW = tl.constexpr(2)         # fp32 result at the sorted row (gw)
+
+
 @triton.jit
 def _moe_tile(tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr, TOPK, BM: tl.constexpr):
     tile = tl.program_id(0)
@@ -502,13 +537,16 @@ def _moe_tile(tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr, TOPK, BM: tl.co
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, w13_ptr, a_ptr, tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr,
-                   D, I, TOPK, s_xm, s_xk, s_we, s_wn, s_wk, s_am,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+def _moe_up_kernel(x_ptr, w13_ptr, a_ptr, gw_ptr, wt_ptr, dh_ptr, dwt_ptr,
+                   tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr,
+                   D, I, TOPK, s_xm, s_xk, s_we, s_wn, s_wk,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BWD: tl.constexpr, UPCAST: tl.constexpr):
     # Invariance: each tile holds rows of ONE expert (the host sorted slots by expert, stably) and
     # runs the whole D loop in order in a fixed tile shape, so a row's gate/up values do not depend
     # on the other rows or on its place in the tile. SiLU(gate) * up is fused, rounded as the
-    # torch backend rounds (h to x.dtype, then the product).
+    # torch backend rounds (h to x.dtype, then the product). act, gw: (S, I); dh: (S, 2I), contiguous.
+    # BWD: also da = wt * gw, dh = (da * u * SiLU'(g), da * SiLU(g)) and this column block's share
+    # of dL/dwt = act . gw (= round(y) . dL/dout up to y's rounding), one partial per (slot, block).
     e, rows, rmask, slot, tok = _moe_tile(tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr, TOPK, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -528,33 +566,84 @@ def _moe_up_kernel(x_ptr, w13_ptr, a_ptr, tile_e_ptr, row_start_ptr, row_end_ptr
         acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
     g = acc_g.to(a_ptr.dtype.element_ty).to(tl.float32)
     u = acc_u.to(a_ptr.dtype.element_ty).to(tl.float32)
-    act = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
-    tl.store(a_ptr + rows[:, None] * s_am + rn[None, :], act.to(a_ptr.dtype.element_ty),
-             mask=rmask[:, None] & (rn[None, :] < I))
+    silu = tl.div_rn(g, 1.0 + tl.exp(-g))
+    act = (silu * u).to(a_ptr.dtype.element_ty)
+    ok = rmask[:, None] & (rn[None, :] < I)
+    tl.store(a_ptr + rows[:, None] * I + rn[None, :], act, mask=ok)
+    if BWD:
+        gw = tl.load(gw_ptr + rows[:, None] * I + rn[None, :], mask=ok, other=0.0)        # fp32
+        tl.store(dwt_ptr + slot * tl.num_programs(1) + tl.program_id(1), tl.sum(act.to(tl.float32) * gw, 1),
+                 mask=rmask)
+        da = gw * tl.load(wt_ptr + slot, mask=rmask, other=0.0)[:, None]
+        sig = tl.div_rn(1.0, 1.0 + tl.exp(-g))
+        dg = da * u * sig * (1.0 + g * (1.0 - sig))
+        du = da * silu
+        dh = dh_ptr + rows[:, None] * (2 * I) + rn[None, :]
+        tl.store(dh, dg.to(dh_ptr.dtype.element_ty), mask=ok)
+        tl.store(dh + I, du.to(dh_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _moe_down_kernel(a_ptr, w2_ptr, wt_ptr, y_ptr, tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr,
-                     D, I, TOPK, s_am, s_we, s_wn, s_wk,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
-    # Invariance: as _moe_up_kernel. The result is rounded to x.dtype, scaled by the router weight
-    # in fp32 and stored at the row's slot (no accumulation here: the combine over k is done later
-    # in a fixed order).
+def _moe_gemm_kernel(a_ptr, w_ptr, wt_ptr, out_ptr, tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr,
+                     K, N, TOPK, s_am, s_we, s_wn, s_wk, s_om,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+                     EPI: tl.constexpr, UPCAST: tl.constexpr):
+    # out[row] = A[row] @ W[e]^T over the tiles' sorted rows; W[e]'s element (n, k) sits at
+    # e * s_we + n * s_wn + k * s_wk, so the same kernel runs act @ W2^T (forward), dL/dout @ W2 and
+    # dh @ W13 (backward) by passing strides. A's row is the sorted row, or its token (A_BY_TOKEN).
+    # Invariance: as _moe_up_kernel. The forward (EPI_WEIGHTED) rounds the result to A's dtype, scales
+    # it by the router weight in fp32 and stores it at the row's slot; the sum over k comes later, in
+    # a fixed order.
     e, rows, rmask, slot, tok = _moe_tile(tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr, TOPK, BM)
+    arow = tok if A_BY_TOKEN else rows
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, I, BK):
+    for k0 in range(0, K, BK):
         kk = k0 + rk
-        a = tl.load(a_ptr + rows[:, None] * s_am + kk[None, :], mask=rmask[:, None] & (kk[None, :] < I), other=0.0)
-        w = tl.load(w2_ptr + e * s_we + rn[None, :] * s_wn + kk[:, None] * s_wk,
-                    mask=(rn[None, :] < D) & (kk[:, None] < I), other=0.0)                 # (BK, BN)
+        a = tl.load(a_ptr + arow[:, None] * s_am + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + e * s_we + rn[None, :] * s_wn + kk[:, None] * s_wk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)                 # (BK, BN)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision="ieee")
-    wt = tl.load(wt_ptr + slot, mask=rmask, other=0.0)                                     # fp32
-    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
-    tl.store(y_ptr + slot[:, None] * D + rn[None, :], y, mask=rmask[:, None] & (rn[None, :] < D))
+    omask = rmask[:, None] & (rn[None, :] < N)
+    if EPI == EPI_WEIGHTED:
+        wt = tl.load(wt_ptr + slot, mask=rmask, other=0.0)                                 # fp32
+        y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
+        tl.store(out_ptr + slot[:, None] * s_om + rn[None, :], y, mask=omask)
+    elif EPI == EPI_SLOT:
+        tl.store(out_ptr + slot[:, None] * s_om + rn[None, :], acc, mask=omask)
+    else:
+        tl.store(out_ptr + rows[:, None] * s_om + rn[None, :], acc, mask=omask)
+
+
+@triton.jit
+def _moe_wgrad_kernel(a_ptr, b_ptr, wt_ptr, out_ptr, offsets_ptr, order_ptr, N1, N2, TOPK, s_am, s_bm,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+                      B_BY_TOKEN: tl.constexpr, SCALE_A: tl.constexpr, UPCAST: tl.constexpr):
+    # out[e] (N1, N2) fp32 = sum over expert e's sorted rows r of A[r]^T B[r] (A[r] times the router
+    # weight when SCALE_A). One program per (expert, N1 tile, N2 tile) walks the rows in order: the
+    # weight gradient is a plain loop, no split over rows, no atomics.
+    e = tl.program_id(0)
+    n1 = tl.program_id(1) * BM + tl.arange(0, BM)
+    n2 = tl.program_id(2) * BN + tl.arange(0, BN)
+    end = tl.load(offsets_ptr + e + 1)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for r0 in range(tl.load(offsets_ptr + e), end, BK):
+        r = r0 + tl.arange(0, BK)
+        rmask = r < end
+        slot = tl.load(order_ptr + r, mask=rmask, other=0)
+        ra = slot // TOPK if A_BY_TOKEN else r
+        rb = slot // TOPK if B_BY_TOKEN else r
+        at = tl.load(a_ptr + ra[None, :] * s_am + n1[:, None], mask=rmask[None, :] & (n1[:, None] < N1), other=0.0)
+        if SCALE_A:                                                                        # (BM, BK)
+            at = (at.to(tl.float32) * tl.load(wt_ptr + slot, mask=rmask, other=0.0)[None, :]).to(a_ptr.dtype.element_ty)
+        b = tl.load(b_ptr + rb[:, None] * s_bm + n2[None, :], mask=rmask[:, None] & (n2[None, :] < N2), other=0.0)
+        if UPCAST:                                                                         # (BK, BN)
+            at, b = at.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(at, b, acc, input_precision="ieee")
+    tl.store(out_ptr + e * N1 * N2 + n1[:, None] * N2 + n2[None, :], acc, mask=(n1[:, None] < N1) & (n2[None, :] < N2))
 
 
 def _moe_plan(ids: torch.Tensor, E: int, BM: int):
@@ -575,45 +664,15 @@ def _moe_plan(ids: torch.Tensor, E: int, BM: int):
     e = tile_e.clamp(max=E - 1)
     row_start = offsets[e] + (i - (tile_end[e] - tiles[e])) * BM
     row_end = torch.where(valid, offsets[e + 1], row_start)
-    return order, offsets, e.contiguous(), row_start.contiguous(), row_end.contiguous()
+    return order, offsets, (e.contiguous(), row_start.contiguous(), row_end.contiguous(), order)
 
 
-def _moe_backward(x, w13, w2, ids, weights, order, offsets, gout):
-    """Deterministic backward in torch fp32, one expert at a time over its sorted slots (no index_add:
-    every slot is written once, the k-sum is a fixed-order loop)."""
-    M, D = x.shape
-    k, I = ids.shape[1], w2.shape[2]
-    go = gout.float()
-    wflat = weights.reshape(-1)
-    dx_slot = torch.zeros(M * k, D, dtype=torch.float32, device=x.device)
-    dwt = torch.zeros(M * k, dtype=torch.float32, device=x.device)
-    dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
-    dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
-    offs = offsets.tolist()
-    for e in range(w13.shape[0]):
-        if offs[e] == offs[e + 1]:
-            continue
-        slots = order[offs[e]:offs[e + 1]]
-        tok = slots // k
-        xs, W13, W2 = x[tok].float(), w13[e].float(), w2[e].float()        # (n, D), (2I, D), (D, I)
-        h = (xs @ W13.T).to(x.dtype).float()                               # (n, 2I), rounded as forward
-        g, u = h[:, :I], h[:, I:]
-        sig = 1.0 / (1.0 + torch.exp(-g))
-        a = (g * sig * u).to(x.dtype).float()                              # (n, I)
-        y = (a @ W2.T).to(x.dtype).float()                                 # (n, D)
-        gs = go[tok]
-        dwt[slots] = (gs * y).sum(-1)
-        dy = gs * wflat[slots, None]
-        dw2[e] = dy.T @ a
-        da = dy @ W2                                                       # (n, I)
-        dh = torch.cat([da * u * sig * (1.0 + g * (1.0 - sig)), da * g * sig], 1)   # (n, 2I)
-        dw13[e] = dh.T @ xs
-        dx_slot[slots] = dh @ W13
-    dx_slot = dx_slot.view(M, k, D)
-    dx = dx_slot[:, 0]
-    for j in range(1, k):
-        dx = dx + dx_slot[:, j]
-    return dx.to(x.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype), dwt.view(M, k)
+def _sum_over_k(per_slot: torch.Tensor) -> torch.Tensor:
+    """(M, k, D) fp32 -> (M, D): the k terms added left to right (a fixed order, whatever M is)."""
+    out = per_slot[:, 0]
+    for j in range(1, per_slot.shape[1]):
+        out = out + per_slot[:, j]
+    return out
 
 
 class _MoE(torch.autograd.Function):
@@ -622,32 +681,63 @@ class _MoE(torch.autograd.Function):
         M, D = x.shape
         E, k, I = w13.shape[0], ids.shape[1], w2.shape[2]
         BM, BN, BK, warps = _tiles(MOE_TILES, x, w13, w2)
-        order, offsets, tile_e, row_start, row_end = _moe_plan(ids, E, BM)
+        order, offsets, plan = _moe_plan(ids, E, BM)
         wt = weights.float().contiguous()
         act = torch.empty(M * k, I, dtype=x.dtype, device=x.device)      # (S, I) in sorted order
         y = torch.empty(M * k, D, dtype=torch.float32, device=x.device)  # (S, D) in slot order
+        opts = dict(BM=BM, BN=BN, BK=BK, UPCAST=UPCAST or len({x.dtype, w13.dtype, w2.dtype}) > 1,
+                    num_warps=warps, **LAUNCH)
         if M:
-            upcast = UPCAST or len({x.dtype, w13.dtype, w2.dtype}) > 1
-            n_tiles = tile_e.numel()
+            n_tiles = plan[0].numel()
             _moe_up_kernel[(n_tiles, triton.cdiv(I, BN))](
-                x, w13, act, tile_e, row_start, row_end, order, D, I, k, x.stride(0), x.stride(1),
-                *w13.stride(), act.stride(0), BM=BM, BN=BN, BK=BK, UPCAST=upcast, num_warps=warps)
-            _moe_down_kernel[(n_tiles, triton.cdiv(D, BN))](
-                act, w2, wt, y, tile_e, row_start, row_end, order, D, I, k, act.stride(0), *w2.stride(),
-                BM=BM, BN=BN, BK=BK, UPCAST=upcast, num_warps=warps)
-        per_slot = y.view(M, k, D)
-        out = per_slot[:, 0]
-        for j in range(1, k):                                            # fixed-order fp32 combine
-            out = out + per_slot[:, j]
-        ctx.save_for_backward(x, w13, w2, ids, weights, order, offsets)
-        return out.to(x.dtype)
+                x, w13, act, act, wt, act, wt, *plan, D, I, k, x.stride(0), x.stride(1), *w13.stride(),
+                BWD=False, **opts)
+            _moe_gemm_kernel[(n_tiles, triton.cdiv(D, BN))](
+                act, w2, wt, y, *plan, I, D, k, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
+                A_BY_TOKEN=False, EPI=EPI_WEIGHTED, **opts)
+        ctx.save_for_backward(x, w13, w2, wt, offsets, *plan)
+        ctx.opts, ctx.k, ctx.wt_dtype = opts, k, weights.dtype
+        return _sum_over_k(y.view(M, k, D)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, gout):
-        x, w13, w2, ids, weights, order, offsets = ctx.saved_tensors
-        dx, dw13, dw2, dwt = _moe_backward(x, w13, w2, ids, weights, order, offsets, gout)
-        return dx, dw13, dw2, None, dwt.to(weights.dtype)
+        x, w13, w2, wt, offsets, *plan = ctx.saved_tensors
+        order, opts = plan[3], ctx.opts
+        M, D = x.shape
+        E, I, S = w13.shape[0], w2.shape[2], order.numel()
+        k = ctx.k
+        BM, BN = opts["BM"], opts["BN"]
+        gout = gout.to(x.dtype).contiguous()
+        x = x.contiguous()
+        dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
+        dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
+        if not M:
+            return torch.zeros_like(x), dw13.to(w13.dtype), dw2.to(w2.dtype), None, torch.zeros(0, k, dtype=ctx.wt_dtype, device=x.device)
+        n_tiles, n_blocks = plan[0].numel(), triton.cdiv(I, BN)
+        gw = torch.empty(S, I, dtype=torch.float32, device=x.device)       # dL/dout[token] @ W2[e], sorted rows
+        _moe_gemm_kernel[(n_tiles, n_blocks)](
+            gout, w2, wt, gw, *plan, D, I, k, gout.stride(0), w2.stride(0), w2.stride(2), w2.stride(1), gw.stride(0),
+            A_BY_TOKEN=True, EPI=EPI_ROW, **opts)
+        act = torch.empty(S, I, dtype=x.dtype, device=x.device)
+        dh = torch.empty(S, 2 * I, dtype=x.dtype, device=x.device)
+        dwt_part = torch.empty(S, n_blocks, dtype=torch.float32, device=x.device)
+        _moe_up_kernel[(n_tiles, n_blocks)](
+            x, w13, act, gw, wt, dh, dwt_part, *plan, D, I, k, x.stride(0), x.stride(1), *w13.stride(),
+            BWD=True, **opts)
+        dx_slot = torch.empty(S, D, dtype=torch.float32, device=x.device)
+        _moe_gemm_kernel[(n_tiles, triton.cdiv(D, BN))](
+            dh, w13, wt, dx_slot, *plan, 2 * I, D, k, dh.stride(0), w13.stride(0), w13.stride(2), w13.stride(1),
+            dx_slot.stride(0), A_BY_TOKEN=False, EPI=EPI_SLOT, **opts)
+        _moe_wgrad_kernel[(E, triton.cdiv(D, BM), triton.cdiv(I, BN))](        # dW2[e] (D, I)
+            gout, act, wt, dw2, offsets, order, D, I, k, gout.stride(0), act.stride(0),
+            A_BY_TOKEN=True, B_BY_TOKEN=False, SCALE_A=True, **opts)
+        _moe_wgrad_kernel[(E, triton.cdiv(2 * I, BM), triton.cdiv(D, BN))](    # dW13[e] (2I, D)
+            dh, x, wt, dw13, offsets, order, 2 * I, D, k, dh.stride(0), x.stride(0),
+            A_BY_TOKEN=False, B_BY_TOKEN=True, SCALE_A=False, **opts)
+        dx = _sum_over_k(dx_slot.view(M, k, D)).to(x.dtype)
+        dwt = dwt_part.sum(1).view(M, k).to(ctx.wt_dtype)
+        return dx, dw13.to(w13.dtype), dw2.to(w2.dtype), None, dwt
 
 
 def moe_experts(x, w13, w2, ids, weights):
-    return _MoE.apply(x, w13, w2, ids.long().contiguous(), weights)
+    return _MoE.apply(_aligned(x), _aligned(w13), _aligned(w2), _aligned(ids.long().contiguous()), weights)

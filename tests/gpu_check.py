@@ -149,6 +149,24 @@ def bench(quick: bool, dev: str = "cuda") -> None:
             return out.view(M, k, D).sum(1).to(bf16)
     row("moe fwd", f"M={M} E={E} k={k} D={D} I={I}", bf16, lambda: kt.moe_experts(x, w13, w2, ids, wts),
         {"torch._grouped_mm": grouped, "per-expert loop": moe_loop})
+    params = [t.clone().requires_grad_() for t in (x, w13, w2, wts)]
+    gy = torch.randn(M, D, device=dev, dtype=bf16)
+
+    def fwd_bwd(f):
+        return lambda: torch.autograd.grad(f(*params[:3], ids, params[3]), params, gy)
+
+    def loop_autograd(x, w13, w2, ids, wts):              # the per-expert loop, differentiable
+        flat, order = ids.reshape(-1), torch.sort(ids.reshape(-1), stable=True).indices
+        counts, parts, start = torch.bincount(flat, minlength=E).tolist(), [], 0
+        for e, n in enumerate(counts):
+            s = order[start:start + n]
+            start += n
+            h = x[s // k] @ w13[e].T
+            parts.append((F.silu(h[:, :I]) * h[:, I:]) @ w2[e].T * wts.reshape(-1)[s, None])
+        out = torch.zeros(M * k, D, device=dev).index_copy(0, order, torch.cat(parts).float())
+        return out.view(M, k, D).sum(1).to(x.dtype)
+    row("moe fwd+bwd", f"M={M} E={E} k={k} D={D} I={I}", bf16, fwd_bwd(kt.moe_experts),
+        {"per-expert loop (autograd)": fwd_bwd(loop_autograd)})
 
     # --- attention ------------------------------------------------------------------------------
     B, T, H, KVH, Dh = (1, 32, 4, 2, 16) if tiny else (2, 1024, 16, 4, 128) if quick else (4, 2048, 32, 8, 128)

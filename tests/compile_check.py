@@ -1,0 +1,214 @@
+"""Compile every Triton kernel the model launches for a GPU target, on a machine without a GPU.
+
+    python tests/compile_check.py              # sm_90 (H100/H200), bf16 and fp32
+    python tests/compile_check.py --arch 80 90 # also sm_80 (A100)
+
+The interpreter tests (tests/test_triton.py) check what the kernels compute; they cannot show that the
+kernels compile, since the interpreter runs the Python body. This script drives the model the way the
+trainer and the sampler do (score forward + backward, one paged decode step) at Qwen3-30B-A3B layer
+shapes with every kernel launch intercepted, then compiles each distinct launch through Triton's own
+argument specialization (the signature, constexprs and alignment attributes a CUDA launch would get)
+down to a cubin with the ptxas that ships with Triton. It prints registers, shared memory and local
+memory (spills) per kernel and exits 1 when a kernel fails to compile, needs more shared memory than
+the arch has, or spills. Nothing is executed: the intercepted launches leave their outputs unset.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ["TRITON_INTERPRET"] = "0"     # real JITFunctions: must precede importing kernels_triton
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch                                                       # noqa: E402
+import triton                                                      # noqa: E402
+from triton.backends.compiler import GPUTarget                     # noqa: E402
+from triton.compiler.compiler import ASTSource, make_backend       # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature   # noqa: E402
+
+import kernels                                                     # noqa: E402
+import kernels_triton as kt                                        # noqa: E402
+from config import ModelConfig                                     # noqa: E402
+from model import PagedKV, Transformer                             # noqa: E402
+
+# bytes of shared memory one block may use (CUDA programming guide, compute capabilities table)
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+class Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kw)` records the launch, runs nothing."""
+
+    def __init__(self, fn: JITFunction, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            for g in grid:
+                if not 0 < g < (2**31 if g is grid[0] else 65536):
+                    raise ValueError(f"{self.fn.__name__}: grid {grid} is outside CUDA's limits")
+            self.launches.append((self.fn, args, kw))
+        return launch
+
+
+class intercept:
+    """`with intercept() as launches:` replaces every kernel of kernels_triton by a Recorder."""
+
+    def __enter__(self):
+        self.launches: list = []
+        self.originals = {n: f for n, f in vars(kt).items() if isinstance(f, JITFunction) and n.endswith("_kernel")}
+        for name, fn in self.originals.items():
+            setattr(kt, name, Recorder(fn, self.launches))
+        return self.launches
+
+    def __exit__(self, *exc):
+        for name, fn in self.originals.items():
+            setattr(kt, name, fn)
+
+
+def make_model(dtype: torch.dtype) -> Transformer:
+    """Qwen3-30B-A3B layer shapes (they set the tiles and constexprs), with two layers (one dense, one
+    MoE), four experts and a small vocabulary: those sizes are runtime arguments, not constexprs."""
+    kw = ModelConfig.preset("qwen3-30b-a3b").__dict__ | dict(
+        num_hidden_layers=2, mlp_only_layers=[0], num_experts=4, num_experts_per_tok=2,
+        vocab_size=4096, intermediate_size=1024)
+    return Transformer(ModelConfig(**kw)).to(dtype)
+
+
+def trainer_forward(model, B, T):
+    """model.score on (B, T) tokens: the trainer's forward (and the reference log-probs)."""
+    model.score(torch.randint(0, model.config.vocab_size, (B, T)), temperature=0.7)
+
+
+def sampler_step(model, lengths, new):
+    """A sampler step over paged caches (pages of 16): `new` tokens per sequence after `lengths`
+    cached ones (new=1 is decode; lengths 0 is prefill), then the last position's logits and log-prob."""
+    cfg, B, dtype = model.config, len(lengths), next(model.parameters()).dtype
+    n_blocks = (max(lengths) + new + 15) // 16
+    caches = [tuple(torch.zeros(B * n_blocks, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+                    for _ in range(2)) for _ in range(cfg.num_hidden_layers)]
+    block_table = torch.randperm(B * n_blocks).view(B, n_blocks).int()
+    positions = torch.tensor(lengths)[:, None] + torch.arange(new)                # (B, new)
+    slots = block_table.long().gather(1, positions // 16) * 16 + positions % 16
+    h, _ = model.hidden_states(torch.randint(0, cfg.vocab_size, (B, new)), kv=PagedKV(caches, block_table, slots, positions))
+    logits = kernels.linear(h[:, -1], model.lm_weight())                           # (B, V)
+    kernels.token_logprobs(logits, torch.zeros(B, dtype=torch.long), 0.7)
+
+
+# Batch geometries whose forwards must run the very same binaries, call site by call site.
+GEOMETRIES = {
+    "trainer B=2 T=40": lambda m: trainer_forward(m, 2, 40),
+    "trainer B=1 T=17": lambda m: trainer_forward(m, 1, 17),
+    "rollout prefill B=3 T=23": lambda m: sampler_step(m, [0, 0, 0], 23),
+    "decode B=1 ctx=37": lambda m: sampler_step(m, [37], 1),
+    "decode B=5": lambda m: sampler_step(m, [37, 6, 0, 100, 15], 1),
+}
+
+
+def compile_launch(fn: JITFunction, args, kw, arch: int):
+    """Compile one launch for cuda sm_<arch> the way JITFunction.run specializes it; returns the kernel."""
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    kw = dict(kw, debug=False)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*args, **kw)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound_args, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """REG / SHARED / LOCAL of a cubin, from the cuobjdump that ships with Triton."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in out.splitlines() if "REG:" in ln)
+    return {k: int(v) for k, v in (f.split(":") for f in line.split() if ":" in f and f.split(":")[1].isdigit())}
+
+
+def spec_key(fn: JITFunction, args, kw) -> tuple:
+    """What selects the compiled binary of a launch: Triton's specialization of every argument + options."""
+    binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
+    return fn.__name__, repr(binder(*args, **kw)[1]), tuple(sorted(kw.items()))
+
+
+def check_geometries(model) -> list[str]:
+    """Each forward call site must get the same binary in every batch geometry; returns the violations."""
+    runs = {}
+    with torch.no_grad(), kernels.set_backend("triton"):
+        for name, run in GEOMETRIES.items():
+            with intercept() as launches:
+                run(model)
+            runs[name] = launches
+    (ref_name, ref), problems = next(iter(runs.items())), []
+    for name, launches in runs.items():
+        if [fn.__name__ for fn, _, _ in launches] != [fn.__name__ for fn, _, _ in ref]:
+            problems.append(f"{name}: launches other kernels than {ref_name}")
+            continue
+        for i, (a, b) in enumerate(zip(launches, ref)):
+            if spec_key(*a) != spec_key(*b):
+                problems.append(f"{name}: call {i} ({a[0].__name__}) compiles another binary than in {ref_name}:\n"
+                                f"    {spec_key(*a)[1]}\n    {spec_key(*b)[1]}")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", type=int, nargs="+", default=[90], help="CUDA compute capabilities (default 90)")
+    args = ap.parse_args()
+    t0 = time.time()
+    rows, problems, launches = [], [], {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = make_model(dtype)
+        problems += [f"{dtype}: {p}" for p in check_geometries(model)]
+        with kernels.set_backend("triton"), intercept() as recorded:
+            for run in GEOMETRIES.values():
+                with torch.no_grad():
+                    run(model)
+            logp, _ = model.score(torch.randint(0, model.config.vocab_size, (2, 40)), temperature=0.7)
+            logp.float().sum().backward()                                  # the trainer's backward
+            with torch.no_grad():
+                model.score(torch.randint(0, 4096, (2, 9)), temperature=1.0)     # unscaled log-probs
+        for launch in recorded:
+            launches.setdefault(spec_key(*launch), launch)
+    for (name, _, _), (fn, a, kw) in launches.items():
+        consts = {k: v for k, v in kw.items() if k != "enable_fp_fusion"}
+        dt = next(str(x.dtype).removeprefix("torch.") for x in a if isinstance(x, torch.Tensor))
+        for arch in args.arch:
+            try:
+                k = compile_launch(fn, a, kw, arch)
+            except Exception as e:                                      # report every failure, then fail
+                problems.append(f"{name} sm_{arch} {dt} {consts}: {type(e).__name__}: {str(e)[:300]}")
+                rows.append((name, f"sm_{arch}", dt, str(consts), "FAILED"))
+                continue
+            res, shared = resources(k.asm["cubin"]), k.metadata.shared
+            bad = []
+            if shared > SHARED_LIMIT.get(arch, 99 * 1024):
+                bad.append(f"shared {shared} B > {SHARED_LIMIT.get(arch, 99 * 1024)} B")
+            if res.get("LOCAL", 0):
+                bad.append(f"spills ({res['LOCAL']} B of local memory)")
+            problems += [f"{name} sm_{arch} {dt} {consts}: {b}" for b in bad]
+            ptx = k.asm["ptx"]
+            mma = next((m for m in ("tcgen05.mma", "wgmma", "mma.sync") if m in ptx), "-")   # tensor-core instruction
+            rows.append((name, f"sm_{arch}", dt, str(consts), f"{res['REG']}", f"{shared}", f"{res.get('LOCAL', 0)}", mma))
+    head = ("kernel", "arch", "dtype", "constexprs", "regs", "shared B", "local B", "mma")
+    widths = [max(len(r[i]) for r in rows + [head] if len(r) > i) for i in range(len(head))]
+    for r in [head] + sorted(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    for p in problems:
+        print("PROBLEM:", p)
+    print(f"\ncompile_check: {len(rows)} binaries compiled for {', '.join(f'sm_{a}' for a in args.arch)}; "
+          f"{len(GEOMETRIES)} batch geometries share each forward binary: {'no' if any('binary' in p for p in problems) else 'yes'}; "
+          f"{len(problems)} problem(s); {time.time() - t0:.0f}s")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
