@@ -189,6 +189,7 @@ class TrainConfig:
     seed: int = 0
     resume: bool = False
     parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
+    kernels_backend: str = ""         # "" (KERNELS_BACKEND, default auto: Triton on CUDA) | auto | torch | triton
     # data
     task: str = "copy"                # copy | reverse | jsonl (see tasks.py)
     n_digits: int = 4
@@ -256,6 +257,8 @@ class TrainConfig:
         _require(self.steps >= 0 and self.prompts_per_step > 0 and self.epochs > 0 and self.minibatch_size > 0,
                  "steps >= 0, prompts_per_step > 0, epochs > 0, minibatch_size > 0")
         _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")
+        _require(self.kernels_backend in ("", "auto", "torch", "triton"),
+                 f"--kernels_backend={self.kernels_backend!r}: auto, torch or triton (or '' for KERNELS_BACKEND)")
         _require(self.micro_batch_size >= 0, "--micro_batch_size must be >= 0")
 
     @property

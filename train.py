@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
+import kernels
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text, parse_args
 from model import Transformer, hf_to_state, read_safetensors_dir
 from replay import pack_routes, route_audit
@@ -395,7 +396,9 @@ def build_model(tcfg: TrainConfig, device, dtype) -> Transformer:
 def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
     d = init_distributed(tcfg.device)
     try:
-        return _train(tcfg, rcfg, d)
+        # one kernel backend for sampler and trainer: --kernels_backend, else KERNELS_BACKEND, else auto
+        with kernels.set_backend(tcfg.kernels_backend or kernels.get_backend()):
+            return _train(tcfg, rcfg, d)
     finally:
         if d.world > 1:
             dist.destroy_process_group()

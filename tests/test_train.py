@@ -257,3 +257,18 @@ def test_cli_errors_and_help():
     assert r.returncode == 0 and "--group_size=8" in r.stdout and "--replay='none'" in r.stdout
     with pytest.raises(ConfigError, match="loss"):
         TrainConfig(loss="ppo")
+
+
+def test_kernels_backend_field(monkeypatch):
+    """--kernels_backend picks the backend for the whole run (sampler and trainer) and restores the
+    previous one after; '' keeps KERNELS_BACKEND's choice; anything else is a clear error."""
+    seen = []
+    monkeypatch.setattr(train, "_train", lambda tcfg, rcfg, d: seen.append(kernels.get_backend()) or [])
+    before = kernels.get_backend()
+    for choice, want in [("torch", "torch"), ("triton", "triton"), ("", before)]:
+        tcfg = TrainConfig(device="cpu")
+        apply_overrides({"kernels_backend": choice}, tcfg)
+        train.train(tcfg, RolloutConfig())
+        assert seen[-1] == want and kernels.get_backend() == before
+    with pytest.raises(ConfigError, match="kernels_backend"):
+        TrainConfig(kernels_backend="cuda")

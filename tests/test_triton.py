@@ -128,6 +128,10 @@ def test_kernels_compile_for_sm90_one_binary_per_call_site():
                  "_attn_fwd_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dkv_kernel", "_moe_up_kernel", "_moe_gemm_kernel",
                  "_moe_wgrad_kernel"):
         assert f"\n{name} " in r.stdout, f"{name} was not compiled"
+    # the control: with the matmul's row count specialized again, the same check must object
+    r = subprocess.run([sys.executable, "tests/compile_check.py", "--control"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and "(_matmul_kernel) compiles another binary" in r.stdout, r.stdout[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------------
