@@ -299,7 +299,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 # ===================================================================================================
 # attention over a paged KV cache
 # ===================================================================================================
-# Program layout, shared by the three kernels: axis 1 is (sequence b, KV head kvh); a program holds
+# Program layout, shared by the three kernels: axis 0 is (sequence b, KV head kvh) (axis 0 has no
+# 65535 limit), axis 1 the query block (or, in dK/dV, the KV tile); a program holds
 # BT queries x GP query heads of that KV head packed into BT * GP = ATTN_ROWS rows (row r: query
 # t = first + r // GP, head kvh * G + r % GP; GP = G rounded up to a power of two, extra rows masked).
 @triton.jit
@@ -342,8 +343,8 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
     # exp(0) = 1, p = 0), so the loop bound (this program's largest position) cannot change a row's
     # bits: decode (T = 1) equals prefill, and the batch / page layout do not matter. The row
     # tile shape is fixed (ATTN_ROWS rows), so a row's position inside it does not matter either.
-    pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kvh = pid_bh // KVH, pid_bh % KVH
+    pid_bh, pid_t = tl.program_id(0), tl.program_id(1)
+    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH                 # int64: B * T * H * D may pass 2**31
     t, h, ok, d, q_off, mask, pos = _attn_rows(pid_t, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                pos_ptr, s_pb, s_pt, BT, GP, BD, D)
     q = tl.load(q_ptr + q_off, mask=mask, other=0.0)                                  # (R, BD)
@@ -380,8 +381,8 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, d
     # Deterministic: recompute p from the saved log-sum-exp; dq accumulates over KV tiles in order.
     # q, do, dq share q's (B, T, H, D) strides (the caller makes them contiguous). Dots take operands
     # in the input dtype (p, ds rounded to it, as flash-attention does) and accumulate in fp32.
-    pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kvh = pid_bh // KVH, pid_bh % KVH
+    pid_bh, pid_t = tl.program_id(0), tl.program_id(1)
+    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH                 # int64: B * T * H * D may pass 2**31
     t, h, ok, d, q_off, mask, pos = _attn_rows(pid_t, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                pos_ptr, s_pb, s_pt, BT, GP, BD, D)
     q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
@@ -412,8 +413,8 @@ def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, 
                          UPCAST: tl.constexpr):
     # Deterministic, atomic-free: one program per (KV tile, sequence, KV head) owns its dk/dv tile and
     # loops over the query blocks in index order. Output: per-sequence (B, NKEYS, KVH, D) fp32.
-    j, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, kvh = pid_bh // KVH, pid_bh % KVH
+    pid_bh, j = tl.program_id(0), tl.program_id(1)
+    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH                 # int64: B * T * H * D may pass 2**31
     d = tl.arange(0, BD)
     k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
     kpos = j * KB + tl.arange(0, KB)
@@ -461,7 +462,7 @@ class _PagedAttention(torch.autograd.Function):
         assert k_cache.stride() == v_cache.stride()
         out = torch.empty_like(q)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        _attn_fwd_kernel[(triton.cdiv(T, BT), B * KVH)](
+        _attn_fwd_kernel[(B * KVH, triton.cdiv(T, BT))](
             q, k_cache, v_cache, block_table, positions, out, lse,
             *_strides(q, k_cache, block_table, positions, out), T, H, KVH, G, D, PAGE, scale,
             BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST, **LAUNCH)
@@ -477,7 +478,7 @@ class _PagedAttention(torch.autograd.Function):
         delta = (dout.float() * out.float()).sum(-1).contiguous()        # (B, T, H)
         common = (*_strides(q, k_cache, block_table, positions), T, H, KVH, G, D, PAGE)
         dq = torch.empty_like(q)
-        _attn_bwd_dq_kernel[(triton.cdiv(T, BT), B * KVH)](
+        _attn_bwd_dq_kernel[(B * KVH, triton.cdiv(T, BT))](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dq, *common, ctx.scale,
             BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST, **LAUNCH)
         # dK, dV per sequence over the tiles any query can see, then into the pages
@@ -486,7 +487,7 @@ class _PagedAttention(torch.autograd.Function):
         nkeys = -(-n_tiles * KV_BLOCK // PAGE) * PAGE
         dk_seq = torch.zeros(B, nkeys, KVH, D, dtype=torch.float32, device=q.device)
         dv_seq = torch.zeros_like(dk_seq)
-        _attn_bwd_dkv_kernel[(n_tiles, B * KVH)](
+        _attn_bwd_dkv_kernel[(B * KVH, n_tiles)](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dk_seq, dv_seq, *common, nkeys,
             ctx.scale, BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST, **LAUNCH)
         used = torch.arange(nkeys // PAGE, device=q.device)[None, :] <= (pos_max // PAGE)[:, None]  # (B, NP)
