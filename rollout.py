@@ -337,18 +337,18 @@ class Sampler:
     def _append_tokens(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, sp: dict) -> None:
         """Sample the next token of seqs[i] from logits[rows[i]] and record its log-prob.
 
-        The log-probs come from one kernels.token_logprobs call on the device, the op score() uses.
+        Sampling and log-probs stay on the logits' device (only the chosen ids and their log-probs
+        come back); the log-probs come from kernels.token_logprobs, the op score() uses.
         """
-        temperature, cpu_logits, tokens = sp["temperature"], logits.float().cpu(), []
-        for seq, r in zip(seqs, rows):
-            if temperature == 0:
-                tokens.append(int(torch.argmax(cpu_logits[r])))              # first maximum on ties
-            else:
-                tokens.append(sample_token(cpu_logits[r], temperature, sp["top_p"], sp["top_k"],
-                                           draw_seed(sp["seed"], seq.seq_id, len(seq))))
-        idx = torch.tensor(rows, device=logits.device)
-        logprobs = kernels.token_logprobs(logits[idx], torch.tensor(tokens, device=logits.device), temperature)
-        for seq, token, lp in zip(seqs, tokens, logprobs.cpu().tolist()):
+        temperature = sp["temperature"]
+        chosen = logits[torch.tensor(rows, device=logits.device)]           # (n, V)
+        if temperature == 0:
+            tokens = torch.argmax(chosen, dim=-1)                           # first maximum on ties
+        else:
+            seeds = [draw_seed(sp["seed"], seq.seq_id, len(seq)) for seq in seqs]
+            tokens = sample_tokens(chosen, temperature, sp["top_p"], sp["top_k"], seeds)
+        logprobs = kernels.token_logprobs(chosen, tokens, temperature)
+        for seq, token, lp in zip(seqs, tokens.tolist(), logprobs.cpu().tolist()):
             seq.logprobs.append(lp)
             seq.token_ids.append(token)
             if token in sp["stop"]:
@@ -364,22 +364,32 @@ def draw_seed(seed: int, seq_id: int, position: int) -> int:
     return x % (1 << 63)
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int) -> int:
-    """Draw from softmax(logits / temperature) restricted by top-k and top-p, with its own generator.
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                  seeds: list[int]) -> torch.Tensor:
+    """Draw one token per row from softmax(logits / temperature), restricted by top-k and top-p.
 
-    Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i. It needs no
-    cumulative sum over the batch, so the draw depends on this row's logits and the seed alone.
+    logits (B, V) on any device, seeds[b] the seed of row b; returns (B,) int64 on that device.
+    Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i. Each row's
+    noise comes from its own generator seeded with seeds[b], and every other op works along the row
+    (softmax, sort, cumsum, division), so a row's draw depends on its logits and its seed alone, not
+    on the other rows. Everything stays on the device: one generator launch per row, no host copy.
     """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)            # (V,)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)            # (B, V)
     if top_k > 0 or top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True, stable=True)
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
         keep = torch.ones_like(sorted_p, dtype=torch.bool)
         if top_k > 0:
-            keep[top_k:] = False
+            keep[:, top_k:] = False
         if top_p < 1.0:
             # keep the smallest prefix whose mass reaches top_p (the top token is always kept)
-            keep &= (torch.cumsum(sorted_p, 0) - sorted_p) < top_p
-        probs = torch.zeros_like(probs).scatter(0, idx, torch.where(keep, sorted_p, 0.0))
-    g = torch.Generator().manual_seed(seed)
-    e = torch.empty_like(probs).exponential_(generator=g)
-    return int(torch.argmax(probs / e))
+            keep &= (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
+        probs = torch.zeros_like(probs).scatter(-1, idx, torch.where(keep, sorted_p, 0.0))
+    noise = torch.empty_like(probs)
+    for b, seed in enumerate(seeds):
+        noise[b].exponential_(generator=torch.Generator(device=probs.device).manual_seed(seed))
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int) -> int:
+    """sample_tokens for one row: logits (V,) -> the drawn id."""
+    return int(sample_tokens(logits[None], temperature, top_p, top_k, [seed])[0])

@@ -22,7 +22,7 @@ if ROOT not in sys.path:
 
 from config import ModelConfig  # noqa: E402
 from model import Transformer  # noqa: E402
-from rollout import BlockManager, Sampler, Scheduler, Sequence, draw_seed, sample_token  # noqa: E402
+from rollout import BlockManager, Sampler, Scheduler, Sequence, draw_seed, sample_token, sample_tokens  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
@@ -546,6 +546,23 @@ def test_sample_token_distribution_and_truncation():
         assert draws == {0, 1}, (top_p, top_k, draws)
     draws = {sample_token(logits, 1.0, 0.76, 0, draw_seed(3, 0, p)) for p in range(300)}
     assert draws == {0, 1, 2}
+
+
+def test_batched_draws_equal_draws_alone():
+    """sample_tokens on a batch of rows (on the device, one call) gives each row the token it gets alone."""
+    g = torch.Generator().manual_seed(7)
+    for B, V in ((1, 5), (7, 50), (5, 3001)):
+        logits = torch.randn(B, V, generator=g) * 3
+        for temperature, top_p, top_k in ((1.0, 1.0, 0), (0.7, 0.8, 8), (1.3, 0.95, 0)):
+            seeds = [draw_seed(11, b, V) for b in range(B)]
+            batched = sample_tokens(logits, temperature, top_p, top_k, seeds)
+            assert batched.shape == (B,) and batched.dtype == torch.long
+            alone = [sample_token(logits[b], temperature, top_p, top_k, seeds[b]) for b in range(B)]
+            assert batched.tolist() == alone
+            # the same rows in another order and among other rows: the same draws
+            perm = torch.randperm(B, generator=g)
+            assert sample_tokens(logits[perm], temperature, top_p, top_k, [seeds[i] for i in perm]).tolist() == \
+                [alone[i] for i in perm]
 
 
 def test_draw_seed_depends_on_each_argument():
