@@ -156,6 +156,7 @@ class RolloutConfig:
     block_size: int = 16              # KV positions per page
     num_blocks: int = 0               # 0: sized from the device (see rollout.Sampler)
     max_batch_size: int = 256         # running sequences at most
+    kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after the optimizer's) for the KV pool
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -171,6 +172,7 @@ class RolloutConfig:
                  f"--rollout_dtype={self.rollout_dtype!r}: '', float32, bfloat16 or float16")
         _require(self.block_size > 0 and self.max_batch_size > 0 and self.num_blocks >= 0,
                  "block_size and max_batch_size must be > 0, num_blocks >= 0")
+        _require(0 < self.kv_memory_fraction <= 1, f"--kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
         _require(self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0,
                  "need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
 

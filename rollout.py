@@ -168,11 +168,12 @@ class Sampler:
     def __init__(self, model: Transformer, block_size: int = 16, num_blocks: int | None = None,
                  max_batch_size: int = 256, max_num_batched_tokens: int = 4096,
                  kv_memory_fraction: float = 0.5, cpu_kv_bytes: int = 1 << 30, mode: str = "invariant",
-                 router_bf16: bool = False):
+                 router_bf16: bool = False, reserve_bytes: int = 0):
         """A sampler over `model`'s own weights (no copy: the trainer's updates are seen at once).
 
         block_size: KV positions per block (page); a multiple of kernels.KV_BLOCK.
-        num_blocks: the pool size. Default: on CUDA, kv_memory_fraction of free memory; on CPU, enough
+        num_blocks: the pool size. Default: on CUDA, kv_memory_fraction of the free memory left after
+            reserve_bytes (what will be allocated later, e.g. the optimizer's state); on CPU, enough
             for max_batch_size full-context sequences, capped at cpu_kv_bytes.
         max_batch_size: running sequences at most; max_num_batched_tokens: tokens per prefill step.
         mode: "invariant" (the contract) or "fast" (batch-variant ops, see kernels.variant: the mismatch
@@ -194,12 +195,12 @@ class Sampler:
         kv_shape = (block_size, cfg.num_key_value_heads, cfg.head_dim)
         block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
         if num_blocks is None:
-            if self.device.type == "cuda":
-                budget = int(torch.cuda.mem_get_info(self.device)[0] * kv_memory_fraction)
-            else:
-                budget = cpu_kv_bytes
             wanted = max_batch_size * -(-self.max_model_len // block_size)
-            num_blocks = max(1, min(wanted, budget // block_bytes))
+            if self.device.type == "cuda":
+                free = torch.cuda.mem_get_info(self.device)[0]
+                num_blocks = kv_pool_blocks(free, kv_memory_fraction, reserve_bytes, block_bytes, wanted)
+            else:
+                num_blocks = kv_pool_blocks(cpu_kv_bytes, 1.0, 0, block_bytes, wanted)
         self.num_blocks = num_blocks
         self.caches = [(torch.zeros(num_blocks, *kv_shape, dtype=self.dtype, device=self.device),
                         torch.zeros(num_blocks, *kv_shape, dtype=self.dtype, device=self.device))
@@ -355,6 +356,15 @@ class Sampler:
                 seq.finish_reason = "stop"
             elif len(seq) >= seq.max_len:
                 seq.finish_reason = "length"
+
+
+def kv_pool_blocks(free_bytes: int, fraction: float, reserve_bytes: int, block_bytes: int, wanted: int) -> int:
+    """KV blocks to allocate: `fraction` of the memory left once `reserve_bytes` are set aside, at most
+    `wanted` (full-context sequences for the whole batch), at least 1 (the scheduler then preempts)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"kv_memory_fraction={fraction} must be in (0, 1]")
+    budget = int(max(0, free_bytes - reserve_bytes) * fraction)
+    return max(1, min(wanted, budget // block_bytes))
 
 
 def draw_seed(seed: int, seq_id: int, position: int) -> int:

@@ -454,8 +454,12 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     if rcfg.rollout_dtype and getattr(torch, rcfg.rollout_dtype) != dtype:
         rollout_model, sync_rollout_weights = lower_precision_copy(rollout_model, getattr(torch, rcfg.rollout_dtype),
                                                                    sync_rollout_weights)
+    # AdamW allocates its two moment buffers at its first step, after the sampler has sized its KV pool
+    # from the free memory: set them aside (this rank's shard of the parameters under FSDP)
+    adam_bytes = 0 if opt.state else 2 * sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
     sampler = Sampler(rollout_model, block_size=rcfg.block_size, num_blocks=rcfg.num_blocks or None,
-                      max_batch_size=rcfg.max_batch_size, mode=rcfg.rollout_mode, router_bf16=rcfg.router_bf16)
+                      max_batch_size=rcfg.max_batch_size, mode=rcfg.rollout_mode, router_bf16=rcfg.router_bf16,
+                      kv_memory_fraction=rcfg.kv_memory_fraction, reserve_bytes=adam_bytes)
     max_new = rcfg.max_new_tokens or task.max_new_tokens
     G, history = tcfg.group_size, []
     n_prompts = tcfg.prompts_per_step // d.world                     # this rank's share; groups stay whole

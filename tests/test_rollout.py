@@ -22,7 +22,8 @@ if ROOT not in sys.path:
 
 from config import ModelConfig  # noqa: E402
 from model import Transformer  # noqa: E402
-from rollout import BlockManager, Sampler, Scheduler, Sequence, draw_seed, sample_token, sample_tokens  # noqa: E402
+from rollout import (BlockManager, Sampler, Scheduler, Sequence, draw_seed, kv_pool_blocks,  # noqa: E402
+                     sample_token, sample_tokens)
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
@@ -384,6 +385,19 @@ def test_pool_too_small_for_one_sequence():
     # a sequence that fits exactly is fine
     outs = sampler.generate([[1] * 30], max_new_tokens=2, progress=False)
     assert len(outs[0].tokens) == 2
+
+
+def test_kv_pool_sizing():
+    """The CUDA pool: a fraction of what is free after the reserve (the optimizer's state, allocated
+    later), capped at what full-context sequences need, never zero (the scheduler preempts instead)."""
+    assert kv_pool_blocks(100_000, 0.5, 20_000, 1000, 10**6) == 40
+    assert kv_pool_blocks(100_000, 0.5, 0, 1000, 30) == 30
+    assert kv_pool_blocks(10_000, 0.5, 20_000, 1000, 30) == 1
+    with pytest.raises(ValueError, match="kv_memory_fraction"):
+        kv_pool_blocks(100_000, 0.0, 0, 1000, 30)
+    from config import ConfigError, RolloutConfig
+    with pytest.raises(ConfigError, match="kv_memory_fraction"):
+        RolloutConfig(kv_memory_fraction=1.5)
 
 
 def test_bad_block_size_raises():
