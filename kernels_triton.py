@@ -87,16 +87,17 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk, s_cm, s
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)          # int64: M * N may pass 2**31 (LM head)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + rm[:, None] * s_am + rk[None, :] * s_ak                                # (BM, BK)
+    b_ptrs = b_ptr + rn[None, :] * s_bn + rk[:, None] * s_bk                                # (BK, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak,
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)               # (BM, BK)
-        b = tl.load(b_ptr + rn[None, :] * s_bn + kk[:, None] * s_bk,
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)               # (BK, BN)
+        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & (k0 + rk[None, :] < K), other=0.0)
+        b = tl.load(b_ptrs, mask=(rn[None, :] < N) & (k0 + rk[:, None] < K), other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")
+        a_ptrs += BK * s_ak              # 64-bit pointers: k * s_ak passes 2**31 in the LM head's dW (s = V)
+        b_ptrs += BK * s_bk
     tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -538,6 +539,12 @@ def _moe_tile(tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr, TOPK, BM: tl.co
 
 
 @triton.jit
+def _moe_tile_empty(row_start_ptr, row_end_ptr):
+    # the plan has cdiv(S, BM) + E tiles, an upper bound; the ones past the real tiles hold no rows
+    return tl.load(row_end_ptr + tl.program_id(0)) <= tl.load(row_start_ptr + tl.program_id(0))
+
+
+@triton.jit
 def _moe_up_kernel(x_ptr, w13_ptr, a_ptr, gw_ptr, wt_ptr, dh_ptr, dwt_ptr,
                    tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr,
                    D, I, TOPK, s_xm, s_xk, s_we, s_wn, s_wk,
@@ -548,6 +555,8 @@ def _moe_up_kernel(x_ptr, w13_ptr, a_ptr, gw_ptr, wt_ptr, dh_ptr, dwt_ptr,
     # torch backend rounds (h to x.dtype, then the product). act, gw: (S, I); dh: (S, 2I), contiguous.
     # BWD: also da = wt * gw, dh = (da * u * SiLU'(g), da * SiLU(g)) and this column block's share
     # of dL/dwt = act . gw (= round(y) . dL/dout up to y's rounding), one partial per (slot, block).
+    if _moe_tile_empty(row_start_ptr, row_end_ptr):
+        return
     e, rows, rmask, slot, tok = _moe_tile(tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr, TOPK, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -595,6 +604,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, wt_ptr, out_ptr, tile_e_ptr, row_start_ptr, r
     # Invariance: as _moe_up_kernel. The forward (EPI_WEIGHTED) rounds the result to A's dtype, scales
     # it by the router weight in fp32 and stores it at the row's slot; the sum over k comes later, in
     # a fixed order.
+    if _moe_tile_empty(row_start_ptr, row_end_ptr):
+        return
     e, rows, rmask, slot, tok = _moe_tile(tile_e_ptr, row_start_ptr, row_end_ptr, order_ptr, TOPK, BM)
     arow = tok if A_BY_TOKEN else rows
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -626,7 +637,7 @@ def _moe_wgrad_kernel(a_ptr, b_ptr, wt_ptr, out_ptr, offsets_ptr, order_ptr, N1,
     # out[e] (N1, N2) fp32 = sum over expert e's sorted rows r of A[r]^T B[r] (A[r] times the router
     # weight when SCALE_A). One program per (expert, N1 tile, N2 tile) walks the rows in order: the
     # weight gradient is a plain loop, no split over rows, no atomics.
-    e = tl.program_id(0)
+    e = tl.program_id(0).to(tl.int64)                  # e * N1 * N2 may pass 2**31
     n1 = tl.program_id(1) * BM + tl.arange(0, BM)
     n2 = tl.program_id(2) * BN + tl.arange(0, BN)
     end = tl.load(offsets_ptr + e + 1)
@@ -683,7 +694,11 @@ class _MoE(torch.autograd.Function):
         E, k, I = w13.shape[0], ids.shape[1], w2.shape[2]
         BM, BN, BK, warps = _tiles(MOE_TILES, x, w13, w2)
         order, offsets, plan = _moe_plan(ids, E, BM)
-        wt = weights.float().contiguous()
+        # every slot must land in an expert (else its output row would stay unwritten): checked on the
+        # device without a host sync; an id outside [0, E) fails here (CPU) or at a later CUDA call
+        torch._assert_async((offsets[0] == 0) & (offsets[E] == M * k),
+                            "moe_experts: expert ids outside [0, num_experts)")
+        wt = _aligned(weights.float().contiguous())
         act = torch.empty(M * k, I, dtype=x.dtype, device=x.device)      # (S, I) in sorted order
         y = torch.empty(M * k, D, dtype=torch.float32, device=x.device)  # (S, D) in slot order
         opts = dict(BM=BM, BN=BN, BK=BK, UPCAST=UPCAST or len({x.dtype, w13.dtype, w2.dtype}) > 1,
@@ -710,10 +725,9 @@ class _MoE(torch.autograd.Function):
         BM, BN = opts["BM"], opts["BN"]
         gout = gout.to(x.dtype).contiguous()
         x = x.contiguous()
-        dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
-        dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
         if not M:
-            return torch.zeros_like(x), dw13.to(w13.dtype), dw2.to(w2.dtype), None, torch.zeros(0, k, dtype=ctx.wt_dtype, device=x.device)
+            return (torch.zeros_like(x), torch.zeros_like(w13), torch.zeros_like(w2), None,
+                    torch.zeros(0, k, dtype=ctx.wt_dtype, device=x.device))
         n_tiles, n_blocks = plan[0].numel(), triton.cdiv(I, BN)
         gw = torch.empty(S, I, dtype=torch.float32, device=x.device)       # dL/dout[token] @ W2[e], sorted rows
         _moe_gemm_kernel[(n_tiles, n_blocks)](
@@ -729,15 +743,20 @@ class _MoE(torch.autograd.Function):
         _moe_gemm_kernel[(n_tiles, triton.cdiv(D, BN))](
             dh, w13, wt, dx_slot, *plan, 2 * I, D, k, dh.stride(0), w13.stride(0), w13.stride(2), w13.stride(1),
             dx_slot.stride(0), A_BY_TOKEN=False, EPI=EPI_SLOT, **opts)
-        _moe_wgrad_kernel[(E, triton.cdiv(D, BM), triton.cdiv(I, BN))](        # dW2[e] (D, I)
-            gout, act, wt, dw2, offsets, order, D, I, k, gout.stride(0), act.stride(0),
-            A_BY_TOKEN=True, B_BY_TOKEN=False, SCALE_A=True, **opts)
-        _moe_wgrad_kernel[(E, triton.cdiv(2 * I, BM), triton.cdiv(D, BN))](    # dW13[e] (2I, D)
-            dh, x, wt, dw13, offsets, order, 2 * I, D, k, dh.stride(0), x.stride(0),
-            A_BY_TOKEN=False, B_BY_TOKEN=True, SCALE_A=False, **opts)
+        dw13 = dw2 = None                                                   # every element is written
+        if ctx.needs_input_grad[2]:
+            dw2 = torch.empty(w2.shape, dtype=torch.float32, device=x.device)
+            _moe_wgrad_kernel[(E, triton.cdiv(D, BM), triton.cdiv(I, BN))](    # dW2[e] (D, I)
+                gout, act, wt, dw2, offsets, order, D, I, k, gout.stride(0), act.stride(0),
+                A_BY_TOKEN=True, B_BY_TOKEN=False, SCALE_A=True, **opts)
+        if ctx.needs_input_grad[1]:
+            dw13 = torch.empty(w13.shape, dtype=torch.float32, device=x.device)
+            _moe_wgrad_kernel[(E, triton.cdiv(2 * I, BM), triton.cdiv(D, BN))](  # dW13[e] (2I, D)
+                dh, x, wt, dw13, offsets, order, 2 * I, D, k, dh.stride(0), x.stride(0),
+                A_BY_TOKEN=False, B_BY_TOKEN=True, SCALE_A=False, **opts)
         dx = _sum_over_k(dx_slot.view(M, k, D)).to(x.dtype)
         dwt = dwt_part.sum(1).view(M, k).to(ctx.wt_dtype)
-        return dx, dw13.to(w13.dtype), dw2.to(w2.dtype), None, dwt
+        return dx, None if dw13 is None else dw13.to(w13.dtype), None if dw2 is None else dw2.to(w2.dtype), None, dwt
 
 
 def moe_experts(x, w13, w2, ids, weights):

@@ -4,8 +4,8 @@
     python tests/compile_check.py --arch 80 90 # also sm_80 (A100)
 
 The interpreter tests (tests/test_triton.py) check what the kernels compute; they cannot show that the
-kernels compile, since the interpreter runs the Python body. This script drives the model the way the
-trainer and the sampler do (score forward + backward, one paged decode step) at Qwen3-30B-A3B layer
+kernels compile, since the interpreter runs the Python body. This script drives the trainer (score
+forward + backward) and the real Sampler (prefill + decode, two page sizes) at Qwen3-30B-A3B layer
 shapes with every kernel launch intercepted, then compiles each distinct launch through Triton's own
 argument specialization (the signature, constexprs and alignment attributes a CUDA launch would get)
 down to a cubin with the ptxas that ships with Triton. It prints registers, shared memory and local
@@ -22,7 +22,6 @@ import tempfile
 import time
 
 os.environ["TRITON_INTERPRET"] = "0"     # real JITFunctions: must precede importing kernels_triton
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -36,10 +35,11 @@ from triton.runtime.jit import JITFunction, create_function_from_signature   # n
 import kernels                                                     # noqa: E402
 import kernels_triton as kt                                        # noqa: E402
 from config import ModelConfig                                     # noqa: E402
-from model import PagedKV, Transformer                             # noqa: E402
+from model import Transformer                                      # noqa: E402
+from rollout import Sampler                                        # noqa: E402
 
 # bytes of shared memory one block may use (CUDA programming guide, compute capabilities table)
-SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 
 
 class Recorder:
@@ -50,9 +50,11 @@ class Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            for g in grid:
-                if not 0 < g < (2**31 if g is grid[0] else 65536):
+            for axis, g in enumerate(grid):
+                if not 0 < g < (2**31 if axis == 0 else 65536):
                     raise ValueError(f"{self.fn.__name__}: grid {grid} is outside CUDA's limits")
+            if kw.get("enable_fp_fusion") is not False:         # every launch passes kernels_triton.LAUNCH
+                raise ValueError(f"{self.fn.__name__} launched without enable_fp_fusion=False (**LAUNCH)")
             self.launches.append((self.fn, args, kw))
         return launch
 
@@ -86,28 +88,21 @@ def trainer_forward(model, B, T):
     model.score(torch.randint(0, model.config.vocab_size, (B, T)), temperature=0.7)
 
 
-def sampler_step(model, lengths, new):
-    """A sampler step over paged caches (pages of 16): `new` tokens per sequence after `lengths`
-    cached ones (new=1 is decode; lengths 0 is prefill), then the last position's logits and log-prob."""
-    cfg, B, dtype = model.config, len(lengths), next(model.parameters()).dtype
-    n_blocks = (max(lengths) + new + 15) // 16
-    caches = [tuple(torch.zeros(B * n_blocks, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
-                    for _ in range(2)) for _ in range(cfg.num_hidden_layers)]
-    block_table = torch.randperm(B * n_blocks).view(B, n_blocks).int()
-    positions = torch.tensor(lengths)[:, None] + torch.arange(new)                # (B, new)
-    slots = block_table.long().gather(1, positions // 16) * 16 + positions % 16
-    h, _ = model.hidden_states(torch.randint(0, cfg.vocab_size, (B, new)), kv=PagedKV(caches, block_table, slots, positions))
-    logits = kernels.linear(h[:, -1], model.lm_weight())                           # (B, V)
-    kernels.token_logprobs(logits, torch.zeros(B, dtype=torch.long), 0.7)
+def rollout(model, prompt_lengths, n, block_size):
+    """The real sampler: prefill, then two decode steps (tokens drawn from whatever the intercepted
+    kernels left in their outputs: only the launches matter here)."""
+    prompts = [torch.randint(0, model.config.vocab_size, (L,)).tolist() for L in prompt_lengths]
+    Sampler(model, block_size=block_size, num_blocks=64, max_batch_size=8).generate(
+        prompts, max_new_tokens=3, n=n, temperature=0.7, progress=False)
 
 
-# Batch geometries whose forwards must run the very same binaries, call site by call site.
+# Batch geometries whose forwards must run the very same binaries, call site by call site. Each
+# sampler step runs one forward (the same launches as score: layers, LM head, log-probs).
 GEOMETRIES = {
     "trainer B=2 T=40": lambda m: trainer_forward(m, 2, 40),
     "trainer B=1 T=17": lambda m: trainer_forward(m, 1, 17),
-    "rollout prefill B=3 T=23": lambda m: sampler_step(m, [0, 0, 0], 23),
-    "decode B=1 ctx=37": lambda m: sampler_step(m, [37], 1),
-    "decode B=5": lambda m: sampler_step(m, [37, 6, 0, 100, 15], 1),
+    "sampler 3 prompts x 2, pages of 16": lambda m: rollout(m, [23, 5, 40], 2, 16),
+    "sampler 1 prompt, pages of 32": lambda m: rollout(m, [37], 1, 32),
 }
 
 
@@ -139,24 +134,30 @@ def spec_key(fn: JITFunction, args, kw) -> tuple:
     return fn.__name__, repr(binder(*args, **kw)[1]), tuple(sorted(kw.items()))
 
 
-def check_geometries(model) -> list[str]:
-    """Each forward call site must get the same binary in every batch geometry; returns the violations."""
+def check_geometries(model) -> tuple[list[str], int]:
+    """Each forward call site must get the same binary in every batch geometry; returns the violations
+    and the number of forwards compared."""
     runs = {}
     with torch.no_grad(), kernels.set_backend("triton"):
         for name, run in GEOMETRIES.items():
             with intercept() as launches:
                 run(model)
             runs[name] = launches
-    (ref_name, ref), problems = next(iter(runs.items())), []
+    (ref_name, ref), problems, n_forwards = next(iter(runs.items())), [], 0
     for name, launches in runs.items():
-        if [fn.__name__ for fn, _, _ in launches] != [fn.__name__ for fn, _, _ in ref]:
-            problems.append(f"{name}: launches other kernels than {ref_name}")
-            continue
-        for i, (a, b) in enumerate(zip(launches, ref)):
-            if spec_key(*a) != spec_key(*b):
-                problems.append(f"{name}: call {i} ({a[0].__name__}) compiles another binary than in {ref_name}:\n"
-                                f"    {spec_key(*a)[1]}\n    {spec_key(*b)[1]}")
-    return problems
+        forwards = [launches[i:i + len(ref)] for i in range(0, len(launches), len(ref))]
+        n_forwards += len(forwards)
+        if name.startswith("sampler") and len(forwards) < 3:
+            problems.append(f"{name}: {len(forwards)} forwards, expected prefill + 2 decode steps")
+        for f, fwd in enumerate(forwards):
+            if [fn.__name__ for fn, _, _ in fwd] != [fn.__name__ for fn, _, _ in ref]:
+                problems.append(f"{name}: forward {f} launches other kernels than {ref_name}")
+                continue
+            for i, (a, b) in enumerate(zip(fwd, ref)):
+                if spec_key(*a) != spec_key(*b):
+                    problems.append(f"{name}: forward {f} call {i} ({a[0].__name__}) compiles another binary "
+                                    f"than in {ref_name}:\n    {spec_key(*a)[1]}\n    {spec_key(*b)[1]}")
+    return problems, n_forwards
 
 
 def main() -> int:
@@ -168,13 +169,15 @@ def main() -> int:
     t0 = time.time()
     if args.control:     # shows the geometry check can fail: M == 1 (decode) then compiles its own binary
         kt._matmul_kernel = triton.jit(kt._matmul_kernel.fn)
-        problems = check_geometries(make_model(torch.float32))
+        problems, _ = check_geometries(make_model(torch.float32))
         print("\n".join(problems) or "no problem found")
         return 1 if problems else 0
-    rows, problems, launches = [], [], {}
+    rows, problems, launches, n_forwards = [], [], {}, 0
     for dtype in (torch.bfloat16, torch.float32):
         model = make_model(dtype)
-        problems += [f"{dtype}: {p}" for p in check_geometries(model)]
+        found, n = check_geometries(model)
+        problems += [f"{dtype}: {p}" for p in found]
+        n_forwards += n
         with kernels.set_backend("triton"), intercept() as recorded:
             for run in GEOMETRIES.values():
                 with torch.no_grad():
@@ -212,7 +215,7 @@ def main() -> int:
     for p in problems:
         print("PROBLEM:", p)
     print(f"\ncompile_check: {len(rows)} binaries compiled for {', '.join(f'sm_{a}' for a in args.arch)}; "
-          f"{len(GEOMETRIES)} batch geometries share each forward binary: {'no' if any('binary' in p for p in problems) else 'yes'}; "
+          f"{len(GEOMETRIES)} batch geometries ({n_forwards} forwards) share each forward binary: {'no' if any('binary' in p for p in problems) else 'yes'}; "
           f"{len(problems)} problem(s); {time.time() - t0:.0f}s")
     return 1 if problems else 0
 

@@ -355,6 +355,20 @@ def test_moe_gradients_deterministic():
     assert not grads[0][1][3].any() and not grads[0][2][3].any() and grads[0][1][2].abs().min() > 0
 
 
+@runnable
+def test_moe_bad_ids_raise_and_frozen_experts():
+    x, w13, w2, ids, wt = _moe_inputs(6)
+    for bad in (4, -1):                                    # E = 4: ids must be in [0, 4)
+        wrong = ids.clone()
+        wrong[2, 1] = bad
+        with pytest.raises(RuntimeError, match="expert ids outside"):
+            kt.moe_experts(x, w13, w2, wrong, wt)
+    xa, xr = x.clone().requires_grad_(), x.clone().requires_grad_()   # experts frozen: dx only
+    kt.moe_experts(xa, w13, w2, ids, wt).sum().backward()
+    kernels.moe_experts(xr, w13, w2, ids, wt).sum().backward()
+    assert rel(xa.grad, xr.grad) < TOL
+
+
 # ---------------------------------------------------------------------------------------------------
 # the whole model: score() and the sampler, bitwise, with the Triton backend
 # ---------------------------------------------------------------------------------------------------
