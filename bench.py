@@ -3,6 +3,7 @@
     python bench.py                        # the speed sections, CPU, about 1-3 minutes on 2 cores
     python bench.py --only rollout,moe     # a comma-separated list of sections
     python bench.py --only lab             # the mismatch lab: six training runs, ~15 minutes on 2 cores
+    python bench.py --only lab --lab-seeds=0,1,2   # ... each over three seeds (mean and sd of the reward)
     python bench.py --prompts 64 --max-new-tokens 96 --repeats 5 --threads 0   # 0: torch's thread default
     python bench.py --help
 
@@ -295,34 +296,42 @@ def bench_lab(args) -> list[tuple[str, float, str]]:
     from config import RolloutConfig, TrainConfig, apply_overrides, parse_args
     fast = ["--rollout_mode=fast", f"--rollout_dtype={args.lab_rollout_dtype}"] + \
         (["--router_bf16=true"] if args.lab_router_bf16 else [])
-    results = {}
     runs = [r.strip() for r in args.lab_runs.split(",") if r.strip()] or list(LAB)
     unknown = [r for r in runs if r not in LAB]
     if unknown:
         raise SystemExit(f"--lab-runs: unknown {unknown}; choose from {list(LAB)}")
-    for name in runs:
-        extra = LAB[name]
-        argv = [f"--steps={args.lab_steps}", f"--seed={args.seed}", f"--out_dir={args.lab_out}/{name}",
-                "--progress=false", "--save_every=1000000"] + extra + (fast if name != "invariant" else [])
-        tcfg, rcfg = TrainConfig(), RolloutConfig()
-        apply_overrides(parse_args(argv + args.lab_args.split()), tcfg, rcfg)
-        t0 = time.perf_counter()
-        hist = train.train(tcfg, rcfg)
-        results[name] = (hist, time.perf_counter() - t0)
-        print(f"lab: {name} done in {results[name][1]:.0f} s")
-    print(f"\nmismatch lab: {args.lab_steps} steps each, seed {args.seed}; fast = batch-variant rollout kernels, "
+    seeds = [int(x) for x in args.lab_seeds.split(",") if x.strip()] if args.lab_seeds else [args.seed]
+    results = {name: [] for name in runs}                                # name -> [(history, wall s)] per seed
+    for seed in seeds:
+        for name in runs:
+            argv = [f"--steps={args.lab_steps}", f"--seed={seed}", f"--out_dir={args.lab_out}/{name}/seed{seed}",
+                    "--progress=false", "--save_every=1000000"] + LAB[name] + (fast if name != "invariant" else [])
+            tcfg, rcfg = TrainConfig(), RolloutConfig()
+            apply_overrides(parse_args(argv + args.lab_args.split()), tcfg, rcfg)
+            t0 = time.perf_counter()
+            results[name].append((train.train(tcfg, rcfg), time.perf_counter() - t0))
+            print(f"lab: {name} seed {seed} done in {results[name][-1][1]:.0f} s", flush=True)
+    print(f"\nmismatch lab: {args.lab_steps} steps each, seeds {seeds}; fast = batch-variant rollout kernels, "
           f"rollout weights in {args.lab_rollout_dtype}{', router logits in bf16' if args.lab_router_bf16 else ''}; "
-          f"the trainer is invariant fp32 in every run")
-    head = ("run", "final reward", "mean k3 KL", "max k3 KL", "max |dlogp|", "extreme tok", "route flips", "wall s")
+          f"the trainer is invariant fp32 in every run. Reward: mean of the last tenth of each run, then mean "
+          f"(and sample sd) over seeds; the other columns pool all steps of all seeds.")
+    head = ("run", "final reward", "per seed", "mean k3 KL", "max k3 KL", "max |dlogp|", "extreme tok",
+            "route flips", "wall s")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for name, (hist, wall) in results.items():
-        n = max(1, len(hist) // 10)
-        final = sum(h["reward_mean"] for h in hist[-n:]) / n
-        kl = [h["train_rollout_k3"] for h in hist]
-        cells = (name, f"{final:.3f}", f"{sum(kl) / len(kl):.2e}", f"{max(kl):.2e}",
-                 f"{max(h['logp_max_abs_diff'] for h in hist):.2e}",
-                 f"{sum(h['extreme_token_frac'] for h in hist) / len(hist):.2e}",
-                 f"{sum(h.get('route_flip_frac', 0.0) for h in hist) / len(hist):.2e}", f"{wall:.0f}")
+    for name, per_seed in results.items():
+        finals = []
+        for hist, _ in per_seed:
+            n = max(1, len(hist) // 10)
+            finals.append(sum(h["reward_mean"] for h in hist[-n:]) / n)
+        mean = sum(finals) / len(finals)
+        sd = (sum((f - mean) ** 2 for f in finals) / (len(finals) - 1)) ** 0.5 if len(finals) > 1 else 0.0
+        steps = [h for hist, _ in per_seed for h in hist]
+        kl = [h["train_rollout_k3"] for h in steps]
+        cells = (name, f"{mean:.3f}" + (f" ± {sd:.3f}" if len(finals) > 1 else ""), " ".join(f"{f:.2f}" for f in finals),
+                 f"{sum(kl) / len(kl):.2e}", f"{max(kl):.2e}", f"{max(h['logp_max_abs_diff'] for h in steps):.2e}",
+                 f"{sum(h['extreme_token_frac'] for h in steps) / len(steps):.2e}",
+                 f"{sum(h.get('route_flip_frac', 0.0) for h in steps) / len(steps):.2e}",
+                 f"{sum(w for _, w in per_seed):.0f}")
         print("| " + " | ".join(cells) + " |")
     return []
 
@@ -360,6 +369,8 @@ def main(argv=None):
     p.add_argument("--lab-out", default="out/lab", help="where the lab runs write their metrics")
     p.add_argument("--lab-runs", default="", help=f"comma-separated subset of the lab runs (default all: {','.join(LAB)})")
     p.add_argument("--lab-args", default="", help="extra train.py overrides for every lab run, space-separated")
+    p.add_argument("--lab-seeds", default="", help="comma-separated seeds, each lab run repeated per seed "
+                   "(default: --seed alone); the table gives the reward's mean and sd over seeds")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in sections if s not in BENCHMARKS]

@@ -94,13 +94,16 @@ def test_correction_without_recompute_is_an_error(tmp_path):
 
 def test_lab_command_runs_end_to_end(tmp_path):
     r = subprocess.run([sys.executable, "bench.py", "--only", "lab", "--lab-steps", "1", "--lab-out", str(tmp_path),
-                        "--lab-args", "--prompts_per_step=4 --group_size=4 --n_digits=2"],
+                        "--lab-seeds", "0,1", "--lab-args", "--prompts_per_step=4 --group_size=4 --n_digits=2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     table = [line for line in r.stdout.splitlines() if line.startswith("| ")]
     assert [line.split("|")[1].strip() for line in table[1:]] == ["invariant", "fast", "fast+tis", "fast+mis",
                                                                   "fast+r3", "fast+gspo"]
+    # columns: run, final reward (mean ± sd over seeds), per seed, mean KL, max KL, max |dlogp|, extreme, flips, wall
     inv = table[1].split("|")
-    assert float(inv[3]) == 0 and float(inv[5]) == 0 and float(inv[7]) == 0   # KL, max |dlogp|, flips
+    assert "±" in inv[2] and len(inv[3].split()) == 2                          # two seeds
+    assert float(inv[4]) == 0 and float(inv[6]) == 0 and float(inv[8]) == 0   # KL, max |dlogp|, flips
     fast = table[2].split("|")
-    assert float(fast[5]) > 0
+    assert float(fast[6]) > 0
+    assert (tmp_path / "fast" / "seed1" / "metrics.jsonl").is_file()
