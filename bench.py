@@ -300,7 +300,7 @@ def bench_lab(args) -> list[tuple[str, float, str]]:
     unknown = [r for r in runs if r not in LAB]
     if unknown:
         raise SystemExit(f"--lab-runs: unknown {unknown}; choose from {list(LAB)}")
-    seeds = [int(x) for x in args.lab_seeds.split(",") if x.strip()] if args.lab_seeds else [args.seed]
+    seeds = list(dict.fromkeys(int(x) for x in args.lab_seeds.split(",") if x.strip())) or [args.seed]
     results = {name: [] for name in runs}                                # name -> [(history, wall s)] per seed
     for seed in seeds:
         for name in runs:

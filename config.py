@@ -156,7 +156,7 @@ class RolloutConfig:
     block_size: int = 16              # KV positions per page
     num_blocks: int = 0               # 0: sized from the device (see rollout.Sampler)
     max_batch_size: int = 256         # running sequences at most
-    kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after the optimizer's) for the KV pool
+    kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after grads + AdamW state) for the KV pool
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

@@ -392,7 +392,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
             keep[:, top_k:] = False
         if top_p < 1.0:
             # keep the smallest prefix whose mass reaches top_p (the top token is always kept)
-            keep &= (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
+            # CUDA's cumsum takes another algorithm (another summation order) for a single row: scan
+            # at least two rows so that a row's cutoff does not depend on how many rows there are
+            B = sorted_p.shape[0]
+            cum = torch.cumsum(sorted_p if B > 1 else sorted_p.repeat(2, 1), dim=-1)[:B]
+            keep &= (cum - sorted_p) < top_p
         probs = torch.zeros_like(probs).scatter(-1, idx, torch.where(keep, sorted_p, 0.0))
     noise = torch.empty_like(probs)
     for b, seed in enumerate(seeds):

@@ -423,7 +423,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     start, metrics_path, state = 0, os.path.join(tcfg.out_dir, "metrics.jsonl"), None
     if tcfg.resume:
         ckpt = latest_checkpoint(tcfg.out_dir)
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        # on the CPU: every rank would otherwise put rank 0's optimizer tensors on rank 0's GPU
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False)
         if state["model_config"] != dataclasses.asdict(model.config):
             raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
         weights = hf_to_state(read_safetensors_dir(ckpt), model)
@@ -440,6 +441,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
                             weight_decay=tcfg.weight_decay)
     if state is not None:
         load_optimizer_state(scorer, opt, state["optimizer"], fsdp)
+        state = None                                                  # free the host copy
     if d.master:
         if tcfg.resume:                                               # drop lines logged after the checkpoint
             kept = []
@@ -454,12 +456,14 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     if rcfg.rollout_dtype and getattr(torch, rcfg.rollout_dtype) != dtype:
         rollout_model, sync_rollout_weights = lower_precision_copy(rollout_model, getattr(torch, rcfg.rollout_dtype),
                                                                    sync_rollout_weights)
-    # AdamW allocates its two moment buffers at its first step, after the sampler has sized its KV pool
-    # from the free memory: set them aside (this rank's shard of the parameters under FSDP)
-    adam_bytes = 0 if opt.state else 2 * sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
+    # The gradients (first backward) and AdamW's two moment buffers (first step; already there on resume)
+    # are allocated after the sampler sizes its KV pool from the free memory: set them aside, for this
+    # rank's shard of the parameters under FSDP. Activations and temporaries come out of the rest.
+    param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
+    reserve = (1 if opt.state else 3) * param_bytes
     sampler = Sampler(rollout_model, block_size=rcfg.block_size, num_blocks=rcfg.num_blocks or None,
                       max_batch_size=rcfg.max_batch_size, mode=rcfg.rollout_mode, router_bf16=rcfg.router_bf16,
-                      kv_memory_fraction=rcfg.kv_memory_fraction, reserve_bytes=adam_bytes)
+                      kv_memory_fraction=rcfg.kv_memory_fraction, reserve_bytes=reserve)
     max_new = rcfg.max_new_tokens or task.max_new_tokens
     G, history = tcfg.group_size, []
     n_prompts = tcfg.prompts_per_step // d.world                     # this rank's share; groups stay whole

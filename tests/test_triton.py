@@ -502,6 +502,19 @@ def test_gpu_moe(dtype):
 
 
 @gpu
+def test_gpu_sampling_rows_do_not_depend_on_the_batch():
+    """The sampler's draws on CUDA (softmax, sort, cumsum for top-p, per-row generators): each row of a
+    batch gets the token it gets alone, at a Qwen-sized vocabulary."""
+    from rollout import sample_tokens
+    logits = randn(16, 151936, scale=4, seed=7, dtype=torch.bfloat16)
+    seeds = list(range(1000, 1016))
+    for temperature, top_p, top_k in ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 0.95, 50)):
+        batched = sample_tokens(logits, temperature, top_p, top_k, seeds)
+        alone = torch.cat([sample_tokens(logits[b:b + 1], temperature, top_p, top_k, seeds[b:b + 1]) for b in range(16)])
+        assert torch.equal(batched, alone), (temperature, top_p, top_k)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @torch.no_grad()
 def test_gpu_model_contract(dtype):
