@@ -34,6 +34,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature   # n
 
 import kernels                                                     # noqa: E402
 import kernels_triton as kt                                        # noqa: E402
+import kernels_triton_moe as ktm                                   # noqa: E402
 from config import ModelConfig                                     # noqa: E402
 from model import Transformer                                      # noqa: E402
 from rollout import Sampler                                        # noqa: E402
@@ -60,18 +61,19 @@ class Recorder:
 
 
 class intercept:
-    """`with intercept() as launches:` replaces every kernel of kernels_triton by a Recorder."""
+    """`with intercept() as launches:` replaces every kernel of the Triton backend by a Recorder."""
 
     def __enter__(self):
         self.launches: list = []
-        self.originals = {n: f for n, f in vars(kt).items() if isinstance(f, JITFunction) and n.endswith("_kernel")}
-        for name, fn in self.originals.items():
-            setattr(kt, name, Recorder(fn, self.launches))
+        self.originals = [(mod, n, f) for mod in (kt, ktm) for n, f in vars(mod).items()
+                          if isinstance(f, JITFunction) and n.endswith("_kernel")]
+        for mod, name, fn in self.originals:
+            setattr(mod, name, Recorder(fn, self.launches))
         return self.launches
 
     def __exit__(self, *exc):
-        for name, fn in self.originals.items():
-            setattr(kt, name, fn)
+        for mod, name, fn in self.originals:
+            setattr(mod, name, fn)
 
 
 def make_model(dtype: torch.dtype) -> Transformer:
