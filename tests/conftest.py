@@ -120,3 +120,18 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     """max |a - ref| / max |ref| in fp64."""
     a, ref = a.double(), ref.double()
     return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def assert_contract(model: Transformer, outs, temperature: float = 1.0) -> None:
+    """Each sampler output's log-probs and routes are bitwise what model.score computes for prompt +
+    tokens (on the model's device; the outputs live on the CPU)."""
+    score_t = 1.0 if temperature == 0 else temperature      # greedy records log-probs at temperature 1
+    dev = next(model.parameters()).device
+    for i, o in enumerate(outs):
+        P, G = len(o.prompt), len(o.tokens)
+        assert G >= 1 and o.logprobs.shape == (G,) and o.logprobs.dtype == torch.float32, i
+        assert o.routes.shape == (P + G - 1, model.n_moe_layers, model.config.num_experts_per_tok), i
+        logp, routes = model.score(torch.tensor([o.prompt + o.tokens], device=dev), temperature=score_t)
+        logp, routes = logp[0, P - 1:].cpu(), routes[0, :P + G - 1].cpu()
+        assert torch.equal(o.logprobs, logp), f"output {i}: logprobs differ from score by {(o.logprobs - logp).abs().max()}"
+        assert torch.equal(o.routes, routes), f"output {i}: routes differ from score"

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from conftest import assert_contract  # noqa: E402
 from config import ModelConfig  # noqa: E402
 from model import Transformer  # noqa: E402
 from rollout import (BlockManager, Sampler, Scheduler, Sequence, draw_seed, kv_pool_blocks,  # noqa: E402
@@ -67,19 +68,6 @@ def request_prompts() -> list[list[int]]:
     """Mixed lengths, plus two prompts repeated explicitly (at other indices) besides n=3."""
     prompts = make_prompts(LENGTHS, seed=1)
     return prompts + [prompts[2], prompts[5]]
-
-
-def assert_contract(model: Transformer, outs, temperature: float) -> None:
-    """Each output's log-probs and routes are bitwise what model.score computes for prompt + tokens."""
-    score_t = 1.0 if temperature == 0 else temperature      # greedy records log-probs at temperature 1
-    for i, o in enumerate(outs):
-        P, G = len(o.prompt), len(o.tokens)
-        assert G >= 1 and o.logprobs.shape == (G,) and o.logprobs.dtype == torch.float32, i
-        assert o.routes.shape == (P + G - 1, model.n_moe_layers, model.config.num_experts_per_tok), i
-        logp, routes = model.score(torch.tensor([o.prompt + o.tokens]), temperature=score_t)
-        assert torch.equal(o.logprobs, logp[0, P - 1:]), \
-            f"output {i}: logprobs differ from score by {(o.logprobs - logp[0, P - 1:]).abs().max()}"
-        assert torch.equal(o.routes, routes[0, :P + G - 1]), f"output {i}: routes differ from score"
 
 
 def assert_complete(outs, prompts, n: int, max_new: int, stop=()) -> None:

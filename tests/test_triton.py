@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 import kernels  # noqa: E402
 import kernels_triton as kt  # noqa: E402
-from conftest import make_model, tiny_config  # noqa: E402
+from conftest import assert_contract, make_model, tiny_config  # noqa: E402
 from rollout import Sampler  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -404,11 +404,7 @@ def test_sampler_records_score_bits_with_triton():
     prompts = [[3, 1, 4, 1, 5], list(range(2, 19))]                # 5 and 17 tokens: across a tile
     with kernels.set_backend("triton"):
         outs = Sampler(model, max_batch_size=4).generate(prompts, max_new_tokens=3, n=2, progress=False)
-        for o in outs:
-            P, G = len(o.prompt), len(o.tokens)
-            lp, routes = model.score(torch.tensor([o.prompt + o.tokens], device=DEV))
-            assert torch.equal(o.logprobs, lp[0, P - 1:].cpu())
-            assert torch.equal(o.routes, routes[0, :P + G - 1].cpu())
+        assert_contract(model, outs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -527,8 +523,4 @@ def test_gpu_model_contract(dtype):
     assert torch.equal(one, lp[2:3, :89]) and torch.equal(r1, routes[2:3, :90])
     prompts = [tokens[0, :30].tolist(), tokens[1, :17].tolist(), tokens[2, :64].tolist()]
     outs = Sampler(model, max_batch_size=8).generate(prompts, max_new_tokens=20, n=2, progress=False)
-    for o in outs:
-        P, G = len(o.prompt), len(o.tokens)
-        lp, routes = model.score(torch.tensor([o.prompt + o.tokens], device=DEV))
-        assert torch.equal(o.logprobs, lp[0, P - 1:].cpu())
-        assert torch.equal(o.routes, routes[0, :P + G - 1].cpu())
+    assert_contract(model, outs)
