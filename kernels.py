@@ -122,9 +122,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)                                           # (M, K)
     M = x2.shape[0]
-    pad = (-M) % ROW_CHUNK
-    if pad:
-        x2 = torch.cat([x2, x2.new_zeros(pad, K)])
+    # 1..ROW_CHUNK zero rows (never 0: an empty pad would skip ops, and the op count would depend on M)
+    x2 = torch.cat([x2, x2.new_zeros(ROW_CHUNK - M % ROW_CHUNK, K)])
     tiles = x2.float().view(-1, ROW_CHUNK, K)                       # (M/C, C, K)
     wt = w.float().t().unsqueeze(0).expand(tiles.shape[0], -1, -1)  # (M/C, K, N), a view
     y = torch.bmm(tiles, wt).view(-1, w.shape[0])[:M]               # (M, N) fp32
@@ -288,10 +287,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     order = torch.sort(slot_expert, stable=True).indices             # slots grouped by expert
     counts = torch.bincount(slot_expert, minlength=E).tolist()
     outs, start = [], 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        slots = order[start:start + n]
+    for e, n in enumerate(counts):                                   # empty experts too: the same ops
+        slots = order[start:start + n]                               # whichever experts the batch hits
         start += n
         h = linear(x[slots // k], w13[e])                           # (n, 2I)
         a = silu_mul(h[:, :I], h[:, I:])                            # (n, I)
@@ -326,13 +323,12 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 # the batch-variant fast path of `variant(batch_variant=True)`: what a rollout engine typically runs
 # ---------------------------------------------------------------------------------------------------
 def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale):
-    """Gather the pages, then one SDPA call (its kernel and split choices depend on the shapes)."""
-    B, T, H, D = q.shape
-    page_size = k_cache.shape[1]
-    n_pages = -(-(int(positions.max()) + 1) // page_size)
-    pages = block_table[:, :n_pages].long()
-    keys = k_cache[pages].flatten(1, 2).transpose(1, 2)              # (B, KVH, L, D)
-    vals = v_cache[pages].flatten(1, 2).transpose(1, 2)
+    """Gather the sequences' pages, then one SDPA call (its kernel and split choices depend on the
+    shapes). Every page of the block table is gathered (its width, not positions.max(): no host sync,
+    so a decode step can be a CUDA graph); the mask hides what lies past each query. flash-attn's paged
+    decode is not used: it needs pages of >= 256 positions, ours are block_size (16 by default)."""
+    keys = k_cache[block_table.long()].flatten(1, 2).transpose(1, 2)  # (B, KVH, L, D)
+    vals = v_cache[block_table.long()].flatten(1, 2).transpose(1, 2)
     visible = torch.arange(keys.shape[2], device=q.device)[None, None, :] <= positions[:, :, None]  # (B, T, L)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=visible[:, None],
                                          scale=scale, enable_gqa=True)  # (B, H, T, D)
@@ -340,7 +336,10 @@ def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale):
 
 
 def _fast_moe_experts(x, w13, w2, ids, weights):
-    """A per-expert loop accumulating with index_add_, in the model dtype (as transformers does)."""
+    """What a fast engine runs: torch._grouped_mm over expert-sorted rows (bf16 on a GPU; no host
+    sync), else a per-expert loop accumulating with index_add_ in the model dtype (as transformers)."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return _grouped_mm_moe(x, w13, w2, ids, weights)
     I = w2.shape[2]
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
@@ -349,3 +348,15 @@ def _fast_moe_experts(x, w13, w2, ids, weights):
         y = F.linear(F.silu(h[:, :I]) * h[:, I:], w2[e])
         out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
     return out
+
+
+def _grouped_mm_moe(x, w13, w2, ids, weights):
+    M, k = ids.shape
+    E, I = w13.shape[0], w2.shape[2]
+    flat = ids.reshape(-1)                                           # (M*k,) slot s = token s // k
+    order = torch.argsort(flat, stable=True)
+    ends = torch.searchsorted(flat[order], torch.arange(1, E + 1, device=x.device)).to(torch.int32)  # (E,)
+    h = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=ends)             # (M*k, 2I)
+    y = torch._grouped_mm(F.silu(h[:, :I]) * h[:, I:], w2.transpose(1, 2), offs=ends)   # (M*k, D)
+    per_slot = torch.empty_like(y).index_copy_(0, order, y)          # back to slot order
+    return (per_slot.view(M, k, -1) * weights[..., None].to(x.dtype)).sum(1)

@@ -41,7 +41,8 @@ class PagedKV:
     caches: per layer a (k_pages, v_pages) pair, each (num_pages, page_size, KVH, D).
     block_table (B, n_blocks): the pages of each sequence, in position order.
     slot_mapping (B, T): flat slot (page * page_size + offset) where each new token's K/V is written;
-        -1 for padding tokens, which are not written.
+        padding tokens point at a scratch slot that no sequence reads (writes are unconditional, so a
+        decode step has no data-dependent shape and can be captured in a CUDA graph).
     positions (B, T): absolute position of each new token.
     """
     caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -98,10 +99,9 @@ class Attention(nn.Module):
         else:
             # Sampler path: write the new keys into the persistent pages, then attend over them.
             (k_pages, v_pages), block_table = kv.caches[layer_idx], kv.block_table
-            keep = kv.slot_mapping.reshape(-1) >= 0
-            slots = kv.slot_mapping.reshape(-1)[keep]
-            k_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = k.reshape(-1, self.n_kv_heads, self.head_dim)[keep]
-            v_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = v.reshape(-1, self.n_kv_heads, self.head_dim)[keep]
+            slots = kv.slot_mapping.reshape(-1)                                        # (B*T,)
+            k_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = k.reshape(-1, self.n_kv_heads, self.head_dim)
+            v_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = v.reshape(-1, self.n_kv_heads, self.head_dim)
         o = kernels.paged_attention(q, k_pages, v_pages, block_table, positions, self.head_dim ** -0.5)
         return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim))
 
@@ -197,7 +197,8 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         else:
             positions = kv.positions
-        if int(positions.max()) >= self.config.max_position_embeddings:
+        # the sampler checks its lengths at admission: a check here would be a host sync per decode step
+        if kv is None and int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} is past max_position_embeddings="
                              f"{self.config.max_position_embeddings}; shorten the sequence or raise the limit")
         if routes is not None:
@@ -238,9 +239,14 @@ class Transformer(nn.Module):
         if ((ordered.diff(dim=-1) == 0) & (ordered[..., 1:] >= 0)).any():
             raise ValueError("routes repeat an expert inside one token's top-k")
 
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head: hidden states (..., D) -> logits (..., V). The one logits path: forward, score
+        and the sampler all call it, so the contract rests on one line."""
+        return kernels.linear(h, self.lm_weight())
+
     def forward(self, tokens: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
         h, _ = self.hidden_states(tokens, routes)
-        return kernels.linear(h, self.lm_weight())                        # (B, T, V)
+        return self.compute_logits(h)                                     # (B, T, V)
 
     def score(self, tokens: torch.Tensor, temperature: float = 1.0,
               routes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,7 +258,7 @@ class Transformer(nn.Module):
         and the returned routes are still the router's own choice, so a caller can audit the flips.
         """
         h, used = self.hidden_states(tokens, routes)
-        logits = kernels.linear(h[:, :-1], self.lm_weight())              # (B, T-1, V)
+        logits = self.compute_logits(h[:, :-1])                           # (B, T-1, V)
         return kernels.token_logprobs(logits, tokens[:, 1:], temperature), used
 
     # ---- Hugging Face checkpoints ----

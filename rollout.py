@@ -1,23 +1,36 @@
-"""The rollout sampler: paged KV cache, continuous batching, preemption, and exact recording.
+"""The rollout sampler: paged KV cache, continuous batching, preemption, CUDA graphs, exact recording.
 
     from rollout import Sampler
-    sampler = Sampler(model)                                   # pool sizes from the device; see __init__
+    sampler = Sampler(model)                                   # or Sampler.from_config(model, RolloutConfig())
     outs = sampler.generate(prompts, max_new_tokens=64, temperature=1.0, n=8, seed=0)
     outs[i].tokens, outs[i].logprobs, outs[i].routes           # see SequenceOutput
 
-Vocabulary from vLLM / nano-vllm: a `Sequence` owns a `block_table` of KV blocks (pages) of
-`block_size` positions; the `BlockManager` hands out blocks from a free list with reference counts so a
-GRPO group shares its prompt's full blocks; the `Scheduler` runs batched prefill of waiting
-sequences, then batched decode of running ones, and preempts (frees, later recomputes) the newest
-sequence when blocks run out. `slot_mapping` tells the forward where each new token's K/V goes.
+Vocabulary from vLLM / nano-vllm. A `Sequence` owns a `block_table` of KV blocks (pages) of
+`block_size` positions. The `BlockManager` hands out blocks from a free list with reference counts,
+so a GRPO group shares its prompt's full blocks. The `Scheduler` owns the sequence lifecycle:
+`add()` queues requests, `schedule()` returns the next batch and whether it is a prefill (waiting
+sequences, admitted while batch rows, blocks and the token budget allow) or a decode (every running
+sequence, preempting the newest when blocks run out), `postprocess()` retires finished sequences.
+The `ModelRunner` owns the tensors: the KV pages and, per batch row, the sequence's tokens, log-probs
+and routes, all on the device; a decode step is a fixed set of tensor ops over those buffers (one
+small read comes back: which rows finished), replayed as a CUDA graph per batch-size bucket on a GPU.
 
-The contract: every step calls the same `Transformer.hidden_states` and kernels as `model.score`,
-so `outs[i].logprobs` are bitwise equal to `model.score(prompt + tokens)` at the generated positions and
-`outs[i].routes` to score's routes, whatever the batch, the block layout, sharing or preemption. The
-random draw of a token depends only on (seed, the sequence's index in the request, its position).
+Host work per decode step does not grow with the batch: the scheduler knows every running
+sequence's length from one clock (they all advance together), finds the sequences that start a new
+block this step in a table keyed by length mod block_size, and touches Python objects only for
+those (1 / block_size of the batch on average) and for sequences that start or finish.
+
+The contract: every step calls the same `Transformer.hidden_states`, `compute_logits` and
+`kernels.token_logprobs` as `model.score`, so `outs[i].logprobs` are bitwise equal to
+`model.score(prompt + tokens)` at the generated positions and `outs[i].routes` to score's routes,
+whatever the batch, the padding, the block layout, sharing, preemption or graph replay. The random
+draw of a token depends only on (seed, the sequence's index in the request, its position): a uniform
+from a counter-based hash of those three (`draw_keys`), turned into a token by inverse CDF.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,6 +42,38 @@ from model import PagedKV, Transformer
 
 
 @dataclass
+class SamplingParams:
+    temperature: float = 1.0          # 0: greedy (log-probs then at temperature 1)
+    top_p: float = 1.0
+    top_k: int = 0                    # 0: off
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        def is_int(x):
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+        def is_real(x):
+            return isinstance(x, numbers.Real) and not isinstance(x, bool)
+        if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r}: need a finite number >= 0 (0 samples greedily)")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}: need a number in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: need an integer >= 0 (0 turns it off)")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: need an integer >= 1")
+        if not is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r}: need an integer >= 0")
+        if not all(is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: need integer token ids")
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.top_k, self.max_new_tokens, self.seed = int(self.top_k), int(self.max_new_tokens), int(self.seed)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+@dataclass
 class SequenceOutput:
     prompt: list[int]
     tokens: list[int]            # generated ids
@@ -37,19 +82,17 @@ class SequenceOutput:
     finish_reason: str           # "stop" (a stop token), "length" (max_new_tokens or the context)
 
 
-@dataclass
+@dataclass(eq=False)             # compared and hashed by identity: the scheduler keys dicts by sequence
 class Sequence:
-    seq_id: int                  # index in the request: the sampling seed depends on it
-    token_ids: list[int]         # prompt + generated
-    num_prompt_tokens: int
-    max_len: int                 # stop when len(token_ids) reaches this
+    seq_id: int                  # index in the request (plus the caller's offset): keys the sampling noise
+    prompt: list[int]
+    max_len: int                 # finishes ("length") when it holds this many tokens
+    num_tokens: int = 0          # tokens in its row (prompt + generated); while running, see Scheduler.length
+    row: int = -1                # its row of the ModelRunner's buffers; held from admission to finish
     block_table: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)   # per recorded position (n_moe, k)
+    parent: "Sequence | None" = None   # in a prefill batch: the group member whose forward it shares
     finish_reason: str | None = None
-
-    def __len__(self):
-        return len(self.token_ids)
+    output: SequenceOutput | None = None
 
 
 class BlockManager:
@@ -105,70 +148,338 @@ class BlockManager:
 
 
 class Scheduler:
-    """Waiting groups (same prompt, same pending work) and running sequences; picks each step's batch."""
+    """Owns the sequence lifecycle: waiting groups -> running -> finished (or preempted -> waiting)."""
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
         self.bm = block_manager
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[list[Sequence]] = deque()   # each entry: sequences with identical token_ids
-        self.running: list[Sequence] = []
+        self.waiting: deque[list[Sequence]] = deque()   # groups of sequences with identical tokens
+        self.running: list[Sequence] = []               # in admission order: the newest is preempted first
+        self.free_rows = list(range(max_batch_size - 1, -1, -1))   # pop() hands out the lowest row
+        self.clock = 0                                  # decode steps taken; length = offset + clock
+        self.offset: dict[Sequence, int] = {}           # running sequence -> num_tokens - clock
+        self.by_phase = [dict() for _ in range(block_manager.block_size)]   # offset % bs -> {seq: None}
+        self.version = 0                                # bumped whenever `running` changes
+        self.new_blocks: list[tuple[int, int, int]] = []   # (row, index, block) for the runner to write
         self.num_preemptions = 0
 
-    def schedule_prefill(self) -> list[list[Sequence]]:
-        """Admit waiting groups while batch slots, blocks and the token budget allow.
+    # ---- lifecycle ----
+    def add(self, group: list[Sequence]) -> None:
+        """Queue sequences with identical tokens; they are prefilled once and share full blocks."""
+        self.waiting.append(group)
 
-        A group is prefilled once; its members beyond the first share the prompt's full blocks. A
-        group larger than the free batch slots is split: the rest stays waiting (and recomputes).
-        """
-        batch, tokens, reserved = [], 0, 0
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def length(self, seq: Sequence) -> int:
+        """Tokens in a sequence's row: every running sequence gains one per decode step."""
+        return self.offset[seq] + self.clock if seq in self.offset else seq.num_tokens
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """The next batch and whether it is a prefill. A prefill batch lists each group's members
+        after their leader (member.parent = leader); a decode batch is `running` itself."""
+        batch = self._schedule_prefill()
+        if batch:
+            return batch, True
+        return self._schedule_decode(), False
+
+    def postprocess(self, batch: list[Sequence], is_prefill: bool, finished: list[bool]) -> list[Sequence]:
+        """After a step: admitted sequences start running, the clock ticks, finished ones leave.
+        Returns the finished sequences (their rows still hold their data until the next schedule)."""
+        if is_prefill:
+            for s in batch:
+                s.num_tokens += 1                                    # the token the prefill sampled
+                self._start(s)
+        else:
+            self.clock += 1
+        done = [s for s, f in zip(batch, finished) if f]
+        for s in done:
+            s.num_tokens = self.length(s)
+            self._stop(s)
+            self.bm.free(s)
+            self.free_rows.append(s.row)
+        return done
+
+    # ---- prefill: admit waiting groups ----
+    def _schedule_prefill(self) -> list[Sequence]:
+        batch, tokens, taken = [], 0, 0
+        bs = self.bm.block_size
         while self.waiting:
             group = self.waiting[0]
-            slots = self.max_batch_size - len(self.running) - sum(len(g) for g in batch)
-            L = len(group[0])
-            if slots <= 0 or (batch and tokens + L > self.max_num_batched_tokens):
+            L = group[0].num_tokens
+            if batch and tokens + L > self.max_num_batched_tokens:
                 break
-            # blocks: the leader's, plus one copied partial block per extra member; keep one free block
-            # per running sequence so the next decode step does not have to preempt at once
-            free = self.bm.num_free - reserved - (self.max_batch_size - slots)
-            base = self.bm.blocks_needed(group[0], L)
-            partial = 1 if L % self.bm.block_size else 0
-            fits = len(group) if not partial else 1 + (free - base) // partial
-            take = group[:min(slots, fits)]
-            if base > free or not take:
+            rows = len(group) if group[0].row >= 0 else len(self.free_rows)   # a preempted one kept its row
+            # blocks: the leader's, one copied partial block per other member, and one spare block per
+            # sequence that will run, so that the next decode step need not preempt at once (dropped
+            # when nothing else runs: then the pool only has to hold this group)
+            base, partial = -(-L // bs), int(L % bs != 0)
+            n_running = len(self.running) + len(batch)
+            spare = 1 if n_running else 0
+            avail = self.bm.num_free - taken - spare * n_running
+            fits = (avail - base + partial) // (partial + spare) if partial + spare else len(group)
+            take = group[:min(rows, fits)]
+            if not take or base + partial * (len(take) - 1) > avail:
                 break
             if len(take) == len(group):
                 self.waiting.popleft()
             else:
                 self.waiting[0] = group[len(take):]
-            batch.append(take)
+            self._admit(take)
+            batch += take
             tokens += L
-            reserved += base + partial * (len(take) - 1)
+            taken += base + partial * (len(take) - 1)
         return batch
 
-    def schedule_decode(self) -> list[Sequence]:
-        """Make room for one more position in every running sequence, preempting the newest if needed."""
-        while True:
-            need = sum(self.bm.blocks_needed(s, len(s)) for s in self.running)
-            if need <= self.bm.num_free:
-                break
-            self.preempt(self.running.pop())
-        for s in self.running:
-            self.bm.allocate(s, len(s))
-        return list(self.running)
+    def _admit(self, group: list[Sequence]) -> None:
+        leader = group[0]
+        if leader.row < 0:
+            for s in group:
+                s.row = self.free_rows.pop()
+        leader.parent = None
+        self.bm.allocate(leader, leader.num_tokens)
+        for s in group[1:]:             # the runner copies the partial block's KV after the forward
+            s.parent = leader
+            self.bm.fork(leader, s, leader.num_tokens)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free a sequence's blocks and queue it first for recompute (prefill of all its tokens)."""
+    # ---- decode: one more position for every running sequence ----
+    def _schedule_decode(self) -> list[Sequence]:
+        """Give a new block to each running sequence whose next position starts one, preempting the
+        newest sequences while the free blocks do not suffice."""
+        need = self.by_phase[(1 - self.clock) % self.bm.block_size]    # (offset + clock - 1) % bs == 0
+        while len(need) > self.bm.num_free:
+            self._preempt(self.running[-1])
+        for s in need:
+            self.bm.allocate(s, len(s.block_table) * self.bm.block_size + 1)
+            self.new_blocks.append((s.row, len(s.block_table) - 1, s.block_table[-1]))
+        return self.running
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and queue it first for recompute (a prefill of all its tokens); it
+        keeps its row, which holds its tokens, log-probs and routes so far."""
+        seq.num_tokens = self.length(seq)
+        self._stop(seq)
         self.bm.free(seq)
         self.waiting.appendleft([seq])
         self.num_preemptions += 1
+
+    def _start(self, seq: Sequence) -> None:
+        self.running.append(seq)
+        self.offset[seq] = seq.num_tokens - self.clock
+        self.by_phase[self.offset[seq] % self.bm.block_size][seq] = None
+        self.version += 1
+
+    def _stop(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        del self.by_phase[self.offset.pop(seq) % self.bm.block_size][seq]
+        self.version += 1
+
+
+class ModelRunner:
+    """The device side: KV pages, per-row buffers, the prefill and decode steps, CUDA graphs.
+
+    Rows 0..max_batch_size-1 hold sequences; one extra row (`pad_row`) feeds the padding of a batch
+    bucket: it reads and writes only the scratch page (the last page of each pool), so padding never
+    touches a real sequence's KV. Buffers per row (L = the request's longest sequence, sized by
+    `reserve`): token ids (L), log-probs of the generated tokens (L), routes of every fed position
+    (L, n_moe, top_k) int16, the block table, and length, prompt length, max length, sequence index.
+    """
+
+    GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+    def __init__(self, model: Transformer, block_size: int, num_blocks: int, max_batch_size: int,
+                 cuda_graphs: bool):
+        cfg = model.config
+        p = next(model.parameters())
+        self.model, self.device, self.dtype = model, p.device, p.dtype
+        self.block_size, self.num_blocks, self.max_batch_size = block_size, num_blocks, max_batch_size
+        self.pad_row, self.scratch_page = max_batch_size, num_blocks
+        kv_shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.caches = [(torch.zeros(kv_shape, dtype=self.dtype, device=self.device),
+                        torch.zeros(kv_shape, dtype=self.dtype, device=self.device))
+                       for _ in range(cfg.num_hidden_layers)]
+        self.cuda_graphs = cuda_graphs
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.warm: set[tuple] = set()                              # buckets run once eagerly (compiled)
+        self.capacity = 0
+        self.stop_ids = torch.zeros(0)
+        self.rows_version = -1
+
+    # ---- buffers ----
+    def reserve(self, max_len: int, sp: SamplingParams) -> None:
+        """Size the per-row buffers for sequences of up to max_len tokens and set the request's seed
+        and stop tokens (device tensors, so that captured graphs serve every request)."""
+        if max_len > self.capacity or len(sp.stop_token_ids) > self.stop_ids.numel():
+            self._allocate(max(max_len, self.capacity), max(8, len(sp.stop_token_ids)))
+        self.rows_version = -1                                     # a new request: a new Scheduler
+        self.seed.copy_(torch.tensor([sp.seed & 0xFFFFFFFF, (sp.seed >> 32) & 0xFFFFFFFF]))
+        stop = list(sp.stop_token_ids) + [-1] * (self.stop_ids.numel() - len(sp.stop_token_ids))
+        self.stop_ids.copy_(torch.tensor(stop))
+
+    def _allocate(self, L: int, n_stop: int) -> None:
+        R, dev, n_moe, k = self.max_batch_size + 1, self.device, self.model.n_moe_layers, self.model.config.num_experts_per_tok
+        W = -(-L // self.block_size)
+        self.capacity = L
+        self.token_buf = torch.zeros(R, L + 1, dtype=torch.long, device=dev)      # +1: a finished row's last write
+        self.logp_buf = torch.zeros(R, L + 1, dtype=torch.float32, device=dev)
+        self.route_buf = torch.zeros(R, L, n_moe, k, dtype=torch.int16, device=dev)
+        self.block_tables = torch.full((R, W), self.scratch_page, dtype=torch.long, device=dev)
+        self.num_tokens = torch.ones(R, dtype=torch.long, device=dev)             # pad row: 1 token, position 0
+        self.prompt_len = torch.zeros(R, dtype=torch.long, device=dev)
+        self.max_len = torch.full((R,), L + 1, dtype=torch.long, device=dev)
+        self.seq_id = torch.zeros(R, dtype=torch.long, device=dev)
+        self.rows = torch.full((self.max_batch_size,), self.pad_row, dtype=torch.long, device=dev)
+        self.seed = torch.zeros(2, dtype=torch.long, device=dev)
+        self.stop_ids = torch.full((n_stop,), -1, dtype=torch.long, device=dev)
+        self.graphs.clear()                                        # they captured the old buffers
+        self.warm.clear()
+
+    def start(self, seqs: list[Sequence]) -> None:
+        """Write admitted sequences' block tables, and new ones' prompts and per-row scalars, to their
+        rows (a recomputed sequence's row still holds its tokens)."""
+        dev = self.device
+        fresh = [s for s in seqs if s.num_tokens == len(s.prompt)]
+        if fresh:
+            P = max(len(s.prompt) for s in fresh)
+            prompts = torch.zeros(len(fresh), P, dtype=torch.long)
+            for i, s in enumerate(fresh):
+                prompts[i, :len(s.prompt)] = torch.tensor(s.prompt)
+            rows = torch.tensor([s.row for s in fresh], device=dev)
+            self.token_buf[rows, :P] = prompts.to(dev)
+            scalars = torch.tensor([[len(s.prompt), s.max_len, s.seq_id] for s in fresh], device=dev)
+            self.prompt_len[rows], self.max_len[rows], self.seq_id[rows] = scalars.unbind(1)
+        width = max(len(s.block_table) for s in seqs)
+        table = torch.full((len(seqs), width), self.scratch_page, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+        self.block_tables[torch.tensor([s.row for s in seqs], device=dev), :width] = table.to(dev)
+
+    def write_new_blocks(self, new_blocks: list[tuple[int, int, int]]) -> None:
+        if new_blocks:
+            r, i, b = torch.tensor(new_blocks, device=self.device).unbind(1)
+            self.block_tables[r, i] = b
+            new_blocks.clear()
+
+    # ---- the forward, shared by prefill and decode ----
+    def _forward(self, rows, tokens, positions, valid):
+        """Forward `tokens` (B, T) at `positions` of `rows`; KV of valid positions goes to the rows'
+        pages, the rest to the scratch page. -> hidden states (B, T, D), routes (B, T, n_moe, k)."""
+        bs = self.block_size
+        bt = self.block_tables[rows]                                           # (B, W)
+        slots = bt.gather(1, positions // bs) * bs + positions % bs            # (B, T)
+        slots = torch.where(valid, slots, self.scratch_page * bs)
+        return self.model.hidden_states(tokens, kv=PagedKV(self.caches, bt, slots, positions))
+
+    def _sample(self, logits, rows, positions, sp: SamplingParams):
+        """Next tokens (B,) and their log-probs (B,) for logits (B, V) of `rows` at `positions`."""
+        if sp.temperature == 0:
+            tokens = torch.argmax(logits, dim=-1)                              # first maximum on ties
+        else:
+            u = draw_keys(self.seed, self.seq_id[rows], positions)
+            tokens = sample_tokens(logits, sp.temperature, sp.top_p, sp.top_k, u)
+        return tokens, kernels.token_logprobs(logits, tokens, sp.temperature)
+
+    def _record(self, rows, n_tok, tokens, logp) -> torch.Tensor:
+        """Append the sampled tokens to their rows; -> (B,) bool: finished (a stop token or max_len)."""
+        real = rows != self.pad_row
+        self.token_buf[rows, n_tok] = tokens
+        self.logp_buf[rows, n_tok - self.prompt_len[rows]] = logp
+        self.num_tokens[rows] = n_tok + real.long()
+        stop = (tokens[:, None] == self.stop_ids[None, :]).any(-1)
+        return real & (stop | (n_tok + 1 >= self.max_len[rows]))
+
+    # ---- prefill ----
+    def prefill(self, seqs: list[Sequence], sp: SamplingParams) -> list[bool]:
+        """One forward over each group leader's tokens, then every member samples its next token."""
+        self.start(seqs)
+        dev, bs = self.device, self.block_size
+        leaders = [s for s in seqs if s.parent is None]
+        index = {id(s): i for i, s in enumerate(leaders)}
+        rows_l = torch.tensor([s.row for s in leaders], device=dev)
+        m = torch.tensor([s.num_tokens for s in leaders], device=dev)               # tokens to feed
+        T = max(s.num_tokens for s in leaders)
+        positions = torch.arange(T, device=dev).expand(len(leaders), T)            # (G, T)
+        tokens = self.token_buf[rows_l, :T]
+        h, routes = self._forward(rows_l, tokens, positions, positions < m[:, None])
+        self.route_buf[rows_l, :T] = routes.to(torch.int16)
+        logits = self.model.compute_logits(h[torch.arange(len(leaders), device=dev), m - 1])   # (G, V)
+        children = [s for s in seqs if s.parent is not None]
+        if children:                    # members share the leader's full blocks; copy the partial one
+            src = torch.tensor([s.parent.row for s in children], device=dev)
+            dst = torch.tensor([s.row for s in children], device=dev)
+            self.route_buf[dst, :T] = self.route_buf[src, :T]
+            pages = [(s.parent.block_table[s.num_tokens // bs], s.block_table[-1]) for s in children
+                     if s.num_tokens % bs]
+            if pages:
+                ps, pd = torch.tensor(pages, device=dev).unbind(1)
+                for k_pages, v_pages in self.caches:
+                    k_pages[pd], v_pages[pd] = k_pages[ps], v_pages[ps]
+        rows = torch.tensor([s.row for s in seqs], device=dev)
+        n_tok = torch.tensor([s.num_tokens for s in seqs], device=dev)
+        logits = logits[torch.tensor([index[id(s.parent or s)] for s in seqs], device=dev)]    # (B, V)
+        tokens, logp = self._sample(logits, rows, n_tok, sp)
+        return self._record(rows, n_tok, tokens, logp).tolist()
+
+    # ---- decode ----
+    def decode(self, seqs: list[Sequence], version: int, sp: SamplingParams) -> list[bool]:
+        """One decode step of every running sequence; graph replay where captured."""
+        n = len(seqs)
+        bucket = next((b for b in self.GRAPH_BUCKETS if b >= n), n) if self.cuda_graphs else n
+        bucket = min(bucket, self.max_batch_size)
+        if version != self.rows_version:                           # the running set changed
+            self.rows.fill_(self.pad_row)
+            self.rows[:n] = torch.tensor([s.row for s in seqs], device=self.device)
+            self.rows_version = version
+        if not self.cuda_graphs:
+            return self._decode_step(bucket, sp)[:n].tolist()
+        key = (bucket, sp.temperature, sp.top_p, sp.top_k)
+        if key not in self.graphs:
+            if key not in self.warm:                               # first use runs eagerly: compiles kernels
+                self.warm.add(key)
+                return self._decode_step(bucket, sp)[:n].tolist()
+            self.graphs[key] = self._capture(bucket, sp)
+        graph, finished = self.graphs[key]
+        graph.replay()
+        return finished[:n].tolist()
+
+    def _decode_step(self, n: int, sp: SamplingParams) -> torch.Tensor:
+        """Feed each row's last token at its position: a fixed set of tensor ops, no host sync."""
+        rows = self.rows[:n]
+        n_tok = self.num_tokens[rows]                                           # (n,)
+        pos = (n_tok - 1)[:, None]                                              # (n, 1)
+        tokens = self.token_buf[rows[:, None], pos]                             # (n, 1)
+        h, routes = self._forward(rows, tokens, pos, (rows != self.pad_row)[:, None])
+        self.route_buf[rows, pos[:, 0]] = routes[:, 0].to(torch.int16)
+        tokens, logp = self._sample(self.model.compute_logits(h[:, 0]), rows, n_tok, sp)
+        return self._record(rows, n_tok, tokens, logp)
+
+    def _capture(self, n: int, sp: SamplingParams):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=getattr(self, "pool", None)):
+            finished = self._decode_step(n, sp)
+        self.pool = graph.pool()
+        return graph, finished
+
+    # ---- results ----
+    def collect(self, seq: Sequence) -> SequenceOutput:
+        """Copy a finished sequence's tokens, log-probs and routes out of its row (one copy each)."""
+        n, P = seq.num_tokens, len(seq.prompt)
+        tokens = self.token_buf[seq.row, P:n].tolist()
+        logprobs = self.logp_buf[seq.row, :n - P].to("cpu", copy=True)     # copy: the row will be reused
+        routes = self.route_buf[seq.row, :n - 1].to("cpu", torch.long, copy=True)
+        return SequenceOutput(list(seq.prompt), tokens, logprobs, routes, seq.finish_reason)
+
+    def weights_key(self) -> tuple:
+        """Where the weights live: captured graphs read these addresses, so they must not move."""
+        return tuple(p.data_ptr() for p in self.model.parameters())
 
 
 class Sampler:
     def __init__(self, model: Transformer, block_size: int = 16, num_blocks: int | None = None,
                  max_batch_size: int = 256, max_num_batched_tokens: int = 4096,
                  kv_memory_fraction: float = 0.5, cpu_kv_bytes: int = 1 << 30, mode: str = "invariant",
-                 router_bf16: bool = False, reserve_bytes: int = 0):
+                 router_bf16: bool = False, reserve_bytes: int = 0, cuda_graphs: bool | None = None):
         """A sampler over `model`'s own weights (no copy: the trainer's updates are seen at once).
 
         block_size: KV positions per block (page); a multiple of kernels.KV_BLOCK.
@@ -178,6 +489,8 @@ class Sampler:
         max_batch_size: running sequences at most; max_num_batched_tokens: tokens per prefill step.
         mode: "invariant" (the contract) or "fast" (batch-variant ops, see kernels.variant: the mismatch
             lab); router_bf16: round router logits to bf16 here, on the rollout side only.
+        cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA, where the kernels run
+            without host syncs; the fast MoE needs torch._grouped_mm and bf16 for that).
         """
         if mode not in ("invariant", "fast"):
             raise ValueError(f"mode={mode!r}: choose invariant or fast")
@@ -191,20 +504,33 @@ class Sampler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = cfg.max_position_embeddings
         p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        kv_shape = (block_size, cfg.num_key_value_heads, cfg.head_dim)
         block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
         if num_blocks is None:
             wanted = max_batch_size * -(-self.max_model_len // block_size)
-            if self.device.type == "cuda":
-                free = torch.cuda.mem_get_info(self.device)[0]
+            if p.device.type == "cuda":
+                free = torch.cuda.mem_get_info(p.device)[0]
                 num_blocks = kv_pool_blocks(free, kv_memory_fraction, reserve_bytes, block_bytes, wanted)
             else:
                 num_blocks = kv_pool_blocks(cpu_kv_bytes, 1.0, 0, block_bytes, wanted)
         self.num_blocks = num_blocks
-        self.caches = [(torch.zeros(num_blocks, *kv_shape, dtype=self.dtype, device=self.device),
-                        torch.zeros(num_blocks, *kv_shape, dtype=self.dtype, device=self.device))
-                       for _ in range(cfg.num_hidden_layers)]
+        if cuda_graphs is None:
+            cuda_graphs = p.device.type == "cuda" and (mode == "invariant" or fast_moe_is_graphable(p.dtype))
+        if cuda_graphs and p.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        self.runner = ModelRunner(model, block_size, num_blocks, max_batch_size, cuda_graphs)
+        self.weights_key = self.runner.weights_key()
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_config(cls, model: Transformer, rcfg, reserve_bytes: int = 0) -> "Sampler":
+        """A Sampler sized by a config.RolloutConfig."""
+        return cls(model, block_size=rcfg.block_size, num_blocks=rcfg.num_blocks or None,
+                   max_batch_size=rcfg.max_batch_size, kv_memory_fraction=rcfg.kv_memory_fraction,
+                   mode=rcfg.rollout_mode, router_bf16=rcfg.router_bf16, reserve_bytes=reserve_bytes)
+
+    @property
+    def caches(self):
+        return self.runner.caches
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -218,11 +544,60 @@ class Sampler:
         request's first sequence in a larger one (a data-parallel rank passes its global offset, so its
         draws equal those of a single process sampling the whole request).
         """
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1 or n < 1:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1, n >= 1")
-        seqs: list[Sequence] = []
+        sp = SamplingParams(temperature, top_p, top_k, max_new_tokens, tuple(stop_token_ids), seed)
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"n={n!r}: need an integer >= 1 (samples per prompt)")
+        if isinstance(index_offset, bool) or not isinstance(index_offset, numbers.Integral) or index_offset < 0:
+            raise ValueError(f"index_offset={index_offset!r}: need an integer >= 0")
+        seqs = [Sequence(index_offset + i * n + j, prompt, min(len(prompt) + sp.max_new_tokens, self.max_model_len),
+                         num_tokens=len(prompt))
+                for i, prompt in enumerate(self._check_prompts(prompts, sp)) for j in range(n)]
+        if self.runner.weights_key() != self.weights_key:          # e.g. model.to(...) after building
+            raise RuntimeError("the model's weights moved to new memory since this Sampler was built (e.g. "
+                               "model.to() or load_state_dict(assign=True)); build a new Sampler")
+        sched = Scheduler(BlockManager(self.num_blocks, self.block_size), self.max_batch_size,
+                          self.max_num_batched_tokens)
+        groups: dict[tuple, list[Sequence]] = {}
+        for s in seqs:
+            groups.setdefault(tuple(s.prompt), []).append(s)
+        for g in groups.values():
+            sched.add(g)
+        self.runner.reserve(max(s.max_len for s in seqs), sp)
+        bar = tqdm(total=sum(s.max_len - s.num_tokens for s in seqs), desc="generate",
+                   disable=not progress, leave=False)
+        with kernels.variant(**self.variant):
+            self._run(sched, sp, bar)
+        bar.close()
+        self.num_preemptions = sched.num_preemptions
+        return [s.output for s in seqs]
+
+    def _run(self, sched: Scheduler, sp: SamplingParams, bar) -> None:
+        """The engine loop: schedule, run the step on the device, retire what finished."""
+        runner = self.runner
+        while not sched.is_finished():
+            batch, is_prefill = sched.schedule()
+            runner.write_new_blocks(sched.new_blocks)
+            if is_prefill:
+                finished = runner.prefill(batch, sp)
+            else:
+                finished = runner.decode(batch, sched.version, sp)
+            bar.update(len(batch))
+            for s in sched.postprocess(batch, is_prefill, finished):
+                s.finish_reason = "length" if s.num_tokens >= s.max_len else "stop"
+                s.output = runner.collect(s)
+                bar.update(s.max_len - s.num_tokens)                # credit the tokens it will not generate
+
+    def _check_prompts(self, prompts, sp: SamplingParams) -> list[list[int]]:
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of lists of token ids, got {type(prompts).__name__}")
+        vocab, out = self.model.config.vocab_size, []
         for i, prompt in enumerate(prompts):
-            if not all(isinstance(t, int) or (torch.is_tensor(t) and not t.is_floating_point()) for t in prompt):
+            if torch.is_tensor(prompt):
+                if prompt.dim() != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:
+                    raise ValueError(f"prompt {i} must be a 1-D integer tensor or a list of integer token ids")
+                prompt = prompt.tolist()
+            if not isinstance(prompt, (list, tuple)) or not all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
                 raise ValueError(f"prompt {i} must be a list of integer token ids")
             prompt = [int(t) for t in prompt]
             if not prompt:
@@ -230,132 +605,14 @@ class Sampler:
             if len(prompt) >= self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens but the context is {self.max_model_len} "
                                  f"(max_position_embeddings) with room for at least one new token; shorten it")
-            if not all(0 <= t < self.model.config.vocab_size for t in prompt):
-                raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={self.model.config.vocab_size})")
-            max_len = min(len(prompt) + max_new_tokens, self.max_model_len)
+            if not all(0 <= t < vocab for t in prompt):
+                raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab})")
+            max_len = min(len(prompt) + sp.max_new_tokens, self.max_model_len)
             if -(-max_len // self.block_size) > self.num_blocks:
                 raise ValueError(f"prompt {i} may grow to {max_len} tokens = {-(-max_len // self.block_size)} "
                                  f"blocks, but the pool has {self.num_blocks}; raise num_blocks")
-            for _ in range(n):
-                seqs.append(Sequence(index_offset + len(seqs), list(prompt), len(prompt), max_len))
-        sp = dict(temperature=temperature, top_p=top_p, top_k=top_k, stop=set(stop_token_ids), seed=seed)
-
-        bm = BlockManager(self.num_blocks, self.block_size)
-        sched = Scheduler(bm, self.max_batch_size, self.max_num_batched_tokens)
-        groups: dict[tuple, list[Sequence]] = {}
-        for s in seqs:
-            groups.setdefault(tuple(s.token_ids), []).append(s)
-        sched.waiting.extend(groups.values())
-
-        bar = tqdm(total=sum(s.max_len - s.num_prompt_tokens for s in seqs), desc="generate",
-                   disable=not progress, leave=False)
-        with kernels.variant(**self.variant):
-            self._run(sched, bm, sp, bar)
-        bar.close()
-        self.num_preemptions = sched.num_preemptions
-        return [SequenceOutput(s.token_ids[:s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens:],
-                               torch.tensor(s.logprobs, dtype=torch.float32),
-                               torch.stack(s.routes), s.finish_reason) for s in seqs]
-
-    def _run(self, sched: Scheduler, bm: BlockManager, sp: dict, bar) -> None:
-        """The engine loop: prefill what can be admitted, else decode every running sequence."""
-        while sched.waiting or sched.running:
-            prefill = sched.schedule_prefill()
-            if prefill:
-                self._prefill(prefill, bm, sp)
-                for g in prefill:
-                    sched.running.extend(g)
-                bar.update(sum(len(g) for g in prefill))
-            else:
-                decode = sched.schedule_decode()
-                self._decode(decode, sp)
-                bar.update(len(decode))
-            for s in [s for s in sched.running if s.finish_reason]:
-                sched.running.remove(s)
-                bm.free(s)
-                bar.update(s.max_len - len(s))    # credit the tokens it will not generate
-
-    # ------------------------------------------------------------------------------------------------
-    def _prefill(self, groups: list[list[Sequence]], bm: BlockManager, sp: dict) -> None:
-        """One forward over the first sequence of each group; the others fork from it."""
-        leaders = [g[0] for g in groups]
-        for s in leaders:
-            bm.allocate(s, len(s))
-        T = max(len(s) for s in leaders)
-        tokens = torch.zeros(len(leaders), T, dtype=torch.long)
-        slot_mapping = torch.full((len(leaders), T), -1, dtype=torch.long)
-        for b, s in enumerate(leaders):
-            L = len(s)
-            tokens[b, :L] = torch.tensor(s.token_ids)
-            pos = torch.arange(L)
-            slot_mapping[b, :L] = torch.tensor(s.block_table)[pos // self.block_size] * self.block_size + pos % self.block_size
-        positions = torch.arange(T).expand(len(leaders), T)
-        last = torch.tensor([len(s) - 1 for s in leaders])
-        logits, routes = self._forward(tokens, positions, slot_mapping, leaders, last)
-        for b, group in enumerate(groups):
-            leader = group[0]
-            for child in group[1:]:
-                copy = bm.fork(leader, child, len(leader))
-                if copy is not None:
-                    for k_pages, v_pages in self.caches:
-                        k_pages[copy[1]] = k_pages[copy[0]]
-                        v_pages[copy[1]] = v_pages[copy[0]]
-            for s in group:
-                self._record_routes(s, routes[b, :len(s)])
-        self._append_tokens([s for g in groups for s in g], [b for b, g in enumerate(groups) for _ in g], logits, sp)
-
-    def _decode(self, seqs: list[Sequence], sp: dict) -> None:
-        """Feed each sequence's last token at its position; the blocks were allocated by the scheduler."""
-        tokens = torch.tensor([[s.token_ids[-1]] for s in seqs])
-        positions = torch.tensor([[len(s) - 1] for s in seqs])
-        slot_mapping = torch.tensor([[s.block_table[(len(s) - 1) // self.block_size] * self.block_size
-                                      + (len(s) - 1) % self.block_size] for s in seqs])
-        logits, routes = self._forward(tokens, positions, slot_mapping, seqs, torch.zeros(len(seqs), dtype=torch.long))
-        for b, s in enumerate(seqs):
-            self._record_routes(s, routes[b, :1], first_pos=len(s) - 1)
-        self._append_tokens(seqs, list(range(len(seqs))), logits, sp)
-
-    def _forward(self, tokens, positions, slot_mapping, seqs, last):
-        """Run the model over a padded batch: logits (B, V) at index `last` of each row, on the device,
-        and routes (B, T, n_moe, k) on the CPU."""
-        width = max(len(s.block_table) for s in seqs)
-        block_table = torch.zeros(len(seqs), width, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            block_table[b, :len(s.block_table)] = torch.tensor(s.block_table)
-        dev = self.device
-        kv = PagedKV(self.caches, block_table.to(dev), slot_mapping.to(dev), positions.to(dev))
-        h, routes = self.model.hidden_states(tokens.to(dev), kv=kv)          # (B, T, D), (B, T, n_moe, k)
-        h_last = h[torch.arange(len(seqs), device=dev), last.to(dev)]       # (B, D)
-        logits = kernels.linear(h_last, self.model.lm_weight())              # (B, V)
-        return logits, routes.cpu()
-
-    @staticmethod
-    def _record_routes(seq: Sequence, routes: torch.Tensor, first_pos: int = 0) -> None:
-        """Keep the routes of positions not yet recorded (a recompute after preemption repeats some)."""
-        for j in range(len(seq.routes) - first_pos, routes.shape[0]):
-            seq.routes.append(routes[j].clone())
-
-    def _append_tokens(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, sp: dict) -> None:
-        """Sample the next token of seqs[i] from logits[rows[i]] and record its log-prob.
-
-        Sampling and log-probs stay on the logits' device (only the chosen ids and their log-probs
-        come back); the log-probs come from kernels.token_logprobs, the op score() uses.
-        """
-        temperature = sp["temperature"]
-        chosen = logits[torch.tensor(rows, device=logits.device)]           # (n, V)
-        if temperature == 0:
-            tokens = torch.argmax(chosen, dim=-1)                           # first maximum on ties
-        else:
-            seeds = [draw_seed(sp["seed"], seq.seq_id, len(seq)) for seq in seqs]
-            tokens = sample_tokens(chosen, temperature, sp["top_p"], sp["top_k"], seeds)
-        logprobs = kernels.token_logprobs(chosen, tokens, temperature)
-        for seq, token, lp in zip(seqs, tokens.tolist(), logprobs.cpu().tolist()):
-            seq.logprobs.append(lp)
-            seq.token_ids.append(token)
-            if token in sp["stop"]:
-                seq.finish_reason = "stop"
-            elif len(seq) >= seq.max_len:
-                seq.finish_reason = "length"
+            out.append(prompt)
+        return out
 
 
 def kv_pool_blocks(free_bytes: int, fraction: float, reserve_bytes: int, block_bytes: int, wanted: int) -> int:
@@ -367,43 +624,76 @@ def kv_pool_blocks(free_bytes: int, fraction: float, reserve_bytes: int, block_b
     return max(1, min(wanted, budget // block_bytes))
 
 
-def draw_seed(seed: int, seq_id: int, position: int) -> int:
-    """A seed for one draw, a function of (request seed, sequence index, position) only."""
-    x = (seed * 0x9E3779B97F4A7C15 + seq_id * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) % (1 << 64)
-    x ^= x >> 31
-    return x % (1 << 63)
+def fast_moe_is_graphable(dtype: torch.dtype) -> bool:
+    """The fast path's MoE runs without a host sync (torch._grouped_mm) only in bf16 on a GPU."""
+    return dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+# ---------------------------------------------------------------------------------------------------
+# sampling: inverse-CDF draws from counter-based uniforms, one batched op for the whole batch
+# ---------------------------------------------------------------------------------------------------
+M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), in two 16-bit halves of c (no int64 overflow)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (the 'lowbias32' xorshift-multiply finalizer) of int64 tensors, elementwise.
+    Integer ops only: the same bits on every device and for every batch shape."""
+    x = x & M32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def draw_keys(seed: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform draw per row in (0, 1), float64 with 53 random bits: a hash of (seed, sequence index,
+    position) only. seed (2,) int64: the request seed's low and high 32-bit words; seq_ids, positions (B,)."""
+    k1 = mix32(seed[0] ^ mix32(seed[1] ^ 0x3C6EF372))
+    k2 = mix32(k1 ^ (seq_ids & M32))
+    hi = mix32(k2 ^ mix32(positions ^ 0x1B873593))                         # (B,) 32-bit words
+    lo = mix32(hi ^ k2)
+    return ((hi >> 6) * (1 << 27) + (lo >> 5)).double().add(0.5).mul(2.0 ** -53)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
-                  seeds: list[int]) -> torch.Tensor:
+                  u: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from softmax(logits / temperature), restricted by top-k and top-p.
 
-    logits (B, V) on any device, seeds[b] the seed of row b; returns (B,) int64 on that device.
-    Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i. Each row's
-    noise comes from its own generator seeded with seeds[b], and every other op works along the row
-    (softmax, sort, cumsum, division), so a row's draw depends on its logits and its seed alone, not
-    on the other rows. Everything stays on the device: one generator launch per row, no host copy.
+    logits (B, V); u (B,) uniforms from draw_keys; returns (B,) int64 on the logits' device.
+    Inverse CDF: the first token whose cumulative probability (in float64) reaches u * total. Every op
+    works along the row (softmax, sort, cumsum, comparison), so a row's draw depends on its logits and
+    its u alone, not on the other rows; a few batched ops, whatever the batch size.
     """
-    probs = torch.softmax(logits.float() / temperature, dim=-1)            # (B, V)
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    p = torch.softmax(z, dim=-1)                                            # (B, V)
     if top_k > 0 or top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
-        keep = torch.ones_like(sorted_p, dtype=torch.bool)
-        if top_k > 0:
-            keep[:, top_k:] = False
-        if top_p < 1.0:
-            # keep the smallest prefix whose mass reaches top_p (the top token is always kept)
-            # CUDA's cumsum takes another algorithm (another summation order) for a single row: scan
-            # at least two rows so that a row's cutoff does not depend on how many rows there are
-            B = sorted_p.shape[0]
-            cum = torch.cumsum(sorted_p if B > 1 else sorted_p.repeat(2, 1), dim=-1)[:B]
-            keep &= (cum - sorted_p) < top_p
-        probs = torch.zeros_like(probs).scatter(-1, idx, torch.where(keep, sorted_p, 0.0))
-    noise = torch.empty_like(probs)
-    for b, seed in enumerate(seeds):
-        noise[b].exponential_(generator=torch.Generator(device=probs.device).manual_seed(seed))
-    return torch.argmax(probs / noise, dim=-1)
+        p = _truncate(p, top_p, top_k)
+    cum = _row_cumsum(p.double())                                           # (B, V)
+    return (cum < (u * cum[:, -1])[:, None]).sum(-1)                        # first index reaching it
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: int) -> int:
-    """sample_tokens for one row: logits (V,) -> the drawn id."""
-    return int(sample_tokens(logits[None], temperature, top_p, top_k, [seed])[0])
+def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """cumsum along rows. CUDA's cumsum takes another algorithm (another summation order) for a single
+    row: scan at least two rows so that a row's sums do not depend on how many rows there are."""
+    B = x.shape[0]
+    return torch.cumsum(x if B > 1 else x.repeat(2, 1), dim=-1)[:B]
+
+
+def _truncate(p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """Zero outside the top_k most likely and outside the smallest prefix of mass >= top_p (the top
+    token is always kept); p (B, V) fp32 probabilities."""
+    sorted_p, idx = torch.sort(p, dim=-1, descending=True, stable=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if top_k > 0:
+        keep[:, top_k:] = False
+    if top_p < 1.0:
+        keep &= (_row_cumsum(sorted_p) - sorted_p) < top_p
+    return torch.zeros_like(p).scatter(-1, idx, torch.where(keep, sorted_p, 0.0))

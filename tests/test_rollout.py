@@ -23,8 +23,8 @@ if ROOT not in sys.path:
 from conftest import assert_contract  # noqa: E402
 from config import ModelConfig  # noqa: E402
 from model import Transformer  # noqa: E402
-from rollout import (BlockManager, Sampler, Scheduler, Sequence, draw_seed, kv_pool_blocks,  # noqa: E402
-                     sample_token, sample_tokens)
+from rollout import (BlockManager, Sampler, Scheduler, Sequence, draw_keys, kv_pool_blocks,  # noqa: E402
+                     sample_tokens)
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
@@ -246,6 +246,17 @@ def test_bf16_contract():
                 assert [o.tokens for o in outs] == [o.tokens for o in ref], config
 
 
+def test_a_reused_sampler_keeps_the_contract():
+    """One Sampler serves several requests (as in training): rows, graphs and buffers carry over, the
+    bookkeeping of the previous request must not (sequences finishing at different steps each time)."""
+    model, sampler = fp32_model(), Sampler(fp32_model(), max_batch_size=12)
+    for i, lengths in enumerate(([4, 9, 6], [7, 3, 12, 5], [2])):
+        outs = sampler.generate(make_prompts(lengths, seed=40 + i), max_new_tokens=9, temperature=1.0, n=4,
+                                stop_token_ids=(3, 7, 11, 19), seed=i, progress=False)
+        assert {o.finish_reason for o in outs} == {"stop", "length"}, i
+        assert_contract(model, outs, 1.0)
+
+
 def test_sampler_sees_weight_updates():
     """The sampler holds the model, not a copy: after an in-place update it samples from the new weights."""
     model = make_model(seed=3)
@@ -359,7 +370,17 @@ def test_context_limit_gives_length():
     ([[1, 2]], dict(top_p=1.5), "top_p"),
     ([[1, 2]], dict(top_k=-1), "top_k"),
     ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens"),
-    ([[1, 2]], dict(n=0), "n >= 1"),
+    ([[1, 2]], dict(n=0), "n=0"),
+    ([[1, 2]], dict(temperature=float("nan")), "temperature"),
+    ([[1, 2]], dict(temperature=float("inf")), "temperature"),
+    ([[1, 2]], dict(max_new_tokens=1.5), "max_new_tokens"),
+    ([[1, 2]], dict(max_new_tokens=True), "max_new_tokens"),
+    ([[1, 2]], dict(top_k=2.0), "top_k"),
+    ([[1, 2]], dict(seed=-1), "seed"),
+    ([[True, 2]], {}, "integer token ids"),
+    ([[1.0, 2]], {}, "integer token ids"),
+    ([torch.tensor([1.0, 2.0])], {}, "integer"),
+    ([[1, 2]], dict(stop_token_ids=(1.5,)), "stop_token_ids"),
 ])
 def test_bad_requests_raise(prompts, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -397,7 +418,7 @@ def test_bad_block_size_raises():
 # BlockManager and Scheduler
 # ---------------------------------------------------------------------------------------------------
 def seq(seq_id: int, length: int) -> Sequence:
-    return Sequence(seq_id, list(range(length)), length, max_len=10_000)
+    return Sequence(seq_id, list(range(length)), max_len=10_000, num_tokens=length)
 
 
 def test_block_manager_allocate_and_free():
@@ -443,58 +464,77 @@ def test_block_manager_fork_partial_block(order):
     assert bm.ref_counts == [0] * 10
 
 
-def test_block_manager_fork_full_blocks_shares_everything():
-    bm = BlockManager(6, 16)
-    parent, child = seq(0, 32), seq(1, 32)
-    bm.allocate(parent, 32)
-    assert bm.fork(parent, child, 32) is None
-    assert child.block_table == parent.block_table
-    assert [bm.ref_counts[x] for x in parent.block_table] == [2, 2] and bm.num_free == 4
-    bm.allocate(child, 33)                                    # the child's next position: its own page
-    assert len(child.block_table) == 3 and child.block_table[2] not in parent.block_table
-    bm.free(parent)
-    assert bm.num_free == 3 and [bm.ref_counts[x] for x in child.block_table] == [1, 1, 1]
-    bm.free(child)
-    assert bm.num_free == 6 and sorted(bm.free_block_ids) == list(range(6))
+def test_scheduler_lifecycle_and_block_growth():
+    """add -> schedule (prefill) -> postprocess -> schedule (decode) ... -> finished: a new block exactly
+    when a running sequence's next position starts one, found without visiting the other sequences."""
+    bm = BlockManager(32, 16)
+    sched = Scheduler(bm, max_batch_size=4, max_num_batched_tokens=1024)
+    group, other = [seq(0, 15), seq(1, 15)], [seq(2, 16)]
+    sched.add(group)
+    sched.add(other)
+    batch, is_prefill = sched.schedule()
+    assert is_prefill and batch == group + other
+    assert group[1].parent is group[0] and group[0].parent is None and other[0].parent is None
+    assert len(group[0].block_table) == len(group[1].block_table) == 1   # 15 tokens: one page, copied
+    assert group[0].block_table != group[1].block_table                  # (a partial page is not shared)
+    assert sorted(s.row for s in batch) == [0, 1, 2]
+    sched.postprocess(batch, True, [False, False, False])
+    assert [sched.length(s) for s in batch] == [16, 16, 17]
+    for step in range(40):
+        before = {id(s): len(s.block_table) for s in sched.running}
+        batch, is_prefill = sched.schedule()
+        assert not is_prefill and batch is sched.running
+        for s in batch:                                     # position length - 1 is written this step
+            assert len(s.block_table) == -(-sched.length(s) // 16), (step, s.seq_id)
+            assert len(s.block_table) - before[id(s)] == int((sched.length(s) - 1) % 16 == 0)
+        assert {(r, i, b) for r, i, b in sched.new_blocks} == {
+            (s.row, len(s.block_table) - 1, s.block_table[-1]) for s in batch if len(s.block_table) > before[id(s)]}
+        sched.new_blocks.clear()
+        sched.postprocess(batch, False, [step == 10 and s.seq_id == 1 for s in batch])
+    assert [s.seq_id for s in sched.running] == [0, 2] and group[1].num_tokens == 16 + 11
+    assert sched.free_rows[-1] == group[1].row              # its row is handed out again
+    done = sched.postprocess(sched.schedule()[0], False, [True, True])
+    assert [s.seq_id for s in done] == [0, 2] and sched.is_finished()
+    assert bm.num_free == 32 and bm.ref_counts == [0] * 32
 
 
 def test_scheduler_preempts_newest_to_front_of_waiting():
     bm = BlockManager(4, 16)
     sched = Scheduler(bm, max_batch_size=8, max_num_batched_tokens=1024)
-    running = [seq(i, 16) for i in range(3)]                  # each fills one page exactly
-    for s in running:
-        bm.allocate(s, 16)
-        s.token_ids.append(0)                                 # one generated token: needs a 2nd page
-    sched.running = list(running)
+    running = [seq(i, 15) for i in range(3)]                  # each fills one page after its first token
+    sched.add(running)
+    batch, _ = sched.schedule()
+    sched.postprocess(batch, True, [False] * 3)
     other = [seq(9, 5)]
-    sched.waiting.append(other)
-    batch = sched.schedule_decode()
-    assert batch == running[:2]                               # the newest (last admitted) was preempted
+    sched.add(other)
+    batch, is_prefill = sched.schedule()                      # 1 block free: no admission; decode 16th
+    assert not is_prefill and batch == running
+    sched.postprocess(batch, False, [False] * 3)
+    batch, is_prefill = sched.schedule()                      # position 16: each needs a 2nd page
+    assert not is_prefill and batch == running[:2]            # 1 free, and 1 more from preempting the newest
     assert sched.num_preemptions == 1
     assert list(sched.waiting) == [[running[2]], other]       # first in line for recompute
-    assert running[2].block_table == []
+    assert running[2].block_table == [] and running[2].num_tokens == 17 and running[2].row >= 0
     assert all(len(s.block_table) == 2 for s in running[:2]) and bm.num_free == 0
-    # the preempted sequence is readmitted (recomputing its 17 tokens) once pages are free
-    for s in running[:2]:
-        bm.free(s)
-    sched.running = []
-    groups = sched.schedule_prefill()
-    assert groups[0] == [running[2]]
+    sched.postprocess(batch, False, [True, True])             # both finish: their pages come back
+    batch, is_prefill = sched.schedule()
+    assert is_prefill and batch[0] is running[2]              # recompute of all 17 tokens
+    assert len(running[2].block_table) == 2
 
 
 def test_scheduler_splits_a_group_larger_than_the_batch():
     bm = BlockManager(32, 16)
     sched = Scheduler(bm, max_batch_size=2, max_num_batched_tokens=1024)
     group = [seq(i, 20) for i in range(5)]
-    sched.waiting.append(group)
-    assert sched.schedule_prefill() == [group[:2]]
+    sched.add(group)
+    assert sched.schedule() == (group[:2], True)
     assert list(sched.waiting) == [group[2:]]
 
 
 def test_preemption_end_to_end_never_drops_a_sequence():
     model = fp32_model()
     prompts = make_prompts([40, 33, 17, 1, 31, 16] * 2, seed=21)
-    sampler = Sampler(model, num_blocks=6, max_batch_size=8)  # a 52-token sequence needs 4 of the 6
+    sampler = Sampler(model, num_blocks=5, max_batch_size=8)  # a 52-token sequence needs 4 of the 5
     outs = sampler.generate(prompts, max_new_tokens=MAX_NEW, temperature=1.0, n=2, seed=3, progress=False)
     assert sampler.num_preemptions > 0
     assert_complete(outs, prompts, 2, MAX_NEW)
@@ -503,9 +543,67 @@ def test_preemption_end_to_end_never_drops_a_sequence():
     assert [o.tokens for o in outs] == [o.tokens for o in ref]
 
 
+def test_memory_pressure_75_percent_pool():
+    """A KV pool of 75% of what the batch needs: generation completes through preemption and every
+    sequence's tokens, log-probs and routes equal those of a run with a large pool."""
+    model = fp32_model()
+    prompts = make_prompts([9, 20, 33, 14, 27, 40], seed=31)
+    n, max_new = 3, 24
+    need = sum(-(-(len(p) + max_new) // 16) for p in prompts) * n
+    kw = dict(max_new_tokens=max_new, temperature=1.0, n=n, seed=8, progress=False)
+    ref = Sampler(model, num_blocks=4 * need).generate(prompts, **kw)
+    small = Sampler(model, num_blocks=int(0.75 * need), max_batch_size=len(prompts) * n)
+    outs = small.generate(prompts, **kw)
+    assert small.num_preemptions > 0
+    for a, b in zip(ref, outs):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.routes, b.routes)
+
+
+def test_sampler_from_rollout_config():
+    from config import RolloutConfig
+    s = Sampler.from_config(fp32_model(), RolloutConfig(block_size=32, num_blocks=40, max_batch_size=3))
+    assert (s.block_size, s.num_blocks, s.max_batch_size) == (32, 40, 3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# host work per decode step
+# ---------------------------------------------------------------------------------------------------
+def _ops_per_decode_step(n_seqs: int) -> int:
+    """torch ops dispatched by one decode step (the 4th) of a request of n_seqs sequences (top-level
+    ones: what the host calls, not the ops those run inside)."""
+    model = fp32_model()
+    sampler = Sampler(model, max_batch_size=n_seqs)
+    runner, counts = sampler.runner, []
+    decode = runner.decode
+
+    def counted(*args):
+        if len(counts) == 3:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = decode(*args)
+            counts.append(sum(1 for e in prof.events() if e.name.startswith("aten::") and not (
+                e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))))   # dispatched by Python
+            return out
+        counts.append(None)
+        return decode(*args)
+    runner.decode = counted
+    sampler.generate(make_prompts([10] * n_seqs, seed=2), max_new_tokens=8, temperature=1.0, progress=False)
+    return counts[3]
+
+
+def test_ops_per_decode_step_do_not_grow_with_the_batch():
+    small, large = _ops_per_decode_step(16), _ops_per_decode_step(256)
+    assert small == large, (small, large)
+
+
 # ---------------------------------------------------------------------------------------------------
 # sampling
 # ---------------------------------------------------------------------------------------------------
+def uniforms(seed: int, seq_ids, positions) -> torch.Tensor:
+    s = torch.tensor([seed & 0xFFFFFFFF, seed >> 32])
+    return draw_keys(s, torch.as_tensor(seq_ids), torch.as_tensor(positions))
+
+
 def test_same_request_same_tokens_and_seed_matters():
     sampler = Sampler(fp32_model())
     prompts = make_prompts([3, 12], seed=30)
@@ -520,55 +618,52 @@ def test_same_request_same_tokens_and_seed_matters():
     assert all(x.tokens != w.tokens for x, w in zip(a, d))
 
 
-def test_sample_token_top_k_1_and_tiny_top_p_are_argmax():
+def test_top_k_1_and_tiny_top_p_are_argmax():
     g = torch.Generator().manual_seed(0)
-    for trial in range(20):
-        logits = torch.randn(VOCAB, generator=g) * 3
-        best = int(torch.argmax(logits))
-        for seed in range(5):
-            s = 1000 * trial + seed
-            assert sample_token(logits, 1.0, 1.0, 1, s) == best
-            assert sample_token(logits, 0.7, 1e-6, 0, s) == best
-            assert sample_token(logits, 1.3, 1e-6, 7, s) == best
+    logits = torch.randn(100, VOCAB, generator=g) * 3
+    best = logits.argmax(-1)
+    u = uniforms(5, torch.arange(100), torch.full((100,), 7))
+    assert torch.equal(sample_tokens(logits, 1.0, 1.0, 1, u), best)
+    assert torch.equal(sample_tokens(logits, 0.7, 1e-6, 0, u), best)
+    assert torch.equal(sample_tokens(logits, 1.3, 1e-6, 7, u), best)
 
 
-def test_sample_token_distribution_and_truncation():
-    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
-    draws = torch.tensor([sample_token(logits, 1.0, 1.0, 0, draw_seed(0, 0, p)) for p in range(4000)])
-    freq = torch.bincount(draws, minlength=4).float() / len(draws)
-    assert torch.allclose(freq, torch.tensor([0.5, 0.25, 0.15, 0.1]), atol=0.03), freq
+def test_sample_distribution_and_truncation():
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logits = torch.log(p).expand(4000, 4)
+    u = uniforms(0, torch.zeros(4000, dtype=torch.long), torch.arange(4000))
+    freq = torch.bincount(sample_tokens(logits, 1.0, 1.0, 0, u), minlength=4).float() / 4000
+    assert torch.allclose(freq, p, atol=0.03), freq
     # temperature 0.5 squares the probabilities (then renormalises)
-    draws = torch.tensor([sample_token(logits, 0.5, 1.0, 0, draw_seed(1, 0, p)) for p in range(4000)])
-    want = torch.tensor([0.25, 0.0625, 0.0225, 0.01]) / 0.345
-    freq = torch.bincount(draws, minlength=4).float() / len(draws)
-    assert torch.allclose(freq, want, atol=0.03), freq
+    u = uniforms(1, torch.zeros(4000, dtype=torch.long), torch.arange(4000))
+    freq = torch.bincount(sample_tokens(logits, 0.5, 1.0, 0, u), minlength=4).float() / 4000
+    assert torch.allclose(freq, p ** 2 / (p ** 2).sum(), atol=0.03), freq
     # top_k=2 keeps tokens 0 and 1; top_p=0.7 keeps the smallest prefix reaching 0.7: tokens 0 and 1
-    for top_p, top_k in ((1.0, 2), (0.7, 0), (0.74, 0)):
-        draws = {sample_token(logits, 1.0, top_p, top_k, draw_seed(2, 0, p)) for p in range(300)}
-        assert draws == {0, 1}, (top_p, top_k, draws)
-    draws = {sample_token(logits, 1.0, 0.76, 0, draw_seed(3, 0, p)) for p in range(300)}
-    assert draws == {0, 1, 2}
+    u = uniforms(2, torch.zeros(300, dtype=torch.long), torch.arange(300))
+    for top_p, top_k, want in ((1.0, 2, {0, 1}), (0.7, 0, {0, 1}), (0.74, 0, {0, 1}), (0.76, 0, {0, 1, 2})):
+        assert set(sample_tokens(logits[:300], 1.0, top_p, top_k, u).tolist()) == want, (top_p, top_k)
 
 
 def test_batched_draws_equal_draws_alone():
-    """sample_tokens on a batch of rows (on the device, one call) gives each row the token it gets alone."""
+    """sample_tokens on a batch of rows (one call) gives each row the token it gets alone, in any order."""
     g = torch.Generator().manual_seed(7)
     for B, V in ((1, 5), (7, 50), (5, 3001)):
         logits = torch.randn(B, V, generator=g) * 3
+        u = uniforms(11, torch.arange(B), torch.full((B,), V))
         for temperature, top_p, top_k in ((1.0, 1.0, 0), (0.7, 0.8, 8), (1.3, 0.95, 0)):
-            seeds = [draw_seed(11, b, V) for b in range(B)]
-            batched = sample_tokens(logits, temperature, top_p, top_k, seeds)
+            batched = sample_tokens(logits, temperature, top_p, top_k, u)
             assert batched.shape == (B,) and batched.dtype == torch.long
-            alone = [sample_token(logits[b], temperature, top_p, top_k, seeds[b]) for b in range(B)]
+            alone = [int(sample_tokens(logits[b:b + 1], temperature, top_p, top_k, u[b:b + 1])) for b in range(B)]
             assert batched.tolist() == alone
-            # the same rows in another order and among other rows: the same draws
             perm = torch.randperm(B, generator=g)
-            assert sample_tokens(logits[perm], temperature, top_p, top_k, [seeds[i] for i in perm]).tolist() == \
-                [alone[i] for i in perm]
+            assert sample_tokens(logits[perm], temperature, top_p, top_k, u[perm]).tolist() == [alone[i] for i in perm]
 
 
-def test_draw_seed_depends_on_each_argument():
-    seeds = {draw_seed(s, i, p) for s in range(3) for i in range(20) for p in range(50)}
-    assert len(seeds) == 3 * 20 * 50
-    assert all(0 <= x < 1 << 63 for x in seeds)
-    assert draw_seed(5, 2, 9) == draw_seed(5, 2, 9)
+def test_draws_depend_on_seed_index_and_position_only():
+    u = uniforms(3, torch.arange(20).repeat_interleave(50), torch.arange(50).repeat(20))
+    assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
+    assert u.unique().numel() == 1000
+    assert torch.equal(u, uniforms(3, torch.arange(20).repeat_interleave(50), torch.arange(50).repeat(20)))
+    assert not torch.equal(u, uniforms(4, torch.arange(20).repeat_interleave(50), torch.arange(50).repeat(20)))
+    assert not torch.equal(uniforms(3 + (1 << 40), [0], [0]), uniforms(3, [0], [0]))   # high seed bits count
+    assert abs(float(u.mean()) - 0.5) < 0.03 and abs(float(u.var()) - 1 / 12) < 0.01
