@@ -2,6 +2,7 @@
 
     python bench.py                        # the speed sections, CPU, about 1-3 minutes on 2 cores
     python bench.py --only rollout,moe     # a comma-separated list of sections
+    python bench.py --only gpu             # on a GPU: the rollout engine at Qwen3-30B-A3B layer shapes
     python bench.py --only lab             # the mismatch lab: six training runs, ~9 minutes on 2 cores
     python bench.py --only lab --lab-seeds=0,1,2   # ... each over three seeds (mean and sd of the reward)
     python bench.py --prompts 64 --max-new-tokens 96 --repeats 5 --threads 0   # 0: torch's thread default
@@ -22,8 +23,13 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
 * fast: rollout tokens/s and trainer forward+backward tokens/s with the invariant kernels vs the
   batch-variant ones of kernels.variant (what the contract costs).
 * moe: the invariant MoE layer (sort by expert, fixed tiles) vs a per-expert index_add_ loop.
-* gpu_decode (CUDA only): absolute decode tokens/s in bf16 and the fraction of the copy bandwidth the
-  decode's minimum traffic (every weight + the KV cache, once per step) reaches.
+* decode: one decode step at 16 and at 256 sequences: the torch ops the host dispatches (the same
+  count: host work does not grow with the batch) and its time under the profiler.
+* gpu (CUDA only; --cpu-smoke runs its code on the CPU): a 4-layer model of Qwen3-30B-A3B's layer
+  shapes, bf16, made on the GPU; rollout tok/s at 64, 256, 1024 sequences x 128 new tokens, invariant
+  (eager and CUDA graphs) and fast; each decode step's share of the bandwidth limit (every weight and
+  the KV cache read once, against a measured device copy); the contract on the generated sequences;
+  transformers generate (greedy, same weights) against ours greedy.
 * lab: train.py on the same task and seeds, invariant vs a deviating rollout (batch-variant kernels,
   lower-precision weights) without and with each fix; prints one table.
 
@@ -108,8 +114,12 @@ def run_ours(sampler: Sampler, prompts, args) -> list[list[int]]:
     return [o.tokens for o in outs]
 
 
-@torch.no_grad()
 def run_hf(hf, prompts, args) -> list[list[int]]:
+    return run_hf_on(hf, prompts, args, "cpu")
+
+
+@torch.no_grad()
+def run_hf_on(hf, prompts, args, dev) -> list[list[int]]:
     B, T = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(B, T, dtype=torch.long)              # left padding: (B, T)
     mask = torch.zeros(B, T, dtype=torch.long)
@@ -118,7 +128,7 @@ def run_hf(hf, prompts, args) -> list[list[int]]:
         mask[b, T - len(p):] = 1
     kw = dict(do_sample=False) if args.temperature == 0 else dict(do_sample=True, temperature=args.temperature,
                                                                      top_p=1.0, top_k=0)
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+    out = hf.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=args.max_new_tokens,
                       min_new_tokens=args.max_new_tokens, pad_token_id=0, eos_token_id=None, **kw)
     return out[:, T:].tolist()                            # generated tokens only
 
@@ -253,31 +263,195 @@ def bench_moe(args) -> list[tuple[str, float, str]]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# GPU only: absolute decode tokens/s and the fraction of memory bandwidth it reaches
+# decode step: host work per step at a small and a large batch (any device; tiny model by default)
 # ---------------------------------------------------------------------------------------------------
-def bench_gpu_decode(args) -> list[tuple[str, float, str]]:
-    if not torch.cuda.is_available():
-        print("gpu_decode: no CUDA device, skipped")
+def decode_step_profile(sampler: Sampler, prompts, max_new: int, step: int = 3) -> tuple[int, float]:
+    """(top-level torch ops, wall ms) of one decode step (the step-th) of a generate() call."""
+    runner, seen, out = sampler.runner, [], {}
+    decode = runner.decode
+
+    def profiled(*a):
+        seen.append(None)
+        if len(seen) - 1 != step:
+            return decode(*a)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            res = decode(*a)
+            out["ms"] = 1e3 * (time.perf_counter() - t0)
+        out["ops"] = sum(1 for e in prof.events() if e.name.startswith("aten::") and not (
+            e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+        return res
+    runner.decode = profiled
+    try:
+        sampler.generate(prompts, max_new_tokens=max_new, temperature=1.0, progress=False)
+    finally:
+        runner.decode = decode
+    return out["ops"], out["ms"]
+
+
+def bench_decode(args) -> list[tuple[str, float, str]]:
+    model = build_model(args)
+    rows, res = [], {}
+    for n in (16, 256):
+        prompts = make_prompts(argparse.Namespace(**{**vars(args), "prompts": n}), model.config.vocab_size)
+        sampler = Sampler(model, max_batch_size=n)
+        decode_step_profile(sampler, prompts, 8)                           # warm-up
+        res[n] = min(decode_step_profile(sampler, prompts, 8) for _ in range(3))
+        rows.append((f"decode step, {n} sequences: torch ops", res[n][0], f"{res[n][1]:.1f} ms (under the profiler)"))
+    rows.append(("decode step ms, 256 / 16 sequences", res[256][1] / res[16][1], "ratio"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: the rollout engine at Qwen3-30B-A3B layer shapes
+# ---------------------------------------------------------------------------------------------------
+def gpu_model(layers: int, tiny: bool) -> Transformer:
+    """A model of Qwen3-30B-A3B's layer shapes with `layers` layers, bf16 random weights made directly
+    on the device (no CPU init of billions of weights). tiny: the tiny preset (a CPU smoke run)."""
+    cfg = ModelConfig.preset("tiny") if tiny else ModelConfig(**{**vars(ModelConfig.preset("qwen3-30b-a3b")),
+                                                                "num_hidden_layers": layers})
+    dev, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to(dtype).to_empty(device=dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, cfg.initializer_range, generator=g)
+    return model.eval()
+
+
+def bench_gpu(args) -> list[tuple[str, float, str]]:
+    """Rollout tok/s at 64/256/1024 sequences for invariant (eager, graphs) and fast; each decode
+    step's share of the bandwidth limit; transformers generate (greedy, same weights); the contract."""
+    tiny = args.cpu_smoke
+    if not tiny and not torch.cuda.is_available():
+        print("gpu: no CUDA device, skipped (--cpu-smoke runs this code on the CPU at tiny sizes)")
         return []
-    model = build_model(args).to("cuda", torch.bfloat16)
-    prompts = make_prompts(args, model.config.vocab_size)
-    sampler = Sampler(model, max_batch_size=max(len(prompts), 1))
-    t, _ = timed(lambda: (run_ours(sampler, prompts, args), torch.cuda.synchronize()), args.warmup, args.repeats)
-    steps = args.max_new_tokens
-    # bytes a decode step must read at least: every weight once, plus the KV cache of the batch
-    cfg = model.config
+    model = gpu_model(args.gpu_layers, tiny)
+    cfg, sync = model.config, (lambda: None) if tiny else torch.cuda.synchronize
+    sizes = [4, 8] if tiny else [int(x) for x in args.gpu_batches.split(",")]
+    new = 6 if tiny else args.max_new_tokens_gpu
+    lo, hi = (3, 9) if tiny else (32, 96)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    ctx = (args.min_prompt_len + args.max_prompt_len) / 2 + steps / 2
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * ctx * len(prompts)
-    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    peak = copy_bandwidth(tiny)
+    rows = [("weights GB", weight_bytes / 1e9, ""), ("device copy bandwidth GB/s", peak / 1e9, "")]
+    samplers = {"invariant eager": Sampler(model, max_batch_size=max(sizes), cuda_graphs=False)}
+    if not tiny:
+        samplers["invariant graphs"] = Sampler(model, max_batch_size=max(sizes))
+    samplers["fast"] = Sampler(model, max_batch_size=max(sizes), mode="fast")
+    for B in sizes:
+        prompts = make_prompts(argparse.Namespace(**{**vars(args), "prompts": B, "min_prompt_len": lo,
+                                                     "max_prompt_len": hi}), cfg.vocab_size)
+        ctx = sum(len(p) for p in prompts) / B + new / 2                     # mean context of a decode step
+        step_bytes = weight_bytes + kv_per_token * ctx * B
+        tok = {}
+        for name, sampler in samplers.items():
+            steps = []
+            run = lambda: sampler.generate(prompts, max_new_tokens=new, temperature=1.0, seed=1, progress=False)
+            run()                                                            # warm-up: compiles, captures
+            t, outs = timed_decode(sampler, run, steps, sync)
+            tok[name] = B * new / t
+            step = sorted(steps)[len(steps) // 2]
+            rows.append((f"rollout {name}, {B} seqs x {new}", tok[name],
+                         f"{t:.2f} s; decode step {step * 1e3:.2f} ms = {step_bytes / step / peak:.0%} of the bandwidth limit"))
+            if name.startswith("invariant"):
+                bad = contract_mismatches(model, outs, chunk=8 if tiny else 32)
+                rows.append((f"  contract, {name}, {B} seqs: mismatching sequences", bad, "must be 0"))
+        if "invariant graphs" in tok:
+            rows.append((f"invariant graphs / fast, {B} seqs", tok["invariant graphs"] / tok["fast"], "ratio"))
+        rows.append((f"invariant {'graphs' if not tiny else 'eager'} / eager, {B} seqs",
+                     tok.get("invariant graphs", tok["invariant eager"]) / tok["invariant eager"], "ratio"))
+    rows += hf_generate_rows(model, args, tiny, sizes[0], new, lo, hi, sync)
+    return rows
+
+
+def copy_bandwidth(tiny: bool) -> float:
+    """Bytes per second of a large device copy (read + write)."""
+    dev = "cpu" if tiny else "cuda"
+    src = torch.empty(1 << (20 if tiny else 30), dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    tc, _ = timed(lambda: (dst.copy_(src), torch.cuda.synchronize()), 2, 5)
-    peak = 2 * src.numel() / tc                                    # read + write of a large copy
-    achieved = (weight_bytes + kv_bytes) * steps / t
-    return [("gpu decode bf16", len(prompts) * steps / t, f"{t * 1e3:.0f} ms for {steps} steps"),
-            ("gpu decode / copy bandwidth", achieved / peak, "ratio")]
+    sync = (lambda: None) if tiny else torch.cuda.synchronize
+    t, _ = timed(lambda: (dst.copy_(src), sync()), 2, 5)
+    return 2 * src.numel() / t
 
 
+def timed_decode(sampler: Sampler, run, steps: list, sync) -> tuple[float, object]:
+    """Wall seconds of run() and, in `steps`, the seconds of each decode step (each ends in a read of
+    the finished flags, so its wall time is the device's)."""
+    runner = sampler.runner
+    decode = runner.decode
+
+    def clocked(*a):
+        t0 = time.perf_counter()
+        out = decode(*a)
+        steps.append(time.perf_counter() - t0)
+        return out
+    runner.decode = clocked
+    try:
+        sync()
+        t0 = time.perf_counter()
+        outs = run()
+        sync()
+        return time.perf_counter() - t0, outs
+    finally:
+        runner.decode = decode
+
+
+@torch.no_grad()
+def contract_mismatches(model: Transformer, outs, chunk: int) -> int:
+    """Sequences whose recorded log-probs or routes differ (torch.equal) from model.score's, scored in
+    right-padded chunks as the trainer does."""
+    dev, bad = next(model.parameters()).device, 0
+    for i in range(0, len(outs), chunk):
+        part = outs[i:i + chunk]
+        T = max(len(o.prompt) + len(o.tokens) for o in part)
+        tokens = torch.zeros(len(part), T, dtype=torch.long)
+        for b, o in enumerate(part):
+            tokens[b, :len(o.prompt) + len(o.tokens)] = torch.tensor(o.prompt + o.tokens)
+        logp, routes = model.score(tokens.to(dev))
+        for b, o in enumerate(part):
+            P, G = len(o.prompt), len(o.tokens)
+            bad += not (torch.equal(logp[b, P - 1:P - 1 + G].cpu(), o.logprobs)
+                        and torch.equal(routes[b, :P + G - 1].cpu(), o.routes))
+    return bad
+
+
+def hf_generate_rows(model, args, tiny, B, new, lo, hi, sync):
+    """transformers generate, greedy, on the same weights (loaded from our state dict), vs ours greedy."""
+    try:
+        import transformers
+    except ImportError:
+        print("transformers is not installed: skipping its generate baseline")
+        return []
+    p = next(model.parameters())
+    hf_cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in model.config.to_hf().items() if k != "architectures"})
+    with torch.device(p.device):                     # made on the device, then our weights copied in
+        hf = transformers.Qwen3MoeForCausalLM._from_config(hf_cfg, dtype=p.dtype).eval()
+    # transformers 5 stacks experts as ours: gate_up_proj (E, 2I, D) = w13, down_proj (E, D, I) = w2
+    names = {"mlp.w13": "mlp.experts.gate_up_proj", "mlp.w2": "mlp.experts.down_proj"}
+    state = {}
+    for k, v in model.state_dict().items():
+        for ours, theirs in names.items():
+            k = k.replace(ours, theirs)
+        state[k if k.startswith("lm_head") else "model." + k] = v
+    hf.load_state_dict(state, strict=True)
+    prompts = make_prompts(argparse.Namespace(**{**vars(args), "prompts": B, "min_prompt_len": lo,
+                                                 "max_prompt_len": hi}), model.config.vocab_size)
+    greedy = argparse.Namespace(max_new_tokens=new, temperature=0.0, seed=0)
+    sampler = Sampler(model, max_batch_size=B)
+    run_ours(sampler, prompts, greedy)
+    t_ours, ours = timed(lambda: (run_ours(sampler, prompts, greedy), sync())[0], 0, 1)
+    dev = next(model.parameters()).device
+    t_hf, theirs = timed(lambda: (run_hf_on(hf, prompts, greedy, dev), sync())[0], 0, 1)
+    agree = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y)) / (B * new)
+    return [(f"greedy ours, {B} seqs x {new}", B * new / t_ours, ""),
+            (f"greedy transformers generate, {B} seqs x {new}", B * new / t_hf, f"{agree:.1%} of tokens as ours"),
+            ("greedy ours / transformers", t_hf / t_ours, "ratio")]
 # ---------------------------------------------------------------------------------------------------
 # the mismatch lab: the same task and seeds, the rollout made to differ, each fix against it
 # ---------------------------------------------------------------------------------------------------
@@ -337,8 +511,8 @@ def bench_lab(args) -> list[tuple[str, float, str]]:
 
 
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "moe": bench_moe,
-              "gpu_decode": bench_gpu_decode, "lab": bench_lab}
-DEFAULT = "rollout,forward,fast,moe,gpu_decode"
+              "decode": bench_decode, "gpu": bench_gpu, "lab": bench_lab}
+DEFAULT = "rollout,forward,fast,moe,decode"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -363,6 +537,10 @@ def main(argv=None):
                         "multi-threaded runs slowed down unevenly, by up to 10x, and skewed the ratios")
     p.add_argument("--skip-nocache", action="store_true", help="leave out the (slow) no-cache loop")
     p.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer in the moe section")
+    p.add_argument("--gpu-layers", type=int, default=4, help="gpu: layers of the Qwen3-30B-A3B-shaped model")
+    p.add_argument("--gpu-batches", default="64,256,1024", help="gpu: sequences per rollout, comma-separated")
+    p.add_argument("--max-new-tokens-gpu", type=int, default=128, help="gpu: new tokens per sequence")
+    p.add_argument("--cpu-smoke", action="store_true", help="gpu: run its code once on the CPU at tiny sizes")
     p.add_argument("--lab-steps", type=int, default=150, help="train.py steps per mismatch-lab run")
     p.add_argument("--lab-rollout-dtype", default="bfloat16", help="the fast rollout's weight dtype")
     p.add_argument("--lab-router-bf16", action="store_true", help="also round the fast rollout's router logits to bf16")

@@ -172,6 +172,8 @@ class RolloutConfig:
                  f"--rollout_dtype={self.rollout_dtype!r}: '', float32, bfloat16 or float16")
         _require(self.block_size > 0 and self.max_batch_size > 0 and self.num_blocks >= 0,
                  "block_size and max_batch_size must be > 0, num_blocks >= 0")
+        from kernels import KV_BLOCK      # a page holds whole attention tiles
+        _require(self.block_size % KV_BLOCK == 0, f"--block_size={self.block_size}: must be a multiple of {KV_BLOCK}")
         _require(0 < self.kv_memory_fraction <= 1, f"--kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
         _require(self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0,
                  "need temperature >= 0, 0 < top_p <= 1, top_k >= 0")

@@ -288,6 +288,13 @@ class ModelRunner:
 
     GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
+    def bucket(self, n: int) -> int:
+        """Rows a decode step of n sequences runs (padded up, so a few graphs serve every n)."""
+        if not self.cuda_graphs:
+            return n
+        b = next((b for b in self.GRAPH_BUCKETS if b >= n), -(-n // 128) * 128)
+        return min(b, self.max_batch_size)
+
     def __init__(self, model: Transformer, block_size: int, num_blocks: int, max_batch_size: int,
                  cuda_graphs: bool):
         cfg = model.config
@@ -425,8 +432,7 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence], version: int, sp: SamplingParams) -> list[bool]:
         """One decode step of every running sequence; graph replay where captured."""
         n = len(seqs)
-        bucket = next((b for b in self.GRAPH_BUCKETS if b >= n), n) if self.cuda_graphs else n
-        bucket = min(bucket, self.max_batch_size)
+        bucket = self.bucket(n)
         if version != self.rows_version:                           # the running set changed
             self.rows.fill_(self.pad_row)
             self.rows[:n] = torch.tensor([s.row for s in seqs], device=self.device)

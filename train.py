@@ -461,9 +461,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     # rank's shard of the parameters under FSDP. Activations and temporaries come out of the rest.
     param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
     reserve = (1 if opt.state else 3) * param_bytes
-    sampler = Sampler(rollout_model, block_size=rcfg.block_size, num_blocks=rcfg.num_blocks or None,
-                      max_batch_size=rcfg.max_batch_size, mode=rcfg.rollout_mode, router_bf16=rcfg.router_bf16,
-                      kv_memory_fraction=rcfg.kv_memory_fraction, reserve_bytes=reserve)
+    sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=reserve)
     max_new = rcfg.max_new_tokens or task.max_new_tokens
     G, history = tcfg.group_size, []
     n_prompts = tcfg.prompts_per_step // d.world                     # this rank's share; groups stay whole

@@ -412,6 +412,9 @@ def test_kv_pool_sizing():
 def test_bad_block_size_raises():
     with pytest.raises(ValueError, match="KV_BLOCK"):
         Sampler(fp32_model(), block_size=24)
+    from config import ConfigError, RolloutConfig
+    with pytest.raises(ConfigError, match="block_size"):
+        RolloutConfig(block_size=24)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -667,3 +670,56 @@ def test_draws_depend_on_seed_index_and_position_only():
     assert not torch.equal(u, uniforms(4, torch.arange(20).repeat_interleave(50), torch.arange(50).repeat(20)))
     assert not torch.equal(uniforms(3 + (1 << 40), [0], [0]), uniforms(3, [0], [0]))   # high seed bits count
     assert abs(float(u.mean()) - 0.5) < 0.03 and abs(float(u.var()) - 1 / 12) < 0.01
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA: graphs replay the eager bits; draws do not depend on the batch (skipped without a GPU)
+# ---------------------------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_model(dtype: torch.dtype = torch.bfloat16) -> Transformer:
+    return make_model(seed=0, dtype=dtype).cuda()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_graphs_equal_eager_and_score(dtype):
+    """Decode steps replayed as CUDA graphs (padded to a bucket: 3 of 4 rows, 30 of 32, ...) give the
+    eager step's bits, which are score's bits; also through preemption and a small batch limit."""
+    model, prompts = cuda_model(dtype), request_prompts()
+    kw = dict(max_new_tokens=MAX_NEW, temperature=1.0, n=N, seed=3, progress=False)
+    eager = Sampler(model, cuda_graphs=False).generate(prompts, **kw)
+    assert_contract(model, eager, 1.0)
+    for config in ("default", "preempt", "batch2", "small_prefill"):
+        sampler = Sampler(model, cuda_graphs=True, **CONFIGS[config])
+        for _ in range(2):                                 # the first use of a bucket runs eagerly
+            outs = sampler.generate(prompts, **kw)
+        assert sampler.runner.graphs, "no graph was captured"
+        for a, b in zip(eager, outs):
+            assert a.tokens == b.tokens, config
+            assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.routes, b.routes), config
+
+
+@cuda
+def test_cuda_top_p_draws_do_not_depend_on_the_batch():
+    model, prompts = cuda_model(), request_prompts()
+    kw = dict(max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.9, top_k=20, n=N, seed=5, progress=False)
+    ref = Sampler(model).generate(prompts, **kw)
+    assert_contract(model, ref, 0.8)
+    alone = [Sampler(model).generate([p], **{**kw, "n": 1}, index_offset=i * N + j)[0]
+             for i, p in enumerate(prompts[:3]) for j in range(N)]
+    assert [o.tokens for o in alone] == [o.tokens for o in ref[:3 * N]]
+
+
+@cuda
+def test_cuda_fast_mode_runs_with_graphs():
+    """The fast path (cuBLAS, SDPA, torch._grouped_mm) runs as graphs in bf16 and deviates a little."""
+    model, prompts = cuda_model(), request_prompts()
+    sampler = Sampler(model, mode="fast")
+    outs = [sampler.generate(prompts, max_new_tokens=MAX_NEW, temperature=1.0, n=N, seed=3, progress=False)
+            for _ in range(2)]
+    assert sampler.runner.cuda_graphs and sampler.runner.graphs
+    assert [o.tokens for o in outs[0]] == [o.tokens for o in outs[1]]   # deterministic run to run
+    assert_complete(outs[1], prompts, N, MAX_NEW)
