@@ -278,8 +278,9 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """
     if _fast():
         return _fast_moe_experts(x, w13, w2, ids, weights)
-    if (kt := _triton_for(x)) is not None:    # triton backend dispatch
-        return kt.moe_experts(x, w13, w2, ids, weights)
+    if _triton_for(x) is not None:            # triton backend dispatch (the fused MoE has its own file)
+        import kernels_triton_moe
+        return kernels_triton_moe.moe_experts(x, w13, w2, ids, weights)
     M, D = x.shape
     E, k = w13.shape[0], ids.shape[1]
     I = w2.shape[2]
@@ -305,18 +306,29 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 # ---------------------------------------------------------------------------------------------------
 # log-prob of the chosen tokens
 # ---------------------------------------------------------------------------------------------------
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False):
     """log softmax(logits / temperature)[target] in fp32. logits (..., V), targets (...) -> (...).
 
     The one definition of a token's log-prob, used by the sampler and the trainer alike.
     temperature 0 (greedy sampling) scores under the unscaled distribution.
+    with_entropy: return (logp, entropy), entropy (...) fp32 the entropy of the same distribution
+    softmax(logits / T), from the same pass over the vocabulary. The entropy is detached (no
+    gradient: it is for logging); logp is bitwise the same with or without it.
     """
     if (kt := _triton_for(logits)) is not None:    # triton backend dispatch
-        return kt.token_logprobs(logits, targets, temperature)
+        return kt.token_logprobs(logits, targets, temperature, with_entropy)
     z = logits.float()
     if temperature not in (0.0, 1.0):
         z = z / temperature
-    return torch.log_softmax(z, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        p = logp_all.exp()
+        entropy = -torch.where(p > 0, p * logp_all, 0.0).sum(-1)      # 0 log 0 = 0
+    return logp, entropy
 
 
 # ---------------------------------------------------------------------------------------------------

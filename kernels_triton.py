@@ -10,13 +10,13 @@ how tests/test_triton.py checks them at tiny sizes.
         y = kernels.linear(x, w)
 
 Ops (one section each: kernel(s), then the autograd Function):
-* linear            one fixed tile config per dtype, whole K loop in order, fp32 accumulator
+* linear            tile config by M bucket (MM_TABLE), whole K loop in order, fp32 accumulator
 * rms_norm          one program per row, fp32
-* token_logprobs    one program per row, online logsumexp over fixed V chunks (no full log-softmax)
+* token_logprobs    one program per row, online logsumexp over fixed V chunks (no full log-softmax),
+                    optionally the entropy from the same pass
 * paged_attention   one kernel for trainer prefill, rollout prefill and decode; recompute backward
-* moe_experts       stable sort by expert (torch, no atomics), grouped GEMMs (SiLU*up fused),
-                    fixed-order combine; backward: grouped GEMMs + per-expert weight-gradient loops
-                    (its own file, kernels_triton_moe.py, re-exported here)
+The fused MoE (moe_experts) has its own file, kernels_triton_moe.py; both files import only
+kernels_triton_base.py (interpreter switch, launch options), never kernels.py.
 The router softmax/top-k, RoPE and the dense SiLU*up stay torch ops (elementwise or tiny, and
 row-local); tests/test_triton.py checks their invariance on CUDA.
 
@@ -31,47 +31,45 @@ gets one binary for every batch geometry (see ATTN_GEOMETRY below).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # must precede the @triton.jit decorators below
+from kernels_triton_base import INTERPRET, LAUNCH, UPCAST, aligned as _aligned, operand_dtype  # sets up the interpreter
 
 import triton                      # noqa: E402
 import triton.language as tl       # noqa: E402
 
-from kernels import KV_BLOCK       # noqa: E402
-
-INTERPRET = bool(triton.knobs.runtime.interpret)
-UPCAST = INTERPRET                 # interpreter: dot in fp32 (bf16 tl.dot is broken there)
-
-# Fixed tile configurations, one per dtype. Never a function of the number of rows M.
-#                 (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)
-MM_TILES = {torch.float32: (64, 64, 32, 4), torch.bfloat16: (128, 128, 64, 8), torch.float16: (128, 128, 64, 8)}
-ATTN_ROWS = 64                     # query rows (queries x GQA heads) per attention program
+# The matmul's tile config follows the row count M (decode tiles for small M, large tiles for prefill).
+# That keeps the contract because a row's sum runs over K in order, whole, into one fp32 accumulator
+# in every config: never a split of K. On a tensor-core GPU (H200 measured, and tests/test_triton.py
+# checks every config below on the GPU it runs on) the bits of a row are then the same in every
+# config; under the interpreter numpy's BLAS may round a row by its place in the tile, so the CPU
+# tests assert bitwise only at a fixed place. One row per M bucket, the last bucket takes every M:
+#                  (largest M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+MM_TABLE = {
+    torch.bfloat16: ((16, 16, 32, 64, 2, 5), (64, 32, 64, 64, 4, 4), (256, 64, 64, 64, 4, 4),
+                     (None, 128, 128, 64, 8, 3)),
+    torch.float32: ((16, 16, 32, 32, 2, 4), (128, 32, 64, 32, 4, 3), (None, 64, 64, 32, 4, 3)),
+}
+MM_TABLE[torch.float16] = MM_TABLE[torch.bfloat16]
+# the launch arguments a tile config sets: the only ones in which binaries of one call site may differ
+MM_TILE_ARGS = ("BM", "BN", "BK", "num_warps", "num_stages")
+# Attention. The keys are visited in tiles of ATTN_KEYS keys at absolute positions 0, ATTN_KEYS, ...
+# (one tile may span several KV pages, gathered key by key through the block table; a page size
+# must divide ATTN_KEYS or be a multiple of it). The forward's layout (query rows per program, warps,
+# stages) is ONE config for prefill and decode: a row's softmax sums are reduced across threads in an
+# order the layout decides, so decode may not take another layout than prefill. The backward is not
+# batch-invariant (only deterministic): its configs are free.
+#            (query rows = queries x GQA heads per program, num_warps, num_stages)
+ATTN_KEYS = 64
+ATTN_TABLE = {"fwd": (64, 4, 2), "bwd_dq": (64, 4, 2), "bwd_dkv": (64, 4, 2)}
+LOG2E = 1.4426950408889634         # softmax in base 2: exp2(x * log2 e) = exp(x), the scale folded in
 LOGPROB_CHUNK = 2048               # vocabulary entries per step of the online logsumexp
 
 # One compiled binary per call site, whatever the batch. A CUDA launch specializes integer arguments
 # (== 1 becomes a constant, % 16 == 0 an alignment hint) into separate binaries; the row count and the
 # strides that follow the batch geometry are therefore do_not_specialize, so decode (T = 1) and
 # prefill, one sequence or many, run the same machine code (tests/compile_check.py checks it).
-ATTN_GEOMETRY = ["T", "s_qb", "s_pb", "s_pt", "s_bb"]
-# FP contraction off: every float op rounds as written (no mul+add -> fma chosen by the compiler),
-# which keeps the kernels close to their torch twins and their bits independent of code layout.
-LAUNCH = dict(enable_fp_fusion=False)
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t, or a copy of it if its data pointer is not 16-byte aligned (a view at an odd offset). A
-    launch specializes on pointer alignment; the copy keeps one call site on one binary."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _tiles(table, *tensors):
-    """The tile config of the operands' dtype (mixed dtypes run in fp32)."""
-    dts = {t.dtype for t in tensors}
-    return table.get(dts.pop() if len(dts) == 1 else torch.float32, table[torch.float32])
+ATTN_GEOMETRY = ["T", "s_qb", "s_pb", "s_pt", "s_bb", "NB"]
 
 
 # ===================================================================================================
@@ -80,10 +78,19 @@ def _tiles(table, *tensors):
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk, s_cm, s_cn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
-    # Invariance: the tile shape (BM, BN, BK) is fixed per dtype, one program owns one output tile
-    # and runs the whole K loop in order (no split-K) into an fp32 accumulator, so a row's result
-    # never depends on M, on its neighbours or on where in the tile it sits.
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    # Invariance: one program owns one output tile and runs the whole K loop in order (no split-K)
+    # into an fp32 accumulator, so a row's sum has one order whatever M, its neighbours, its place
+    # in the tile or the tile config (see MM_TABLE) are.
+    # Programs run in groups of GROUP_M row tiles per column tile (the L2 reuse of a grouped order);
+    # which program computes a tile does not change what it computes.
+    GROUP_M: tl.constexpr = 8
+    pid = tl.program_id(0)
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)          # int64: M * N may pass 2**31 (LM head)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)
@@ -102,18 +109,25 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk, s_cm, s
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a (M, K) @ b(N, K).T -> (M, N) in out_dtype; any strides (backward passes transposed views)."""
+def mm_config(M: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of MM_TABLE for M rows of dtype."""
+    table = MM_TABLE.get(dtype, MM_TABLE[torch.float32])
+    return next(cfg for largest, *cfg in table if largest is None or M <= largest)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, config=None) -> torch.Tensor:
+    """a (M, K) @ b(N, K).T -> (M, N) in out_dtype; any strides (backward passes transposed views).
+    config: a (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to use instead of MM_TABLE's (tests, sweeps)."""
     M, K = a.shape
     N = b.shape[0]
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    BM, BN, BK, warps = _tiles(MM_TILES, a, b)
+    BM, BN, BK, warps, stages = config or mm_config(M, operand_dtype(a, b))
     upcast = UPCAST or a.dtype != b.dtype
-    _matmul_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+    _matmul_kernel[(triton.cdiv(M, BM) * triton.cdiv(N, BN),)](
         a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BM=BM, BN=BN, BK=BK, UPCAST=upcast, num_warps=warps, **LAUNCH)
+        BM=BM, BN=BN, BK=BK, UPCAST=upcast, num_warps=warps, num_stages=stages, **LAUNCH)
     return c
 
 
@@ -215,21 +229,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # log-prob of the chosen tokens
 # ===================================================================================================
 @triton.jit
-def _logprob_fwd_kernel(z_ptr, t_ptr, out_ptr, lse_ptr, V, s_z, temp,
-                        SCALE: tl.constexpr, BLOCK_V: tl.constexpr):
+def _logprob_fwd_kernel(z_ptr, t_ptr, out_ptr, lse_ptr, ent_ptr, V, s_z, temp,
+                        SCALE: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
     # Invariance: one program per row; the vocabulary is walked in fixed BLOCK_V chunks from 0
     # upward with an fp32 online logsumexp, so a row's bits depend on its own logits only.
+    # ENTROPY: the same pass also carries u = sum e^(z - m) (z - m), rescaled with m as s is, so
+    # H = lse - E[z] = log(s) - u / s; m, s (and so the log-prob) are computed exactly as without it.
     row = tl.program_id(0).to(tl.int64)                          # R * V may pass 2**31
     base = z_ptr + row * s_z
     cols = tl.arange(0, BLOCK_V)
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.full([], 0.0, tl.float32)
+    u = tl.full([], 0.0, tl.float32)
     for v0 in range(0, V, BLOCK_V):
         z = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
         if SCALE:
             z = tl.div_rn(z, temp)
         m_new = tl.maximum(m, tl.max(z, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        e = tl.exp(z - m_new)
+        if ENTROPY:                        # before s is updated: the old terms move from m to m_new
+            shift = tl.where(s > 0, s * (m - m_new), 0.0)
+            u = (u + shift) * tl.exp(m - m_new) + tl.sum(e * tl.where(e > 0, z - m_new, 0.0), 0)
+        s = s * tl.exp(m - m_new) + tl.sum(e, 0)
         m = m_new
     lse = m + tl.log(s)
     tgt = tl.load(t_ptr + row)
@@ -238,6 +259,8 @@ def _logprob_fwd_kernel(z_ptr, t_ptr, out_ptr, lse_ptr, V, s_z, temp,
         zt = tl.div_rn(zt, temp)
     tl.store(out_ptr + row, zt - lse)
     tl.store(lse_ptr + row, lse)
+    if ENTROPY:
+        tl.store(ent_ptr + row, tl.log(s) - u / s)
 
 
 @triton.jit
@@ -263,20 +286,23 @@ def _logprob_bwd_kernel(z_ptr, t_ptr, lse_ptr, g_ptr, dz_ptr, V, s_z, s_dz, temp
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z2, t1, temperature):
+    def forward(ctx, z2, t1, temperature, with_entropy):
         R, V = z2.shape
         out = torch.empty(R, dtype=torch.float32, device=z2.device)
         lse = torch.empty(R, dtype=torch.float32, device=z2.device)
+        ent = torch.empty(R if with_entropy else 0, dtype=torch.float32, device=z2.device)
         scale = temperature not in (0.0, 1.0)
         if R:
-            _logprob_fwd_kernel[(R,)](z2, t1, out, lse, V, z2.stride(0), float(temperature),
-                                      SCALE=scale, BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)), **LAUNCH)
+            _logprob_fwd_kernel[(R,)](z2, t1, out, lse, ent if with_entropy else lse, V, z2.stride(0),
+                                      float(temperature), SCALE=scale, ENTROPY=with_entropy,
+                                      BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)), **LAUNCH)
         ctx.save_for_backward(z2, t1, lse)
         ctx.temperature = temperature
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, _g_ent):
         z2, t1, lse = ctx.saved_tensors
         R, V = z2.shape
         dz = torch.empty_like(z2)
@@ -285,30 +311,36 @@ class _TokenLogprobs(torch.autograd.Function):
             _logprob_bwd_kernel[(R,)](z2, t1, lse, g.contiguous(), dz, V, z2.stride(0), dz.stride(0), float(t),
                                       SCALE=t not in (0.0, 1.0),
                                       BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)), **LAUNCH)
-        return dz, None, None
+        return dz, None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False):
+    """kernels.token_logprobs on the Triton backend: logp, or (logp, entropy) (entropy detached)."""
     V = logits.shape[-1]
     z2 = logits.reshape(-1, V)                                     # (R, V)
     if z2.stride(1) != 1:
         z2 = z2.contiguous()
     t1 = targets.reshape(-1).to(device=logits.device, dtype=torch.long).contiguous()   # (R,)
-    return _TokenLogprobs.apply(_aligned(z2), _aligned(t1), float(temperature)).view(targets.shape)
+    logp, ent = _TokenLogprobs.apply(_aligned(z2), _aligned(t1), float(temperature), bool(with_entropy))
+    if with_entropy:
+        return logp.view(targets.shape), ent.view(targets.shape)
+    return logp.view(targets.shape)
 
 
 # ===================================================================================================
 # attention over a paged KV cache
 # ===================================================================================================
 # Program layout, shared by the three kernels: axis 0 is (sequence b, KV head kvh) (axis 0 has no
-# 65535 limit), axis 1 the query block (or, in dK/dV, the KV tile); a program holds
-# BT queries x GP query heads of that KV head packed into BT * GP = ATTN_ROWS rows (row r: query
-# t = first + r // GP, head kvh * G + r % GP; GP = G rounded up to a power of two, extra rows masked).
+# 65535 limit), axis 1 the query block (or, in dK/dV, the KV tile); a program holds BT queries x GP
+# query heads of that KV head packed into BT * GP rows (row r: query t = first + r // GP, head
+# kvh * G + r % GP; GP = G rounded up to a power of two, extra rows masked). Decode packs the G heads
+# of a KV head into one program the same way (T = 1).
 @triton.jit
-def _attn_rows(pid_t, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd, pos_ptr, s_pb, s_pt,
+def _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd, pos_ptr, s_pb, s_pt,
                BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, D):
     r = tl.arange(0, BT * GP)
-    t = pid_t * BT + r // GP
+    t = blk * BT + r // GP
     g = r % GP
     ok = (t < T) & (g < G)
     d = tl.arange(0, BD)
@@ -320,12 +352,15 @@ def _attn_rows(pid_t, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd, pos_ptr, s_pb
 
 
 @triton.jit
-def _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
+def _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
              KB: tl.constexpr, UPCAST: tl.constexpr):
-    # keys [j*KB, (j+1)*KB) of sequence b: KB divides the page size, so a tile never straddles pages
-    page = tl.load(bt_ptr + b * s_bb + ((j * KB) // PAGE) * s_bn).to(tl.int64)
-    slot = (j * KB) % PAGE + tl.arange(0, KB)
-    off = page * s_kp + slot[:, None] * s_ks + kvh * s_kh + d[None, :] * s_kd
+    # keys [j*KB, (j+1)*KB) of sequence b, each found through the block table: a tile spans
+    # KB / PAGE pages, or sits inside one page (the tile boundaries are absolute positions either way)
+    # (keys past the block table's NB pages read page 0: masked for every row, like any key past
+    # the sequence's end)
+    key = j * KB + tl.arange(0, KB)
+    page = tl.load(bt_ptr + b * s_bb + (key // PAGE) * s_bn, mask=key // PAGE < NB, other=0).to(tl.int64)
+    off = page[:, None] * s_kp + (key % PAGE)[:, None] * s_ks + kvh * s_kh + d[None, :] * s_kd
     k = tl.load(k_ptr + off, mask=d[None, :] < D, other=0.0)                         # (KB, BD)
     v = tl.load(v_ptr + off, mask=d[None, :] < D, other=0.0)
     if UPCAST:
@@ -333,20 +368,37 @@ def _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd
     return k, v
 
 
+@triton.jit
+def _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, MASK: tl.constexpr, KB: tl.constexpr):
+    # one key tile of the online softmax, base 2: s2 = q.k * scale * log2(e); MASK on the tiles that
+    # hold a row's causal edge. A key past a row's position gets -inf, and a whole tile of them is an
+    # exact no-op for the row (m unchanged, alpha = exp2(0) = 1, p = 0); unmasked and masked tiles
+    # give a visible key the same value, so where the split falls cannot change a row's bits.
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale                     # (R, KB)
+    if MASK:
+        s = tl.where(j * KB + tl.arange(0, KB)[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l
+
+
 @triton.jit(do_not_specialize=ATTN_GEOMETRY + ["s_ob"])
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
                      s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
-                     s_ob, s_ot, s_oh, s_od, T, H, KVH, G, D, PAGE, scale,
+                     s_ob, s_ot, s_oh, s_od, T, H, KVH, G, D, PAGE, NB, qk_scale,
                      BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
                      UPCAST: tl.constexpr):
-    # Invariance: KV tiles of KB keys at absolute positions 0, KB, 2KB, ... visited upward with an
-    # fp32 online softmax. Tiles past a row's position are exact no-ops for it (m unchanged, alpha =
-    # exp(0) = 1, p = 0), so the loop bound (this program's largest position) cannot change a row's
-    # bits: decode (T = 1) equals prefill, and the batch / page layout do not matter. The row
-    # tile shape is fixed (ATTN_ROWS rows), so a row's position inside it does not matter either.
-    pid_bh, pid_t = tl.program_id(0), tl.program_id(1)
-    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH                 # int64: B * T * H * D may pass 2**31
-    t, h, ok, d, q_off, mask, pos = _attn_rows(pid_t, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
+    # Invariance: key tiles at absolute positions 0, KB, 2KB, ... visited upward with an fp32 online
+    # softmax, in one fixed layout (ATTN_TABLE["fwd"]). The loop bound (this program's largest
+    # position) and the masked/unmasked split (its smallest) cannot change a row's bits (see
+    # _attn_fwd_step): decode (T = 1) equals prefill, and the batch and page layout do not matter.
+    pid_bh = tl.program_id(0)
+    blk = tl.num_programs(1) - 1 - tl.program_id(1)             # the longest causal rows start first
+    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH          # int64: B * T * H * D may pass 2**31
+    t, h, ok, d, q_off, mask, pos = _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                pos_ptr, s_pb, s_pt, BT, GP, BD, D)
     q = tl.load(q_ptr + q_off, mask=mask, other=0.0)                                  # (R, BD)
     if UPCAST:
@@ -354,54 +406,62 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
     m = tl.full((BT * GP,), float("-inf"), tl.float32)
     l = tl.zeros((BT * GP,), tl.float32)
     acc = tl.zeros((BT * GP, BD), tl.float32)
-    kpos0 = tl.arange(0, KB)
+    n_full = (tl.min(tl.where(ok, pos, 2**30), 0) + 1) // KB    # tiles every row sees whole: no mask
     n_tiles = tl.max(pos, 0) // KB + 1
-    for j in range(0, n_tiles):
-        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
-                        KB, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                      # (R, KB)
-        s = tl.where(j * KB + kpos0[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+    for j in range(0, n_full):
+        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
+        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, False, KB)
+    for j in range(n_full, n_tiles):
+        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
+        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, True, KB)
     out = acc / l[:, None]
     o_off = b * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + d[None, :] * s_od
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + (b * T + t) * H + h, m + tl.log(l), mask=ok)
+    tl.store(lse_ptr + (b * T + t) * H + h, m + tl.log2(l), mask=ok)          # base 2
+
+
+@triton.jit
+def _attn_bwd_p_ds(q, do, k, v, lse2, delta, kpos, pos, ok, qk_scale, MASK: tl.constexpr):
+    # the backward's recomputed probabilities p (R, KB) and ds = p * (dO.v - delta)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    p = tl.exp2(s - lse2[:, None])
+    if MASK:
+        p = tl.where((kpos[None, :] <= pos[:, None]) & ok[:, None], p, 0.0)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
+    return p, ds
 
 
 @triton.jit(do_not_specialize=ATTN_GEOMETRY)
 def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                         s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
-                        T, H, KVH, G, D, PAGE, scale,
+                        T, H, KVH, G, D, PAGE, NB, qk_scale, scale,
                         BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
                         UPCAST: tl.constexpr):
-    # Deterministic: recompute p from the saved log-sum-exp; dq accumulates over KV tiles in order.
-    # q, do, dq share q's (B, T, H, D) strides (the caller makes them contiguous). Dots take operands
-    # in the input dtype (p, ds rounded to it, as flash-attention does) and accumulate in fp32.
-    pid_bh, pid_t = tl.program_id(0), tl.program_id(1)
-    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH                 # int64: B * T * H * D may pass 2**31
-    t, h, ok, d, q_off, mask, pos = _attn_rows(pid_t, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
+    # Deterministic: one program per query block recomputes p from the saved log-sum-exp and
+    # accumulates dq over the key tiles in order. q, do, dq share q's (B, T, H, D) strides (the
+    # caller makes them contiguous). Dots take operands in the input dtype (p, ds rounded to it, as
+    # flash-attention does) and accumulate in fp32.
+    pid_bh = tl.program_id(0)
+    blk = tl.num_programs(1) - 1 - tl.program_id(1)
+    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
+    t, h, ok, d, q_off, mask, pos = _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                pos_ptr, s_pb, s_pt, BT, GP, BD, D)
     q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
     do = tl.load(do_ptr + q_off, mask=mask, other=0.0)
     if UPCAST:
         q, do = q.to(tl.float32), do.to(tl.float32)
-    lse = tl.load(lse_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
+    lse2 = tl.load(lse_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
     delta = tl.load(delta_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
     dq = tl.zeros((BT * GP, BD), tl.float32)
-    kpos0 = tl.arange(0, KB)
+    n_full = (tl.min(tl.where(ok, pos, 2**30), 0) + 1) // KB
     n_tiles = tl.max(pos, 0) // KB + 1
-    for j in range(0, n_tiles):
-        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
-                        KB, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        vis = (j * KB + kpos0[None, :] <= pos[:, None]) & ok[:, None]
-        p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)                                 # (R, KB)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
+    for j in range(0, n_full):
+        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
+        p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, j * KB + tl.arange(0, KB), pos, ok, qk_scale, False)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+    for j in range(n_full, n_tiles):
+        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
+        p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, j * KB + tl.arange(0, KB), pos, ok, qk_scale, True)
         dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
     tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
 
@@ -409,15 +469,16 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, d
 @triton.jit(do_not_specialize=ATTN_GEOMETRY)
 def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                          s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
-                         T, H, KVH, G, D, PAGE, NKEYS, scale,
+                         T, H, KVH, G, D, PAGE, NB, NKEYS, qk_scale, scale,
                          BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
                          UPCAST: tl.constexpr):
-    # Deterministic, atomic-free: one program per (KV tile, sequence, KV head) owns its dk/dv tile and
-    # loops over the query blocks in index order. Output: per-sequence (B, NKEYS, KVH, D) fp32.
-    pid_bh, j = tl.program_id(0), tl.program_id(1)
-    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH                 # int64: B * T * H * D may pass 2**31
+    # Deterministic, atomic-free: one program per (key tile, sequence, KV head) owns its dk/dv tile
+    # and loops over the query blocks in index order, skipping the blocks that see none of its keys
+    # (causal). Output: per-sequence (B, NKEYS, KVH, D) fp32.
+    pid_bh, j = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
+    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
     d = tl.arange(0, BD)
-    k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
+    k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
     kpos = j * KB + tl.arange(0, KB)
     dk = tl.zeros((KB, BD), tl.float32)
     dv = tl.zeros((KB, BD), tl.float32)
@@ -429,25 +490,22 @@ def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, 
             do = tl.load(do_ptr + q_off, mask=mask, other=0.0)
             if UPCAST:
                 q, do = q.to(tl.float32), do.to(tl.float32)
-            lse = tl.load(lse_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
+            lse2 = tl.load(lse_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
             delta = tl.load(delta_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                     # (R, KB)
-            vis = (kpos[None, :] <= pos[:, None]) & ok[:, None]
-            p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+            p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, kpos, pos, ok, qk_scale, True)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")             # (KB, BD)
-            ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
     off = ((b * NKEYS + kpos[:, None]) * KVH + kvh) * D + d[None, :]
     tl.store(dk_ptr + off, dk * scale, mask=d[None, :] < D)
     tl.store(dv_ptr + off, dv, mask=d[None, :] < D)
 
 
-def _attn_meta(q, k_cache):
+def _attn_meta(q, k_cache, rows):
     B, T, H, D = q.shape
     PAGE, KVH = k_cache.shape[1], k_cache.shape[2]
     G = H // KVH
     GP = triton.next_power_of_2(G)
-    BT = max(1, ATTN_ROWS // GP)
+    BT = max(1, rows // GP)
     return B, T, H, D, PAGE, KVH, G, GP, BT, triton.next_power_of_2(D)
 
 
@@ -455,18 +513,25 @@ def _strides(*ts):
     return [s for t in ts for s in t.stride()]
 
 
+def _check_pages(page_size: int) -> None:
+    if page_size % ATTN_KEYS and ATTN_KEYS % page_size:
+        raise ValueError(f"paged_attention: page size {page_size} must divide the key tile "
+                         f"kernels_triton.ATTN_KEYS={ATTN_KEYS} or be a multiple of it (e.g. 16, 32, 64, 128)")
+
+
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, block_table, positions, scale):
-        B, T, H, D, PAGE, KVH, G, GP, BT, BD = _attn_meta(q, k_cache)
-        assert PAGE % KV_BLOCK == 0, "page_size must be a multiple of KV_BLOCK"
+        rows, warps, stages = ATTN_TABLE["fwd"]
+        B, T, H, D, PAGE, KVH, G, GP, BT, BD = _attn_meta(q, k_cache, rows)
         assert k_cache.stride() == v_cache.stride()
         out = torch.empty_like(q)
-        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)     # base 2
         _attn_fwd_kernel[(B * KVH, triton.cdiv(T, BT))](
             q, k_cache, v_cache, block_table, positions, out, lse,
-            *_strides(q, k_cache, block_table, positions, out), T, H, KVH, G, D, PAGE, scale,
-            BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST, **LAUNCH)
+            *_strides(q, k_cache, block_table, positions, out), T, H, KVH, G, D, PAGE, block_table.shape[1],
+            scale * LOG2E,
+            BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **LAUNCH)
         ctx.save_for_backward(q, k_cache, v_cache, block_table, positions, out, lse)
         ctx.scale = scale
         return out
@@ -474,48 +539,54 @@ class _PagedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k_cache, v_cache, block_table, positions, out, lse = ctx.saved_tensors
-        B, T, H, D, PAGE, KVH, G, GP, BT, BD = _attn_meta(q, k_cache)
+        B, T, H, D, PAGE, KVH, G, GP, _, BD = _attn_meta(q, k_cache, 1)
         q, dout = q.contiguous(), dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1).contiguous()        # (B, T, H)
-        common = (*_strides(q, k_cache, block_table, positions), T, H, KVH, G, D, PAGE)
+        common = (*_strides(q, k_cache, block_table, positions), T, H, KVH, G, D, PAGE, block_table.shape[1])
+        scales = (ctx.scale * LOG2E, ctx.scale)
         dq = torch.empty_like(q)
+        rows, warps, stages = ATTN_TABLE["bwd_dq"]
+        BT = max(1, rows // GP)
         _attn_bwd_dq_kernel[(B * KVH, triton.cdiv(T, BT))](
-            q, k_cache, v_cache, block_table, positions, dout, lse, delta, dq, *common, ctx.scale,
-            BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST, **LAUNCH)
+            q, k_cache, v_cache, block_table, positions, dout, lse, delta, dq, *common, *scales,
+            BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **LAUNCH)
         # dK, dV per sequence over the tiles any query can see, then into the pages
         pos_max = positions.amax(1)                                        # (B,)
-        n_tiles = int(pos_max.max()) // KV_BLOCK + 1
-        nkeys = -(-n_tiles * KV_BLOCK // PAGE) * PAGE
+        n_tiles = int(pos_max.max()) // ATTN_KEYS + 1
+        nkeys = -(-n_tiles * ATTN_KEYS // PAGE) * PAGE
         dk_seq = torch.zeros(B, nkeys, KVH, D, dtype=torch.float32, device=q.device)
         dv_seq = torch.zeros_like(dk_seq)
+        rows, warps, stages = ATTN_TABLE["bwd_dkv"]
+        BT = max(1, rows // GP)
         _attn_bwd_dkv_kernel[(B * KVH, n_tiles)](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dk_seq, dv_seq, *common, nkeys,
-            ctx.scale, BT=BT, GP=GP, BD=BD, KB=KV_BLOCK, UPCAST=UPCAST, **LAUNCH)
-        used = torch.arange(nkeys // PAGE, device=q.device)[None, :] <= (pos_max // PAGE)[:, None]  # (B, NP)
-        pages = block_table[:, :nkeys // PAGE].long()[used]               # (n_used,)
-        dk_pages = dk_seq.view(B, -1, PAGE, KVH, D)[used]                 # (n_used, PAGE, KVH, D)
-        dv_pages = dv_seq.view(B, -1, PAGE, KVH, D)[used]
-        dk = torch.zeros(k_cache.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros_like(dk)
-        if torch.unique(pages).numel() == pages.numel():                  # no page shared: plain scatter
-            dk[pages], dv[pages] = dk_pages, dv_pages
-        else:                                                             # shared pages: fixed order
-            for i in range(pages.numel()):
-                dk[pages[i]] += dk_pages[i]
-                dv[pages[i]] += dv_pages[i]
-        return dq, dk.to(k_cache.dtype), dv.to(v_cache.dtype), None, None, None
+            *scales, BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **LAUNCH)
+        return (dq, *_pages_grad(dk_seq, dv_seq, k_cache, block_table, pos_max), None, None, None)
+
+
+def _pages_grad(dk_seq, dv_seq, k_cache, block_table, pos_max):
+    """(B, NKEYS, KVH, D) per-sequence key gradients -> gradients of the page caches; a page that
+    several sequences share (a GRPO prompt prefix) sums theirs in sequence order."""
+    B, nkeys, KVH, D = dk_seq.shape
+    PAGE = k_cache.shape[1]
+    NP = min(nkeys // PAGE, block_table.shape[1])                     # the last tile may pass the table
+    used = torch.arange(NP, device=dk_seq.device)[None, :] <= (pos_max // PAGE)[:, None]  # (B, NP)
+    pages = block_table[:, :NP].long()[used]                          # (n_used,)
+    dk_pages = dk_seq.view(B, -1, PAGE, KVH, D)[:, :NP][used]         # (n_used, PAGE, KVH, D)
+    dv_pages = dv_seq.view(B, -1, PAGE, KVH, D)[:, :NP][used]
+    dk = torch.zeros(k_cache.shape, dtype=torch.float32, device=dk_seq.device)
+    dv = torch.zeros_like(dk)
+    if torch.unique(pages).numel() == pages.numel():                  # no page shared: plain scatter
+        dk[pages], dv[pages] = dk_pages, dv_pages
+    else:                                                             # shared pages: fixed order
+        for i in range(pages.numel()):
+            dk[pages[i]] += dk_pages[i]
+            dv[pages[i]] += dv_pages[i]
+    return dk.to(k_cache.dtype), dv.to(k_cache.dtype)
 
 
 def paged_attention(q, k_cache, v_cache, block_table, positions, scale):
+    _check_pages(k_cache.shape[1])
     # one index dtype for every caller (the trainer's arange and the sampler's tables are int64)
     block_table, positions = (_aligned(t.to(device=q.device, dtype=torch.long)) for t in (block_table, positions))
     return _PagedAttention.apply(_aligned(q), _aligned(k_cache), _aligned(v_cache), block_table, positions, float(scale))
-
-
-def __getattr__(name: str):
-    """kernels_triton.moe_experts: the fused MoE lives in kernels_triton_moe.py, which builds on the
-    helpers above (imported on first use, so neither module needs the other half-initialised)."""
-    if name == "moe_experts":
-        from kernels_triton_moe import moe_experts
-        return moe_experts
-    raise AttributeError(f"module 'kernels_triton' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The fused MoE experts of the Triton backend (see kernels_triton.py, which re-exports moe_experts).
+"""The fused MoE experts of the Triton backend (kernels.moe_experts dispatches here for CUDA tensors).
 
 The (token, k) slots are sorted stably by expert with torch ops (no atomics, no host sync); each tile
 of the grouped GEMMs holds rows of one expert, so a row's result depends neither on the other rows
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels_triton import LAUNCH, UPCAST, _aligned, _tiles   # first: it sets up the interpreter on CPU
+from kernels_triton_base import LAUNCH, UPCAST, aligned as _aligned, operand_dtype  # sets up the interpreter
 
 import triton                      # noqa: E402
 import triton.language as tl       # noqa: E402
@@ -195,7 +195,7 @@ class _MoE(torch.autograd.Function):
     def forward(ctx, x, w13, w2, ids, weights):
         M, D = x.shape
         E, k, I = w13.shape[0], ids.shape[1], w2.shape[2]
-        BM, BN, BK, warps = _tiles(MOE_TILES, x, w13, w2)
+        BM, BN, BK, warps = MOE_TILES.get(operand_dtype(x, w13, w2), MOE_TILES[torch.float32])
         order, offsets, plan = _moe_plan(ids, E, BM)
         # every slot must land in an expert (else its output row would stay unwritten): checked on the
         # device without a host sync; an id outside [0, E) fails here (CPU) or at a later CUDA call

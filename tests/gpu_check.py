@@ -1,15 +1,19 @@
 """GPU check of the Triton backend: its tests on CUDA (bf16 and fp32), then a timing table.
 
-    python tests/gpu_check.py               # tests, then timings; under 8 minutes on one GPU
-    python tests/gpu_check.py --bench-only  # only the table;  --tests-only: only the tests
+    python tests/gpu_check.py               # tests, timings, then the sweep; about 5 minutes on one GPU
+    python tests/gpu_check.py --bench-only  # only the table (+ sweep);  --tests-only: only the tests
+    python tests/gpu_check.py --sweep       # only the sweep;  --no-sweep: tests + table
     python tests/gpu_check.py --quick       # smaller benchmark shapes
     bash tests/gpu_check.sh                 # the same, from anywhere
 
 The tests are tests/test_triton.py run on CUDA (the interpreter tests on the GPU, plus the `gpu`
 tests in bf16 and fp32 at larger shapes). The table times each Triton kernel against its batch-variant
-baseline in the same run and prints the ratio (triton ms / baseline ms; > 1 means Triton is slower):
-matmul vs torch/cuBLAS, fused MoE vs torch._grouped_mm and a per-expert loop, paged attention vs
-torch SDPA and flash-attn (where installed), RMSNorm and token log-probs vs plain torch.
+baseline in the same run and prints the ratio (triton ms / baseline ms; > 1 means Triton is slower),
+at the real model's shapes (Qwen3-30B-A3B): matmul (q_proj, o_proj, LM head, router at M = 1, 16,
+128, 4096) vs cuBLAS, fused MoE forward and forward+backward vs torch._grouped_mm, paged attention
+(prefill, forward+backward, decode) vs torch SDPA and flash-attn (where installed), RMSNorm and token
+log-probs vs plain torch. The sweep times candidate tile configs per shape (kernels_triton.MM_TABLE,
+ATTN_KEYS, ATTN_TABLE are chosen from it) and checks each one's bits against the table's.
 Exit status: the tests' (0 when they pass), 2 without a CUDA device.
 """
 from __future__ import annotations
@@ -28,6 +32,8 @@ def main() -> int:
     ap.add_argument("--tests-only", action="store_true", help="run tests/test_triton.py on CUDA, no timings")
     ap.add_argument("--bench-only", action="store_true", help="print the timing table only")
     ap.add_argument("--quick", action="store_true", help="smaller benchmark shapes")
+    ap.add_argument("--sweep", action="store_true", help="only the sweep of candidate tile configs (matmul, attention)")
+    ap.add_argument("--no-sweep", action="store_true", help="tests and table, without the sweep")
     ap.add_argument("--test-timeout", type=int, default=360, help="seconds allowed for the tests (default 360)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="developers: run the benchmark code once on CPU (Triton interpreter, tiny shapes, no timings)")
@@ -37,6 +43,7 @@ def main() -> int:
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         bench(quick=True, dev="cpu")
+        sweep(dev="cpu")
         return 0
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device (torch.cuda.is_available() is False). This check needs one GPU; "
@@ -44,6 +51,9 @@ def main() -> int:
         return 2
     print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     rc = 0
+    if args.sweep:
+        sweep()
+        return 0
     if not args.bench_only:
         t0 = time.time()
         env = {k: v for k, v in os.environ.items() if k not in ("KERNELS_BACKEND", "TRITON_INTERPRET")}
@@ -56,7 +66,64 @@ def main() -> int:
         print(f"gpu_check: tests {'passed' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f}s", flush=True)
     if not args.tests_only:
         bench(args.quick)
+        if not args.no_sweep:
+            sweep()
     return rc
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs shared by the table and the sweep
+# ---------------------------------------------------------------------------------------------------
+# the model's linear layers (Qwen3-30B-A3B): (name, K in, N out), timed at decode to prefill row counts
+MM_SHAPES = (("q_proj", 2048, 4096), ("o_proj", 4096, 2048), ("lm_head", 2048, 151936), ("router", 2048, 128))
+MM_ROWS = (1, 16, 128, 4096)
+
+
+def attention_inputs(B, T, H, KVH, D, dtype, dev):
+    """q (B, T, H, D), k, v (B, T, KVH, D), and the trainer's page layout of them (pages of 16)."""
+    import torch
+    q = torch.randn(B, T, H, D, device=dev, dtype=dtype)
+    k, v = torch.randn(B, T, KVH, D, device=dev, dtype=dtype), torch.randn(B, T, KVH, D, device=dev, dtype=dtype)
+    kp, vp = k.reshape(-1, 16, KVH, D), v.reshape(-1, 16, KVH, D)
+    bt = torch.arange(kp.shape[0], device=dev).view(B, -1)
+    return q, k, v, kp, vp, bt, torch.arange(T, device=dev).expand(B, T)
+
+
+def attention_fwd_bwd(att, which):
+    """A callable running forward + backward of causal attention: "triton", "sdpa" or flash_attn_func."""
+    import torch
+    import torch.nn.functional as F
+    import kernels_triton as kt
+    q, k, v, kp, vp, bt, pos = att
+    B, T, H, D = q.shape
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    g = torch.randn_like(q)
+
+    def run():
+        if which == "triton":
+            kpg, vpg = kg.reshape(-1, 16, k.shape[2], D), vg.reshape(-1, 16, k.shape[2], D)
+            o = kt.paged_attention(qg, kpg, vpg, bt, pos, D ** -0.5)
+        elif which == "sdpa":
+            o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True).transpose(1, 2)
+        else:
+            o = which(qg, kg, vg, causal=True)
+        return torch.autograd.grad(o, (qg, kg, vg), g)
+    return run
+
+
+def decode_inputs(B, ctx, H, KVH, D, dev):
+    """One query per sequence at position ctx - 1 over a paged cache of 256-key pages (flash-attn's
+    minimum), and the same keys dense for SDPA."""
+    import torch
+    q = torch.randn(B, 1, H, D, device=dev, dtype=torch.bfloat16)
+    kc = torch.randn(B * ctx // 256, 256, KVH, D, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(kc.shape[0], device=dev).view(B, -1).int()
+    pos = torch.full((B, 1), ctx - 1, device=dev)
+    kd = kc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()             # dense (B, KVH, ctx, D)
+    vd = vc[bt.long()].flatten(1, 2).transpose(1, 2).contiguous()
+    return q, kc, vc, bt, pos, kd, vd
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -73,6 +140,7 @@ def bench(quick: bool, dev: str = "cuda") -> None:
     sys.path.insert(0, ROOT)
     import kernels
     import kernels_triton as kt
+    import kernels_triton_moe as ktm
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -109,73 +177,52 @@ def bench(quick: bool, dev: str = "cuda") -> None:
                          "n/a" if b is None else f"{b:.3f}", "n/a" if b is None else f"{t / b:.2f}"))
         print(f"  timed {op} {shape} {dtype}", flush=True)
 
-    # --- matmul ---------------------------------------------------------------------------------
-    K = N = 64 if tiny else 2048 if quick else 4096
-    for dtype in (bf16, fp32):
-        w = torch.randn(N, K, device=dev, dtype=dtype)
-        for M in ((1, 16) if tiny else (1, 128, 4096)):
-            x = torch.randn(M, K, device=dev, dtype=dtype)
-            row("matmul", f"M={M} K={K} N={N}", dtype, lambda: kt.linear(x, w), {"torch (cuBLAS)": lambda: x @ w.T})
+    # --- matmul: the model's real shapes (Qwen3-30B-A3B), rows M of decode to prefill ----------------
+    for name, K, N in MM_SHAPES:
+        if tiny:
+            K, N = min(K, 64), min(N, 96)
+        w = torch.randn(N, K, device=dev, dtype=bf16)
+        for M in ((1, 16) if tiny else MM_ROWS):
+            x = torch.randn(M, K, device=dev, dtype=bf16)
+            row("matmul " + name, f"M={M} K={K} N={N}", bf16, lambda: kt.linear(x, w), {"cuBLAS": lambda: x @ w.T})
+    K = N = 64 if tiny else 4096
+    w = torch.randn(N, K, device=dev)
+    for M in ((1,) if tiny else (1, 128, 4096)):
+        x = torch.randn(M, K, device=dev)
+        row("matmul", f"M={M} K={K} N={N}", fp32, lambda: kt.linear(x, w), {"cuBLAS": lambda: x @ w.T})
 
-    # --- fused MoE ------------------------------------------------------------------------------
-    M, E, k, D, I = (16, 4, 2, 32, 32) if tiny else (1024, 32, 4, 1024, 512) if quick else (4096, 64, 8, 2048, 768)
+    # --- fused MoE, forward and forward+backward, against torch._grouped_mm ---------------------------
+    M, E, k, D, I = (16, 4, 2, 32, 32) if tiny else (1024, 32, 4, 1024, 512) if quick else (4096, 128, 8, 2048, 768)
     x = torch.randn(M, D, device=dev, dtype=bf16)
     w13 = (torch.randn(E, 2 * I, D, device=dev) * 0.02).to(bf16)
     w2 = (torch.randn(E, D, I, device=dev) * 0.02).to(bf16)
     ids, wts, _ = kernels.route(torch.randn(M, E, device=dev), k, True)
-    w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)                 # (E, D, 2I), (E, I, D) views
 
-    def moe_loop():
-        order = torch.sort(ids.reshape(-1), stable=True).indices
-        counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()
-        out, start = torch.empty(M * k, D, device=dev), 0
-        for e, n in enumerate(counts):
-            s = order[start:start + n]
-            start += n
-            h = x[s // k] @ w13[e].T
-            out[s] = (F.silu(h[:, :I]) * h[:, I:]) @ w2[e].T * wts.reshape(-1)[s, None]
-        return out.view(M, k, D).sum(1).to(bf16)
-
-    grouped = None
-    if hasattr(torch, "_grouped_mm"):
-        def grouped():
-            flat = ids.reshape(-1)
-            order = torch.sort(flat, stable=True).indices
-            offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-            h = torch._grouped_mm(x[order // k], w13t, offs=offs)           # (M*k, 2I)
-            y = torch._grouped_mm(F.silu(h[:, :I]) * h[:, I:], w2t, offs=offs)
-            out = torch.empty(M * k, D, device=dev)
-            out[order] = y.float() * wts.reshape(-1)[order, None]
-            return out.view(M, k, D).sum(1).to(bf16)
-    row("moe fwd", f"M={M} E={E} k={k} D={D} I={I}", bf16, lambda: kt.moe_experts(x, w13, w2, ids, wts),
-        {"torch._grouped_mm": grouped, "per-expert loop": moe_loop})
+    def grouped(x, w13, w2, ids, wts):       # the same math with torch._grouped_mm (differentiable)
+        flat = ids.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+        h = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs)      # (M*k, 2I)
+        y = torch._grouped_mm(F.silu(h[:, :I]) * h[:, I:], w2.transpose(1, 2), offs=offs)
+        y = y.float() * wts.reshape(-1)[order, None]
+        out = torch.zeros(M * k, D, device=x.device).index_copy(0, order, y)
+        return out.view(M, k, D).sum(1).to(x.dtype)
+    has_grouped = hasattr(torch, "_grouped_mm")
+    row("moe fwd", f"M={M} E={E} k={k} D={D} I={I}", bf16, lambda: ktm.moe_experts(x, w13, w2, ids, wts),
+        {"torch._grouped_mm": (lambda: grouped(x, w13, w2, ids, wts)) if has_grouped else None})
     params = [t.clone().requires_grad_() for t in (x, w13, w2, wts)]
     gy = torch.randn(M, D, device=dev, dtype=bf16)
 
     def fwd_bwd(f):
         return lambda: torch.autograd.grad(f(*params[:3], ids, params[3]), params, gy)
-
-    def loop_autograd(x, w13, w2, ids, wts):              # the per-expert loop, differentiable
-        flat, order = ids.reshape(-1), torch.sort(ids.reshape(-1), stable=True).indices
-        counts, parts, start = torch.bincount(flat, minlength=E).tolist(), [], 0
-        for e, n in enumerate(counts):
-            s = order[start:start + n]
-            start += n
-            h = x[s // k] @ w13[e].T
-            parts.append((F.silu(h[:, :I]) * h[:, I:]) @ w2[e].T * wts.reshape(-1)[s, None])
-        out = torch.zeros(M * k, D, device=dev).index_copy(0, order, torch.cat(parts).float())
-        return out.view(M, k, D).sum(1).to(x.dtype)
-    row("moe fwd+bwd", f"M={M} E={E} k={k} D={D} I={I}", bf16, fwd_bwd(kt.moe_experts),
-        {"per-expert loop (autograd)": fwd_bwd(loop_autograd)})
+    row("moe fwd+bwd", f"M={M} E={E} k={k} D={D} I={I}", bf16, fwd_bwd(ktm.moe_experts),
+        {"torch._grouped_mm fwd+bwd": fwd_bwd(grouped) if has_grouped and not tiny else None})   # no CPU backward
 
     # --- attention ------------------------------------------------------------------------------
-    B, T, H, KVH, Dh = (1, 32, 4, 2, 16) if tiny else (2, 1024, 16, 4, 128) if quick else (4, 2048, 32, 8, 128)
+    B, T, H, KVH, Dh = (1, 80, 4, 2, 16) if tiny else (2, 1024, 32, 4, 128) if quick else (4, 2048, 32, 4, 128)
     for dtype in (bf16, fp32):
-        q = torch.randn(B, T, H, Dh, device=dev, dtype=dtype)
-        kk, vv = torch.randn(B, T, KVH, Dh, device=dev, dtype=dtype), torch.randn(B, T, KVH, Dh, device=dev, dtype=dtype)
-        kp, vp = kk.reshape(-1, 16, KVH, Dh), vv.reshape(-1, 16, KVH, Dh)    # trainer layout: KV_BLOCK pages
-        bt = torch.arange(kp.shape[0], device=dev).view(B, -1)
-        pos = torch.arange(T, device=dev).expand(B, T)
+        att = attention_inputs(B, T, H, KVH, Dh, dtype, dev)
+        q, kk, vv, kp, vp, bt, pos = att
         qt, kt_, vt = q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)
         base = {"torch SDPA": lambda: F.scaled_dot_product_attention(qt, kt_, vt, is_causal=True, enable_gqa=True)}
         if fa and dtype == bf16:
@@ -183,31 +230,15 @@ def bench(quick: bool, dev: str = "cuda") -> None:
         row("attn prefill", f"B={B} T={T} H={H} KVH={KVH} D={Dh}", dtype,
             lambda: kt.paged_attention(q, kp, vp, bt, pos, Dh ** -0.5), base)
         if dtype == bf16:
-            qg, kg, vg = (t.clone().requires_grad_() for t in (q, kk, vv))
-            g = torch.randn_like(q)
-
-            def tri_fb():
-                kpg, vpg = kg.reshape(-1, 16, KVH, Dh), vg.reshape(-1, 16, KVH, Dh)
-                torch.autograd.grad(kt.paged_attention(qg, kpg, vpg, bt, pos, Dh ** -0.5), (qg, kg, vg), g)
-
-            def sdpa_fb():
-                o = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-                                                   is_causal=True, enable_gqa=True)
-                torch.autograd.grad(o, (qg, kg, vg), g.transpose(1, 2))
-            fb = {"torch SDPA": sdpa_fb}
+            fb = {"torch SDPA": attention_fwd_bwd(att, "sdpa")}
             if fa:
-                fb[fa] = lambda: torch.autograd.grad(flash_attn_func(qg, kg, vg, causal=True), (qg, kg, vg), g)
-            row("attn fwd+bwd", f"B={B} T={T} H={H} KVH={KVH} D={Dh}", dtype, tri_fb, fb)
+                fb[fa] = attention_fwd_bwd(att, flash_attn_func)
+            row("attn fwd+bwd", f"B={B} T={T} H={H} KVH={KVH} D={Dh}", dtype, attention_fwd_bwd(att, "triton"), fb)
 
     # decode: one new query per sequence against a long paged context
     Bd, ctx = (2, 256) if tiny else (32, 1024) if quick else (64, 2048)
-    qd = torch.randn(Bd, 1, H, Dh, device=dev, dtype=bf16)
-    kc = torch.randn(Bd * ctx // 256, 256, KVH, Dh, device=dev, dtype=bf16)   # pages of 256 (flash-attn's minimum)
-    vc = torch.randn_like(kc)
-    btd = torch.randperm(kc.shape[0], device=dev).view(Bd, -1).int()
-    posd = torch.full((Bd, 1), ctx - 1, device=dev)
-    kd = kc[btd.long()].flatten(1, 2).transpose(1, 2).contiguous()             # dense (B, KVH, ctx, D)
-    vd = vc[btd.long()].flatten(1, 2).transpose(1, 2).contiguous()
+    dec = decode_inputs(Bd, ctx, H, KVH, Dh, dev)
+    qd, kc, vc, btd, posd, kd, vd = dec
     base = {"torch SDPA (dense KV)": lambda: F.scaled_dot_product_attention(qd.transpose(1, 2), kd, vd, enable_gqa=True)}
     if fa:
         seqlens = torch.full((Bd,), ctx, device=dev, dtype=torch.int32)
@@ -224,6 +255,8 @@ def bench(quick: bool, dev: str = "cuda") -> None:
     z, tg = torch.randn(R, V, device=dev, dtype=bf16), torch.randint(0, V, (R,), device=dev)
     row("token_logprobs", f"{R} x {V}, T=0.7", bf16, lambda: kt.token_logprobs(z, tg, 0.7),
         {"torch log_softmax+gather": lambda: torch.log_softmax(z.float() / 0.7, -1).gather(-1, tg[:, None])})
+    row("token_logprobs+entropy", f"{R} x {V}, T=0.7", bf16, lambda: kt.token_logprobs(z, tg, 0.7, with_entropy=True),
+        {"triton token_logprobs alone": lambda: kt.token_logprobs(z, tg, 0.7)})
 
     # --- print ------------------------------------------------------------------------------------
     head = ("op", "shape", "dtype", "triton ms", "baseline", "base ms", "triton/base")
@@ -242,6 +275,111 @@ def bench(quick: bool, dev: str = "cuda") -> None:
                                                        cache_seqlens=torch.tensor([p + 1], device=dev, dtype=torch.int32),
                                                        causal=True), pre[:, p:p + 1]) for p in (0, 17, 150, 299))
         print(f"\n{fa}: decode equals prefill bitwise: {same} (the invariant path does not use it either way)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# sweep: candidate tile configs, timed, with their bits checked against the table's
+# ---------------------------------------------------------------------------------------------------
+# matmul candidates (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per M; a candidate with another BLOCK_K
+# may enter kernels_triton.MM_TABLE only if its bits are equal here AND in the CUDA test
+MM_CANDIDATES = {
+    "bf16 small": [(16, 32, 64, 2, 5), (16, 64, 64, 4, 4), (16, 32, 128, 4, 4), (16, 64, 128, 4, 4),
+                   (16, 16, 128, 2, 6), (16, 128, 64, 4, 4), (32, 64, 64, 4, 4)],
+    "bf16 mid": [(32, 64, 64, 4, 4), (64, 32, 64, 2, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3)],
+    "bf16 large": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
+                   (128, 128, 128, 8, 3)],
+    "fp32 small": [(16, 32, 32, 2, 4), (16, 64, 32, 4, 3), (16, 128, 32, 4, 3), (32, 64, 32, 4, 3)],
+    "fp32 mid": [(32, 64, 32, 4, 3), (64, 64, 32, 4, 3), (64, 128, 32, 8, 3)],
+    "fp32 large": [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3), (128, 128, 16, 8, 3)],
+}
+# attention: forward (query rows, warps, stages) x key tile; backward (rows, warps, stages) per kernel
+ATTN_FWD_CANDIDATES = [(64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3), (64, 8, 2)]
+ATTN_KEY_CANDIDATES = (32, 64, 128)
+ATTN_BWD_CANDIDATES = [(64, 4, 2), (64, 8, 2), (128, 8, 2), (32, 4, 2)]
+
+
+def sweep(dev: str = "cuda") -> None:
+    """Times candidate configs per real shape and prints the best whose bits equal the table's. dev="cpu":
+    one call per candidate at tiny shapes (a smoke run of this code)."""
+    import torch
+    from triton.testing import do_bench
+    import kernels_triton as kt
+    tiny = dev == "cpu"
+
+    def ms(fn):
+        if tiny:
+            fn()
+            return 0.0
+        return do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+    print("\nsweep: matmul (ms; bits = equal to the table config's result)", flush=True)
+    for dtype, shapes in ((torch.bfloat16, MM_SHAPES), (torch.float32, MM_SHAPES[:1])):
+        tag = "bf16" if dtype == torch.bfloat16 else "fp32"
+        for name, K, N in shapes:
+            K, N = (min(K, 64), min(N, 96)) if tiny else (K, N)
+            w = torch.randn(N, K, device=dev, dtype=dtype)
+            for M in ((1,) if tiny else MM_ROWS):
+                x = torch.randn(M, K, device=dev, dtype=dtype)
+                ref = kt._mm(x, w, dtype)
+                size = "small" if M <= 16 else "mid" if M <= 256 else "large"
+                results = []
+                for cfg in MM_CANDIDATES[f"{tag} {size}"]:
+                    try:
+                        same = torch.equal(kt._mm(x, w, dtype, config=cfg), ref)
+                        results.append((ms(lambda: kt._mm(x, w, dtype, config=cfg)), cfg, same))
+                    except Exception as e:                                   # report, keep going
+                        print(f"  {tag} {name} M={M} {cfg}: error {type(e).__name__}: {str(e)[:80]}")
+                table = ms(lambda: kt._mm(x, w, dtype))
+                cublas = ms(lambda: x @ w.T)
+                line = "  ".join(f"{c}:{t:.4f}{'' if same else '(BITS DIFFER)'}" for t, c, same in sorted(results))
+                print(f"  {tag} {name:8s} M={M:<5d} cuBLAS {cublas:.4f} table {kt.mm_config(M, dtype)}:{table:.4f} | {line}",
+                      flush=True)
+    sweep_attention(dev, ms)
+
+
+def sweep_attention(dev, ms) -> None:
+    """Forward configs: prefill and decode times, and whether decode equals prefill bitwise (the
+    contract: a forward config must keep it); backward configs: forward+backward time."""
+    import torch
+    import kernels_triton as kt
+    tiny = dev == "cpu"
+    B, T, H, KVH, D = (1, 80, 4, 2, 16) if tiny else (4, 2048, 32, 4, 128)
+    att = attention_inputs(B, T, H, KVH, D, torch.bfloat16, dev)
+    q, k, v, kp, vp, bt, pos = att
+    dec = decode_inputs(2 if tiny else 64, 256 if tiny else 2048, H, KVH, D, dev)
+    qd, kc, vc, btd, posd = dec[:5]
+    probe = [t[:1, :304] for t in (q, k, v)]                      # decode vs prefill check, one sequence
+    P = probe[0].shape[1]
+    pk, pv = (t.reshape(-1, 16, KVH, D) for t in probe[1:])
+    pbt, ppos = torch.arange(pk.shape[0], device=dev)[None], torch.arange(P, device=dev)[None]
+    saved = kt.ATTN_KEYS, dict(kt.ATTN_TABLE)
+    print(f"\nsweep: attention forward, B={B} T={T} H={H} KVH={KVH} D={D} prefill / decode B={qd.shape[0]}", flush=True)
+    try:
+        for keys in ATTN_KEY_CANDIDATES:
+            for cfg in ATTN_FWD_CANDIDATES:
+                kt.ATTN_KEYS, kt.ATTN_TABLE["fwd"] = keys, cfg
+                try:
+                    pre = kt.paged_attention(probe[0], pk, pv, pbt, ppos, D ** -0.5)
+                    same = all(torch.equal(kt.paged_attention(probe[0][:, p:p + 1], pk, pv, pbt, ppos[:, p:p + 1],
+                                                              D ** -0.5), pre[:, p:p + 1]) for p in (0, 17, P // 2, P - 1))
+                    t_pre = ms(lambda: kt.paged_attention(q, kp, vp, bt, pos, D ** -0.5))
+                    t_dec = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
+                    print(f"  keys={keys} (rows, warps, stages)={cfg}: prefill {t_pre:.3f}  decode {t_dec:.4f}  "
+                          f"decode==prefill {same}", flush=True)
+                except Exception as e:
+                    print(f"  keys={keys} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
+        kt.ATTN_KEYS, kt.ATTN_TABLE = saved[0], dict(saved[1])
+        print(f"\nsweep: attention backward (forward + backward ms), keys={kt.ATTN_KEYS}", flush=True)
+        for kernel in ("bwd_dq", "bwd_dkv"):
+            for cfg in ATTN_BWD_CANDIDATES:
+                kt.ATTN_TABLE[kernel] = cfg
+                try:
+                    print(f"  {kernel} {cfg}: {ms(attention_fwd_bwd(att, 'triton')):.3f}", flush=True)
+                except Exception as e:
+                    print(f"  {kernel} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
+            kt.ATTN_TABLE[kernel] = saved[1][kernel]
+    finally:
+        kt.ATTN_KEYS, kt.ATTN_TABLE = saved[0], saved[1]
 
 
 if __name__ == "__main__":
