@@ -4,7 +4,7 @@
     python tests/gpu_check.py --bench-only  # only the table (+ sweep);  --tests-only: only the tests
     python tests/gpu_check.py --sweep       # only the sweep;  --no-sweep: tests + table
     python tests/gpu_check.py --quick       # smaller benchmark shapes
-    bash tests/gpu_check.sh                 # the same, from anywhere
+    bash tests/gpu_check.sh                 # everything a GPU session checks: sampler CUDA tests, bench gpu, this
 
 The tests are tests/test_triton.py run on CUDA (the interpreter tests on the GPU, plus the `gpu`
 tests in bf16 and fp32 at larger shapes). The table times each Triton kernel against its batch-variant
