@@ -290,7 +290,7 @@ class ModelRunner:
 
     def bucket(self, n: int) -> int:
         """Rows a decode step of n sequences runs (padded up, so a few graphs serve every n)."""
-        if not self.cuda_graphs:
+        if not (self.cuda_graphs or self.pad_to_buckets):
             return n
         b = next((b for b in self.GRAPH_BUCKETS if b >= n), -(-n // 128) * 128)
         return min(b, self.max_batch_size)
@@ -307,6 +307,7 @@ class ModelRunner:
                         torch.zeros(kv_shape, dtype=self.dtype, device=self.device))
                        for _ in range(cfg.num_hidden_layers)]
         self.cuda_graphs = cuda_graphs
+        self.pad_to_buckets = cuda_graphs          # tests set it on the CPU: padded steps without graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warm: set[tuple] = set()                              # buckets run once eagerly (compiled)
         self.capacity = 0
