@@ -248,17 +248,22 @@ class Transformer(nn.Module):
         h, _ = self.hidden_states(tokens, routes)
         return self.compute_logits(h)                                     # (B, T, V)
 
-    def score(self, tokens: torch.Tensor, temperature: float = 1.0,
-              routes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, tokens: torch.Tensor, temperature: float = 1.0, routes: torch.Tensor | None = None,
+              with_entropy: bool = False):
         """Log-probs of tokens[:, 1:] under softmax(logits / temperature), and the routes used.
 
         tokens (B, T) int, right padding allowed (padded positions get values the caller masks out).
         Returns logp (B, T-1) fp32 and routes (B, T, n_moe_layers, top_k) int64: the experts the router
         chose. With routes=, the given experts are used instead (R3 replay; rows of -1 route freely)
         and the returned routes are still the router's own choice, so a caller can audit the flips.
+        with_entropy: also return the entropy (B, T-1) of softmax(logits / temperature) at each
+        position, from the same pass over the vocabulary (detached; logp's bits do not change).
         """
         h, used = self.hidden_states(tokens, routes)
         logits = self.compute_logits(h[:, :-1])                           # (B, T-1, V)
+        if with_entropy:
+            logp, entropy = kernels.token_logprobs(logits, tokens[:, 1:], temperature, with_entropy=True)
+            return logp, used, entropy
         return kernels.token_logprobs(logits, tokens[:, 1:], temperature), used
 
     # ---- Hugging Face checkpoints ----

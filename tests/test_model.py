@@ -662,3 +662,17 @@ def test_reset_parameters_is_seeded():
     assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
     std = a.layers[1].mlp.w13.std().item()
     assert abs(std - a.config.initializer_range) < 0.2 * a.config.initializer_range
+
+
+def test_score_with_entropy_keeps_logp_bits():
+    """score(with_entropy=True): logp bitwise unchanged, entropy of softmax(logits / T) vs float64."""
+    model = make_model()
+    tokens = torch.randint(0, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    for T in (1.0, 0.7):
+        logp, routes = model.score(tokens, T)
+        logp2, routes2, ent = model.score(tokens, T, with_entropy=True)
+        assert torch.equal(logp, logp2) and torch.equal(routes, routes2)
+        z = torch.log_softmax(model(tokens)[:, :-1].double() / T, -1)
+        ref = -(z.exp() * z).sum(-1)
+        assert ent.shape == logp.shape and not ent.requires_grad
+        assert torch.allclose(ent.double(), ref, rtol=1e-5, atol=1e-6)
