@@ -1,0 +1,116 @@
+"""Figures of one or more runs' metrics (out_dir/metrics.jsonl), one line per run.
+
+    python plot.py out                         # -> out/plots/metrics.png
+    python plot.py out/lab/invariant/seed0 out/lab/fast/seed0 --labels invariant,fast
+    python plot.py RUN [RUN ...] --out fig.png
+
+Panels against the training step: reward, train-rollout KL (k3), max |logp diff|, route flips, the IS
+ratio range (min and max, shaded), grad norm and entropy. A metric a run did not log (or logged as
+null) is left out of that run's line. Needs matplotlib (`pip install matplotlib`); plotting is the only
+thing in the project that does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+# (metric key, panel title, y scale): "symlog" where zero is the interesting value (no mismatch)
+PANELS = [
+    ("reward_mean", "reward (mean)", "linear"),
+    ("train_rollout_k3", "train-rollout KL (k3, per token)", "symlog"),
+    ("logp_max_abs_diff", "max |logp train - logp rollout|", "symlog"),
+    ("route_flip_frac", "route flips (token, layer decisions)", "symlog"),
+    (("is_ratio_min", "is_ratio_max"), "IS ratio pi_old / mu (min..max)", "linear"),
+    ("grad_norm", "grad norm (before clipping)", "linear"),
+    ("entropy", "entropy of softmax(logits / T)", "linear"),
+]
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The rows of run_dir/metrics.jsonl; one line per error naming the file and line."""
+    path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: {path} not found; pass the out_dir of a run (it holds metrics.jsonl)")
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path}, line {i}: not JSON ({e.msg}); fix or remove that line") from None
+    if not rows:
+        raise SystemExit(f"error: {path} has no rows yet")
+    return rows
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows that hold a number for key."""
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> str:
+    """Draw every panel for every run into one PNG; returns its path."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")                                          # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("error: plotting needs matplotlib: pip install matplotlib") from None
+    cols = 4
+    fig, axes = plt.subplots(-(-len(PANELS) // cols), cols, figsize=(4.2 * cols, 3.2 * -(-len(PANELS) // cols)),
+                             squeeze=False)
+    for ax, (key, name, scale) in zip(axes.flat, PANELS):
+        for i, (label, rows) in enumerate(runs.items()):
+            color = f"C{i % 10}"
+            if isinstance(key, tuple):                                 # a range: shade between min and max
+                s_lo, lo = series(rows, key[0])
+                s_hi, hi = series(rows, key[1])
+                if lo and s_lo == s_hi:
+                    ax.fill_between(s_lo, lo, hi, color=color, alpha=0.25)
+                    ax.plot(s_lo, lo, color=color, lw=1, label=label)
+                    ax.plot(s_hi, hi, color=color, lw=1)
+            else:
+                steps, vals = series(rows, key)
+                if vals:
+                    ax.plot(steps, vals, color=color, lw=1.2, label=label)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_yscale(scale, **({"linthresh": 1e-6} if scale == "symlog" else {}))
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=8)
+    for ax in list(axes.flat)[len(PANELS):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if handles:
+        list(axes.flat)[-1].legend(handles, labels, loc="center", fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description="Plot runs' metrics.jsonl: one line per run, one panel per metric.")
+    p.add_argument("runs", nargs="+", help="run folders (each holds metrics.jsonl)")
+    p.add_argument("--labels", default="", help="comma-separated labels, one per run (default: the folders)")
+    p.add_argument("--out", default="", help="the PNG to write (default: FIRST_RUN/plots/metrics.png)")
+    p.add_argument("--title", default="")
+    args = p.parse_args(argv)
+    labels = [x.strip() for x in args.labels.split(",")] if args.labels else [os.path.normpath(r) for r in args.runs]
+    if len(labels) != len(args.runs):
+        raise SystemExit(f"error: --labels has {len(labels)} names for {len(args.runs)} runs; give one per run")
+    runs = {label: read_metrics(r) for label, r in zip(labels, args.runs)}
+    out = args.out or os.path.join(args.runs[0], "plots", "metrics.png")
+    print(f"wrote {plot_runs(runs, out, args.title)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,79 @@
+"""plot.py: figures from metrics.jsonl, and its one-line errors.
+
+    python -m pytest -q tests/test_plot.py
+"""
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import plot  # noqa: E402
+
+
+def write_run(path, n=12, nan_at=None):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        for s in range(1, n + 1):
+            row = {"step": s, "reward_mean": s / n, "train_rollout_k3": 0.0 if nan_at is None else 1e-4 * s,
+                   "logp_max_abs_diff": 0.0, "route_flip_frac": 0.01, "is_ratio_min": 0.9, "is_ratio_max": 1.1,
+                   "grad_norm": 1.0 / s, "entropy": 2.0 - s / n}
+            if s == nan_at:
+                row["entropy"] = None                                  # strict JSON: a NaN is logged as null
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def test_plot_writes_a_png_per_call(tmp_path):
+    pytest.importorskip("matplotlib")
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b", nan_at=3)
+    r = subprocess.run([sys.executable, "plot.py", a, b, "--labels", "invariant,fast"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    png = os.path.join(a, "plots", "metrics.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(png) > 10_000
+    assert plot.series(plot.read_metrics(b), "entropy")[0] == [s for s in range(1, 13) if s != 3]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "not found"),
+    ("bad_json", "line 2: not JSON"),
+    ("labels", "one per run"),
+])
+def test_plot_errors_are_one_line(tmp_path, case, message):
+    run = write_run(tmp_path / "r")
+    argv = [run]
+    if case == "missing":
+        argv = [str(tmp_path / "nope")]
+    elif case == "bad_json":
+        with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+            f.write("{not json\n")
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            lines = f.readlines()
+        with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+            f.writelines([lines[0], lines[-1]])
+    elif case == "labels":
+        argv = [run, "--labels", "a,b"]
+    r = subprocess.run([sys.executable, "plot.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("error:") and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        plot.plot_runs({"a": plot.read_metrics(write_run(tmp_path / "a"))}, str(tmp_path / "x.png"))
