@@ -179,11 +179,6 @@ class RolloutConfig:
                  "need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
 
 
-LOSSES = ("grpo", "gspo", "gspo_token", "sapo", "cispo")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "drgrpo")
-CORRECTIONS = ("none", "tis", "mis", "seq_tis", "seq_mis")
-
-
 @dataclass
 class TrainConfig:
     init_from: str = "tiny"           # a model preset name or an HF checkpoint directory
@@ -217,12 +212,13 @@ class TrainConfig:
     beta2: float = 0.99
     grad_clip: float = 1.0
     # loss
-    loss: str = "grpo"                # grpo | gspo | gspo_token | sapo | cispo
-    agg: str = "auto"                 # auto (token_mean; seq_mean_token_mean for GSPO) | token_mean |
+    loss: str = "grpo"                # grpo | gspo | gspo_token | sapo | cispo (losses.LOSSES)
+    agg: str = "auto"                 # auto (the loss's own: per sequence for GSPO and SAPO) | token_mean |
     #                                   seq_mean_token_mean | seq_mean_token_sum | drgrpo
     adv_std_norm: bool = True         # False: Dr.GRPO advantages (no division by the group std)
     eps_low: float = 0.2
     eps_high: float = 0.28            # DAPO clip-higher
+    dual_clip_c: float = 0.0          # > 1: GRPO tokens with A < 0 lose at most -A * c (0: off)
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
     sapo_tau_pos: float = 1.0
@@ -231,30 +227,40 @@ class TrainConfig:
     kl_estimator: str = "k3"          # k1 | k2 | k3
     # train-inference mismatch
     recompute_old_logp: bool = False  # recompute old log-probs with the trainer (default: use the rollout's)
-    correction: str = "none"          # none | tis | mis | seq_tis | seq_mis
+    correction: str = "none"          # none | tis | reject (= mis) | icepop | seq_tis | seq_reject | seq_icepop
     tis_cap: float = 2.0
-    mis_low: float = 0.5
+    mis_low: float = 0.5              # the band [mis_low, mis_high] of rho that reject and icepop keep
     mis_high: float = 5.0
+    rejected_tokens: str = "zero_weight"   # zero_weight (still counted in the token mean, still carry KL) | drop
     replay: str = "none"              # none | r3
+    route_filter: str = "none"        # none | mask | downweight: tokens whose rollout/trainer top-k overlap
+    route_filter_threshold: float = 0.9    # (mean over MoE layers) is below the threshold
     # logging
     log_every: int = 1
     save_every: int = 50
     progress: bool = True
 
     def __post_init__(self):
-        _require(self.loss in LOSSES, f"--loss={self.loss!r}: choose one of {LOSSES}")
-        _require(self.agg in AGGREGATIONS + ("auto",), f"--agg={self.agg!r}: choose auto or one of {AGGREGATIONS}")
-        _require(not self.loss.startswith("gspo") or self.agg in ("auto", "seq_mean_token_mean"),
+        from losses import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, LOSSES   # the tables the loop runs
+        _require(self.loss in LOSSES, f"--loss={self.loss!r}: choose one of {', '.join(LOSSES)}")
+        _require(self.agg == "auto" or self.agg in AGGREGATIONS,
+                 f"--agg={self.agg!r}: choose auto or one of {', '.join(AGGREGATIONS)}")
+        _require(not LOSSES[self.loss].per_sequence or self.agg in ("auto", "seq_mean_token_mean"),
                  f"--loss={self.loss} is defined with per-sequence mean aggregation; drop --agg={self.agg}")
+        _require(self.dual_clip_c == 0 or (self.dual_clip_c > 1 and self.loss == "grpo"),
+                 f"--dual_clip_c={self.dual_clip_c}: 0 (off) or > 1, with --loss=grpo")
+        _require(self.rejected_tokens in ("zero_weight", "drop"), "--rejected_tokens: zero_weight or drop")
+        _require(self.route_filter in ("none", "mask", "downweight"), "--route_filter: none, mask or downweight")
+        _require(0 <= self.route_filter_threshold <= 1, "--route_filter_threshold must be in [0, 1]")
         _require(self.save_every > 0 and self.log_every > 0, "--save_every and --log_every must be > 0")
         _require(self.lr > 0 and self.grad_clip > 0 and self.tis_cap > 0 and self.kl_coef >= 0,
                  "need lr > 0, grad_clip > 0, tis_cap > 0, kl_coef >= 0")
         _require(0 <= self.eps_low < 1 and self.eps_high >= 0 and 0 <= self.gspo_eps_low < 1,
                  "clip ranges: need 0 <= eps_low < 1, eps_high >= 0, 0 <= gspo_eps_low < 1")
         _require(0 <= self.mis_low <= self.mis_high, f"--mis_low ({self.mis_low}) must be in [0, mis_high={self.mis_high}]")
-        _require(self.correction in CORRECTIONS, f"--correction={self.correction!r}: choose one of {CORRECTIONS}")
+        _require(self.correction in CORRECTIONS, f"--correction={self.correction!r}: choose one of {', '.join(CORRECTIONS)}")
         _require(self.replay in ("none", "r3"), f"--replay={self.replay!r}: choose none or r3")
-        _require(self.kl_estimator in ("k1", "k2", "k3"), f"--kl_estimator={self.kl_estimator!r}: k1, k2 or k3")
+        _require(self.kl_estimator in KL_ESTIMATORS, f"--kl_estimator={self.kl_estimator!r}: {', '.join(KL_ESTIMATORS)}")
         _require(self.lr_schedule in ("cosine", "constant"), "--lr_schedule: cosine or constant")
         _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
         _require(self.group_size >= 2, "--group_size must be >= 2: advantages compare responses within a group")
@@ -267,10 +273,9 @@ class TrainConfig:
 
     @property
     def aggregation(self) -> str:
-        """--agg with auto resolved: GSPO is defined per sequence, the others per token."""
-        if self.agg != "auto":
-            return self.agg
-        return "seq_mean_token_mean" if self.loss.startswith("gspo") else "token_mean"
+        """--agg with auto resolved to the loss's own (GSPO and SAPO per sequence, the others per token)."""
+        from losses import LOSSES
+        return LOSSES[self.loss].aggregation if self.agg == "auto" else self.agg
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 import kernels
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text, parse_args
+from losses import aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, seq_mean  # noqa: F401
 from model import Transformer, hf_to_state, read_safetensors_dir
 from replay import pack_routes, route_audit
 from rollout import Sampler
@@ -40,92 +41,8 @@ from tasks import make_task
 
 
 # ---------------------------------------------------------------------------------------------------
-# losses: per-token loss L (B, T) to be aggregated; every tensor here is (B, T) unless said otherwise
+# metrics of the train-inference mismatch (the loss formulas are in losses.py)
 # ---------------------------------------------------------------------------------------------------
-def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True) -> torch.Tensor:
-    """A_i = (r_i - mean_group) / (std_group + 1e-6); rewards (B,) grouped consecutively -> (B,)."""
-    r = rewards.view(-1, group_size)                                  # (n_groups, G)
-    a = r - r.mean(-1, keepdim=True)
-    if std_norm:
-        a = a / (r.std(-1, keepdim=True) + 1e-6)
-    return a.view(-1)
-
-
-def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over each sequence's masked tokens: (B, T) -> (B,)."""
-    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-
-
-def policy_loss(logp, old_logp, adv, mask, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss (B, T) of cfg.loss, and a (B, T) bool tensor of clipped tokens.
-
-    logp carries the gradient; old_logp is the behaviour policy's (no gradient); adv (B,).
-    """
-    A = adv[:, None]
-    log_ratio = (logp - old_logp).clamp(-20, 20)
-    if cfg.loss in ("gspo", "gspo_token"):
-        seq_log_ratio = seq_mean(log_ratio, mask)                     # (B,) log s_i
-        lo, hi = 1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high
-        if cfg.loss == "gspo":
-            s = torch.exp(seq_log_ratio)[:, None].expand_as(logp)    # s_i on every token
-        else:   # log s_it = sg[log s_i] + logp_t - sg[logp_t]: value s_i, gradient per token
-            s = torch.exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())
-        l1, l2 = -A * s, -A * s.clamp(lo, hi)
-        return torch.maximum(l1, l2), l2 > l1
-    ratio = torch.exp(log_ratio)
-    if cfg.loss == "grpo":                                            # PPO-clip with clip-higher
-        l1, l2 = -A * ratio, -A * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-        return torch.maximum(l1, l2), l2 > l1
-    if cfg.loss == "sapo":                                            # soft gate instead of a hard clip
-        tau = torch.where(A > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-        gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
-        return -gate * A, torch.zeros_like(mask, dtype=torch.bool)
-    if cfg.loss == "cispo":                                           # clipped IS weight, no gradient through it
-        w = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high).detach()
-        return -w * A * logp, (ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high)
-    raise ValueError(cfg.loss)
-
-
-def aggregate(loss_tok, mask, agg: str, n_tokens: int, n_seqs: int, max_new_tokens: int) -> torch.Tensor:
-    """Reduce a micro-batch's per-token loss with the minibatch's normalisers (so micro-batches add up)."""
-    if agg == "token_mean":
-        return (loss_tok * mask).sum() / n_tokens
-    if agg == "seq_mean_token_mean":
-        return seq_mean(loss_tok, mask).sum() / n_seqs
-    if agg == "seq_mean_token_sum":
-        return (loss_tok * mask).sum() / n_seqs
-    if agg == "drgrpo":                                               # a constant normaliser
-        return (loss_tok * mask).sum() / (n_seqs * max_new_tokens)
-    raise ValueError(agg)
-
-
-def correction_weights(old_logp, rollout_logp, mask, cfg: TrainConfig) -> torch.Tensor:
-    """Importance weights against the rollout policy mu, rho = pi_old / mu (no gradient), (B, T).
-
-    tis: min(rho_t, C); mis (IcePop): 1 inside [low, high], else 0; seq_*: the same with the
-    sequence's geometric-mean rho. With zero mismatch rho == 1 exactly, so every weight is exactly 1.
-    """
-    log_rho = (old_logp - rollout_logp).detach()
-    if cfg.correction.startswith("seq_"):
-        log_rho = seq_mean(log_rho, mask)[:, None].expand_as(log_rho)
-    rho = torch.exp(log_rho.clamp(-20, 20))
-    if cfg.correction in ("tis", "seq_tis"):
-        return rho.clamp(max=cfg.tis_cap)
-    if cfg.correction in ("mis", "seq_mis"):
-        return ((rho >= cfg.mis_low) & (rho <= cfg.mis_high)).float()
-    return torch.ones_like(rho)
-
-
-def kl_penalty(logp, ref_logp, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate from samples of pi (Schulman's k1, k2, k3)."""
-    d = (ref_logp - logp).clamp(-20, 20)                             # as the ratio: exp must not overflow
-    if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return 0.5 * d * d
-    return torch.exp(d) - d - 1
-
-
 def mismatch_metrics(train_logp, rollout_logp, mask) -> dict:
     """How far the trainer's log-probs are from the rollout's, on the response tokens."""
     m = mask.bool()

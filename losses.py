@@ -1,0 +1,201 @@
+"""The RL objectives as tables: policy losses, aggregations, off-policy corrections, KL estimators.
+
+    from losses import LOSSES, policy_loss, aggregate, correction_weights
+    loss_tok, clipped = policy_loss(logp, old_logp, adv, mask, cfg)      # (B, T) each
+    loss = aggregate(loss_tok * weights, mask, cfg.aggregation, n_tokens, n_seqs, max_new_tokens)
+
+Every tensor is (B, T) (a sequence per row, a response token per column, `mask` 1 on response tokens)
+unless said otherwise; adv is (B,). The formulas are written out in docs/design.md ("RL losses"). A new
+loss, aggregation or correction is one function and one table entry: config validation, the training
+loop and the tests all read these tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0            # exp(+-20) stays finite in fp32
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True) -> torch.Tensor:
+    """A_i = (r_i - mean_group) / (std_group + 1e-6); rewards (B,) grouped consecutively -> (B,)."""
+    r = rewards.view(-1, group_size)                                  # (n_groups, G)
+    a = r - r.mean(-1, keepdim=True)
+    if std_norm:
+        a = a / (r.std(-1, keepdim=True) + 1e-6)
+    return a.view(-1)
+
+
+def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over each sequence's masked tokens: (B, T) -> (B,)."""
+    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# policy losses: (logp, old_logp, A (B, 1), mask, cfg) -> per-token loss (B, T), clipped (B, T) bool
+# ---------------------------------------------------------------------------------------------------
+def _ratio(logp, old_logp):
+    return torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def grpo_loss(logp, old_logp, A, mask, cfg):
+    """PPO-clip with clip-higher: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); with dual_clip_c = c > 0,
+    tokens with A < 0 are capped at -A c (the loss of a huge ratio stays bounded)."""
+    ratio = _ratio(logp, old_logp)
+    l1, l2 = -A * ratio, -A * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    loss, clipped = torch.maximum(l1, l2), l2 > l1
+    if cfg.dual_clip_c > 0:
+        cap = -A * cfg.dual_clip_c
+        capped = (A < 0) & (loss > cap)
+        loss, clipped = torch.where(capped, cap, loss), clipped | capped
+    return loss, clipped
+
+
+def _gspo_log_ratio(logp, old_logp, mask):
+    """log s_i = mean_t(logp - old_logp), clamped as a whole (the sequence's ratio, not each token's);
+    and whether it is inside the clamp (outside, the gradient is zero in both GSPO forms)."""
+    m = seq_mean(logp - old_logp, mask)                               # (B,)
+    inside = m.detach().abs() < LOG_RATIO_CLAMP
+    return m.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[:, None], inside[:, None]
+
+
+def _gspo_clip(s, A, cfg):
+    l1, l2 = -A * s, -A * s.clamp(1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high)
+    return torch.maximum(l1, l2), l2 > l1
+
+
+def gspo_loss(logp, old_logp, A, mask, cfg):
+    """GSPO: s_i = exp(log s_i) on every token of sequence i, then the sequence-level clip."""
+    log_s, _ = _gspo_log_ratio(logp, old_logp, mask)
+    return _gspo_clip(torch.exp(log_s).expand_as(logp), A, cfg)
+
+
+def gspo_token_loss(logp, old_logp, A, mask, cfg):
+    """GSPO-token: log s_it = sg[log s_i] + logp_t - sg[logp_t]. Value s_i, gradient per token; with the
+    per-sequence mean it equals GSPO's gradient (also at the clamp, where both are zero)."""
+    log_s, inside = _gspo_log_ratio(logp, old_logp, mask)
+    s = torch.exp(log_s.detach() + torch.where(inside, logp - logp.detach(), 0.0))
+    return _gspo_clip(s, A, cfg)
+
+
+def sapo_loss(logp, old_logp, A, mask, cfg):
+    """SAPO: a soft gate instead of a hard clip, f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau per sign of A."""
+    ratio = _ratio(logp, old_logp)
+    tau = torch.where(A > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    return -gate * A, torch.zeros_like(mask, dtype=torch.bool)
+
+
+def cispo_loss(logp, old_logp, A, mask, cfg):
+    """CISPO: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp: the clipped IS weight, no gradient through it."""
+    ratio = _ratio(logp, old_logp)
+    w = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high).detach()
+    return -w * A * logp, (ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high)
+
+
+@dataclass(frozen=True)
+class Loss:
+    fn: Callable
+    aggregation: str              # what --agg=auto resolves to (the paper's)
+    per_sequence: bool = False    # defined with the per-sequence mean only: other --agg values are refused
+
+
+LOSSES: dict[str, Loss] = {
+    "grpo": Loss(grpo_loss, "token_mean"),
+    "gspo": Loss(gspo_loss, "seq_mean_token_mean", per_sequence=True),
+    "gspo_token": Loss(gspo_token_loss, "seq_mean_token_mean", per_sequence=True),
+    "sapo": Loss(sapo_loss, "seq_mean_token_mean"),      # averaged per sequence, then over sequences
+    "cispo": Loss(cispo_loss, "token_mean"),
+}
+
+
+def policy_loss(logp, old_logp, adv, mask, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss (B, T) of cfg.loss and a (B, T) bool of clipped tokens. logp carries the gradient;
+    old_logp is the behaviour policy's (no gradient); adv (B,)."""
+    return LOSSES[cfg.loss].fn(logp, old_logp, adv[:, None], mask, cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# aggregation: a micro-batch's per-token loss with the minibatch's normalisers (micro-batches add up)
+# ---------------------------------------------------------------------------------------------------
+AGGREGATIONS: dict[str, Callable] = {
+    "token_mean": lambda l, m, n_tok, n_seq, T: (l * m).sum() / n_tok,
+    "seq_mean_token_mean": lambda l, m, n_tok, n_seq, T: seq_mean(l, m).sum() / n_seq,
+    "seq_mean_token_sum": lambda l, m, n_tok, n_seq, T: (l * m).sum() / n_seq,
+    "drgrpo": lambda l, m, n_tok, n_seq, T: (l * m).sum() / (n_seq * T),     # a constant normaliser
+}
+
+
+def aggregate(loss_tok, mask, agg: str, n_tokens: int, n_seqs: int, max_new_tokens: int) -> torch.Tensor:
+    return AGGREGATIONS[agg](loss_tok, mask, n_tokens, n_seqs, max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------
+# corrections against the rollout policy mu: weights from rho = pi_old / mu (no gradient)
+# ---------------------------------------------------------------------------------------------------
+def _in_band(rho, cfg):
+    return (rho >= cfg.mis_low) & (rho <= cfg.mis_high)
+
+
+TOKEN_CORRECTIONS: dict[str, Callable] = {
+    "none": lambda rho, cfg: torch.ones_like(rho),
+    "tis": lambda rho, cfg: rho.clamp(max=cfg.tis_cap),                         # truncated IS
+    "reject": lambda rho, cfg: _in_band(rho, cfg).float(),                     # rejection: 1 inside the band
+    "icepop": lambda rho, cfg: torch.where(_in_band(rho, cfg), rho, 0.0),      # IcePop: rho inside, 0 outside
+}
+ALIASES = {"mis": "reject", "seq_mis": "seq_reject"}                           # the names of earlier versions
+CORRECTIONS = tuple(TOKEN_CORRECTIONS) + tuple(f"seq_{c}" for c in TOKEN_CORRECTIONS if c != "none") + tuple(ALIASES)
+
+
+def correction_weights(old_logp, rollout_logp, mask, cfg) -> torch.Tensor:
+    """Importance weights (B, T). seq_* use the sequence's geometric-mean rho. With zero mismatch rho == 1
+    exactly, so every weight is exactly 1 (the corrections are no-ops under the contract)."""
+    name = ALIASES.get(cfg.correction, cfg.correction)
+    log_rho = (old_logp - rollout_logp).detach()
+    if name.startswith("seq_"):
+        log_rho, name = seq_mean(log_rho, mask)[:, None].expand_as(log_rho), name[4:]
+    return TOKEN_CORRECTIONS[name](torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), cfg)
+
+
+def rejects(cfg) -> bool:
+    """Whether cfg.correction can give a token weight 0 (then --rejected_tokens decides what else it loses)."""
+    return ALIASES.get(cfg.correction, cfg.correction).removeprefix("seq_") in ("reject", "icepop")
+
+
+# ---------------------------------------------------------------------------------------------------
+# route-consistency filter: the cheaper alternative to R3
+# ---------------------------------------------------------------------------------------------------
+def route_overlap(rollout_routes: torch.Tensor, train_routes: torch.Tensor) -> torch.Tensor:
+    """Each token's top-k overlap |rollout set & trainer set| / k, averaged over MoE layers.
+    routes (B, T, n_moe, k) -> (B, T) in [0, 1]; 1 where there is no MoE layer."""
+    if rollout_routes.shape[2] == 0:
+        return torch.ones(rollout_routes.shape[:2], device=rollout_routes.device)
+    same = (rollout_routes[..., :, None] == train_routes[..., None, :]).any(-1)    # (B, T, n_moe, k)
+    return same.float().mean(-1).mean(-1)
+
+
+def route_filter_weights(overlap: torch.Tensor, mode: str, threshold: float) -> torch.Tensor:
+    """mask: 0 for tokens whose overlap is below the threshold; downweight: their loss times the overlap."""
+    below = overlap < threshold
+    if mode == "mask":
+        return (~below).float()
+    if mode == "downweight":
+        return torch.where(below, overlap, 1.0)
+    return torch.ones_like(overlap)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KL to a reference policy, from samples of pi (Schulman's estimators)
+# ---------------------------------------------------------------------------------------------------
+KL_ESTIMATORS: dict[str, Callable] = {
+    "k1": lambda d: -d,
+    "k2": lambda d: 0.5 * d * d,
+    "k3": lambda d: torch.exp(d) - d - 1,
+}
+
+
+def kl_penalty(logp, ref_logp, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate; d = ref_logp - logp, clamped as the ratio (exp must not overflow)."""
+    return KL_ESTIMATORS[estimator]((ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
