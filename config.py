@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +27,13 @@ class ConfigError(ValueError):
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _require_finite(cfg) -> None:
+    """Every float field finite: an inf learning rate or a NaN temperature would poison the run silently."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        _require(not isinstance(v, float) or math.isfinite(v), f"--{f.name}={v}: must be a finite number")
 
 
 @dataclass
@@ -49,6 +58,7 @@ class ModelConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self):
+        _require_finite(self)
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "decoder_sparse_step", "max_position_embeddings"):
             _require(getattr(self, name) > 0, f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -96,7 +106,13 @@ class ModelConfig:
             if not os.path.isfile(path):
                 raise ConfigError(f"no config.json at {path_or_dict!r}")
             with open(path) as f:
-                hf = json.load(f)
+                try:
+                    hf = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
+        _require(not missing, f"config.json{'' if isinstance(path_or_dict, dict) else ' at ' + repr(path_or_dict)} "
+                              f"lacks the required field(s) {', '.join(missing)}")
         mt = hf.get("model_type", "qwen3_moe")
         _require(mt in ("qwen3_moe", "qwen3"), f"model_type {mt!r} is not supported (expected qwen3_moe or qwen3)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -167,6 +183,7 @@ class RolloutConfig:
     rollout_dtype: str = ""           # "" (the trainer's) | bfloat16 | float16: a lower-precision weight copy
 
     def __post_init__(self):
+        _require_finite(self)
         _require(self.rollout_mode in ("invariant", "fast"), f"--rollout_mode={self.rollout_mode!r}: invariant or fast")
         _require(self.rollout_dtype in ("", "float32", "bfloat16", "float16"),
                  f"--rollout_dtype={self.rollout_dtype!r}: '', float32, bfloat16 or float16")
@@ -179,6 +196,9 @@ class RolloutConfig:
                  "need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
 
 
+TASKS = ("copy", "reverse", "jsonl")
+
+
 @dataclass
 class TrainConfig:
     init_from: str = "tiny"           # a model preset name or an HF checkpoint directory
@@ -186,7 +206,8 @@ class TrainConfig:
     device: str = "auto"              # auto: cuda if available, else cpu
     dtype: str = "float32"            # float32 | bfloat16 (the same weights serve sampler and trainer)
     seed: int = 0
-    resume: bool = False
+    resume: bool = False              # continue the run in out_dir from its latest checkpoint
+    overwrite: bool = False           # start over in an out_dir that holds a run (deletes its metrics and checkpoints)
     parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
     kernels_backend: str = ""         # "" (KERNELS_BACKEND, default auto: Triton on CUDA) | auto | torch | triton
     # data
@@ -207,10 +228,12 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 5
     lr_schedule: str = "cosine"       # cosine | constant
+    lr_decay_steps: int = 0           # the cosine's horizon; 0: --steps (saved in checkpoints: a resume keeps it)
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0
+    skip_nonfinite_steps: int = 0     # optimizer steps with a non-finite loss or grad norm to skip before stopping
     # loss
     loss: str = "grpo"                # grpo | gspo | gspo_token | sapo | cispo (losses.LOSSES)
     agg: str = "auto"                 # auto (the loss's own: per sequence for GSPO and SAPO) | token_mean |
@@ -241,6 +264,15 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
+        _require_finite(self)
+        for name in ("steps", "prompts_per_step", "epochs", "minibatch_size", "n_digits"):
+            _require(getattr(self, name) > 0, f"--{name}={getattr(self, name)}: must be >= 1")
+        for name in ("micro_batch_size", "lr_decay_steps", "skip_nonfinite_steps", "warmup_steps"):
+            _require(getattr(self, name) >= 0, f"--{name}={getattr(self, name)}: must be >= 0")
+        _require(self.task in TASKS, f"--task={self.task!r}: choose one of {TASKS}")
+        _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+                 f"--device={self.device!r}: choose auto, cpu, cuda or cuda:N")
+        _require(not (self.resume and self.overwrite), "--resume and --overwrite contradict each other: pick one")
         from losses import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, LOSSES   # the tables the loop runs
         _require(self.loss in LOSSES, f"--loss={self.loss!r}: choose one of {', '.join(LOSSES)}")
         _require(self.agg == "auto" or self.agg in AGGREGATIONS,
@@ -264,12 +296,9 @@ class TrainConfig:
         _require(self.lr_schedule in ("cosine", "constant"), "--lr_schedule: cosine or constant")
         _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
         _require(self.group_size >= 2, "--group_size must be >= 2: advantages compare responses within a group")
-        _require(self.steps >= 0 and self.prompts_per_step > 0 and self.epochs > 0 and self.minibatch_size > 0,
-                 "steps >= 0, prompts_per_step > 0, epochs > 0, minibatch_size > 0")
         _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")
         _require(self.kernels_backend in ("", "auto", "torch", "triton"),
                  f"--kernels_backend={self.kernels_backend!r}: auto, torch or triton (or '' for KERNELS_BACKEND)")
-        _require(self.micro_batch_size >= 0, "--micro_batch_size must be >= 0")
 
     @property
     def aggregation(self) -> str:

@@ -224,12 +224,13 @@ class Transformer(nn.Module):
         if tuple(routes.shape) != want:
             raise ValueError(f"routes have shape {tuple(routes.shape)} but the tokens need {want} "
                              f"(batch, tokens, moe layers, top_k); pass the routes recorded for these exact tokens")
-        if routes.dtype.is_floating_point:
+        if routes.dtype == torch.bool or routes.dtype.is_floating_point or routes.dtype.is_complex:
             raise ValueError(f"routes must be integer expert ids, got {routes.dtype}")
+        if (routes < -1).any():
+            raise ValueError(f"routes hold the negative id {int(routes.min())}; the only negative id allowed is -1 "
+                             "(the mark of an unrecorded row)")
         if (routes < 0).all():
             raise ValueError("routes are all -1: nothing to replay (were they recorded?); pass routes=None to route freely")
-        if (routes < -1).any():
-            raise ValueError("routes hold negative ids other than -1 (the mark of an unrecorded row)")
         unset = routes < 0
         if (unset.any(-1) & ~unset.all(-1)).any():
             raise ValueError("routes have a (token, layer) row that is partly -1; -1 marks a whole unrecorded row")
@@ -244,7 +245,24 @@ class Transformer(nn.Module):
         and the sampler all call it, so the contract rests on one line."""
         return kernels.linear(h, self.lm_weight())
 
+    def check_tokens(self, tokens) -> None:
+        """Raise TypeError / ValueError unless tokens is a (B, T) integer tensor of ids in [0, vocab_size)."""
+        if not isinstance(tokens, torch.Tensor):
+            raise TypeError(f"tokens must be a torch.Tensor of shape (B, T), got {type(tokens).__name__}")
+        if tokens.dtype == torch.bool or tokens.dtype.is_floating_point or tokens.dtype.is_complex:
+            raise TypeError(f"tokens must be integer token ids (torch.long), got {tokens.dtype}")
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must have shape (B, T), got {tuple(tokens.shape)}"
+                             + ("; add the batch dimension: tokens[None]" if tokens.dim() == 1 else ""))
+        if tokens.numel() == 0:
+            raise ValueError(f"tokens of shape {tuple(tokens.shape)} hold no tokens; need B >= 1 and T >= 1")
+        lo, hi = torch.aminmax(tokens)
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, vocab_size={self.config.vocab_size}), got "
+                             f"{int(lo) if lo < 0 else int(hi)}")
+
     def forward(self, tokens: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
+        self.check_tokens(tokens)
         h, _ = self.hidden_states(tokens, routes)
         return self.compute_logits(h)                                     # (B, T, V)
 
@@ -259,6 +277,7 @@ class Transformer(nn.Module):
         with_entropy: also return the entropy (B, T-1) of softmax(logits / temperature) at each
         position, from the same pass over the vocabulary (detached; logp's bits do not change).
         """
+        self.check_tokens(tokens)
         h, used = self.hidden_states(tokens, routes)
         logits = self.compute_logits(h[:, :-1])                           # (B, T-1, V)
         if with_entropy:
@@ -314,18 +333,40 @@ class Transformer(nn.Module):
 
 
 def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory under its HF key.
+
+    Raises CheckpointError naming the file for an unreadable (e.g. truncated) shard, and naming the key
+    of the first tensor holding a NaN or an infinity: a poisoned checkpoint never loads silently.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index}: not a safetensors index (expected JSON with a 'weight_map')") from None
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
         raise CheckpointError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
     out = {}
     for name in files:
-        out.update(load_file(os.path.join(path, name)))
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing (named by model.safetensors.index.json)")
+        try:
+            tensors = load_file(file)
+        except SafetensorError as e:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e}); was it truncated by an interrupted "
+                                  "copy or download?") from None
+        for key, t in tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                n = int((~torch.isfinite(t)).sum())
+                raise CheckpointError(f"{file}: tensor {key!r} holds {n} non-finite value(s) (NaN or inf); "
+                                      "the checkpoint is poisoned, load an earlier one")
+        out.update(tensors)
     return out
 
 

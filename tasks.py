@@ -11,17 +11,23 @@ Your own task: a JSONL file with one {"prompt": "...", "answer": ...} object per
 
     python train.py --task=jsonl --data=my.jsonl --tokenizer=dir/tokenizer.json --reward_fn=my_mod:reward
 
-where `def reward(prompt: str, response: str, answer) -> float` lives in my_mod.py.
+where `def reward(prompt: str, response: str, answer) -> float` lives in my_mod.py. It must return a
+finite number (int, float, bool, or a numpy scalar): anything else (a string, None, NaN) stops the run with
+a message naming the function, the example and the value (see `check_reward`).
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import json
+import math
+import numbers
 import os
 import random
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from config import ConfigError
 
 
 @dataclass
@@ -44,6 +50,7 @@ class DigitTask:
         self.rng = random.Random(seed)
         self.stop_token_ids = (self.EOS,)
         self.max_new_tokens = n_digits + 1
+        self.reward_source = f"the built-in {name!r} reward"
 
     def sample(self, n: int) -> list[Example]:
         out = []
@@ -80,15 +87,10 @@ class JsonlTask:
 
     def __init__(self, path: str, tokenizer_path: str, reward_fn: str, max_new_tokens: int = 256,
                  seed: int = 0):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"--data={path!r}: no such JSONL file")
-        with open(path) as f:
-            self.rows = [json.loads(line) for line in f if line.strip()]
-        for i, row in enumerate(self.rows):
-            if "prompt" not in row:
-                raise ValueError(f"{path}: line {i + 1} has no 'prompt' field")
+        self.rows = read_jsonl(path)
         self.tok = load_tokenizer(tokenizer_path)
         self.reward_fn: Callable = load_function(reward_fn)
+        self.reward_source = f"--reward_fn={reward_fn}"
         self.max_new_tokens = max_new_tokens
         ids = [self.tok.token_to_id(t) for t in ("<|im_end|>", "</s>", "<|endoftext|>")]
         self.stop_token_ids = tuple(i for i in ids if i is not None)[:1]     # id 0 is a valid stop token
@@ -112,9 +114,10 @@ class JsonlTask:
             out.append(Example(self.tok.encode(row["prompt"]).ids, row.get("answer")))
         return out
 
-    def reward(self, ex: Example, response: list[int]) -> float:
+    def reward(self, ex: Example, response: list[int]):
+        """The user function's value, unconverted: float("0.5") would hide a bug (see check_reward)."""
         ids = [t for t in response if t not in self.stop_token_ids]
-        return float(self.reward_fn(self.tok.decode(ex.prompt), self.tok.decode(ids), ex.answer))
+        return self.reward_fn(self.tok.decode(ex.prompt), self.tok.decode(ids), ex.answer)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
@@ -127,31 +130,86 @@ class JsonlTask:
         self._order = self._shuffle()
 
 
+class RewardError(ValueError):
+    """A reward that is not a finite number; the message names the reward function, the example and the value."""
+
+
+def check_reward(value) -> float:
+    """value as a float if it is a finite real number (bool, int, float, numpy scalar), else RewardError.
+
+    Strings are refused even when they parse ("0.5"): a reward function returning text is a bug. The
+    message says what came back; the caller adds which function and which example.
+    """
+    if not isinstance(value, numbers.Real):
+        raise RewardError(f"returned {value!r} ({type(value).__name__}); a reward must be a finite number")
+    if not math.isfinite(value):
+        raise RewardError(f"returned {value!r}; a reward must be a finite number")
+    return float(value)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The objects of a JSONL file, one a line (blank lines skipped); errors name the file and line."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--data={path!r}: no such JSONL file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--data={path!r}: not UTF-8 text (byte {e.start})") from None
+    rows = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ConfigError(f"{path}:{lineno}: expected an object with a string 'prompt' field")
+        rows.append(row)
+    if not rows:
+        raise ConfigError(f"--data={path!r}: the file holds no examples")
+    return rows
+
+
 def load_tokenizer(path: str):
+    # imported here: the built-in tasks need no tokenizer (requirements.txt installs it all the same)
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ImportError("reading an HF tokenizer.json needs the `tokenizers` package: pip install tokenizers") from None
+        raise ConfigError("--tokenizer: reading a tokenizer.json needs the `tokenizers` package: "
+                          "pip install tokenizers") from None
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--tokenizer={path!r}: no tokenizer.json there")
-    return Tokenizer.from_file(path)
+        raise ConfigError(f"--tokenizer={path!r}: no tokenizer.json there")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:                  # tokenizers raises a bare Exception for a malformed file
+        raise ConfigError(f"--tokenizer={path!r}: not a tokenizers tokenizer.json ({e})") from None
 
 
 def load_function(spec: str) -> Callable:
     """'module:function' or 'path/to/file.py:function' -> the function."""
     mod_name, _, fn_name = spec.rpartition(":")
     if not mod_name or not fn_name:
-        raise ValueError(f"--reward_fn={spec!r}: expected 'module:function' or 'file.py:function'")
+        raise ConfigError(f"--reward_fn={spec!r}: expected 'module:function' or 'file.py:function'")
     if mod_name.endswith(".py"):
+        if not os.path.isfile(mod_name):
+            raise ConfigError(f"--reward_fn={spec!r}: no such file {mod_name!r}")
         spec_ = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
         module = importlib.util.module_from_spec(spec_)
-        spec_.loader.exec_module(module)
+        spec_.loader.exec_module(module)   # errors inside the user's module keep their traceback
     else:
-        module = importlib.import_module(mod_name)
-    if not hasattr(module, fn_name):
-        raise ValueError(f"--reward_fn={spec!r}: {mod_name} has no function {fn_name!r}")
+        try:
+            module = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            if not (e.name == mod_name or mod_name.startswith(f"{e.name}.")):
+                raise                      # the module exists but an import inside it failed: show where
+            raise ConfigError(f"--reward_fn={spec!r}: no module {mod_name!r} on the path "
+                              "(run from its folder, or pass path/to/file.py:function)") from None
+    if not callable(getattr(module, fn_name, None)):
+        raise ConfigError(f"--reward_fn={spec!r}: {mod_name} has no function {fn_name!r}")
     return getattr(module, fn_name)
 
 
@@ -161,6 +219,6 @@ def make_task(name: str, seed: int = 0, n_digits: int = 4, data: str = "", token
         return DigitTask(name, n_digits, seed)
     if name == "jsonl":
         if not (data and tokenizer and reward_fn):
-            raise ValueError("--task=jsonl needs --data=file.jsonl, --tokenizer=tokenizer.json and --reward_fn=mod:fn")
+            raise ConfigError("--task=jsonl needs --data=file.jsonl, --tokenizer=tokenizer.json and --reward_fn=mod:fn")
         return JsonlTask(data, tokenizer, reward_fn, max_new_tokens or 256, seed)
-    raise ValueError(f"unknown task {name!r}; choose reverse, copy or jsonl")
+    raise ConfigError(f"unknown task {name!r}; choose reverse, copy or jsonl")

@@ -10,17 +10,28 @@ same model object, the same kernels), reward them, compute group-normalised adva
 optimizer steps over minibatches of the rollout batch on `model.score`. In the default invariant mode
 the rollout log-probs ARE the old policy's log-probs, so the logged train-rollout KL, max |logp diff|
 and route flip fraction are exactly 0. Metrics go to out_dir/metrics.jsonl, one JSON object per step.
-Formulas: DESIGN.md section 5 (A_i = (r_i - mean) / (std + 1e-6); ratio r_t = exp(logp_t - old_logp_t)).
+Formulas: docs/design.md, "RL losses" (A_i = (r_i - mean) / (std + 1e-6); ratio r_t = exp(logp_t - old_logp_t)).
+
+Reliability: a non-numeric or non-finite reward, loss or gradient norm stops the run (or skips the
+optimizer step, up to --skip_nonfinite_steps) before it reaches the weights; a checkpoint is written
+only from finite weights, to a temporary folder renamed into place. An out_dir that holds a run is
+continued with --resume=true or started over with --overwrite=true, never overwritten silently. A resume
+keeps the run's lr horizon (--lr_decay_steps, saved in the checkpoint): extending --steps holds lr at
+its minimum for the extra steps. Every user mistake ends in one line `error: ...` and a non-zero exit.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import dataclasses
+import errno
 import hashlib
 import json
 import math
 import os
+import pickle
+import re
 import shutil
 import sys
 import time
@@ -32,12 +43,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 import kernels
-from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text, parse_args
+from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text,
+                    parse_args)
 from losses import aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, seq_mean  # noqa: F401
-from model import Transformer, hf_to_state, read_safetensors_dir
+from model import CheckpointError, Transformer, hf_to_state, read_safetensors_dir
 from replay import pack_routes, route_audit
 from rollout import Sampler
-from tasks import make_task
+from tasks import RewardError, check_reward, make_task
+
+
+class RunError(RuntimeError):
+    """A run that must stop for a reason that is not a bug (a non-finite loss, a full disk); says what to do."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -56,6 +72,39 @@ def mismatch_metrics(train_logp, rollout_logp, mask) -> dict:
         "extreme_token_frac": (d.abs() > math.log(2)).double().mean().item(),
         "is_ratio_min": rho.min().item(), "is_ratio_mean": rho.mean().item(), "is_ratio_max": rho.max().item(),
     }
+
+
+def compute_rewards(task, examples, outs, G: int, step: int) -> torch.Tensor:
+    """(B,) rewards of the responses (example i // G for output i), each a finite number, else RunError
+    naming the reward function, the example and the value."""
+    values = []
+    for i, o in enumerate(outs):
+        ex = examples[i // G]
+        try:
+            values.append(check_reward(task.reward(ex, o.tokens)))
+        except RewardError as e:
+            raise RunError(f"step {step}: {task.reward_source} {e}; example: prompt {task.decode(ex.prompt)[:80]!r}, "
+                           f"response {task.decode(o.tokens)[:80]!r}, answer {str(ex.answer)[:80]!r}") from None
+    return torch.tensor(values)
+
+
+def update_is_finite(step: int, loss: float, grad_norm: float, skipped: int, tcfg: TrainConfig, d: "Dist") -> bool:
+    """Before an optimizer step: True if the loss and the gradient norm are finite on every rank.
+
+    Otherwise the step is skipped (False) while fewer than --skip_nonfinite_steps were, else RunError:
+    a NaN never reaches the weights, so nothing non-finite is ever saved.
+    """
+    loss = all_sum(loss, d)                                           # the global loss (the norm already is)
+    bad = [f"{name} is {v}" for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
+    if not bad:
+        return True
+    if skipped < tcfg.skip_nonfinite_steps:
+        d.print0(f"step {step}: {' and '.join(bad)}; skipping this optimizer step "
+                 f"({skipped + 1} of --skip_nonfinite_steps={tcfg.skip_nonfinite_steps})")
+        return False
+    raise RunError(f"step {step}: the {' and the '.join(bad)} before the optimizer step; stopped before it reached "
+                   "the weights (the last checkpoint is good). Lower --lr or check the rewards, then --resume; "
+                   f"--skip_nonfinite_steps=N skips up to N such steps ({skipped} skipped so far)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -202,7 +251,7 @@ def all_cat(t: torch.Tensor, d: Dist) -> torch.Tensor:
 
 
 SUMMED = ("loss", "clip_frac", "rollout_tokens_per_s", "preemptions")
-SHARED = ("step", "lr")
+SHARED = ("step", "lr", "skipped_steps")
 
 
 def reduce_metrics(row: dict, d: Dist) -> dict:
@@ -234,7 +283,8 @@ def check_in_sync(model: Transformer, d: Dist) -> str:
     """Raise unless every rank holds bit-identical weights; returns their digest."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        t = p.detach().cpu().contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.nbytes))            # the raw bytes; needs no numpy
     digests = [None] * d.world
     if d.world > 1:
         dist.all_gather_object(digests, h.hexdigest())
@@ -263,15 +313,41 @@ def load_optimizer_state(scorer, opt, state, full: bool):
     set_optimizer_state_dict(scorer, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
 
 
-def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task):
+CKPT_NAME = re.compile(r"ckpt-\d{6}")                               # the only names `latest` may hold
+RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp")                 # with ckpt-*: what makes a folder a run
+
+
+def check_finite_weights(model: Transformer, step: int) -> None:
+    """Raise RunError naming the first non-finite weight: no checkpoint is ever written from one."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p.detach()).all()):
+            raise RunError(f"step {step}: weight {name!r} is not finite; not saving a checkpoint (the last good "
+                           "one stays); lower --lr or check the rewards, then --resume")
+
+
+def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: dict | None = None):
+    """Write ckpt-NNNNNN via a .tmp folder renamed into place, point `latest` at it, drop older ones.
+
+    A failed write (a full disk) removes the partial .tmp and raises RunError: `latest` and the
+    checkpoint it names are untouched until the new one is complete.
+    """
+    check_finite_weights(model, step)
     final = os.path.join(out_dir, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": opt_state, "train_config": dataclasses.asdict(tcfg),
-                "rollout_config": dataclasses.asdict(rcfg), "model_config": dataclasses.asdict(model.config),
-                "task": task.state_dict()},
-               os.path.join(tmp, "trainer_state.pt"))
+    try:
+        model.save_pretrained(tmp)
+        torch.save({"step": step, "optimizer": opt_state, "train_config": dataclasses.asdict(tcfg),
+                    "rollout_config": dataclasses.asdict(rcfg), "model_config": dataclasses.asdict(model.config),
+                    "task": task.state_dict(), **(extra or {})},
+                   os.path.join(tmp, "trainer_state.pt"))
+    except (OSError, RuntimeError) as e:          # torch.save reports a short write as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(out_dir).free
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+        raise RunError(f"step {step}: writing checkpoint {final} failed ({'disk full: ' if full else ''}{e}); "
+                       f"removed the partial {os.path.basename(tmp)}, the previous checkpoint is kept. "
+                       f"{free / 2**30:.1f} GiB free in {out_dir}: free some space, then --resume") from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)                                            # a checkpoint appears whole or not at all
     with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
@@ -283,11 +359,92 @@ def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task):
 
 
 def latest_checkpoint(out_dir) -> str:
+    """The checkpoint folder `out_dir/latest` names; it must be a ckpt-NNNNNN folder inside out_dir."""
     path = os.path.join(out_dir, "latest")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--resume: no checkpoint in {out_dir!r} (no 'latest' file); drop --resume to start fresh")
+        raise ConfigError(f"--resume: no checkpoint in {out_dir!r} (no 'latest' file); drop --resume to start fresh")
     with open(path) as f:
-        return os.path.join(out_dir, f.read().strip())
+        name = f.read().strip()
+    if not CKPT_NAME.fullmatch(name):
+        raise CheckpointError(f"{path} holds {name[:80]!r}, not the name of a checkpoint folder (ckpt-NNNNNN) "
+                              "inside out_dir; refusing to follow it")
+    if not os.path.isdir(os.path.join(out_dir, name)):
+        raise CheckpointError(f"{path} names {name}, which is not in {out_dir!r}")
+    return os.path.join(out_dir, name)
+
+
+def load_trainer_state(ckpt: str) -> dict:
+    """trainer_state.pt, unpickling only tensors and plain data (weights_only=True: no code runs)."""
+    path = os.path.join(ckpt, "trainer_state.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    try:
+        # on the CPU: every rank would otherwise put rank 0's optimizer tensors on rank 0's GPU
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path} holds objects other than tensors and plain data; refusing to unpickle it "
+                              f"(it could run code): {str(e).splitlines()[0]}") from None
+    except (RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{path}: unreadable ({str(e).splitlines()[0]}); was it truncated?") from None
+
+
+def prepare_out_dir(tcfg: TrainConfig, master: bool) -> None:
+    """Refuse to start a new run over an old one unless --overwrite=true, which removes (on rank 0) the old
+    run's files: metrics.jsonl, latest and ckpt-*, nothing else."""
+    if os.path.exists(tcfg.out_dir) and not os.path.isdir(tcfg.out_dir):
+        raise ConfigError(f"--out_dir={tcfg.out_dir!r} is a file; pass a folder")
+    os.makedirs(tcfg.out_dir, exist_ok=True)
+    if tcfg.resume:
+        return
+    found = sorted(n for n in os.listdir(tcfg.out_dir) if n in RUN_FILES or n.startswith("ckpt-"))
+    if found and not tcfg.overwrite:
+        raise ConfigError(f"--out_dir={tcfg.out_dir!r} holds a run ({', '.join(found[:3])}); continue it with "
+                          "--resume=true, start over with --overwrite=true (deletes it), or pick another --out_dir")
+    for name in found if master else ():                              # --overwrite=true: start over knowingly
+        path = os.path.join(tcfg.out_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def trim_metrics(path: str, last_step: int) -> None:
+    """On resume: keep the rows up to the checkpoint's step (and drop a line cut short by a kill)."""
+    kept = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                with contextlib.suppress(json.JSONDecodeError):
+                    if json.loads(line)["step"] <= last_step:
+                        kept.append(line)
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def json_row(row: dict) -> dict:
+    """The metrics row with every non-finite float as None, so metrics.jsonl is strict JSON (null).
+
+    The quantities that matter (reward, loss, grad norm) stop the run before they get here; what can
+    still be NaN is a diagnostic of an empty selection (e.g. a mean over zero tokens).
+    """
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return [clean(x) for x in v] if isinstance(v, list) else v
+    return {k: clean(v) for k, v in row.items()}
+
+
+def plan_resume(tcfg: TrainConfig, state: dict, d: "Dist") -> TrainConfig:
+    """Check --steps against the checkpoint and keep the run's lr horizon (see lr_at)."""
+    done = state["step"]
+    if tcfg.steps <= done:
+        raise ConfigError(f"--resume: the checkpoint in {tcfg.out_dir!r} is at step {done} and --steps={tcfg.steps}"
+                          + (": the run is finished" if tcfg.steps == done else "")
+                          + f"; pass --steps=N with N > {done} to train further")
+    saved = state["train_config"].get("lr_decay_steps") or state["train_config"]["steps"]
+    horizon = tcfg.lr_decay_steps or saved
+    if tcfg.lr_schedule == "cosine" and tcfg.steps > horizon:
+        d.print0(f"resume: --steps={tcfg.steps} extends the run past its lr horizon of {horizon} steps: lr follows "
+                 f"the planned cosine to step {horizon}, then holds at {tcfg.lr * tcfg.min_lr_ratio:.3g} "
+                 f"(pass --lr_decay_steps={tcfg.steps} to re-plan the schedule instead)")
+    return dataclasses.replace(tcfg, lr_decay_steps=horizon)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -295,7 +452,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return cfg.lr
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    horizon = cfg.lr_decay_steps or cfg.steps                        # past it, lr stays at its minimum
+    progress = 1.0 if step >= horizon else (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -303,6 +461,14 @@ def build_model(tcfg: TrainConfig, device, dtype) -> Transformer:
     """The same initial weights on every rank: from a checkpoint, or a preset seeded by --seed."""
     if os.path.isdir(tcfg.init_from):
         return Transformer.from_pretrained(tcfg.init_from, dtype=dtype, device=device)
+    if tcfg.init_from not in MODEL_PRESETS:
+        if os.path.exists(tcfg.init_from):
+            raise ConfigError(f"--init_from={tcfg.init_from!r} is a file; pass the checkpoint's folder "
+                              "(config.json and *.safetensors)")
+        if os.sep in tcfg.init_from or tcfg.init_from.startswith((".", "~")):
+            raise ConfigError(f"--init_from={tcfg.init_from!r}: no such checkpoint folder")
+        raise ConfigError(f"--init_from={tcfg.init_from!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) "
+                          "nor a checkpoint folder")
     torch.manual_seed(tcfg.seed)
     return Transformer(ModelConfig.preset(tcfg.init_from)).to(device=device, dtype=dtype)
 
@@ -310,14 +476,26 @@ def build_model(tcfg: TrainConfig, device, dtype) -> Transformer:
 # ---------------------------------------------------------------------------------------------------
 # the loop
 # ---------------------------------------------------------------------------------------------------
+def check_device(device: str) -> None:
+    """--device must name a device this torch build has (the syntax is checked by TrainConfig)."""
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device={device}: this machine has no usable CUDA GPU (torch {torch.__version__}, "
+                              f"CUDA build: {torch.version.cuda or 'no'}); use --device=cpu or --device=auto")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"--device={device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+
+
 def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
+    check_device(tcfg.device)
     d = init_distributed(tcfg.device)
     try:
         # one kernel backend for sampler and trainer: --kernels_backend, else KERNELS_BACKEND, else auto
         with kernels.set_backend(tcfg.kernels_backend or kernels.get_backend()):
             return _train(tcfg, rcfg, d)
     finally:
-        if d.world > 1:
+        if dist.is_initialized():                                     # torchrun, even with one rank
             dist.destroy_process_group()
 
 
@@ -331,23 +509,25 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         raise ConfigError(f"--correction={tcfg.correction} weighs the trainer's old log-probs against the rollout's; "
                           "with a deviating rollout they differ only if recomputed: add --recompute_old_logp=true")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    os.makedirs(tcfg.out_dir, exist_ok=True)
+    prepare_out_dir(tcfg, d.master)
+    if not tcfg.resume:                                               # the lr horizon, saved with the run
+        tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens)
     model = build_model(tcfg, device, dtype)
     if task.vocab_size > model.config.vocab_size:
         raise ConfigError(f"task {tcfg.task!r} uses {task.vocab_size} token ids, the model has vocab_size="
                           f"{model.config.vocab_size}")
-    start, metrics_path, state = 0, os.path.join(tcfg.out_dir, "metrics.jsonl"), None
+    start, metrics_path, state, skipped = 0, os.path.join(tcfg.out_dir, "metrics.jsonl"), None, 0
     if tcfg.resume:
         ckpt = latest_checkpoint(tcfg.out_dir)
-        # on the CPU: every rank would otherwise put rank 0's optimizer tensors on rank 0's GPU
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        state = load_trainer_state(ckpt)
+        tcfg = plan_resume(tcfg, state, d)
         if state["model_config"] != dataclasses.asdict(model.config):
             raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
         weights = hf_to_state(read_safetensors_dir(ckpt), model)
         model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
         task.load_state_dict(state["task"])
-        start = state["step"]
+        start, skipped = state["step"], state.get("skipped_steps", 0)
     ref_model = None
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
         ref_model = (build_model(tcfg, device, dtype) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
@@ -359,16 +539,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     if state is not None:
         load_optimizer_state(scorer, opt, state["optimizer"], fsdp)
         state = None                                                  # free the host copy
-    if d.master:
-        if tcfg.resume:                                               # drop lines logged after the checkpoint
-            kept = []
-            if os.path.exists(metrics_path):
-                with open(metrics_path) as f:
-                    kept = [line for line in f if json.loads(line)["step"] <= start]
-            with open(metrics_path, "w") as f:
-                f.writelines(kept)
-        elif os.path.exists(metrics_path):
-            os.remove(metrics_path)
+    if d.master and tcfg.resume:
+        trim_metrics(metrics_path, start)
 
     if rcfg.rollout_dtype and getattr(torch, rcfg.rollout_dtype) != dtype:
         rollout_model, sync_rollout_weights = lower_precision_copy(rollout_model, getattr(torch, rcfg.rollout_dtype),
@@ -390,12 +562,15 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         sync_rollout_weights()
         model.eval()
         examples = task.sample(tcfg.prompts_per_step)[d.rank * n_prompts:(d.rank + 1) * n_prompts]
-        outs = sampler.generate([ex.prompt for ex in examples], max_new_tokens=max_new, n=G,
-                                temperature=rcfg.temperature, top_p=rcfg.top_p, top_k=rcfg.top_k,
-                                stop_token_ids=task.stop_token_ids, seed=tcfg.seed * 1_000_003 + step,
-                                progress=False, index_offset=d.rank * n_prompts * G)
+        try:
+            outs = sampler.generate([ex.prompt for ex in examples], max_new_tokens=max_new, n=G,
+                                    temperature=rcfg.temperature, top_p=rcfg.top_p, top_k=rcfg.top_k,
+                                    stop_token_ids=task.stop_token_ids, seed=tcfg.seed * 1_000_003 + step,
+                                    progress=False, index_offset=d.rank * n_prompts * G)
+        except ValueError as e:                                       # the sampler's input checks: a prompt too long...
+            raise ConfigError(f"step {step + 1}: the sampler refused this step's prompts: {e}") from None
         t_rollout = time.perf_counter() - t0
-        rewards = torch.tensor([task.reward(examples[i // G], o.tokens) for i, o in enumerate(outs)])
+        rewards = compute_rewards(task, examples, outs, G, step + 1)
         batch = make_batch(outs, group_advantages(rewards, G, tcfg.adv_std_norm))
         B = batch.tokens.shape[0]
         replay = tcfg.replay == "r3"
@@ -432,6 +607,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
                 for g in opt.param_groups:
                     g["lr"] = lr
                 opt.zero_grad(set_to_none=True)
+                before, update_loss = dict(stats), 0.0
                 micro_starts = list(range(0, len(idx), micro))
                 for mlo in micro_starts:
                     sub = idx[mlo:mlo + micro]
@@ -453,8 +629,13 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
                         (loss * d.world).backward()                   # DDP / FSDP average over ranks
                     stats["loss"] += loss.item()
                     stats["clip_frac"] += (clipped.float() * mask).sum().item() / n_tok
+                    update_loss += loss.item()
                 gn = torch.nn.utils.clip_grad_norm_(scorer.parameters(), tcfg.grad_clip)
-                stats["grad_norm"] += gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
+                gn = gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
+                stats["grad_norm"] += gn
+                if not update_is_finite(step + 1, update_loss, gn, skipped, tcfg, d):
+                    stats, skipped = before, skipped + 1                  # as if this update had not run
+                    continue
                 opt.step()
                 n_updates += 1
 
@@ -464,25 +645,28 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         all_rewards = all_cat(rewards, d)
         row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
                "response_len": all_cat(lengths, d).mean().item(),
-               **{k: v / n_updates for k, v in stats.items()},
+               **{k: v / n_updates if n_updates else math.nan for k, v in stats.items()},
                **mismatch_metrics(a_logp, batch.rollout_logp[a_idx], batch.mask[a_idx]),
                **route_audit(batch.routes[a_idx], a_routes, batch.route_mask[a_idx], model.config.num_experts),
                "entropy": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
                "lr": lr, "rollout_tokens_per_s": lengths.sum().item() / t_rollout,
-               "step_time": time.perf_counter() - t0, "preemptions": sampler.num_preemptions}
+               "step_time": time.perf_counter() - t0, "preemptions": sampler.num_preemptions,
+               "skipped_steps": skipped}
         row = reduce_metrics(row, d)
-        history.append(row)
+        history.append(json_row(row))
         if d.master and ((step + 1) % tcfg.log_every == 0 or step + 1 == tcfg.steps):
             with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(history[-1], allow_nan=False) + "\n")
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
                         flip=f"{row.get('route_flip_frac', 0):.3f}")
         if (step + 1) % tcfg.save_every == 0 or step + 1 == tcfg.steps:
             sync_full_weights()
+            check_finite_weights(full_model, step + 1)                # on every rank: they stop together
             digest = check_in_sync(full_model, d)
             opt_state = optimizer_state(scorer, opt, fsdp)            # collective under FSDP2
             if d.master:
-                save_checkpoint(tcfg.out_dir, step + 1, full_model, opt_state, tcfg, rcfg, task)
+                save_checkpoint(tcfg.out_dir, step + 1, full_model, opt_state, tcfg, rcfg, task,
+                                extra={"skipped_steps": skipped})
             if d.world > 1:
                 dist.barrier()
                 d.print0(f"step {step + 1}: weights identical on {d.world} ranks (sha256 {digest[:16]})")
@@ -499,25 +683,44 @@ def main(argv: list[str]) -> None:
     overrides = parse_args(argv)
     if overrides.get("resume", "false").lower() in ("1", "true", "yes", "on"):
         # continue the saved run: its configs, with this command line's overrides on top
-        state = torch.load(os.path.join(latest_checkpoint(overrides.get("out_dir", tcfg.out_dir)),
-                                        "trainer_state.pt"), weights_only=False)
-        tcfg, rcfg = TrainConfig(**state["train_config"]), RolloutConfig(**state["rollout_config"])
+        ckpt = latest_checkpoint(overrides.get("out_dir", tcfg.out_dir))
+        tcfg, rcfg = saved_configs(load_trainer_state(ckpt), ckpt)
     apply_overrides(overrides, tcfg, rcfg)
     t0 = time.time()
     history = train(tcfg, rcfg)
     if history and int(os.environ.get("RANK", "0")) == 0:
-        n = max(1, len(history) // 10)
-        first = sum(h["reward_mean"] for h in history[:n]) / n
-        last = sum(h["reward_mean"] for h in history[-n:]) / n
-        worst_kl = max(abs(h["train_rollout_kl"]) for h in history)
-        worst_flip = max(h.get("route_flip_frac", 0.0) for h in history)
-        print(f"done: {len(history)} steps in {time.time() - t0:.0f}s; reward {first:.3f} (first tenth) -> "
-              f"{last:.3f} (last tenth); max |train-rollout KL| {worst_kl:.2e}; max route flips {worst_flip:.2e}; "
-              f"metrics in {os.path.join(tcfg.out_dir, 'metrics.jsonl')}")
+        print(summary(history, time.time() - t0, tcfg.out_dir))
+
+
+def saved_configs(state: dict, ckpt: str) -> tuple[TrainConfig, RolloutConfig]:
+    """The configs a checkpoint was trained with (plain dicts in trainer_state.pt), ready to resume."""
+    try:
+        tcfg = TrainConfig(**{**state["train_config"], "overwrite": False})   # overwriting was the first leg's act
+        return tcfg, RolloutConfig(**state["rollout_config"])
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{ckpt}/trainer_state.pt: its configs do not fit this train.py ({e}); "
+                              "was it written by another version?") from None
+
+
+def summary(history: list[dict], seconds: float, out_dir: str) -> str:
+    """The last line of a run: reward at the start and the end, the worst train-rollout mismatch."""
+    n = max(1, len(history) // 10)
+    first = sum(h["reward_mean"] for h in history[:n]) / n
+    last = sum(h["reward_mean"] for h in history[-n:]) / n
+    kl = [abs(h["train_rollout_kl"]) for h in history if h["train_rollout_kl"] is not None]
+    flips = [h["route_flip_frac"] for h in history if h.get("route_flip_frac") is not None]
+    return (f"done: {len(history)} steps in {seconds:.0f}s; reward {first:.3f} (first tenth) -> "
+            f"{last:.3f} (last tenth); max |train-rollout KL| {max(kl, default=math.nan):.2e}; max route flips "
+            f"{max(flips, default=0.0):.2e}; metrics in {os.path.join(out_dir, 'metrics.jsonl')}")
+
+
+def cli(argv: list[str]) -> None:
+    """main, with user mistakes and stopped runs as one line `error: ...` and exit status 1, no traceback."""
+    try:
+        main(argv)
+    except (ConfigError, CheckpointError, RunError) as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
+    cli(sys.argv[1:])

@@ -132,6 +132,22 @@ def test_from_hf_missing_file(tmp_path):
         ModelConfig.from_hf(str(tmp_path))
 
 
+@pytest.mark.parametrize("drop", ["hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads"])
+def test_from_hf_missing_required_field_names_it_and_the_file(tmp_path, drop):
+    hf = _hf_base()
+    del hf[drop]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_hf(str(tmp_path))
+    assert f"lacks the required field(s) {drop}" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_from_hf_invalid_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 10,')
+    with pytest.raises(ConfigError, match=r"config.json: not valid JSON"):
+        ModelConfig.from_hf(str(tmp_path))
+
+
 # ---------------------------------------------------------------------------------------------------
 # --key=value overrides
 # ---------------------------------------------------------------------------------------------------
@@ -177,6 +193,35 @@ def test_apply_overrides_wrong_type(key, raw):
     with pytest.raises(ConfigError) as e:
         apply_overrides({key: raw}, tiny_config())
     assert key in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"steps": "-5"}, "--steps=-5: must be >= 1"),
+    ({"steps": "0"}, "--steps=0: must be >= 1"),
+    ({"prompts_per_step": "0"}, "--prompts_per_step=0"),
+    ({"n_digits": "0"}, "--n_digits=0"),
+    ({"micro_batch_size": "-1"}, "--micro_batch_size=-1: must be >= 0"),
+    ({"skip_nonfinite_steps": "-1"}, "--skip_nonfinite_steps=-1"),
+    ({"lr": "inf"}, "--lr=inf: must be a finite number"),
+    ({"lr": "nan"}, "--lr=nan: must be a finite number"),
+    ({"temperature": "nan"}, "--temperature=nan: must be a finite number"),
+    ({"device": "foo"}, "--device='foo': choose auto, cpu, cuda or cuda:N"),
+    ({"device": "cuda:x"}, "--device='cuda:x'"),
+    ({"task": "nope"}, "--task='nope'"),
+    ({"resume": "true", "overwrite": "true"}, "--resume and --overwrite contradict"),
+])
+def test_train_config_names_the_bad_field(overrides, needle):
+    from config import RolloutConfig, TrainConfig
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(overrides, TrainConfig(), RolloutConfig())
+    assert needle in str(e.value)
+    tcfg, rcfg = TrainConfig(), RolloutConfig()                       # control: good values pass
+    apply_overrides({"steps": "1", "device": "cuda:1", "lr": "0.5", "task": "reverse"}, tcfg, rcfg)
+
+
+def test_model_config_rejects_non_finite():
+    with pytest.raises(ConfigError, match="rope_theta=inf"):
+        tiny_config(rope_theta=float("inf"))
 
 
 def test_apply_overrides_revalidates():

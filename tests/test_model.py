@@ -291,6 +291,31 @@ def test_config_does_not_match_weights(good_ckpt, tmp_path, field, value, needle
     assert needle in load_error(write_ckpt(tmp_path / "bad", t, cfg))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weight_is_refused_by_key_and_file(good_ckpt, tmp_path, bad):
+    _, t, cfg = good_ckpt
+    t["model.layers.2.mlp.gate.weight"][1, 4] = bad
+    msg = load_error(write_ckpt(tmp_path / "bad", t, cfg))
+    assert "model.safetensors: tensor 'model.layers.2.mlp.gate.weight' holds 1 non-finite value(s)" in msg
+    assert Transformer.from_pretrained(str(good_ckpt[0])) is not None      # control: the original loads
+
+
+def test_truncated_safetensors_names_the_file(good_ckpt):
+    path = good_ckpt[0] / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    assert f"{path}: unreadable safetensors file" in load_error(str(good_ckpt[0]))
+
+
+def test_sharded_index_naming_a_missing_shard(good_ckpt, tmp_path):
+    _, t, cfg = good_ckpt
+    path = write_ckpt(tmp_path / "bad", t, cfg)
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00002.safetensors"))
+    index = {"weight_map": {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(t)}}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    assert "model-00002-of-00002.safetensors: missing" in load_error(path)
+
+
 def test_directory_without_safetensors(good_ckpt, tmp_path):
     _, _, cfg = good_ckpt
     empty = tmp_path / "empty"
@@ -561,6 +586,8 @@ def _bad_routes(routes, E):
         "extra_layer": torch.cat([routes, routes[:, :, :1]], 2),
         "wrong_k": routes[..., :1],
         "float": routes.float(),
+        "bool": routes > 0,
+        "minus2": torch.full_like(routes, -2),
     }
     r = routes.clone(); r[0, 3, 0, 1] = E; bad["id_ge_E"] = r
     r = routes.clone(); r[1, 5, 1, 0] = -1; bad["partial_minus1"] = r
@@ -569,13 +596,15 @@ def _bad_routes(routes, E):
 
 
 @pytest.mark.parametrize("case", ["short_T", "long_T", "wrong_B", "fewer_layers", "extra_layer", "wrong_k",
-                                  "float", "id_ge_E", "partial_minus1", "duplicate"])
+                                  "float", "bool", "minus2", "id_ge_E", "partial_minus1", "duplicate"])
 def test_replay_rejects_bad_routes(replay_setup, case):
     model, tokens, _, routes = replay_setup
     bad = _bad_routes(routes, model.config.num_experts)[case]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as e:
         with torch.no_grad():
             model.score(tokens, routes=bad)
+    if case == "minus2":                                              # not "all -1": say what is there
+        assert "negative id -2" in str(e.value) and "all -1" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -643,6 +672,27 @@ def test_positions_past_max_raise():
     model(torch.zeros(1, 32, dtype=torch.long))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(torch.zeros(1, 33, dtype=torch.long))
+
+
+@pytest.mark.parametrize("tokens, error, needle", [
+    (torch.tensor([1, 2, 3]), ValueError, "shape (B, T), got (3,); add the batch dimension: tokens[None]"),
+    (torch.ones(1, 3, 2, dtype=torch.long), ValueError, "shape (B, T)"),
+    (torch.tensor([[1.0, 2.0]]), TypeError, "integer token ids (torch.long), got torch.float32"),
+    (torch.tensor([[True, False]]), TypeError, "got torch.bool"),
+    (torch.zeros(1, 0, dtype=torch.long), ValueError, "hold no tokens"),
+    (torch.zeros(0, 4, dtype=torch.long), ValueError, "hold no tokens"),
+    (torch.tensor([[1, 50]]), ValueError, "in [0, vocab_size=50), got 50"),
+    (torch.tensor([[1, -1]]), ValueError, "got -1"),
+    ([[1, 2]], TypeError, "torch.Tensor"),
+])
+def test_score_and_forward_reject_bad_tokens(tokens, error, needle):
+    model = make_model()
+    for call in (model.score, model.forward):
+        with pytest.raises(error) as e:
+            call(tokens)
+        assert needle in str(e.value)
+    model.score(torch.tensor([[1, 2]]))                               # control: the same call with good tokens
+    assert model.score(torch.tensor([[7]]))[0].shape == (1, 0)        # one token: nothing to score, no error
 
 
 def test_dense_only_model_scores():

@@ -236,7 +236,7 @@ def test_variants_run_with_zero_mismatch(tmp_path, extra):
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     timing = {"step_time", "rollout_tokens_per_s"}
     full = _run(tmp_path / "a", SMALL + ["--steps=6", "--save_every=3"])
-    _run(tmp_path / "b", SMALL + ["--steps=3", "--save_every=3"])
+    _run(tmp_path / "b", SMALL + ["--steps=3", "--save_every=3", "--lr_decay_steps=6"])   # a 6-step plan, cut at 3
     tcfg, rcfg = TrainConfig(), RolloutConfig()
     apply_overrides(train.parse_args(SMALL + ["--steps=6", "--save_every=3", f"--out_dir={tmp_path / 'b'}",
                                               "--resume=true", "--progress=false"]), tcfg, rcfg)
