@@ -35,6 +35,7 @@ import re
 import shutil
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -499,7 +500,43 @@ def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
+@dataclasses.dataclass
+class Run:
+    """What the steps of a run share: configs, the models and their sync functions, optimizer, sampler."""
+    tcfg: TrainConfig
+    rcfg: RolloutConfig
+    d: Dist
+    task: object
+    model: Transformer               # the trained weights (sharded under FSDP2)
+    scorer: nn.Module                # model.score as a module: DDP / FSDP2 hook its __call__
+    full_model: Transformer          # full weights: the sampler's source, checkpoints
+    sync_full_weights: Callable
+    rollout_model: Transformer       # what the sampler runs (full_model, or the lab's lower-precision copy)
+    sync_rollout_weights: Callable
+    ref_model: Transformer | None    # the frozen initial policy when --kl_coef > 0
+    opt: torch.optim.Optimizer
+    sampler: Sampler
+    start: int                       # the first step to run (> 0 on resume)
+    skipped: int                     # optimizer steps skipped for a non-finite loss or gradient so far
+    metrics_path: str
+
+    @property
+    def fsdp(self) -> bool:
+        return self.d.world > 1 and self.tcfg.parallel == "fsdp"
+
+
+@dataclasses.dataclass
+class OldPolicy:
+    """What the updates weigh against: the old policy's log-probs, the reference's, correction weights."""
+    logp: torch.Tensor               # (B, T-1): the rollout's, or the trainer's recomputed ones
+    ref_logp: torch.Tensor | None    # (B, T-1) when --kl_coef > 0
+    weights: torch.Tensor            # (B, T-1) the correction's importance weights (1 without one)
+    loss_mask: torch.Tensor          # (B, T-1) the tokens the loss counts (rejected ones dropped if asked)
+    audit: tuple | None              # (logp, routes, rows) of a trainer forward before any update
+
+
+def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
+    """Check the configs against each other, build (or resume) the model, optimizer and sampler."""
     if tcfg.prompts_per_step % d.world or tcfg.minibatch_size % d.world:
         raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) and minibatch_size ({tcfg.minibatch_size}) "
                           f"must be divisible by the number of ranks ({d.world})")
@@ -533,15 +570,13 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         ref_model = (build_model(tcfg, device, dtype) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
     scorer, full_model, sync_full_weights = parallelize(model, tcfg, d)
     rollout_model, sync_rollout_weights = full_model, sync_full_weights
-    fsdp = d.world > 1 and tcfg.parallel == "fsdp"
     opt = torch.optim.AdamW(scorer.parameters(), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2),
                             weight_decay=tcfg.weight_decay)
     if state is not None:
-        load_optimizer_state(scorer, opt, state["optimizer"], fsdp)
+        load_optimizer_state(scorer, opt, state["optimizer"], d.world > 1 and tcfg.parallel == "fsdp")
         state = None                                                  # free the host copy
     if d.master and tcfg.resume:
         trim_metrics(metrics_path, start)
-
     if rcfg.rollout_dtype and getattr(torch, rcfg.rollout_dtype) != dtype:
         rollout_model, sync_rollout_weights = lower_precision_copy(rollout_model, getattr(torch, rcfg.rollout_dtype),
                                                                    sync_rollout_weights)
@@ -549,129 +584,189 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     # are allocated after the sampler sizes its KV pool from the free memory: set them aside, for this
     # rank's shard of the parameters under FSDP. Activations and temporaries come out of the rest.
     param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
-    reserve = (1 if opt.state else 3) * param_bytes
-    sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=reserve)
-    max_new = rcfg.max_new_tokens or task.max_new_tokens
-    G, history = tcfg.group_size, []
-    n_prompts = tcfg.prompts_per_step // d.world                     # this rank's share; groups stay whole
-    bar = tqdm(range(start, tcfg.steps), desc="train", disable=not (tcfg.progress and d.master),
-               initial=start, total=tcfg.steps)
+    sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=(1 if opt.state else 3) * param_bytes)
+    return Run(tcfg, rcfg, d, task, model, scorer, full_model, sync_full_weights, rollout_model,
+               sync_rollout_weights, ref_model, opt, sampler, start, skipped, metrics_path)
+
+
+def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
+    """The loop: each step reads top to bottom as its phases."""
+    run = setup(tcfg, rcfg, d)
+    history = []
+    bar = tqdm(range(run.start, run.tcfg.steps), desc="train", disable=not (run.tcfg.progress and d.master),
+               initial=run.start, total=run.tcfg.steps)
     for step in bar:
         t0 = time.perf_counter()
-        # ---- rollout: every rank draws the same global prompts and samples its own slice ----
-        sync_rollout_weights()
-        model.eval()
-        examples = task.sample(tcfg.prompts_per_step)[d.rank * n_prompts:(d.rank + 1) * n_prompts]
-        try:
-            outs = sampler.generate([ex.prompt for ex in examples], max_new_tokens=max_new, n=G,
-                                    temperature=rcfg.temperature, top_p=rcfg.top_p, top_k=rcfg.top_k,
-                                    stop_token_ids=task.stop_token_ids, seed=tcfg.seed * 1_000_003 + step,
-                                    progress=False, index_offset=d.rank * n_prompts * G)
-        except ValueError as e:                                       # the sampler's input checks: a prompt too long...
-            raise ConfigError(f"step {step + 1}: the sampler refused this step's prompts: {e}") from None
+        examples, outs = rollout(run, step)
         t_rollout = time.perf_counter() - t0
-        rewards = compute_rewards(task, examples, outs, G, step + 1)
-        batch = make_batch(outs, group_advantages(rewards, G, tcfg.adv_std_norm))
-        B = batch.tokens.shape[0]
-        replay = tcfg.replay == "r3"
-        mb_size = min(tcfg.minibatch_size // d.world, B)
-        micro = tcfg.micro_batch_size or mb_size
-
-        def score(fn, b: Batch, grad: bool):
-            with torch.set_grad_enabled(grad):
-                return fn(b.tokens.to(device), rcfg.temperature, b.routes.to(device) if replay else None)
-
-        # ---- old-policy log-probs (the rollout's, unless asked to recompute) ----
-        old_logp, audit = batch.rollout_logp, None
-        chunks = [batch.select(slice(i, i + micro)) for i in range(0, B, micro)]
-        if tcfg.recompute_old_logp:
-            scored = [score(full_model.score, c, False) for c in chunks]
-            old_logp = torch.cat([s[0].float().cpu() for s in scored])
-            audit = (old_logp, torch.cat([s[1].cpu() for s in scored]), torch.arange(B))
-        if ref_model is not None:
-            ref_logp = torch.cat([score(ref_model.score, c, False)[0].float().cpu() for c in chunks])
-        weights = correction_weights(old_logp, batch.rollout_logp, batch.mask, tcfg)
-
-        # ---- updates: minibatches of the rollout batch, each one optimizer step ----
-        model.train()
-        stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0}
-        n_updates, auditing = 0, audit is None
-        perm_gen = torch.Generator().manual_seed(tcfg.seed * 7919 + step * 131 + d.rank)
-        for epoch in range(tcfg.epochs):
-            perm = torch.randperm(B, generator=perm_gen)
-            for lo in range(0, B, mb_size):
-                idx = perm[lo:lo + mb_size]
-                # normalisers over the global minibatch, so every rank's loss adds up to the global one
-                n_tok, n_seq = all_sum(float(batch.mask[idx].sum()), d), len(idx) * d.world
-                lr = lr_at(step, tcfg)
-                for g in opt.param_groups:
-                    g["lr"] = lr
-                opt.zero_grad(set_to_none=True)
-                before, update_loss = dict(stats), 0.0
-                micro_starts = list(range(0, len(idx), micro))
-                for mlo in micro_starts:
-                    sub = idx[mlo:mlo + micro]
-                    mb = batch.select(sub)
-                    with grad_sync(scorer, enabled=mlo == micro_starts[-1]):
-                        logp, train_routes = score(scorer, mb, True)
-                        logp = logp.float()
-                        if auditing and n_updates == 0:
-                            # the policy has not moved yet: this forward measures train vs rollout
-                            part = (logp.detach().cpu(), train_routes.cpu(), sub)
-                            audit = part if mlo == 0 else tuple(torch.cat([a, b]) for a, b in zip(audit, part))
-                        mask = mb.mask.to(device)
-                        loss_tok, clipped = policy_loss(logp, old_logp[sub].to(device), mb.adv.to(device), mask, tcfg)
-                        loss_tok = loss_tok * weights[sub].to(device)
-                        if ref_model is not None:
-                            loss_tok = loss_tok + tcfg.kl_coef * kl_penalty(logp, ref_logp[sub].to(device),
-                                                                             tcfg.kl_estimator)
-                        loss = aggregate(loss_tok, mask, tcfg.aggregation, n_tok, n_seq, max_new)
-                        (loss * d.world).backward()                   # DDP / FSDP average over ranks
-                    stats["loss"] += loss.item()
-                    stats["clip_frac"] += (clipped.float() * mask).sum().item() / n_tok
-                    update_loss += loss.item()
-                gn = torch.nn.utils.clip_grad_norm_(scorer.parameters(), tcfg.grad_clip)
-                gn = gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
-                stats["grad_norm"] += gn
-                if not update_is_finite(step + 1, update_loss, gn, skipped, tcfg, d):
-                    stats, skipped = before, skipped + 1                  # as if this update had not run
-                    continue
-                opt.step()
-                n_updates += 1
-
-        # ---- metrics (reduced over ranks; rank 0 logs) ----
-        a_logp, a_routes, a_idx = audit
-        lengths = torch.tensor([len(o.tokens) for o in outs], dtype=torch.float)
-        all_rewards = all_cat(rewards, d)
-        row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
-               "response_len": all_cat(lengths, d).mean().item(),
-               **{k: v / n_updates if n_updates else math.nan for k, v in stats.items()},
-               **mismatch_metrics(a_logp, batch.rollout_logp[a_idx], batch.mask[a_idx]),
-               **route_audit(batch.routes[a_idx], a_routes, batch.route_mask[a_idx], model.config.num_experts),
-               "entropy": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
-               "lr": lr, "rollout_tokens_per_s": lengths.sum().item() / t_rollout,
-               "step_time": time.perf_counter() - t0, "preemptions": sampler.num_preemptions,
-               "skipped_steps": skipped}
-        row = reduce_metrics(row, d)
-        history.append(json_row(row))
-        if d.master and ((step + 1) % tcfg.log_every == 0 or step + 1 == tcfg.steps):
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(history[-1], allow_nan=False) + "\n")
+        rewards = compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1)
+        batch = make_batch(outs, group_advantages(rewards, run.tcfg.group_size, run.tcfg.adv_std_norm))
+        old = old_policy(run, batch)
+        stats, first_forward = update(run, batch, old, step)
+        row = step_metrics(run, step, batch, outs, rewards, old, stats, first_forward, t_rollout, t0)
+        history.append(log_row(run, step, row))
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
                         flip=f"{row.get('route_flip_frac', 0):.3f}")
-        if (step + 1) % tcfg.save_every == 0 or step + 1 == tcfg.steps:
-            sync_full_weights()
-            check_finite_weights(full_model, step + 1)                # on every rank: they stop together
-            digest = check_in_sync(full_model, d)
-            opt_state = optimizer_state(scorer, opt, fsdp)            # collective under FSDP2
-            if d.master:
-                save_checkpoint(tcfg.out_dir, step + 1, full_model, opt_state, tcfg, rcfg, task,
-                                extra={"skipped_steps": skipped})
-            if d.world > 1:
-                dist.barrier()
-                d.print0(f"step {step + 1}: weights identical on {d.world} ranks (sha256 {digest[:16]})")
+        if (step + 1) % run.tcfg.save_every == 0 or step + 1 == run.tcfg.steps:
+            checkpoint(run, step + 1)
     bar.close()
     return history
+
+
+# ---- the phases of a step -------------------------------------------------------------------------
+def rollout(run: Run, step: int):
+    """Every rank draws the same global prompts and samples its own slice (groups stay whole)."""
+    tcfg, rcfg, d = run.tcfg, run.rcfg, run.d
+    run.sync_rollout_weights()
+    run.model.eval()
+    n_prompts = tcfg.prompts_per_step // d.world
+    examples = run.task.sample(tcfg.prompts_per_step)[d.rank * n_prompts:(d.rank + 1) * n_prompts]
+    try:
+        outs = run.sampler.generate([ex.prompt for ex in examples], max_new_tokens=max_new_tokens(run),
+                                    n=tcfg.group_size, temperature=rcfg.temperature, top_p=rcfg.top_p,
+                                    top_k=rcfg.top_k, stop_token_ids=run.task.stop_token_ids,
+                                    seed=tcfg.seed * 1_000_003 + step, progress=False,
+                                    index_offset=d.rank * n_prompts * tcfg.group_size)
+    except ValueError as e:                                           # the sampler's input checks: a prompt too long...
+        raise ConfigError(f"step {step + 1}: the sampler refused this step's prompts: {e}") from None
+    return examples, outs
+
+
+def max_new_tokens(run: Run) -> int:
+    return run.rcfg.max_new_tokens or run.task.max_new_tokens
+
+
+def forward(run: Run, fn, b: Batch, grad: bool):
+    """(logp, routes) of a batch through fn (model.score or the scorer), replaying its routes under R3."""
+    with torch.set_grad_enabled(grad):
+        return fn(b.tokens.to(run.d.device), run.rcfg.temperature,
+                  b.routes.to(run.d.device) if run.tcfg.replay == "r3" else None)
+
+
+def micro_batches(run: Run, B: int) -> int:
+    return run.tcfg.micro_batch_size or min(run.tcfg.minibatch_size // run.d.world, B)
+
+
+def old_policy(run: Run, batch: Batch) -> OldPolicy:
+    """The old policy's log-probs (the rollout's, unless recomputed), the reference's, the corrections."""
+    B, micro = batch.tokens.shape[0], micro_batches(run, batch.tokens.shape[0])
+    chunks = [batch.select(slice(i, i + micro)) for i in range(0, B, micro)]
+    logp, audit, ref_logp = batch.rollout_logp, None, None
+    if run.tcfg.recompute_old_logp:
+        scored = [forward(run, run.full_model.score, c, False) for c in chunks]
+        logp = torch.cat([s[0].float().cpu() for s in scored])
+        audit = (logp, torch.cat([s[1].cpu() for s in scored]), torch.arange(B))
+    if run.ref_model is not None:
+        ref_logp = torch.cat([forward(run, run.ref_model.score, c, False)[0].float().cpu() for c in chunks])
+    weights = correction_weights(logp, batch.rollout_logp, batch.mask, run.tcfg)
+    return OldPolicy(logp, ref_logp, weights, batch.mask, audit)
+
+
+def update(run: Run, batch: Batch, old: OldPolicy, step: int):
+    """Minibatches of the rollout batch, each one optimizer step (skipped if its loss or gradient is not
+    finite and --skip_nonfinite_steps allows). Returns the summed stats and the first update's forward
+    (logp, routes, rows): the policy had not moved yet, so it measures train vs rollout."""
+    tcfg, d = run.tcfg, run.d
+    B = batch.tokens.shape[0]
+    mb_size = min(tcfg.minibatch_size // d.world, B)
+    run.model.train()
+    stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "updates": 0}
+    first_forward = None
+    perm_gen = torch.Generator().manual_seed(tcfg.seed * 7919 + step * 131 + d.rank)
+    for epoch in range(tcfg.epochs):
+        perm = torch.randperm(B, generator=perm_gen)
+        for lo in range(0, B, mb_size):
+            idx = perm[lo:lo + mb_size]
+            loss, clip_frac, grad_norm, fwd = minibatch_step(run, batch, old, idx, step)
+            if first_forward is None:
+                first_forward = fwd
+            stats["grad_norm"] += grad_norm
+            if not update_is_finite(step + 1, loss, grad_norm, run.skipped, tcfg, d):
+                stats["grad_norm"] -= grad_norm
+                run.skipped += 1                                      # as if this update had not run
+                continue
+            run.opt.step()
+            stats["loss"] += loss
+            stats["clip_frac"] += clip_frac
+            stats["updates"] += 1
+    return stats, first_forward
+
+
+def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, step: int):
+    """Forward and backward of one minibatch in micro-batches, gradients clipped (not yet applied).
+    -> (loss, clip fraction, grad norm, (logp, routes, rows) of its forward)."""
+    tcfg, d, device = run.tcfg, run.d, run.d.device
+    # normalisers over the global minibatch, so every rank's loss adds up to the global one
+    n_tok, n_seq = all_sum(float(old.loss_mask[idx].sum()), d), len(idx) * d.world
+    lr = lr_at(step, tcfg)
+    for g in run.opt.param_groups:
+        g["lr"] = lr
+    run.opt.zero_grad(set_to_none=True)
+    micro = micro_batches(run, batch.tokens.shape[0])
+    starts = list(range(0, len(idx), micro))
+    total, clipped_tok, logps, routes = 0.0, 0.0, [], []
+    for mlo in starts:
+        sub = idx[mlo:mlo + micro]
+        mb = batch.select(sub)
+        with grad_sync(run.scorer, enabled=mlo == starts[-1]):
+            logp, train_routes = forward(run, run.scorer, mb, True)
+            logp = logp.float()
+            mask = old.loss_mask[sub].to(device)
+            loss_tok, clipped = policy_loss(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg)
+            loss_tok = loss_tok * old.weights[sub].to(device)
+            if run.ref_model is not None:
+                loss_tok = loss_tok + tcfg.kl_coef * kl_penalty(logp, old.ref_logp[sub].to(device), tcfg.kl_estimator)
+            loss = aggregate(loss_tok, mask, tcfg.aggregation, n_tok, n_seq, max_new_tokens(run))
+            (loss * d.world).backward()                               # DDP / FSDP average over ranks
+        total += loss.item()
+        clipped_tok += (clipped.float() * mask).sum().item() / n_tok
+        logps.append(logp.detach().cpu())
+        routes.append(train_routes.cpu())
+    gn = torch.nn.utils.clip_grad_norm_(run.scorer.parameters(), tcfg.grad_clip)
+    gn = gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
+    return total, clipped_tok, gn, (torch.cat(logps), torch.cat(routes), idx)
+
+
+def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, old: OldPolicy, stats: dict, first_forward,
+                 t_rollout: float, t0: float) -> dict:
+    """One row of metrics (reduced over ranks): rewards, the update's stats, the train-rollout audit."""
+    a_logp, a_routes, a_idx = old.audit or first_forward
+    lengths = torch.tensor([len(o.tokens) for o in outs], dtype=torch.float)
+    all_rewards = all_cat(rewards, run.d)
+    n = stats.pop("updates")
+    row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
+           "response_len": all_cat(lengths, run.d).mean().item(),
+           **{k: v / n if n else math.nan for k, v in stats.items()},
+           **mismatch_metrics(a_logp, batch.rollout_logp[a_idx], batch.mask[a_idx]),
+           **route_audit(batch.routes[a_idx], a_routes, batch.route_mask[a_idx], run.model.config.num_experts),
+           "entropy": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
+           "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / t_rollout,
+           "step_time": time.perf_counter() - t0, "preemptions": run.sampler.num_preemptions,
+           "skipped_steps": run.skipped}
+    return reduce_metrics(row, run.d)
+
+
+def log_row(run: Run, step: int, row: dict) -> dict:
+    """Append the row to metrics.jsonl (strict JSON: a non-finite value becomes null); rank 0 writes."""
+    row = json_row(row)
+    if run.d.master and ((step + 1) % run.tcfg.log_every == 0 or step + 1 == run.tcfg.steps):
+        with open(run.metrics_path, "a") as f:
+            f.write(json.dumps(row, allow_nan=False) + "\n")
+    return row
+
+
+def checkpoint(run: Run, step: int) -> None:
+    """Check the weights (finite, the same on every rank), then rank 0 writes the checkpoint."""
+    run.sync_full_weights()
+    check_finite_weights(run.full_model, step)                        # on every rank: they stop together
+    digest = check_in_sync(run.full_model, run.d)
+    opt_state = optimizer_state(run.scorer, run.opt, run.fsdp)        # collective under FSDP2
+    if run.d.master:
+        save_checkpoint(run.tcfg.out_dir, step, run.full_model, opt_state, run.tcfg, run.rcfg, run.task,
+                        extra={"skipped_steps": run.skipped})
+    if run.d.world > 1:
+        dist.barrier()
+        run.d.print0(f"step {step}: weights identical on {run.d.world} ranks (sha256 {digest[:16]})")
 
 
 def main(argv: list[str]) -> None:
