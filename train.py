@@ -46,7 +46,8 @@ from tqdm.auto import tqdm
 import kernels
 from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text,
                     parse_args)
-from losses import aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, seq_mean  # noqa: F401
+from losses import (aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, rejects,  # noqa: F401
+                    route_filter_weights, route_overlap, seq_mean)
 from model import CheckpointError, Transformer, hf_to_state, read_safetensors_dir
 from replay import pack_routes, route_audit
 from rollout import Sampler
@@ -182,9 +183,9 @@ class Scorer(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens, temperature, routes=None):
-        logp, used = self.model.score(tokens, temperature, routes)
-        return logp.clone(), used                                     # FSDP2 wants no view outputs
+    def forward(self, tokens, temperature, routes=None, with_entropy=False):
+        out = self.model.score(tokens, temperature, routes, with_entropy)
+        return (out[0].clone(), *out[1:])                             # FSDP2 wants no view outputs
 
 
 def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
@@ -636,11 +637,12 @@ def max_new_tokens(run: Run) -> int:
     return run.rcfg.max_new_tokens or run.task.max_new_tokens
 
 
-def forward(run: Run, fn, b: Batch, grad: bool):
-    """(logp, routes) of a batch through fn (model.score or the scorer), replaying its routes under R3."""
+def forward(run: Run, fn, b: Batch, grad: bool, with_entropy: bool = False):
+    """(logp, routes[, entropy]) of a batch through fn (model.score or the scorer), replaying its routes
+    under R3."""
     with torch.set_grad_enabled(grad):
         return fn(b.tokens.to(run.d.device), run.rcfg.temperature,
-                  b.routes.to(run.d.device) if run.tcfg.replay == "r3" else None)
+                  b.routes.to(run.d.device) if run.tcfg.replay == "r3" else None, with_entropy)
 
 
 def micro_batches(run: Run, B: int) -> int:
@@ -659,7 +661,10 @@ def old_policy(run: Run, batch: Batch) -> OldPolicy:
     if run.ref_model is not None:
         ref_logp = torch.cat([forward(run, run.ref_model.score, c, False)[0].float().cpu() for c in chunks])
     weights = correction_weights(logp, batch.rollout_logp, batch.mask, run.tcfg)
-    return OldPolicy(logp, ref_logp, weights, batch.mask, audit)
+    loss_mask = batch.mask
+    if run.tcfg.rejected_tokens == "drop" and rejects(run.tcfg):        # out of the loss, its mean and the KL
+        loss_mask = batch.mask * (weights > 0)
+    return OldPolicy(logp, ref_logp, weights, loss_mask, audit)
 
 
 def update(run: Run, batch: Batch, old: OldPolicy, step: int):
@@ -670,16 +675,19 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int):
     B = batch.tokens.shape[0]
     mb_size = min(tcfg.minibatch_size // d.world, B)
     run.model.train()
-    stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "updates": 0}
+    stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "updates": 0, "entropy_sum": 0.0,
+             "filtered": 0.0, "tokens": 0.0}
     first_forward = None
     perm_gen = torch.Generator().manual_seed(tcfg.seed * 7919 + step * 131 + d.rank)
     for epoch in range(tcfg.epochs):
         perm = torch.randperm(B, generator=perm_gen)
         for lo in range(0, B, mb_size):
             idx = perm[lo:lo + mb_size]
-            loss, clip_frac, grad_norm, fwd = minibatch_step(run, batch, old, idx, step)
+            loss, clip_frac, grad_norm, fwd, seen = minibatch_step(run, batch, old, idx, step)
             if first_forward is None:
                 first_forward = fwd
+            for k, v in seen.items():                                 # over every forward, updates or not
+                stats[k] += v
             stats["grad_norm"] += grad_norm
             if not update_is_finite(step + 1, loss, grad_norm, run.skipped, tcfg, d):
                 stats["grad_norm"] -= grad_norm
@@ -705,26 +713,34 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     micro = micro_batches(run, batch.tokens.shape[0])
     starts = list(range(0, len(idx), micro))
     total, clipped_tok, logps, routes = 0.0, 0.0, [], []
+    seen = {"entropy_sum": 0.0, "filtered": 0.0, "tokens": 0.0}
     for mlo in starts:
         sub = idx[mlo:mlo + micro]
         mb = batch.select(sub)
         with grad_sync(run.scorer, enabled=mlo == starts[-1]):
-            logp, train_routes = forward(run, run.scorer, mb, True)
+            logp, train_routes, entropy = forward(run, run.scorer, mb, True, with_entropy=True)
             logp = logp.float()
             mask = old.loss_mask[sub].to(device)
             loss_tok, clipped = policy_loss(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg)
             loss_tok = loss_tok * old.weights[sub].to(device)
+            if tcfg.route_filter != "none":                           # rollout vs trainer experts, per token
+                overlap = route_overlap(mb.routes[:, :-1].to(device), train_routes[:, :-1])
+                keep = route_filter_weights(overlap, tcfg.route_filter, tcfg.route_filter_threshold)
+                loss_tok = loss_tok * keep
+                seen["filtered"] += ((keep < 1) * mb.mask.to(device)).sum().item()
             if run.ref_model is not None:
                 loss_tok = loss_tok + tcfg.kl_coef * kl_penalty(logp, old.ref_logp[sub].to(device), tcfg.kl_estimator)
             loss = aggregate(loss_tok, mask, tcfg.aggregation, n_tok, n_seq, max_new_tokens(run))
             (loss * d.world).backward()                               # DDP / FSDP average over ranks
         total += loss.item()
         clipped_tok += (clipped.float() * mask).sum().item() / n_tok
+        seen["entropy_sum"] += (entropy * mb.mask.to(device)).sum().item()
+        seen["tokens"] += mb.mask.sum().item()
         logps.append(logp.detach().cpu())
         routes.append(train_routes.cpu())
     gn = torch.nn.utils.clip_grad_norm_(run.scorer.parameters(), tcfg.grad_clip)
     gn = gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
-    return total, clipped_tok, gn, (torch.cat(logps), torch.cat(routes), idx)
+    return total, clipped_tok, gn, (torch.cat(logps), torch.cat(routes), idx), seen
 
 
 def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, old: OldPolicy, stats: dict, first_forward,
@@ -733,13 +749,16 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, old: OldPolic
     a_logp, a_routes, a_idx = old.audit or first_forward
     lengths = torch.tensor([len(o.tokens) for o in outs], dtype=torch.float)
     all_rewards = all_cat(rewards, run.d)
-    n = stats.pop("updates")
+    n, seen = stats.pop("updates"), {k: stats.pop(k) for k in ("entropy_sum", "filtered", "tokens")}
     row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
            "response_len": all_cat(lengths, run.d).mean().item(),
            **{k: v / n if n else math.nan for k, v in stats.items()},
            **mismatch_metrics(a_logp, batch.rollout_logp[a_idx], batch.mask[a_idx]),
            **route_audit(batch.routes[a_idx], a_routes, batch.route_mask[a_idx], run.model.config.num_experts),
-           "entropy": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
+           # the entropy of softmax(logits / T) at the response tokens, from the training forwards
+           "entropy": seen["entropy_sum"] / seen["tokens"],
+           "neg_logp_mean": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
+           "route_filtered_frac": seen["filtered"] / seen["tokens"],
            "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / t_rollout,
            "step_time": time.perf_counter() - t0, "preemptions": run.sampler.num_preemptions,
            "skipped_steps": run.skipped}

@@ -1,7 +1,9 @@
 """The mismatch lab: a deviating rollout shows a nonzero mismatch, the invariant one exactly zero,
 corrections act only where there is a mismatch, and the experiment command runs end to end."""
+import math
 import os
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -107,3 +109,36 @@ def test_lab_command_runs_end_to_end(tmp_path):
     fast = table[2].split("|")
     assert float(fast[6]) > 0
     assert (tmp_path / "fast" / "seed1" / "metrics.jsonl").is_file()
+
+
+def test_route_filter_and_rejection_act_only_under_mismatch(tmp_path):
+    """The route-consistency filter and dropping rejected tokens: exact no-ops with zero mismatch; under a
+    deviating rollout the filter removes tokens (counted in route_filtered_frac) and changes the loss."""
+    base = _run(tmp_path / "i0", [])
+    for i, extra in enumerate((["--route_filter=mask", "--route_filter_threshold=1.0"], ["--route_filter=downweight"],
+                               ["--correction=reject", "--rejected_tokens=drop", "--recompute_old_logp=true"])):
+        same = _run(tmp_path / f"i{i + 1}", extra)
+        assert [h["loss"] for h in base] == [h["loss"] for h in same], extra
+        assert all(h["route_filtered_frac"] == 0 for h in same)
+    fast = ["--rollout_mode=fast", "--rollout_dtype=bfloat16", "--router_bf16=true", "--recompute_old_logp=true"]
+    plain = _run(tmp_path / "f0", fast)
+    masked = _run(tmp_path / "f1", fast + ["--route_filter=mask", "--route_filter_threshold=1.0"])
+    assert plain[0]["route_flip_frac"] > 0                                    # routes did flip
+    assert masked[0]["route_filtered_frac"] > 0 and plain[0]["route_filtered_frac"] == 0
+    assert masked[0]["loss"] != plain[0]["loss"] and masked[0]["reward_mean"] == plain[0]["reward_mean"]
+    # a narrow band rejects most tokens: zero_weight keeps them in the token mean, drop takes them out
+    narrow = fast + ["--correction=reject", "--mis_low=0.9999", "--mis_high=1.0001"]
+    kept, dropped = _run(tmp_path / "f2", narrow), _run(tmp_path / "f3", narrow + ["--rejected_tokens=drop"])
+    assert kept[0]["loss"] != dropped[0]["loss"] and kept[0]["reward_mean"] == dropped[0]["reward_mean"]
+
+
+def _run_tmp(argv):
+    with tempfile.TemporaryDirectory() as tmp:
+        return _run(tmp, argv)
+
+
+def test_true_entropy_is_logged_beside_the_sampled_logprob():
+    hist = _run_tmp(["--steps=1"])
+    h = hist[0]
+    assert 0 < h["entropy"] <= math.log(32) + 1e-6                            # at most log(vocab)
+    assert h["neg_logp_mean"] > 0 and h["entropy"] != h["neg_logp_mean"]
