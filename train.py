@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
@@ -238,18 +239,21 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
         fully_shard(layer)
     fully_shard(scorer)
     full_params = dict(full_copy.named_parameters())
+    full_buffers = dict(full_copy.named_buffers())
 
     @torch.no_grad()
     def sync():
         for name, p in model.named_parameters():
             full_params[name].copy_(p.full_tensor())
+        for name, b in model.named_buffers():                         # FSDP2 leaves buffers whole on each rank
+            full_buffers[name].copy_(b)
     return scorer, full_copy, sync
 
 
 def lower_precision_copy(source: Transformer, dtype: torch.dtype, sync_source):
     """The mismatch lab's rollout weights: a copy of `source` in `dtype`, refreshed before each rollout."""
     copy_ = copy.deepcopy(source).to(dtype).requires_grad_(False)
-    pairs = list(zip(source.parameters(), copy_.parameters()))
+    pairs = list(zip(model_state(source), model_state(copy_)))       # the router bias is rounded too
 
     @torch.no_grad()
     def sync():
@@ -257,6 +261,37 @@ def lower_precision_copy(source: Transformer, dtype: torch.dtype, sync_source):
         for p, q in pairs:
             q.copy_(p)
     return copy_, sync
+
+
+def model_state(model: nn.Module) -> list[torch.Tensor]:
+    """Everything a weight sync must carry: the parameters, then the buffers (the routers'
+    score-correction biases); DDP broadcasts buffers from rank 0 at each forward on its own."""
+    return list(model.parameters()) + list(model.buffers())
+
+
+def expert_load(routes: torch.Tensor, mask: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(n_moe, E) int64: how often each expert was chosen at the positions that score a response token.
+
+    routes (B, T, n_moe, k) from the trainer's forward; mask (B, T-1): position j predicts token j + 1.
+    """
+    r = routes[:, :-1][mask.bool()]                                  # (N, n_moe, k)
+    return F.one_hot(r, n_experts).sum(dim=(0, 2))                   # (n_moe, E)
+
+
+@torch.no_grad()
+def update_expert_bias(model: Transformer, load: torch.Tensor, rate: float, d: Dist) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
+
+    load (n_moe, E) is this rank's count; it is summed over ranks first, so every rank applies the
+    same update to its copy of the bias.
+    """
+    if d.world > 1:
+        dist.all_reduce(load)
+    load = load.double()
+    step = rate * torch.sign(load.mean(-1, keepdim=True) - load)    # (n_moe, E): underloaded experts go up
+    for j, i in enumerate(model.config.moe_layers):
+        bias = model.layers[i].mlp.gate.e_score_correction_bias
+        bias.add_(step[j].to(bias.dtype))
 
 
 def grad_sync(scorer, enabled: bool):
@@ -314,9 +349,9 @@ def reduce_metrics(row: dict, d: Dist) -> dict:
 
 
 def check_in_sync(model: Transformer, d: Dist) -> str:
-    """Raise unless every rank holds bit-identical weights; returns their digest."""
+    """Raise unless every rank holds bit-identical weights (and buffers); returns their digest."""
     h = hashlib.sha256()
-    for p in model.parameters():
+    for p in model_state(model):
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     digests = [None] * d.world
     if d.world > 1:
@@ -417,6 +452,10 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     os.makedirs(tcfg.out_dir, exist_ok=True)
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens)
     model = build_model(tcfg, device, dtype)
+    balance = tcfg.expert_bias_update_rate > 0                      # aux-loss-free balancing of the router bias
+    if balance and not model.config.score_correction_bias:
+        raise ConfigError("--expert_bias_update_rate needs a model with a score-correction bias "
+                          "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")
     if task.vocab_size > model.config.vocab_size:
         raise ConfigError(f"task {tcfg.task!r} uses {task.vocab_size} token ids, the model has vocab_size="
                           f"{model.config.vocab_size}")
@@ -518,12 +557,15 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
                     g["lr"] = lr
                 opt.zero_grad(set_to_none=True)
                 micro_starts = list(range(0, len(idx), micro))
+                load = 0                                              # expert counts for the bias update
                 for mlo in micro_starts:
                     sub = idx[mlo:mlo + micro]
                     mb = batch.select(sub)
                     with grad_sync(scorer, enabled=mlo == micro_starts[-1]):
                         logp, train_routes = score(scorer, mb, True)
                         logp = logp.float()
+                        if balance:
+                            load = load + expert_load(train_routes, mb.mask.to(device), model.config.num_experts)
                         if auditing and n_updates == 0:
                             # the policy has not moved yet: this forward measures train vs rollout
                             part = (logp.detach().cpu(), train_routes.cpu(), sub)
@@ -541,6 +583,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
                 gn = torch.nn.utils.clip_grad_norm_(scorer.parameters(), tcfg.grad_clip)
                 stats["grad_norm"] += gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
                 opt.step()
+                if balance:
+                    update_expert_bias(model, load, tcfg.expert_bias_update_rate, d)
                 n_updates += 1
 
         # ---- metrics (reduced over ranks; rank 0 logs) ----
