@@ -288,7 +288,6 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "fast+mis": ["--recompute_old_logp=true", "--correction=mis"],
     "fast+r3": ["--recompute_old_logp=true", "--replay=r3"],
     "fast+gspo": ["--recompute_old_logp=true", "--loss=gspo"],
-    "fast+sigmoid": ["--recompute_old_logp=true", "--init_from=tiny-sigmoid", "--expert_bias_update_rate=1e-3"],
 }
 
 
