@@ -464,7 +464,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         ckpt = latest_checkpoint(tcfg.out_dir)
         # on the CPU: every rank would otherwise put rank 0's optimizer tensors on rank 0's GPU
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), map_location="cpu", weights_only=False)
-        if state["model_config"] != dataclasses.asdict(model.config):
+        if ModelConfig(**state["model_config"]) != model.config:       # fields added since take their defaults
             raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
         weights = hf_to_state(read_safetensors_dir(ckpt), model)
         model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
