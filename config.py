@@ -2,9 +2,11 @@
 
     from config import ModelConfig
     cfg = ModelConfig.preset("tiny")                  # the CPU default of `python train.py`
-    cfg = ModelConfig.from_hf("path/to/config.json")  # any Qwen3-MoE config.json (old or new field names)
+    cfg = ModelConfig.from_hf("path/to/config.json")  # qwen3_moe, qwen2_moe, olmoe, mixtral, glm4_moe (families.py)
 
-Field names follow Hugging Face's Qwen3-MoE config so a checkpoint's config.json maps one to one.
+Field names follow Hugging Face's Qwen3-MoE config; the knobs of other families (sigmoid routing, a
+score-correction bias, grouped top-k, shared experts, biases, partial RoPE) are extra fields that are
+off by default, and families.py translates each family's config.json names onto them.
 Every dataclass validates itself in `__post_init__`; `apply_overrides` turns command-line
 `--key=value` strings into typed fields and rejects unknown keys and bad values by name.
 """
@@ -56,6 +58,20 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 256
     initializer_range: float = 0.02
+    # other families (families.py); every default below is Qwen3-MoE, which uses none of them
+    model_type: str = "qwen3_moe"        # the HF family: config names and weight keys on load and save
+    router_scoring: str = "softmax"      # softmax | sigmoid (DeepSeek-V3, GLM-4.5), in fp32
+    score_correction_bias: bool = False  # a per-expert bias added to the scores for the choice only
+    n_group: int = 1                     # group-limited top-k: experts in n_group groups, ...
+    topk_group: int = 1                  # ... the top-k taken inside the best topk_group groups
+    routed_scaling_factor: float = 1.0   # multiplies the routed experts' weights
+    n_shared_experts: int = 0            # ungated shared expert of n * moe_intermediate_size (GLM, DeepSeek)
+    shared_expert_intermediate_size: int = 0  # one shared expert with a sigmoid gate (Qwen2-MoE)
+    first_k_dense_replace: int = 0       # layers [0, k) are dense
+    attention_bias: bool = False         # biases on q_proj, k_proj, v_proj
+    attention_out_bias: bool = False     # a bias on o_proj (OLMoE, Qwen3 attention_bias)
+    qk_norm: str = "head"                # RMSNorm on q and k: per head | full (the whole projection) | none
+    partial_rotary_factor: float = 1.0   # RoPE on the first head_dim * factor dims of each head
 
     def __post_init__(self):
         _require_finite(self)
@@ -78,10 +94,46 @@ class ModelConfig:
         _require(not bad, f"mlp_only_layers {bad} are outside [0, num_hidden_layers={self.num_hidden_layers})")
         if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
             _require(self.intermediate_size > 0, "intermediate_size must be > 0: the config has dense layers")
+        self._check_family_knobs()
+
+    def _check_family_knobs(self):
+        import families   # here, not at the top: families.py imports this module
+        _require(self.model_type in families.FAMILIES,
+                 f"model_type={self.model_type!r} is not supported; choose one of {sorted(families.FAMILIES)}")
+        _require(self.router_scoring in ("softmax", "sigmoid"),
+                 f"router_scoring={self.router_scoring!r}: softmax or sigmoid")
+        _require(self.qk_norm in ("head", "full", "none"), f"qk_norm={self.qk_norm!r}: head, full or none")
+        _require(self.first_k_dense_replace >= 0 and self.n_shared_experts >= 0
+                 and self.shared_expert_intermediate_size >= 0,
+                 "first_k_dense_replace, n_shared_experts and shared_expert_intermediate_size must be >= 0")
+        _require(not (self.n_shared_experts and self.shared_expert_intermediate_size),
+                 "set n_shared_experts (ungated, GLM / DeepSeek) or shared_expert_intermediate_size "
+                 "(gated, Qwen2-MoE), not both")
+        _require(self.routed_scaling_factor > 0, f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        _require(0 < self.partial_rotary_factor <= 1,
+                 f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        _require(self.rotary_dim >= 2 and self.rotary_dim % 2 == 0,
+                 f"head_dim * partial_rotary_factor = {self.rotary_dim} rotary dims: must be even and >= 2")
+        _require(self.n_group >= 1 and 1 <= self.topk_group <= self.n_group,
+                 f"need n_group >= 1 and 1 <= topk_group <= n_group, got n_group={self.n_group}, "
+                 f"topk_group={self.topk_group}")
+        if self.n_group > 1 and self.num_experts > 0:
+            per = self.num_experts // self.n_group
+            _require(self.num_experts % self.n_group == 0 and per >= 2,
+                     f"n_group={self.n_group} must divide num_experts={self.num_experts} into groups of >= 2 "
+                     "(a group is ranked by its top-2 scores)")
+            _require(self.num_experts_per_tok <= self.topk_group * per,
+                     f"num_experts_per_tok={self.num_experts_per_tok} is more than the {self.topk_group * per} "
+                     f"experts in topk_group={self.topk_group} groups")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones; NeoX half-split over them)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+                and (layer_idx + 1) % self.decoder_sparse_step == 0 and layer_idx >= self.first_k_dense_replace)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -93,10 +145,10 @@ class ModelConfig:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
         return ModelConfig(**MODEL_PRESETS[name])
 
-    # ---- Hugging Face config.json ----
+    # ---- Hugging Face config.json: the translation of each family lives in families.py ----
     @staticmethod
     def from_hf(path_or_dict: str | dict) -> "ModelConfig":
-        """Read a Qwen3-MoE (or Qwen3 dense) config.json; accepts old and new transformers field names."""
+        """Read a config.json of a supported family (families.FAMILIES); old and new transformers names."""
         if isinstance(path_or_dict, dict):
             hf = dict(path_or_dict)
         else:
@@ -113,50 +165,36 @@ class ModelConfig:
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
         _require(not missing, f"config.json{'' if isinstance(path_or_dict, dict) else ' at ' + repr(path_or_dict)} "
                               f"lacks the required field(s) {', '.join(missing)}")
-        mt = hf.get("model_type", "qwen3_moe")
-        _require(mt in ("qwen3_moe", "qwen3"), f"model_type {mt!r} is not supported (expected qwen3_moe or qwen3)")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        _require(rope_type == "default", f"rope type {rope_type!r} is not supported, only 'default' RoPE")
-        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        _require(not hf.get("attention_bias", False), "attention_bias=True is not supported (Qwen3 has none)")
-        _require(hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')!r} is not supported")
-        if hf.get("use_sliding_window", False):
-            raise ConfigError("use_sliding_window=True is not supported: this model attends to the whole context")
-        n_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) if mt == "qwen3_moe" else 0
-        kw = dict(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
-            num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            num_experts=n_experts or 0,
-            num_experts_per_tok=hf.get("num_experts_per_tok", 1) if n_experts else 1,
-            moe_intermediate_size=hf.get("moe_intermediate_size", 0) if n_experts else 0,
-            intermediate_size=hf.get("intermediate_size", 0),
-            norm_topk_prob=hf.get("norm_topk_prob", False),
-            mlp_only_layers=hf.get("mlp_only_layers") or [],
-            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
-            rope_theta=float(theta), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            initializer_range=hf.get("initializer_range", 0.02),
-        )
-        return ModelConfig(**kw)
+        import families   # here, not at the top: families.py imports this module
+        return ModelConfig(**families.config_from_hf(hf))
 
     def to_hf(self) -> dict:
-        """The config.json that transformers' Qwen3MoeForCausalLM reads (both old and new rope keys)."""
-        d = {k: v for k, v in dataclasses.asdict(self).items()}
-        d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu",
-                 attention_bias=False, attention_dropout=0.0, use_sliding_window=False, sliding_window=None,
-                 num_local_experts=self.num_experts, output_router_logits=False, router_aux_loss_coef=0.0,
-                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-                 rope_scaling=None, use_cache=True)
+        """The config.json that transformers' class for `model_type` reads (old and new rope keys).
+
+        Raises ConfigError if the family cannot express a field this config sets (e.g. sigmoid routing
+        under model_type qwen3_moe): a checkpoint must load back as the model that wrote it.
+        """
+        import families
+        d = families.config_to_hf(self)
+        back = ModelConfig(**families.config_from_hf(json.loads(json.dumps(d))))
+        ignored = families.unused_fields(self)
+        lost = [f.name for f in dataclasses.fields(self)
+                if f.name not in ignored and getattr(back, f.name) != getattr(self, f.name)]
+        if lost:
+            raise ConfigError(f"model_type {self.model_type!r} cannot express {lost[0]}={getattr(self, lost[0])!r} "
+                              f"(it would load back as {getattr(back, lost[0])!r}); pick the model_type of a "
+                              "family that has this knob (see families.py)")
         return d
 
 
 MODEL_PRESETS: dict[str, dict] = {
     # ~1.5M parameters: 4 layers (1 dense + 3 MoE with 8 experts, top-2); trains in minutes on 2 CPU cores.
     "tiny": dict(),
+    # The tiny model with DeepSeek-V3 / GLM-4.5 routing, for the mismatch lab: sigmoid scores, a
+    # score-correction bias (zero until --expert_bias_update_rate moves it), 2 expert groups of 4 (top-2
+    # inside the best one), one shared expert; layer 0 dense through first_k_dense_replace (GLM's spelling).
+    "tiny-sigmoid": dict(model_type="glm4_moe", router_scoring="sigmoid", score_correction_bias=True, n_group=2,
+                         topk_group=1, n_shared_experts=1, mlp_only_layers=[], first_k_dense_replace=1),
     # The real Qwen3-30B-A3B shapes (48 layers, 128 experts, top-8, 3.3B active parameters).
     "qwen3-30b-a3b": dict(
         vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
@@ -258,6 +296,7 @@ class TrainConfig:
     replay: str = "none"              # none | r3
     route_filter: str = "none"        # none | mask | downweight: tokens whose rollout/trainer top-k overlap
     route_filter_threshold: float = 0.9    # (mean over MoE layers) is below the threshold
+    expert_bias_update_rate: float = 0.0  # > 0: after each optimizer step, router bias += rate * sign(mean load - load)
     # logging
     log_every: int = 1
     save_every: int = 50
@@ -299,6 +338,10 @@ class TrainConfig:
         _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")
         _require(self.kernels_backend in ("", "auto", "torch", "triton"),
                  f"--kernels_backend={self.kernels_backend!r}: auto, torch or triton (or '' for KERNELS_BACKEND)")
+        _require(self.expert_bias_update_rate >= 0, "--expert_bias_update_rate must be >= 0 (0: the bias is frozen)")
+        _require(self.expert_bias_update_rate == 0 or self.dtype == "float32",
+                 "--expert_bias_update_rate needs --dtype=float32: a bf16 bias would round away updates "
+                 "smaller than its precision")
 
     @property
     def aggregation(self) -> str:

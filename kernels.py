@@ -17,7 +17,9 @@ How each op keeps the contract on the CPU (torch backend; each rule is checked b
              ATTN_ROWS-row tiles of query rows (never a GEMM whose shape depends on the number of queries).
 * MoE:       a stable sort of (token, k) slots by expert, each expert's rows through the chunked linear,
              the router weight applied in fp32, then a fixed-order fp32 sum over k. No index_add_, no atomics.
-* router:    softmax in fp32, top-k by a stable descending sort (ties go to the lowest expert id).
+* router:    softmax, or sigmoid as 1 / (1 + exp(-x)), in fp32; top-k by a stable descending sort (ties go
+             to the lowest expert id), also inside group-limited routing; a score-correction bias only
+             shifts the choice. Row-local torch ops on every device (a CUDA test proves them there).
 
 Backward passes of the torch backend come from autograd on these ops: correct and deterministic, not
 batch-invariant (kernels_triton.py writes its own, also deterministic).
@@ -240,22 +242,43 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # MoE: router and experts
 # ---------------------------------------------------------------------------------------------------
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Router: softmax in fp32, top-k with lowest-index tie-break, optional renormalisation.
+          forced_ids: torch.Tensor | None = None, *, scoring: str = "softmax", bias: torch.Tensor | None = None,
+          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router: scores in fp32, top-k with lowest-index tie-break, optional renormalisation and scaling.
 
     logits (M, E) -> ids (M, k) int64 used, weights (M, k) fp32, chosen (M, k) int64: the router's own
     top-k (equal to ids unless forced).
+    scoring: "softmax" (Qwen, Mixtral, OLMoE) or "sigmoid" (DeepSeek-V3, GLM-4.5; written 1 / (1 + exp(-z)),
+        which is row-invariant where torch.sigmoid is not).
+    bias (E,): the score-correction bias, added to the scores for the CHOICE only; the weights are the
+        unbiased scores of the chosen experts (DeepSeek-V3's aux-loss-free balancing).
+    n_group, topk_group: group-limited top-k; the E experts form n_group consecutive groups, each ranked
+        by the sum of its two best (biased) scores, and the top-k is taken inside the topk_group best.
+    scaling: routed_scaling_factor, applied to the weights last.
     forced_ids (M, k): replay (R3) these experts instead of choosing; the weights are still the
-    model's own softmax probabilities of those experts, so the router keeps its gradient. A row of
-    all -1 (a position nobody recorded, e.g. padding) is routed normally.
+    model's own scores of those experts (then the same renormalisation and scaling), so the router
+    keeps its gradient. A row of all -1 (a position nobody recorded, e.g. padding) is routed normally.
+
+    Every step is row-local torch (sorts are stable and descending: ties go to the lowest index), also
+    on CUDA, where no Triton kernel replaces it; tests/test_families.py's GPU test shows the row
+    invariance there. With the defaults this runs exactly the softmax ops it always ran.
     """
     if _variant is not None and _variant["router_bf16"]:
         logits = logits.to(torch.bfloat16)                           # an injected rounding (mismatch lab)
-    probs = torch.softmax(logits.float(), dim=-1)
-    if _fast():
-        ids = torch.topk(probs, top_k, dim=-1).indices               # no tie-break guarantee
+    if scoring == "softmax":
+        probs = torch.softmax(logits.float(), dim=-1)
+    elif scoring == "sigmoid":
+        probs = sigmoid(logits)
     else:
-        ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        raise ValueError(f"router scoring {scoring!r}: softmax or sigmoid")
+    choice = probs if bias is None else probs + bias.float()
+    if n_group > 1:
+        choice = _group_limit(choice, n_group, topk_group)
+    if _fast():
+        ids = torch.topk(choice, top_k, dim=-1).indices              # no tie-break guarantee
+    else:
+        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
     chosen = ids
     if forced_ids is not None:
         forced_ids = forced_ids.long()
@@ -266,8 +289,36 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
         total = weights[:, 0]
         for j in range(1, top_k):                                    # fixed order, k ascending
             total = total + weights[:, j]
+        if scoring == "sigmoid":
+            total = total + 1e-20                                    # as DeepSeek-V3: sigmoids can all be 0
         weights = weights / total[:, None]
+    if scaling != 1.0:
+        weights = weights * scaling
     return ids, weights, chosen
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) in fp32, row-invariant (fp32 torch.sigmoid was not on an AVX-512 CPU).
+
+    x is clamped at -80 (sigmoid < 2e-35 there) so exp(-x) never overflows, which would make the
+    gradient inf / inf = nan. Used by the router's sigmoid scoring and Qwen2-MoE's shared-expert gate.
+    """
+    if _fast():
+        return torch.sigmoid(x.float())
+    z = x.float().clamp(min=-80.0)
+    return 1.0 / (1.0 + torch.exp(-z))
+
+
+def _group_limit(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Set to -inf the scores outside each row's topk_group best groups (DeepSeek-V3's group-limited
+    routing). choice (M, E) fp32; a group's score is the sum of its two best; ties: lowest group index."""
+    M, E = choice.shape
+    grouped = choice.view(M, n_group, E // n_group)                  # (M, G, E/G)
+    top2 = torch.sort(grouped, dim=-1, descending=True).values       # values only: ties do not matter
+    group_score = top2[..., 0] + top2[..., 1]                        # (M, G)
+    best = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+    keep = torch.zeros(M, n_group, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+    return choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(M, E), float("-inf"))
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -15,6 +15,10 @@ Layer: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)), where mlp is MoE on layers c
 ModelConfig.is_moe_layer and a dense SwiGLU elsewhere. Attention: GQA, per-head RMSNorm on q and k
 before NeoX RoPE, scale head_dim^-0.5, no biases. Router: softmax(gate(x)) in fp32, top-k,
 optional renormalisation. Experts are stacked: w13 (E, 2I, D) with gate rows first, w2 (E, D, I).
+That is Qwen3-MoE; the other families (families.py) switch on config knobs, each off by default:
+q/k/v and o biases (added after the matmul, in the model dtype), q/k norm over the whole projection or
+none, partial RoPE (the first rotary_dim dims of each head), sigmoid routing with a score-correction
+bias and grouped top-k (kernels.route), routed_scaling_factor, and shared experts (see MoE).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import families
 import kernels
 from config import ModelConfig
 
@@ -52,14 +57,20 @@ class PagedKV:
 
 
 class Linear(nn.Module):
-    """A bias-free linear layer whose matmul is kernels.linear (nn.Linear's is not batch-invariant)."""
+    """A linear layer whose matmul is kernels.linear (nn.Linear's is not batch-invariant).
 
-    def __init__(self, in_features: int, out_features: int):
+    The optional bias is added after the matmul, in the model dtype (an elementwise add: row-invariant);
+    transformers' nn.Linear fuses it into the GEMM, which agrees within rounding.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x):
-        return kernels.linear(x, self.weight)
+        y = kernels.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -76,19 +87,28 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.n_heads * self.head_dim)
-        self.k_proj = Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim)
-        self.v_proj = Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim)
-        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary_dim, self.qk_norm = cfg.rotary_dim, cfg.qk_norm
+        qd, kd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = Linear(cfg.hidden_size, qd, cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, kd, cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, kd, cfg.attention_bias)
+        self.o_proj = Linear(qd, cfg.hidden_size, cfg.attention_out_bias)
+        if cfg.qk_norm != "none":   # per head (Qwen3, GLM) or over the whole projection (OLMoE)
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else qd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, positions, kv: PagedKV | None, layer_idx: int):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))      # (B, T, H, D)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))   # (B, T, KVH, D)
+        q, k = self.q_proj(x), self.k_proj(x)                                         # (B, T, H*D), (B, T, KVH*D)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim)                                 # (B, T, H, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)                              # (B, T, KVH, D)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if kv is None:
             # Trainer path: this call's own keys, laid out as pages of KV_BLOCK positions, sequence b
             # owning pages [b * n_blocks, (b + 1) * n_blocks).
@@ -105,6 +125,13 @@ class Attention(nn.Module):
         o = kernels.paged_attention(q, k_pages, v_pages, block_table, positions, self.head_dim ** -0.5)
         return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim))
 
+    def rope(self, x, cos, sin):
+        """NeoX RoPE on the first rotary_dim dims of each head (all of them unless partial); the rest pass."""
+        if self.rotary_dim == self.head_dim:
+            return kernels.apply_rope(x, cos, sin)
+        r = self.rotary_dim
+        return torch.cat([kernels.apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
 
 class MLP(nn.Module):
     """Dense SwiGLU: down(silu(gate x) * up x)."""
@@ -118,21 +145,55 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
+    """Routed experts, plus the shared experts of some families.
+
+    The router (`gate`) may hold `gate.e_score_correction_bias` (E,): a buffer, not a parameter, because
+    the optimizer must not train it (it moves only by --expert_bias_update_rate's balancing rule); it is
+    state all the same, saved in checkpoints and copied wherever weights are synced (train.py).
+
+    Output = routed + shared, added in this order in the model dtype: routed is moe_experts' fp32
+    combine over k rounded to the model dtype; shared is the ungated MLP (GLM / DeepSeek, width
+    n_shared_experts * moe_intermediate_size) or, for Qwen2-MoE, sigmoid(shared_expert_gate x) (fp32,
+    row-invariant) times the shared MLP, multiplied in fp32 and rounded. transformers adds them in this
+    order too.
+    """
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Linear(D, E)                               # the router
+        if cfg.score_correction_bias:
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))      # gate_proj rows then up_proj rows
         self.w2 = nn.Parameter(torch.empty(E, D, I))           # down_proj
+        self.shared_experts = MLP(D, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(D, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(D, 1)
+        # the router's knobs; at their defaults kernels.route runs exactly the softmax path
+        self.route_kw = dict(scoring=cfg.router_scoring, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                             scaling=cfg.routed_scaling_factor)
 
     def forward(self, x, forced_ids=None):
         B, T, D = x.shape
         x2 = x.reshape(B * T, D)                                # (M, D)
         logits = self.gate(x2)                                  # (M, E)
         ids, weights, chosen = kernels.route(logits, self.top_k, self.norm_topk_prob,
-                                             None if forced_ids is None else forced_ids.reshape(B * T, -1))
+                                             None if forced_ids is None else forced_ids.reshape(B * T, -1),
+                                             bias=getattr(self.gate, "e_score_correction_bias", None),
+                                             **self.route_kw)
         out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x2)
+        if self.shared_expert is not None:
+            # kernels.linear's torch path is not row-invariant for ONE output column on this CPU (a lone
+            # 32-row tile takes a matrix-vector kernel, more tiles do not); a zero second row keeps the
+            # gate on the tiled path (measured in tests/test_families.py).
+            w = F.pad(self.shared_expert_gate.weight, (0, 0, 0, 1))          # (2, D)
+            g = kernels.sigmoid(kernels.linear(x2, w)[:, :1])                # (M, 1) fp32
+            out = out + (g * self.shared_expert(x2).float()).to(x.dtype)
         return out.view(B, T, D), chosen.view(B, T, self.top_k)
 
 
@@ -176,6 +237,8 @@ class Transformer(nn.Module):
             with torch.no_grad():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
@@ -185,7 +248,7 @@ class Transformer(nn.Module):
     def rope(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._rope:
             c = self.config
-            self._rope[device] = kernels.rope_tables(c.head_dim, c.rope_theta, c.max_position_embeddings, device)
+            self._rope[device] = kernels.rope_tables(c.rotary_dim, c.rope_theta, c.max_position_embeddings, device)
         return self._rope[device]
 
     # ---- the one forward ----
@@ -204,7 +267,7 @@ class Transformer(nn.Module):
         if routes is not None:
             self._check_routes(routes, B, T)
         cos_t, sin_t = self.rope(tokens.device)
-        cos, sin = cos_t[positions], sin_t[positions]                     # (B, T, D/2)
+        cos, sin = cos_t[positions], sin_t[positions]                     # (B, T, rotary_dim/2)
         x = self.embed_tokens(tokens)                                     # (B, T, D)
         recorded = []
         for layer in self.layers:
@@ -288,7 +351,8 @@ class Transformer(nn.Module):
     # ---- Hugging Face checkpoints ----
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype | None = None, device="cpu") -> "Transformer":
-        """Load a Qwen3-MoE safetensors directory (single file or sharded; per-expert or fused experts).
+        """Load a safetensors directory of a supported family (families.py; single file or sharded;
+        per-expert or fused experts).
 
         dtype: None keeps the checkpoint's (that of its embedding); any other is converted to.
         """
@@ -302,7 +366,8 @@ class Transformer(nn.Module):
         return model
 
     def save_pretrained(self, path: str, max_shard_bytes: int = 2 << 30) -> None:
-        """Write config.json + safetensors (sharded past max_shard_bytes) in the per-expert HF layout."""
+        """Write config.json + safetensors (sharded past max_shard_bytes) in the per-expert HF layout of
+        the config's model_type, which transformers reads back as the same model."""
         from safetensors.torch import save_file
         os.makedirs(path, exist_ok=True)
         state = state_to_hf(self)
@@ -371,32 +436,38 @@ def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
 
 
 def hf_to_state(tensors: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
-    """Map HF Qwen3-MoE keys onto this model's state_dict keys, stacking per-expert weights.
+    """Map a checkpoint's HF keys (spelled as model.config.model_type's family) onto this model's
+    state_dict keys, stacking per-expert weights.
 
     Raises CheckpointError naming the first missing, unexpected or mis-shaped tensor.
     """
     cfg = model.config
+    fam = families.family(cfg.model_type)
     want = {k: v.shape for k, v in model.state_dict().items()}
-    src = dict(tensors)
+    src, hf_name = {}, {}                        # our spelling -> tensor, and -> the checkpoint's key
+    for key, t in tensors.items():
+        ours = families.hf_key_to_ours(fam, key, cfg.num_hidden_layers)
+        if ours is not None:
+            src[ours], hf_name[ours] = t, key
     state: dict[str, torch.Tensor] = {}
 
-    def take(hf_key: str, shape=None):
-        if hf_key not in src:
-            raise CheckpointError(f"checkpoint is missing {hf_key!r} (does config.json match the weights?)")
-        t = src.pop(hf_key)
+    def take(name: str, shape=None):
+        if name not in src:
+            raise CheckpointError(f"checkpoint is missing {families.our_key_to_hf(fam, name)!r} "
+                                  "(does config.json match the weights?)")
+        t = src.pop(name)
         if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {hf_key!r} has shape {tuple(t.shape)}, the config needs {tuple(shape)}")
+            raise CheckpointError(f"tensor {hf_name[name]!r} has shape {tuple(t.shape)}, the config needs {tuple(shape)}")
         return t
 
     for name in want:
         if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
             continue
-        hf = name if name.startswith("lm_head") else "model." + name
-        state[name] = take(hf, want[name])
+        state[name] = take(name, want[name])
     if cfg.tie_word_embeddings:
         src.pop("lm_head.weight", None)   # some tools write the tied copy too
     for i in cfg.moe_layers:
-        pre = f"model.layers.{i}.mlp.experts"
+        pre = f"layers.{i}.mlp.experts"
         if f"{pre}.gate_up_proj" in src:   # fused layout of newer transformers: (E, 2I, D), (E, D, I)
             state[f"layers.{i}.mlp.w13"] = take(f"{pre}.gate_up_proj", want[f"layers.{i}.mlp.w13"])
             state[f"layers.{i}.mlp.w2"] = take(f"{pre}.down_proj", want[f"layers.{i}.mlp.w2"])
@@ -408,27 +479,29 @@ def hf_to_state(tensors: dict[str, torch.Tensor], model: Transformer) -> dict[st
             state[f"layers.{i}.mlp.w13"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
             state[f"layers.{i}.mlp.w2"] = torch.stack(down)
     if src:
-        extra = sorted(src)
+        extra = sorted(hf_name[k] for k in src)
         raise CheckpointError(f"checkpoint has {len(extra)} tensors the config does not use, e.g. {extra[0]!r} "
                               f"(does config.json match the weights?)")
     return state
 
 
 def state_to_hf(model: Transformer) -> dict[str, torch.Tensor]:
-    """This model's weights under HF Qwen3-MoE keys, experts split per expert (what transformers/vLLM read)."""
+    """This model's state (weights and the router bias buffers) under its family's HF keys, experts
+    split per expert (what transformers and vLLM read)."""
     cfg = model.config
+    fam = families.family(cfg.model_type)
     I = cfg.moe_intermediate_size
     out = {}
     for name, t in model.state_dict().items():
         t = t.detach().contiguous()
         if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
-            pre = "model." + name.rsplit(".", 1)[0] + ".experts"
+            pre = name.rsplit(".", 1)[0] + ".experts"
             for e in range(t.shape[0]):
                 if name.endswith("w13"):
-                    out[f"{pre}.{e}.gate_proj.weight"] = t[e, :I].clone()
-                    out[f"{pre}.{e}.up_proj.weight"] = t[e, I:].clone()
+                    out[families.our_key_to_hf(fam, f"{pre}.{e}.gate_proj.weight")] = t[e, :I].clone()
+                    out[families.our_key_to_hf(fam, f"{pre}.{e}.up_proj.weight")] = t[e, I:].clone()
                 else:
-                    out[f"{pre}.{e}.down_proj.weight"] = t[e].clone()
+                    out[families.our_key_to_hf(fam, f"{pre}.{e}.down_proj.weight")] = t[e].clone()
         else:
-            out[name if name.startswith("lm_head") else "model." + name] = t
+            out[families.our_key_to_hf(fam, name)] = t
     return out

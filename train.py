@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
@@ -206,18 +207,21 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
         fully_shard(layer)
     fully_shard(scorer)
     full_params = dict(full_copy.named_parameters())
+    full_buffers = dict(full_copy.named_buffers())
 
     @torch.no_grad()
     def sync():
         for name, p in model.named_parameters():
             full_params[name].copy_(p.full_tensor())
+        for name, b in model.named_buffers():                         # FSDP2 leaves buffers whole on each rank
+            full_buffers[name].copy_(b)
     return scorer, full_copy, sync
 
 
 def lower_precision_copy(source: Transformer, dtype: torch.dtype, sync_source):
     """The mismatch lab's rollout weights: a copy of `source` in `dtype`, refreshed before each rollout."""
     copy_ = copy.deepcopy(source).to(dtype).requires_grad_(False)
-    pairs = list(zip(source.parameters(), copy_.parameters()))
+    pairs = list(zip(model_state(source), model_state(copy_)))       # the router bias is rounded too
 
     @torch.no_grad()
     def sync():
@@ -225,6 +229,37 @@ def lower_precision_copy(source: Transformer, dtype: torch.dtype, sync_source):
         for p, q in pairs:
             q.copy_(p)
     return copy_, sync
+
+
+def model_state(model: nn.Module) -> list[torch.Tensor]:
+    """Everything a weight sync must carry: the parameters, then the buffers (the routers'
+    score-correction biases); DDP broadcasts buffers from rank 0 at each forward on its own."""
+    return list(model.parameters()) + list(model.buffers())
+
+
+def expert_load(routes: torch.Tensor, mask: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(n_moe, E) int64: how often each expert was chosen at the positions that score a response token.
+
+    routes (B, T, n_moe, k) from the trainer's forward; mask (B, T-1): position j predicts token j + 1.
+    """
+    r = routes[:, :-1][mask.bool()]                                  # (N, n_moe, k)
+    return F.one_hot(r, n_experts).sum(dim=(0, 2))                   # (n_moe, E)
+
+
+@torch.no_grad()
+def update_expert_bias(model: Transformer, load: torch.Tensor, rate: float, d: Dist) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
+
+    load (n_moe, E) is this rank's count; it is summed over ranks first, so every rank applies the
+    same update to its copy of the bias.
+    """
+    if d.world > 1:
+        dist.all_reduce(load)
+    load = load.double()
+    step = rate * torch.sign(load.mean(-1, keepdim=True) - load)    # (n_moe, E): underloaded experts go up
+    for j, i in enumerate(model.config.moe_layers):
+        bias = model.layers[i].mlp.gate.e_score_correction_bias
+        bias.add_(step[j].to(bias.dtype))
 
 
 def grad_sync(scorer, enabled: bool):
@@ -282,9 +317,9 @@ def reduce_metrics(row: dict, d: Dist) -> dict:
 
 
 def check_in_sync(model: Transformer, d: Dist) -> str:
-    """Raise unless every rank holds bit-identical weights; returns their digest."""
+    """Raise unless every rank holds bit-identical weights (and buffers); returns their digest."""
     h = hashlib.sha256()
-    for p in model.parameters():
+    for p in model_state(model):
         t = p.detach().cpu().contiguous()
         h.update(ctypes.string_at(t.data_ptr(), t.nbytes))            # the raw bytes; needs no numpy
     digests = [None] * d.world
@@ -552,6 +587,9 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens)
     model = build_model(tcfg, device, dtype)
+    if tcfg.expert_bias_update_rate > 0 and not model.config.score_correction_bias:
+        raise ConfigError("--expert_bias_update_rate needs a model with a score-correction bias "
+                          "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")
     if task.vocab_size > model.config.vocab_size:
         raise ConfigError(f"task {tcfg.task!r} uses {task.vocab_size} token ids, the model has vocab_size="
                           f"{model.config.vocab_size}")
@@ -560,7 +598,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         ckpt = latest_checkpoint(tcfg.out_dir)
         state = load_trainer_state(ckpt)
         tcfg = plan_resume(tcfg, state, d)
-        if state["model_config"] != dataclasses.asdict(model.config):
+        if ModelConfig(**state["model_config"]) != model.config:       # fields added since take their defaults
             raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
         weights = hf_to_state(read_safetensors_dir(ckpt), model)
         model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
@@ -694,6 +732,9 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int):
                 run.skipped += 1                                      # as if this update had not run
                 continue
             run.opt.step()
+            if tcfg.expert_bias_update_rate > 0:                      # aux-loss-free balancing of the router bias
+                load = expert_load(fwd[1], batch.mask[idx], run.model.config.num_experts)
+                update_expert_bias(run.model, load.to(d.device), tcfg.expert_bias_update_rate, d)
             stats["loss"] += loss
             stats["clip_frac"] += clip_frac
             stats["updates"] += 1

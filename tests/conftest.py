@@ -135,3 +135,61 @@ def assert_contract(model: Transformer, outs, temperature: float = 1.0) -> None:
         logp, routes = logp[0, P - 1:].cpu(), routes[0, :P + G - 1].cpu()
         assert torch.equal(o.logprobs, logp), f"output {i}: logprobs differ from score by {(o.logprobs - logp).abs().max()}"
         assert torch.equal(o.routes, routes), f"output {i}: routes differ from score"
+
+
+# ---------------------------------------------------------------------------------------------------
+# other model families (tests/test_families.py): tiny random transformers models of each model_type
+# ---------------------------------------------------------------------------------------------------
+FAMILY_DIMS = dict(vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=48, num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=256,
+                   tie_word_embeddings=False, initializer_range=0.2, pad_token_id=None, bos_token_id=None,
+                   eos_token_id=None)   # no padding_idx: its embedding row would get no gradient
+# model_type -> (transformers class prefix, what the family sets beyond FAMILY_DIMS). Each switches on
+# the family's own knobs: biases, shared experts, sigmoid + bias + groups, partial RoPE, dense layers.
+FAMILY_HF = {
+    "qwen3_moe": ("Qwen3Moe", dict(head_dim=16, num_experts=8, moe_intermediate_size=24, mlp_only_layers=[0],
+                                   norm_topk_prob=True, attention_bias=True)),
+    "qwen3": ("Qwen3", dict(head_dim=16, attention_bias=True)),        # dense
+    "qwen2_moe": ("Qwen2Moe", dict(num_experts=8, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                   mlp_only_layers=[1], norm_topk_prob=False)),
+    "olmoe": ("Olmoe", dict(num_experts=8, intermediate_size=24, norm_topk_prob=False, attention_bias=True)),
+    "mixtral": ("Mixtral", dict(num_local_experts=8, intermediate_size=24)),
+    "glm4_moe": ("Glm4Moe", dict(head_dim=16, n_routed_experts=8, moe_intermediate_size=24, num_experts_per_tok=3,
+                                 n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                 first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True,
+                                 attention_bias=True, partial_rotary_factor=0.5)),
+}
+
+
+def make_hf_family(model_type: str, seed: int = 0, std: float = 0.15, **overrides):
+    """A random transformers model of a family in fp32 eval mode (eager attention and experts), with
+    random norm weights and, where the family has one, a random score-correction bias."""
+    transformers = pytest.importorskip("transformers")
+    prefix, kw = FAMILY_HF[model_type]
+    kw = {**FAMILY_DIMS, **kw, **overrides}
+    theta = kw.pop("rope_theta", 10000.0)
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    if "partial_rotary_factor" in kw:
+        kw["rope_parameters"]["partial_rotary_factor"] = kw.pop("partial_rotary_factor")
+    cfg = getattr(transformers, prefix + "Config")(**kw, attn_implementation="eager", experts_implementation="eager")
+    torch.manual_seed(seed)
+    model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
+    randomize_(model, seed, std)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    return model
+
+
+def load_hf_auto(path: str, dtype=torch.float32):
+    """transformers' AutoModelForCausalLM (the class config.json's model_type names); fails if any weight
+    was missing, unused or mis-shaped."""
+    transformers = pytest.importorskip("transformers")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation="eager", experts_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"], info
+    assert not info["unexpected_keys"], info
+    assert not info.get("mismatched_keys"), info
+    return model.eval()

@@ -1,0 +1,661 @@
+"""Model families (families.py) and the router semantics they need: each family against transformers,
+the contract for every new op, and the score-correction bias as state.
+
+    python -m pytest -q tests/test_families.py
+
+Per family (qwen3_moe, qwen2_moe, olmoe, mixtral, glm4_moe; tiny random checkpoints that transformers
+makes here, conftest.FAMILY_HF): logits within 1e-5 relative in fp32, gradients, save -> transformers
+reads back the same bits, batch-invariant score (fp32, bf16), the sampler contract, greedy ==
+transformers' generate. Then: the router's new ops (sigmoid, bias, groups, scaling) against brute force
+and for row invariance with their controls, R3 replay under sigmoid routing, DeepSeek-V3's MoE block
+against transformers' DeepseekV3MoE, Qwen3-MoE unchanged (the old ops, bit for bit), the bias in
+checkpoints, syncs and the balancing update, and a CUDA test of the router ops' row invariance.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+import train
+from conftest import (FAMILY_HF, assert_contract, load_hf_auto, make_hf_family, make_model, rel_err,
+                      tiny_config)
+from config import ConfigError, ModelConfig
+from model import CheckpointError, Transformer
+from rollout import Sampler
+
+transformers = pytest.importorskip("transformers")
+FAMS = list(FAMILY_HF)
+TOL = 1e-5
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """model_type -> (transformers model, its own checkpoint directory, our model loaded from it)."""
+    cache = {}
+
+    def get(mt):
+        if mt not in cache:
+            hf = make_hf_family(mt, seed=1)
+            path = str(tmp_path_factory.mktemp(mt))
+            hf.save_pretrained(path)
+            cache[mt] = hf, path, Transformer.from_pretrained(path).eval()
+        return cache[mt]
+    return get
+
+
+def tokens(B=3, T=24, seed=0):
+    return torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_routes(hf, toks):
+    """transformers' logits and, per MoE layer, its router's top-k ids (M, k) (a hook on mlp.gate)."""
+    ids, handles = [], []
+    for layer in hf.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            handles.append(layer.mlp.gate.register_forward_hook(lambda m, i, out: ids.append(out[2])))
+    try:
+        with torch.no_grad():
+            logits = hf(toks).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, ids
+
+
+# ---------------------------------------------------------------------------------------------------
+# each family against transformers
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mt", FAMS)
+def test_logits_and_routes_match_transformers(family, mt):
+    hf, _, model = family(mt)
+    assert model.config.model_type == mt
+    toks = tokens()
+    ref, ref_ids = hf_routes(hf, toks)
+    with torch.no_grad():
+        logits = model(toks)
+        _, routes = model.score(toks)
+    err = rel_err(logits, ref)
+    print(f"\n[rel-err vs transformers] {mt}: {err:.2e}")
+    assert err < TOL, f"{mt}: logits differ from transformers by {err:.2e} relative"
+    assert len(ref_ids) == model.n_moe_layers
+    for j, r in enumerate(ref_ids):                        # the same experts (as sets) at every token
+        assert torch.equal(routes[:, :, j].reshape(r.shape).sort(-1).values, r.sort(-1).values), (mt, j)
+
+
+def test_glm_bias_is_used_for_the_choice(family):
+    """Control for the test above: zeroing our copy of the score-correction bias changes the routes."""
+    hf, _, model = family("glm4_moe")
+    model = copy.deepcopy(model)
+    toks = tokens()
+    _, ref_ids = hf_routes(hf, toks)
+    for i in model.config.moe_layers:
+        model.layers[i].mlp.gate.e_score_correction_bias.zero_()
+    with torch.no_grad():
+        _, routes = model.score(toks)
+    assert any(not torch.equal(routes[:, :, j].reshape(r.shape).sort(-1).values, r.sort(-1).values)
+               for j, r in enumerate(ref_ids))
+
+
+def hf_state_as_ours(hf, model, grads=False):
+    """transformers' in-memory state (fused experts) mapped through our loader; grads=True: the gradients."""
+    from model import hf_to_state
+    params = dict(hf.named_parameters())
+    src = {k: (params[k].grad if grads and k in params else v) for k, v in hf.state_dict().items()}
+    return hf_to_state(src, model)
+
+
+@pytest.mark.parametrize("mt", FAMS)
+def test_gradients_match_transformers(family, mt):
+    _, path, _ = family(mt)
+    model = Transformer.from_pretrained(path)
+    hf = load_hf_auto(path).double()                       # fp64 reference; ours runs in fp32
+    toks = tokens(2, 20, seed=3)
+    logp, _ = model.score(toks)
+    logp.sum().backward()
+    ref = torch.log_softmax(hf(toks).logits[:, :-1], -1).gather(-1, toks[:, 1:, None]).sum()
+    ref.backward()
+    ref_grads = hf_state_as_ours(hf, model, grads=True)
+    worst = 0.0
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.shape == ref_grads[name].shape, name
+        err = rel_err(p.grad, ref_grads[name])
+        worst = max(worst, err)
+        assert err < 1e-4, f"{mt} {name}: grad rel error {err:.2e}"
+    print(f"\n[grad rel-err] {mt}: worst {worst:.2e}")
+
+
+@pytest.mark.parametrize("mt", FAMS)
+def test_save_then_transformers_reads_back(family, mt, tmp_path):
+    from safetensors.torch import load_file
+    hf, path, model = family(mt)
+    model.save_pretrained(str(tmp_path))
+    back = load_hf_auto(str(tmp_path))                     # the class config.json's model_type names
+    assert back.config.model_type == mt and type(back) is type(hf)
+    assert set(load_file(str(tmp_path / "model.safetensors"))) == set(load_file(os.path.join(path, "model.safetensors")))
+    toks = tokens(2, 20, seed=4)
+    with torch.no_grad():
+        assert torch.equal(back(toks).logits, hf(toks).logits)   # the very same weights, bit for bit
+    again = Transformer.from_pretrained(str(tmp_path))
+    assert again.config == model.config
+    for (k, a), b in zip(again.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k                        # including the router bias buffers
+
+
+@pytest.mark.parametrize("mt", ["mixtral", "glm4_moe"])
+def test_fused_expert_layout_loads(family, mt, tmp_path):
+    """transformers 5's in-memory layout (mlp.experts.gate_up_proj / down_proj) written as is."""
+    from safetensors.torch import save_file
+    hf, path, model = family(mt)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    fused = Transformer.from_pretrained(str(tmp_path))
+    for (k, a), b in zip(fused.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_glm_mtp_layer_is_dropped_but_other_extras_are_errors(family, tmp_path):
+    from safetensors.torch import load_file, save_file
+    _, path, model = family("glm4_moe")
+    t = load_file(os.path.join(path, "model.safetensors"))
+    L = model.config.num_hidden_layers
+    t[f"model.layers.{L}.eh_proj.weight"] = torch.zeros(4, 4)          # GLM-4.5 ships its MTP layer so
+    save_file(t, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    Transformer.from_pretrained(str(tmp_path))
+    t["model.layers.1.mlp.gate.extra"] = torch.zeros(3)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="layers.1.mlp.gate.extra"):
+        Transformer.from_pretrained(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the contract: batch invariance of score, the sampler, greedy decoding
+# ---------------------------------------------------------------------------------------------------
+LENGTHS = [3, 17, 9, 30, 16]
+
+
+def seqs_(seed=5, lengths=LENGTHS):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (L,), generator=g) for L in lengths]
+
+
+def invariance_failures(model, seqs) -> list[int]:
+    """Sequences whose log-probs or routes, scored in a padded batch (two groupings), differ from alone."""
+    bad, dev = set(), next(model.parameters()).device
+    with torch.no_grad():
+        alone = [model.score(s[None].to(dev)) for s in seqs]
+        longest = max(len(q) for q in seqs)
+        for order, T in ((range(len(seqs)), longest + 3), (reversed(range(len(seqs))), longest + 10)):
+            order = list(order)
+            batch = torch.randint(0, 50, (len(order), T), generator=torch.Generator().manual_seed(T))
+            for row, i in enumerate(order):
+                batch[row, :len(seqs[i])] = seqs[i]
+            logp, routes = model.score(batch.to(dev))
+            for row, i in enumerate(order):
+                L = len(seqs[i])
+                if not (torch.equal(logp[row, :L - 1], alone[i][0][0]) and torch.equal(routes[row, :L], alone[i][1][0])):
+                    bad.add(i)
+    return sorted(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mt", FAMS)
+def test_score_is_batch_invariant(family, mt, dtype):
+    model = copy.deepcopy(family(mt)[2]).to(dtype)
+    assert invariance_failures(model, seqs_()) == []
+
+
+def test_control_torch_sigmoid_breaks_batch_invariance(family, monkeypatch):
+    """The control: with fp32 torch.sigmoid in GLM's router the forward is batch-variant on this CPU.
+    Its vector tail rounds differently, so a row's bits depend on where the (M, 8) score tensor ends
+    (M % 4 == 3 here): the differing rows are a sequence's last ones, whose routes score() mostly does
+    not use, so the forward's logits at every position are compared. (Qwen2-MoE's (M, 1) gate sees a
+    strided slice, which torch.sigmoid happened to compute row-invariantly; the op-level control is
+    test_sigmoid_is_row_invariant_and_torch_sigmoid_is_not.)"""
+    x = torch.randn(300, 8) * 3
+    if all(torch.equal(torch.sigmoid(x[:m]), torch.sigmoid(x)[:m]) for m in range(1, 301)):
+        pytest.skip("fp32 torch.sigmoid happens to be row-invariant on this CPU; nothing to control")
+    monkeypatch.setattr(kernels, "sigmoid", lambda t: torch.sigmoid(t.float()))
+    lengths = list(range(3, 32, 4)) * 2
+    model, seqs = family("glm4_moe")[2], seqs_(lengths=lengths)
+    with torch.no_grad():
+        batch = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+        for i, q in enumerate(seqs):
+            batch[i, :len(q)] = q
+        full = model(batch)
+        assert any(not torch.equal(model(q[None])[0], full[i, :len(q)]) for i, q in enumerate(seqs))
+
+
+def test_control_one_column_linear_is_not_row_invariant_on_this_cpu():
+    """Why Qwen2-MoE's shared-expert gate (D -> 1) is computed as two columns: kernels.linear with a
+    single output column gave other bits for a lone 32-row tile than inside a larger batch here."""
+    x, w = torch.randn(200, 32), torch.randn(1, 32)
+
+    def bad(w_):
+        return [m for m in (1, 5, 31, 32) if not torch.equal(kernels.linear(x[:m], w_), kernels.linear(x, w_)[:m])]
+    if not bad(w):
+        pytest.skip("one-column kernels.linear happens to be row-invariant on this CPU; nothing to control")
+    assert bad(F.pad(w, (0, 0, 0, 1))) == []
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mt", ["glm4_moe", "qwen2_moe", "olmoe"])
+def test_score_is_batch_invariant_on_cuda(family, mt, dtype):
+    """The families' new ops (biases, full q/k norm, partial RoPE, the router, shared experts) through
+    the default CUDA backend (Triton kernels + the torch router)."""
+    model = copy.deepcopy(family(mt)[2]).to("cuda", dtype)
+    assert invariance_failures(model, seqs_()) == []
+
+
+@pytest.mark.parametrize("mt", FAMS)
+def test_sampler_contract(family, mt):
+    model = family(mt)[2]
+    prompts = [s.tolist() for s in seqs_(seed=6)]
+    outs = Sampler(model).generate(prompts, max_new_tokens=6, temperature=1.0, n=2, seed=3, progress=False)
+    assert_contract(model, outs, 1.0)
+
+
+@pytest.mark.parametrize("mt", FAMS)
+def test_greedy_matches_transformers_generate(family, mt):
+    hf, _, model = family(mt)
+    prompts = [s.tolist() for s in seqs_(seed=7)[:3]]
+    outs = Sampler(model).generate(prompts, max_new_tokens=6, temperature=0, progress=False)
+    for p, o in zip(prompts, outs):
+        x = torch.tensor([p])
+        with torch.no_grad():
+            y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=6,
+                            min_new_tokens=6, pad_token_id=0, eos_token_id=None)
+        assert y[0, len(p):].tolist() == o.tokens, f"{mt}: prompt of length {len(p)}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the router's new ops
+# ---------------------------------------------------------------------------------------------------
+def brute_force_route(logits, k, bias, n_group, topk_group, norm, scaling):
+    """DeepSeek-V3's rule by enumeration, in fp64: the best topk_group groups (by the sum of each
+    group's two best biased scores; lower group index first on ties), then the best k experts inside
+    (lower index first on ties); weights = unbiased sigmoid scores, renormalised, scaled."""
+    s = torch.sigmoid(logits.double())
+    c = s + bias.double()
+    E = s.shape[-1]
+    size = E // n_group
+    ids = []
+    for row in c.tolist():
+        gs = [sum(sorted(row[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(n_group)]
+        groups = sorted(range(n_group), key=lambda g: (-gs[g], g))[:topk_group]
+        allowed = [e for e in range(E) if e // size in groups]
+        ids.append(sorted(allowed, key=lambda e: (-row[e], e))[:k])
+    ids = torch.tensor(ids)
+    w = s.gather(-1, ids)
+    if norm:
+        w = w / w.sum(-1, keepdim=True)
+    return ids, w * scaling
+
+
+@pytest.mark.parametrize("n_group, topk_group, k", [(1, 1, 3), (4, 2, 3), (2, 1, 2), (8, 3, 2)])
+def test_grouped_sigmoid_route_matches_brute_force(n_group, topk_group, k):
+    g = torch.Generator().manual_seed(n_group * 10 + topk_group)
+    logits = torch.randn(200, 16, generator=g) * 2
+    bias = torch.randn(16, generator=g) * 0.3
+    ids, w, chosen = kernels.route(logits, k, True, scoring="sigmoid", bias=bias, n_group=n_group,
+                                   topk_group=topk_group, scaling=2.5)
+    ref_ids, ref_w = brute_force_route(logits, k, bias, n_group, topk_group, True, 2.5)
+    assert torch.equal(ids, ref_ids) and torch.equal(chosen, ids)
+    assert torch.allclose(w.double(), ref_w, rtol=1e-6, atol=0)
+    # the bias moved the choice (the test is not vacuous) but not the weights' source
+    free_ids, _, _ = kernels.route(logits, k, True, scoring="sigmoid", n_group=n_group, topk_group=topk_group)
+    assert not torch.equal(free_ids, ids)
+
+
+def test_route_ties_go_to_the_lowest_index():
+    # sigmoid(0) = 0.5 everywhere: every expert and every group ties
+    ids, w, _ = kernels.route(torch.zeros(2, 8), 3, False, scoring="sigmoid", n_group=4, topk_group=2)
+    assert ids.tolist() == [[0, 1, 2]] * 2 and torch.equal(w, torch.full((2, 3), 0.5))
+    # groups 1 and 3 tie at the top; group 1 wins; a bias breaks the expert tie inside it
+    logits = torch.tensor([[0.0, 0.0, 3.0, 3.0, 0.0, 0.0, 3.0, 3.0]])
+    ids, _, _ = kernels.route(logits, 2, True, scoring="sigmoid", n_group=4, topk_group=1)
+    assert ids.tolist() == [[2, 3]]
+    bias = torch.tensor([0.0, 0, 0, 0.1, 0, 0, 0, 0])
+    ids, w, _ = kernels.route(logits, 1, False, scoring="sigmoid", bias=bias, n_group=4, topk_group=1)
+    assert ids.tolist() == [[3]] and w.item() == kernels.sigmoid(torch.tensor(3.0)).item()   # unbiased weight
+
+
+def test_sigmoid_is_row_invariant_and_torch_sigmoid_is_not():
+    x = torch.randn(70, 40) * 3
+    prefix_bad = lambda f: [m for m in range(1, 71) if not torch.equal(f(x[:m]), f(x)[:m])]  # noqa: E731
+    naive = prefix_bad(torch.sigmoid)
+    if not naive:
+        pytest.skip("fp32 torch.sigmoid happens to be row-invariant on this CPU; nothing to control")
+    assert prefix_bad(kernels.sigmoid) == []
+    assert (kernels.sigmoid(x).double() - torch.sigmoid(x.double())).abs().max() < 1e-6
+    # no nan gradient where exp(-x) overflows
+    z = torch.tensor([-200.0, -88.0, 0.0, 90.0], requires_grad=True)
+    kernels.sigmoid(z).sum().backward()
+    assert torch.isfinite(z.grad).all()
+
+
+ROUTER_CASES = [dict(scoring="sigmoid"), dict(scoring="sigmoid", n_group=4, topk_group=2, scaling=2.5),
+                dict(scoring="softmax", n_group=2, topk_group=1), dict(scoring="sigmoid", n_group=4, topk_group=2)]
+
+
+def router_prefix_failures(logits, bias, kw) -> list[int]:
+    full = kernels.route(logits, 3, True, bias=bias, **kw)
+    return [m for m in range(1, logits.shape[0] + 1)
+            if not all(torch.equal(a, b[:m]) for a, b in zip(kernels.route(logits[:m], 3, True, bias=bias, **kw), full))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_ops_are_row_invariant(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits, bias = (torch.randn(70, 16, generator=g) * 3).to(dtype), torch.randn(16, generator=g).to(dtype) * 0.2
+    for kw in ROUTER_CASES:
+        assert router_prefix_failures(logits, bias, kw) == [], kw
+
+
+def test_default_router_takes_the_old_ops():
+    """At their defaults the new knobs run exactly the ops route ran before them (restated here)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 8, generator=g) * 2
+    logits[::7, 3] = logits[::7, 5]                                     # some exact ties
+    forced = torch.randint(0, 8, (64, 2), generator=g)
+    forced[forced[:, 0] == forced[:, 1], 1] = (forced[forced[:, 0] == forced[:, 1], 0] + 1) % 8
+    forced[::5] = -1
+    for norm, f in itertools.product((True, False), (None, forced)):
+        probs = torch.softmax(logits.float(), dim=-1)
+        ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :2]
+        chosen = ids
+        if f is not None:
+            ids = torch.where((f < 0).all(-1, keepdim=True), ids, f)
+        w = probs.gather(-1, ids)
+        if norm:
+            w = w / (w[:, 0] + w[:, 1])[:, None]
+        for a, b in zip(kernels.route(logits, 2, norm, f), (ids, w, chosen)):
+            assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Qwen3-MoE unchanged: the default model scores the bits of the old forward (restated with the old ops)
+# ---------------------------------------------------------------------------------------------------
+def old_score(model, toks):
+    """The forward as it was before the family knobs: per-head q/k norm, full RoPE, no biases, softmax
+    router, no shared experts, straight from kernels.py's ops."""
+    c, B, T = model.config, *toks.shape
+    H, KVH, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+    cos_t, sin_t = kernels.rope_tables(c.head_dim, c.rope_theta, c.max_position_embeddings)
+    pos = torch.arange(T).expand(B, T)
+    cos, sin = cos_t[pos], sin_t[pos]
+    x, routes = model.embed_tokens(toks), []
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        h = kernels.rms_norm(x, layer.input_layernorm.weight, eps)
+        q = kernels.rms_norm(kernels.linear(h, a.q_proj.weight).view(B, T, H, D), a.q_norm.weight, eps)
+        k = kernels.rms_norm(kernels.linear(h, a.k_proj.weight).view(B, T, KVH, D), a.k_norm.weight, eps)
+        v = kernels.linear(h, a.v_proj.weight).view(B, T, KVH, D)
+        q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
+        pad = (-T) % kernels.KV_BLOCK
+        kp = F.pad(k, (0, 0, 0, 0, 0, pad)).reshape(-1, kernels.KV_BLOCK, KVH, D)
+        vp = F.pad(v, (0, 0, 0, 0, 0, pad)).reshape(-1, kernels.KV_BLOCK, KVH, D)
+        o = kernels.paged_attention(q, kp, vp, torch.arange(kp.shape[0]).view(B, -1), pos, D ** -0.5)
+        x = x + kernels.linear(o.reshape(B, T, H * D), a.o_proj.weight)
+        h = kernels.rms_norm(x, layer.post_attention_layernorm.weight, eps)
+        if layer.is_moe:
+            h2 = h.reshape(B * T, -1)
+            probs = torch.softmax(kernels.linear(h2, m.gate.weight).float(), dim=-1)
+            ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :c.num_experts_per_tok]
+            w = probs.gather(-1, ids)
+            if c.norm_topk_prob:
+                total = w[:, 0]
+                for j in range(1, w.shape[1]):
+                    total = total + w[:, j]
+                w = w / total[:, None]
+            x = x + kernels.moe_experts(h2, m.w13, m.w2, ids, w).view(B, T, -1)
+            routes.append(ids.view(B, T, -1))
+        else:
+            x = x + m.down_proj(kernels.silu_mul(m.gate_proj(h), m.up_proj(h)))
+    h = kernels.rms_norm(x, model.norm.weight, eps)
+    logits = kernels.linear(h[:, :-1], model.lm_weight())
+    return kernels.token_logprobs(logits, toks[:, 1:], 0.7), torch.stack(routes, dim=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_moe_default_is_unchanged_bit_for_bit(dtype):
+    model = make_model(tiny_config(), seed=3).to(dtype)
+    assert not list(model.buffers())                                    # no new state by default
+    toks = tokens(3, 37, seed=8)
+    with torch.no_grad():
+        logp, routes = model.score(toks, temperature=0.7)
+        old_logp, old_routes = old_score(model, toks)
+    assert torch.equal(logp, old_logp) and torch.equal(routes, old_routes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# R3 replay under sigmoid routing
+# ---------------------------------------------------------------------------------------------------
+def test_r3_replay_with_sigmoid_routing(family, monkeypatch):
+    model = copy.deepcopy(family("glm4_moe")[2])
+    toks = tokens(2, 30, seed=9)
+    with torch.no_grad():
+        logp, routes = model.score(toks)
+        again, used = model.score(toks, routes=routes)
+    assert torch.equal(again, logp) and torch.equal(used, routes)      # replaying one's own routes: identity
+    E = model.config.num_experts
+    forced = (routes + 1) % E                                           # other experts, still distinct
+    seen = []
+    real_route = kernels.route
+
+    def spy(logits, *a, **kw):
+        out = real_route(logits, *a, **kw)
+        seen.append((logits.detach(), out))
+        return out
+    monkeypatch.setattr(kernels, "route", spy)
+    logp_f, used_f = model.score(toks, routes=forced)
+    assert torch.equal(used_f[:, :, 0], routes[:, :, 0])                # the router's own choice is reported
+    assert not torch.equal(logp_f, logp)
+    cfg = model.config
+    for j, (logits, (ids, w, _)) in enumerate(seen):
+        assert torch.equal(ids, forced[:, :, j].reshape(ids.shape))
+        s = torch.sigmoid(logits.double()).gather(-1, ids)              # the model's own unbiased scores
+        want = s / s.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+        assert torch.allclose(w.double(), want, rtol=1e-6, atol=0)
+    logp_f.sum().backward()
+    for i in cfg.moe_layers:
+        assert model.layers[i].mlp.gate.weight.grad.abs().sum() > 0    # the router still learns
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSeek-V3's MoE block (MLA attention is out of scope)
+# ---------------------------------------------------------------------------------------------------
+def test_deepseek_v3_moe_block_matches_transformers():
+    from model import MoE
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    hcfg = transformers.DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=16,
+                                         num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2,
+                                         routed_scaling_factor=2.5, norm_topk_prob=True, hidden_act="silu",
+                                         experts_implementation="eager")
+    ref = DeepseekV3MoE(hcfg).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        ref.gate.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.2)
+    cfg = tiny_config(hidden_size=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=16,
+                      router_scoring="sigmoid", score_correction_bias=True, n_group=4, topk_group=2,
+                      n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    ours = MoE(cfg)
+    ours.load_state_dict({"gate.weight": ref.gate.weight,
+                          "gate.e_score_correction_bias": ref.gate.e_score_correction_bias,
+                          "w13": ref.experts.gate_up_proj, "w2": ref.experts.down_proj,
+                          **{f"shared_experts.{k}": v for k, v in ref.shared_experts.state_dict().items()}})
+    x = torch.randn(2, 40, 32, generator=g)
+    with torch.no_grad():
+        want = ref(x)
+        got, _ = ours(x)
+    assert rel_err(got, want) < TOL
+
+
+# ---------------------------------------------------------------------------------------------------
+# config translation
+# ---------------------------------------------------------------------------------------------------
+def test_family_config_fields():
+    expect = {   # the knobs each family switches on (checked against the HF config dicts of FAMILY_HF)
+        "qwen3_moe": dict(attention_bias=True, attention_out_bias=True, qk_norm="head", mlp_only_layers=[0]),
+        "qwen3": dict(num_experts=0, attention_bias=True, attention_out_bias=True, moe_layers=[]),
+        "qwen2_moe": dict(attention_bias=True, attention_out_bias=False, qk_norm="none",
+                          shared_expert_intermediate_size=40, mlp_only_layers=[1]),
+        "olmoe": dict(attention_bias=True, attention_out_bias=True, qk_norm="full", moe_intermediate_size=24,
+                      head_dim=8, mlp_only_layers=[]),
+        "mixtral": dict(norm_topk_prob=True, qk_norm="none", moe_intermediate_size=24, mlp_only_layers=[]),
+        "glm4_moe": dict(router_scoring="sigmoid", score_correction_bias=True, n_group=4, topk_group=2,
+                         routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
+                         attention_bias=True, attention_out_bias=False, qk_norm="head", partial_rotary_factor=0.5,
+                         moe_layers=[1, 2], rotary_dim=8),
+    }
+    for mt, want in expect.items():
+        cfg = ModelConfig.from_hf(make_hf_family(mt).config.to_dict())
+        for k, v in want.items():
+            assert getattr(cfg, k) == v, (mt, k)
+        assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+
+
+def test_old_glm_config_keeps_partial_rotary_factor_at_the_top():
+    d = make_hf_family("glm4_moe").config.to_dict()
+    d.pop("rope_parameters")
+    d.update(rope_theta=5e5, partial_rotary_factor=0.25)               # the GLM-4.5 config.json spelling
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.partial_rotary_factor == 0.25 and cfg.rope_theta == 5e5
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(router_scoring="sigmoid"), "router_scoring"),
+    (dict(score_correction_bias=True), "score_correction_bias"),
+    (dict(n_shared_experts=1), "n_shared_experts"),
+    (dict(qk_norm="full"), "qk_norm"),
+])
+def test_to_hf_refuses_what_the_family_cannot_express(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        tiny_config(**overrides).to_hf()                               # model_type qwen3_moe
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(n_group=3), "n_group"), (dict(n_group=2, topk_group=3), "topk_group"),
+    (dict(n_group=4, topk_group=1, num_experts_per_tok=3), "num_experts_per_tok"),
+    (dict(router_scoring="relu"), "router_scoring"), (dict(qk_norm="layer"), "qk_norm"),
+    (dict(partial_rotary_factor=0.1), "rotary"), (dict(model_type="llama"), "model_type"),
+    (dict(n_shared_experts=1, shared_expert_intermediate_size=8), "not both"),
+])
+def test_validation_of_the_new_fields(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        tiny_config(**overrides)
+
+
+def test_tiny_sigmoid_preset():
+    cfg = ModelConfig.preset("tiny-sigmoid")
+    assert (cfg.router_scoring, cfg.score_correction_bias, cfg.n_group, cfg.n_shared_experts) == ("sigmoid", True, 2, 1)
+    assert cfg.moe_layers == [1, 2, 3] and ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# the bias is state: syncs, digests, the balancing update, and a 2-rank FSDP2 run
+# ---------------------------------------------------------------------------------------------------
+def sigmoid_model():
+    """The tiny test model with tiny-sigmoid's routing (GLM spelling): MoE layers 1 and 2."""
+    return make_model(tiny_config(model_type="glm4_moe", router_scoring="sigmoid", score_correction_bias=True,
+                                  n_group=2, topk_group=1, n_shared_experts=1, mlp_only_layers=[],
+                                  first_k_dense_replace=1), seed=4)
+
+
+def test_lower_precision_copy_and_digest_carry_the_bias():
+    model = sigmoid_model()
+    rollout, sync = train.lower_precision_copy(model, torch.bfloat16, lambda: None)
+    bias = model.layers[1].mlp.gate.e_score_correction_bias
+    with torch.no_grad():
+        bias.copy_(torch.tensor([0.3001, -0.1, 0, 0, 0, 0, 0, 0.7]))
+    d = train.Dist(0, 1, torch.device("cpu"))
+    before = train.check_in_sync(model, d)
+    sync()
+    got = rollout.layers[1].mlp.gate.e_score_correction_bias
+    assert got.dtype == torch.bfloat16 and torch.equal(got, bias.bfloat16())  # rounded, as the rollout sees it
+    assert got.float()[0] != bias[0]                                    # the rounding is a mismatch source
+    with torch.no_grad():
+        bias[2] += 1e-3
+    assert train.check_in_sync(model, d) != before                      # the digest covers the buffer
+
+
+def test_expert_load_and_bias_update():
+    routes = torch.tensor([[[[0, 1]], [[0, 2]], [[3, 0]], [[1, 2]]]])   # (B=1, T=4, n_moe=1, k=2)
+    mask = torch.tensor([[1, 1, 0]])                                    # positions 0 and 1 score responses
+    load = train.expert_load(routes, mask, 4)
+    assert load.tolist() == [[2, 1, 1, 0]]
+    model = sigmoid_model()
+    E = model.config.num_experts
+    load = torch.zeros(len(model.config.moe_layers), E, dtype=torch.long)
+    load[:, 0], load[:, 1], load[:, 2] = 10, 3, 1                      # mean 2: 0 and 1 busy, the rest idle
+    train.update_expert_bias(model, load, 0.01, train.Dist(0, 1, torch.device("cpu")))
+    for i in model.config.moe_layers:
+        b = model.layers[i].mlp.gate.e_score_correction_bias
+        assert torch.equal(b, torch.tensor([-0.01, -0.01] + [0.01] * (E - 2)))   # one step of rate each
+
+
+def test_expert_bias_update_rate_needs_a_bias_and_fp32(tmp_path):
+    from config import RolloutConfig, TrainConfig, apply_overrides, parse_args
+    t, r = TrainConfig(), RolloutConfig()
+    apply_overrides(parse_args(["--init_from=tiny", f"--out_dir={tmp_path}", "--expert_bias_update_rate=0.05"]), t, r)
+    with pytest.raises(ConfigError, match="score-correction bias"):
+        train.train(t, r)
+    with pytest.raises(ConfigError, match="float32"):
+        apply_overrides({"dtype": "bfloat16"}, t)
+
+
+def test_fsdp2_two_ranks_sync_the_bias(tmp_path):
+    """The sampler reads FSDP2's full copy: after a bias update its routes still equal the trainer's."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed not built")
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--device=cpu", "--init_from=tiny-sigmoid", "--parallel=fsdp", "--steps=3", "--save_every=3",
+           "--task=copy", "--n_digits=2", "--prompts_per_step=4", "--group_size=4", "--minibatch_size=8",
+           "--expert_bias_update_rate=0.05", "--progress=false", f"--out_dir={out}"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step 3: weights identical on 2 ranks" in r.stdout          # the digest includes the buffers
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert all(row["train_rollout_kl"] == 0 and row["route_flip_frac"] == 0 for row in rows)
+    with open(os.path.join(out, "latest")) as f:
+        model = Transformer.from_pretrained(os.path.join(out, f.read().strip()))
+    bias = model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.abs().max() >= 0.1 - 1e-6                               # three updates of +-0.05 moved it
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA: the router runs as torch ops there too; show their row invariance on the device
+# ---------------------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_ops_row_invariant_on_cuda(dtype, dev="cuda"):
+    g = torch.Generator().manual_seed(0)
+    for M, E in ((300, 16), (1000, 128)):
+        logits = (torch.randn(M, E, generator=g) * 3).to(dev, dtype)
+        bias = (torch.randn(E, generator=g) * 0.2).to(dev, dtype)
+        for kw in ROUTER_CASES + [dict(scoring="sigmoid", n_group=8, topk_group=4, scaling=2.5)]:
+            full = kernels.route(logits, 8 if E == 128 else 3, True, bias=bias, **kw)
+            for m in (1, 2, 3, 7, 16, 33, 100, M - 1):
+                part = kernels.route(logits[:m], 8 if E == 128 else 3, True, bias=bias, **kw)
+                assert all(torch.equal(a, b[:m]) for a, b in zip(part, full)), (M, E, kw, m)
+        x = (torch.randn(M, 1, generator=g) * 3).to(dev, dtype)         # Qwen2-MoE's shared-expert gate
+        assert all(torch.equal(kernels.sigmoid(x[:m]), kernels.sigmoid(x)[:m]) for m in (1, 5, 64, M - 1))
+
