@@ -475,7 +475,7 @@ def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, 
     # Deterministic, atomic-free: one program per (key tile, sequence, KV head) owns its dk/dv tile
     # and loops over the query blocks in index order, skipping the blocks that see none of its keys
     # (causal). Output: per-sequence (B, NKEYS, KVH, D) fp32.
-    pid_bh, j = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
+    pid_bh, j = tl.program_id(0), tl.program_id(1)               # key tile 0 has the most work: first
     b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
     d = tl.arange(0, BD)
     k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
