@@ -248,7 +248,7 @@ def _logprob_fwd_kernel(z_ptr, t_ptr, out_ptr, lse_ptr, ent_ptr, V, s_z, temp,
         m_new = tl.maximum(m, tl.max(z, 0))
         e = tl.exp(z - m_new)
         if ENTROPY:                        # before s is updated: the old terms move from m to m_new
-            shift = tl.where(s > 0, s * (m - m_new), 0.0)
+            shift = s * tl.where(s > 0, m - m_new, 0.0)              # s = 0 before the first chunk
             u = (u + shift) * tl.exp(m - m_new) + tl.sum(e * tl.where(e > 0, z - m_new, 0.0), 0)
         s = s * tl.exp(m - m_new) + tl.sum(e, 0)
         m = m_new
