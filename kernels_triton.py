@@ -53,9 +53,9 @@ MM_TABLE = {
 MM_TABLE[torch.float16] = MM_TABLE[torch.bfloat16]
 # the launch arguments a tile config sets: the only ones in which binaries of one call site may differ
 MM_TILE_ARGS = ("BM", "BN", "BK", "num_warps", "num_stages")
-# Attention. The keys are visited in tiles of ATTN_KEYS keys at absolute positions 0, ATTN_KEYS, ...
-# (one tile may span several KV pages, gathered key by key through the block table; a page size
-# must divide ATTN_KEYS or be a multiple of it). The forward's layout (query rows per program, warps,
+# Attention. The keys are visited in tiles of ATTN_KEYS keys at absolute positions 0, ATTN_KEYS, ...,
+# each key gathered through the block table, so any page size works (a tile may span several pages,
+# or part of one; the sampler's pages are multiples of kernels.KV_BLOCK = 16). The forward's layout (query rows per program, warps,
 # stages) is ONE config for prefill and decode: a row's softmax sums are reduced across threads in an
 # order the layout decides, so decode may not take another layout than prefill. The backward is not
 # batch-invariant (only deterministic): its configs are free.
@@ -248,7 +248,7 @@ def _logprob_fwd_kernel(z_ptr, t_ptr, out_ptr, lse_ptr, ent_ptr, V, s_z, temp,
         m_new = tl.maximum(m, tl.max(z, 0))
         e = tl.exp(z - m_new)
         if ENTROPY:                        # before s is updated: the old terms move from m to m_new
-            shift = tl.where(s > 0, s * (m - m_new), 0.0)
+            shift = s * tl.where(s > 0, m - m_new, 0.0)              # s = 0 before the first chunk
             u = (u + shift) * tl.exp(m - m_new) + tl.sum(e * tl.where(e > 0, z - m_new, 0.0), 0)
         s = s * tl.exp(m - m_new) + tl.sum(e, 0)
         m = m_new
@@ -354,8 +354,8 @@ def _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd, pos_ptr, s_pb, 
 @triton.jit
 def _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
              KB: tl.constexpr, UPCAST: tl.constexpr):
-    # keys [j*KB, (j+1)*KB) of sequence b, each found through the block table: a tile spans
-    # KB / PAGE pages, or sits inside one page (the tile boundaries are absolute positions either way)
+    # keys [j*KB, (j+1)*KB) of sequence b, each found through the block table: a tile may span
+    # several pages or part of one (the tile boundaries are absolute positions either way)
     # (keys past the block table's NB pages read page 0: masked for every row, like any key past
     # the sequence's end)
     key = j * KB + tl.arange(0, KB)
@@ -475,7 +475,7 @@ def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, 
     # Deterministic, atomic-free: one program per (key tile, sequence, KV head) owns its dk/dv tile
     # and loops over the query blocks in index order, skipping the blocks that see none of its keys
     # (causal). Output: per-sequence (B, NKEYS, KVH, D) fp32.
-    pid_bh, j = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
+    pid_bh, j = tl.program_id(0), tl.program_id(1)               # key tile 0 has the most work: first
     b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
     d = tl.arange(0, BD)
     k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
@@ -511,12 +511,6 @@ def _attn_meta(q, k_cache, rows):
 
 def _strides(*ts):
     return [s for t in ts for s in t.stride()]
-
-
-def _check_pages(page_size: int) -> None:
-    if page_size % ATTN_KEYS and ATTN_KEYS % page_size:
-        raise ValueError(f"paged_attention: page size {page_size} must divide the key tile "
-                         f"kernels_triton.ATTN_KEYS={ATTN_KEYS} or be a multiple of it (e.g. 16, 32, 64, 128)")
 
 
 class _PagedAttention(torch.autograd.Function):
@@ -586,7 +580,6 @@ def _pages_grad(dk_seq, dv_seq, k_cache, block_table, pos_max):
 
 
 def paged_attention(q, k_cache, v_cache, block_table, positions, scale):
-    _check_pages(k_cache.shape[1])
     # one index dtype for every caller (the trainer's arange and the sampler's tables are int64)
     block_table, positions = (_aligned(t.to(device=q.device, dtype=torch.long)) for t in (block_table, positions))
     return _PagedAttention.apply(_aligned(q), _aligned(k_cache), _aligned(v_cache), block_table, positions, float(scale))

@@ -14,8 +14,9 @@ from kernels_triton_base import LAUNCH, UPCAST, aligned as _aligned, operand_dty
 import triton                      # noqa: E402
 import triton.language as tl       # noqa: E402
 
-# Fixed tile configurations, one per dtype (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); never a function of M.
-MOE_TILES = {torch.float32: (32, 32, 32, 4), torch.bfloat16: (64, 64, 64, 4), torch.float16: (64, 64, 64, 4)}
+# Fixed tile configurations, one per dtype (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); never a
+# function of M (tests/gpu_check.py --sweep times candidates).
+MOE_TILES = {torch.float32: (32, 32, 32, 4, 3), torch.bfloat16: (64, 64, 64, 4, 3), torch.float16: (64, 64, 64, 4, 3)}
 
 
 # Rows: the (token, k) slots sorted stably by expert (slot = token * TOPK + j); a tile is up to BM
@@ -195,7 +196,7 @@ class _MoE(torch.autograd.Function):
     def forward(ctx, x, w13, w2, ids, weights):
         M, D = x.shape
         E, k, I = w13.shape[0], ids.shape[1], w2.shape[2]
-        BM, BN, BK, warps = MOE_TILES.get(operand_dtype(x, w13, w2), MOE_TILES[torch.float32])
+        BM, BN, BK, warps, stages = MOE_TILES.get(operand_dtype(x, w13, w2), MOE_TILES[torch.float32])
         order, offsets, plan = _moe_plan(ids, E, BM)
         # every slot must land in an expert (else its output row would stay unwritten): checked on the
         # device without a host sync; an id outside [0, E) fails here (CPU) or at a later CUDA call
@@ -205,7 +206,7 @@ class _MoE(torch.autograd.Function):
         act = torch.empty(M * k, I, dtype=x.dtype, device=x.device)      # (S, I) in sorted order
         y = torch.empty(M * k, D, dtype=torch.float32, device=x.device)  # (S, D) in slot order
         opts = dict(BM=BM, BN=BN, BK=BK, UPCAST=UPCAST or len({x.dtype, w13.dtype, w2.dtype}) > 1,
-                    num_warps=warps, **LAUNCH)
+                    num_warps=warps, num_stages=stages, **LAUNCH)
         if M:
             n_tiles = plan[0].numel()
             _moe_up_kernel[(n_tiles, triton.cdiv(I, BN))](

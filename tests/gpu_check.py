@@ -293,9 +293,9 @@ MM_CANDIDATES = {
     "fp32 large": [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3), (128, 128, 16, 8, 3)],
 }
 # attention: forward (query rows, warps, stages) x key tile; backward (rows, warps, stages) per kernel
-ATTN_FWD_CANDIDATES = [(64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3), (64, 8, 2)]
-ATTN_KEY_CANDIDATES = (32, 64, 128)
-ATTN_BWD_CANDIDATES = [(64, 4, 2), (64, 8, 2), (128, 8, 2), (32, 4, 2)]
+ATTN_FWD_CANDIDATES = [(64, 4, 2), (64, 4, 3), (128, 8, 2), (64, 8, 2)]
+ATTN_KEY_CANDIDATES = (64, 128)
+ATTN_BWD_CANDIDATES = [(64, 4, 2), (64, 8, 2), (128, 8, 2)]
 
 
 def sweep(dev: str = "cuda") -> None:
@@ -312,6 +312,7 @@ def sweep(dev: str = "cuda") -> None:
             return 0.0
         return do_bench(fn, warmup=5, rep=25, return_mode="median")
 
+    sweep_moe(dev, ms)
     print("\nsweep: matmul (ms; bits = equal to the table config's result)", flush=True)
     for dtype, shapes in ((torch.bfloat16, MM_SHAPES), (torch.float32, MM_SHAPES[:1])):
         tag = "bf16" if dtype == torch.bfloat16 else "fp32"
@@ -335,6 +336,40 @@ def sweep(dev: str = "cuda") -> None:
                 print(f"  {tag} {name:8s} M={M:<5d} cuBLAS {cublas:.4f} table {kt.mm_config(M, dtype)}:{table:.4f} | {line}",
                       flush=True)
     sweep_attention(dev, ms)
+
+
+MOE_CANDIDATES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3)]
+
+
+def sweep_moe(dev, ms) -> None:
+    """MoE tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): forward and forward+backward at the
+    real shape; bits of the forward against kernels_triton_moe.MOE_TILES' config."""
+    import torch
+    import kernels
+    import kernels_triton_moe as ktm
+    tiny = dev == "cpu"
+    M, E, k, D, I = (16, 4, 2, 32, 32) if tiny else (4096, 128, 8, 2048, 768)
+    x = torch.randn(M, D, device=dev, dtype=torch.bfloat16)
+    w13 = (torch.randn(E, 2 * I, D, device=dev) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(E, D, I, device=dev) * 0.02).to(torch.bfloat16)
+    ids, wts, _ = kernels.route(torch.randn(M, E, device=dev), k, True)
+    params = [t.clone().requires_grad_() for t in (x, w13, w2, wts)]
+    gy = torch.randn(M, D, device=dev, dtype=torch.bfloat16)
+    ref = ktm.moe_experts(x, w13, w2, ids, wts)
+    saved = ktm.MOE_TILES[torch.bfloat16]
+    print(f"\nsweep: fused MoE M={M} E={E} k={k} D={D} I={I} bf16 (table {saved})", flush=True)
+    try:
+        for cfg in MOE_CANDIDATES:
+            ktm.MOE_TILES[torch.bfloat16] = cfg
+            try:
+                same = torch.equal(ktm.moe_experts(x, w13, w2, ids, wts), ref)
+                fwd = ms(lambda: ktm.moe_experts(x, w13, w2, ids, wts))
+                fb = ms(lambda: torch.autograd.grad(ktm.moe_experts(*params[:3], ids, params[3]), params, gy))
+                print(f"  {cfg}: fwd {fwd:.3f}  fwd+bwd {fb:.3f}  bits equal {same}", flush=True)
+            except Exception as e:
+                print(f"  {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
+    finally:
+        ktm.MOE_TILES[torch.bfloat16] = saved
 
 
 def sweep_attention(dev, ms) -> None:

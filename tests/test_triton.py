@@ -303,42 +303,41 @@ def lay_out(k, page_size, num_pages, seed):
 
 
 @runnable
-@pytest.mark.parametrize("page_size, H, KVH", [(16, 4, 2), (32, 8, 2)])
+@pytest.mark.parametrize("page_size, H, KVH", [(16, 4, 2), (32, 8, 2), (48, 4, 2)])   # 48: pages across tiles
 def test_paged_attention_forward_and_invariance(page_size, H, KVH):
-    B, T, D = 2, 40, 16
+    B, T, D = 2, 140, 16                                   # 140 keys: three 64-key tiles, the last partial
     q, k, v = randn(B, T, H, D, scale=2, seed=0), randn(B, T, KVH, D, scale=2, seed=1), randn(B, T, KVH, D, seed=2)
     pos = torch.arange(T, device=DEV).expand(B, T)
-    kc, bt = lay_out(k, page_size, 8, seed=1)
-    vc, _ = lay_out(v, page_size, 8, seed=1)
+    n_pages = 2 * -(-T // page_size)
+    kc, bt = lay_out(k, page_size, n_pages + 2, seed=1)
+    vc, _ = lay_out(v, page_size, n_pages + 2, seed=1)
     out = kt.paged_attention(q, kc, vc, bt, pos, D ** -0.5)
     assert out.shape == (B, T, H, D) and out.dtype == torch.float32
     assert rel(out, kernels.paged_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), pos.cpu(), D ** -0.5)) < TOL
     # another page order and other garbage: the same bits
-    kc2, bt2 = lay_out(k, page_size, 11, seed=5)
-    vc2, _ = lay_out(v, page_size, 11, seed=5)
+    kc2, bt2 = lay_out(k, page_size, n_pages + 5, seed=5)
+    vc2, _ = lay_out(v, page_size, n_pages + 5, seed=5)
     assert torch.equal(kt.paged_attention(q, kc2, vc2, bt2, pos, D ** -0.5), out)
-    # decode (one query per sequence, at its position) equals prefill. A query at a multiple of BT
-    # (queries per program) sits in the first rows of its program in prefill as in decode: bitwise
-    # everywhere; at other positions bitwise on CUDA (see same_bits).
+
+    def decode(p):                                         # one query per sequence, at position p
+        return kt.paged_attention(q[:, p:p + 1], kc, vc, bt, torch.full((B, 1), p, device=DEV), D ** -0.5)
+    # decode equals prefill. A query at a multiple of BT (queries per program) sits in the first rows
+    # of its program in prefill as in decode: bitwise everywhere; elsewhere bitwise on CUDA (same_bits)
     BT = kt.ATTN_TABLE["fwd"][0] // triton_next_pow2(H // KVH)
-    ps = torch.tensor([[0], [BT]], device=DEV)
-    assert torch.equal(kt.paged_attention(q[[0, 1], [0, BT]][:, None], kc, vc, bt, ps, D ** -0.5),
-                       out[[0, 1], [0, BT]][:, None])
-    for p in [15, 17, 39]:
-        one = kt.paged_attention(q[:, p:p + 1], kc, vc, bt, torch.full((B, 1), p, device=DEV), D ** -0.5)
-        assert same_bits(one, out[:, p:p + 1]), p
+    for p in (0, BT, 2 * BT):
+        assert torch.equal(decode(p), out[:, p:p + 1]), p
+    for p in (15, 17, 63, 64, 127, 139):                   # across the tile edges
+        assert same_bits(decode(p), out[:, p:p + 1]), p
+    # the masked/unmasked split follows the program's smallest position: a query at 70 next to one at
+    # 5 sees tile 0 masked, alone it sees it unmasked; the same bits (both in the first rows)
+    two = kt.paged_attention(q[:, [70, 5]], kc, vc, bt, torch.tensor([[70, 5]] * B, device=DEV), D ** -0.5)
+    assert torch.equal(two[:, :1], decode(70))
     # batch composition: sequence 1 alone, its first 17 queries only
     assert torch.equal(kt.paged_attention(q[1:, :17], kc, vc, bt[1:], pos[1:, :17], D ** -0.5), out[1:, :17])
 
 
 def triton_next_pow2(n):
     return 1 << (n - 1).bit_length()
-
-
-def test_paged_attention_page_size_must_fit_the_key_tile():
-    q, kc = torch.zeros(1, 1, 2, 16, device=DEV), torch.zeros(2, 48, 1, 16, device=DEV)
-    with pytest.raises(ValueError, match="page size 48 must divide"):
-        kt.paged_attention(q, kc, kc, torch.zeros(1, 1, dtype=torch.long, device=DEV), torch.zeros(1, 1, device=DEV), 0.25)
 
 
 def _trainer_attention(att, q, k, v):
@@ -590,7 +589,7 @@ def test_gpu_paged_attention(dtype):
     ref = F.scaled_dot_product_attention(q.double().transpose(1, 2), k.double().transpose(1, 2).repeat_interleave(4, 1),
                                          v.double().transpose(1, 2).repeat_interleave(4, 1), is_causal=True)
     assert rel(out, ref.transpose(1, 2)) < GTOL[dtype]
-    for p in [0, 15, 16, 100, 299]:
+    for p in [0, 15, 16, 63, 100, 127, 299]:               # 63, 127: the masked/unmasked split differs
         one = kt.paged_attention(q[:, p:p + 1], kc, vc, bt, torch.full((B, 1), p, device=DEV), D ** -0.5)
         assert torch.equal(one, out[:, p:p + 1]), p
     assert torch.equal(kt.paged_attention(q[2:, :77], kc, vc, bt[2:], pos[2:, :77], D ** -0.5), out[2:, :77])
