@@ -459,9 +459,13 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "invariant": [],
     "fast": ["--recompute_old_logp=true"],
     "fast+tis": ["--recompute_old_logp=true", "--correction=tis"],
-    "fast+mis": ["--recompute_old_logp=true", "--correction=mis"],
+    "fast+reject": ["--recompute_old_logp=true", "--correction=reject"],
+    "fast+icepop": ["--recompute_old_logp=true", "--correction=icepop"],
     "fast+r3": ["--recompute_old_logp=true", "--replay=r3"],
+    "fast+route_filter": ["--recompute_old_logp=true", "--route_filter=mask"],
     "fast+gspo": ["--recompute_old_logp=true", "--loss=gspo"],
+    # another router: sigmoid scores, a score-correction bias (balanced during RL), a shared expert, 2 groups
+    "fast+sigmoid": ["--recompute_old_logp=true", "--init_from=tiny-sigmoid", "--expert_bias_update_rate=1e-3"],
 }
 
 
@@ -479,7 +483,8 @@ def bench_lab(args) -> list[tuple[str, float, str]]:
     for seed in seeds:
         for name in runs:
             argv = [f"--steps={args.lab_steps}", f"--seed={seed}", f"--out_dir={args.lab_out}/{name}/seed{seed}",
-                    "--progress=false", "--save_every=1000000"] + LAB[name] + (fast if name != "invariant" else [])
+                    "--progress=false", "--save_every=1000000", "--overwrite=true"] + LAB[name] + \
+                (fast if name != "invariant" else [])
             tcfg, rcfg = TrainConfig(), RolloutConfig()
             apply_overrides(parse_args(argv + args.lab_args.split()), tcfg, rcfg)
             t0 = time.perf_counter()
@@ -507,7 +512,19 @@ def bench_lab(args) -> list[tuple[str, float, str]]:
                  f"{sum(h.get('route_flip_frac', 0.0) for h in steps) / len(steps):.2e}",
                  f"{sum(w for _, w in per_seed):.0f}")
         print("| " + " | ".join(cells) + " |")
+    lab_figure(results, args.lab_out, seeds[0])
     return []
+
+
+def lab_figure(results: dict, out: str, seed: int) -> None:
+    """The lab's runs (first seed) in one figure next to the table; skipped, with a note, without matplotlib."""
+    import plot
+    try:
+        path = plot.plot_runs({name: runs[0][0] for name, runs in results.items()}, os.path.join(out, "lab.png"),
+                              f"mismatch lab, seed {seed}")
+        print(f"figure: {path}")
+    except SystemExit as e:                                          # matplotlib missing: the table stands alone
+        print(f"no figure: {e}")
 
 
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "moe": bench_moe,

@@ -1,5 +1,6 @@
 """The mismatch lab: a deviating rollout shows a nonzero mismatch, the invariant one exactly zero,
 corrections act only where there is a mismatch, and the experiment command runs end to end."""
+import importlib.util
 import math
 import os
 import subprocess
@@ -100,8 +101,9 @@ def test_lab_command_runs_end_to_end(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     table = [line for line in r.stdout.splitlines() if line.startswith("| ")]
-    assert [line.split("|")[1].strip() for line in table[1:]] == ["invariant", "fast", "fast+tis", "fast+mis",
-                                                                  "fast+r3", "fast+gspo"]
+    assert [line.split("|")[1].strip() for line in table[1:]] == ["invariant", "fast", "fast+tis", "fast+reject",
+                                                                  "fast+icepop", "fast+r3", "fast+route_filter",
+                                                                  "fast+gspo", "fast+sigmoid"]
     # columns: run, final reward (mean ± sd over seeds), per seed, mean KL, max KL, max |dlogp|, extreme, flips, wall
     inv = table[1].split("|")
     assert "±" in inv[2] and len(inv[3].split()) == 2                          # two seeds
@@ -109,6 +111,8 @@ def test_lab_command_runs_end_to_end(tmp_path):
     fast = table[2].split("|")
     assert float(fast[6]) > 0
     assert (tmp_path / "fast" / "seed1" / "metrics.jsonl").is_file()
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "lab.png").is_file() and "figure:" in r.stdout
 
 
 def test_route_filter_and_rejection_act_only_under_mismatch(tmp_path):
