@@ -122,14 +122,17 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if (kt := _triton_for(x)) is not None:    # triton backend dispatch
         return kt.linear(x, w)
     lead, K = x.shape[:-1], x.shape[-1]
+    N = w.shape[0]
     x2 = x.reshape(-1, K)                                           # (M, K)
     M = x2.shape[0]
     # 1..ROW_CHUNK zero rows (never 0: an empty pad would skip ops, and the op count would depend on M)
     x2 = torch.cat([x2, x2.new_zeros(ROW_CHUNK - M % ROW_CHUNK, K)])
+    if N == 1:      # one output column: a lone tile took a matrix-vector kernel (other bits); two stay tiled
+        w = torch.cat([w, w.new_zeros(1, K)])
     tiles = x2.float().view(-1, ROW_CHUNK, K)                       # (M/C, C, K)
-    wt = w.float().t().unsqueeze(0).expand(tiles.shape[0], -1, -1)  # (M/C, K, N), a view
-    y = torch.bmm(tiles, wt).view(-1, w.shape[0])[:M]               # (M, N) fp32
-    return y.to(x.dtype).view(*lead, w.shape[0])
+    wt = w.float().t().unsqueeze(0).expand(tiles.shape[0], -1, -1)  # (M/C, K, N'), a view
+    y = torch.bmm(tiles, wt).view(-1, w.shape[0])[:M, :N]           # (M, N) fp32
+    return y.to(x.dtype).view(*lead, N)
 
 
 # ---------------------------------------------------------------------------------------------------

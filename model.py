@@ -188,11 +188,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         if self.shared_expert is not None:
-            # kernels.linear's torch path is not row-invariant for ONE output column on this CPU (a lone
-            # 32-row tile takes a matrix-vector kernel, more tiles do not); a zero second row keeps the
-            # gate on the tiled path (measured in tests/test_families.py).
-            w = F.pad(self.shared_expert_gate.weight, (0, 0, 0, 1))          # (2, D)
-            g = kernels.sigmoid(kernels.linear(x2, w)[:, :1])                # (M, 1) fp32
+            g = kernels.sigmoid(self.shared_expert_gate(x2))                 # (M, 1) fp32
             out = out + (g * self.shared_expert(x2).float()).to(x.dtype)
         return out.view(B, T, D), chosen.view(B, T, self.top_k)
 
