@@ -598,6 +598,8 @@ class Sampler:
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list of lists of token ids, got {type(prompts).__name__}")
         vocab, out = self.model.config.vocab_size, []
+        if not all(0 <= t < vocab for t in sp.stop_token_ids):
+            raise ValueError(f"stop_token_ids={sp.stop_token_ids}: ids must be in [0, vocab_size={vocab})")
         for i, prompt in enumerate(prompts):
             if torch.is_tensor(prompt):
                 if prompt.dim() != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:

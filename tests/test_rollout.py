@@ -395,6 +395,9 @@ def test_context_limit_gives_length():
     ([[1.0, 2]], {}, "integer token ids"),
     ([torch.tensor([1.0, 2.0])], {}, "integer"),
     ([[1, 2]], dict(stop_token_ids=(1.5,)), "stop_token_ids"),
+    ([[1, 2]], dict(stop_token_ids=(VOCAB,)), "stop_token_ids"),
+    ([[1, 2]], dict(index_offset=-1), "index_offset"),
+    ([[1, 2]], dict(n=True), "n=True"),
 ])
 def test_bad_requests_raise(prompts, kwargs, match):
     with pytest.raises(ValueError, match=match):
