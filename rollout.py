@@ -288,13 +288,6 @@ class ModelRunner:
 
     GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
-    def bucket(self, n: int) -> int:
-        """Rows a decode step of n sequences runs (padded up, so a few graphs serve every n)."""
-        if not (self.cuda_graphs or self.pad_to_buckets):
-            return n
-        b = next((b for b in self.GRAPH_BUCKETS if b >= n), -(-n // 128) * 128)
-        return min(b, self.max_batch_size)
-
     def __init__(self, model: Transformer, block_size: int, num_blocks: int, max_batch_size: int,
                  cuda_graphs: bool):
         cfg = model.config
@@ -310,9 +303,17 @@ class ModelRunner:
         self.pad_to_buckets = cuda_graphs          # tests set it on the CPU: padded steps without graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warm: set[tuple] = set()                              # buckets run once eagerly (compiled)
+        self.pool = None                                           # the captured graphs' shared memory pool
         self.capacity = 0
         self.stop_ids = torch.zeros(0)
         self.rows_version = -1
+
+    def bucket(self, n: int) -> int:
+        """Rows a decode step of n sequences runs (padded up, so a few graphs serve every n)."""
+        if not (self.cuda_graphs or self.pad_to_buckets):
+            return n
+        b = next((b for b in self.GRAPH_BUCKETS if b >= n), -(-n // 128) * 128)
+        return min(b, self.max_batch_size)
 
     # ---- buffers ----
     def reserve(self, max_len: int, sp: SamplingParams) -> None:
@@ -463,7 +464,7 @@ class ModelRunner:
 
     def _capture(self, n: int, sp: SamplingParams):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=getattr(self, "pool", None)):
+        with torch.cuda.graph(graph, pool=self.pool):
             finished = self._decode_step(n, sp)
         self.pool = graph.pool()
         return graph, finished
