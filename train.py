@@ -21,18 +21,11 @@ its minimum for the extra steps. Every user mistake ends in one line `error: ...
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import ctypes
 import dataclasses
-import errno
-import hashlib
 import json
 import math
 import os
-import pickle
-import re
-import shutil
 import sys
 import time
 from typing import Callable
@@ -41,22 +34,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 import kernels
 from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text,
                     parse_args)
-from losses import (aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, rejects,  # noqa: F401
-                    route_filter_weights, route_overlap, seq_mean)
+from losses import (aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, rejects,
+                    route_filter_weights, route_overlap)
+from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_optimizer_state,  # noqa: F401
+                        load_trainer_state, optimizer_state, prepare_out_dir, save_checkpoint, saved_configs,
+                        trim_metrics)
+from distributed import (Dist, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lower_precision_copy,
+                         parallelize, reduce_metrics)
 from model import CheckpointError, Transformer, hf_to_state, read_safetensors_dir
 from replay import pack_routes, route_audit
 from rollout import Sampler
 from tasks import RewardError, check_reward, make_task
-
-
-class RunError(RuntimeError):
-    """A run that must stop for a reason that is not a bug (a non-finite loss, a full disk); says what to do."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -143,100 +136,6 @@ def make_batch(outs, adv: torch.Tensor) -> Batch:
     return Batch(tokens, mask, rollout_logp, routes, route_mask, adv)
 
 
-# ---------------------------------------------------------------------------------------------------
-# distributed: one process, or one rank of a torchrun job (which sets RANK, WORLD_SIZE, LOCAL_RANK)
-# ---------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Dist:
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    def print0(self, *args):
-        if self.master:
-            print(*args, flush=True)
-
-
-def init_distributed(device: str) -> Dist:
-    """NCCL with one GPU per local rank, or gloo on CPU; a single process when not under torchrun."""
-    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if "RANK" not in os.environ:
-        return Dist(0, 1, torch.device(("cuda" if use_cuda else "cpu") if device == "auto" else device))
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    if use_cuda:
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return Dist(rank, world, dev)
-
-
-class Scorer(nn.Module):
-    """model.score as a module call: DDP and FSDP2 hook __call__, so training goes through this."""
-
-    def __init__(self, model: Transformer):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens, temperature, routes=None, with_entropy=False):
-        out = self.model.score(tokens, temperature, routes, with_entropy)
-        return (out[0].clone(), *out[1:])                             # FSDP2 wants no view outputs
-
-
-def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
-    """-> (the scorer to train through, a full-weight model for the sampler and checkpoints, sync() refreshing it).
-
-    ddp: every rank holds the full model; the sampler reads it directly.
-    fsdp: FSDP2 shards each block and the rest; the sampler reads a full copy, refreshed by an
-    all-gather before each rollout (bit-identical to the weights the trainer computes with).
-    """
-    scorer = Scorer(model)
-    if d.world == 1:
-        return scorer, model, lambda: None
-    if tcfg.parallel == "ddp":
-        return DDP(scorer, device_ids=[d.device.index] if d.device.type == "cuda" else None), model, lambda: None
-    from torch.distributed.fsdp import fully_shard
-    full_copy = copy.deepcopy(model).requires_grad_(False)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(scorer)
-    full_params = dict(full_copy.named_parameters())
-    full_buffers = dict(full_copy.named_buffers())
-
-    @torch.no_grad()
-    def sync():
-        for name, p in model.named_parameters():
-            full_params[name].copy_(p.full_tensor())
-        for name, b in model.named_buffers():                         # FSDP2 leaves buffers whole on each rank
-            full_buffers[name].copy_(b)
-    return scorer, full_copy, sync
-
-
-def lower_precision_copy(source: Transformer, dtype: torch.dtype, sync_source):
-    """The mismatch lab's rollout weights: a copy of `source` in `dtype`, refreshed before each rollout."""
-    copy_ = copy.deepcopy(source).to(dtype).requires_grad_(False)
-    pairs = list(zip(model_state(source), model_state(copy_)))       # the router bias is rounded too
-
-    @torch.no_grad()
-    def sync():
-        sync_source()
-        for p, q in pairs:
-            q.copy_(p)
-    return copy_, sync
-
-
-def model_state(model: nn.Module) -> list[torch.Tensor]:
-    """Everything a weight sync must carry: the parameters, then the buffers (the routers'
-    score-correction biases); DDP broadcasts buffers from rank 0 at each forward on its own."""
-    return list(model.parameters()) + list(model.buffers())
-
-
 def expert_load(routes: torch.Tensor, mask: torch.Tensor, n_experts: int) -> torch.Tensor:
     """(n_moe, E) int64: how often each expert was chosen at the positions that score a response token.
 
@@ -260,199 +159,6 @@ def update_expert_bias(model: Transformer, load: torch.Tensor, rate: float, d: D
     for j, i in enumerate(model.config.moe_layers):
         bias = model.layers[i].mlp.gate.e_score_correction_bias
         bias.add_(step[j].to(bias.dtype))
-
-
-def grad_sync(scorer, enabled: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch of an optimizer step."""
-    if isinstance(scorer, DDP) and not enabled:
-        return scorer.no_sync()
-    if hasattr(scorer, "set_requires_gradient_sync"):                # FSDP2
-        scorer.set_requires_gradient_sync(enabled)
-    return contextlib.nullcontext()
-
-
-def all_sum(x: float, d: Dist) -> float:
-    if d.world == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t)
-    return t.item()
-
-
-def all_cat(t: torch.Tensor, d: Dist) -> torch.Tensor:
-    if d.world == 1:
-        return t
-    parts = [torch.empty_like(t, device=d.device) for _ in range(d.world)]
-    dist.all_gather(parts, t.to(d.device))
-    return torch.cat(parts).cpu()
-
-
-SUMMED = ("loss", "clip_frac", "rollout_tokens_per_s", "preemptions")
-SHARED = ("step", "lr", "skipped_steps")
-
-
-def reduce_metrics(row: dict, d: Dist) -> dict:
-    """Combine per-rank metrics: sums for SUMMED, max/min for *max*/*min*, the mean otherwise (ranks
-    hold equal numbers of sequences, so a mean of rank means; token-level means are approximate)."""
-    if d.world == 1:
-        return row
-    rows = [None] * d.world
-    dist.all_gather_object(rows, row)
-    out = {}
-    for k, v in row.items():
-        vals = [r[k] for r in rows]
-        if k in SHARED:
-            out[k] = v
-        elif isinstance(v, list):
-            out[k] = [sum(x) / d.world for x in zip(*vals)]
-        elif k in SUMMED:
-            out[k] = sum(vals)
-        elif "max" in k:
-            out[k] = max(vals)
-        elif "min" in k:
-            out[k] = min(vals)
-        else:
-            out[k] = sum(vals) / d.world
-    return out
-
-
-def check_in_sync(model: Transformer, d: Dist) -> str:
-    """Raise unless every rank holds bit-identical weights (and buffers); returns their digest."""
-    h = hashlib.sha256()
-    for p in model_state(model):
-        t = p.detach().cpu().contiguous()
-        h.update(ctypes.string_at(t.data_ptr(), t.nbytes))            # the raw bytes; needs no numpy
-    digests = [None] * d.world
-    if d.world > 1:
-        dist.all_gather_object(digests, h.hexdigest())
-    else:
-        digests = [h.hexdigest()]
-    if len(set(digests)) != 1:
-        raise RuntimeError(f"ranks hold different weights: {digests}")
-    return digests[0]
-
-
-# ---------------------------------------------------------------------------------------------------
-# checkpoints: out_dir/ckpt-NNNNNN/ (HF weights + trainer_state.pt), out_dir/latest names the newest.
-# The weights are saved full (FSDP2 gathers them), by rank 0 alone.
-# ---------------------------------------------------------------------------------------------------
-def optimizer_state(scorer, opt, full: bool):
-    if not full:
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    return get_optimizer_state_dict(scorer, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(scorer, opt, state, full: bool):
-    if not full:
-        return opt.load_state_dict(state)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(scorer, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
-
-
-CKPT_NAME = re.compile(r"ckpt-\d{6}")                               # the only names `latest` may hold
-RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp")                 # with ckpt-*: what makes a folder a run
-
-
-def check_finite_weights(model: Transformer, step: int) -> None:
-    """Raise RunError naming the first non-finite weight: no checkpoint is ever written from one."""
-    for name, p in model.named_parameters():
-        if not bool(torch.isfinite(p.detach()).all()):
-            raise RunError(f"step {step}: weight {name!r} is not finite; not saving a checkpoint (the last good "
-                           "one stays); lower --lr or check the rewards, then --resume")
-
-
-def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: dict | None = None):
-    """Write ckpt-NNNNNN via a .tmp folder renamed into place, point `latest` at it, drop older ones.
-
-    A failed write (a full disk) removes the partial .tmp and raises RunError: `latest` and the
-    checkpoint it names are untouched until the new one is complete.
-    """
-    check_finite_weights(model, step)
-    final = os.path.join(out_dir, f"ckpt-{step:06d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": opt_state, "train_config": dataclasses.asdict(tcfg),
-                    "rollout_config": dataclasses.asdict(rcfg), "model_config": dataclasses.asdict(model.config),
-                    "task": task.state_dict(), **(extra or {})},
-                   os.path.join(tmp, "trainer_state.pt"))
-    except (OSError, RuntimeError) as e:          # torch.save reports a short write as a RuntimeError
-        shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(out_dir).free
-        full = isinstance(e, OSError) and e.errno == errno.ENOSPC
-        raise RunError(f"step {step}: writing checkpoint {final} failed ({'disk full: ' if full else ''}{e}); "
-                       f"removed the partial {os.path.basename(tmp)}, the previous checkpoint is kept. "
-                       f"{free / 2**30:.1f} GiB free in {out_dir}: free some space, then --resume") from None
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)                                            # a checkpoint appears whole or not at all
-    with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
-        f.write(os.path.basename(final))
-    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
-    for name in os.listdir(out_dir):                                  # keep only the newest
-        if name.startswith("ckpt-") and name != os.path.basename(final):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-
-
-def latest_checkpoint(out_dir) -> str:
-    """The checkpoint folder `out_dir/latest` names; it must be a ckpt-NNNNNN folder inside out_dir."""
-    path = os.path.join(out_dir, "latest")
-    if not os.path.isfile(path):
-        raise ConfigError(f"--resume: no checkpoint in {out_dir!r} (no 'latest' file); drop --resume to start fresh")
-    with open(path) as f:
-        name = f.read().strip()
-    if not CKPT_NAME.fullmatch(name):
-        raise CheckpointError(f"{path} holds {name[:80]!r}, not the name of a checkpoint folder (ckpt-NNNNNN) "
-                              "inside out_dir; refusing to follow it")
-    if not os.path.isdir(os.path.join(out_dir, name)):
-        raise CheckpointError(f"{path} names {name}, which is not in {out_dir!r}")
-    return os.path.join(out_dir, name)
-
-
-def load_trainer_state(ckpt: str) -> dict:
-    """trainer_state.pt, unpickling only tensors and plain data (weights_only=True: no code runs)."""
-    path = os.path.join(ckpt, "trainer_state.pt")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
-    try:
-        # on the CPU: every rank would otherwise put rank 0's optimizer tensors on rank 0's GPU
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path} holds objects other than tensors and plain data; refusing to unpickle it "
-                              f"(it could run code): {str(e).splitlines()[0]}") from None
-    except (RuntimeError, EOFError) as e:
-        raise CheckpointError(f"{path}: unreadable ({str(e).splitlines()[0]}); was it truncated?") from None
-
-
-def prepare_out_dir(tcfg: TrainConfig, master: bool) -> None:
-    """Refuse to start a new run over an old one unless --overwrite=true, which removes (on rank 0) the old
-    run's files: metrics.jsonl, latest and ckpt-*, nothing else."""
-    if os.path.exists(tcfg.out_dir) and not os.path.isdir(tcfg.out_dir):
-        raise ConfigError(f"--out_dir={tcfg.out_dir!r} is a file; pass a folder")
-    os.makedirs(tcfg.out_dir, exist_ok=True)
-    if tcfg.resume:
-        return
-    found = sorted(n for n in os.listdir(tcfg.out_dir) if n in RUN_FILES or n.startswith("ckpt-"))
-    if found and not tcfg.overwrite:
-        raise ConfigError(f"--out_dir={tcfg.out_dir!r} holds a run ({', '.join(found[:3])}); continue it with "
-                          "--resume=true, start over with --overwrite=true (deletes it), or pick another --out_dir")
-    for name in found if master else ():                              # --overwrite=true: start over knowingly
-        path = os.path.join(tcfg.out_dir, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-
-
-def trim_metrics(path: str, last_step: int) -> None:
-    """On resume: keep the rows up to the checkpoint's step (and drop a line cut short by a kill)."""
-    kept = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                with contextlib.suppress(json.JSONDecodeError):
-                    if json.loads(line)["step"] <= last_step:
-                        kept.append(line)
-    with open(path, "w") as f:
-        f.writelines(kept)
 
 
 def json_row(row: dict) -> dict:
@@ -845,16 +551,6 @@ def main(argv: list[str]) -> None:
     history = train(tcfg, rcfg)
     if history and int(os.environ.get("RANK", "0")) == 0:
         print(summary(history, time.time() - t0, tcfg.out_dir))
-
-
-def saved_configs(state: dict, ckpt: str) -> tuple[TrainConfig, RolloutConfig]:
-    """The configs a checkpoint was trained with (plain dicts in trainer_state.pt), ready to resume."""
-    try:
-        tcfg = TrainConfig(**{**state["train_config"], "overwrite": False})   # overwriting was the first leg's act
-        return tcfg, RolloutConfig(**state["rollout_config"])
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"{ckpt}/trainer_state.pt: its configs do not fit this train.py ({e}); "
-                              "was it written by another version?") from None
 
 
 def summary(history: list[dict], seconds: float, out_dir: str) -> str:

@@ -1,0 +1,163 @@
+"""Checkpoints and run folders: out_dir/ckpt-NNNNNN/ (HF weights + trainer_state.pt), out_dir/latest.
+
+    save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task)   # whole or not at all
+    state = load_trainer_state(latest_checkpoint(out_dir))               # plain data: nothing is unpickled
+
+The rules (docs/design.md, "Reliability"): a checkpoint is written to a .tmp folder and renamed, only
+from finite weights, and the last good one is never replaced by a bad one; `latest` names a ckpt folder
+inside out_dir; trainer_state.pt is read with torch.load(weights_only=True); a folder that holds a run
+is not started over unless asked (--overwrite=true).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import pickle
+import re
+import shutil
+
+import torch
+
+from config import ConfigError, RolloutConfig, TrainConfig
+from model import CheckpointError, Transformer
+
+
+class RunError(RuntimeError):
+    """A run that must stop for a reason that is not a bug (a non-finite loss, a full disk); says what to do."""
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoints: out_dir/ckpt-NNNNNN/ (HF weights + trainer_state.pt), out_dir/latest names the newest.
+# The weights are saved full (FSDP2 gathers them), by rank 0 alone.
+# ---------------------------------------------------------------------------------------------------
+def optimizer_state(scorer, opt, full: bool):
+    if not full:
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(scorer, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(scorer, opt, state, full: bool):
+    if not full:
+        return opt.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(scorer, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+CKPT_NAME = re.compile(r"ckpt-\d{6}")                               # the only names `latest` may hold
+RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp")                 # with ckpt-*: what makes a folder a run
+
+
+def check_finite_weights(model: Transformer, step: int) -> None:
+    """Raise RunError naming the first non-finite weight: no checkpoint is ever written from one."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p.detach()).all()):
+            raise RunError(f"step {step}: weight {name!r} is not finite; not saving a checkpoint (the last good "
+                           "one stays); lower --lr or check the rewards, then --resume")
+
+
+def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: dict | None = None):
+    """Write ckpt-NNNNNN via a .tmp folder renamed into place, point `latest` at it, drop older ones.
+
+    A failed write (a full disk) removes the partial .tmp and raises RunError: `latest` and the
+    checkpoint it names are untouched until the new one is complete.
+    """
+    check_finite_weights(model, step)
+    final = os.path.join(out_dir, f"ckpt-{step:06d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        torch.save({"step": step, "optimizer": opt_state, "train_config": dataclasses.asdict(tcfg),
+                    "rollout_config": dataclasses.asdict(rcfg), "model_config": dataclasses.asdict(model.config),
+                    "task": task.state_dict(), **(extra or {})},
+                   os.path.join(tmp, "trainer_state.pt"))
+    except (OSError, RuntimeError) as e:          # torch.save reports a short write as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(out_dir).free
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+        raise RunError(f"step {step}: writing checkpoint {final} failed ({'disk full: ' if full else ''}{e}); "
+                       f"removed the partial {os.path.basename(tmp)}, the previous checkpoint is kept. "
+                       f"{free / 2**30:.1f} GiB free in {out_dir}: free some space, then --resume") from None
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)                                            # a checkpoint appears whole or not at all
+    with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
+        f.write(os.path.basename(final))
+    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+    for name in os.listdir(out_dir):                                  # keep only the newest
+        if name.startswith("ckpt-") and name != os.path.basename(final):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+
+
+def latest_checkpoint(out_dir) -> str:
+    """The checkpoint folder `out_dir/latest` names; it must be a ckpt-NNNNNN folder inside out_dir."""
+    path = os.path.join(out_dir, "latest")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--resume: no checkpoint in {out_dir!r} (no 'latest' file); drop --resume to start fresh")
+    with open(path) as f:
+        name = f.read().strip()
+    if not CKPT_NAME.fullmatch(name):
+        raise CheckpointError(f"{path} holds {name[:80]!r}, not the name of a checkpoint folder (ckpt-NNNNNN) "
+                              "inside out_dir; refusing to follow it")
+    if not os.path.isdir(os.path.join(out_dir, name)):
+        raise CheckpointError(f"{path} names {name}, which is not in {out_dir!r}")
+    return os.path.join(out_dir, name)
+
+
+def load_trainer_state(ckpt: str) -> dict:
+    """trainer_state.pt, unpickling only tensors and plain data (weights_only=True: no code runs)."""
+    path = os.path.join(ckpt, "trainer_state.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    try:
+        # on the CPU: every rank would otherwise put rank 0's optimizer tensors on rank 0's GPU
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path} holds objects other than tensors and plain data; refusing to unpickle it "
+                              f"(it could run code): {str(e).splitlines()[0]}") from None
+    except (RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{path}: unreadable ({str(e).splitlines()[0]}); was it truncated?") from None
+
+
+def prepare_out_dir(tcfg: TrainConfig, master: bool) -> None:
+    """Refuse to start a new run over an old one unless --overwrite=true, which removes (on rank 0) the old
+    run's files: metrics.jsonl, latest and ckpt-*, nothing else."""
+    if os.path.exists(tcfg.out_dir) and not os.path.isdir(tcfg.out_dir):
+        raise ConfigError(f"--out_dir={tcfg.out_dir!r} is a file; pass a folder")
+    os.makedirs(tcfg.out_dir, exist_ok=True)
+    if tcfg.resume:
+        return
+    found = sorted(n for n in os.listdir(tcfg.out_dir) if n in RUN_FILES or n.startswith("ckpt-"))
+    if found and not tcfg.overwrite:
+        raise ConfigError(f"--out_dir={tcfg.out_dir!r} holds a run ({', '.join(found[:3])}); continue it with "
+                          "--resume=true, start over with --overwrite=true (deletes it), or pick another --out_dir")
+    for name in found if master else ():                              # --overwrite=true: start over knowingly
+        path = os.path.join(tcfg.out_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def trim_metrics(path: str, last_step: int) -> None:
+    """On resume: keep the rows up to the checkpoint's step (and drop a line cut short by a kill)."""
+    kept = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                with contextlib.suppress(json.JSONDecodeError):
+                    if json.loads(line)["step"] <= last_step:
+                        kept.append(line)
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def saved_configs(state: dict, ckpt: str) -> tuple[TrainConfig, RolloutConfig]:
+    """The configs a checkpoint was trained with (plain dicts in trainer_state.pt), ready to resume."""
+    try:
+        tcfg = TrainConfig(**{**state["train_config"], "overwrite": False})   # overwriting was the first leg's act
+        return tcfg, RolloutConfig(**state["rollout_config"])
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{ckpt}/trainer_state.pt: its configs do not fit this train.py ({e}); "
+                              "was it written by another version?") from None
