@@ -590,8 +590,10 @@ class Sampler:
                 finished = runner.decode(batch, sched.version, sp)
             bar.update(len(batch))
             for s in sched.postprocess(batch, is_prefill, finished):
-                s.finish_reason = "length" if s.num_tokens >= s.max_len else "stop"
                 s.output = runner.collect(s)
+                # a stop token ends a sequence as "stop" even when it is also the last allowed one
+                stopped = s.output.tokens[-1] in sp.stop_token_ids
+                s.finish_reason = s.output.finish_reason = "stop" if stopped else "length"
                 bar.update(s.max_len - s.num_tokens)                # credit the tokens it will not generate
 
     def _check_prompts(self, prompts, sp: SamplingParams) -> list[list[int]]:
