@@ -203,12 +203,13 @@ class Scheduler:
 
     # ---- prefill: admit waiting groups ----
     def _schedule_prefill(self) -> list[Sequence]:
-        batch, tokens, taken = [], 0, 0
+        batch, n_leaders, longest = [], 0, 0
         bs = self.bm.block_size
         while self.waiting:
             group = self.waiting[0]
             L = group[0].num_tokens
-            if batch and tokens + L > self.max_num_batched_tokens:
+            # the prefill forward runs every leader right-padded to the longest: that many tokens
+            if batch and (n_leaders + 1) * max(longest, L) > self.max_num_batched_tokens:
                 break
             rows = len(group) if group[0].row >= 0 else len(self.free_rows)   # a preempted one kept its row
             # blocks: the leader's, one copied partial block per other member, and one spare block per
@@ -217,7 +218,7 @@ class Scheduler:
             base, partial = -(-L // bs), int(L % bs != 0)
             n_running = len(self.running) + len(batch)
             spare = 1 if n_running else 0
-            avail = self.bm.num_free - taken - spare * n_running
+            avail = self.bm.num_free - spare * n_running            # _admit has taken the batch's blocks
             fits = (avail - base + partial) // (partial + spare) if partial + spare else len(group)
             take = group[:min(rows, fits)]
             if not take or base + partial * (len(take) - 1) > avail:
@@ -228,8 +229,7 @@ class Scheduler:
                 self.waiting[0] = group[len(take):]
             self._admit(take)
             batch += take
-            tokens += L
-            taken += base + partial * (len(take) - 1)
+            n_leaders, longest = n_leaders + 1, max(longest, L)
         return batch
 
     def _admit(self, group: list[Sequence]) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import assert_contract
-from rollout import Sampler
+from rollout import BlockManager, Sampler, Scheduler, Sequence
 from test_rollout import make_model, make_prompts
 
 MAX_POS = 64
@@ -33,6 +33,10 @@ def _one_thread():
 @functools.lru_cache(maxsize=None)
 def short_model():
     return make_model(seed=0, max_position_embeddings=MAX_POS)
+
+
+def seq(seq_id: int, length: int) -> Sequence:
+    return Sequence(seq_id, list(range(seq_id, seq_id + length)), max_len=10_000, num_tokens=length)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -66,3 +70,47 @@ def test_stop_token_at_the_length_limit_finishes_as_stop():
     assert out.tokens == free.tokens and out.finish_reason == "stop"
     assert free.finish_reason == "length"
     assert_contract(model, outs + [out], 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# prefill admission
+# ---------------------------------------------------------------------------------------------------
+def test_prefill_admits_every_group_the_pool_holds():
+    """Two 64-token prompts (4 pages each) and a 10-page pool: both fit, with a spare page each for the
+    next decode step. Admission allocates the pages at once, so they must not also be subtracted a
+    second time from the free count (that admitted one group per prefill step here)."""
+    bm = BlockManager(10, 16)
+    sched = Scheduler(bm, max_batch_size=8, max_num_batched_tokens=4096)
+    a, b = [seq(0, 64)], [seq(1, 64)]
+    sched.add(a)
+    sched.add(b)
+    batch, is_prefill = sched.schedule()
+    assert is_prefill and batch == a + b
+    assert bm.num_free == 2
+    sched.postprocess(batch, True, [False, False])
+    batch, is_prefill = sched.schedule()                   # position 64: a new page each, no preemption
+    assert not is_prefill and batch == a + b and sched.num_preemptions == 0 and bm.num_free == 0
+
+
+def test_prefill_budget_counts_the_padded_forward():
+    """ModelRunner.prefill runs the leaders right-padded to the longest, so a prefill step costs
+    leaders x longest tokens; max_num_batched_tokens must bound that, not the sum of the lengths
+    (a 60-token prompt followed by four 1-token ones made a 5 x 60 = 300-token forward at budget 64)."""
+    budget = 64
+    bm = BlockManager(64, 16)
+    sched = Scheduler(bm, max_batch_size=16, max_num_batched_tokens=budget)
+    groups = [[seq(0, 60)]] + [[seq(i, 1)] for i in range(1, 11)]
+    for g in groups:
+        sched.add(g)
+    steps = []
+    while sched.waiting:
+        batch, is_prefill = sched.schedule()
+        assert is_prefill
+        steps.append(batch)
+        sched.postprocess(batch, True, [True] * len(batch))    # finish at once: only admission matters
+    for batch in steps:
+        leaders = [s for s in batch if s.parent is None]
+        assert len(leaders) * max(s.num_tokens for s in leaders) <= budget or len(leaders) == 1
+    assert [len(b) for b in steps] == [1, 10]                 # the short prompts share one step
+    assert sorted(s.seq_id for b in steps for s in b) == list(range(11))
+    assert bm.num_free == 64 and bm.ref_counts == [0] * 64
