@@ -11,10 +11,12 @@ stop tokens, 1..8 batch rows, pools so small that sequences are preempted, pages
 from __future__ import annotations
 
 import functools
+import random
 
 import pytest
 import torch
 
+import rollout
 from conftest import assert_contract
 from rollout import BlockManager, Sampler, Scheduler, Sequence
 from test_rollout import make_model, make_prompts
@@ -114,3 +116,95 @@ def test_prefill_budget_counts_the_padded_forward():
     assert [len(b) for b in steps] == [1, 10]                 # the short prompts share one step
     assert sorted(s.seq_id for b in steps for s in b) == list(range(11))
     assert bm.num_free == 64 and bm.ref_counts == [0] * 64
+
+
+# ---------------------------------------------------------------------------------------------------
+# randomized stress: contract, large-pool reference, bookkeeping
+# ---------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def reference(request: tuple):
+    """The same request on a pool and a batch large enough that nothing waits or is preempted."""
+    kw = dict(request)
+    kw["prompts"] = [list(p) for p in kw["prompts"]]
+    return Sampler(short_model(), num_blocks=2000, max_batch_size=64).generate(**kw, progress=False)
+
+
+def random_request(rng: random.Random, vocab: int) -> dict:
+    """Prompt lengths at page boundaries and at the context limit, repeated prompts, random sampling."""
+    edges = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, MAX_POS - 2, MAX_POS - 1]
+    lengths = [min(MAX_POS - 1, max(1, rng.choice(edges) + rng.randint(-1, 1))) for _ in range(rng.randint(1, 5))]
+    prompts = [tuple(rng.randrange(vocab) for _ in range(L)) for L in lengths]
+    if len(prompts) > 1 and rng.random() < 0.4:
+        prompts[-1] = prompts[0]                             # a prompt repeated at another index
+    return dict(prompts=tuple(prompts), max_new_tokens=rng.choice([1, 2, 5, 17, 40]), n=rng.randint(1, 4),
+                temperature=rng.choice([0.0, 1.0, 0.7]), top_p=rng.choice([1.0, 0.9, 0.3]),
+                top_k=rng.choice([0, 0, 1, 5]), stop_token_ids=tuple(rng.sample(range(vocab), rng.choice([0, 1, 3]))),
+                seed=rng.randrange(1 << 40))
+
+
+def check_outputs(model, request: dict, outs) -> None:
+    """The contract, equality with the large-pool reference, and the finish reasons."""
+    assert_contract(model, outs, request["temperature"])
+    ref = reference(tuple(request.items()))
+    assert len(outs) == len(ref) == len(request["prompts"]) * request["n"]
+    stop = request["stop_token_ids"]
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.tokens == r.tokens, i
+        assert torch.equal(o.logprobs, r.logprobs) and torch.equal(o.routes, r.routes), i
+        assert not any(t in stop for t in o.tokens[:-1]), i
+        limit = min(len(o.prompt) + request["max_new_tokens"], MAX_POS)
+        if o.tokens[-1] in stop:
+            assert o.finish_reason == "stop", i
+        else:
+            assert o.finish_reason == "length" and len(o.prompt) + len(o.tokens) == limit, i
+
+
+def check_released(sched: Scheduler) -> None:
+    """After a request: nothing waits or runs, every page is free exactly once, every row is free."""
+    bm = sched.bm
+    assert sched.is_finished() and not sched.offset and not any(sched.by_phase)
+    assert bm.ref_counts == [0] * len(bm.ref_counts)
+    assert sorted(bm.free_block_ids) == list(range(len(bm.ref_counts)))
+    assert sorted(sched.free_rows) == list(range(sched.max_batch_size))
+
+
+def test_random_requests_match_a_large_pool(monkeypatch):
+    model = short_model()
+    vocab = model.config.vocab_size
+    scheds = []
+
+    class Recorded(Scheduler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            scheds.append(self)
+    monkeypatch.setattr(rollout, "Scheduler", Recorded)
+    rng = random.Random(2024)
+    preemptions = 0
+    for trial in range(20):
+        request = random_request(rng, vocab)
+        bs = rng.choice([16, 32])
+        longest = max(min(len(p) + request["max_new_tokens"], MAX_POS) for p in request["prompts"])
+        sampler = Sampler(model, block_size=bs, num_blocks=-(-longest // bs) + rng.choice([0, 1, 3]),
+                          max_batch_size=rng.randint(1, 8), max_num_batched_tokens=rng.choice([1, 40, 4096]))
+        sampler.runner.pad_to_buckets = trial % 2 == 1
+        for j in range(2):                                    # a second request on the same Sampler
+            if j:
+                request = dict(request, seed=request["seed"] + 1, temperature=rng.choice([0.0, 1.0, 0.7]),
+                               prompts=tuple(p[:max(1, len(p) // 2)] for p in request["prompts"][::-1]))
+            outs = sampler.generate(**{**request, "prompts": [list(p) for p in request["prompts"]]}, progress=False)
+            check_outputs(model, request, outs)
+            check_released(scheds[-1])
+            preemptions += sampler.num_preemptions
+    assert preemptions > 0                                    # the small pools did force recompute
+
+
+def test_check_outputs_sees_one_ulp(monkeypatch):
+    """Control: the stress test's check is bitwise; one ulp in one log-prob fails it."""
+    request = dict(prompts=((1, 2, 3), (4,) * 17), max_new_tokens=5, n=2, temperature=1.0, top_p=1.0, top_k=0,
+                   stop_token_ids=(), seed=7)
+    outs = Sampler(short_model(), num_blocks=3).generate(**{**request, "prompts": [list(p) for p in request["prompts"]]},
+                                                          progress=False)
+    check_outputs(short_model(), request, outs)
+    outs[1].logprobs[2] = torch.nextafter(outs[1].logprobs[2], torch.tensor(0.0))
+    with pytest.raises(AssertionError):
+        check_outputs(short_model(), request, outs)
