@@ -493,7 +493,8 @@ class Sampler:
         num_blocks: the pool size. Default: on CUDA, kv_memory_fraction of the free memory left after
             reserve_bytes (what will be allocated later, e.g. the optimizer's state); on CPU, enough
             for max_batch_size full-context sequences, capped at cpu_kv_bytes.
-        max_batch_size: running sequences at most; max_num_batched_tokens: tokens per prefill step.
+        max_batch_size: running sequences at most; max_num_batched_tokens: tokens per prefill step (its
+            prompts right-padded to the longest; a longer prompt is prefilled alone).
         mode: "invariant" (the contract) or "fast" (batch-variant ops, see kernels.variant: the mismatch
             lab); router_bf16: round router logits to bf16 here, on the rollout side only.
         cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA, where the kernels run
