@@ -7,6 +7,7 @@ Everything runs on the CPU with the tiny model of tests/test_rollout.py (a 64-po
 so that requests reach it). The stress run draws requests around page boundaries, group sizes 1..4,
 stop tokens, 1..8 batch rows, pools so small that sequences are preempted, pages of 16 and 32, padded
 (bucketed) decode steps, greedy / top-p / top-k sampling, and a second request on the same Sampler.
+The last test runs the fast path's grouped-GEMM MoE, a CUDA path of the sampler, on the CPU.
 """
 from __future__ import annotations
 
