@@ -203,12 +203,13 @@ class Scheduler:
 
     # ---- prefill: admit waiting groups ----
     def _schedule_prefill(self) -> list[Sequence]:
-        batch, tokens, taken = [], 0, 0
+        batch, n_leaders, longest = [], 0, 0
         bs = self.bm.block_size
         while self.waiting:
             group = self.waiting[0]
             L = group[0].num_tokens
-            if batch and tokens + L > self.max_num_batched_tokens:
+            # the prefill forward runs every leader right-padded to the longest: that many tokens
+            if batch and (n_leaders + 1) * max(longest, L) > self.max_num_batched_tokens:
                 break
             rows = len(group) if group[0].row >= 0 else len(self.free_rows)   # a preempted one kept its row
             # blocks: the leader's, one copied partial block per other member, and one spare block per
@@ -217,7 +218,7 @@ class Scheduler:
             base, partial = -(-L // bs), int(L % bs != 0)
             n_running = len(self.running) + len(batch)
             spare = 1 if n_running else 0
-            avail = self.bm.num_free - taken - spare * n_running
+            avail = self.bm.num_free - spare * n_running            # _admit has taken the batch's blocks
             fits = (avail - base + partial) // (partial + spare) if partial + spare else len(group)
             take = group[:min(rows, fits)]
             if not take or base + partial * (len(take) - 1) > avail:
@@ -228,8 +229,7 @@ class Scheduler:
                 self.waiting[0] = group[len(take):]
             self._admit(take)
             batch += take
-            tokens += L
-            taken += base + partial * (len(take) - 1)
+            n_leaders, longest = n_leaders + 1, max(longest, L)
         return batch
 
     def _admit(self, group: list[Sequence]) -> None:
@@ -494,7 +494,8 @@ class Sampler:
         num_blocks: the pool size. Default: on CUDA, kv_memory_fraction of the free memory left after
             reserve_bytes (what will be allocated later, e.g. the optimizer's state); on CPU, enough
             for max_batch_size full-context sequences, capped at cpu_kv_bytes.
-        max_batch_size: running sequences at most; max_num_batched_tokens: tokens per prefill step.
+        max_batch_size: running sequences at most; max_num_batched_tokens: tokens per prefill step (its
+            prompts right-padded to the longest; a longer prompt is prefilled alone).
         mode: "invariant" (the contract) or "fast" (batch-variant ops, see kernels.variant: the mismatch
             lab); router_bf16: round router logits to bf16 here, on the rollout side only.
         cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA, where the kernels run
@@ -591,8 +592,10 @@ class Sampler:
                 finished = runner.decode(batch, sched.version, sp)
             bar.update(len(batch))
             for s in sched.postprocess(batch, is_prefill, finished):
-                s.finish_reason = "length" if s.num_tokens >= s.max_len else "stop"
                 s.output = runner.collect(s)
+                # a stop token ends a sequence as "stop" even when it is also the last allowed one
+                stopped = s.output.tokens[-1] in sp.stop_token_ids
+                s.finish_reason = s.output.finish_reason = "stop" if stopped else "length"
                 bar.update(s.max_len - s.num_tokens)                # credit the tokens it will not generate
 
     def _check_prompts(self, prompts, sp: SamplingParams) -> list[list[int]]:
