@@ -340,10 +340,11 @@ def bench_gpu(args) -> list[tuple[str, float, str]]:
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     peak = copy_bandwidth(tiny)
     rows = [("weights GB", weight_bytes / 1e9, ""), ("device copy bandwidth GB/s", peak / 1e9, "")]
-    samplers = {"invariant eager": Sampler(model, max_batch_size=max(sizes), cuda_graphs=False)}
+    pool = dict(max_batch_size=max(sizes), num_blocks=max(sizes) * -(-(hi + new) // 16) + 64)   # what it needs
+    samplers = {"invariant eager": Sampler(model, cuda_graphs=False, **pool)}
     if not tiny:
-        samplers["invariant graphs"] = Sampler(model, max_batch_size=max(sizes))
-    samplers["fast"] = Sampler(model, max_batch_size=max(sizes), mode="fast")
+        samplers["invariant graphs"] = Sampler(model, **pool)
+    samplers["fast"] = Sampler(model, mode="fast", **pool)
     for B in sizes:
         prompts = make_prompts(argparse.Namespace(**{**vars(args), "prompts": B, "min_prompt_len": lo,
                                                      "max_prompt_len": hi}), cfg.vocab_size)
@@ -443,7 +444,7 @@ def hf_generate_rows(model, args, tiny, B, new, lo, hi, sync):
     prompts = make_prompts(argparse.Namespace(**{**vars(args), "prompts": B, "min_prompt_len": lo,
                                                  "max_prompt_len": hi}), model.config.vocab_size)
     greedy = argparse.Namespace(max_new_tokens=new, temperature=0.0, seed=0)
-    sampler = Sampler(model, max_batch_size=B)
+    sampler = Sampler(model, max_batch_size=B, num_blocks=B * -(-(hi + new) // 16) + 64)
     run_ours(sampler, prompts, greedy)
     t_ours, ours = timed(lambda: (run_ours(sampler, prompts, greedy), sync())[0], 0, 1)
     dev = next(model.parameters()).device

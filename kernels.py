@@ -404,7 +404,7 @@ def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale):
 def _fast_moe_experts(x, w13, w2, ids, weights):
     """What a fast engine runs: torch._grouped_mm over expert-sorted rows (bf16 on a GPU; no host
     sync), else a per-expert loop accumulating with index_add_ in the model dtype (as transformers)."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    if grouped_mm_usable(x.device, x.dtype, x.shape[1], w2.shape[2]):
         return _grouped_mm_moe(x, w13, w2, ids, weights)
     I = w2.shape[2]
     out = torch.zeros_like(x)
@@ -414,6 +414,14 @@ def _fast_moe_experts(x, w13, w2, ids, weights):
         y = F.linear(F.silu(h[:, :I]) * h[:, I:], w2[e])
         out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
     return out
+
+
+def grouped_mm_usable(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
+    """Whether the fast MoE takes torch._grouped_mm, which runs without a host sync (so a decode step
+    can be a CUDA graph) only on sm90 / sm100 in bf16 (elsewhere PyTorch loops over the experts on the
+    host), with 16-byte strides: D and I multiples of 8."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device)[0] in (9, 10) and D % 8 == 0 and I % 8 == 0)
 
 
 def _grouped_mm_moe(x, w13, w2, ids, weights):

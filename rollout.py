@@ -38,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kernels
-from model import PagedKV, Transformer
+from model import MoE, PagedKV, Transformer
 
 
 @dataclass
@@ -64,8 +64,8 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k!r}: need an integer >= 0 (0 turns it off)")
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: need an integer >= 1")
-        if not is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed={self.seed!r}: need an integer >= 0")
+        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed={self.seed!r}: need an integer in [0, 2**64)")
         if not all(is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: need integer token ids")
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
@@ -439,7 +439,7 @@ class ModelRunner:
             self.rows.fill_(self.pad_row)
             self.rows[:n] = torch.tensor([s.row for s in seqs], device=self.device)
             self.rows_version = version
-        if not self.cuda_graphs:
+        if not self.cuda_graphs or kernels.get_backend() == "torch":   # (the torch backend syncs the host)
             return self._decode_step(bucket, sp)[:n].tolist()
         key = (bucket, sp.temperature, sp.top_p, sp.top_k)
         if key not in self.graphs:
@@ -498,8 +498,8 @@ class Sampler:
             prompts right-padded to the longest; a longer prompt is prefilled alone).
         mode: "invariant" (the contract) or "fast" (batch-variant ops, see kernels.variant: the mismatch
             lab); router_bf16: round router logits to bf16 here, on the rollout side only.
-        cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA, where the kernels run
-            without host syncs; the fast MoE needs torch._grouped_mm and bf16 for that).
+        cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA with the Triton kernels,
+            which run without host syncs; in fast mode only where kernels.grouped_mm_usable).
         """
         if mode not in ("invariant", "fast"):
             raise ValueError(f"mode={mode!r}: choose invariant or fast")
@@ -523,7 +523,11 @@ class Sampler:
                 num_blocks = kv_pool_blocks(cpu_kv_bytes, 1.0, 0, block_bytes, wanted)
         self.num_blocks = num_blocks
         if cuda_graphs is None:
-            cuda_graphs = p.device.type == "cuda" and (mode == "invariant" or fast_moe_is_graphable(p.dtype))
+            # the torch backend and the fast MoE's host-side loop read the device inside a step
+            moe_I = [m.w2.shape[2] for m in model.modules() if isinstance(m, MoE)]
+            cuda_graphs = p.device.type == "cuda" and kernels.get_backend() != "torch" and (
+                mode == "invariant" or not moe_I
+                or kernels.grouped_mm_usable(p.device, p.dtype, cfg.hidden_size, moe_I[0]))
         if cuda_graphs and p.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         self.runner = ModelRunner(model, block_size, num_blocks, max_batch_size, cuda_graphs)
@@ -635,11 +639,6 @@ def kv_pool_blocks(free_bytes: int, fraction: float, reserve_bytes: int, block_b
         raise ValueError(f"kv_memory_fraction={fraction} must be in (0, 1]")
     budget = int(max(0, free_bytes - reserve_bytes) * fraction)
     return max(1, min(wanted, budget // block_bytes))
-
-
-def fast_moe_is_graphable(dtype: torch.dtype) -> bool:
-    """The fast path's MoE runs without a host sync (torch._grouped_mm) only in bf16 on a GPU."""
-    return dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
 # ---------------------------------------------------------------------------------------------------
