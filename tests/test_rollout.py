@@ -590,25 +590,10 @@ def test_sampler_from_rollout_config():
 # host work per decode step
 # ---------------------------------------------------------------------------------------------------
 def _ops_per_decode_step(n_seqs: int) -> int:
-    """torch ops dispatched by one decode step (the 4th) of a request of n_seqs sequences (top-level
-    ones: what the host calls, not the ops those run inside)."""
-    model = fp32_model()
-    sampler = Sampler(model, max_batch_size=n_seqs)
-    runner, counts = sampler.runner, []
-    decode = runner.decode
-
-    def counted(*args):
-        if len(counts) == 3:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                out = decode(*args)
-            counts.append(sum(1 for e in prof.events() if e.name.startswith("aten::") and not (
-                e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))))   # dispatched by Python
-            return out
-        counts.append(None)
-        return decode(*args)
-    runner.decode = counted
-    sampler.generate(make_prompts([10] * n_seqs, seed=2), max_new_tokens=8, temperature=1.0, progress=False)
-    return counts[3]
+    """Top-level torch ops (what the host calls, not the ops those run inside) of one decode step."""
+    from bench import decode_step_profile
+    sampler = Sampler(fp32_model(), max_batch_size=n_seqs)
+    return decode_step_profile(sampler, make_prompts([10] * n_seqs, seed=2), 8)[0]
 
 
 def test_ops_per_decode_step_do_not_grow_with_the_batch():
