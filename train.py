@@ -12,6 +12,10 @@ the rollout log-probs ARE the old policy's log-probs, so the logged train-rollou
 and route flip fraction are exactly 0. Metrics go to out_dir/metrics.jsonl, one JSON object per step.
 Formulas: docs/design.md, "RL losses" (A_i = (r_i - mean) / (std + 1e-6); ratio r_t = exp(logp_t - old_logp_t)).
 
+The loop (`_train`) reads as one step's phases: rollout; rewards and advantages; the old policy's
+log-probs and corrections; the updates; metrics and log; checkpoint. The objectives are tables in
+losses.py, torchrun's wrappers and reductions live in distributed.py, checkpoints in checkpoint.py.
+
 Reliability: a non-numeric or non-finite reward, loss or gradient norm stops the run (or skips the
 optimizer step, up to --skip_nonfinite_steps) before it reaches the weights; a checkpoint is written
 only from finite weights, to a temporary folder renamed into place. An out_dir that holds a run is
