@@ -544,39 +544,56 @@ class _PagedAttention(torch.autograd.Function):
         _attn_bwd_dq_kernel[(B * KVH, triton.cdiv(T, BT))](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dq, *common, *scales,
             BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **LAUNCH)
-        # dK, dV per sequence over the tiles any query can see, then into the pages
-        pos_max = positions.amax(1)                                        # (B,)
-        n_tiles = int(pos_max.max()) // ATTN_KEYS + 1
-        nkeys = -(-n_tiles * ATTN_KEYS // PAGE) * PAGE
-        dk_seq = torch.zeros(B, nkeys, KVH, D, dtype=torch.float32, device=q.device)
-        dv_seq = torch.zeros_like(dk_seq)
+        # dK, dV per sequence over every key tile the block table spans (its width, not the largest
+        # position: no host sync; a tile no query sees gets zeros), then summed into the pages
+        NB = block_table.shape[1]
+        nkeys = triton.cdiv(NB * PAGE, ATTN_KEYS) * ATTN_KEYS
+        dk_seq = torch.empty(B, nkeys, KVH, D, dtype=torch.float32, device=q.device)
+        dv_seq = torch.empty_like(dk_seq)
         rows, warps, stages = ATTN_TABLE["bwd_dkv"]
         BT = max(1, rows // GP)
-        _attn_bwd_dkv_kernel[(B * KVH, n_tiles)](
+        _attn_bwd_dkv_kernel[(B * KVH, nkeys // ATTN_KEYS)](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dk_seq, dv_seq, *common, nkeys,
             *scales, BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **LAUNCH)
-        return (dq, *_pages_grad(dk_seq, dv_seq, k_cache, block_table, pos_max), None, None, None)
+        return (dq, *_pages_grad(dk_seq, dv_seq, k_cache, block_table), None, None, None)
 
 
-def _pages_grad(dk_seq, dv_seq, k_cache, block_table, pos_max):
-    """(B, NKEYS, KVH, D) per-sequence key gradients -> gradients of the page caches; a page that
-    several sequences share (a GRPO prompt prefix) sums theirs in sequence order."""
-    B, nkeys, KVH, D = dk_seq.shape
-    PAGE = k_cache.shape[1]
-    NP = min(nkeys // PAGE, block_table.shape[1])                     # the last tile may pass the table
-    used = torch.arange(NP, device=dk_seq.device)[None, :] <= (pos_max // PAGE)[:, None]  # (B, NP)
-    pages = block_table[:, :NP].long()[used]                          # (n_used,)
-    dk_pages = dk_seq.view(B, -1, PAGE, KVH, D)[:, :NP][used]         # (n_used, PAGE, KVH, D)
-    dv_pages = dv_seq.view(B, -1, PAGE, KVH, D)[:, :NP][used]
-    dk = torch.zeros(k_cache.shape, dtype=torch.float32, device=dk_seq.device)
-    dv = torch.zeros_like(dk)
-    if torch.unique(pages).numel() == pages.numel():                  # no page shared: plain scatter
-        dk[pages], dv[pages] = dk_pages, dv_pages
-    else:                                                             # shared pages: fixed order
-        for i in range(pages.numel()):
-            dk[pages[i]] += dk_pages[i]
-            dv[pages[i]] += dv_pages[i]
-    return dk.to(k_cache.dtype), dv.to(k_cache.dtype)
+@triton.jit
+def _pages_grad_kernel(dk_seq_ptr, dv_seq_ptr, entry_ptr, first_ptr, dk_ptr, dv_ptr, NB, s_seq, PAGE_ELEMS,
+                       BLOCK: tl.constexpr):
+    # Deterministic, atomic-free: one program per (cache page, column block) adds up, in sequence
+    # order, the key gradients of every block-table entry naming that page (a GRPO prompt prefix is
+    # one page in several sequences); a page no entry names gets zeros.
+    page = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < PAGE_ELEMS
+    dk = tl.zeros((BLOCK,), tl.float32)
+    dv = tl.zeros((BLOCK,), tl.float32)
+    for i in range(tl.load(first_ptr + page), tl.load(first_ptr + page + 1)):
+        entry = tl.load(entry_ptr + i)                                # block-table entry b * NB + n
+        src = (entry // NB) * s_seq + (entry % NB) * PAGE_ELEMS + cols
+        dk += tl.load(dk_seq_ptr + src, mask=ok, other=0.0)
+        dv += tl.load(dv_seq_ptr + src, mask=ok, other=0.0)
+    tl.store(dk_ptr + page * PAGE_ELEMS + cols, dk.to(dk_ptr.dtype.element_ty), mask=ok)
+    tl.store(dv_ptr + page * PAGE_ELEMS + cols, dv.to(dv_ptr.dtype.element_ty), mask=ok)
+
+
+def _pages_grad(dk_seq, dv_seq, k_cache, block_table):
+    """(B, NKEYS, KVH, D) per-sequence key gradients -> gradients of the page caches, on the device
+    (no host sync). Every block-table entry adds its page's share; entries past a sequence's end add
+    the zeros no query wrote; a page several entries name sums them in sequence order."""
+    B, NB = block_table.shape
+    num_pages, PAGE = k_cache.shape[:2]
+    page_elems = PAGE * k_cache.shape[2] * k_cache.shape[3]
+    pages = block_table.reshape(-1)                                   # (B * NB,) entry b * NB + n
+    entry = torch.sort(pages, stable=True).indices                   # entries grouped by page, in order
+    first = torch.searchsorted(pages[entry], torch.arange(num_pages + 1, device=pages.device))  # (P + 1,)
+    dk = torch.empty(k_cache.shape, dtype=k_cache.dtype, device=k_cache.device)   # contiguous, as written
+    dv = torch.empty_like(dk)
+    BLOCK = min(1024, triton.next_power_of_2(page_elems))
+    _pages_grad_kernel[(num_pages, triton.cdiv(page_elems, BLOCK))](
+        dk_seq, dv_seq, entry, first, dk, dv, NB, dk_seq.stride(0), page_elems, BLOCK=BLOCK, **LAUNCH)
+    return dk, dv
 
 
 def paged_attention(q, k_cache, v_cache, block_table, positions, scale):

@@ -284,7 +284,7 @@ def bench(quick: bool, dev: str = "cuda") -> None:
 # may enter kernels_triton.MM_TABLE only if its bits are equal here AND in the CUDA test
 MM_CANDIDATES = {
     "bf16 small": [(16, 32, 64, 2, 5), (16, 64, 64, 4, 4), (16, 32, 128, 4, 4), (16, 64, 128, 4, 4),
-                   (16, 16, 128, 2, 6), (16, 128, 64, 4, 4), (32, 64, 64, 4, 4)],
+                   (16, 16, 128, 2, 6), (16, 16, 256, 2, 4), (16, 128, 64, 4, 4), (32, 64, 64, 4, 4)],
     "bf16 mid": [(32, 64, 64, 4, 4), (64, 32, 64, 2, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3)],
     "bf16 large": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
                    (128, 128, 128, 8, 3)],
@@ -314,6 +314,7 @@ def sweep(dev: str = "cuda") -> None:
 
     sweep_moe(dev, ms)
     print("\nsweep: matmul (ms; bits = equal to the table config's result)", flush=True)
+    ratios: dict[tuple, dict[tuple, list[float]]] = {}          # (dtype tag, M) -> config -> [ms / cuBLAS ms]
     for dtype, shapes in ((torch.bfloat16, MM_SHAPES), (torch.float32, MM_SHAPES[:1])):
         tag = "bf16" if dtype == torch.bfloat16 else "fp32"
         for name, K, N in shapes:
@@ -335,7 +336,23 @@ def sweep(dev: str = "cuda") -> None:
                 line = "  ".join(f"{c}:{t:.4f}{'' if same else '(BITS DIFFER)'}" for t, c, same in sorted(results))
                 print(f"  {tag} {name:8s} M={M:<5d} cuBLAS {cublas:.4f} table {kt.mm_config(M, dtype)}:{table:.4f} | {line}",
                       flush=True)
+                for t, cfg, same in results + [(table, kt.mm_config(M, dtype), True)]:
+                    if same:                                     # a config that changes bits may not enter the table
+                        ratios.setdefault((tag, M), {}).setdefault(tuple(cfg), []).append(t / cublas if cublas > 0 else 1.0)   # smoke: 0 ms
+    print_best_matmul(ratios)
     sweep_attention(dev, ms)
+
+
+def print_best_matmul(ratios) -> None:
+    """Per dtype and M: the config with the smallest geometric mean of (ms / cuBLAS ms) over the shapes
+    that ran every shape with the table's bits; the candidate for that M's row of MM_TABLE."""
+    import math
+    print("\nsweep: best matmul config per M (geometric mean of triton/cuBLAS over the shapes; worst shape)")
+    for (tag, M), per_cfg in sorted(ratios.items()):
+        n = max(len(r) for r in per_cfg.values())
+        full = {cfg: r for cfg, r in per_cfg.items() if len(r) == n}
+        cfg, r = min(full.items(), key=lambda kv: sum(map(math.log, kv[1])))
+        print(f"  {tag} M={M:<5d} {cfg}: {math.exp(sum(map(math.log, r)) / len(r)):.2f}x  worst {max(r):.2f}x")
 
 
 MOE_CANDIDATES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3)]

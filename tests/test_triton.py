@@ -367,11 +367,13 @@ def test_paged_attention_gradients_deterministic():
 
 @runnable
 def test_paged_attention_gradients_shared_pages():
-    """Two sequences share their first page (a GRPO prompt prefix): its dK/dV sums both, in order."""
+    """Two sequences share their first page (a GRPO prompt prefix): its dK/dV sums both, in order.
+    The table's last column lies past both sequences (a sampler's table is wider than its sequences):
+    its entries name page 1, used by nobody, and page 0, used by sequence 0; they add nothing."""
     H, KVH, D, P = 4, 2, 16, 16
     q = randn(2, 24, H, D, seed=0)
     kc, vc = randn(4, P, KVH, D, seed=1), randn(4, P, KVH, D, seed=2)
-    bt = torch.tensor([[2, 0], [2, 3]], device=DEV)
+    bt = torch.tensor([[2, 0, 1], [2, 3, 0]], device=DEV)
     pos = torch.arange(24, device=DEV).expand(2, 24)
     g = randn(2, 24, H, D, seed=3)
     grads = []
@@ -625,15 +627,38 @@ def test_gpu_moe(dtype):
 
 
 @gpu
+def test_gpu_training_kernels_never_sync_the_host():
+    """Attention and the fused MoE, forward and backward, queue their work without waiting for the GPU
+    (no .item(), no bool-mask indexing, no size read back): a training step's layers overlap the host.
+    Control: the same detector raises on a read-back."""
+    B, T, H, KVH, D = 2, 200, 8, 2, 64
+    q, k, v = (randn(*s, seed=i, dtype=torch.bfloat16).requires_grad_() for i, s in
+               enumerate([(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D)]))
+    x, w13, w2, ids, wt = _moe_inputs(300, E=16, D=256, I=128, k=4, dtype=torch.bfloat16)
+    moe_params = [t.clone().requires_grad_() for t in (x, w13, w2, wt)]
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        _trainer_attention(kt.paged_attention, q, k, v).sum().backward()
+        a = moe_params
+        ktm.moe_experts(a[0], a[1], a[2], ids, a[3]).float().sum().backward()
+        with pytest.raises(RuntimeError):
+            q.grad.sum().item()                                  # control: a read-back is caught
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(t.grad is not None for t in (q, k, v, *moe_params))
+
+
+@gpu
 def test_gpu_sampling_rows_do_not_depend_on_the_batch():
-    """The sampler's draws on CUDA (softmax, sort, cumsum for top-p, per-row generators): each row of a
-    batch gets the token it gets alone, at a Qwen-sized vocabulary."""
-    from rollout import sample_tokens
+    """The sampler's draws on CUDA (softmax, sort, cumsum for top-p, the counter-based uniforms): each
+    row of a batch gets the token it gets alone, at a Qwen-sized vocabulary."""
+    from rollout import draw_keys, sample_tokens
     logits = randn(16, 151936, scale=4, seed=7, dtype=torch.bfloat16)
-    seeds = list(range(1000, 1016))
+    u = draw_keys(torch.tensor([1234, 0], device=DEV), torch.arange(16, device=DEV), torch.full((16,), 40, device=DEV))
     for temperature, top_p, top_k in ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 0.95, 50)):
-        batched = sample_tokens(logits, temperature, top_p, top_k, seeds)
-        alone = torch.cat([sample_tokens(logits[b:b + 1], temperature, top_p, top_k, seeds[b:b + 1]) for b in range(16)])
+        batched = sample_tokens(logits, temperature, top_p, top_k, u)
+        alone = torch.cat([sample_tokens(logits[b:b + 1], temperature, top_p, top_k, u[b:b + 1]) for b in range(16)])
         assert torch.equal(batched, alone), (temperature, top_p, top_k)
 
 
