@@ -421,6 +421,18 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
 
 
 @triton.jit
+def _attn_bwd_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, q_off, mask, ok, b, t, h, T, H, UPCAST: tl.constexpr):
+    # a query block's inputs to the backward: q, dO (R, BD), the base-2 log-sum-exp and delta (R,)
+    q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
+    do = tl.load(do_ptr + q_off, mask=mask, other=0.0)
+    if UPCAST:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    lse2 = tl.load(lse_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
+    delta = tl.load(delta_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
+    return q, do, lse2, delta
+
+
+@triton.jit
 def _attn_bwd_p_ds(q, do, k, v, lse2, delta, kpos, pos, ok, qk_scale, MASK: tl.constexpr):
     # the backward's recomputed probabilities p (R, KB) and ds = p * (dO.v - delta)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
@@ -446,12 +458,7 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, d
     b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
     t, h, ok, d, q_off, mask, pos = _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                pos_ptr, s_pb, s_pt, BT, GP, BD, D)
-    q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
-    do = tl.load(do_ptr + q_off, mask=mask, other=0.0)
-    if UPCAST:
-        q, do = q.to(tl.float32), do.to(tl.float32)
-    lse2 = tl.load(lse_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
-    delta = tl.load(delta_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
+    q, do, lse2, delta = _attn_bwd_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, q_off, mask, ok, b, t, h, T, H, UPCAST)
     dq = tl.zeros((BT * GP, BD), tl.float32)
     n_full = (tl.min(tl.where(ok, pos, 2**30), 0) + 1) // KB
     n_tiles = tl.max(pos, 0) // KB + 1
@@ -486,12 +493,8 @@ def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, 
         t, h, ok, d, q_off, mask, pos = _attn_rows(i, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                    pos_ptr, s_pb, s_pt, BT, GP, BD, D)
         if tl.max(tl.where(ok, pos, -1), 0) >= j * KB:           # else this block adds exact zeros
-            q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
-            do = tl.load(do_ptr + q_off, mask=mask, other=0.0)
-            if UPCAST:
-                q, do = q.to(tl.float32), do.to(tl.float32)
-            lse2 = tl.load(lse_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
-            delta = tl.load(delta_ptr + (b * T + t) * H + h, mask=ok, other=0.0)
+            q, do, lse2, delta = _attn_bwd_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, q_off, mask, ok, b, t, h, T, H,
+                                                UPCAST)
             p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, kpos, pos, ok, qk_scale, True)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")             # (KB, BD)
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")

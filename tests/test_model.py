@@ -77,6 +77,18 @@ def ref_logp(logits, tokens, temperature=1.0):
 # ---------------------------------------------------------------------------------------------------
 # a. agreement with transformers
 # ---------------------------------------------------------------------------------------------------
+def check_logits_match(model, hf, tokens, what: str) -> torch.Tensor:
+    """Our logits equal transformers' within TOL (max relative error); returns transformers' logits."""
+    ref = hf_logits(hf, tokens)
+    with torch.no_grad():
+        logits = model(tokens)
+    err = rel_err(logits, ref)
+    print(f"\n[rel-err {what}]: {err:.3e}")
+    assert logits.shape == ref.shape == (*tokens.shape, model.config.vocab_size)
+    assert err < TOL, f"{what}: max rel error {err:.2e} vs transformers"
+    return ref
+
+
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 def test_matches_transformers_hf_to_ours(name, hf_checkpoint):
     overrides = HF_CONFIGS[name]
@@ -85,13 +97,7 @@ def test_matches_transformers_hf_to_ours(name, hf_checkpoint):
     assert model.config == tiny_config(**overrides)
     assert next(model.parameters()).dtype == torch.float32
     tokens = torch.randint(0, 50, (3, 40))
-    ref = hf_logits(hf, tokens)
-    with torch.no_grad():
-        logits = model(tokens)
-    err = rel_err(logits, ref)
-    print(f"\n[rel-err hf->ours] {name}: {err:.3e}")
-    assert logits.shape == (3, 40, 50)
-    assert err < TOL, f"{name}: max rel error {err:.2e} vs transformers"
+    ref = check_logits_match(model, hf, tokens, f"hf->ours {name}")
 
     # score(): log-probs of the next tokens and the routes
     _, probs = hf_router_probs(hf, tokens)
@@ -117,12 +123,7 @@ def test_matches_transformers_ours_to_hf(name, tmp_path):
     assert hf.config.num_experts == model.config.num_experts
     assert hf.config.tie_word_embeddings == model.config.tie_word_embeddings
     tokens = torch.randint(0, 50, (2, 33))
-    ref = hf_logits(hf, tokens)
-    with torch.no_grad():
-        logits = model(tokens)
-    err = rel_err(logits, ref)
-    print(f"\n[rel-err ours->hf] {name}: {err:.3e}")
-    assert err < TOL, f"{name}: max rel error {err:.2e} vs transformers"
+    check_logits_match(model, hf, tokens, f"ours->hf {name}")
 
 
 def test_our_checkpoint_is_per_expert_layout(tmp_path):
