@@ -386,6 +386,52 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 # ---------------------------------------------------------------------------------------------------
+# sampling: one token per row by the inverse CDF at a given uniform
+# ---------------------------------------------------------------------------------------------------
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                  u: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from softmax(logits / temperature), restricted by top-k and top-p.
+
+    logits (B, V); u (B,) float64 uniforms in (0, 1] (the sampler's rollout.draw_keys); returns (B,)
+    int64 on the logits' device. Inverse CDF: the first token whose cumulative probability (in float64)
+    reaches u * total. Every op works along the row (softmax, sort, cumsum, comparison), so a row's draw
+    depends on its logits and its u alone, not on the other rows; a few batched ops, whatever the batch.
+    Without top-k / top-p the Triton backend computes the same inverse CDF in two kernels that read the
+    logits about once (kernels_triton.sample_tokens); its sums run in another order, so the two backends
+    agree except where u * total falls within rounding of a token's boundary.
+    """
+    if top_k == 0 and top_p >= 1.0 and (kt := _triton_for(logits)) is not None:
+        return kt.sample_tokens(logits, temperature, u)
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    p = torch.softmax(z, dim=-1)                                            # (B, V)
+    if top_k > 0 or top_p < 1.0:
+        p = _truncate(p, top_p, top_k)
+    cum = _row_cumsum(p.double())                                           # (B, V)
+    return (cum < (u * cum[:, -1])[:, None]).sum(-1)                        # first index reaching it
+
+
+def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """cumsum along rows. CUDA's cumsum takes another algorithm (another summation order) for a single
+    row: scan at least two rows so that a row's sums do not depend on how many rows there are."""
+    B = x.shape[0]
+    return torch.cumsum(x if B > 1 else x.repeat(2, 1), dim=-1)[:B]
+
+
+def _truncate(p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """Zero outside the top_k most likely and outside the smallest prefix of mass >= top_p (the top
+    token is always kept); p (B, V) fp32 probabilities."""
+    sorted_p, idx = torch.sort(p, dim=-1, descending=True, stable=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if top_k > 0:
+        keep[:, top_k:] = False
+    if top_p < 1.0:
+        keep &= (_row_cumsum(sorted_p) - sorted_p) < top_p
+    return torch.zeros_like(p).scatter(-1, idx, torch.where(keep, sorted_p, 0.0))
+
+
+# ---------------------------------------------------------------------------------------------------
 # the batch-variant fast path of `variant(batch_variant=True)`: what a rollout engine typically runs
 # ---------------------------------------------------------------------------------------------------
 def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale):

@@ -329,6 +329,101 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 # ===================================================================================================
+# sampling: the inverse CDF of softmax(logits / T) at the row's uniform u
+# ===================================================================================================
+# The torch twin (kernels.sample_tokens) writes softmax and a float64 cumsum of every row: about 25
+# bytes per logit at a 151936-token vocabulary. Here the vocabulary is cut into fixed segments of
+# SAMPLE_SEGMENT entries (a function of V only, never of the batch): kernel 1 reduces each (row,
+# segment) to its max and fp64 mass, in parallel; kernel 2, one program per row, finds the segment
+# where the running mass reaches u * total, then the token inside it. The logits are read about once.
+SAMPLE_SEGMENT = 8192               # vocabulary entries per segment: 19 segments for Qwen's 151936
+SAMPLE_CHUNK = 2048                 # entries per step inside a segment
+
+
+@triton.jit
+def _scaled_logits(base, idx, end, temp, SCALE: tl.constexpr):
+    z = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+    if SCALE:
+        z = tl.div_rn(z, temp)
+    return z
+
+
+@triton.jit
+def _sample_segments_kernel(z_ptr, m_ptr, t_ptr, V, s_z, temp, SEG, SCALE: tl.constexpr, BLOCK_V: tl.constexpr):
+    # program (row, segment): m = max of z / T over the segment, t = sum of exp(z / T - m) in fp64
+    row, seg = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    base = z_ptr + row * s_z
+    cols = tl.arange(0, BLOCK_V)
+    lo = seg * SEG
+    hi = tl.minimum(lo + SEG, V)
+    m = tl.full([], float("-inf"), tl.float32)
+    for v0 in range(lo, hi, BLOCK_V):
+        m = tl.maximum(m, tl.max(_scaled_logits(base, v0 + cols, hi, temp, SCALE), 0))
+    m_safe = tl.where(m > float("-inf"), m, 0.0)                 # an all -inf segment has mass 0
+    t = tl.full([], 0.0, tl.float64)
+    for v0 in range(lo, hi, BLOCK_V):                            # the segment again, now from the cache
+        t += tl.sum(tl.exp(_scaled_logits(base, v0 + cols, hi, temp, SCALE) - m_safe).to(tl.float64), 0)
+    tl.store(m_ptr + row * tl.num_programs(1) + seg, m)
+    tl.store(t_ptr + row * tl.num_programs(1) + seg, t)
+
+
+@triton.jit
+def _sample_pick_kernel(z_ptr, u_ptr, m_ptr, t_ptr, out_ptr, V, s_z, temp, SEG, S,
+                        SCALE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr):
+    # One program per row. Segment masses relative to the row's max: w_s = t_s exp(m_s - M) (fp64);
+    # the first segment s whose running mass reaches u * total (total = the last running mass), then
+    # in s the first token whose running mass reaches it. Only tokens of positive mass are chosen: if
+    # rounding leaves a segment's inner sums short of its w_s, its last token of positive mass is.
+    row = tl.program_id(0).to(tl.int64)
+    segs = tl.arange(0, BLOCK_S)
+    ms = tl.load(m_ptr + row * S + segs, mask=segs < S, other=float("-inf"))
+    ts = tl.load(t_ptr + row * S + segs, mask=segs < S, other=0.0)
+    M = tl.max(ms, 0)
+    w = tl.where(ts > 0, ts * tl.exp((ms - M).to(tl.float64)), 0.0)                  # (BLOCK_S,)
+    cum = tl.cumsum(w, 0)
+    thr = tl.load(u_ptr + row) * tl.sum(tl.where(segs == S - 1, cum, 0.0), 0)
+    seg = tl.min(tl.where((cum >= thr) & (w > 0), segs, BLOCK_S), 0)
+    seg = tl.where(seg < BLOCK_S, seg, tl.max(tl.where(w > 0, segs, 0), 0))
+    prefix = tl.sum(tl.where(segs == seg - 1, cum, 0.0), 0)     # the mass before segment seg (0 for seg 0)
+    m_seg = tl.sum(tl.where(segs == seg, ms, 0.0), 0)
+    scale = tl.exp((m_seg - M).to(tl.float64))
+    base = z_ptr + row * s_z
+    cols = tl.arange(0, BLOCK_V)
+    lo = seg * SEG
+    hi = tl.minimum(lo + SEG, V)
+    token = hi                                                   # none yet
+    last = lo                                                    # the last token of positive mass so far
+    for v0 in range(lo, hi, BLOCK_V):
+        e = tl.exp(_scaled_logits(base, v0 + cols, hi, temp, SCALE) - m_seg).to(tl.float64) * scale
+        run = prefix + tl.cumsum(e, 0)
+        first = tl.min(tl.where((run >= thr) & (e > 0), v0 + cols, hi), 0)
+        token = tl.minimum(token, first)
+        last = tl.maximum(last, tl.max(tl.where(e > 0, v0 + cols, lo), 0))
+        prefix += tl.sum(e, 0)
+    tl.store(out_ptr + row, tl.where(token < hi, token, last).to(tl.int64))
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, u: torch.Tensor) -> torch.Tensor:
+    """kernels.sample_tokens on the Triton backend, without top-k / top-p: logits (B, V), u (B,) float64
+    -> (B,) int64."""
+    B, V = logits.shape
+    z = logits if logits.stride(1) == 1 else logits.contiguous()
+    S = triton.cdiv(V, SAMPLE_SEGMENT)
+    m = torch.empty(B, S, dtype=torch.float32, device=z.device)
+    t = torch.empty(B, S, dtype=torch.float64, device=z.device)
+    out = torch.empty(B, dtype=torch.long, device=z.device)
+    if B:
+        scale = temperature != 1.0
+        block = min(SAMPLE_CHUNK, triton.next_power_of_2(min(V, SAMPLE_SEGMENT)))
+        _sample_segments_kernel[(B, S)](_aligned(z), m, t, V, z.stride(0), float(temperature), SAMPLE_SEGMENT,
+                                        SCALE=scale, BLOCK_V=block, **LAUNCH)
+        _sample_pick_kernel[(B,)](_aligned(z), _aligned(u.to(device=z.device, dtype=torch.float64).contiguous()),
+                                  m, t, out, V, z.stride(0), float(temperature), SAMPLE_SEGMENT, S, SCALE=scale,
+                                  BLOCK_V=block, BLOCK_S=triton.next_power_of_2(S), **LAUNCH)
+    return out
+
+
+# ===================================================================================================
 # attention over a paged KV cache
 # ===================================================================================================
 # Program layout, shared by the three kernels: axis 0 is (sequence b, KV head kvh) (axis 0 has no

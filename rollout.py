@@ -25,7 +25,8 @@ The contract: every step calls the same `Transformer.hidden_states`, `compute_lo
 `model.score(prompt + tokens)` at the generated positions and `outs[i].routes` to score's routes,
 whatever the batch, the padding, the block layout, sharing, preemption or graph replay. The random
 draw of a token depends only on (seed, the sequence's index in the request, its position): a uniform
-from a counter-based hash of those three (`draw_keys`), turned into a token by inverse CDF.
+from a counter-based hash of those three (`draw_keys`), turned into a token by inverse CDF
+(`kernels.sample_tokens`: a few batched torch ops, or on a GPU two Triton kernels).
 """
 from __future__ import annotations
 
@@ -386,7 +387,7 @@ class ModelRunner:
             tokens = torch.argmax(logits, dim=-1)                              # first maximum on ties
         else:
             u = draw_keys(self.seed, self.seq_id[rows], positions)
-            tokens = sample_tokens(logits, sp.temperature, sp.top_p, sp.top_k, u)
+            tokens = kernels.sample_tokens(logits, sp.temperature, sp.top_p, sp.top_k, u)
         return tokens, kernels.token_logprobs(logits, tokens, sp.temperature)
 
     def _record(self, rows, n_tok, tokens, logp) -> torch.Tensor:
@@ -642,7 +643,8 @@ def kv_pool_blocks(free_bytes: int, fraction: float, reserve_bytes: int, block_b
 
 
 # ---------------------------------------------------------------------------------------------------
-# sampling: inverse-CDF draws from counter-based uniforms, one batched op for the whole batch
+# the random stream: one uniform per (seed, sequence, position), for the whole batch in a few ops;
+# kernels.sample_tokens turns it into a token (inverse CDF)
 # ---------------------------------------------------------------------------------------------------
 M32 = 0xFFFFFFFF
 
@@ -671,41 +673,3 @@ def draw_keys(seed: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor
     hi = mix32(k2 ^ mix32(positions ^ 0x1B873593))                         # (B,) 32-bit words
     lo = mix32(hi ^ k2)
     return ((hi >> 6) * (1 << 27) + (lo >> 5)).double().add(0.5).mul(2.0 ** -53)
-
-
-def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
-                  u: torch.Tensor) -> torch.Tensor:
-    """Draw one token per row from softmax(logits / temperature), restricted by top-k and top-p.
-
-    logits (B, V); u (B,) uniforms from draw_keys; returns (B,) int64 on the logits' device.
-    Inverse CDF: the first token whose cumulative probability (in float64) reaches u * total. Every op
-    works along the row (softmax, sort, cumsum, comparison), so a row's draw depends on its logits and
-    its u alone, not on the other rows; a few batched ops, whatever the batch size.
-    """
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    p = torch.softmax(z, dim=-1)                                            # (B, V)
-    if top_k > 0 or top_p < 1.0:
-        p = _truncate(p, top_p, top_k)
-    cum = _row_cumsum(p.double())                                           # (B, V)
-    return (cum < (u * cum[:, -1])[:, None]).sum(-1)                        # first index reaching it
-
-
-def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """cumsum along rows. CUDA's cumsum takes another algorithm (another summation order) for a single
-    row: scan at least two rows so that a row's sums do not depend on how many rows there are."""
-    B = x.shape[0]
-    return torch.cumsum(x if B > 1 else x.repeat(2, 1), dim=-1)[:B]
-
-
-def _truncate(p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
-    """Zero outside the top_k most likely and outside the smallest prefix of mass >= top_p (the top
-    token is always kept); p (B, V) fp32 probabilities."""
-    sorted_p, idx = torch.sort(p, dim=-1, descending=True, stable=True)
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if top_k > 0:
-        keep[:, top_k:] = False
-    if top_p < 1.0:
-        keep &= (_row_cumsum(sorted_p) - sorted_p) < top_p
-    return torch.zeros_like(p).scatter(-1, idx, torch.where(keep, sorted_p, 0.0))

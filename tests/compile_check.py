@@ -57,6 +57,8 @@ class Recorder:
             if kw.get("enable_fp_fusion") is not False:         # every launch passes kernels_triton.LAUNCH
                 raise ValueError(f"{self.fn.__name__} launched without enable_fp_fusion=False (**LAUNCH)")
             self.launches.append((self.fn, args, kw))
+            if self.fn.__name__ == "_sample_pick_kernel":   # its tokens feed the next step's embedding:
+                args[4].zero_()                              # a valid id (token 0), not empty memory
         return launch
 
 
@@ -143,6 +145,7 @@ def spec_key(fn: JITFunction, args, kw, free=()) -> tuple:
 # whole and in order in every config, and a CUDA test shows the bits equal); everything else, and
 # every other kernel, must be one binary.
 FREE = {"_matmul_kernel": kt.MM_TILE_ARGS}
+SAMPLING = ("_sample_segments_kernel", "_sample_pick_kernel")
 
 
 def check_geometries(model) -> tuple[list[str], int]:
@@ -154,7 +157,15 @@ def check_geometries(model) -> tuple[list[str], int]:
             with intercept() as launches:
                 run(model)
             runs[name] = launches
+    # the sampler's token draws (after each of its forwards) are not part of the forward; their call
+    # sites must get one binary across every sampler geometry too
+    sampling = [launch for launches in runs.values() for launch in launches if launch[0].__name__ in SAMPLING]
+    runs = {name: [la for la in launches if la[0].__name__ not in SAMPLING] for name, launches in runs.items()}
     (ref_name, ref), problems, n_forwards = next(iter(runs.items())), [], 0
+    for kernel in SAMPLING:
+        keys = {spec_key(*la) for la in sampling if la[0].__name__ == kernel}
+        if len(keys) > 1:
+            problems.append(f"{kernel} compiles {len(keys)} binaries across the sampler geometries")
     for name, launches in runs.items():
         forwards = [launches[i:i + len(ref)] for i in range(0, len(launches), len(ref))]
         n_forwards += len(forwards)
@@ -200,6 +211,8 @@ def main() -> int:
                 model.score(torch.randint(0, 4096, (2, 9)), temperature=1.0)     # unscaled log-probs
                 kernels.token_logprobs(torch.randn(2, 9, 4096, dtype=dtype), torch.randint(0, 4096, (2, 9)),
                                        0.7, with_entropy=True)                  # log-probs + entropy
+                kernels.sample_tokens(torch.randn(2, 151936, dtype=dtype), 1.0, 1.0, 0,      # Qwen's vocabulary:
+                                      torch.rand(2, dtype=torch.float64))               # 19 segments
         for launch in recorded:
             launches.setdefault(spec_key(*launch), launch)
     for (name, _, _), (fn, a, kw) in launches.items():

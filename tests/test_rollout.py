@@ -23,8 +23,8 @@ if ROOT not in sys.path:
 from conftest import assert_contract  # noqa: E402
 from config import ModelConfig  # noqa: E402
 from model import Transformer  # noqa: E402
-from rollout import (BlockManager, Sampler, Scheduler, Sequence, draw_keys, kv_pool_blocks,  # noqa: E402
-                     sample_tokens)
+from kernels import sample_tokens  # noqa: E402
+from rollout import BlockManager, Sampler, Scheduler, Sequence, draw_keys, kv_pool_blocks  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------
 # helpers

@@ -272,6 +272,33 @@ def test_token_logprobs_entropy(monkeypatch, temperature):
     assert za.grad is not None and za.grad.abs().sum() > 0
 
 
+@runnable
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sample_tokens_matches_torch_and_rows_alone(monkeypatch, temperature):
+    """kt.sample_tokens (no top-k / top-p) is the torch backend's inverse CDF computed by vocabulary
+    segments: the same token for every row (here u * total never falls within rounding of a token's
+    boundary), in a batch or alone. Rows: -inf logits inside a segment, a whole -inf segment, mass
+    only in the last (partial) segment; u = 1 takes the last token of positive probability."""
+    from rollout import draw_keys
+    monkeypatch.setattr(kt, "SAMPLE_SEGMENT", 64)            # V = 200: four segments, the last partial,
+    monkeypatch.setattr(kt, "SAMPLE_CHUNK", 16)              # four chunks in each
+    B, V = 40, 200
+    logits = randn(B, V, scale=4, seed=0).cpu()
+    logits[1, :64] = float("-inf")
+    logits[2, :-5] = float("-inf")
+    logits[3, 10:150] = float("-inf")
+    u = draw_keys(torch.tensor([7, 0]), torch.arange(B), torch.full((B,), 12))
+    u[2] = 1.0
+    tri = kt.sample_tokens(logits.to(DEV), temperature, u.to(DEV))
+    with kernels.set_backend("torch"):
+        ref = kernels.sample_tokens(logits, temperature, 1.0, 0, u)
+    assert tri.dtype == torch.long and torch.equal(tri.cpu(), ref)
+    assert int(tri[2]) == V - 1 and int(tri[1]) >= 64 and not 10 <= int(tri[3]) < 150
+    for b in (0, 2, 17):
+        assert int(kt.sample_tokens(logits[b:b + 1].to(DEV), temperature, u[b:b + 1].to(DEV))) == int(tri[b])
+    assert torch.equal(kt.sample_tokens(logits.flip(0).to(DEV), temperature, u.flip(0).to(DEV)), tri.flip(0))
+
+
 def test_triton_modules_do_not_import_kernels_or_each_other():
     """The dependencies run one way: kernels.py -> kernels_triton*.py -> kernels_triton_base.py."""
     import ast
@@ -651,15 +678,19 @@ def test_gpu_training_kernels_never_sync_the_host():
 
 @gpu
 def test_gpu_sampling_rows_do_not_depend_on_the_batch():
-    """The sampler's draws on CUDA (softmax, sort, cumsum for top-p, the counter-based uniforms): each
-    row of a batch gets the token it gets alone, at a Qwen-sized vocabulary."""
-    from rollout import draw_keys, sample_tokens
+    """The sampler's draws on CUDA (the Triton kernels without top-k / top-p; softmax, sort, cumsum
+    with them; the counter-based uniforms): each row of a batch gets the token it gets alone, at a
+    Qwen-sized vocabulary; the Triton kernels draw the torch backend's tokens."""
+    from rollout import draw_keys
     logits = randn(16, 151936, scale=4, seed=7, dtype=torch.bfloat16)
     u = draw_keys(torch.tensor([1234, 0], device=DEV), torch.arange(16, device=DEV), torch.full((16,), 40, device=DEV))
-    for temperature, top_p, top_k in ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 0.95, 50)):
-        batched = sample_tokens(logits, temperature, top_p, top_k, u)
-        alone = torch.cat([sample_tokens(logits[b:b + 1], temperature, top_p, top_k, u[b:b + 1]) for b in range(16)])
+    for temperature, top_p, top_k in ((1.0, 1.0, 0), (0.7, 1.0, 0), (0.7, 0.9, 0), (1.0, 0.95, 50)):
+        batched = kernels.sample_tokens(logits, temperature, top_p, top_k, u)
+        alone = torch.cat([kernels.sample_tokens(logits[b:b + 1], temperature, top_p, top_k, u[b:b + 1])
+                           for b in range(16)])
         assert torch.equal(batched, alone), (temperature, top_p, top_k)
+        with kernels.set_backend("torch"):
+            assert torch.equal(kernels.sample_tokens(logits, temperature, top_p, top_k, u), batched)
 
 
 @gpu
