@@ -11,8 +11,8 @@ tests in bf16 and fp32 at larger shapes). The table times each Triton kernel aga
 baseline in the same run and prints the ratio (triton ms / baseline ms; > 1 means Triton is slower),
 at the real model's shapes (Qwen3-30B-A3B): matmul (q_proj, o_proj, LM head, router at M = 1, 16,
 128, 4096) vs cuBLAS, fused MoE forward and forward+backward vs torch._grouped_mm, paged attention
-(prefill, forward+backward, decode) vs torch SDPA and flash-attn (where installed), RMSNorm and token
-log-probs vs plain torch. The sweep times candidate tile configs per shape (kernels_triton.MM_TABLE,
+(prefill, forward+backward, decode) vs torch SDPA and flash-attn (where installed), RMSNorm, token
+log-probs and the sampler's draw vs plain torch. The sweep times candidate tile configs per shape (kernels_triton.MM_TABLE,
 ATTN_KEYS, ATTN_TABLE are chosen from it) and checks each one's bits against the table's.
 Exit status: the tests' (0 when they pass), 2 without a CUDA device.
 """
@@ -257,6 +257,16 @@ def bench(quick: bool, dev: str = "cuda") -> None:
         {"torch log_softmax+gather": lambda: torch.log_softmax(z.float() / 0.7, -1).gather(-1, tg[:, None])})
     row("token_logprobs+entropy", f"{R} x {V}, T=0.7", bf16, lambda: kt.token_logprobs(z, tg, 0.7, with_entropy=True),
         {"triton token_logprobs alone": lambda: kt.token_logprobs(z, tg, 0.7)})
+
+    # --- the sampler's draw at a decode step's row count -------------------------------------------
+    zs = z[:4 if tiny else 256]
+    u = torch.rand(zs.shape[0], device=dev, dtype=torch.float64)
+
+    def torch_draw():
+        with kernels.set_backend("torch"):
+            return kernels.sample_tokens(zs, 1.0, 1.0, 0, u)
+    row("sample_tokens", f"{zs.shape[0]} x {V}, T=1", bf16, lambda: kt.sample_tokens(zs, 1.0, u),
+        {"torch softmax + fp64 cumsum": torch_draw})
 
     # --- print ------------------------------------------------------------------------------------
     head = ("op", "shape", "dtype", "triton ms", "baseline", "base ms", "triton/base")
