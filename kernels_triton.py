@@ -12,8 +12,9 @@ how tests/test_triton.py checks them at tiny sizes.
 Ops (one section each: kernel(s), then the autograd Function):
 * linear            tile config by M bucket (MM_TABLE), whole K loop in order, fp32 accumulator
 * rms_norm          one program per row, fp32
-* token_logprobs    one program per row, online logsumexp over fixed V chunks (no full log-softmax),
-                    optionally the entropy from the same pass
+* token_logprobs    online logsumexp per (row, vocabulary segment), combined per row (no full
+                    log-softmax), optionally the entropy from the same pass
+* sample_tokens     the sampler's inverse-CDF draw without top-k / top-p, by vocabulary segments
 * paged_attention   one kernel for trainer prefill, rollout prefill and decode; recompute backward
 The fused MoE (moe_experts) has its own file, kernels_triton_moe.py; both files import only
 kernels_triton_base.py (interpreter switch, launch options), never kernels.py.
@@ -63,7 +64,11 @@ MM_TILE_ARGS = ("BM", "BN", "BK", "num_warps", "num_stages")
 ATTN_KEYS = 64
 ATTN_TABLE = {"fwd": (64, 4, 2), "bwd_dq": (64, 4, 2), "bwd_dkv": (64, 4, 2)}
 LOG2E = 1.4426950408889634         # softmax in base 2: exp2(x * log2 e) = exp(x), the scale folded in
-LOGPROB_CHUNK = 2048               # vocabulary entries per step of the online logsumexp
+# The vocabulary ops (token log-probs, sampling) cut a row into fixed segments of VOCAB_SEGMENT entries
+# (a function of V only, never of the batch), reduced in parallel, then combined per row in segment
+# order; a segment is walked in VOCAB_CHUNK steps. A decode step's few rows still fill the GPU.
+VOCAB_SEGMENT = 8192               # 19 segments for Qwen's 151936-token vocabulary
+VOCAB_CHUNK = 2048
 
 # One compiled binary per call site, whatever the batch. A CUDA launch specializes integer arguments
 # (== 1 becomes a constant, % 16 == 0 an alignment hint) into separate binaries; the row count and the
@@ -229,22 +234,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # log-prob of the chosen tokens
 # ===================================================================================================
 @triton.jit
-def _logprob_fwd_kernel(z_ptr, t_ptr, out_ptr, lse_ptr, ent_ptr, V, s_z, temp,
-                        SCALE: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
-    # Invariance: one program per row; the vocabulary is walked in fixed BLOCK_V chunks from 0
-    # upward with an fp32 online logsumexp, so a row's bits depend on its own logits only.
-    # ENTROPY: the same pass also carries u = sum e^(z - m) (z - m), rescaled with m as s is, so
-    # H = lse - E[z] = log(s) - u / s; m, s (and so the log-prob) are computed exactly as without it.
-    row = tl.program_id(0).to(tl.int64)                          # R * V may pass 2**31
+def _scaled_logits(base, idx, end, temp, SCALE: tl.constexpr):
+    # z / T in fp32 for the entries idx < end of a row (-inf past it); SCALE: T is not 0 or 1
+    z = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+    if SCALE:
+        z = tl.div_rn(z, temp)
+    return z
+
+
+def _vocab_block(V: int) -> int:
+    """The chunk (a power of two) in which a segment of a V-entry row is walked."""
+    return min(VOCAB_CHUNK, triton.next_power_of_2(min(V, VOCAB_SEGMENT)))
+
+
+@triton.jit
+def _logprob_segments_kernel(z_ptr, m_ptr, s_ptr, u_ptr, V, s_z, temp, SEG,
+                             SCALE: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    # program (row, segment): an fp32 online logsumexp over the segment's chunks, in order: its max m
+    # and s = sum e^(z - m). ENTROPY: also u = sum e^(z - m) (z - m), rescaled with m as s is (for
+    # H = lse - E[z]); m and s are computed exactly as without it.
+    row, seg = tl.program_id(0).to(tl.int64), tl.program_id(1)  # R * V may pass 2**31
     base = z_ptr + row * s_z
     cols = tl.arange(0, BLOCK_V)
+    lo = seg * SEG
+    hi = tl.minimum(lo + SEG, V)
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.full([], 0.0, tl.float32)
     u = tl.full([], 0.0, tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        z = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
-        if SCALE:
-            z = tl.div_rn(z, temp)
+    for v0 in range(lo, hi, BLOCK_V):
+        z = _scaled_logits(base, v0 + cols, hi, temp, SCALE)
         m_new = tl.maximum(m, tl.max(z, 0))
         e = tl.exp(z - m_new)
         if ENTROPY:                        # before s is updated: the old terms move from m to m_new
@@ -252,15 +270,35 @@ def _logprob_fwd_kernel(z_ptr, t_ptr, out_ptr, lse_ptr, ent_ptr, V, s_z, temp,
             u = (u + shift) * tl.exp(m - m_new) + tl.sum(e * tl.where(e > 0, z - m_new, 0.0), 0)
         s = s * tl.exp(m - m_new) + tl.sum(e, 0)
         m = m_new
-    lse = m + tl.log(s)
-    tgt = tl.load(t_ptr + row)
-    zt = tl.load(base + tgt).to(tl.float32)
+    out = row * tl.num_programs(1) + seg
+    tl.store(m_ptr + out, m)
+    tl.store(s_ptr + out, s)
+    if ENTROPY:
+        tl.store(u_ptr + out, u)
+
+
+@triton.jit
+def _logprob_combine_kernel(z_ptr, t_ptr, m_ptr, s_ptr, u_ptr, out_ptr, lse_ptr, ent_ptr, s_z, temp, S,
+                            SCALE: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_S: tl.constexpr):
+    # One program per row: the segments' (m, s) rescaled to the row's max M and summed in segment
+    # order: lse = M + log(sum s_k e^(m_k - M)); log p(target) = z_target / T - lse.
+    row = tl.program_id(0).to(tl.int64)
+    segs = tl.arange(0, BLOCK_S)
+    ms = tl.load(m_ptr + row * S + segs, mask=segs < S, other=float("-inf"))
+    ss = tl.load(s_ptr + row * S + segs, mask=segs < S, other=0.0)
+    M = tl.max(ms, 0)
+    a = tl.where(ss > 0, tl.exp(ms - M), 0.0)                       # an all -inf segment weighs 0
+    total = tl.sum(ss * a, 0)
+    lse = M + tl.log(total)
+    zt = tl.load(z_ptr + row * s_z + tl.load(t_ptr + row)).to(tl.float32)
     if SCALE:
         zt = tl.div_rn(zt, temp)
     tl.store(out_ptr + row, zt - lse)
     tl.store(lse_ptr + row, lse)
-    if ENTROPY:
-        tl.store(ent_ptr + row, tl.log(s) - u / s)
+    if ENTROPY:                            # H = log(total) - E[z - M]: each segment's u moved from m_k to M
+        us = tl.load(u_ptr + row * S + segs, mask=segs < S, other=0.0)
+        shifted = a * (us + ss * tl.where(ss > 0, ms - M, 0.0))
+        tl.store(ent_ptr + row, tl.log(total) - tl.sum(shifted, 0) / total)
 
 
 @triton.jit
@@ -293,9 +331,14 @@ class _TokenLogprobs(torch.autograd.Function):
         ent = torch.empty(R if with_entropy else 0, dtype=torch.float32, device=z2.device)
         scale = temperature not in (0.0, 1.0)
         if R:
-            _logprob_fwd_kernel[(R,)](z2, t1, out, lse, ent if with_entropy else lse, V, z2.stride(0),
-                                      float(temperature), SCALE=scale, ENTROPY=with_entropy,
-                                      BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)), **LAUNCH)
+            S = triton.cdiv(V, VOCAB_SEGMENT)
+            m = torch.empty(R, S, dtype=torch.float32, device=z2.device)
+            ssum, usum = torch.empty_like(m), torch.empty_like(m) if with_entropy else m
+            opts = dict(SCALE=scale, ENTROPY=with_entropy, **LAUNCH)
+            _logprob_segments_kernel[(R, S)](z2, m, ssum, usum, V, z2.stride(0), float(temperature), VOCAB_SEGMENT,
+                                             BLOCK_V=_vocab_block(V), **opts)
+            _logprob_combine_kernel[(R,)](z2, t1, m, ssum, usum, out, lse, ent if with_entropy else lse,
+                                          z2.stride(0), float(temperature), S, BLOCK_S=triton.next_power_of_2(S), **opts)
         ctx.save_for_backward(z2, t1, lse)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(ent)
@@ -310,7 +353,7 @@ class _TokenLogprobs(torch.autograd.Function):
         if R:
             _logprob_bwd_kernel[(R,)](z2, t1, lse, g.contiguous(), dz, V, z2.stride(0), dz.stride(0), float(t),
                                       SCALE=t not in (0.0, 1.0),
-                                      BLOCK_V=min(LOGPROB_CHUNK, triton.next_power_of_2(V)), **LAUNCH)
+                                      BLOCK_V=min(VOCAB_CHUNK, triton.next_power_of_2(V)), **LAUNCH)
         return dz, None, None, None
 
 
@@ -332,20 +375,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 # sampling: the inverse CDF of softmax(logits / T) at the row's uniform u
 # ===================================================================================================
 # The torch twin (kernels.sample_tokens) writes softmax and a float64 cumsum of every row: about 25
-# bytes per logit at a 151936-token vocabulary. Here the vocabulary is cut into fixed segments of
-# SAMPLE_SEGMENT entries (a function of V only, never of the batch): kernel 1 reduces each (row,
-# segment) to its max and fp64 mass, in parallel; kernel 2, one program per row, finds the segment
-# where the running mass reaches u * total, then the token inside it. The logits are read about once.
-SAMPLE_SEGMENT = 8192               # vocabulary entries per segment: 19 segments for Qwen's 151936
-SAMPLE_CHUNK = 2048                 # entries per step inside a segment
-
-
-@triton.jit
-def _scaled_logits(base, idx, end, temp, SCALE: tl.constexpr):
-    z = tl.load(base + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-    if SCALE:
-        z = tl.div_rn(z, temp)
-    return z
+# bytes per logit at a 151936-token vocabulary. Here, by VOCAB_SEGMENT segments: kernel 1 reduces each
+# (row, segment) to its max and fp64 mass, in parallel; kernel 2, one program per row, finds the
+# segment where the running mass reaches u * total, then the token inside it. The logits are read
+# about once.
 
 
 @triton.jit
@@ -408,17 +441,17 @@ def sample_tokens(logits: torch.Tensor, temperature: float, u: torch.Tensor) -> 
     -> (B,) int64."""
     B, V = logits.shape
     z = logits if logits.stride(1) == 1 else logits.contiguous()
-    S = triton.cdiv(V, SAMPLE_SEGMENT)
+    S = triton.cdiv(V, VOCAB_SEGMENT)
     m = torch.empty(B, S, dtype=torch.float32, device=z.device)
     t = torch.empty(B, S, dtype=torch.float64, device=z.device)
     out = torch.empty(B, dtype=torch.long, device=z.device)
     if B:
         scale = temperature != 1.0
-        block = min(SAMPLE_CHUNK, triton.next_power_of_2(min(V, SAMPLE_SEGMENT)))
-        _sample_segments_kernel[(B, S)](_aligned(z), m, t, V, z.stride(0), float(temperature), SAMPLE_SEGMENT,
+        block = _vocab_block(V)
+        _sample_segments_kernel[(B, S)](_aligned(z), m, t, V, z.stride(0), float(temperature), VOCAB_SEGMENT,
                                         SCALE=scale, BLOCK_V=block, **LAUNCH)
         _sample_pick_kernel[(B,)](_aligned(z), _aligned(u.to(device=z.device, dtype=torch.float64).contiguous()),
-                                  m, t, out, V, z.stride(0), float(temperature), SAMPLE_SEGMENT, S, SCALE=scale,
+                                  m, t, out, V, z.stride(0), float(temperature), VOCAB_SEGMENT, S, SCALE=scale,
                                   BLOCK_V=block, BLOCK_S=triton.next_power_of_2(S), **LAUNCH)
     return out
 

@@ -209,10 +209,10 @@ def main() -> int:
             logp.float().sum().backward()                                  # the trainer's backward
             with torch.no_grad():
                 model.score(torch.randint(0, 4096, (2, 9)), temperature=1.0)     # unscaled log-probs
-                kernels.token_logprobs(torch.randn(2, 9, 4096, dtype=dtype), torch.randint(0, 4096, (2, 9)),
+                # at Qwen's vocabulary (19 segments: the per-row combines compile for 32 segments)
+                kernels.token_logprobs(torch.randn(2, 9, 151936, dtype=dtype), torch.randint(0, 151936, (2, 9)),
                                        0.7, with_entropy=True)                  # log-probs + entropy
-                kernels.sample_tokens(torch.randn(2, 151936, dtype=dtype), 1.0, 1.0, 0,      # Qwen's vocabulary:
-                                      torch.rand(2, dtype=torch.float64))               # 19 segments
+                kernels.sample_tokens(torch.randn(2, 151936, dtype=dtype), 1.0, 1.0, 0, torch.rand(2, dtype=torch.float64))
         for launch in recorded:
             launches.setdefault(spec_key(*launch), launch)
     for (name, _, _), (fn, a, kw) in launches.items():

@@ -231,7 +231,8 @@ def test_rms_norm_forward_backward_and_invariance():
 @runnable
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_chunked(monkeypatch, temperature):
-    monkeypatch.setattr(kt, "LOGPROB_CHUNK", 16)             # V = 50: four chunks, the last partial
+    monkeypatch.setattr(kt, "VOCAB_SEGMENT", 32)             # V = 50: two segments, the last partial,
+    monkeypatch.setattr(kt, "VOCAB_CHUNK", 16)               # two chunks in each
     z, tg = randn(3, 5, 50, scale=4, seed=0), torch.randint(0, 50, (3, 5)).to(DEV)
     g = randn(3, 5, seed=1)
     outs, grads = [], []
@@ -259,7 +260,8 @@ def test_token_logprobs_large_vocab_and_greedy():
 def test_token_logprobs_entropy(monkeypatch, temperature):
     """with_entropy: the entropy of softmax(z / T) from the same pass, against float64; logp's bits
     unchanged by it; no gradient through the entropy."""
-    monkeypatch.setattr(kt, "LOGPROB_CHUNK", 16)             # V = 50: four chunks, the last partial
+    monkeypatch.setattr(kt, "VOCAB_SEGMENT", 32)             # V = 50: two segments, the last partial,
+    monkeypatch.setattr(kt, "VOCAB_CHUNK", 16)               # two chunks in each
     z, tg = randn(3, 5, 50, scale=4, seed=0), torch.randint(0, 50, (3, 5)).to(DEV)
     z[0, 0, 20] = float("-inf")                              # p = 0: adds nothing (no NaN)
     za = z.clone().requires_grad_()
@@ -280,8 +282,8 @@ def test_sample_tokens_matches_torch_and_rows_alone(monkeypatch, temperature):
     boundary), in a batch or alone. Rows: -inf logits inside a segment, a whole -inf segment, mass
     only in the last (partial) segment; u = 1 takes the last token of positive probability."""
     from rollout import draw_keys
-    monkeypatch.setattr(kt, "SAMPLE_SEGMENT", 64)            # V = 200: four segments, the last partial,
-    monkeypatch.setattr(kt, "SAMPLE_CHUNK", 16)              # four chunks in each
+    monkeypatch.setattr(kt, "VOCAB_SEGMENT", 64)             # V = 200: four segments, the last partial,
+    monkeypatch.setattr(kt, "VOCAB_CHUNK", 16)               # four chunks in each
     B, V = 40, 200
     logits = randn(B, V, scale=4, seed=0).cpu()
     logits[1, :64] = float("-inf")
