@@ -1,4 +1,4 @@
-"""Every numeric op of the forward pass, written to be batch-invariant.
+"""Every numeric op of the forward pass (and the sampler's draw), written to be batch-invariant.
 
 Batch invariance: the result for one row (token) is bitwise the same whatever other rows share the
 call, how many there are, and how the batch is padded. The sampler and the trainer both call these
@@ -20,6 +20,8 @@ How each op keeps the contract on the CPU (torch backend; each rule is checked b
 * router:    softmax, or sigmoid as 1 / (1 + exp(-x)), in fp32; top-k by a stable descending sort (ties go
              to the lowest expert id), also inside group-limited routing; a score-correction bias only
              shifts the choice. Row-local torch ops on every device (a CUDA test proves them there).
+* sampling:  the sampler's draw, the inverse CDF along the row at the row's own uniform (float64
+             cumsum); row-local ops, so a sequence's token never depends on its neighbours.
 
 Backward passes of the torch backend come from autograd on these ops: correct and deterministic, not
 batch-invariant (kernels_triton.py writes its own, also deterministic).
