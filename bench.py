@@ -29,7 +29,8 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   shapes, bf16, made on the GPU; rollout tok/s at 64, 256, 1024 sequences x 128 new tokens, invariant
   (eager and CUDA graphs) and fast; each decode step's share of the bandwidth limit (every weight and
   the KV cache read once, against a measured device copy); the contract on the generated sequences;
-  transformers generate (greedy, same weights) against ours greedy.
+  transformers generate (greedy, same weights) against ours greedy; the top kernels of one eager
+  decode step at 256 sequences (torch.profiler, device time).
 * lab: train.py on the same task and seeds, invariant vs a deviating rollout (batch-variant kernels,
   lower-precision weights) without and with each fix; prints one table.
 
@@ -368,7 +369,34 @@ def bench_gpu(args) -> list[tuple[str, float, str]]:
         rows.append((f"invariant {'graphs' if not tiny else 'eager'} / eager, {B} seqs",
                      tok.get("invariant graphs", tok["invariant eager"]) / tok["invariant eager"], "ratio"))
     rows += hf_generate_rows(model, args, tiny, sizes[0], new, lo, hi, sync)
+    step_kernels(samplers["invariant eager"], sizes[len(sizes) // 2], new, lo, hi, args, tiny)
     return rows
+
+
+def step_kernels(sampler: Sampler, B: int, new: int, lo: int, hi: int, args, tiny: bool) -> None:
+    """Where one eager invariant decode step of B sequences spends its device time: the top kernels
+    (a graph replay shows as one event, so the eager step is profiled; its kernels are the graph's)."""
+    prompts = make_prompts(argparse.Namespace(**{**vars(args), "prompts": B, "min_prompt_len": lo,
+                                                 "max_prompt_len": hi}), sampler.runner.model.config.vocab_size)
+    runner, calls = sampler.runner, []
+    decode = runner.decode
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([] if tiny else [torch.profiler.ProfilerActivity.CUDA])
+
+    def profiled(*a):
+        calls.append(None)
+        if len(calls) != 4:
+            return decode(*a)
+        with torch.profiler.profile(activities=acts) as prof:
+            res = decode(*a)
+        key = "self_cpu_time_total" if tiny else "self_device_time_total"
+        print(f"\none invariant eager decode step, {B} sequences: top kernels by {key}")
+        print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60))
+        return res
+    runner.decode = profiled
+    try:
+        sampler.generate(prompts, max_new_tokens=min(new, 8), temperature=1.0, progress=False)
+    finally:
+        runner.decode = decode
 
 
 def copy_bandwidth(tiny: bool) -> float:
