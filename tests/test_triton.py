@@ -301,6 +301,24 @@ def test_sample_tokens_matches_torch_and_rows_alone(monkeypatch, temperature):
     assert torch.equal(kt.sample_tokens(logits.flip(0).to(DEV), temperature, u.flip(0).to(DEV)), tri.flip(0))
 
 
+@runnable
+def test_sample_tokens_dispatch(monkeypatch):
+    """The Triton backend draws with kt.sample_tokens when nothing truncates the distribution, with the
+    torch ops (a per-row sort) under top-k or top-p; the torch backend never calls the kernels."""
+    calls = []
+    monkeypatch.setattr(kt, "sample_tokens", lambda *a: calls.append(a) or torch.zeros(2, dtype=torch.long))
+    logits, u = randn(2, 30, seed=0), torch.full((2,), 0.5, dtype=torch.float64, device=DEV)
+    with kernels.set_backend("triton"):
+        kernels.sample_tokens(logits, 0.8, 1.0, 0, u)
+        assert len(calls) == 1
+        kernels.sample_tokens(logits, 0.8, 0.9, 0, u)
+        kernels.sample_tokens(logits, 0.8, 1.0, 5, u)
+        assert len(calls) == 1
+    with kernels.set_backend("torch"):
+        kernels.sample_tokens(logits, 0.8, 1.0, 0, u)
+    assert len(calls) == 1
+
+
 def test_triton_modules_do_not_import_kernels_or_each_other():
     """The dependencies run one way: kernels.py -> kernels_triton*.py -> kernels_triton_base.py."""
     import ast
