@@ -63,6 +63,13 @@ MM_TILE_ARGS = ("BM", "BN", "BK", "num_warps", "num_stages")
 #            (query rows = queries x GQA heads per program, num_warps, num_stages)
 ATTN_KEYS = 64
 ATTN_TABLE = {"fwd": (64, 4, 2), "bwd_dq": (64, 4, 2), "bwd_dkv": (64, 4, 2)}
+# The forward's keys are also grouped in splits of ATTN_SPLIT tiles (1024 keys) at absolute positions:
+# each split runs its own online softmax, and the splits are merged in order. A forward of few
+# programs (a decode step of a few long sequences: the tail of a rollout) runs the splits as programs
+# of their own and merges them in a second kernel; the same arithmetic in the same order, so the same
+# bits as one program walking them (tests/test_triton.py), and the GPU is filled.
+ATTN_SPLIT = 16
+ATTN_SPLIT_BELOW = 264             # programs (2 per SM of an H200) under which the splits run in parallel
 LOG2E = 1.4426950408889634         # softmax in base 2: exp2(x * log2 e) = exp(x), the scale folded in
 # The vocabulary ops (token log-probs, sampling) cut a row into fixed segments of VOCAB_SEGMENT entries
 # (a function of V only, never of the batch), reduced in parallel, then combined per row in segment
@@ -506,11 +513,42 @@ def _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, MASK: tl.constexpr, KB:
     if MASK:
         s = tl.where(j * KB + tl.arange(0, KB)[None, :] <= pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)       # a row with no key yet in its split: p = 0
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, m_new, l
+
+
+@triton.jit
+def _attn_split(q, pos, sp, n_full, n_tiles, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd,
+                PAGE, d, D, qk_scale, R: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr, SPLIT: tl.constexpr,
+                UPCAST: tl.constexpr):
+    # split sp: a fresh online softmax over key tiles [sp * SPLIT, (sp + 1) * SPLIT) below n_tiles,
+    # without masks below n_full -> its (acc, m, l)
+    m = tl.full((R,), float("-inf"), tl.float32)
+    l = tl.zeros((R,), tl.float32)
+    acc = tl.zeros((R, BD), tl.float32)
+    j0 = sp * SPLIT
+    j1 = tl.minimum(j0 + SPLIT, n_tiles)
+    for j in range(j0, tl.minimum(j1, n_full)):
+        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
+        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, False, KB)
+    for j in range(tl.maximum(j0, n_full), j1):
+        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
+        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, True, KB)
+    return acc, m, l
+
+
+@triton.jit
+def _attn_merge(acc, m, l, acc_s, m_s, l_s):
+    # the running softmax state and a split's, at the larger max; from the empty state (m = -inf) this
+    # returns the split's exactly, and an empty split (m_s = -inf) leaves the state exactly as it was
+    m_new = tl.maximum(m, m_s)
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    a, c = tl.exp2(m - m_ref), tl.exp2(m_s - m_ref)
+    return acc * a[:, None] + acc_s * c[:, None], m_new, l * a + l_s * c
 
 
 @triton.jit(do_not_specialize=ATTN_GEOMETRY + ["s_ob"])
@@ -518,11 +556,12 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
                      s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
                      s_ob, s_ot, s_oh, s_od, T, H, KVH, G, D, PAGE, NB, qk_scale,
                      BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     SPLIT: tl.constexpr, UPCAST: tl.constexpr):
     # Invariance: key tiles at absolute positions 0, KB, 2KB, ... visited upward with an fp32 online
-    # softmax, in one fixed layout (ATTN_TABLE["fwd"]). The loop bound (this program's largest
-    # position) and the masked/unmasked split (its smallest) cannot change a row's bits (see
-    # _attn_fwd_step): decode (T = 1) equals prefill, and the batch and page layout do not matter.
+    # softmax per split of SPLIT tiles, the splits merged in order, in one fixed layout
+    # (ATTN_TABLE["fwd"]). The loop bound (this program's largest position) and the masked/unmasked
+    # boundary (its smallest) cannot change a row's bits (see _attn_fwd_step and _attn_merge): decode
+    # (T = 1) equals prefill, and the batch and page layout do not matter.
     pid_bh = tl.program_id(0)
     blk = tl.num_programs(1) - 1 - tl.program_id(1)             # the longest causal rows start first
     b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH          # int64: B * T * H * D may pass 2**31
@@ -536,16 +575,71 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
     acc = tl.zeros((BT * GP, BD), tl.float32)
     n_full = (tl.min(tl.where(ok, pos, 2**30), 0) + 1) // KB    # tiles every row sees whole: no mask
     n_tiles = tl.max(pos, 0) // KB + 1
-    for j in range(0, n_full):
-        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
-        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, False, KB)
-    for j in range(n_full, n_tiles):
-        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
-        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, True, KB)
+    for sp in range(0, tl.cdiv(n_tiles, SPLIT)):
+        acc_s, m_s, l_s = _attn_split(q, pos, sp, n_full, n_tiles, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr,
+                                      s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, BT * GP, BD, KB, SPLIT, UPCAST)
+        acc, m, l = _attn_merge(acc, m, l, acc_s, m_s, l_s)
+    _attn_store(acc, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, ok, mask)
+
+
+@triton.jit
+def _attn_store(acc, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, ok, mask):
     out = acc / l[:, None]
     o_off = b * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + d[None, :] * s_od
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + (b * T + t) * H + h, m + tl.log2(l), mask=ok)          # base 2
+
+
+@triton.jit(do_not_specialize=ATTN_GEOMETRY)
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, acc_ptr, ml_ptr,
+                       s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
+                       T, H, KVH, G, D, PAGE, NB, qk_scale,
+                       BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
+                       SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    # program (sequence x KV head, query block, split): _attn_fwd_kernel's split sp, on its own; its
+    # (acc, m, l) go to scratch for _attn_merge_kernel. A split past the block's keys stores nothing.
+    pid_bh, blk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
+    t, h, ok, d, q_off, mask, pos = _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
+                                               pos_ptr, s_pb, s_pt, BT, GP, BD, D)
+    n_tiles = tl.max(pos, 0) // KB + 1
+    if sp * SPLIT >= n_tiles:
+        return
+    q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    n_full = (tl.min(tl.where(ok, pos, 2**30), 0) + 1) // KB
+    acc, m, l = _attn_split(q, pos, sp, n_full, n_tiles, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr,
+                            s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, BT * GP, BD, KB, SPLIT, UPCAST)
+    part = ((pid_bh * tl.num_programs(1) + blk) * tl.num_programs(2) + sp).to(tl.int64)
+    r = tl.arange(0, BT * GP)
+    tl.store(acc_ptr + (part * BT * GP + r[:, None]) * BD + d[None, :], acc)
+    tl.store(ml_ptr + (part * 2) * BT * GP + r, m)
+    tl.store(ml_ptr + (part * 2 + 1) * BT * GP + r, l)
+
+
+@triton.jit(do_not_specialize=["T", "s_pb", "s_pt", "s_ob"])
+def _attn_merge_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, lse_ptr, s_pb, s_pt, s_ob, s_ot, s_oh, s_od,
+                       T, H, KVH, G, D, NS, BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr,
+                       KB: tl.constexpr, SPLIT: tl.constexpr):
+    # program (sequence x KV head, query block): the splits _attn_split_kernel wrote, merged in order
+    # from the empty state exactly as _attn_fwd_kernel merges them (the same splits: those below the
+    # block's last key tile), then the same output and log-sum-exp
+    pid_bh, blk = tl.program_id(0), tl.program_id(1)
+    b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
+    t, h, ok, d, _, mask, pos = _attn_rows(blk, b, kvh, T, G, o_ptr, s_ob, s_ot, s_oh, s_od,
+                                           pos_ptr, s_pb, s_pt, BT, GP, BD, D)
+    r = tl.arange(0, BT * GP)
+    m = tl.full((BT * GP,), float("-inf"), tl.float32)
+    l = tl.zeros((BT * GP,), tl.float32)
+    acc = tl.zeros((BT * GP, BD), tl.float32)
+    for sp in range(0, tl.cdiv(tl.max(pos, 0) // KB + 1, SPLIT)):
+        part = ((pid_bh * tl.num_programs(1) + blk) * NS + sp).to(tl.int64)
+        acc_s = tl.load(acc_ptr + (part * BT * GP + r[:, None]) * BD + d[None, :])
+        m_s = tl.load(ml_ptr + (part * 2) * BT * GP + r)
+        l_s = tl.load(ml_ptr + (part * 2 + 1) * BT * GP + r)
+        acc, m, l = _attn_merge(acc, m, l, acc_s, m_s, l_s)
+    _attn_store(acc, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, ok, mask)
 
 
 @triton.jit
@@ -652,11 +746,24 @@ class _PagedAttention(torch.autograd.Function):
         assert k_cache.stride() == v_cache.stride()
         out = torch.empty_like(q)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)     # base 2
-        _attn_fwd_kernel[(B * KVH, triton.cdiv(T, BT))](
-            q, k_cache, v_cache, block_table, positions, out, lse,
-            *_strides(q, k_cache, block_table, positions, out), T, H, KVH, G, D, PAGE, block_table.shape[1],
-            scale * LOG2E,
-            BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **LAUNCH)
+        grid = (B * KVH, triton.cdiv(T, BT))
+        NB = block_table.shape[1]
+        NS = triton.cdiv(triton.cdiv(NB * PAGE, ATTN_KEYS), ATTN_SPLIT)      # splits the table can hold
+        geometry = (T, H, KVH, G, D, PAGE, NB, scale * LOG2E)
+        opts = dict(BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, SPLIT=ATTN_SPLIT, **LAUNCH)
+        if NS > 1 and grid[0] * grid[1] < ATTN_SPLIT_BELOW:                 # few programs: splits in parallel
+            parts = grid[0] * grid[1] * NS
+            acc = torch.empty(parts, BT * GP, BD, dtype=torch.float32, device=q.device)
+            ml = torch.empty(parts, 2, BT * GP, dtype=torch.float32, device=q.device)
+            _attn_split_kernel[(*grid, NS)](
+                q, k_cache, v_cache, block_table, positions, acc, ml, *_strides(q, k_cache, block_table, positions),
+                *geometry, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **opts)
+            _attn_merge_kernel[grid](acc, ml, positions, out, lse, *_strides(positions, out), T, H, KVH, G, D, NS,
+                                     num_warps=warps, **opts)
+        else:
+            _attn_fwd_kernel[grid](
+                q, k_cache, v_cache, block_table, positions, out, lse, *_strides(q, k_cache, block_table, positions, out),
+                *geometry, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **opts)
         ctx.save_for_backward(q, k_cache, v_cache, block_table, positions, out, lse)
         ctx.scale = scale
         return out

@@ -213,6 +213,11 @@ def main() -> int:
                 kernels.token_logprobs(torch.randn(2, 9, 151936, dtype=dtype), torch.randint(0, 151936, (2, 9)),
                                        0.7, with_entropy=True)                  # log-probs + entropy
                 kernels.sample_tokens(torch.randn(2, 151936, dtype=dtype), 1.0, 1.0, 0, torch.rand(2, dtype=torch.float64))
+                # a decode step of two 4096-key sequences: few programs, so the key splits run in parallel
+                cfg = model.config
+                kernels.paged_attention(torch.randn(2, 1, cfg.num_attention_heads, cfg.head_dim, dtype=dtype),
+                                        *[torch.randn(512, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)] * 2,
+                                        torch.arange(512).view(2, 256), torch.full((2, 1), 4095), cfg.head_dim ** -0.5)
         for launch in recorded:
             launches.setdefault(spec_key(*launch), launch)
     for (name, _, _), (fn, a, kw) in launches.items():

@@ -383,6 +383,45 @@ def test_paged_attention_forward_and_invariance(page_size, H, KVH):
     assert torch.equal(kt.paged_attention(q[1:, :17], kc, vc, bt[1:], pos[1:, :17], D ** -0.5), out[1:, :17])
 
 
+@runnable
+def test_paged_attention_splits_in_parallel_give_the_same_bits(monkeypatch):
+    """Keys in splits of one 64-key tile (three splits over 140 keys): the forward run as one program
+    per query block walking the splits, or as one program per split plus a merge kernel (what a
+    decode step of a few long sequences takes), gives the same bits; decode by splits equals prefill;
+    both agree with the torch backend, and the backward through either is the same."""
+    monkeypatch.setattr(kt, "ATTN_SPLIT", 1)
+    B, T, H, KVH, D = 2, 140, 4, 2, 16
+    q, k, v = randn(B, T, H, D, scale=2, seed=0), randn(B, T, KVH, D, scale=2, seed=1), randn(B, T, KVH, D, seed=2)
+    pos = torch.arange(T, device=DEV).expand(B, T)
+    kc, bt = lay_out(k, 16, 24, seed=3)
+    vc, _ = lay_out(v, 16, 24, seed=3)
+
+    def run(parallel, *args):
+        monkeypatch.setattr(kt, "ATTN_SPLIT_BELOW", 10**9 if parallel else 0)
+        return kt.paged_attention(*args, D ** -0.5)
+    one = run(False, q, kc, vc, bt, pos)
+    assert torch.equal(run(True, q, kc, vc, bt, pos), one)
+    # control: splitting is part of the arithmetic (a plain walk over the same keys rounds otherwise),
+    # so prefill must split exactly as a parallel decode does
+    monkeypatch.setattr(kt, "ATTN_SPLIT", 1000)
+    assert not torch.equal(run(False, q, kc, vc, bt, pos), one)
+    monkeypatch.setattr(kt, "ATTN_SPLIT", 1)
+    assert rel(one, kernels.paged_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), pos.cpu(), D ** -0.5)) < TOL
+    BT = kt.ATTN_TABLE["fwd"][0] // triton_next_pow2(H // KVH)
+    for p in (0, BT, 4 * BT - 1 - (4 * BT - 1) % BT):      # first rows of their programs: bitwise anywhere
+        dec = run(True, q[:, p:p + 1], kc, vc, bt, torch.full((B, 1), p, device=DEV))
+        assert torch.equal(dec, one[:, p:p + 1]), p
+    for p in (70, 139):
+        assert same_bits(run(True, q[:, p:p + 1], kc, vc, bt, torch.full((B, 1), p, device=DEV)), one[:, p:p + 1])
+    grads = []
+    for parallel in (False, True):
+        monkeypatch.setattr(kt, "ATTN_SPLIT_BELOW", 10**9 if parallel else 0)
+        a = [t.clone().requires_grad_() for t in (q, k, v)]
+        (_trainer_attention(kt.paged_attention, *a) * pos[..., None, None].float()).sum().backward()
+        grads.append([t.grad for t in a])
+    assert all(torch.equal(x, y) for x, y in zip(*grads))
+
+
 def triton_next_pow2(n):
     return 1 << (n - 1).bit_length()
 
