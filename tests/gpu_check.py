@@ -245,6 +245,12 @@ def bench(quick: bool, dev: str = "cuda") -> None:
         base[f"{fa} paged"] = lambda: flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=seqlens, block_table=btd)
     row("attn decode", f"B={Bd} ctx={ctx} H={H} KVH={KVH} D={Dh}", bf16,
         lambda: kt.paged_attention(qd, kc, vc, btd, posd, Dh ** -0.5), base)
+    # the tail of a rollout: a few long sequences (the key splits run in parallel, ATTN_SPLIT_BELOW)
+    Bl, ctxl = (1, 512) if tiny else (4, 16384)
+    qd, kc, vc, btd, posd, kd, vd = decode_inputs(Bl, ctxl, H, KVH, Dh, dev)
+    row("attn decode, few long", f"B={Bl} ctx={ctxl} H={H} KVH={KVH} D={Dh}", bf16,
+        lambda: kt.paged_attention(qd, kc, vc, btd, posd, Dh ** -0.5),
+        {"torch SDPA (dense KV)": lambda: F.scaled_dot_product_attention(qd.transpose(1, 2), kd, vd, enable_gqa=True)})
 
     # --- row ops --------------------------------------------------------------------------------
     Mr, Nr = (16, 64) if tiny else (8192, 4096)
