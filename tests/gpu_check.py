@@ -425,7 +425,7 @@ def sweep_attention(dev, ms) -> None:
     P = probe[0].shape[1]
     pk, pv = (t.reshape(-1, 16, KVH, D) for t in probe[1:])
     pbt, ppos = torch.arange(pk.shape[0], device=dev)[None], torch.arange(P, device=dev)[None]
-    saved = kt.ATTN_KEYS, dict(kt.ATTN_TABLE)
+    saved = kt.ATTN_KEYS, dict(kt.ATTN_TABLE), kt.ATTN_SPLIT_BELOW
     print(f"\nsweep: attention forward, B={B} T={T} H={H} KVH={KVH} D={D} prefill / decode B={qd.shape[0]}", flush=True)
     try:
         for keys in ATTN_KEY_CANDIDATES:
@@ -442,6 +442,18 @@ def sweep_attention(dev, ms) -> None:
                 except Exception as e:
                     print(f"  keys={keys} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
         kt.ATTN_KEYS, kt.ATTN_TABLE = saved[0], dict(saved[1])
+        print("\nsweep: decode with the key splits in parallel (two kernels) or in one program "
+              f"(kernels_triton.ATTN_SPLIT_BELOW = {kt.ATTN_SPLIT_BELOW} programs picks)", flush=True)
+        below = kt.ATTN_SPLIT_BELOW
+        for Bd, ctx in ((2, 512), (1, 1024)) if tiny else ((4, 16384), (16, 8192), (64, 2048), (256, 2048)):
+            qd, kc, vc, btd, posd = decode_inputs(Bd, ctx, H, KVH, D, dev)[:5]
+            times = {}
+            for name, value in (("parallel", 10**9), ("one program", 0)):
+                kt.ATTN_SPLIT_BELOW = value
+                times[name] = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
+            kt.ATTN_SPLIT_BELOW = below
+            print(f"  B={Bd} ctx={ctx} ({Bd * KVH} programs): parallel {times['parallel']:.4f}  "
+                  f"one program {times['one program']:.4f}", flush=True)
         print(f"\nsweep: attention backward (forward + backward ms), keys={kt.ATTN_KEYS}", flush=True)
         for kernel in ("bwd_dq", "bwd_dkv"):
             for cfg in ATTN_BWD_CANDIDATES:
@@ -452,7 +464,7 @@ def sweep_attention(dev, ms) -> None:
                     print(f"  {kernel} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
             kt.ATTN_TABLE[kernel] = saved[1][kernel]
     finally:
-        kt.ATTN_KEYS, kt.ATTN_TABLE = saved[0], saved[1]
+        kt.ATTN_KEYS, kt.ATTN_TABLE, kt.ATTN_SPLIT_BELOW = saved[0], saved[1], saved[2]
 
 
 if __name__ == "__main__":
