@@ -271,11 +271,12 @@ def _logprob_segments_kernel(z_ptr, m_ptr, s_ptr, u_ptr, V, s_z, temp, SEG,
     for v0 in range(lo, hi, BLOCK_V):
         z = _scaled_logits(base, v0 + cols, hi, temp, SCALE)
         m_new = tl.maximum(m, tl.max(z, 0))
-        e = tl.exp(z - m_new)
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)     # no finite logit yet: e = 0, not NaN
+        e = tl.exp(z - m_ref)
         if ENTROPY:                        # before s is updated: the old terms move from m to m_new
-            shift = s * tl.where(s > 0, m - m_new, 0.0)              # s = 0 before the first chunk
-            u = (u + shift) * tl.exp(m - m_new) + tl.sum(e * tl.where(e > 0, z - m_new, 0.0), 0)
-        s = s * tl.exp(m - m_new) + tl.sum(e, 0)
+            shift = s * tl.where(s > 0, m - m_ref, 0.0)              # s = 0 before the first finite chunk
+            u = (u + shift) * tl.exp(m - m_ref) + tl.sum(e * tl.where(e > 0, z - m_ref, 0.0), 0)
+        s = s * tl.exp(m - m_ref) + tl.sum(e, 0)
         m = m_new
     out = row * tl.num_programs(1) + seg
     tl.store(m_ptr + out, m)
@@ -618,7 +619,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, acc_ptr, ml_ptr,
     tl.store(ml_ptr + (part * 2 + 1) * BT * GP + r, l)
 
 
-@triton.jit(do_not_specialize=["T", "s_pb", "s_pt", "s_ob"])
+@triton.jit(do_not_specialize=["T", "s_pb", "s_pt", "s_ob", "NS"])
 def _attn_merge_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, lse_ptr, s_pb, s_pt, s_ob, s_ot, s_oh, s_od,
                        T, H, KVH, G, D, NS, BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr,
                        KB: tl.constexpr, SPLIT: tl.constexpr):

@@ -228,12 +228,20 @@ def test_rms_norm_forward_backward_and_invariance():
 # ---------------------------------------------------------------------------------------------------
 # token log-probs
 # ---------------------------------------------------------------------------------------------------
+def mask_chunks(z, tg):
+    """-inf over whole chunks of a (3, 5, 50) logits tensor with 32-entry segments of 16-entry chunks
+    (banned tokens): a segment's first chunk, a row's first chunk, a whole segment; targets elsewhere."""
+    z[1, 2, 32:48], z[2, 1, :16], z[0, 3, :32] = float("-inf"), float("-inf"), float("-inf")
+    tg[1, 2], tg[2, 1], tg[0, 3] = 49, 20, 40
+
+
 @runnable
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_chunked(monkeypatch, temperature):
     monkeypatch.setattr(kt, "VOCAB_SEGMENT", 32)             # V = 50: two segments, the last partial,
     monkeypatch.setattr(kt, "VOCAB_CHUNK", 16)               # two chunks in each
     z, tg = randn(3, 5, 50, scale=4, seed=0), torch.randint(0, 50, (3, 5)).to(DEV)
+    mask_chunks(z, tg)
     g = randn(3, 5, seed=1)
     outs, grads = [], []
     for f in (kt.token_logprobs, kernels.token_logprobs):
@@ -264,6 +272,7 @@ def test_token_logprobs_entropy(monkeypatch, temperature):
     monkeypatch.setattr(kt, "VOCAB_CHUNK", 16)               # two chunks in each
     z, tg = randn(3, 5, 50, scale=4, seed=0), torch.randint(0, 50, (3, 5)).to(DEV)
     z[0, 0, 20] = float("-inf")                              # p = 0: adds nothing (no NaN)
+    mask_chunks(z, tg)
     za = z.clone().requires_grad_()
     lp, ent = kt.token_logprobs(za, tg, temperature, with_entropy=True)
     assert torch.equal(lp, kt.token_logprobs(z, tg, temperature)) and not ent.requires_grad
