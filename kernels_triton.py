@@ -70,6 +70,7 @@ ATTN_TABLE = {"fwd": (64, 4, 2), "bwd_dq": (64, 4, 2), "bwd_dkv": (64, 4, 2)}
 # bits as one program walking them (tests/test_triton.py), and the GPU is filled.
 ATTN_SPLIT = 16
 ATTN_SPLIT_BELOW = 264             # programs (2 per SM of an H200) under which the splits run in parallel
+ATTN_SPLIT_SCRATCH = 256 << 20     # bytes of partial results the parallel splits may hold (else one program)
 LOG2E = 1.4426950408889634         # softmax in base 2: exp2(x * log2 e) = exp(x), the scale folded in
 # The vocabulary ops (token log-probs, sampling) cut a row into fixed segments of VOCAB_SEGMENT entries
 # (a function of V only, never of the batch), reduced in parallel, then combined per row in segment
@@ -752,8 +753,8 @@ class _PagedAttention(torch.autograd.Function):
         NS = triton.cdiv(triton.cdiv(NB * PAGE, ATTN_KEYS), ATTN_SPLIT)      # splits the table can hold
         geometry = (T, H, KVH, G, D, PAGE, NB, scale * LOG2E)
         opts = dict(BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, SPLIT=ATTN_SPLIT, **LAUNCH)
-        if NS > 1 and grid[0] * grid[1] < ATTN_SPLIT_BELOW:                 # few programs: splits in parallel
-            parts = grid[0] * grid[1] * NS
+        parts = grid[0] * grid[1] * NS          # few programs and scratch to spare: the splits in parallel
+        if NS > 1 and grid[0] * grid[1] < ATTN_SPLIT_BELOW and parts * BT * GP * (BD + 2) * 4 <= ATTN_SPLIT_SCRATCH:
             acc = torch.empty(parts, BT * GP, BD, dtype=torch.float32, device=q.device)
             ml = torch.empty(parts, 2, BT * GP, dtype=torch.float32, device=q.device)
             _attn_split_kernel[(*grid, NS)](
