@@ -64,8 +64,8 @@ class Scorer(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens, temperature, routes=None, with_entropy=False):
-        out = self.model.score(tokens, temperature, routes, with_entropy)
+    def forward(self, tokens, temperature, routes=None, with_entropy=False, logits_chunk=0):
+        out = self.model.score(tokens, temperature, routes, with_entropy, logits_chunk)
         return (out[0].clone(), *out[1:])                             # FSDP2 wants no view outputs
 
 

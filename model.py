@@ -35,6 +35,47 @@ import kernels
 from config import ModelConfig
 
 
+def lm_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Logits of hidden states h (..., D) with the LM-head weight w (V, D): the one logits op."""
+    return kernels.linear(h, w)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """token_logprobs(lm_head(h, w)) for rows h (N, D) in chunks of `chunk` rows: no (N, V) logits are
+    kept, the backward recomputes each chunk's. Row-invariant ops make the log-probs the unchunked
+    ones bit for bit; the weight gradient is the chunks' partials summed in fp32, in chunk order."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, temperature, with_entropy, chunk):
+        logp = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        for lo in range(0, h.shape[0], chunk):
+            rows = slice(lo, lo + chunk)
+            out = kernels.token_logprobs(lm_head(h[rows], w), targets[rows], temperature, with_entropy)
+            if with_entropy:
+                logp[rows], entropy[rows] = out
+            else:
+                logp[rows] = out
+        ctx.save_for_backward(h, w, targets)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g, _g_entropy):
+        h, w, targets = ctx.saved_tensors
+        dh = torch.empty_like(h)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for lo in range(0, h.shape[0], ctx.chunk):
+            rows = slice(lo, lo + ctx.chunk)
+            with torch.enable_grad():
+                hc, wc = h[rows].detach().requires_grad_(), w.detach().requires_grad_()
+                lp = kernels.token_logprobs(lm_head(hc, wc), targets[rows], ctx.temperature)
+                dh[rows], dwc = torch.autograd.grad(lp, (hc, wc), g[rows])
+            dw += dwc.float()
+        return dh, dw.to(w.dtype), None, None, None, None
+
+
 class CheckpointError(ValueError):
     """A checkpoint that does not match the model config; the message names the tensor."""
 
@@ -301,8 +342,8 @@ class Transformer(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head: hidden states (..., D) -> logits (..., V). The one logits path: forward, score
-        and the sampler all call it, so the contract rests on one line."""
-        return kernels.linear(h, self.lm_weight())
+        and the sampler all call it (score's chunks through lm_head), so the contract rests on one line."""
+        return lm_head(h, self.lm_weight())
 
     def check_tokens(self, tokens) -> None:
         """Raise TypeError / ValueError unless tokens is a (B, T) integer tensor of ids in [0, vocab_size)."""
@@ -326,7 +367,7 @@ class Transformer(nn.Module):
         return self.compute_logits(h)                                     # (B, T, V)
 
     def score(self, tokens: torch.Tensor, temperature: float = 1.0, routes: torch.Tensor | None = None,
-              with_entropy: bool = False):
+              with_entropy: bool = False, logits_chunk: int = 0):
         """Log-probs of tokens[:, 1:] under softmax(logits / temperature), and the routes used.
 
         tokens (B, T) int, right padding allowed (padded positions get values the caller masks out).
@@ -335,14 +376,22 @@ class Transformer(nn.Module):
         and the returned routes are still the router's own choice, so a caller can audit the flips.
         with_entropy: also return the entropy (B, T-1) of softmax(logits / temperature) at each
         position, from the same pass over the vocabulary (detached; logp's bits do not change).
+        logits_chunk: if > 0, at most that many positions' logits exist at a time (forward and
+        backward, which recomputes them): the (B, T-1, V) logits of long responses need not fit. The
+        same bits (every op is row-invariant); one more LM-head matmul in the backward.
         """
         self.check_tokens(tokens)
         h, used = self.hidden_states(tokens, routes)
-        logits = self.compute_logits(h[:, :-1])                           # (B, T-1, V)
-        if with_entropy:
-            logp, entropy = kernels.token_logprobs(logits, tokens[:, 1:], temperature, with_entropy=True)
-            return logp, used, entropy
-        return kernels.token_logprobs(logits, tokens[:, 1:], temperature), used
+        B, T1, D = h.shape[0], h.shape[1] - 1, h.shape[2]
+        if logits_chunk and B * T1 > logits_chunk:      # at most logits_chunk rows of logits at a time
+            logp, entropy = _ChunkedLogprobs.apply(h[:, :-1].reshape(-1, D), self.lm_weight(), tokens[:, 1:].reshape(-1),
+                                                   temperature, with_entropy, logits_chunk)
+            logp, entropy = logp.view(B, T1), entropy.view(B, T1) if with_entropy else None
+        else:
+            logits = self.compute_logits(h[:, :-1])                       # (B, T-1, V)
+            out = kernels.token_logprobs(logits, tokens[:, 1:], temperature, with_entropy)
+            logp, entropy = out if with_entropy else (out, None)
+        return (logp, used, entropy) if with_entropy else (logp, used)
 
     # ---- Hugging Face checkpoints ----
     @classmethod

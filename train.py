@@ -390,7 +390,7 @@ def forward(run: Run, fn, b: Batch, grad: bool, with_entropy: bool = False):
     under R3."""
     with torch.set_grad_enabled(grad):
         return fn(b.tokens.to(run.d.device), run.rcfg.temperature,
-                  b.routes.to(run.d.device) if run.tcfg.replay == "r3" else None, with_entropy)
+                  b.routes.to(run.d.device) if run.tcfg.replay == "r3" else None, with_entropy, run.tcfg.logits_chunk)
 
 
 def micro_batches(run: Run, B: int) -> int:

@@ -12,7 +12,8 @@ from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--device=cpu", "--task=copy", "--n_digits=2", "--prompts_per_step=8", "--group_size=4",
-        "--minibatch_size=32", "--micro_batch_size=8", "--progress=false", "--lr=1e-2", "--warmup_steps=1"]
+        "--minibatch_size=32", "--micro_batch_size=8", "--progress=false", "--lr=1e-2", "--warmup_steps=1",
+        "--logits_chunk=24"]       # micro-batches of 8 x ~10 positions: DDP / FSDP2 through the chunked LM head
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 

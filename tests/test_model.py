@@ -727,3 +727,38 @@ def test_score_with_entropy_keeps_logp_bits():
         ref = -(z.exp() * z).sum(-1)
         assert ent.shape == logp.shape and not ent.requires_grad
         assert torch.allclose(ent.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# score in logit chunks (long responses: the (B, T-1, V) logits need not exist at once)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [False, True])
+def test_score_in_logit_chunks(tied):
+    """logits_chunk=16 over 3 x 39 positions (8 chunks, the last partial): the same log-probs, entropy
+    and routes bit for bit, gradients within 1e-5 of the unchunked ones and the same run to run, and
+    no saved (..., V) tensor larger than a chunk's logits (the unchunked score saves all: the control)."""
+    model = make_model(tiny_config(tie_word_embeddings=tied), seed=5)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    g = torch.randn(3, 39, generator=torch.Generator().manual_seed(1))
+    results = []
+    for chunk in (0, 16, 16):
+        model.zero_grad()
+        largest = [0]
+
+        def pack(t):                                                # the largest saved (..., V) tensor
+            if t.shape and t.shape[-1] == model.config.vocab_size:
+                largest[0] = max(largest[0], t.numel())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, routes, entropy = model.score(tokens, 0.7, with_entropy=True, logits_chunk=chunk)
+        (logp * g).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logp, routes, entropy, grads, largest[0]))
+    (lp0, r0, e0, g0, big0), (lp1, r1, e1, g1, big1), (lp2, _, _, g2, _) = results
+    assert torch.equal(lp1, lp0) and torch.equal(r1, r0) and torch.equal(e1, e0) and torch.equal(lp2, lp0)
+    assert g1.keys() == g0.keys() and "lm_head.weight" in g1 or tied
+    for name in g0:
+        assert rel_err(g1[name], g0[name]) < 1e-5, name
+        assert torch.equal(g1[name], g2[name]), name                    # deterministic
+    V = model.config.vocab_size
+    assert big0 >= 3 * 39 * V and big1 == 0, (big0, big1)        # chunked: logits live inside the Function

@@ -597,6 +597,7 @@ def test_model_score_bitwise_with_triton():
         two, r2 = model.score(padded[:2])
         assert same_bits(two[1], lp[1]) and same_bits(two[0, :8], lp[0, :8])
         assert torch.equal(r2[1], routes[1])
+        assert same_bits(model.score(tokens, logits_chunk=10)[0], lp)   # 54 positions in logit chunks of 10
 
 
 @runnable
