@@ -592,14 +592,15 @@ def _attn_store(acc, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T
     tl.store(lse_ptr + (b * T + t) * H + h, m + tl.log2(l), mask=ok)          # base 2
 
 
-@triton.jit(do_not_specialize=ATTN_GEOMETRY)
+@triton.jit(do_not_specialize=ATTN_GEOMETRY + ["RS"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, acc_ptr, ml_ptr,
                        s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
-                       T, H, KVH, G, D, PAGE, NB, qk_scale,
+                       T, H, KVH, G, D, PAGE, NB, qk_scale, RS,
                        BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
                        SPLIT: tl.constexpr, UPCAST: tl.constexpr):
     # program (sequence x KV head, query block, split): _attn_fwd_kernel's split sp, on its own; its
-    # (acc, m, l) go to scratch for _attn_merge_kernel. A split past the block's keys stores nothing.
+    # (acc, m, l) go to scratch for _attn_merge_kernel, the first RS rows of the block (min(T, BT)
+    # queries x GP heads: a decode step's block has one query). A split past the block's keys stores nothing.
     pid_bh, blk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
     t, h, ok, d, q_off, mask, pos = _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
@@ -615,14 +616,14 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, acc_ptr, ml_ptr,
                             s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, BT * GP, BD, KB, SPLIT, UPCAST)
     part = ((pid_bh * tl.num_programs(1) + blk) * tl.num_programs(2) + sp).to(tl.int64)
     r = tl.arange(0, BT * GP)
-    tl.store(acc_ptr + (part * BT * GP + r[:, None]) * BD + d[None, :], acc)
-    tl.store(ml_ptr + (part * 2) * BT * GP + r, m)
-    tl.store(ml_ptr + (part * 2 + 1) * BT * GP + r, l)
+    tl.store(acc_ptr + (part * RS + r[:, None]) * BD + d[None, :], acc, mask=r[:, None] < RS)
+    tl.store(ml_ptr + (part * 2) * RS + r, m, mask=r < RS)
+    tl.store(ml_ptr + (part * 2 + 1) * RS + r, l, mask=r < RS)
 
 
-@triton.jit(do_not_specialize=["T", "s_pb", "s_pt", "s_ob", "NS"])
+@triton.jit(do_not_specialize=["T", "s_pb", "s_pt", "s_ob", "NS", "RS"])
 def _attn_merge_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, lse_ptr, s_pb, s_pt, s_ob, s_ot, s_oh, s_od,
-                       T, H, KVH, G, D, NS, BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr,
+                       T, H, KVH, G, D, NS, RS, BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr,
                        KB: tl.constexpr, SPLIT: tl.constexpr):
     # program (sequence x KV head, query block): the splits _attn_split_kernel wrote, merged in order
     # from the empty state exactly as _attn_fwd_kernel merges them (the same splits: those below the
@@ -637,9 +638,9 @@ def _attn_merge_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, lse_ptr, s_pb, s_pt, s_o
     acc = tl.zeros((BT * GP, BD), tl.float32)
     for sp in range(0, tl.cdiv(tl.max(pos, 0) // KB + 1, SPLIT)):
         part = ((pid_bh * tl.num_programs(1) + blk) * NS + sp).to(tl.int64)
-        acc_s = tl.load(acc_ptr + (part * BT * GP + r[:, None]) * BD + d[None, :])
-        m_s = tl.load(ml_ptr + (part * 2) * BT * GP + r)
-        l_s = tl.load(ml_ptr + (part * 2 + 1) * BT * GP + r)
+        acc_s = tl.load(acc_ptr + (part * RS + r[:, None]) * BD + d[None, :], mask=r[:, None] < RS, other=0.0)
+        m_s = tl.load(ml_ptr + (part * 2) * RS + r, mask=r < RS, other=0.0)      # rows past RS (never
+        l_s = tl.load(ml_ptr + (part * 2 + 1) * RS + r, mask=r < RS, other=1.0)  # stored) stay finite
         acc, m, l = _attn_merge(acc, m, l, acc_s, m_s, l_s)
     _attn_store(acc, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, ok, mask)
 
@@ -753,14 +754,15 @@ class _PagedAttention(torch.autograd.Function):
         NS = triton.cdiv(triton.cdiv(NB * PAGE, ATTN_KEYS), ATTN_SPLIT)      # splits the table can hold
         geometry = (T, H, KVH, G, D, PAGE, NB, scale * LOG2E)
         opts = dict(BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, SPLIT=ATTN_SPLIT, **LAUNCH)
-        parts = grid[0] * grid[1] * NS          # few programs and scratch to spare: the splits in parallel
-        if NS > 1 and grid[0] * grid[1] < ATTN_SPLIT_BELOW and parts * BT * GP * (BD + 2) * 4 <= ATTN_SPLIT_SCRATCH:
-            acc = torch.empty(parts, BT * GP, BD, dtype=torch.float32, device=q.device)
-            ml = torch.empty(parts, 2, BT * GP, dtype=torch.float32, device=q.device)
+        parts, RS = grid[0] * grid[1] * NS, min(T, BT) * GP     # RS: rows a block stores per split
+        # few programs and scratch to spare: the splits in parallel
+        if NS > 1 and grid[0] * grid[1] < ATTN_SPLIT_BELOW and parts * RS * (BD + 2) * 4 <= ATTN_SPLIT_SCRATCH:
+            acc = torch.empty(parts, RS, BD, dtype=torch.float32, device=q.device)
+            ml = torch.empty(parts, 2, RS, dtype=torch.float32, device=q.device)
             _attn_split_kernel[(*grid, NS)](
                 q, k_cache, v_cache, block_table, positions, acc, ml, *_strides(q, k_cache, block_table, positions),
-                *geometry, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **opts)
-            _attn_merge_kernel[grid](acc, ml, positions, out, lse, *_strides(positions, out), T, H, KVH, G, D, NS,
+                *geometry, RS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **opts)
+            _attn_merge_kernel[grid](acc, ml, positions, out, lse, *_strides(positions, out), T, H, KVH, G, D, NS, RS,
                                      num_warps=warps, **opts)
         else:
             _attn_fwd_kernel[grid](
