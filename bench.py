@@ -369,13 +369,14 @@ def bench_gpu(args) -> list[tuple[str, float, str]]:
         rows.append((f"invariant {'graphs' if not tiny else 'eager'} / eager, {B} seqs",
                      tok.get("invariant graphs", tok["invariant eager"]) / tok["invariant eager"], "ratio"))
     rows += hf_generate_rows(model, args, tiny, sizes[0], new, lo, hi, sync)
-    step_kernels(samplers["invariant eager"], sizes[len(sizes) // 2], new, lo, hi, args, tiny)
+    for name in ("invariant eager", "fast"):       # fast: is SDPA's backend (math, with a mask and GQA) its cost?
+        step_kernels(samplers[name], name, sizes[len(sizes) // 2], new, lo, hi, args, tiny)
     return rows
 
 
-def step_kernels(sampler: Sampler, B: int, new: int, lo: int, hi: int, args, tiny: bool) -> None:
-    """Where one eager invariant decode step of B sequences spends its device time: the top kernels
-    (a graph replay shows as one event, so the eager step is profiled; its kernels are the graph's)."""
+def step_kernels(sampler: Sampler, name: str, B: int, new: int, lo: int, hi: int, args, tiny: bool) -> None:
+    """Where one decode step of B sequences spends its device time: the top kernels (a graph replay
+    shows as one event, so an eager step is profiled; its kernels are the graph's)."""
     prompts = make_prompts(argparse.Namespace(**{**vars(args), "prompts": B, "min_prompt_len": lo,
                                                  "max_prompt_len": hi}), sampler.runner.model.config.vocab_size)
     runner, calls = sampler.runner, []
@@ -389,14 +390,15 @@ def step_kernels(sampler: Sampler, B: int, new: int, lo: int, hi: int, args, tin
         with torch.profiler.profile(activities=acts) as prof:
             res = decode(*a)
         key = "self_cpu_time_total" if tiny else "self_device_time_total"
-        print(f"\none invariant eager decode step, {B} sequences: top kernels by {key}")
+        print(f"\none {name} decode step, {B} sequences: top kernels by {key}")
         print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60))
         return res
-    runner.decode = profiled
+    runner.decode, graphs = profiled, runner.cuda_graphs
+    runner.cuda_graphs = False                       # eager: the step's kernels, not one graph launch
     try:
         sampler.generate(prompts, max_new_tokens=min(new, 8), temperature=1.0, progress=False)
     finally:
-        runner.decode = decode
+        runner.decode, runner.cuda_graphs = decode, graphs
 
 
 def copy_bandwidth(tiny: bool) -> float:

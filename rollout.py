@@ -344,6 +344,7 @@ class ModelRunner:
         self.stop_ids = torch.full((n_stop,), -1, dtype=torch.long, device=dev)
         self.graphs.clear()                                        # they captured the old buffers
         self.warm.clear()
+        self.pool = None                                           # and their pool goes with them
 
     def start(self, seqs: list[Sequence]) -> None:
         """Write admitted sequences' block tables, and new ones' prompts and per-row scalars, to their

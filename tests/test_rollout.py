@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
 
 import pytest
@@ -672,6 +673,18 @@ def test_draws_depend_on_seed_index_and_position_only():
     assert not torch.equal(u, uniforms(4, torch.arange(20).repeat_interleave(50), torch.arange(50).repeat(20)))
     assert not torch.equal(uniforms(3 + (1 << 40), [0], [0]), uniforms(3, [0], [0]))   # high seed bits count
     assert abs(float(u.mean()) - 0.5) < 0.03 and abs(float(u.var()) - 1 / 12) < 0.01
+
+
+def test_bench_gpu_section_runs_on_cpu():
+    """`bench.py --only gpu` is only measured on a GPU machine (one short call); its code runs here at
+    tiny sizes so that the call cannot fail on a stale path: the contract rows must read 0."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "bench.py", "--only", "gpu", "--cpu-smoke"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    contract = [line for line in r.stdout.splitlines() if "mismatching sequences" in line]
+    assert contract and all(line.split()[-4] == "0.0" for line in contract), contract
+    assert "one invariant eager decode step" in r.stdout and "one fast decode step" in r.stdout
 
 
 # ---------------------------------------------------------------------------------------------------
