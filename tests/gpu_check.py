@@ -410,6 +410,23 @@ def sweep_moe(dev, ms) -> None:
         ktm.MOE_TILES[torch.bfloat16] = saved
 
 
+def decode_equals_prefill(q, kc, vc, bt, pos, D, parallel=False) -> bool:
+    """One sequence's prefill (one program per query block) against decode at four positions, bitwise;
+    parallel: the decode steps run their key splits as separate programs plus the merge kernel."""
+    import torch
+    import kernels_triton as kt
+    below = kt.ATTN_SPLIT_BELOW
+    try:
+        kt.ATTN_SPLIT_BELOW = 0
+        pre = kt.paged_attention(q, kc, vc, bt, pos, D ** -0.5)
+        kt.ATTN_SPLIT_BELOW = 10**9 if parallel else 0
+        P = q.shape[1]
+        return all(torch.equal(kt.paged_attention(q[:, p:p + 1], kc, vc, bt, pos[:, p:p + 1], D ** -0.5), pre[:, p:p + 1])
+                   for p in (0, 17, P // 2, P - 1))
+    finally:
+        kt.ATTN_SPLIT_BELOW = below
+
+
 def sweep_attention(dev, ms) -> None:
     """Forward configs: prefill and decode times, and whether decode equals prefill bitwise (the
     contract: a forward config must keep it); backward configs: forward+backward time."""
@@ -425,20 +442,21 @@ def sweep_attention(dev, ms) -> None:
     P = probe[0].shape[1]
     pk, pv = (t.reshape(-1, 16, KVH, D) for t in probe[1:])
     pbt, ppos = torch.arange(pk.shape[0], device=dev)[None], torch.arange(P, device=dev)[None]
-    saved = kt.ATTN_KEYS, dict(kt.ATTN_TABLE), kt.ATTN_SPLIT_BELOW
+    saved = kt.ATTN_KEYS, dict(kt.ATTN_TABLE), kt.ATTN_SPLIT_BELOW, kt.ATTN_SPLIT
     print(f"\nsweep: attention forward, B={B} T={T} H={H} KVH={KVH} D={D} prefill / decode B={qd.shape[0]}", flush=True)
     try:
         for keys in ATTN_KEY_CANDIDATES:
             for cfg in ATTN_FWD_CANDIDATES:
                 kt.ATTN_KEYS, kt.ATTN_TABLE["fwd"] = keys, cfg
                 try:
-                    pre = kt.paged_attention(probe[0], pk, pv, pbt, ppos, D ** -0.5)
-                    same = all(torch.equal(kt.paged_attention(probe[0][:, p:p + 1], pk, pv, pbt, ppos[:, p:p + 1],
-                                                              D ** -0.5), pre[:, p:p + 1]) for p in (0, 17, P // 2, P - 1))
+                    same = decode_equals_prefill(probe[0], pk, pv, pbt, ppos, D)
+                    kt.ATTN_SPLIT = 1                      # also through one-tile splits run in parallel
+                    same_split = decode_equals_prefill(probe[0], pk, pv, pbt, ppos, D, parallel=True)
+                    kt.ATTN_SPLIT = saved[3]
                     t_pre = ms(lambda: kt.paged_attention(q, kp, vp, bt, pos, D ** -0.5))
                     t_dec = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
                     print(f"  keys={keys} (rows, warps, stages)={cfg}: prefill {t_pre:.3f}  decode {t_dec:.4f}  "
-                          f"decode==prefill {same}", flush=True)
+                          f"decode==prefill {same}, by parallel splits {same_split}", flush=True)
                 except Exception as e:
                     print(f"  keys={keys} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
         kt.ATTN_KEYS, kt.ATTN_TABLE = saved[0], dict(saved[1])
@@ -464,7 +482,7 @@ def sweep_attention(dev, ms) -> None:
                     print(f"  {kernel} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
             kt.ATTN_TABLE[kernel] = saved[1][kernel]
     finally:
-        kt.ATTN_KEYS, kt.ATTN_TABLE, kt.ATTN_SPLIT_BELOW = saved[0], saved[1], saved[2]
+        kt.ATTN_KEYS, kt.ATTN_TABLE, kt.ATTN_SPLIT_BELOW, kt.ATTN_SPLIT = saved
 
 
 if __name__ == "__main__":
