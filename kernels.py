@@ -26,7 +26,7 @@ How each op keeps the contract on the CPU (torch backend; each rule is checked b
 Backward passes of the torch backend come from autograd on these ops: correct and deterministic, not
 batch-invariant (kernels_triton.py writes its own, also deterministic).
 
-Backends: KERNELS_BACKEND=torch|triton|auto (default auto: the Triton kernels of kernels_triton.py
+Backends: KERNELS_BACKEND=torch|triton|auto (default auto: the Triton kernels of kernels_triton*.py
 for CUDA tensors, this torch code otherwise); `set_backend(name)` overrides it, also as a context
 manager. Triton is imported only when the triton backend is first used.
 """
@@ -372,8 +372,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     softmax(logits / T), from the same pass over the vocabulary. The entropy is detached (no
     gradient: it is for logging); logp is bitwise the same with or without it.
     """
-    if (kt := _triton_for(logits)) is not None:    # triton backend dispatch
-        return kt.token_logprobs(logits, targets, temperature, with_entropy)
+    if _triton_for(logits) is not None:       # triton backend dispatch (the vocabulary ops have their own file)
+        import kernels_triton_vocab
+        return kernels_triton_vocab.token_logprobs(logits, targets, temperature, with_entropy)
     z = logits.float()
     if temperature not in (0.0, 1.0):
         z = z / temperature
@@ -399,11 +400,12 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
     reaches u * total. Every op works along the row (softmax, sort, cumsum, comparison), so a row's draw
     depends on its logits and its u alone, not on the other rows; a few batched ops, whatever the batch.
     Without top-k / top-p the Triton backend computes the same inverse CDF in two kernels that read the
-    logits about once (kernels_triton.sample_tokens); its sums run in another order, so the two backends
+    logits about once (kernels_triton_vocab.sample_tokens); its sums run in another order, so the two backends
     agree except where u * total falls within rounding of a token's boundary.
     """
-    if top_k == 0 and top_p >= 1.0 and (kt := _triton_for(logits)) is not None:
-        return kt.sample_tokens(logits, temperature, u)
+    if top_k == 0 and top_p >= 1.0 and _triton_for(logits) is not None:
+        import kernels_triton_vocab
+        return kernels_triton_vocab.sample_tokens(logits, temperature, u)
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature

@@ -1,8 +1,9 @@
-"""What both Triton files share: the interpreter switch, the launch options and two small helpers.
+"""What the Triton files share: the interpreter switch, the launch options and two small helpers.
 
-kernels_triton.py (dense ops, attention) and kernels_triton_moe.py (fused MoE) both import from here
-and from nowhere else in the project, so the dependencies run one way:
-    kernels.py --(lazy, on first Triton use)--> kernels_triton.py, kernels_triton_moe.py --> this file
+kernels_triton.py (dense ops, attention), kernels_triton_moe.py (fused MoE) and kernels_triton_vocab.py
+(log-probs, the draw) import from here and from nowhere else in the project, so the dependencies run
+one way:
+    kernels.py --(lazy, on first Triton use)--> kernels_triton*.py --> this file
 Nothing here imports kernels.py. Not meant to be run.
 """
 from __future__ import annotations

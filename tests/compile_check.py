@@ -35,6 +35,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature   # n
 import kernels                                                     # noqa: E402
 import kernels_triton as kt                                        # noqa: E402
 import kernels_triton_moe as ktm                                   # noqa: E402
+import kernels_triton_vocab as ktv                                 # noqa: E402
 from config import ModelConfig                                     # noqa: E402
 from model import Transformer                                      # noqa: E402
 from rollout import Sampler                                        # noqa: E402
@@ -67,7 +68,7 @@ class intercept:
 
     def __enter__(self):
         self.launches: list = []
-        self.originals = [(mod, n, f) for mod in (kt, ktm) for n, f in vars(mod).items()
+        self.originals = [(mod, n, f) for mod in (kt, ktm, ktv) for n, f in vars(mod).items()
                           if isinstance(f, JITFunction) and n.endswith("_kernel")]
         for mod, name, fn in self.originals:
             setattr(mod, name, Recorder(fn, self.launches))

@@ -141,6 +141,7 @@ def bench(quick: bool, dev: str = "cuda") -> None:
     import kernels
     import kernels_triton as kt
     import kernels_triton_moe as ktm
+    import kernels_triton_vocab as ktv
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -259,10 +260,10 @@ def bench(quick: bool, dev: str = "cuda") -> None:
         {"torch F.rms_norm": lambda: F.rms_norm(xr, (Nr,), wr, 1e-6)})
     R, V = (4, 3000) if tiny else (1024, 151936) if quick else (4096, 151936)
     z, tg = torch.randn(R, V, device=dev, dtype=bf16), torch.randint(0, V, (R,), device=dev)
-    row("token_logprobs", f"{R} x {V}, T=0.7", bf16, lambda: kt.token_logprobs(z, tg, 0.7),
+    row("token_logprobs", f"{R} x {V}, T=0.7", bf16, lambda: ktv.token_logprobs(z, tg, 0.7),
         {"torch log_softmax+gather": lambda: torch.log_softmax(z.float() / 0.7, -1).gather(-1, tg[:, None])})
-    row("token_logprobs+entropy", f"{R} x {V}, T=0.7", bf16, lambda: kt.token_logprobs(z, tg, 0.7, with_entropy=True),
-        {"triton token_logprobs alone": lambda: kt.token_logprobs(z, tg, 0.7)})
+    row("token_logprobs+entropy", f"{R} x {V}, T=0.7", bf16, lambda: ktv.token_logprobs(z, tg, 0.7, with_entropy=True),
+        {"triton token_logprobs alone": lambda: ktv.token_logprobs(z, tg, 0.7)})
 
     # --- the sampler's draw at a decode step's row count -------------------------------------------
     zs = z[:4 if tiny else 256]
@@ -271,7 +272,7 @@ def bench(quick: bool, dev: str = "cuda") -> None:
     def torch_draw():
         with kernels.set_backend("torch"):
             return kernels.sample_tokens(zs, 1.0, 1.0, 0, u)
-    row("sample_tokens", f"{zs.shape[0]} x {V}, T=1", bf16, lambda: kt.sample_tokens(zs, 1.0, u),
+    row("sample_tokens", f"{zs.shape[0]} x {V}, T=1", bf16, lambda: ktv.sample_tokens(zs, 1.0, u),
         {"torch softmax + fp64 cumsum": torch_draw})
 
     # --- print ------------------------------------------------------------------------------------

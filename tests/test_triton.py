@@ -33,6 +33,7 @@ pytest.importorskip("triton")
 import kernels  # noqa: E402
 import kernels_triton as kt  # noqa: E402
 import kernels_triton_moe as ktm  # noqa: E402
+import kernels_triton_vocab as ktv  # noqa: E402
 from conftest import assert_contract, make_model, tiny_config  # noqa: E402
 from rollout import Sampler  # noqa: E402
 
@@ -137,7 +138,7 @@ def test_kernels_compile_for_sm90_one_binary_per_call_site():
                        text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "share each forward binary: yes; 0 problem(s)" in r.stdout
-    kernels_of_backend = [name for mod in (kt, ktm) for name in vars(mod) if name.endswith("_kernel")]
+    kernels_of_backend = [name for mod in (kt, ktm, ktv) for name in vars(mod) if name.endswith("_kernel")]
     assert len(kernels_of_backend) >= 10                     # (the listing itself works)
     for name in kernels_of_backend:                          # every kernel the backend defines
         assert f"\n{name} " in r.stdout, f"{name} was not compiled"
@@ -238,13 +239,13 @@ def mask_chunks(z, tg):
 @runnable
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_chunked(monkeypatch, temperature):
-    monkeypatch.setattr(kt, "VOCAB_SEGMENT", 32)             # V = 50: two segments, the last partial,
-    monkeypatch.setattr(kt, "VOCAB_CHUNK", 16)               # two chunks in each
+    monkeypatch.setattr(ktv, "VOCAB_SEGMENT", 32)             # V = 50: two segments, the last partial,
+    monkeypatch.setattr(ktv, "VOCAB_CHUNK", 16)               # two chunks in each
     z, tg = randn(3, 5, 50, scale=4, seed=0), torch.randint(0, 50, (3, 5)).to(DEV)
     mask_chunks(z, tg)
     g = randn(3, 5, seed=1)
     outs, grads = [], []
-    for f in (kt.token_logprobs, kernels.token_logprobs):
+    for f in (ktv.token_logprobs, kernels.token_logprobs):
         za = z.clone().requires_grad_()
         lp = f(za, tg, temperature)
         (lp * g).sum().backward()
@@ -252,15 +253,15 @@ def test_token_logprobs_chunked(monkeypatch, temperature):
         grads.append(za.grad)
     assert outs[0].shape == (3, 5) and outs[0].dtype == torch.float32
     assert rel(outs[0], outs[1]) < TOL and rel(grads[0], grads[1]) < TOL
-    assert torch.equal(kt.token_logprobs(z[1, 2], tg[1, 2], temperature), outs[0][1, 2].detach())   # alone
+    assert torch.equal(ktv.token_logprobs(z[1, 2], tg[1, 2], temperature), outs[0][1, 2].detach())   # alone
 
 
 @runnable
 def test_token_logprobs_large_vocab_and_greedy():
     z, tg = randn(2, 5000, scale=4, seed=0), torch.tensor([7, 4999], device=DEV)
-    lp = kt.token_logprobs(z, tg, 0.0)
+    lp = ktv.token_logprobs(z, tg, 0.0)
     assert rel(lp, kernels.token_logprobs(z.cpu(), tg.cpu(), 0.0)) < TOL
-    assert torch.equal(lp, kt.token_logprobs(z, tg, 1.0))    # greedy scores at temperature 1
+    assert torch.equal(lp, ktv.token_logprobs(z, tg, 1.0))    # greedy scores at temperature 1
 
 
 @runnable
@@ -268,14 +269,14 @@ def test_token_logprobs_large_vocab_and_greedy():
 def test_token_logprobs_entropy(monkeypatch, temperature):
     """with_entropy: the entropy of softmax(z / T) from the same pass, against float64; logp's bits
     unchanged by it; no gradient through the entropy."""
-    monkeypatch.setattr(kt, "VOCAB_SEGMENT", 32)             # V = 50: two segments, the last partial,
-    monkeypatch.setattr(kt, "VOCAB_CHUNK", 16)               # two chunks in each
+    monkeypatch.setattr(ktv, "VOCAB_SEGMENT", 32)             # V = 50: two segments, the last partial,
+    monkeypatch.setattr(ktv, "VOCAB_CHUNK", 16)               # two chunks in each
     z, tg = randn(3, 5, 50, scale=4, seed=0), torch.randint(0, 50, (3, 5)).to(DEV)
     z[0, 0, 20] = float("-inf")                              # p = 0: adds nothing (no NaN)
     mask_chunks(z, tg)
     za = z.clone().requires_grad_()
-    lp, ent = kt.token_logprobs(za, tg, temperature, with_entropy=True)
-    assert torch.equal(lp, kt.token_logprobs(z, tg, temperature)) and not ent.requires_grad
+    lp, ent = ktv.token_logprobs(za, tg, temperature, with_entropy=True)
+    assert torch.equal(lp, ktv.token_logprobs(z, tg, temperature)) and not ent.requires_grad
     t = temperature if temperature else 1.0
     logp64 = torch.log_softmax(z.double() / t, -1)
     assert (ent.double() - -torch.where(logp64.isfinite(), logp64.exp() * logp64, 0.0).sum(-1)).abs().max() < 1e-5
@@ -286,13 +287,13 @@ def test_token_logprobs_entropy(monkeypatch, temperature):
 @runnable
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sample_tokens_matches_torch_and_rows_alone(monkeypatch, temperature):
-    """kt.sample_tokens (no top-k / top-p) is the torch backend's inverse CDF computed by vocabulary
+    """ktv.sample_tokens (no top-k / top-p) is the torch backend's inverse CDF computed by vocabulary
     segments: the same token for every row (here u * total never falls within rounding of a token's
     boundary), in a batch or alone. Rows: -inf logits inside a segment, a whole -inf segment, mass
     only in the last (partial) segment; u = 1 takes the last token of positive probability."""
     from rollout import draw_keys
-    monkeypatch.setattr(kt, "VOCAB_SEGMENT", 64)             # V = 200: four segments, the last partial,
-    monkeypatch.setattr(kt, "VOCAB_CHUNK", 16)               # four chunks in each
+    monkeypatch.setattr(ktv, "VOCAB_SEGMENT", 64)             # V = 200: four segments, the last partial,
+    monkeypatch.setattr(ktv, "VOCAB_CHUNK", 16)               # four chunks in each
     B, V = 40, 200
     logits = randn(B, V, scale=4, seed=0).cpu()
     logits[1, :64] = float("-inf")
@@ -300,22 +301,22 @@ def test_sample_tokens_matches_torch_and_rows_alone(monkeypatch, temperature):
     logits[3, 10:150] = float("-inf")
     u = draw_keys(torch.tensor([7, 0]), torch.arange(B), torch.full((B,), 12))
     u[2] = 1.0
-    tri = kt.sample_tokens(logits.to(DEV), temperature, u.to(DEV))
+    tri = ktv.sample_tokens(logits.to(DEV), temperature, u.to(DEV))
     with kernels.set_backend("torch"):
         ref = kernels.sample_tokens(logits, temperature, 1.0, 0, u)
     assert tri.dtype == torch.long and torch.equal(tri.cpu(), ref)
     assert int(tri[2]) == V - 1 and int(tri[1]) >= 64 and not 10 <= int(tri[3]) < 150
     for b in (0, 2, 17):
-        assert int(kt.sample_tokens(logits[b:b + 1].to(DEV), temperature, u[b:b + 1].to(DEV))) == int(tri[b])
-    assert torch.equal(kt.sample_tokens(logits.flip(0).to(DEV), temperature, u.flip(0).to(DEV)), tri.flip(0))
+        assert int(ktv.sample_tokens(logits[b:b + 1].to(DEV), temperature, u[b:b + 1].to(DEV))) == int(tri[b])
+    assert torch.equal(ktv.sample_tokens(logits.flip(0).to(DEV), temperature, u.flip(0).to(DEV)), tri.flip(0))
 
 
 @runnable
 def test_sample_tokens_dispatch(monkeypatch):
-    """The Triton backend draws with kt.sample_tokens when nothing truncates the distribution, with the
+    """The Triton backend draws with ktv.sample_tokens when nothing truncates the distribution, with the
     torch ops (a per-row sort) under top-k or top-p; the torch backend never calls the kernels."""
     calls = []
-    monkeypatch.setattr(kt, "sample_tokens", lambda *a: calls.append(a) or torch.zeros(2, dtype=torch.long))
+    monkeypatch.setattr(ktv, "sample_tokens", lambda *a: calls.append(a) or torch.zeros(2, dtype=torch.long))
     logits, u = randn(2, 30, seed=0), torch.full((2,), 0.5, dtype=torch.float64, device=DEV)
     with kernels.set_backend("triton"):
         kernels.sample_tokens(logits, 0.8, 1.0, 0, u)
@@ -332,13 +333,15 @@ def test_triton_modules_do_not_import_kernels_or_each_other():
     """The dependencies run one way: kernels.py -> kernels_triton*.py -> kernels_triton_base.py."""
     import ast
     imported = {}
-    for name in ("kernels_triton", "kernels_triton_moe", "kernels_triton_base"):
+    backend = ("kernels_triton", "kernels_triton_moe", "kernels_triton_vocab")
+    for name in backend + ("kernels_triton_base",):
         tree = ast.parse(open(os.path.join(ROOT, name + ".py")).read())
         imported[name] = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
                          {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert all("kernels" not in deps for deps in imported.values()), imported
-    assert "kernels_triton_moe" not in imported["kernels_triton"] and "kernels_triton" not in imported["kernels_triton_moe"]
-    assert not {"kernels_triton", "kernels_triton_moe"} & imported["kernels_triton_base"]
+    for name in backend:                                     # each imports the base and nothing of the backend
+        assert not set(backend) & imported[name], (name, imported[name])
+    assert not set(backend) & imported["kernels_triton_base"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -662,10 +665,10 @@ def test_gpu_rows_ops(dtype):
     assert rel(y, kernels.rms_norm(x.cpu(), w.cpu(), 1e-6)) < GTOL[dtype]
     assert torch.equal(kt.rms_norm(x[17:18], w, 1e-6), y[17:18])
     z, tg = randn(64, 50000, scale=4, seed=1, dtype=dtype), torch.randint(0, 50000, (64,), device=DEV)
-    lp = kt.token_logprobs(z, tg, 0.7)
+    lp = ktv.token_logprobs(z, tg, 0.7)
     assert rel(lp, kernels.token_logprobs(z.cpu(), tg.cpu(), 0.7)) < 1e-5
-    assert torch.equal(kt.token_logprobs(z[5:6], tg[5:6], 0.7), lp[5:6])
-    lp2, ent = kt.token_logprobs(z, tg, 0.7, with_entropy=True)
+    assert torch.equal(ktv.token_logprobs(z[5:6], tg[5:6], 0.7), lp[5:6])
+    lp2, ent = ktv.token_logprobs(z, tg, 0.7, with_entropy=True)
     assert torch.equal(lp2, lp)
     logp64 = torch.log_softmax(z.double() / 0.7, -1)
     assert (ent.double() - -(logp64.exp() * logp64).sum(-1)).abs().max() < 1e-4
