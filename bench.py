@@ -49,6 +49,7 @@ import time
 
 import torch
 
+import kernels
 from config import ModelConfig
 from model import Transformer
 from rollout import Sampler
@@ -212,7 +213,6 @@ def bench_forward(args) -> list[tuple[str, float, str]]:
 # ---------------------------------------------------------------------------------------------------
 def bench_fast(args) -> list[tuple[str, float, str]]:
     """Rollout tokens/s and trainer forward+backward tokens/s, invariant vs kernels.variant(batch_variant)."""
-    import kernels
     model = build_model(args)
     prompts = make_prompts(args, model.config.vocab_size)
     n_gen = len(prompts) * args.max_new_tokens
@@ -237,7 +237,6 @@ def bench_fast(args) -> list[tuple[str, float, str]]:
 # fused MoE vs a per-expert loop (index_add_, as transformers does)
 # ---------------------------------------------------------------------------------------------------
 def bench_moe(args) -> list[tuple[str, float, str]]:
-    import kernels
     cfg = ModelConfig.preset(args.preset)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device="cpu").manual_seed(args.seed)
@@ -589,6 +588,8 @@ def main(argv=None):
     p.add_argument("--gpu-batches", default="64,256,1024", help="gpu: sequences per rollout, comma-separated")
     p.add_argument("--max-new-tokens-gpu", type=int, default=128, help="gpu: new tokens per sequence")
     p.add_argument("--cpu-smoke", action="store_true", help="gpu: run its code once on the CPU at tiny sizes")
+    p.add_argument("--tuning", default="", help="Triton tile configs from this file (tests/gpu_check.py "
+                   "--tuning-out writes it; kernels.load_tuning)")
     p.add_argument("--lab-steps", type=int, default=150, help="train.py steps per mismatch-lab run")
     p.add_argument("--lab-rollout-dtype", default="bfloat16", help="the fast rollout's weight dtype")
     p.add_argument("--lab-router-bf16", action="store_true", help="also round the fast rollout's router logits to bf16")
@@ -606,6 +607,11 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+    if args.tuning:
+        try:
+            print(f"tile configs from {args.tuning}: {kernels.load_tuning(args.tuning)}")
+        except ValueError as e:
+            p.error(str(e))
 
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cores} cores, "

@@ -19,6 +19,20 @@ if ROOT not in sys.path:
 from config import ModelConfig  # noqa: E402
 from model import Transformer  # noqa: E402
 
+def pytest_addoption(parser):
+    parser.addoption("--kernels-tuning", default="", metavar="FILE",
+                     help="Triton tile configs from this file (tests/gpu_check.py --tuning-out; kernels.load_tuning)")
+
+
+def pytest_configure(config):
+    if config.getoption("--kernels-tuning"):       # the GPU run tests the tables its sweep chose
+        import kernels
+        try:
+            kernels.load_tuning(config.getoption("--kernels-tuning"))
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
+
+
 # A deterministic CPU: no TF32 anywhere, fixed thread count for the whole run.
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False

@@ -1,19 +1,24 @@
-"""GPU check of the Triton backend: its tests on CUDA (bf16 and fp32), then a timing table.
+"""GPU check of the Triton backend: its tests on CUDA (bf16 and fp32), a sweep of tile configs, a timing table.
 
-    python tests/gpu_check.py               # tests, timings, then the sweep; about 5 minutes on one GPU
-    python tests/gpu_check.py --bench-only  # only the table (+ sweep);  --tests-only: only the tests
-    python tests/gpu_check.py --sweep       # only the sweep;  --no-sweep: tests + table
+    python tests/gpu_check.py               # tests, sweep, then the table with the sweep's configs; ~4 minutes
+    python tests/gpu_check.py --tuning-out tuning.json   # ... and write the sweep's choice (kernels.load_tuning)
+    python tests/gpu_check.py --bench-only  # only the sweep + table;  --tests-only: only the tests
+    python tests/gpu_check.py --sweep       # only the sweep;  --no-sweep: tests + table (of the committed tables,
+                                            # or of --tuning FILE's)
     python tests/gpu_check.py --quick       # smaller benchmark shapes
-    bash tests/gpu_check.sh                 # everything a GPU session checks: sampler CUDA tests, bench gpu, this
+    bash tests/gpu_check.sh                 # everything a GPU session checks: this, the sampler's CUDA tests, bench gpu
 
 The tests are tests/test_triton.py run on CUDA (the interpreter tests on the GPU, plus the `gpu`
-tests in bf16 and fp32 at larger shapes). The table times each Triton kernel against its batch-variant
-baseline in the same run and prints the ratio (triton ms / baseline ms; > 1 means Triton is slower),
-at the real model's shapes (Qwen3-30B-A3B): matmul (q_proj, o_proj, LM head, router at M = 1, 16,
-128, 4096) vs cuBLAS, fused MoE forward and forward+backward vs torch._grouped_mm, paged attention
-(prefill, forward+backward, decode) vs torch SDPA and flash-attn (where installed), RMSNorm, token
-log-probs and the sampler's draw vs plain torch. The sweep times candidate tile configs per shape (kernels_triton.MM_TABLE,
-ATTN_KEYS, ATTN_TABLE are chosen from it) and checks each one's bits against the table's.
+tests in bf16 and fp32 at larger shapes). The sweep times candidate tile configs at the real shapes and
+keeps, per table, the fastest that keeps the contract: a matmul config must give the table config's
+bits (it varies with M), an attention forward config must give decode the bits of prefill (also
+through parallel key splits); the MoE config and the backward configs are free (one config serves
+sampler and trainer alike). Those choices are applied to this process, so the table times them. The
+table times each Triton kernel against its batch-variant baseline in the same run and prints the ratio
+(triton ms / baseline ms; > 1 means Triton is slower), at the real model's shapes (Qwen3-30B-A3B):
+matmul (q_proj, o_proj, LM head, router at M = 1, 16, 128, 4096) vs cuBLAS, fused MoE forward and
+forward+backward vs torch._grouped_mm, paged attention (prefill, forward+backward, decode) vs torch SDPA
+and flash-attn (where installed), RMSNorm, token log-probs and the sampler's draw vs plain torch.
 Exit status: the tests' (0 when they pass), 2 without a CUDA device.
 """
 from __future__ import annotations
@@ -25,6 +30,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)                   # kernels*, imported where used (after TRITON_INTERPRET is set)
 
 
 def main() -> int:
@@ -35,6 +41,9 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="only the sweep of candidate tile configs (matmul, attention)")
     ap.add_argument("--no-sweep", action="store_true", help="tests and table, without the sweep")
     ap.add_argument("--test-timeout", type=int, default=360, help="seconds allowed for the tests (default 360)")
+    ap.add_argument("--tuning-out", metavar="FILE",
+                    help="also write the sweep's choice of tile configs here (JSON; the table always times it)")
+    ap.add_argument("--tuning", metavar="FILE", help="time the table with this tuning (kernels.load_tuning)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="developers: run the benchmark code once on CPU (Triton interpreter, tiny shapes, no timings)")
     args = ap.parse_args()
@@ -42,8 +51,8 @@ def main() -> int:
     import torch
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        tune(sweep(dev="cpu"), args.tuning_out)
         bench(quick=True, dev="cpu")
-        sweep(dev="cpu")
         return 0
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device (torch.cuda.is_available() is False). This check needs one GPU; "
@@ -51,8 +60,10 @@ def main() -> int:
         return 2
     print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     rc = 0
+    if args.tuning:
+        tune(None, args.tuning)
     if args.sweep:
-        sweep()
+        tune(sweep(), args.tuning_out)
         return 0
     if not args.bench_only:
         t0 = time.time()
@@ -65,10 +76,22 @@ def main() -> int:
             rc = 1
         print(f"gpu_check: tests {'passed' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f}s", flush=True)
     if not args.tests_only:
+        if not args.no_sweep:          # the sweep first: the table then times the configs it chose
+            tune(sweep(), args.tuning_out)
         bench(args.quick)
-        if not args.no_sweep:
-            sweep()
     return rc
+
+
+def tune(tuning: dict | None, path: str | None) -> None:
+    """Apply the sweep's tuning (and write it to path, if given) or, with tuning None, path's: the table
+    and whatever runs next in this process time those configs."""
+    import json
+    import kernels
+    if tuning is not None and path:
+        with open(path, "w") as f:                                   # one line per table
+            f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in tuning.items()) + "\n}\n")
+    tuning = kernels.load_tuning(path if tuning is None else tuning)
+    print(f"\ngpu_check: tile configs now {json.dumps(tuning)}" + (f" (in {path})" if path else ""), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -137,7 +160,6 @@ def bench(quick: bool, dev: str = "cuda") -> None:
 
     tiny = dev == "cpu"
 
-    sys.path.insert(0, ROOT)
     import kernels
     import kernels_triton as kt
     import kernels_triton_moe as ktm
@@ -320,12 +342,12 @@ ATTN_KEY_CANDIDATES = (64, 128)
 ATTN_BWD_CANDIDATES = [(64, 4, 2), (64, 8, 2), (128, 8, 2)]
 
 
-def sweep(dev: str = "cuda") -> None:
-    """Times candidate configs per real shape and prints the best whose bits equal the table's. dev="cpu":
-    one call per candidate at tiny shapes (a smoke run of this code)."""
+def sweep(dev: str = "cuda") -> dict:
+    """Times candidate configs per real shape and returns the tuning (kernels.load_tuning's format):
+    per table the fastest candidate that keeps the contract. dev="cpu": one call per candidate at tiny
+    shapes (a smoke run of this code)."""
     import torch
     from triton.testing import do_bench
-    import kernels_triton as kt
     tiny = dev == "cpu"
 
     def ms(fn):
@@ -334,9 +356,25 @@ def sweep(dev: str = "cuda") -> None:
             return 0.0
         return do_bench(fn, warmup=5, rep=25, return_mode="median")
 
-    sweep_moe(dev, ms)
+    tuning = {"moe": {"bfloat16": sweep_moe(dev, ms)}, "mm": sweep_matmul(dev, ms)}
+    return tuning | sweep_attention(dev, ms)
+
+
+# the M classes of the matmul sweep: one MM_TABLE row each, (name, largest M)
+MM_CLASSES = (("small", 16), ("mid", 256), ("large", None))
+
+
+def sweep_matmul(dev, ms) -> dict:
+    """Candidates per M class at the real shapes; returns the MM_TABLE rows (per dtype) of the configs
+    with the smallest geometric mean of ms / cuBLAS ms over the class's shapes and row counts, among
+    those that gave the table config's bits at every one of them."""
+    import math
+    import torch
+    import kernels_triton as kt
+    tiny = dev == "cpu"
     print("\nsweep: matmul (ms; bits = equal to the table config's result)", flush=True)
-    ratios: dict[tuple, dict[tuple, list[float]]] = {}          # (dtype tag, M) -> config -> [ms / cuBLAS ms]
+    ratios: dict[tuple, dict[tuple, list[float]]] = {}      # (dtype, class) -> config -> [ms / cuBLAS ms]
+    cases: dict[tuple, int] = {}                             # (dtype, class) -> shapes x row counts timed
     for dtype, shapes in ((torch.bfloat16, MM_SHAPES), (torch.float32, MM_SHAPES[:1])):
         tag = "bf16" if dtype == torch.bfloat16 else "fp32"
         for name, K, N in shapes:
@@ -345,49 +383,59 @@ def sweep(dev: str = "cuda") -> None:
             for M in ((1,) if tiny else MM_ROWS):
                 x = torch.randn(M, K, device=dev, dtype=dtype)
                 ref = kt._mm(x, w, dtype)
-                size = "small" if M <= 16 else "mid" if M <= 256 else "large"
-                results = []
+                size = next(c for c, largest in MM_CLASSES if largest is None or M <= largest)
+                table_cfg = tuple(kt.mm_config(M, dtype))
+                times = {table_cfg: ms(lambda: kt._mm(x, w, dtype))}
+                line = []
                 for cfg in MM_CANDIDATES[f"{tag} {size}"]:
                     try:
                         same = torch.equal(kt._mm(x, w, dtype, config=cfg), ref)
-                        results.append((ms(lambda: kt._mm(x, w, dtype, config=cfg)), cfg, same))
+                        t = ms(lambda: kt._mm(x, w, dtype, config=cfg))
                     except Exception as e:                                   # report, keep going
                         print(f"  {tag} {name} M={M} {cfg}: error {type(e).__name__}: {str(e)[:80]}")
-                table = ms(lambda: kt._mm(x, w, dtype))
+                        continue
+                    line.append((t, cfg, same))
+                    if same:                             # a config that changes bits may not enter the table
+                        times.setdefault(cfg, t)
                 cublas = ms(lambda: x @ w.T)
-                line = "  ".join(f"{c}:{t:.4f}{'' if same else '(BITS DIFFER)'}" for t, c, same in sorted(results))
-                print(f"  {tag} {name:8s} M={M:<5d} cuBLAS {cublas:.4f} table {kt.mm_config(M, dtype)}:{table:.4f} | {line}",
-                      flush=True)
-                for t, cfg, same in results + [(table, kt.mm_config(M, dtype), True)]:
-                    if same:                                     # a config that changes bits may not enter the table
-                        ratios.setdefault((tag, M), {}).setdefault(tuple(cfg), []).append(t / cublas if cublas > 0 else 1.0)   # smoke: 0 ms
-    print_best_matmul(ratios)
-    sweep_attention(dev, ms)
+                print(f"  {tag} {name:8s} M={M:<5d} cuBLAS {cublas:.4f} table {table_cfg}:{times[table_cfg]:.4f} | "
+                      + "  ".join(f"{c}:{t:.4f}{'' if same else '(BITS DIFFER)'}" for t, c, same in sorted(line)), flush=True)
+                key = (dtype, size)
+                cases[key] = cases.get(key, 0) + 1
+                for cfg, t in times.items():
+                    ratios.setdefault(key, {}).setdefault(cfg, []).append(t / cublas if cublas > 0 else 1.0)
+
+    print("\nsweep: best matmul config per M class (geometric mean of triton/cuBLAS over its shapes and M; worst)")
+    tables = {}
+    for dtype, tag in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        rows = []
+        for size, largest in MM_CLASSES:
+            full = {cfg: r for cfg, r in ratios.get((dtype, size), {}).items() if len(r) == cases[(dtype, size)]}
+            if not full:                                 # not timed (the CPU smoke run): keep the table's
+                rows.append([largest, *kt.mm_config(largest or 1 << 30, dtype)])
+                continue
+            cfg, r = min(full.items(), key=lambda kv: sum(map(math.log, kv[1])))
+            print(f"  {tag} {size} (M <= {largest}): {cfg}: {math.exp(sum(map(math.log, r)) / len(r)):.2f}x  "
+                  f"worst {max(r):.2f}x", flush=True)
+            rows.append([largest, *cfg])
+        tables[tag] = rows
+    return tables
 
 
-def print_best_matmul(ratios) -> None:
-    """Per dtype and M: the config with the smallest geometric mean of (ms / cuBLAS ms) over the shapes
-    that ran every shape with the table's bits; the candidate for that M's row of MM_TABLE."""
-    import math
-    print("\nsweep: best matmul config per M (geometric mean of triton/cuBLAS over the shapes; worst shape)")
-    for (tag, M), per_cfg in sorted(ratios.items()):
-        n = max(len(r) for r in per_cfg.values())
-        full = {cfg: r for cfg, r in per_cfg.items() if len(r) == n}
-        cfg, r = min(full.items(), key=lambda kv: sum(map(math.log, kv[1])))
-        print(f"  {tag} M={M:<5d} {cfg}: {math.exp(sum(map(math.log, r)) / len(r)):.2f}x  worst {max(r):.2f}x")
+MOE_CANDIDATES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (32, 64, 64, 4, 3)]
 
 
-MOE_CANDIDATES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3)]
-
-
-def sweep_moe(dev, ms) -> None:
-    """MoE tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): forward and forward+backward at the
-    real shape; bits of the forward against kernels_triton_moe.MOE_TILES' config."""
+def sweep_moe(dev, ms) -> list[int]:
+    """MoE tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the forward at a decode step's rows
+    (256 tokens) and forward+backward at a training step's (4096); returns the config with the smallest
+    product of the two (one config serves the sampler and the trainer, so any keeps the contract; bits
+    against kernels_triton_moe.MOE_TILES' config are printed)."""
     import torch
     import kernels
     import kernels_triton_moe as ktm
     tiny = dev == "cpu"
     M, E, k, D, I = (16, 4, 2, 32, 32) if tiny else (4096, 128, 8, 2048, 768)
+    Md = 4 if tiny else 256
     x = torch.randn(M, D, device=dev, dtype=torch.bfloat16)
     w13 = (torch.randn(E, 2 * I, D, device=dev) * 0.02).to(torch.bfloat16)
     w2 = (torch.randn(E, D, I, device=dev) * 0.02).to(torch.bfloat16)
@@ -396,19 +444,23 @@ def sweep_moe(dev, ms) -> None:
     gy = torch.randn(M, D, device=dev, dtype=torch.bfloat16)
     ref = ktm.moe_experts(x, w13, w2, ids, wts)
     saved = ktm.MOE_TILES[torch.bfloat16]
-    print(f"\nsweep: fused MoE M={M} E={E} k={k} D={D} I={I} bf16 (table {saved})", flush=True)
+    print(f"\nsweep: fused MoE E={E} k={k} D={D} I={I} bf16, forward at M={Md}, forward+backward at M={M} "
+          f"(table {saved})", flush=True)
+    timed = {}
     try:
         for cfg in MOE_CANDIDATES:
             ktm.MOE_TILES[torch.bfloat16] = cfg
             try:
                 same = torch.equal(ktm.moe_experts(x, w13, w2, ids, wts), ref)
-                fwd = ms(lambda: ktm.moe_experts(x, w13, w2, ids, wts))
+                fwd = ms(lambda: ktm.moe_experts(x[:Md], w13, w2, ids[:Md], wts[:Md]))
                 fb = ms(lambda: torch.autograd.grad(ktm.moe_experts(*params[:3], ids, params[3]), params, gy))
-                print(f"  {cfg}: fwd {fwd:.3f}  fwd+bwd {fb:.3f}  bits equal {same}", flush=True)
+                print(f"  {cfg}: fwd M={Md} {fwd:.3f}  fwd+bwd M={M} {fb:.3f}  bits equal {same}", flush=True)
+                timed[cfg] = fwd * fb
             except Exception as e:
                 print(f"  {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
     finally:
         ktm.MOE_TILES[torch.bfloat16] = saved
+    return list(min(timed, key=timed.get) if timed else saved)
 
 
 def decode_equals_prefill(q, kc, vc, bt, pos, D, parallel=False) -> bool:
@@ -428,9 +480,11 @@ def decode_equals_prefill(q, kc, vc, bt, pos, D, parallel=False) -> bool:
         kt.ATTN_SPLIT_BELOW = below
 
 
-def sweep_attention(dev, ms) -> None:
+def sweep_attention(dev, ms) -> dict:
     """Forward configs: prefill and decode times, and whether decode equals prefill bitwise (the
-    contract: a forward config must keep it); backward configs: forward+backward time."""
+    contract: a forward config must keep it); the key splits in parallel or in one program; backward
+    configs: forward+backward time. Returns the fastest forward config that keeps the contract
+    (smallest product of prefill and decode time), ATTN_SPLIT_BELOW, and the fastest backward configs."""
     import torch
     import kernels_triton as kt
     tiny = dev == "cpu"
@@ -444,8 +498,10 @@ def sweep_attention(dev, ms) -> None:
     pk, pv = (t.reshape(-1, 16, KVH, D) for t in probe[1:])
     pbt, ppos = torch.arange(pk.shape[0], device=dev)[None], torch.arange(P, device=dev)[None]
     saved = kt.ATTN_KEYS, dict(kt.ATTN_TABLE), kt.ATTN_SPLIT_BELOW, kt.ATTN_SPLIT
+    tuning = {"attn_keys": kt.ATTN_KEYS, "attn": dict(kt.ATTN_TABLE), "attn_split_below": kt.ATTN_SPLIT_BELOW}
     print(f"\nsweep: attention forward, B={B} T={T} H={H} KVH={KVH} D={D} prefill / decode B={qd.shape[0]}", flush=True)
     try:
+        fwd = {}                                                  # (keys, config) -> prefill ms x decode ms
         for keys in ATTN_KEY_CANDIDATES:
             for cfg in ATTN_FWD_CANDIDATES:
                 kt.ATTN_KEYS, kt.ATTN_TABLE["fwd"] = keys, cfg
@@ -458,32 +514,58 @@ def sweep_attention(dev, ms) -> None:
                     t_dec = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
                     print(f"  keys={keys} (rows, warps, stages)={cfg}: prefill {t_pre:.3f}  decode {t_dec:.4f}  "
                           f"decode==prefill {same}, by parallel splits {same_split}", flush=True)
+                    if same and same_split:
+                        fwd[keys, cfg] = t_pre * t_dec
                 except Exception as e:
                     print(f"  keys={keys} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
+                finally:
+                    kt.ATTN_SPLIT = saved[3]
+        if fwd:
+            tuning["attn_keys"], tuning["attn"]["fwd"] = min(fwd, key=fwd.get)
         kt.ATTN_KEYS, kt.ATTN_TABLE = saved[0], dict(saved[1])
-        print("\nsweep: decode with the key splits in parallel (two kernels) or in one program "
-              f"(kernels_triton.ATTN_SPLIT_BELOW = {kt.ATTN_SPLIT_BELOW} programs picks)", flush=True)
-        below = kt.ATTN_SPLIT_BELOW
-        for Bd, ctx in ((2, 512), (1, 1024)) if tiny else ((4, 16384), (16, 8192), (64, 2048), (256, 2048)):
+        tuning["attn_split_below"] = sweep_splits(dev, ms, H, KVH, D)
+        print(f"\nsweep: attention backward (forward + backward ms), keys={kt.ATTN_KEYS}", flush=True)
+        for kernel in ("bwd_dq", "bwd_dkv"):
+            bwd = {}
+            for cfg in ATTN_BWD_CANDIDATES:
+                kt.ATTN_TABLE[kernel] = cfg
+                try:
+                    bwd[cfg] = ms(attention_fwd_bwd(att, "triton"))
+                    print(f"  {kernel} {cfg}: {bwd[cfg]:.3f}", flush=True)
+                except Exception as e:
+                    print(f"  {kernel} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
+            kt.ATTN_TABLE[kernel] = saved[1][kernel]
+            if bwd:
+                tuning["attn"][kernel] = min(bwd, key=bwd.get)
+    finally:
+        kt.ATTN_KEYS, kt.ATTN_TABLE, kt.ATTN_SPLIT_BELOW, kt.ATTN_SPLIT = saved
+    tuning["attn"] = {name: list(cfg) for name, cfg in tuning["attn"].items()}
+    return tuning
+
+
+def sweep_splits(dev, ms, H, KVH, D) -> int:
+    """Decode of B sequences of ctx keys with the key splits run in parallel (two kernels) or in one
+    program; returns ATTN_SPLIT_BELOW: the fewest programs at which one program was as fast (the
+    splits run in parallel below it), or the table's value if the splits won everywhere."""
+    import kernels_triton as kt
+    below = kt.ATTN_SPLIT_BELOW
+    print("\nsweep: decode with the key splits in parallel (two kernels) or in one program "
+          f"(kernels_triton.ATTN_SPLIT_BELOW = {below} programs picks)", flush=True)
+    one_wins = []
+    try:
+        for Bd, ctx in ((2, 512), (1, 1024)) if dev == "cpu" else ((4, 16384), (16, 8192), (64, 2048), (256, 2048)):
             qd, kc, vc, btd, posd = decode_inputs(Bd, ctx, H, KVH, D, dev)[:5]
             times = {}
             for name, value in (("parallel", 10**9), ("one program", 0)):
                 kt.ATTN_SPLIT_BELOW = value
                 times[name] = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
-            kt.ATTN_SPLIT_BELOW = below
             print(f"  B={Bd} ctx={ctx} ({Bd * KVH} programs): parallel {times['parallel']:.4f}  "
                   f"one program {times['one program']:.4f}", flush=True)
-        print(f"\nsweep: attention backward (forward + backward ms), keys={kt.ATTN_KEYS}", flush=True)
-        for kernel in ("bwd_dq", "bwd_dkv"):
-            for cfg in ATTN_BWD_CANDIDATES:
-                kt.ATTN_TABLE[kernel] = cfg
-                try:
-                    print(f"  {kernel} {cfg}: {ms(attention_fwd_bwd(att, 'triton')):.3f}", flush=True)
-                except Exception as e:
-                    print(f"  {kernel} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
-            kt.ATTN_TABLE[kernel] = saved[1][kernel]
+            if times["one program"] <= times["parallel"]:
+                one_wins.append(Bd * KVH)
     finally:
-        kt.ATTN_KEYS, kt.ATTN_TABLE, kt.ATTN_SPLIT_BELOW, kt.ATTN_SPLIT = saved
+        kt.ATTN_SPLIT_BELOW = below
+    return min(one_wins, default=below)
 
 
 if __name__ == "__main__":

@@ -675,16 +675,24 @@ def test_draws_depend_on_seed_index_and_position_only():
     assert abs(float(u.mean()) - 0.5) < 0.03 and abs(float(u.var()) - 1 / 12) < 0.01
 
 
-def test_bench_gpu_section_runs_on_cpu():
+def test_bench_gpu_section_runs_on_cpu(tmp_path):
     """`bench.py --only gpu` is only measured on a GPU machine (one short call); its code runs here at
-    tiny sizes so that the call cannot fail on a stale path: the contract rows must read 0."""
+    tiny sizes so that the call cannot fail on a stale path: the contract rows must read 0. It takes
+    the sweep's tile configs (--tuning); a bad tuning file is one line of error, not a traceback."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "bench.py", "--only", "gpu", "--cpu-smoke"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    tuning = tmp_path / "tuning.json"
+    tuning.write_text('{"attn_split_below": 1, "mm": {"float32": [[null, 32, 32, 32, 4, 3]]}}')
+    r = subprocess.run([sys.executable, "bench.py", "--only", "gpu", "--cpu-smoke", "--tuning", str(tuning)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert f"tile configs from {tuning}: {{'attn_split_below': 1" in r.stdout
     contract = [line for line in r.stdout.splitlines() if "mismatching sequences" in line]
     assert contract and all(line.split()[-4] == "0.0" for line in contract), contract
     assert "one invariant eager decode step" in r.stdout and "one fast decode step" in r.stdout
+    tuning.write_text('{"attn_split_below": 0}')
+    r = subprocess.run([sys.executable, "bench.py", "--only", "gpu", "--tuning", str(tuning)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("bench.py: error: tuning file"), r.stderr
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ and the torch backend proves the same claims bitwise on the CPU (tests/test_kern
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -108,16 +109,72 @@ def test_import_kernels_does_not_import_triton():
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU run tests/gpu_check.py itself")
-def test_gpu_check_script_runs_on_cpu():
-    """tests/gpu_check.py: without CUDA it says so (exit 2); its benchmark code runs at tiny shapes."""
+def test_gpu_check_script_runs_on_cpu(tmp_path):
+    """tests/gpu_check.py: without CUDA it says so (exit 2); its sweep and benchmark code run at tiny
+    shapes, and the sweep's choice is written as a tuning file that kernels.load_tuning accepts."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "tests/gpu_check.py"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "no CUDA device" in r.stderr
-    r = subprocess.run([sys.executable, "tests/gpu_check.py", "--cpu-smoke"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    out = tmp_path / "tuning.json"
+    r = subprocess.run([sys.executable, "tests/gpu_check.py", "--cpu-smoke", "--tuning-out", str(out)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     table = r.stdout[r.stdout.index("triton/base"):]
     assert "matmul" in table and "moe fwd" in table and "attn decode" in table and "error" not in table
+    assert "error" not in r.stdout[:r.stdout.index("triton/base")]        # no sweep candidate failed
+    tuning = json.loads(out.read_text())
+    assert set(tuning) == {"mm", "moe", "attn", "attn_keys", "attn_split_below"}
+    assert [row[0] for row in tuning["mm"]["bfloat16"]] == [16, 256, None] and set(tuning["attn"]) == set(kt.ATTN_TABLE)
+
+
+@pytest.fixture
+def tables(monkeypatch):
+    """The Triton tile tables, restored after the test (load_tuning changes them for the process)."""
+    for module, names in ((kt, ("MM_TABLE", "ATTN_TABLE")), (ktm, ("MOE_TILES",))):
+        for name in names:
+            monkeypatch.setattr(module, name, dict(getattr(module, name)))
+    for name in ("ATTN_KEYS", "ATTN_SPLIT_BELOW"):
+        monkeypatch.setattr(kt, name, getattr(kt, name))
+
+
+def test_load_tuning_replaces_the_tables_and_rejects_a_bad_file_whole(tmp_path, tables):
+    """kernels.load_tuning: a sweep's file replaces each table it names (bf16 also serves fp16); a
+    malformed one raises one ValueError naming the entry, and changes no table (not even the valid
+    entries before the bad one)."""
+    good = {"mm": {"bfloat16": [[8, 16, 16, 64, 2, 4], [None, 64, 128, 64, 4, 3]]},
+            "moe": {"float32": [16, 16, 16, 2, 2]}, "attn": {"bwd_dq": [128, 8, 2]},
+            "attn_keys": 128, "attn_split_below": 7}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(good))
+    before = (dict(kt.MM_TABLE), dict(kt.ATTN_TABLE), dict(ktm.MOE_TILES))
+    assert kernels.load_tuning(str(path)) == good
+    assert kt.mm_config(8, torch.bfloat16) == [16, 16, 64, 2, 4] and kt.mm_config(9, torch.float16) == [64, 128, 64, 4, 3]
+    assert kt.MM_TABLE[torch.float32] == before[0][torch.float32]
+    assert ktm.MOE_TILES[torch.float32] == (16, 16, 16, 2, 2) and ktm.MOE_TILES[torch.bfloat16] == before[2][torch.bfloat16]
+    assert kt.ATTN_TABLE["bwd_dq"] == (128, 8, 2) and kt.ATTN_TABLE["fwd"] == before[1]["fwd"]
+    assert (kt.ATTN_KEYS, kt.ATTN_SPLIT_BELOW) == (128, 7)
+    applied = (dict(kt.MM_TABLE), dict(kt.ATTN_TABLE), dict(ktm.MOE_TILES), kt.ATTN_KEYS, kt.ATTN_SPLIT_BELOW)
+    bad = [({"mm": {"bfloat16": [[None, 64, 128, 64, 4, 0]]}}, "mm bfloat16 row 0"),
+           ({"mm": {"bfloat16": [[None, 64, 128, 64, 4]]}}, "rows of 6"),
+           ({"mm": {"bfloat16": [[64, 16, 16, 64, 2, 4], [8, 16, 16, 64, 2, 4], [None, 64, 128, 64, 4, 3]]}}, "increasing"),
+           ({"mm": {"bfloat16": [[16, 16, 16, 64, 2, 4]]}}, "null"),
+           ({"mm": {"int8": [[None, 64, 128, 64, 4, 3]]}}, "int8"),
+           ({"attn_keys": 96, "attn": {"fwd": [64, 4, 0]}}, "attn fwd"),
+           ({"attn": {"bwd": [64, 4, 2]}}, "'bwd'"),
+           ({"mm": {"float32": [[None, 32, 32, 32, 4, 3]]}, "moe": {"bfloat16": [64, 64, 64, 4, 3.0]}}, "moe bfloat16"),
+           ({"attn_split_below": -1}, "attn_split_below"),
+           ({"MM": {}}, "entries"), ([1, 2], "entries")]
+    for tuning, says in bad:
+        path.write_text(json.dumps(tuning))
+        with pytest.raises(ValueError, match="tuning file") as e:
+            kernels.load_tuning(str(path))
+        assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert (dict(kt.MM_TABLE), dict(kt.ATTN_TABLE), dict(ktm.MOE_TILES), kt.ATTN_KEYS, kt.ATTN_SPLIT_BELOW) == applied
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read it as JSON"):
+        kernels.load_tuning(str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        kernels.load_tuning(str(tmp_path / "missing.json"))
 
 
 def _ptxas():
