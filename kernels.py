@@ -513,14 +513,21 @@ def _truncate(p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
 def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale):
     """Gather the sequences' pages, then one SDPA call (its kernel and split choices depend on the
     shapes). Every page of the block table is gathered (its width, not positions.max(): no host sync,
-    so a decode step can be a CUDA graph); the mask hides what lies past each query. flash-attn's paged
-    decode is not used: it needs pages of >= 256 positions, ours are block_size (16 by default)."""
+    so a decode step can be a CUDA graph); the mask hides what lies past each query. The G query heads
+    of a KV head are folded into its query rows, so SDPA sees no GQA: with a mask, its fused
+    (memory-efficient) CUDA kernel does not take enable_gqa, and the math fallback would be the
+    baseline. flash-attn's paged decode is not used: it needs pages of >= 256 positions, ours are
+    block_size (16 by default)."""
+    B, T, H, D = q.shape
+    KVH = k_cache.shape[2]
+    G = H // KVH
     keys = k_cache[block_table.long()].flatten(1, 2).transpose(1, 2)  # (B, KVH, L, D)
     vals = v_cache[block_table.long()].flatten(1, 2).transpose(1, 2)
     visible = torch.arange(keys.shape[2], device=q.device)[None, None, :] <= positions[:, :, None]  # (B, T, L)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=visible[:, None],
-                                         scale=scale, enable_gqa=True)  # (B, H, T, D)
-    return out.transpose(1, 2)
+    rows = q.reshape(B, T, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * T, D)  # head kvh*G+g, query t
+    mask = visible[:, None, None].expand(B, 1, G, T, keys.shape[2]).reshape(B, 1, G * T, -1)   # (B, 1, G*T, L)
+    out = F.scaled_dot_product_attention(rows, keys, vals, attn_mask=mask, scale=scale)     # (B, KVH, G*T, D)
+    return out.view(B, KVH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
 def _fast_moe_experts(x, w13, w2, ids, weights):

@@ -193,6 +193,25 @@ def test_paged_attention(page_size, H, KVH):
     assert torch.equal(alone, out[1:])
 
 
+@pytest.mark.parametrize("H, KVH", [(4, 4), (8, 2)])
+def test_fast_paged_attention_matches_reference(H, KVH):
+    """The fast path's attention (kernels.variant(batch_variant=True): SDPA over gathered pages, the GQA
+    heads folded into query rows) against fp64 attention: prefill, a decode step at mixed positions,
+    and garbage in the block table's columns past a sequence's end."""
+    B, T, D = 2, 45, 16
+    q = torch.randn(B, T, H, D) * 2
+    k, v = torch.randn(B, T, KVH, D) * 2, torch.randn(B, T, KVH, D)
+    kc, bt = lay_out(k, KV_BLOCK, 12, perm_seed=1)
+    vc, _ = lay_out(v, KV_BLOCK, 12, perm_seed=1)
+    ref = naive_attention(q, k, v, D ** -0.5)
+    with kernels.variant(batch_variant=True):
+        out = kernels.paged_attention(q, kc, vc, bt, torch.arange(T).expand(B, T), D ** -0.5)
+        steps = torch.tensor([[3], [T - 1]])                     # one query per sequence, different lengths
+        one = kernels.paged_attention(q[torch.arange(B), steps[:, 0]][:, None], kc, vc, bt, steps, D ** -0.5)
+    assert out.shape == (B, T, H, D) and rel(out, ref) < 1e-5
+    assert rel(one[:, 0], ref[torch.arange(B), steps[:, 0]]) < 1e-5
+
+
 def test_paged_attention_bf16():
     B, T, H, KVH, D = 1, 40, 4, 2, 16
     q, k, v = (torch.randn(B, T, H, D).bfloat16(), torch.randn(B, T, KVH, D).bfloat16(),
