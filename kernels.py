@@ -514,10 +514,10 @@ def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale):
     """Gather the sequences' pages, then one SDPA call (its kernel and split choices depend on the
     shapes). Every page of the block table is gathered (its width, not positions.max(): no host sync,
     so a decode step can be a CUDA graph); the mask hides what lies past each query. The G query heads
-    of a KV head are folded into its query rows, so SDPA sees no GQA: with a mask, its fused
-    (memory-efficient) CUDA kernel does not take enable_gqa, and the math fallback would be the
-    baseline. flash-attn's paged decode is not used: it needs pages of >= 256 positions, ours are
-    block_size (16 by default)."""
+    of a KV head are folded into its query rows, so SDPA sees no GQA: with a mask only its
+    memory-efficient CUDA kernel applies, and whether that one takes enable_gqa depends on the torch
+    version (else the math fallback would be the baseline). flash-attn's paged decode is not used: it
+    needs pages of >= 256 positions, ours are block_size (16 by default)."""
     B, T, H, D = q.shape
     KVH = k_cache.shape[2]
     G = H // KVH
