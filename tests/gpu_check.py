@@ -24,6 +24,7 @@ Exit status: the tests' (0 when they pass), 2 without a CUDA device.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import subprocess
 import sys
@@ -44,6 +45,8 @@ def main() -> int:
     ap.add_argument("--tuning-out", metavar="FILE",
                     help="also write the sweep's choice of tile configs here (JSON; the table always times it)")
     ap.add_argument("--tuning", metavar="FILE", help="time the table with this tuning (kernels.load_tuning)")
+    ap.add_argument("--sweep-budget", type=float, metavar="S",
+                    help="seconds the sweep may take; then it keeps what it has timed (the table still runs)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="developers: run the benchmark code once on CPU (Triton interpreter, tiny shapes, no timings)")
     args = ap.parse_args()
@@ -51,7 +54,7 @@ def main() -> int:
     import torch
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        tune(sweep(dev="cpu"), args.tuning_out)
+        tune(sweep(dev="cpu", budget_s=args.sweep_budget), args.tuning_out)
         bench(quick=True, dev="cpu")
         return 0
     if not torch.cuda.is_available():
@@ -63,7 +66,7 @@ def main() -> int:
     if args.tuning:
         tune(None, args.tuning)
     if args.sweep:
-        tune(sweep(), args.tuning_out)
+        tune(sweep(budget_s=args.sweep_budget), args.tuning_out)
         return 0
     if not args.bench_only:
         t0 = time.time()
@@ -77,7 +80,7 @@ def main() -> int:
         print(f"gpu_check: tests {'passed' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f}s", flush=True)
     if not args.tests_only:
         if not args.no_sweep:          # the sweep first: the table then times the configs it chose
-            tune(sweep(), args.tuning_out)
+            tune(sweep(budget_s=args.sweep_budget), args.tuning_out)
         bench(args.quick)
     return rc
 
@@ -342,20 +345,33 @@ ATTN_KEY_CANDIDATES = (64, 128)
 ATTN_BWD_CANDIDATES = [(64, 4, 2), (64, 8, 2), (128, 8, 2)]
 
 
-def sweep(dev: str = "cuda") -> dict:
-    """Times candidate configs per real shape and returns the tuning (kernels.load_tuning's format):
-    per table the fastest candidate that keeps the contract. dev="cpu": one call per candidate at tiny
-    shapes (a smoke run of this code)."""
-    import torch
-    from triton.testing import do_bench
-    tiny = dev == "cpu"
+class Clock:
+    """Times a callable (median ms; dev="cpu": one call, 0 ms) and keeps the sweep's time budget:
+    once it is spent, each section stops timing candidates and keeps what it has (or the table's)."""
 
-    def ms(fn):
-        if tiny:
+    def __init__(self, dev: str, budget_s: float | None):
+        self.tiny, self.said = dev == "cpu", False
+        self.deadline = time.time() + (float("inf") if budget_s is None else budget_s)
+
+    def __call__(self, fn) -> float:
+        if self.tiny:
             fn()
             return 0.0
+        from triton.testing import do_bench
         return do_bench(fn, warmup=5, rep=25, return_mode="median")
 
+    def spent(self) -> bool:
+        if time.time() > self.deadline and not self.said:
+            print("  sweep: time budget spent; what is left keeps the configs timed so far, else the table's", flush=True)
+            self.said = True
+        return self.said
+
+
+def sweep(dev: str = "cuda", budget_s: float | None = None) -> dict:
+    """Times candidate configs per real shape and returns the tuning (kernels.load_tuning's format):
+    per table the fastest candidate that keeps the contract. budget_s: seconds the sweep may take (the
+    table after it must still run). dev="cpu": one call per candidate at tiny shapes (a smoke run)."""
+    ms = Clock(dev, budget_s)
     tuning = {"moe": {"bfloat16": sweep_moe(dev, ms)}, "mm": sweep_matmul(dev, ms)}
     return tuning | sweep_attention(dev, ms)
 
@@ -381,6 +397,8 @@ def sweep_matmul(dev, ms) -> dict:
             K, N = (min(K, 64), min(N, 96)) if tiny else (K, N)
             w = torch.randn(N, K, device=dev, dtype=dtype)
             for M in ((1,) if tiny else MM_ROWS):
+                if ms.spent():                           # a class keeps the shapes timed whole so far
+                    break
                 x = torch.randn(M, K, device=dev, dtype=dtype)
                 ref = kt._mm(x, w, dtype)
                 size = next(c for c, largest in MM_CLASSES if largest is None or M <= largest)
@@ -408,10 +426,13 @@ def sweep_matmul(dev, ms) -> dict:
     print("\nsweep: best matmul config per M class (geometric mean of triton/cuBLAS over its shapes and M; worst)")
     tables = {}
     for dtype, tag in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        if not any((dtype, size) in ratios for size, _ in MM_CLASSES):       # nothing timed: the table as is
+            tables[tag] = [list(row) for row in kt.MM_TABLE[dtype]]
+            continue
         rows = []
         for size, largest in MM_CLASSES:
             full = {cfg: r for cfg, r in ratios.get((dtype, size), {}).items() if len(r) == cases[(dtype, size)]}
-            if not full:                                 # not timed (the CPU smoke run): keep the table's
+            if not full:                                 # not timed (out of time): the table's config there
                 rows.append([largest, *kt.mm_config(largest or 1 << 30, dtype)])
                 continue
             cfg, r = min(full.items(), key=lambda kv: sum(map(math.log, kv[1])))
@@ -449,6 +470,8 @@ def sweep_moe(dev, ms) -> list[int]:
     timed = {}
     try:
         for cfg in MOE_CANDIDATES:
+            if ms.spent():
+                break
             ktm.MOE_TILES[torch.bfloat16] = cfg
             try:
                 same = torch.equal(ktm.moe_experts(x, w13, w2, ids, wts), ref)
@@ -502,39 +525,43 @@ def sweep_attention(dev, ms) -> dict:
     print(f"\nsweep: attention forward, B={B} T={T} H={H} KVH={KVH} D={D} prefill / decode B={qd.shape[0]}", flush=True)
     try:
         fwd = {}                                                  # (keys, config) -> prefill ms x decode ms
-        for keys in ATTN_KEY_CANDIDATES:
-            for cfg in ATTN_FWD_CANDIDATES:
-                kt.ATTN_KEYS, kt.ATTN_TABLE["fwd"] = keys, cfg
-                try:
-                    same = decode_equals_prefill(probe[0], pk, pv, pbt, ppos, D)
-                    kt.ATTN_SPLIT = 1                      # also through one-tile splits run in parallel
-                    same_split = decode_equals_prefill(probe[0], pk, pv, pbt, ppos, D, parallel=True)
-                    kt.ATTN_SPLIT = saved[3]
-                    t_pre = ms(lambda: kt.paged_attention(q, kp, vp, bt, pos, D ** -0.5))
-                    t_dec = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
-                    print(f"  keys={keys} (rows, warps, stages)={cfg}: prefill {t_pre:.3f}  decode {t_dec:.4f}  "
-                          f"decode==prefill {same}, by parallel splits {same_split}", flush=True)
-                    if same and same_split:
-                        fwd[keys, cfg] = t_pre * t_dec
-                except Exception as e:
-                    print(f"  keys={keys} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
-                finally:
-                    kt.ATTN_SPLIT = saved[3]
+        for keys, cfg in itertools.product(ATTN_KEY_CANDIDATES, ATTN_FWD_CANDIDATES):
+            if ms.spent():
+                break
+            kt.ATTN_KEYS, kt.ATTN_TABLE["fwd"] = keys, cfg
+            try:
+                same = decode_equals_prefill(probe[0], pk, pv, pbt, ppos, D)
+                kt.ATTN_SPLIT = 1                      # also through one-tile splits run in parallel
+                same_split = decode_equals_prefill(probe[0], pk, pv, pbt, ppos, D, parallel=True)
+                kt.ATTN_SPLIT = saved[3]
+                t_pre = ms(lambda: kt.paged_attention(q, kp, vp, bt, pos, D ** -0.5))
+                t_dec = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
+                print(f"  keys={keys} (rows, warps, stages)={cfg}: prefill {t_pre:.3f}  decode {t_dec:.4f}  "
+                      f"decode==prefill {same}, by parallel splits {same_split}", flush=True)
+                if same and same_split:
+                    fwd[keys, cfg] = t_pre * t_dec
+            except Exception as e:
+                print(f"  keys={keys} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
+            finally:
+                kt.ATTN_SPLIT = saved[3]
         if fwd:
             tuning["attn_keys"], tuning["attn"]["fwd"] = min(fwd, key=fwd.get)
-        kt.ATTN_KEYS, kt.ATTN_TABLE = saved[0], dict(saved[1])
+        # the splits and the backward are timed with the forward config chosen (the key tile is theirs too)
+        kt.ATTN_KEYS, kt.ATTN_TABLE = tuning["attn_keys"], dict(saved[1], fwd=tuning["attn"]["fwd"])
         tuning["attn_split_below"] = sweep_splits(dev, ms, H, KVH, D)
         print(f"\nsweep: attention backward (forward + backward ms), keys={kt.ATTN_KEYS}", flush=True)
         for kernel in ("bwd_dq", "bwd_dkv"):
             bwd = {}
             for cfg in ATTN_BWD_CANDIDATES:
+                if ms.spent():
+                    break
                 kt.ATTN_TABLE[kernel] = cfg
                 try:
                     bwd[cfg] = ms(attention_fwd_bwd(att, "triton"))
                     print(f"  {kernel} {cfg}: {bwd[cfg]:.3f}", flush=True)
                 except Exception as e:
                     print(f"  {kernel} {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
-            kt.ATTN_TABLE[kernel] = saved[1][kernel]
+            kt.ATTN_TABLE[kernel] = saved[1][kernel]          # the other kernel's sweep keeps the table's
             if bwd:
                 tuning["attn"][kernel] = min(bwd, key=bwd.get)
     finally:
@@ -554,6 +581,8 @@ def sweep_splits(dev, ms, H, KVH, D) -> int:
     one_wins = []
     try:
         for Bd, ctx in ((2, 512), (1, 1024)) if dev == "cpu" else ((4, 16384), (16, 8192), (64, 2048), (256, 2048)):
+            if ms.spent():
+                break
             qd, kc, vc, btd, posd = decode_inputs(Bd, ctx, H, KVH, D, dev)[:5]
             times = {}
             for name, value in (("parallel", 10**9), ("one program", 0)):

@@ -20,8 +20,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG_DIR/gpu.txt"
 tuning="$LOG_DIR/tuning.json"
 rm -f "$tuning"
-# the limits add up to 560 s (a fresh machine compiles every kernel first: the first part pays most)
-timeout "${CHECK_TIMEOUT:-290}" python tests/gpu_check.py --test-timeout "${TEST_TIMEOUT:-110}" --tuning-out "$tuning" "$@" \
+# the limits add up to 560 s (a fresh machine compiles every kernel first: the first part pays most);
+# within gpu_check.py's 290 s: tests 110, sweep 120, the table the rest
+timeout "${CHECK_TIMEOUT:-290}" python tests/gpu_check.py --test-timeout "${TEST_TIMEOUT:-110}" \
+    --sweep-budget "${SWEEP_BUDGET:-120}" --tuning-out "$tuning" "$@" \
     2>&1 | tee "$LOG_DIR/gpu_check.log" || rc=1
 tests_with=() bench_with=()
 if [ -s "$tuning" ]; then

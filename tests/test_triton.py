@@ -125,6 +125,16 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     tuning = json.loads(out.read_text())
     assert set(tuning) == {"mm", "moe", "attn", "attn_keys", "attn_split_below"}
     assert [row[0] for row in tuning["mm"]["bfloat16"]] == [16, 256, None] and set(tuning["attn"]) == set(kt.ATTN_TABLE)
+    # with its time budget spent at once, the sweep times nothing and keeps every table as committed
+    r = subprocess.run([sys.executable, "tests/gpu_check.py", "--cpu-smoke", "--sweep-budget", "0", "--tuning-out",
+                        str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "time budget spent" in r.stdout, r.stderr[-3000:]
+    committed = {"moe": {"bfloat16": list(ktm.MOE_TILES[torch.bfloat16])},
+                 "mm": {name: [list(row) for row in kt.MM_TABLE[dtype]]
+                        for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))},
+                 "attn_keys": kt.ATTN_KEYS, "attn": {k: list(v) for k, v in kt.ATTN_TABLE.items()},
+                 "attn_split_below": kt.ATTN_SPLIT_BELOW}
+    assert json.loads(out.read_text()) == committed
 
 
 @pytest.fixture
