@@ -26,11 +26,13 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
 * decode: one decode step at 16 and at 256 sequences: the torch ops the host dispatches (the same
   count: host work does not grow with the batch) and its time under the profiler.
 * gpu (CUDA only; --cpu-smoke runs its code on the CPU): a 4-layer model of Qwen3-30B-A3B's layer
-  shapes, bf16, made on the GPU; rollout tok/s at 64, 256, 1024 sequences x 128 new tokens, invariant
+  shapes, bf16, made on the GPU; rollout tok/s at 256, 64, 1024 sequences x 128 new tokens, invariant
   (eager and CUDA graphs) and fast; each decode step's share of the bandwidth limit (every weight and
   the KV cache read once, against a measured device copy); the contract on the generated sequences;
-  transformers generate (greedy, same weights) against ours greedy; the top kernels of one eager
-  decode step at 256 sequences (torch.profiler, device time).
+  after the first size, the top kernels of one eager decode step there (torch.profiler, device time),
+  invariant and fast, and transformers generate (greedy, same weights) against ours greedy. Rows print
+  as they are measured (a GPU run has a hard time limit); --tuning FILE takes the tile configs of
+  tests/gpu_check.py's sweep.
 * lab: train.py on the same task and seeds, invariant vs a deviating rollout (batch-variant kernels,
   lower-precision weights) without and with each fix; prints one table.
 
@@ -325,52 +327,77 @@ def gpu_model(layers: int, tiny: bool) -> Transformer:
 
 
 def bench_gpu(args) -> list[tuple[str, float, str]]:
-    """Rollout tok/s at 64/256/1024 sequences for invariant (eager, graphs) and fast; each decode
-    step's share of the bandwidth limit; transformers generate (greedy, same weights); the contract."""
+    """Rollout tok/s at 256/64/1024 sequences for invariant (eager, graphs) and fast; each decode
+    step's share of the bandwidth limit; transformers generate (greedy, same weights); the contract.
+    Each row is printed as soon as it is measured (the GPU run has a hard time limit), the goal's
+    batch (the first size) first, then where its decode step spends its time, then the rest."""
     tiny = args.cpu_smoke
     if not tiny and not torch.cuda.is_available():
         print("gpu: no CUDA device, skipped (--cpu-smoke runs this code on the CPU at tiny sizes)")
         return []
     model = gpu_model(args.gpu_layers, tiny)
-    cfg, sync = model.config, (lambda: None) if tiny else torch.cuda.synchronize
     sizes = [4, 8] if tiny else [int(x) for x in args.gpu_batches.split(",")]
     new = 6 if tiny else args.max_new_tokens_gpu
     lo, hi = (3, 9) if tiny else (32, 96)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-    peak = copy_bandwidth(tiny)
-    rows = [("weights GB", weight_bytes / 1e9, ""), ("device copy bandwidth GB/s", peak / 1e9, "")]
+    rows, peak = Rows(), copy_bandwidth(tiny)
+    rows.add("weights GB", sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9, "")
+    rows.add("device copy bandwidth GB/s", peak / 1e9, "")
     pool = dict(max_batch_size=max(sizes), num_blocks=max(sizes) * -(-(hi + new) // 16) + 64)   # what it needs
     samplers = {"invariant eager": Sampler(model, cuda_graphs=False, **pool)}
     if not tiny:
         samplers["invariant graphs"] = Sampler(model, **pool)
     samplers["fast"] = Sampler(model, mode="fast", **pool)
-    for B in sizes:
+    for i, B in enumerate(sizes):
         prompts = make_prompts(argparse.Namespace(**{**vars(args), "prompts": B, "min_prompt_len": lo,
-                                                     "max_prompt_len": hi}), cfg.vocab_size)
-        ctx = sum(len(p) for p in prompts) / B + new / 2                     # mean context of a decode step
-        step_bytes = weight_bytes + kv_per_token * ctx * B
-        tok = {}
-        for name, sampler in samplers.items():
-            steps = []
-            run = lambda: sampler.generate(prompts, max_new_tokens=new, temperature=1.0, seed=1, progress=False)
-            run()                                                            # warm-up: compiles, captures
-            t, outs = timed_decode(sampler, run, steps, sync)
-            tok[name] = B * new / t
-            step = sorted(steps)[len(steps) // 2]
-            rows.append((f"rollout {name}, {B} seqs x {new}", tok[name],
-                         f"{t:.2f} s; decode step {step * 1e3:.2f} ms = {step_bytes / step / peak:.0%} of the bandwidth limit"))
-            if name.startswith("invariant"):
-                bad = contract_mismatches(model, outs, chunk=8 if tiny else 32)
-                rows.append((f"  contract, {name}, {B} seqs: mismatching sequences", bad, "must be 0"))
-        if "invariant graphs" in tok:
-            rows.append((f"invariant graphs / fast, {B} seqs", tok["invariant graphs"] / tok["fast"], "ratio"))
-        rows.append((f"invariant {'graphs' if not tiny else 'eager'} / eager, {B} seqs",
-                     tok.get("invariant graphs", tok["invariant eager"]) / tok["invariant eager"], "ratio"))
-    rows += hf_generate_rows(model, args, tiny, sizes[0], new, lo, hi, sync)
-    for name in ("invariant eager", "fast"):       # fast: is SDPA's backend (math, with a mask and GQA) its cost?
-        step_kernels(samplers[name], name, sizes[len(sizes) // 2], new, lo, hi, args, tiny)
-    return rows
+                                                     "max_prompt_len": hi}), model.config.vocab_size)
+        rollout_rows(rows, samplers, prompts, new, tiny, peak)
+        if i == 0:
+            for name in ("invariant eager", "fast"):   # fast: which SDPA backend, and what it costs
+                step_kernels(samplers[name], name, B, new, lo, hi, args, tiny)
+            hf_generate_rows(rows, model, args, tiny, min(sizes), new, lo, hi)
+    return list(rows)
+
+
+def row_text(label: str, value: float, note: str, width: int) -> str:
+    """One line of the results table; note "ratio" prints the value as a ratio."""
+    val = f"{value:10.2f}x  " if note == "ratio" else f"{value:12.1f}"
+    return f"{label:<{width}}  {val:>12}  {'' if note == 'ratio' else note}"
+
+
+class Rows(list):
+    """Benchmark rows (label, value, note) that are also printed as they come."""
+
+    def add(self, label: str, value: float, note: str) -> None:
+        self.append((label, value, note))
+        print(row_text(label, value, note, len(label)), flush=True)
+
+
+def rollout_rows(rows: Rows, samplers: dict, prompts, new: int, tiny: bool, peak: float) -> None:
+    """Each sampler's tok/s on these prompts, its median decode step against the bandwidth limit (the
+    weights and the mean context's KV read once per step), and the contract for the invariant ones."""
+    B, model = len(prompts), samplers["fast"].runner.model
+    cfg, sync = model.config, (lambda: None) if tiny else torch.cuda.synchronize
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    ctx = sum(len(p) for p in prompts) / B + new / 2                         # mean context of a decode step
+    step_bytes = weight_bytes + kv_per_token * ctx * B
+    tok = {}
+    for name, sampler in samplers.items():
+        steps = []
+        run = lambda: sampler.generate(prompts, max_new_tokens=new, temperature=1.0, seed=1, progress=False)
+        run()                                                                # warm-up: compiles, captures
+        t, outs = timed_decode(sampler, run, steps, sync)
+        tok[name] = B * new / t
+        step = sorted(steps)[len(steps) // 2]
+        rows.add(f"rollout {name}, {B} seqs x {new}", tok[name],
+                 f"{t:.2f} s; decode step {step * 1e3:.2f} ms = {step_bytes / step / peak:.0%} of the bandwidth limit")
+        if name.startswith("invariant"):
+            bad = contract_mismatches(model, outs, chunk=8 if tiny else 32)
+            rows.add(f"  contract, {name}, {B} seqs: mismatching sequences", bad, "must be 0")
+    if "invariant graphs" in tok:
+        rows.add(f"invariant graphs / fast, {B} seqs", tok["invariant graphs"] / tok["fast"], "ratio")
+    rows.add(f"invariant {'graphs' if not tiny else 'eager'} / eager, {B} seqs",
+             tok.get("invariant graphs", tok["invariant eager"]) / tok["invariant eager"], "ratio")
 
 
 def step_kernels(sampler: Sampler, name: str, B: int, new: int, lo: int, hi: int, args, tiny: bool) -> None:
@@ -451,13 +478,14 @@ def contract_mismatches(model: Transformer, outs, chunk: int) -> int:
     return bad
 
 
-def hf_generate_rows(model, args, tiny, B, new, lo, hi, sync):
+def hf_generate_rows(rows: Rows, model, args, tiny, B, new, lo, hi) -> None:
     """transformers generate, greedy, on the same weights (loaded from our state dict), vs ours greedy."""
     try:
         import transformers
     except ImportError:
         print("transformers is not installed: skipping its generate baseline")
-        return []
+        return
+    sync = (lambda: None) if tiny else torch.cuda.synchronize
     p = next(model.parameters())
     hf_cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in model.config.to_hf().items() if k != "architectures"})
     with torch.device(p.device):                     # made on the device, then our weights copied in
@@ -479,9 +507,11 @@ def hf_generate_rows(model, args, tiny, B, new, lo, hi, sync):
     dev = next(model.parameters()).device
     t_hf, theirs = timed(lambda: (run_hf_on(hf, prompts, greedy, dev), sync())[0], 0, 1)
     agree = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y)) / (B * new)
-    return [(f"greedy ours, {B} seqs x {new}", B * new / t_ours, ""),
-            (f"greedy transformers generate, {B} seqs x {new}", B * new / t_hf, f"{agree:.1%} of tokens as ours"),
-            ("greedy ours / transformers", t_hf / t_ours, "ratio")]
+    rows.add(f"greedy ours, {B} seqs x {new}", B * new / t_ours, "")
+    rows.add(f"greedy transformers generate, {B} seqs x {new}", B * new / t_hf, f"{agree:.1%} of tokens as ours")
+    rows.add("greedy ours / transformers", t_hf / t_ours, "ratio")
+
+
 # ---------------------------------------------------------------------------------------------------
 # the mismatch lab: the same task and seeds, the rollout made to differ, each fix against it
 # ---------------------------------------------------------------------------------------------------
@@ -585,7 +615,8 @@ def main(argv=None):
     p.add_argument("--skip-nocache", action="store_true", help="leave out the (slow) no-cache loop")
     p.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer in the moe section")
     p.add_argument("--gpu-layers", type=int, default=4, help="gpu: layers of the Qwen3-30B-A3B-shaped model")
-    p.add_argument("--gpu-batches", default="64,256,1024", help="gpu: sequences per rollout, comma-separated")
+    p.add_argument("--gpu-batches", default="256,64,1024",
+                   help="gpu: sequences per rollout, comma-separated (the first is also profiled)")
     p.add_argument("--max-new-tokens-gpu", type=int, default=128, help="gpu: new tokens per sequence")
     p.add_argument("--cpu-smoke", action="store_true", help="gpu: run its code once on the CPU at tiny sizes")
     p.add_argument("--tuning", default="", help="Triton tile configs from this file (tests/gpu_check.py "
@@ -626,9 +657,8 @@ def main(argv=None):
         return
     width = max(len(r[0]) for r in rows)
     print(f"\n{'benchmark':<{width}}  {'tokens/s':>12}  note")
-    for label, value, note in rows:
-        val = f"{value:10.2f}x  " if note == "ratio" else f"{value:12.1f}"
-        print(f"{label:<{width}}  {val:>12}  {'' if note == 'ratio' else note}")
+    for row in rows:
+        print(row_text(*row, width))
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
 
 
