@@ -193,6 +193,7 @@ def bench(quick: bool, dev: str = "cuda") -> None:
             t = ms(tri)
         except Exception as e:                                            # report, keep going
             rows.append((op, shape, str(dtype).removeprefix("torch."), f"error: {type(e).__name__}", "", "", ""))
+            print("  " + "  ".join(rows[-1]), flush=True)
             return
         for name, fn in baselines.items():
             try:
@@ -201,7 +202,7 @@ def bench(quick: bool, dev: str = "cuda") -> None:
                 b, name = None, f"{name} (error: {type(e).__name__}: {str(e)[:60]})"
             rows.append((op, shape, str(dtype).removeprefix("torch."), f"{t:.3f}", name,
                          "n/a" if b is None else f"{b:.3f}", "n/a" if b is None else f"{t / b:.2f}"))
-        print(f"  timed {op} {shape} {dtype}", flush=True)
+            print("  " + "  ".join(rows[-1]), flush=True)         # now: a time limit may cut the table short
 
     # --- matmul: the model's real shapes (Qwen3-30B-A3B), rows M of decode to prefill ----------------
     for name, K, N in MM_SHAPES:
