@@ -522,7 +522,9 @@ def sweep_attention(dev, ms) -> dict:
                     kt.ATTN_SPLIT = saved[3]
         if fwd:
             tuning["attn_keys"], tuning["attn"]["fwd"] = min(fwd, key=fwd.get)
-        kt.ATTN_KEYS, kt.ATTN_TABLE = saved[0], dict(saved[1])
+        # the splits and the backward are timed with the chosen forward: the tuning applies them together,
+        # and ATTN_KEYS is the backward's key tile and sets the forward's split count too
+        kt.ATTN_KEYS, kt.ATTN_TABLE = tuning["attn_keys"], dict(saved[1], fwd=tuning["attn"]["fwd"])
         tuning["attn_split_below"] = sweep_splits(dev, ms, H, KVH, D)
         print(f"\nsweep: attention backward (forward + backward ms), keys={kt.ATTN_KEYS}", flush=True)
         for kernel in ("bwd_dq", "bwd_dkv"):

@@ -127,6 +127,28 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert [row[0] for row in tuning["mm"]["bfloat16"]] == [16, 256, None] and set(tuning["attn"]) == set(kt.ATTN_TABLE)
 
 
+def test_gpu_check_sweep_times_splits_and_backward_with_the_chosen_forward(monkeypatch, tables):
+    """The tuning applies the attention choices together, so the sweep must time the key splits and the
+    backward configs with the forward config and key tile it chose (ATTN_KEYS is the backward's tile
+    too), not with the committed ones (64 keys, (64, 4, 2)). Nothing is launched: timings are stubbed."""
+    import gpu_check
+    monkeypatch.setattr(gpu_check, "ATTN_KEY_CANDIDATES", (128,))
+    monkeypatch.setattr(gpu_check, "ATTN_FWD_CANDIDATES", [(64, 8, 2)])
+    monkeypatch.setattr(gpu_check, "ATTN_BWD_CANDIDATES", [(64, 4, 2)])
+    monkeypatch.setattr(gpu_check, "decode_equals_prefill", lambda *a, **k: True)
+    timed = []
+
+    def ms(fn):                                      # what each timing would run with
+        timed.append((kt.ATTN_KEYS, kt.ATTN_TABLE["fwd"]))
+        return 1.0
+    committed = (kt.ATTN_KEYS, dict(kt.ATTN_TABLE), kt.ATTN_SPLIT_BELOW, kt.ATTN_SPLIT)
+    tuning = gpu_check.sweep_attention("cpu", ms)
+    assert (tuning["attn_keys"], tuning["attn"]["fwd"]) == (128, [64, 8, 2]) and committed[0] == 64
+    assert len(timed) == 2 + 2 * 2 + 2, timed           # prefill + decode, 2 split shapes x 2, 2 backward
+    assert all(t == (128, (64, 8, 2)) for t in timed), timed
+    assert (kt.ATTN_KEYS, kt.ATTN_TABLE, kt.ATTN_SPLIT_BELOW, kt.ATTN_SPLIT) == committed   # restored
+
+
 @pytest.fixture
 def tables(monkeypatch):
     """The Triton tile tables, restored after the test (load_tuning changes them for the process)."""
