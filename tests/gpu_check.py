@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)                   # kernels*, imported where used (after TRITON_INTERPRET is set)
@@ -63,8 +64,7 @@ def main() -> int:
     if args.tuning:
         tune(None, args.tuning)
     if args.sweep:
-        tune(sweep(), args.tuning_out)
-        return 0
+        return 0 if sweep_and_tune(args.tuning_out) else 1
     if not args.bench_only:
         t0 = time.time()
         env = {k: v for k, v in os.environ.items() if k not in ("KERNELS_BACKEND", "TRITON_INTERPRET")}
@@ -76,10 +76,23 @@ def main() -> int:
             rc = 1
         print(f"gpu_check: tests {'passed' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f}s", flush=True)
     if not args.tests_only:
-        if not args.no_sweep:          # the sweep first: the table then times the configs it chose
-            tune(sweep(), args.tuning_out)
+        if not args.no_sweep and not sweep_and_tune(args.tuning_out):   # first: the table times its choice
+            rc = 1
         bench(args.quick)
     return rc
+
+
+def sweep_and_tune(path: str | None) -> bool:
+    """The sweep, then its choice applied (and written to path). A sweep that fails is reported and
+    applies nothing (every sweep restores the tables it tries), so the table still runs: the one GPU
+    call keeps it."""
+    try:
+        tune(sweep(), path)
+    except Exception as e:                                   # report, keep the rest of the run
+        traceback.print_exc(file=sys.stdout)
+        print(f"\ngpu_check: the sweep failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+        return False
+    return True
 
 
 def tune(tuning: dict | None, path: str | None) -> None:
@@ -87,10 +100,11 @@ def tune(tuning: dict | None, path: str | None) -> None:
     and whatever runs next in this process time those configs."""
     import json
     import kernels
-    if tuning is not None and path:
+    written = tuning is not None and path
+    tuning = kernels.load_tuning(path if tuning is None else tuning)     # checked (and applied) before written
+    if written:
         with open(path, "w") as f:                                   # one line per table
             f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in tuning.items()) + "\n}\n")
-    tuning = kernels.load_tuning(path if tuning is None else tuning)
     print(f"\ngpu_check: tile configs now {json.dumps(tuning)}" + (f" (in {path})" if path else ""), flush=True)
 
 
@@ -558,9 +572,13 @@ def sweep_splits(dev, ms, H, KVH, D) -> int:
         for Bd, ctx in ((2, 512), (1, 1024)) if dev == "cpu" else ((4, 16384), (16, 8192), (64, 2048), (256, 2048)):
             qd, kc, vc, btd, posd = decode_inputs(Bd, ctx, H, KVH, D, dev)[:5]
             times = {}
-            for name, value in (("parallel", 10**9), ("one program", 0)):
-                kt.ATTN_SPLIT_BELOW = value
-                times[name] = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
+            try:
+                for name, value in (("parallel", 10**9), ("one program", 0)):
+                    kt.ATTN_SPLIT_BELOW = value
+                    times[name] = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
+            except Exception as e:                           # report, keep the other shapes
+                print(f"  B={Bd} ctx={ctx}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
+                continue
             print(f"  B={Bd} ctx={ctx} ({Bd * KVH} programs): parallel {times['parallel']:.4f}  "
                   f"one program {times['one program']:.4f}", flush=True)
             if times["one program"] <= times["parallel"]:

@@ -127,6 +127,7 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert [row[0] for row in tuning["mm"]["bfloat16"]] == [16, 256, None] and set(tuning["attn"]) == set(kt.ATTN_TABLE)
 
 
+
 def test_gpu_check_sweep_times_splits_and_backward_with_the_chosen_forward(monkeypatch, tables):
     """The tuning applies the attention choices together, so the sweep must time the key splits and the
     backward configs with the forward config and key tile it chose (ATTN_KEYS is the backward's tile
@@ -148,6 +149,26 @@ def test_gpu_check_sweep_times_splits_and_backward_with_the_chosen_forward(monke
     assert all(t == (128, (64, 8, 2)) for t in timed), timed
     assert (kt.ATTN_KEYS, kt.ATTN_TABLE, kt.ATTN_SPLIT_BELOW, kt.ATTN_SPLIT) == committed   # restored
 
+
+def test_gpu_check_sweep_failure_costs_neither_the_other_shapes_nor_the_table(monkeypatch, tmp_path, capsys):
+    """One GPU call: a split shape that fails is reported and skipped (the others still decide), and a
+    sweep that fails writes and applies nothing and returns False (main then runs the table anyway)."""
+    import gpu_check
+
+    def attention(q, *a):
+        if q.shape[0] == 2:
+            raise RuntimeError("out of resources")
+    monkeypatch.setattr(kt, "paged_attention", attention)
+    assert gpu_check.sweep_splits("cpu", lambda fn: (fn(), 1.0)[1], 4, 2, 16) == 1 * 2    # B=1 alone
+    assert "B=2 ctx=512: error RuntimeError: out of resources" in capsys.readouterr().out
+
+    def broken(dev="cuda"):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(gpu_check, "sweep", broken)
+    before = (repr(kt.MM_TABLE), dict(kt.ATTN_TABLE), kt.ATTN_KEYS, kt.ATTN_SPLIT_BELOW, dict(ktm.MOE_TILES))
+    assert gpu_check.sweep_and_tune(str(tmp_path / "t.json")) is False
+    assert "the sweep failed (RuntimeError: boom)" in capsys.readouterr().out and not (tmp_path / "t.json").exists()
+    assert (repr(kt.MM_TABLE), dict(kt.ATTN_TABLE), kt.ATTN_KEYS, kt.ATTN_SPLIT_BELOW, dict(ktm.MOE_TILES)) == before
 
 @pytest.fixture
 def tables(monkeypatch):
