@@ -205,7 +205,9 @@ def test_load_tuning_replaces_the_tables_and_rejects_a_bad_file_whole(tmp_path, 
            ({"attn_keys": 96, "attn": {"fwd": [64, 4, 0]}}, "attn fwd"),
            ({"attn": {"bwd": [64, 4, 2]}}, "'bwd'"),
            ({"mm": {"float32": [[None, 32, 32, 32, 4, 3]]}, "moe": {"bfloat16": [64, 64, 64, 4, 3.0]}}, "moe bfloat16"),
-           ({"attn_split_below": -1}, "attn_split_below"),
+           ({"attn_split_below": -1}, "attn_split_below"), ({"attn_keys": 96}, "attn_keys = 96, need a positive integer, a power of two"),
+           ({"mm": {"float32": [[None, 24, 32, 32, 4, 3]]}}, "powers of two"), ({"attn": {"fwd": [64, 6, 2]}}, "attn fwd"),
+           ({"moe": {"bfloat16": [64, 64, 48, 4, 3]}}, "moe bfloat16"),
            ({"MM": {}}, "entries"), ([1, 2], "entries")]
     for tuning, says in bad:
         path.write_text(json.dumps(tuning))
