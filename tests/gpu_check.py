@@ -374,30 +374,34 @@ def sweep(dev: str = "cuda") -> dict:
     return tuning | sweep_attention(dev, ms)
 
 
-# the M classes of the matmul sweep: one MM_TABLE row each, (name, largest M)
-MM_CLASSES = (("small", 16), ("mid", 256), ("large", None))
+def mm_class(largest) -> str:
+    """The candidate list (MM_CANDIDATES' "small", "mid", "large") for the MM_TABLE row serving M <= largest."""
+    return "large" if largest is None else "small" if largest <= 16 else "mid"
 
 
 def sweep_matmul(dev, ms) -> dict:
-    """Candidates per M class at the real shapes; returns the MM_TABLE rows (per dtype) of the configs
-    with the smallest geometric mean of ms / cuBLAS ms over the class's shapes and row counts, among
-    those that gave the table config's bits at every one of them."""
+    """Candidates per MM_TABLE row at the real shapes, at MM_ROWS and each row's largest M (so every row
+    is timed at an M it serves); returns per dtype the table's rows (same M bounds), each with the
+    config of the smallest geometric mean of ms / cuBLAS ms over its shapes and row counts among those
+    that gave the table config's bits at every one of them; a row not timed keeps its config."""
     import math
     import torch
     import kernels_triton as kt
     tiny = dev == "cpu"
     print("\nsweep: matmul (ms; bits = equal to the table config's result)", flush=True)
-    ratios: dict[tuple, dict[tuple, list[float]]] = {}      # (dtype, class) -> config -> [ms / cuBLAS ms]
-    cases: dict[tuple, int] = {}                             # (dtype, class) -> shapes x row counts timed
+    ratios: dict[tuple, dict[tuple, list[float]]] = {}      # (dtype, table row) -> config -> [ms / cuBLAS ms]
+    cases: dict[tuple, int] = {}                             # (dtype, table row) -> shapes x row counts timed
     for dtype, shapes in ((torch.bfloat16, MM_SHAPES), (torch.float32, MM_SHAPES[:1])):
         tag = "bf16" if dtype == torch.bfloat16 else "fp32"
+        bounds = [largest for largest, *_ in kt.MM_TABLE[dtype]]
         for name, K, N in shapes:
             K, N = (min(K, 64), min(N, 96)) if tiny else (K, N)
             w = torch.randn(N, K, device=dev, dtype=dtype)
-            for M in ((1,) if tiny else MM_ROWS):
+            for M in ((1,) if tiny else sorted(set(MM_ROWS) | set(bounds) - {None})):
                 x = torch.randn(M, K, device=dev, dtype=dtype)
                 ref = kt._mm(x, w, dtype)
-                size = next(c for c, largest in MM_CLASSES if largest is None or M <= largest)
+                i = next(i for i, largest in enumerate(bounds) if largest is None or M <= largest)  # its row
+                size = mm_class(bounds[i])
                 table_cfg = tuple(kt.mm_config(M, dtype))
                 times = {table_cfg: ms(lambda: kt._mm(x, w, dtype))}
                 line = []
@@ -414,22 +418,22 @@ def sweep_matmul(dev, ms) -> dict:
                 cublas = ms(lambda: x @ w.T)
                 print(f"  {tag} {name:8s} M={M:<5d} cuBLAS {cublas:.4f} table {table_cfg}:{times[table_cfg]:.4f} | "
                       + "  ".join(f"{c}:{t:.4f}{'' if same else '(BITS DIFFER)'}" for t, c, same in sorted(line)), flush=True)
-                key = (dtype, size)
+                key = (dtype, i)
                 cases[key] = cases.get(key, 0) + 1
                 for cfg, t in times.items():
                     ratios.setdefault(key, {}).setdefault(cfg, []).append(t / cublas if cublas > 0 else 1.0)
 
-    print("\nsweep: best matmul config per M class (geometric mean of triton/cuBLAS over its shapes and M; worst)")
+    print("\nsweep: best matmul config per table row (geometric mean of triton/cuBLAS over its shapes and M; worst)")
     tables = {}
     for dtype, tag in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
         rows = []
-        for size, largest in MM_CLASSES:
-            full = {cfg: r for cfg, r in ratios.get((dtype, size), {}).items() if len(r) == cases[(dtype, size)]}
+        for i, (largest, *committed) in enumerate(kt.MM_TABLE[dtype]):
+            full = {cfg: r for cfg, r in ratios.get((dtype, i), {}).items() if len(r) == cases[(dtype, i)]}
             if not full:                                 # not timed (the CPU smoke run): keep the table's
-                rows.append([largest, *kt.mm_config(largest or 1 << 30, dtype)])
+                rows.append([largest, *committed])
                 continue
             cfg, r = min(full.items(), key=lambda kv: sum(map(math.log, kv[1])))
-            print(f"  {tag} {size} (M <= {largest}): {cfg}: {math.exp(sum(map(math.log, r)) / len(r)):.2f}x  "
+            print(f"  {tag} M <= {largest}: {cfg}: {math.exp(sum(map(math.log, r)) / len(r)):.2f}x  "
                   f"worst {max(r):.2f}x", flush=True)
             rows.append([largest, *cfg])
         tables[tag] = rows
