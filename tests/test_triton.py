@@ -173,6 +173,24 @@ def test_gpu_check_sweep_failure_costs_neither_the_other_shapes_nor_the_table(mo
     assert "the sweep failed (RuntimeError: boom)" in capsys.readouterr().out and not (tmp_path / "t.json").exists()
     assert (repr(kt.MM_TABLE), dict(kt.ATTN_TABLE), kt.ATTN_KEYS, kt.ATTN_SPLIT_BELOW, dict(ktm.MOE_TILES)) == before
 
+
+def test_gpu_check_moe_sweep_skips_a_config_whose_rows_depend_on_the_batch(monkeypatch):
+    """The MoE sweep may pick a config with other bits than MOE_TILES' (sampler and trainer share it),
+    but not one under which a token's row differs between a decode step's batch and a training step's:
+    here the fastest candidate scales its output by the batch size. Kernels and timings are stubbed."""
+    import gpu_check
+    fast, slow = (32, 64, 64, 4, 3), (64, 64, 64, 4, 3)
+    monkeypatch.setattr(gpu_check, "MOE_CANDIDATES", [fast, slow])
+
+    def moe(x, w13, w2, ids, wts):
+        return x * x.shape[0] if ktm.MOE_TILES[torch.bfloat16] == fast else x.clone()
+    monkeypatch.setattr(ktm, "moe_experts", moe)
+    saved = ktm.MOE_TILES[torch.bfloat16]
+
+    def ms(fn):
+        return 1.0 if ktm.MOE_TILES[torch.bfloat16] == fast else 2.0
+    assert gpu_check.sweep_moe("cpu", ms) == list(slow) and ktm.MOE_TILES[torch.bfloat16] == saved
+
 @pytest.fixture
 def tables(monkeypatch):
     """The Triton tile tables, restored after the test (load_tuning changes them for the process)."""
