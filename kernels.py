@@ -108,9 +108,13 @@ def load_tuning(path: str | dict) -> dict:
     def bad(what):
         return ValueError(f"tuning file {path}: {what} (write it with tests/gpu_check.py --tuning-out)")
 
-    def ints(value, n, what):
-        if not (isinstance(value, list) and len(value) == n and all(type(v) is int and v > 0 for v in value)):
-            raise bad(f"{what} = {value!r}, need a list of {n} positive integers")
+    def ints(value, n, what, pow2=0):
+        # the first pow2 entries (tile sizes, warps) must be powers of two: tl.arange and num_warps need it,
+        # and the kernels would fail only at their first launch
+        if not (isinstance(value, list) and len(value) == n and all(type(v) is int and v > 0 for v in value)
+                and not any(v & (v - 1) for v in value[:pow2])):
+            raise bad(f"{what} = {value!r}, need a list of {n} positive integers"
+                      + (f", the first {pow2} powers of two" if pow2 else ""))
         return tuple(value)
 
     def entries(key):
@@ -131,20 +135,21 @@ def load_tuning(path: str | dict) -> dict:
         bounds = ints([row[0] for row in rows[:-1]], len(rows) - 1, f"mm {name} largest M")
         if list(bounds) != sorted(set(bounds)):
             raise bad(f"mm {name} largest M {bounds}: need increasing")
-        table = tuple((row[0],) + ints(row[1:], 5, f"mm {name} row {i}") for i, row in enumerate(rows))
+        table = tuple((row[0],) + ints(row[1:], 5, f"mm {name} row {i}", pow2=4) for i, row in enumerate(rows))
         sets += [(kt.MM_TABLE, dtype, table) for dtype in dtypes[name]]
     for name, tiles in entries("moe"):
         if name not in dtypes:
             raise bad(f"moe {name!r}: need a dtype in {list(dtypes)}")
-        sets += [(ktm.MOE_TILES, dtype, ints(tiles, 5, f"moe {name}")) for dtype in dtypes[name]]
+        sets += [(ktm.MOE_TILES, dtype, ints(tiles, 5, f"moe {name}", pow2=4)) for dtype in dtypes[name]]
     for name, cfg in entries("attn"):
         if name not in kt.ATTN_TABLE:
             raise bad(f"attn {name!r}: need one of {list(kt.ATTN_TABLE)}")
-        sets.append((kt.ATTN_TABLE, name, ints(cfg, 3, f"attn {name}")))
+        sets.append((kt.ATTN_TABLE, name, ints(cfg, 3, f"attn {name}", pow2=2)))
     for key, attr in (("attn_keys", "ATTN_KEYS"), ("attn_split_below", "ATTN_SPLIT_BELOW")):
         if key in tuning:
-            if type(tuning[key]) is not int or tuning[key] <= 0:
-                raise bad(f"{key} = {tuning[key]!r}, need a positive integer")
+            pow2 = key == "attn_keys"                                             # the key tile: tl.arange
+            if type(tuning[key]) is not int or tuning[key] <= 0 or pow2 and tuning[key] & (tuning[key] - 1):
+                raise bad(f"{key} = {tuning[key]!r}, need a positive integer" + (", a power of two" if pow2 else ""))
             sets.append((vars(kt), attr, tuning[key]))                       # vars(module)[name]: its global
     for table, key, value in sets:
         table[key] = value

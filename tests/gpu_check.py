@@ -24,11 +24,13 @@ Exit status: the tests' (0 when they pass), 2 without a CUDA device.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import os
 import subprocess
 import sys
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)                   # kernels*, imported where used (after TRITON_INTERPRET is set)
@@ -64,25 +66,43 @@ def main() -> int:
     print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     rc = 0
     if args.tuning:
-        tune(None, args.tuning)
+        try:
+            tune(None, args.tuning)
+        except ValueError as e:
+            print(f"gpu_check: error: {e}", file=sys.stderr)
+            return 2
     if args.sweep:
-        tune(sweep(budget_s=args.sweep_budget), args.tuning_out)
-        return 0
+        return 0 if sweep_and_tune(args.tuning_out, args.sweep_budget) else 1
     if not args.bench_only:
         t0 = time.time()
         env = {k: v for k, v in os.environ.items() if k not in ("KERNELS_BACKEND", "TRITON_INTERPRET")}
         try:
-            rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "tests/test_triton.py"],
+            # in 8 processes where pytest-xdist is installed: compiling the kernels is most of the time
+            workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
+            rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", *workers, "tests/test_triton.py"],
                                 cwd=ROOT, env=env, timeout=args.test_timeout).returncode
         except subprocess.TimeoutExpired:
             print(f"gpu_check: tests timed out after {args.test_timeout}s", flush=True)
             rc = 1
         print(f"gpu_check: tests {'passed' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f}s", flush=True)
     if not args.tests_only:
-        if not args.no_sweep:          # the sweep first: the table then times the configs it chose
-            tune(sweep(budget_s=args.sweep_budget), args.tuning_out)
+        if not args.no_sweep and not sweep_and_tune(args.tuning_out, args.sweep_budget):   # first: the table times its choice
+            rc = 1
         bench(args.quick)
     return rc
+
+
+def sweep_and_tune(path: str | None, budget_s: float | None = None) -> bool:
+    """The sweep, then its choice applied (and written to path). A sweep that fails is reported and
+    applies nothing (every sweep restores the tables it tries), so the table still runs: the one GPU
+    call keeps it."""
+    try:
+        tune(sweep(budget_s=budget_s), path)
+    except Exception as e:                                   # report, keep the rest of the run
+        traceback.print_exc(file=sys.stdout)
+        print(f"\ngpu_check: the sweep failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+        return False
+    return True
 
 
 def tune(tuning: dict | None, path: str | None) -> None:
@@ -90,10 +110,11 @@ def tune(tuning: dict | None, path: str | None) -> None:
     and whatever runs next in this process time those configs."""
     import json
     import kernels
-    if tuning is not None and path:
+    written = tuning is not None and path
+    tuning = kernels.load_tuning(path if tuning is None else tuning)     # checked (and applied) before written
+    if written:
         with open(path, "w") as f:                                   # one line per table
             f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in tuning.items()) + "\n}\n")
-    tuning = kernels.load_tuning(path if tuning is None else tuning)
     print(f"\ngpu_check: tile configs now {json.dumps(tuning)}" + (f" (in {path})" if path else ""), flush=True)
 
 
@@ -350,11 +371,13 @@ class Clock:
     """Times a callable (median ms; dev="cpu": one call, 0 ms) and keeps the sweep's time budget:
     once it is spent, each section stops timing candidates and keeps what it has (or the table's)."""
 
-    def __init__(self, dev: str, budget_s: float | None):
-        self.tiny, self.said = dev == "cpu", False
+    def __init__(self, dev: str, budget_s: float | None, timer=None):
+        self.tiny, self.said, self.timer = dev == "cpu", False, timer
         self.deadline = time.time() + (float("inf") if budget_s is None else budget_s)
 
     def __call__(self, fn) -> float:
+        if self.timer is not None:                   # tests: a stub
+            return self.timer(fn)
         if self.tiny:
             fn()
             return 0.0
@@ -377,32 +400,36 @@ def sweep(dev: str = "cuda", budget_s: float | None = None) -> dict:
     return tuning | sweep_attention(dev, ms)
 
 
-# the M classes of the matmul sweep: one MM_TABLE row each, (name, largest M)
-MM_CLASSES = (("small", 16), ("mid", 256), ("large", None))
+def mm_class(largest) -> str:
+    """The candidate list (MM_CANDIDATES' "small", "mid", "large") for the MM_TABLE row serving M <= largest."""
+    return "large" if largest is None else "small" if largest <= 16 else "mid"
 
 
 def sweep_matmul(dev, ms) -> dict:
-    """Candidates per M class at the real shapes; returns the MM_TABLE rows (per dtype) of the configs
-    with the smallest geometric mean of ms / cuBLAS ms over the class's shapes and row counts, among
-    those that gave the table config's bits at every one of them."""
+    """Candidates per MM_TABLE row at the real shapes, at MM_ROWS and each row's largest M (so every row
+    is timed at an M it serves); returns per dtype the table's rows (same M bounds), each with the
+    config of the smallest geometric mean of ms / cuBLAS ms over its shapes and row counts among those
+    that gave the table config's bits at every one of them; a row not timed keeps its config."""
     import math
     import torch
     import kernels_triton as kt
     tiny = dev == "cpu"
     print("\nsweep: matmul (ms; bits = equal to the table config's result)", flush=True)
-    ratios: dict[tuple, dict[tuple, list[float]]] = {}      # (dtype, class) -> config -> [ms / cuBLAS ms]
-    cases: dict[tuple, int] = {}                             # (dtype, class) -> shapes x row counts timed
+    ratios: dict[tuple, dict[tuple, list[float]]] = {}      # (dtype, table row) -> config -> [ms / cuBLAS ms]
+    cases: dict[tuple, int] = {}                             # (dtype, table row) -> shapes x row counts timed
     for dtype, shapes in ((torch.bfloat16, MM_SHAPES), (torch.float32, MM_SHAPES[:1])):
         tag = "bf16" if dtype == torch.bfloat16 else "fp32"
+        bounds = [largest for largest, *_ in kt.MM_TABLE[dtype]]
         for name, K, N in shapes:
             K, N = (min(K, 64), min(N, 96)) if tiny else (K, N)
             w = torch.randn(N, K, device=dev, dtype=dtype)
-            for M in ((1,) if tiny else MM_ROWS):
-                if ms.spent():                           # a class keeps the shapes timed whole so far
+            for M in ((1,) if tiny else sorted(set(MM_ROWS) | set(bounds) - {None})):
+                if ms.spent():                           # a row keeps the shapes timed whole so far
                     break
                 x = torch.randn(M, K, device=dev, dtype=dtype)
                 ref = kt._mm(x, w, dtype)
-                size = next(c for c, largest in MM_CLASSES if largest is None or M <= largest)
+                i = next(i for i, largest in enumerate(bounds) if largest is None or M <= largest)  # its row
+                size = mm_class(bounds[i])
                 table_cfg = tuple(kt.mm_config(M, dtype))
                 times = {table_cfg: ms(lambda: kt._mm(x, w, dtype))}
                 line = []
@@ -419,25 +446,22 @@ def sweep_matmul(dev, ms) -> dict:
                 cublas = ms(lambda: x @ w.T)
                 print(f"  {tag} {name:8s} M={M:<5d} cuBLAS {cublas:.4f} table {table_cfg}:{times[table_cfg]:.4f} | "
                       + "  ".join(f"{c}:{t:.4f}{'' if same else '(BITS DIFFER)'}" for t, c, same in sorted(line)), flush=True)
-                key = (dtype, size)
+                key = (dtype, i)
                 cases[key] = cases.get(key, 0) + 1
                 for cfg, t in times.items():
                     ratios.setdefault(key, {}).setdefault(cfg, []).append(t / cublas if cublas > 0 else 1.0)
 
-    print("\nsweep: best matmul config per M class (geometric mean of triton/cuBLAS over its shapes and M; worst)")
+    print("\nsweep: best matmul config per table row (geometric mean of triton/cuBLAS over its shapes and M; worst)")
     tables = {}
     for dtype, tag in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
-        if not any((dtype, size) in ratios for size, _ in MM_CLASSES):       # nothing timed: the table as is
-            tables[tag] = [list(row) for row in kt.MM_TABLE[dtype]]
-            continue
         rows = []
-        for size, largest in MM_CLASSES:
-            full = {cfg: r for cfg, r in ratios.get((dtype, size), {}).items() if len(r) == cases[(dtype, size)]}
-            if not full:                                 # not timed (out of time): the table's config there
-                rows.append([largest, *kt.mm_config(largest or 1 << 30, dtype)])
+        for i, (largest, *committed) in enumerate(kt.MM_TABLE[dtype]):
+            full = {cfg: r for cfg, r in ratios.get((dtype, i), {}).items() if len(r) == cases[(dtype, i)]}
+            if not full:                                 # not timed (CPU smoke run, time budget): the table's
+                rows.append([largest, *committed])
                 continue
             cfg, r = min(full.items(), key=lambda kv: sum(map(math.log, kv[1])))
-            print(f"  {tag} {size} (M <= {largest}): {cfg}: {math.exp(sum(map(math.log, r)) / len(r)):.2f}x  "
+            print(f"  {tag} M <= {largest}: {cfg}: {math.exp(sum(map(math.log, r)) / len(r)):.2f}x  "
                   f"worst {max(r):.2f}x", flush=True)
             rows.append([largest, *cfg])
         tables[tag] = rows
@@ -450,8 +474,9 @@ MOE_CANDIDATES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
 def sweep_moe(dev, ms) -> list[int]:
     """MoE tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the forward at a decode step's rows
     (256 tokens) and forward+backward at a training step's (4096); returns the config with the smallest
-    product of the two (one config serves the sampler and the trainer, so any keeps the contract; bits
-    against kernels_triton_moe.MOE_TILES' config are printed)."""
+    product of the two among those whose rows keep their bits between the two batches (the contract:
+    one config serves the sampler and the trainer, so it need not give MOE_TILES' bits, which are
+    printed, but a token's row may not depend on its batch)."""
     import torch
     import kernels
     import kernels_triton_moe as ktm
@@ -475,11 +500,15 @@ def sweep_moe(dev, ms) -> list[int]:
                 break
             ktm.MOE_TILES[torch.bfloat16] = cfg
             try:
-                same = torch.equal(ktm.moe_experts(x, w13, w2, ids, wts), ref)
+                out = ktm.moe_experts(x, w13, w2, ids, wts)
+                same = torch.equal(out, ref)
+                invariant = torch.equal(ktm.moe_experts(x[:Md], w13, w2, ids[:Md], wts[:Md]), out[:Md])
                 fwd = ms(lambda: ktm.moe_experts(x[:Md], w13, w2, ids[:Md], wts[:Md]))
                 fb = ms(lambda: torch.autograd.grad(ktm.moe_experts(*params[:3], ids, params[3]), params, gy))
-                print(f"  {cfg}: fwd M={Md} {fwd:.3f}  fwd+bwd M={M} {fb:.3f}  bits equal {same}", flush=True)
-                timed[cfg] = fwd * fb
+                print(f"  {cfg}: fwd M={Md} {fwd:.3f}  fwd+bwd M={M} {fb:.3f}  bits equal {same}, "
+                      f"rows of M={Md} equal those of M={M} {invariant}", flush=True)
+                if invariant:
+                    timed[cfg] = fwd * fb
             except Exception as e:
                 print(f"  {cfg}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
     finally:
@@ -547,7 +576,8 @@ def sweep_attention(dev, ms) -> dict:
                 kt.ATTN_SPLIT = saved[3]
         if fwd:
             tuning["attn_keys"], tuning["attn"]["fwd"] = min(fwd, key=fwd.get)
-        # the splits and the backward are timed with the forward config chosen (the key tile is theirs too)
+        # the splits and the backward are timed with the chosen forward: the tuning applies them together,
+        # and ATTN_KEYS is the backward's key tile and sets the forward's split count too
         kt.ATTN_KEYS, kt.ATTN_TABLE = tuning["attn_keys"], dict(saved[1], fwd=tuning["attn"]["fwd"])
         tuning["attn_split_below"] = sweep_splits(dev, ms, H, KVH, D)
         print(f"\nsweep: attention backward (forward + backward ms), keys={kt.ATTN_KEYS}", flush=True)
@@ -586,9 +616,13 @@ def sweep_splits(dev, ms, H, KVH, D) -> int:
                 break
             qd, kc, vc, btd, posd = decode_inputs(Bd, ctx, H, KVH, D, dev)[:5]
             times = {}
-            for name, value in (("parallel", 10**9), ("one program", 0)):
-                kt.ATTN_SPLIT_BELOW = value
-                times[name] = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
+            try:
+                for name, value in (("parallel", 10**9), ("one program", 0)):
+                    kt.ATTN_SPLIT_BELOW = value
+                    times[name] = ms(lambda: kt.paged_attention(qd, kc, vc, btd, posd, D ** -0.5))
+            except Exception as e:                           # report, keep the other shapes
+                print(f"  B={Bd} ctx={ctx}: error {type(e).__name__}: {str(e)[:80]}", flush=True)
+                continue
             print(f"  B={Bd} ctx={ctx} ({Bd * KVH} programs): parallel {times['parallel']:.4f}  "
                   f"one program {times['one program']:.4f}", flush=True)
             if times["one program"] <= times["parallel"]:

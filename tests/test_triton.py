@@ -124,7 +124,10 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
     assert "error" not in r.stdout[:r.stdout.index("triton/base")]        # no sweep candidate failed
     tuning = json.loads(out.read_text())
     assert set(tuning) == {"mm", "moe", "attn", "attn_keys", "attn_split_below"}
-    assert [row[0] for row in tuning["mm"]["bfloat16"]] == [16, 256, None] and set(tuning["attn"]) == set(kt.ATTN_TABLE)
+    assert set(tuning["attn"]) == set(kt.ATTN_TABLE)
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):   # the table's M bounds; the
+        rows = [tuple(row) for row in tuning["mm"][name]]                           # rows not timed (M > 1) as
+        assert [r[0] for r in rows] == [r[0] for r in kt.MM_TABLE[dtype]] and rows[1:] == list(kt.MM_TABLE[dtype][1:])   # committed
     # with its time budget spent at once, the sweep times nothing and keeps every table as committed
     r = subprocess.run([sys.executable, "tests/gpu_check.py", "--cpu-smoke", "--sweep-budget", "0", "--tuning-out",
                         str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -135,6 +138,69 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
                  "attn_keys": kt.ATTN_KEYS, "attn": {k: list(v) for k, v in kt.ATTN_TABLE.items()},
                  "attn_split_below": kt.ATTN_SPLIT_BELOW}
     assert json.loads(out.read_text()) == committed
+
+
+def test_gpu_check_sweep_times_splits_and_backward_with_the_chosen_forward(monkeypatch, tables):
+    """The tuning applies the attention choices together, so the sweep must time the key splits and the
+    backward configs with the forward config and key tile it chose (ATTN_KEYS is the backward's tile
+    too), not with the committed ones (64 keys, (64, 4, 2)). Nothing is launched: timings are stubbed."""
+    import gpu_check
+    monkeypatch.setattr(gpu_check, "ATTN_KEY_CANDIDATES", (128,))
+    monkeypatch.setattr(gpu_check, "ATTN_FWD_CANDIDATES", [(64, 8, 2)])
+    monkeypatch.setattr(gpu_check, "ATTN_BWD_CANDIDATES", [(64, 4, 2)])
+    monkeypatch.setattr(gpu_check, "decode_equals_prefill", lambda *a, **k: True)
+    timed = []
+
+    def ms(fn):                                      # what each timing would run with
+        timed.append((kt.ATTN_KEYS, kt.ATTN_TABLE["fwd"]))
+        return 1.0
+    committed = (kt.ATTN_KEYS, dict(kt.ATTN_TABLE), kt.ATTN_SPLIT_BELOW, kt.ATTN_SPLIT)
+    tuning = gpu_check.sweep_attention("cpu", gpu_check.Clock("cpu", None, ms))
+    assert (tuning["attn_keys"], tuning["attn"]["fwd"]) == (128, [64, 8, 2]) and committed[0] == 64
+    assert len(timed) == 2 + 2 * 2 + 2, timed           # prefill + decode, 2 split shapes x 2, 2 backward
+    assert all(t == (128, (64, 8, 2)) for t in timed), timed
+    assert (kt.ATTN_KEYS, kt.ATTN_TABLE, kt.ATTN_SPLIT_BELOW, kt.ATTN_SPLIT) == committed   # restored
+
+
+def test_gpu_check_sweep_failure_costs_neither_the_other_shapes_nor_the_table(monkeypatch, tmp_path, capsys):
+    """One GPU call: a split shape that fails is reported and skipped (the others still decide), and a
+    sweep that fails writes and applies nothing and returns False (main then runs the table anyway)."""
+    import gpu_check
+
+    def attention(q, *a):
+        if q.shape[0] == 2:
+            raise RuntimeError("out of resources")
+    monkeypatch.setattr(kt, "paged_attention", attention)
+    clock = gpu_check.Clock("cpu", None, lambda fn: (fn(), 1.0)[1])
+    assert gpu_check.sweep_splits("cpu", clock, 4, 2, 16) == 1 * 2    # B=1 alone
+    assert "B=2 ctx=512: error RuntimeError: out of resources" in capsys.readouterr().out
+
+    def broken(dev="cuda", budget_s=None):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(gpu_check, "sweep", broken)
+    before = (repr(kt.MM_TABLE), dict(kt.ATTN_TABLE), kt.ATTN_KEYS, kt.ATTN_SPLIT_BELOW, dict(ktm.MOE_TILES))
+    assert gpu_check.sweep_and_tune(str(tmp_path / "t.json")) is False
+    assert "the sweep failed (RuntimeError: boom)" in capsys.readouterr().out and not (tmp_path / "t.json").exists()
+    assert (repr(kt.MM_TABLE), dict(kt.ATTN_TABLE), kt.ATTN_KEYS, kt.ATTN_SPLIT_BELOW, dict(ktm.MOE_TILES)) == before
+
+
+def test_gpu_check_moe_sweep_skips_a_config_whose_rows_depend_on_the_batch(monkeypatch):
+    """The MoE sweep may pick a config with other bits than MOE_TILES' (sampler and trainer share it),
+    but not one under which a token's row differs between a decode step's batch and a training step's:
+    here the fastest candidate scales its output by the batch size. Kernels and timings are stubbed."""
+    import gpu_check
+    fast, slow = (32, 64, 64, 4, 3), (64, 64, 64, 4, 3)
+    monkeypatch.setattr(gpu_check, "MOE_CANDIDATES", [fast, slow])
+
+    def moe(x, w13, w2, ids, wts):
+        return x * x.shape[0] if ktm.MOE_TILES[torch.bfloat16] == fast else x.clone()
+    monkeypatch.setattr(ktm, "moe_experts", moe)
+    saved = ktm.MOE_TILES[torch.bfloat16]
+
+    def ms(fn):
+        return 1.0 if ktm.MOE_TILES[torch.bfloat16] == fast else 2.0
+    assert gpu_check.sweep_moe("cpu", gpu_check.Clock("cpu", None, ms)) == list(slow)
+    assert ktm.MOE_TILES[torch.bfloat16] == saved
 
 
 @pytest.fixture
@@ -172,7 +238,9 @@ def test_load_tuning_replaces_the_tables_and_rejects_a_bad_file_whole(tmp_path, 
            ({"attn_keys": 96, "attn": {"fwd": [64, 4, 0]}}, "attn fwd"),
            ({"attn": {"bwd": [64, 4, 2]}}, "'bwd'"),
            ({"mm": {"float32": [[None, 32, 32, 32, 4, 3]]}, "moe": {"bfloat16": [64, 64, 64, 4, 3.0]}}, "moe bfloat16"),
-           ({"attn_split_below": -1}, "attn_split_below"),
+           ({"attn_split_below": -1}, "attn_split_below"), ({"attn_keys": 96}, "attn_keys = 96, need a positive integer, a power of two"),
+           ({"mm": {"float32": [[None, 24, 32, 32, 4, 3]]}}, "powers of two"), ({"attn": {"fwd": [64, 6, 2]}}, "attn fwd"),
+           ({"moe": {"bfloat16": [64, 64, 48, 4, 3]}}, "moe bfloat16"),
            ({"MM": {}}, "entries"), ([1, 2], "entries")]
     for tuning, says in bad:
         path.write_text(json.dumps(tuning))
