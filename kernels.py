@@ -288,16 +288,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     # The T * G query rows of each (sequence, KV head) go through fixed ATTN_ROWS-row bmm tiles, as in
     # linear(): a row's q.k and p.v never see a GEMM shape that depends on how many rows there are.
+    # Only the two bmm's see the padding rows; the softmax state and its elementwise ops (row-local,
+    # exact or invariant: max, exp, mul, add, a 16-key sum) keep the R real rows, so a decode step
+    # (R = G rows padded to ATTN_ROWS) does not pay for the padding.
     R = T * G
     n_chunks = -(-R // ATTN_ROWS)
     pad = n_chunks * ATTN_ROWS - R
     qr = (q.float() * scale).view(B, T, KVH, G, D).permute(0, 2, 1, 3, 4).reshape(B, KVH, R, D)
     qr = F.pad(qr, (0, 0, 0, pad)).view(B * KVH * n_chunks, ATTN_ROWS, D)      # (B*KVH*nC, C, D)
     row_pos = positions[:, None, :, None].expand(B, 1, T, G).reshape(B, 1, R)
-    row_pos = F.pad(row_pos, (0, pad))                               # padding rows see key 0 only: finite
-    m = torch.full((B, KVH, R + pad), float("-inf"), dtype=torch.float32, device=q.device)
-    l = torch.zeros((B, KVH, R + pad), dtype=torch.float32, device=q.device)
-    acc = torch.zeros((B, KVH, R + pad, D), dtype=torch.float32, device=q.device)
+    m = torch.full((B, KVH, R), float("-inf"), dtype=torch.float32, device=q.device)
+    l = torch.zeros((B, KVH, R), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((B, KVH, R, D), dtype=torch.float32, device=q.device)
     offs = torch.arange(KV_BLOCK, device=q.device)
 
     def per_chunk(t):                                                # (B, KVH, ...) -> (B*KVH*nC, ...)
@@ -306,17 +308,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lo = t * KV_BLOCK
         k = keys[:, lo:lo + KV_BLOCK].float().permute(0, 2, 3, 1)   # (B, KVH, D, KB)
         v = vals[:, lo:lo + KV_BLOCK].float().permute(0, 2, 1, 3)   # (B, KVH, KB, D)
-        s = torch.bmm(qr, per_chunk(k)).view(B, KVH, R + pad, KV_BLOCK)
-        visible = (lo + offs)[None, None, None, :] <= row_pos[..., None]      # (B, 1, R+pad, KB)
+        s = torch.bmm(qr, per_chunk(k)).view(B, KVH, R + pad, KV_BLOCK)[:, :, :R].contiguous()  # (B, KVH, R, KB)
+        visible = (lo + offs)[None, None, None, :] <= row_pos[..., None]      # (B, 1, R, KB)
         s = s.masked_fill(~visible, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[..., None])                         # (B, KVH, R+pad, KB)
+        p = torch.exp(s - m_new[..., None])                         # (B, KVH, R, KB)
         l = l * alpha + p.sum(-1)
-        pv = torch.bmm(p.view(-1, ATTN_ROWS, KV_BLOCK), per_chunk(v)).view(B, KVH, R + pad, D)
+        p = (F.pad(p, (0, 0, 0, pad)) if pad else p).view(-1, ATTN_ROWS, KV_BLOCK)   # (B*KVH*nC, C, KB)
+        pv = torch.bmm(p, per_chunk(v)).view(B, KVH, R + pad, D)[:, :, :R]
         acc = acc * alpha[..., None] + pv
         m = m_new
-    out = (acc / l[..., None])[:, :, :R].reshape(B, KVH, T, G, D)   # (B, KVH, T, G, D)
+    out = (acc / l[..., None]).reshape(B, KVH, T, G, D)             # (B, KVH, T, G, D)
     return out.permute(0, 2, 1, 3, 4).reshape(B, T, H, D).to(q.dtype)
 
 
