@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)                   # kernels*, imported where used (afte
 def main() -> int:
     ap = argparse.ArgumentParser(description="Triton backend GPU check: tests on CUDA, then timings vs torch baselines.")
     ap.add_argument("--tests-only", action="store_true", help="run tests/test_triton.py on CUDA, no timings")
-    ap.add_argument("--bench-only", action="store_true", help="print the timing table only")
+    ap.add_argument("--bench-only", action="store_true", help="no tests: the sweep (unless --no-sweep), then the table")
     ap.add_argument("--quick", action="store_true", help="smaller benchmark shapes")
     ap.add_argument("--sweep", action="store_true", help="only the sweep of candidate tile configs (matmul, attention)")
     ap.add_argument("--no-sweep", action="store_true", help="tests and table, without the sweep")
