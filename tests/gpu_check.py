@@ -9,7 +9,8 @@
     bash tests/gpu_check.sh                 # everything a GPU session checks: this, the sampler's CUDA tests, bench gpu
 
 The tests are tests/test_triton.py run on CUDA (the interpreter tests on the GPU, plus the `gpu`
-tests in bf16 and fp32 at larger shapes). The sweep times candidate tile configs at the real shapes and
+tests in bf16 and fp32 at larger shapes); while they run, three processes compile the sweep's
+candidates into Triton's cache (--warm). The sweep times candidate tile configs at the real shapes and
 keeps, per table, the fastest that keeps the contract: a matmul config must give the table config's
 bits (it varies with M), an attention forward config must give decode the bits of prefill (also
 through parallel key splits); the MoE config and the backward configs are free (one config serves
@@ -27,6 +28,7 @@ import argparse
 import importlib.util
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -49,11 +51,15 @@ def main() -> int:
     ap.add_argument("--tuning", metavar="FILE", help="time the table with this tuning (kernels.load_tuning)")
     ap.add_argument("--sweep-budget", type=float, metavar="S",
                     help="seconds the sweep may take; then it keeps what it has timed (the table still runs)")
+    ap.add_argument("--warm", choices=SWEEP_SECTIONS, help=argparse.SUPPRESS)   # start_warmup's processes
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="developers: run the benchmark code once on CPU (Triton interpreter, tiny shapes, no timings)")
     args = ap.parse_args()
 
     import torch
+    if args.warm:                      # compile one sweep section's candidates: run each once, time nothing
+        sweep(dev="cpu" if args.cpu_smoke else "cuda", sections=(args.warm,), timer=lambda fn: (fn(), 0.0)[1])
+        return 0
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         tune(sweep(dev="cpu", budget_s=args.sweep_budget), args.tuning_out)
@@ -64,6 +70,7 @@ def main() -> int:
               "on a CPU run `python -m pytest -q tests/test_triton.py` (the Triton interpreter tests).", file=sys.stderr)
         return 2
     print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    signal.signal(signal.SIGTERM, stop_children_and_exit)
     rc = 0
     if args.tuning:
         try:
@@ -76,15 +83,19 @@ def main() -> int:
     if not args.bench_only:
         t0 = time.time()
         env = {k: v for k, v in os.environ.items() if k not in ("KERNELS_BACKEND", "TRITON_INTERPRET")}
+        warmup = [] if args.tests_only or args.no_sweep else start_warmup(env)
+        # in 8 processes where pytest-xdist is installed: compiling the kernels is most of the time
+        workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
+        tests = child([sys.executable, "-m", "pytest", "-q", "-rfEs", *workers, "tests/test_triton.py"], env)
         try:
-            # in 8 processes where pytest-xdist is installed: compiling the kernels is most of the time
-            workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
-            rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", *workers, "tests/test_triton.py"],
-                                cwd=ROOT, env=env, timeout=args.test_timeout).returncode
+            rc = tests.wait(timeout=args.test_timeout)
         except subprocess.TimeoutExpired:
+            stop(tests)
             print(f"gpu_check: tests timed out after {args.test_timeout}s", flush=True)
             rc = 1
         print(f"gpu_check: tests {'passed' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f}s", flush=True)
+        if warmup:
+            finish_warmup(warmup, deadline=t0 + args.test_timeout)
     if not args.tests_only:
         if not args.no_sweep and not sweep_and_tune(args.tuning_out, args.sweep_budget):   # first: the table times its choice
             rc = 1
@@ -391,13 +402,65 @@ class Clock:
         return self.said
 
 
-def sweep(dev: str = "cuda", budget_s: float | None = None) -> dict:
+SWEEP_SECTIONS = ("moe", "matmul", "attention")
+
+
+def sweep(dev: str = "cuda", budget_s: float | None = None, sections=SWEEP_SECTIONS, timer=None) -> dict:
     """Times candidate configs per real shape and returns the tuning (kernels.load_tuning's format):
     per table the fastest candidate that keeps the contract. budget_s: seconds the sweep may take (the
-    table after it must still run). dev="cpu": one call per candidate at tiny shapes (a smoke run)."""
-    ms = Clock(dev, budget_s)
-    tuning = {"moe": {"bfloat16": sweep_moe(dev, ms)}, "mm": sweep_matmul(dev, ms)}
-    return tuning | sweep_attention(dev, ms)
+    table after it must still run). dev="cpu": one call per candidate at tiny shapes (a smoke run).
+    sections: which tables; timer: instead of do_bench (the warm-up runs each candidate once)."""
+    ms, tuning = Clock(dev, budget_s, timer), {}
+    if "moe" in sections:
+        tuning["moe"] = {"bfloat16": sweep_moe(dev, ms)}
+    if "matmul" in sections:
+        tuning["mm"] = sweep_matmul(dev, ms)
+    if "attention" in sections:
+        tuning |= sweep_attention(dev, ms)
+    return tuning
+
+
+CHILDREN: list[subprocess.Popen] = []
+
+
+def child(cmd: list[str], env: dict, quiet: bool = False) -> subprocess.Popen:
+    """A process group of its own (pytest's workers, ptxas), stopped whole: by stop(), or with this
+    process when gpu_check.sh's time limit ends it (SIGTERM), so nothing of it runs while the sweep times."""
+    out = subprocess.DEVNULL if quiet else None
+    CHILDREN.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True))
+    return CHILDREN[-1]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def stop_children_and_exit(signum, frame):
+    for proc in CHILDREN:
+        stop(proc)
+    sys.exit(128 + signum)
+
+
+def start_warmup(env: dict) -> list[subprocess.Popen]:
+    """Compiling the sweep's candidates (about a second per binary, a hundred binaries) would take most of
+    its time budget. One process per section runs every candidate once, while the tests run, so that
+    the sweep finds them in Triton's cache and spends its budget timing."""
+    return [child([sys.executable, os.path.abspath(__file__), "--warm", section], env, quiet=True)
+            for section in SWEEP_SECTIONS]
+
+
+def finish_warmup(procs: list[subprocess.Popen], deadline: float) -> None:
+    """Wait for the warm-up processes until the deadline, then stop those still compiling (their
+    candidates the sweep compiles itself); they must not run while the sweep times."""
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            stop(p)
+    done = sum(p.returncode == 0 for p in procs)
+    print(f"gpu_check: compile warm-up: {done} of {len(procs)} sweep sections compiled", flush=True)
 
 
 def mm_class(largest) -> str:

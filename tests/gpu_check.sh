@@ -21,8 +21,9 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 tuning="$LOG_DIR/tuning.json"
 rm -f "$tuning"
 # the limits add up to 470 s (a fresh machine compiles every kernel first: the first part pays most);
-# within gpu_check.py's 250 s: tests 90 (in processes of their own where pytest-xdist is installed),
-# sweep 90, the table the rest. Each part's exit status is printed (124: it ran out of time).
+# within gpu_check.py's 250 s: tests 90 (in processes of their own where pytest-xdist is installed;
+# meanwhile three more processes compile the sweep's candidates), sweep 90 (mostly timing, then), the
+# table the rest. Each part's exit status is printed (124: it ran out of time).
 part() {   # part NAME LOG LIMIT COMMAND...: run it under its limit, log it, record its exit status
     local name=$1 log=$2 limit=$3
     shift 3

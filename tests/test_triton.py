@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -182,6 +183,23 @@ def test_gpu_check_sweep_failure_costs_neither_the_other_shapes_nor_the_table(mo
     assert gpu_check.sweep_and_tune(str(tmp_path / "t.json")) is False
     assert "the sweep failed (RuntimeError: boom)" in capsys.readouterr().out and not (tmp_path / "t.json").exists()
     assert (repr(kt.MM_TABLE), dict(kt.ATTN_TABLE), kt.ATTN_KEYS, kt.ATTN_SPLIT_BELOW, dict(ktm.MOE_TILES)) == before
+
+
+def test_gpu_check_warmup_compiles_a_section_and_is_stopped_at_its_deadline(capsys):
+    """The sweep's compile warm-up: `--warm SECTION` runs one section's candidates once (here under the
+    interpreter, a smoke run of that path); a warm-up process still running at the deadline is stopped
+    (its whole process group), so nothing of it runs while the sweep times."""
+    import gpu_check
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "tests/gpu_check.py", "--cpu-smoke", "--warm", "moe"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    quick, slow = gpu_check.child(["true"], env, quiet=True), gpu_check.child(["sleep", "60"], env, quiet=True)
+    t0 = time.time()
+    gpu_check.finish_warmup([quick, slow], deadline=time.time() + 1.0)
+    assert time.time() - t0 < 10 and quick.returncode == 0 and slow.returncode == -9
+    assert "1 of 2 sweep sections compiled" in capsys.readouterr().out
+    gpu_check.stop(quick)                                            # a finished one: nothing to do
 
 
 def test_gpu_check_moe_sweep_skips_a_config_whose_rows_depend_on_the_batch(monkeypatch):
