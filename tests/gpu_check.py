@@ -25,6 +25,7 @@ Exit status: the tests' (0 when they pass), 2 without a CUDA device.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import itertools
 import os
@@ -70,7 +71,7 @@ def main() -> int:
               "on a CPU run `python -m pytest -q tests/test_triton.py` (the Triton interpreter tests).", file=sys.stderr)
         return 2
     print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    signal.signal(signal.SIGTERM, stop_children_and_exit)
+    guard_children()
     rc = 0
     if args.tuning:
         try:
@@ -90,7 +91,7 @@ def main() -> int:
         try:
             rc = tests.wait(timeout=args.test_timeout)
         except subprocess.TimeoutExpired:
-            stop(tests)
+            stop(tests, grace=10)                # pytest prints the failures so far, which a kill would lose
             print(f"gpu_check: tests timed out after {args.test_timeout}s", flush=True)
             rc = 1
         print(f"gpu_check: tests {'passed' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f}s", flush=True)
@@ -431,16 +432,47 @@ def child(cmd: list[str], env: dict, quiet: bool = False) -> subprocess.Popen:
     return CHILDREN[-1]
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def stop(proc: subprocess.Popen, grace: float = 0.0) -> None:
+    """Stop proc's process group: with grace, SIGINT first (pytest then reports the tests done so far) and
+    SIGKILL only to what is left after grace seconds; else SIGKILL at once."""
+    if proc.poll() is not None:
+        return
+    if grace:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)      # also what outlived its leader (pytest's workers)
+    except ProcessLookupError:                   # nothing left of the group
+        pass
+    proc.wait()
+
+
+def stop_children() -> None:
+    """SIGKILL every child's process group not yet reaped. No wait: this may run in a signal handler
+    that interrupted a Popen.wait() holding that Popen's lock."""
+    for proc in CHILDREN:
+        if proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def stop_children_and_exit(signum, frame):
-    for proc in CHILDREN:
-        stop(proc)
+    stop_children()
     sys.exit(128 + signum)
+
+
+def guard_children() -> None:
+    """The children run in sessions of their own, so neither Ctrl-C nor gpu_check.sh's time limit reaches
+    them: stop them when this process is told to stop (SIGTERM, SIGINT, SIGHUP) or exits any other way
+    (an exception, e.g. a closed stdout)."""
+    atexit.register(stop_children)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop_children_and_exit)
 
 
 def start_warmup(env: dict) -> list[subprocess.Popen]:

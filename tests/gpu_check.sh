@@ -23,11 +23,13 @@ rm -f "$tuning"
 # the limits add up to 470 s (a fresh machine compiles every kernel first: the first part pays most);
 # within gpu_check.py's 250 s: tests 90 (in processes of their own where pytest-xdist is installed;
 # meanwhile three more processes compile the sweep's candidates), sweep 90 (mostly timing, then), the
-# table the rest. Each part's exit status is printed (124: it ran out of time).
+# table the rest. Each part's exit status is printed (124: it ran out of time; 137: and was killed). At
+# its limit a part gets SIGINT (pytest then still prints the failures so far; gpu_check.py stops its
+# children), and SIGKILL 10 s later if it still runs, so the next part always starts (at most 500 s).
 part() {   # part NAME LOG LIMIT COMMAND...: run it under its limit, log it, record its exit status
     local name=$1 log=$2 limit=$3
     shift 3
-    timeout "$limit" "$@" 2>&1 | tee "$LOG_DIR/$log"
+    timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$LOG_DIR/$log"
     local status=${PIPESTATUS[0]}
     echo "gpu_check.sh: $name exit $status"
     [ "$status" -eq 0 ] || rc=1

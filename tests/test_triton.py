@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -200,6 +201,90 @@ def test_gpu_check_warmup_compiles_a_section_and_is_stopped_at_its_deadline(caps
     assert time.time() - t0 < 10 and quick.returncode == 0 and slow.returncode == -9
     assert "1 of 2 sweep sections compiled" in capsys.readouterr().out
     gpu_check.stop(quick)                                            # a finished one: nothing to do
+
+
+def alive(pid: int) -> bool:
+    """Whether process pid runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.time() + within
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+REPORTS_WHEN_INTERRUPTED = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)     # as under gpu_check (its SIGINT is caught)
+g = subprocess.Popen(["sh", "-c", "trap '' INT; exec sleep 60"])    # ignores SIGINT: only the kill stops it
+open(sys.argv[1], "w").write(str(g.pid))
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("the tests' report so far", flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_gpu_check_stop_lets_the_tests_report_then_kills_their_group(tmp_path, capfd):
+    """At the tests' time limit gpu_check stops pytest with SIGINT first (pytest then prints the failures so
+    far, which a kill loses) and SIGKILLs what is left of its process group (xdist workers, a grandchild
+    that ignores SIGINT). Control: stopped without grace, the same child reports nothing."""
+    import gpu_check
+    for grace in (20, 0):
+        pidfile = tmp_path / f"pid{grace}"
+        p = gpu_check.child([sys.executable, "-c", REPORTS_WHEN_INTERRUPTED, str(pidfile)], dict(os.environ))
+        deadline = time.time() + 30
+        while not (pidfile.exists() and pidfile.read_text()) and time.time() < deadline:
+            time.sleep(0.05)
+        grandchild = int(pidfile.read_text())
+        t0 = time.time()
+        gpu_check.stop(p, grace=grace)
+        assert time.time() - t0 < 10 and gone(grandchild)
+        reported = "the tests' report so far" in capfd.readouterr().out
+        assert (reported, p.returncode) == ((True, 0) if grace else (False, -9))
+
+
+GUARDED = """
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)     # as from a terminal, even if SIGINT came ignored
+sys.path.insert(0, "tests")
+import gpu_check
+if sys.argv[1] != "unguarded":
+    gpu_check.guard_children()
+p = gpu_check.child(["sleep", "60"], dict(os.environ), quiet=True)
+print(p.pid, flush=True)
+if sys.argv[1] == "raise":
+    raise BrokenPipeError("stdout closed: tee was stopped")
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+@pytest.mark.parametrize("how, sig, rc", [("SIGTERM", signal.SIGTERM, 128 + signal.SIGTERM),
+                                         ("SIGINT", signal.SIGINT, 128 + signal.SIGINT), ("raise", None, 1),
+                                         ("unguarded", signal.SIGINT, -signal.SIGINT)])
+def test_gpu_check_children_stop_with_it(how, sig, rc):
+    """gpu_check's children (pytest, the warm-ups) run in sessions of their own, so neither Ctrl-C nor
+    gpu_check.sh's limit reaches them: guard_children stops them when gpu_check gets SIGTERM or SIGINT, or
+    dies of an exception. Control ("unguarded"): without it the child outlives its parent."""
+    r = subprocess.Popen([sys.executable, "-c", GUARDED, how], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    pid = int(r.stdout.readline())
+    if sig is not None:
+        r.send_signal(sig)
+    r.wait(timeout=30)
+    try:
+        assert r.returncode == rc and gone(pid, within=0 if how == "unguarded" else 10) == (how != "unguarded")
+    finally:
+        if alive(pid):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def test_gpu_check_moe_sweep_skips_a_config_whose_rows_depend_on_the_batch(monkeypatch):
