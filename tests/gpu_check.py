@@ -429,7 +429,7 @@ CHILDREN: list[subprocess.Popen] = []
 
 def child(cmd: list[str], env: dict, quiet: bool = False) -> subprocess.Popen:
     """A process group of its own (pytest's workers, ptxas), stopped whole: by stop(), or with this
-    process when gpu_check.sh's time limit ends it (SIGTERM), so nothing of it runs while the sweep times."""
+    process (guard_children), so nothing of it runs while the sweep times."""
     out = subprocess.DEVNULL if quiet else None
     CHILDREN.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True))
     return CHILDREN[-1]
@@ -446,11 +446,15 @@ def stop(proc: subprocess.Popen, grace: float = 0.0) -> None:
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
+    kill_group(proc)                             # also what outlived its leader (pytest's workers)
+    proc.wait()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)      # also what outlived its leader (pytest's workers)
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:                   # nothing left of the group
         pass
-    proc.wait()
 
 
 def stop_children() -> None:
@@ -458,10 +462,7 @@ def stop_children() -> None:
     that interrupted a Popen.wait() holding that Popen's lock."""
     for proc in CHILDREN:
         if proc.returncode is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(proc)
 
 
 def stop_children_and_exit(signum, frame):
