@@ -284,7 +284,8 @@ class ModelRunner:
     bucket: it reads and writes only the scratch page (the last page of each pool), so padding never
     touches a real sequence's KV. Buffers per row (L = the request's longest sequence, sized by
     `reserve`): token ids (L), log-probs of the generated tokens (L), routes of every fed position
-    (L, n_moe, top_k) int16, the block table, and length, prompt length, max length, sequence index.
+    (L, n_moe, top_k) uint8 (int16 past 256 experts), the block table, and length, prompt length, max
+    length, sequence index.
     """
 
     GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -308,6 +309,9 @@ class ModelRunner:
         self.capacity = 0
         self.stop_ids = torch.zeros(0)
         self.rows_version = -1
+        # routes are most of a row's bytes (n_moe * top_k per position: 384 at 48 layers, top-8), so
+        # they take the smallest type that holds every expert id
+        self.route_dtype = torch.uint8 if cfg.num_experts <= 256 else torch.int16
 
     def bucket(self, n: int) -> int:
         """Rows a decode step of n sequences runs (padded up, so a few graphs serve every n)."""
@@ -333,7 +337,7 @@ class ModelRunner:
         self.capacity = L
         self.token_buf = torch.zeros(R, L + 1, dtype=torch.long, device=dev)      # +1: a finished row's last write
         self.logp_buf = torch.zeros(R, L + 1, dtype=torch.float32, device=dev)
-        self.route_buf = torch.zeros(R, L, n_moe, k, dtype=torch.int16, device=dev)
+        self.route_buf = torch.zeros(R, L, n_moe, k, dtype=self.route_dtype, device=dev)
         self.block_tables = torch.full((R, W), self.scratch_page, dtype=torch.long, device=dev)
         self.num_tokens = torch.ones(R, dtype=torch.long, device=dev)             # pad row: 1 token, position 0
         self.prompt_len = torch.zeros(R, dtype=torch.long, device=dev)
@@ -413,7 +417,7 @@ class ModelRunner:
         positions = torch.arange(T, device=dev).expand(len(leaders), T)            # (G, T)
         tokens = self.token_buf[rows_l, :T]
         h, routes = self._forward(rows_l, tokens, positions, positions < m[:, None])
-        self.route_buf[rows_l, :T] = routes.to(torch.int16)
+        self.route_buf[rows_l, :T] = routes.to(self.route_dtype)
         logits = self.model.compute_logits(h[torch.arange(len(leaders), device=dev), m - 1])   # (G, V)
         children = [s for s in seqs if s.parent is not None]
         if children:                    # members share the leader's full blocks; copy the partial one
@@ -460,7 +464,7 @@ class ModelRunner:
         pos = (n_tok - 1)[:, None]                                              # (n, 1)
         tokens = self.token_buf[rows[:, None], pos]                             # (n, 1)
         h, routes = self._forward(rows, tokens, pos, (rows != self.pad_row)[:, None])
-        self.route_buf[rows, pos[:, 0]] = routes[:, 0].to(torch.int16)
+        self.route_buf[rows, pos[:, 0]] = routes[:, 0].to(self.route_dtype)
         tokens, logp = self._sample(self.model.compute_logits(h[:, 0]), rows, n_tok, sp)
         return self._record(rows, n_tok, tokens, logp)
 

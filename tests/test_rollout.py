@@ -581,6 +581,21 @@ def test_memory_pressure_75_percent_pool():
         assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.routes, b.routes)
 
 
+@pytest.mark.parametrize("num_experts", [256, 300])
+def test_routes_past_255_experts_come_back_exactly(num_experts):
+    """The route buffers take the smallest integer type that holds every expert id: uint8 up to 256
+    experts (ids 0..255), int16 past that. Ids past 255 are recorded (they would wrap in uint8)."""
+    model = make_model(seed=5, num_experts=num_experts)
+    sampler = Sampler(model)
+    assert sampler.runner.route_dtype == (torch.uint8 if num_experts <= 256 else torch.int16)
+    outs = sampler.generate(make_prompts([9, 30], seed=6), max_new_tokens=10, n=2, seed=1, progress=False)
+    assert_contract(model, outs, 1.0)
+    top = max(int(o.routes.max()) for o in outs)
+    assert top >= 200, f"the largest recorded expert id is {top}: the test meant to reach the high ids"
+    if num_experts > 256:
+        assert top > 255, "no route past id 255: the int16 buffer was not exercised"
+
+
 def test_sampler_from_rollout_config():
     from config import RolloutConfig
     s = Sampler.from_config(fp32_model(), RolloutConfig(block_size=32, num_blocks=40, max_batch_size=3))
