@@ -32,7 +32,7 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   after the first size, the top kernels of one eager decode step there (torch.profiler, device time),
   invariant and fast, and transformers generate (greedy, same weights) against ours greedy. Rows print
   as they are measured (a GPU run has a hard time limit); --tuning FILE takes the tile configs of
-  tests/gpu_check.py's sweep.
+  tools/gpu_check.py's sweep.
 * lab: train.py on the same task and seeds, invariant vs a deviating rollout (batch-variant kernels,
   lower-precision weights) without and with each fix; prints one table.
 
@@ -619,7 +619,7 @@ def main(argv=None):
                    help="gpu: sequences per rollout, comma-separated (the first is also profiled)")
     p.add_argument("--max-new-tokens-gpu", type=int, default=128, help="gpu: new tokens per sequence")
     p.add_argument("--cpu-smoke", action="store_true", help="gpu: run its code once on the CPU at tiny sizes")
-    p.add_argument("--tuning", default="", help="Triton tile configs from this file (tests/gpu_check.py "
+    p.add_argument("--tuning", default="", help="Triton tile configs from this file (tools/gpu_check.py "
                    "--tuning-out writes it; kernels.load_tuning)")
     p.add_argument("--lab-steps", type=int, default=150, help="train.py steps per mismatch-lab run")
     p.add_argument("--lab-rollout-dtype", default="bfloat16", help="the fast rollout's weight dtype")

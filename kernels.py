@@ -85,7 +85,7 @@ def load_tuning(path: str | dict) -> dict:
     """Replace the Triton backend's tile tables with a GPU sweep's choice (a JSON file or its dict), for
     this process.
 
-    `python tests/gpu_check.py --tuning-out tuning.json` writes the file: per table the fastest
+    `python tools/gpu_check.py --tuning-out tuning.json` writes the file: per table the fastest
     candidate that kept the contract on that GPU (a matmul config gives every row the table's bits; an
     attention forward config gives decode the bits of prefill, also through parallel splits). The
     benchmarks and the CUDA tests then run with it (`bench.py --tuning`, `pytest --kernels-tuning`);
@@ -106,7 +106,7 @@ def load_tuning(path: str | dict) -> dict:
         raise ValueError(f"tuning file {path}: cannot read it as JSON ({e})") from None
 
     def bad(what):
-        return ValueError(f"tuning file {path}: {what} (write it with tests/gpu_check.py --tuning-out)")
+        return ValueError(f"tuning file {path}: {what} (write it with tools/gpu_check.py --tuning-out)")
 
     def ints(value, n, what, pow2=0):
         # the first pow2 entries (tile sizes, warps) must be powers of two: tl.arange and num_warps need it,

@@ -25,7 +25,7 @@ and fp32 -> bf16 casts round toward zero (the GPU rounds to nearest even): test 
 Cross-backend results agree within tolerance, not bitwise (different summation orders); within one
 backend the invariance contract is bitwise.
 
-The interpreter cannot show that the kernels compile: tests/compile_check.py compiles every launch
+The interpreter cannot show that the kernels compile: tools/compile_check.py compiles every launch
 the model makes to a cubin (Triton's bundled ptxas, no GPU needed) and checks that each call site
 gets one binary for every batch geometry (see ATTN_GEOMETRY below).
 """
@@ -75,7 +75,7 @@ LOG2E = 1.4426950408889634         # softmax in base 2: exp2(x * log2 e) = exp(x
 # One compiled binary per call site, whatever the batch. A CUDA launch specializes integer arguments
 # (== 1 becomes a constant, % 16 == 0 an alignment hint) into separate binaries; the row count and the
 # strides that follow the batch geometry are therefore do_not_specialize, so decode (T = 1) and
-# prefill, one sequence or many, run the same machine code (tests/compile_check.py checks it).
+# prefill, one sequence or many, run the same machine code (tools/compile_check.py checks it).
 ATTN_GEOMETRY = ["T", "s_qb", "s_pb", "s_pt", "s_bb", "NB"]
 
 

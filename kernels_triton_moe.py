@@ -15,7 +15,7 @@ import triton                      # noqa: E402
 import triton.language as tl       # noqa: E402
 
 # Fixed tile configurations, one per dtype (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); never a
-# function of M (tests/gpu_check.py --sweep times candidates).
+# function of M (tools/gpu_check.py --sweep times candidates).
 MOE_TILES = {torch.float32: (32, 32, 32, 4, 3), torch.bfloat16: (64, 64, 64, 4, 3), torch.float16: (64, 64, 64, 4, 3)}
 
 

@@ -21,7 +21,7 @@ from model import Transformer  # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption("--kernels-tuning", default="", metavar="FILE",
-                     help="Triton tile configs from this file (tests/gpu_check.py --tuning-out; kernels.load_tuning)")
+                     help="Triton tile configs from this file (tools/gpu_check.py --tuning-out; kernels.load_tuning)")
 
 
 def pytest_configure(config):
@@ -122,6 +122,19 @@ def hf_checkpoint(tmp_path):
         return hf, path
 
     return make
+
+
+@pytest.fixture
+def tables(monkeypatch):
+    """The Triton tile tables, restored after the test (kernels.load_tuning and gpu_check's sweep change
+    them for the process). For tests that already imported kernels_triton (under the interpreter)."""
+    import kernels_triton as kt
+    import kernels_triton_moe as ktm
+    for module, names in ((kt, ("MM_TABLE", "ATTN_TABLE")), (ktm, ("MOE_TILES",))):
+        for name in names:
+            monkeypatch.setattr(module, name, dict(getattr(module, name)))
+    for name in ("ATTN_KEYS", "ATTN_SPLIT_BELOW"):
+        monkeypatch.setattr(kt, name, getattr(kt, name))
 
 
 @pytest.fixture(autouse=True)

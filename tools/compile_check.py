@@ -1,7 +1,7 @@
 """Compile every Triton kernel the model launches for a GPU target, on a machine without a GPU.
 
-    python tests/compile_check.py              # sm_90 (H100/H200), bf16 and fp32
-    python tests/compile_check.py --arch 80 90 # also sm_80 (A100)
+    python tools/compile_check.py              # sm_90 (H100/H200), bf16 and fp32
+    python tools/compile_check.py --arch 80 90 # also sm_80 (A100)
 
 The interpreter tests (tests/test_triton.py) check what the kernels compute; they cannot show that the
 kernels compile, since the interpreter runs the Python body. This script drives the trainer (score

@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# Everything a GPU session checks, in one call of at most 8 minutes (on the device machine:
-# `LOG_DIR=$OUT bash tests/gpu_check.sh` with timeout_s 540, and the logs come back):
-#   1. tests/gpu_check.py: the Triton tests on CUDA, the sweep of tile configs (its choice, each config
+# The whole GPU check in one call of at most 8 minutes (`LOG_DIR=logs bash tools/gpu_check.sh`):
+#   1. tools/gpu_check.py: the Triton tests on CUDA, the sweep of tile configs (its choice, each config
 #      checked to keep the contract, goes to $LOG_DIR/tuning.json), then the kernel timing table with it
 #   2. the sampler's and the model families' CUDA tests (graph replay == eager == score, row
 #      invariance), with the sweep's tile configs
 #   3. bench.py --only gpu, with them: the rollout engine at Qwen3-30B-A3B layer shapes (tok/s,
 #      bandwidth share, the fast path, the contract)
 # Paste tuning.json into the tables (kernels_triton.py, kernels_triton_moe.py; see kernels.load_tuning)
-# to keep what was measured. Logs go to $LOG_DIR (default $OUT, else out/gpu); each part has its own
-# time limit, so one slow part cannot take the others' time. Extra arguments go to gpu_check.py.
+# to keep what was measured. Logs go to $LOG_DIR (default out/gpu); each part has its own time limit,
+# so one slow part cannot take the others' time. Extra arguments go to gpu_check.py.
 set -o pipefail
 cd "$(dirname "$0")/.."
-LOG_DIR=${LOG_DIR:-${OUT:-out/gpu}}         # the device machine returns only what is under $OUT
+LOG_DIR=${LOG_DIR:-out/gpu}
 mkdir -p "$LOG_DIR"
 export PYTHONUNBUFFERED=1
 rc=0
@@ -20,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG_DIR/gpu.txt"
 tuning="$LOG_DIR/tuning.json"
 rm -f "$tuning"
-# the limits add up to 470 s (a fresh machine compiles every kernel first: the first part pays most);
+# the limits add up to 470 s (on an empty Triton cache the first part also compiles every kernel);
 # within gpu_check.py's 250 s: tests 90 (in processes of their own where pytest-xdist is installed;
 # meanwhile three more processes compile the sweep's candidates), sweep 90 (mostly timing, then), the
 # table the rest. Each part's exit status is printed (124: it ran out of time; 137: and was killed). At
@@ -34,7 +33,7 @@ part() {   # part NAME LOG LIMIT COMMAND...: run it under its limit, log it, rec
     echo "gpu_check.sh: $name exit $status"
     [ "$status" -eq 0 ] || rc=1
 }
-part "gpu_check.py" gpu_check.log "${CHECK_TIMEOUT:-250}" python tests/gpu_check.py --test-timeout "${TEST_TIMEOUT:-90}" \
+part "gpu_check.py" gpu_check.log "${CHECK_TIMEOUT:-250}" python tools/gpu_check.py --test-timeout "${TEST_TIMEOUT:-90}" \
     --sweep-budget "${SWEEP_BUDGET:-90}" --tuning-out "$tuning" "$@"
 tests_with=() bench_with=()
 if [ -s "$tuning" ]; then

@@ -1,12 +1,12 @@
 """GPU check of the Triton backend: its tests on CUDA (bf16 and fp32), a sweep of tile configs, a timing table.
 
-    python tests/gpu_check.py               # tests, sweep, then the table with the sweep's configs; ~4 minutes
-    python tests/gpu_check.py --tuning-out tuning.json   # ... and write the sweep's choice (kernels.load_tuning)
-    python tests/gpu_check.py --bench-only  # only the sweep + table;  --tests-only: only the tests
-    python tests/gpu_check.py --sweep       # only the sweep;  --no-sweep: tests + table (of the committed tables,
+    python tools/gpu_check.py               # tests, sweep, then the table with the sweep's configs; ~4 minutes
+    python tools/gpu_check.py --tuning-out tuning.json   # ... and write the sweep's choice (kernels.load_tuning)
+    python tools/gpu_check.py --bench-only  # only the sweep + table;  --tests-only: only the tests
+    python tools/gpu_check.py --sweep       # only the sweep;  --no-sweep: tests + table (of the committed tables,
                                             # or of --tuning FILE's)
-    python tests/gpu_check.py --quick       # smaller benchmark shapes
-    bash tests/gpu_check.sh                 # everything a GPU session checks: this, the sampler's CUDA tests, bench gpu
+    python tools/gpu_check.py --quick       # smaller benchmark shapes
+    bash tools/gpu_check.sh                 # the whole GPU check: this, the sampler's CUDA tests, bench.py --only gpu
 
 The tests are tests/test_triton.py run on CUDA (the interpreter tests on the GPU, plus the `gpu`
 tests in bf16 and fp32 at larger shapes); while they run, three processes compile the sweep's
@@ -87,10 +87,9 @@ def main() -> int:
         warmup = [] if args.tests_only or args.no_sweep else start_warmup(env)
         # in 8 processes where pytest-xdist is installed: compiling the kernels is most of the time
         workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
-        # -v: after a time limit the log still names every test that finished; the sm_90 compile check
-        # is left out: it needs no GPU (the CPU suite runs it) and takes 90 s on an empty Triton cache
-        tests = child([sys.executable, "-m", "pytest", "-v", "-rfEs", *workers, "tests/test_triton.py", "--deselect",
-                       "tests/test_triton.py::test_kernels_compile_for_sm90_one_binary_per_call_site"], env)
+        # -v: after a time limit the log still names every test that finished. The sm_90 compile check
+        # (tests/test_tools.py) is not among them: it needs no GPU and the CPU suite runs it
+        tests = child([sys.executable, "-m", "pytest", "-v", "-rfEs", *workers, "tests/test_triton.py"], env)
         try:
             rc = tests.wait(timeout=args.test_timeout)
         except subprocess.TimeoutExpired:
