@@ -145,7 +145,7 @@ TOKEN_CORRECTIONS: dict[str, Callable] = {
     "reject": lambda rho, cfg: _in_band(rho, cfg).float(),                     # rejection: 1 inside the band
     "icepop": lambda rho, cfg: torch.where(_in_band(rho, cfg), rho, 0.0),      # IcePop: rho inside, 0 outside
 }
-ALIASES = {"mis": "reject", "seq_mis": "seq_reject"}                           # the names of earlier versions
+ALIASES = {"mis": "reject", "seq_mis": "seq_reject"}                           # accepted as the same corrections
 CORRECTIONS = tuple(TOKEN_CORRECTIONS) + tuple(f"seq_{c}" for c in TOKEN_CORRECTIONS if c != "none") + tuple(ALIASES)
 
 

@@ -691,7 +691,7 @@ def test_draws_depend_on_seed_index_and_position_only():
 
 
 def test_bench_gpu_section_runs_on_cpu(tmp_path):
-    """`bench.py --only gpu` is only measured on a GPU machine (one short call); its code runs here at
+    """`bench.py --only gpu` is only measured on a GPU (tools/gpu_check.sh); its code runs here at
     tiny sizes so that the call cannot fail on a stale path: the contract rows must read 0. It takes
     the sweep's tile configs (--tuning); a bad tuning file is one line of error, not a traceback."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
