@@ -84,28 +84,69 @@ def test_gspo_and_gspo_token_gradients_are_equal_everywhere(scale):
         assert (m.abs() > 20).any() and torch.equal(ga[m.abs() > 20], torch.zeros_like(ga[m.abs() > 20]))
 
 
-def test_rejection_icepop_and_tis_by_hand():
+def test_each_correction_by_hand():
     mu = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
     old = torch.log(torch.tensor([[0.5, 2.0, 0.1, 3.0]]))          # rho = 1, 4, 0.2, 6
     mask = torch.ones(1, 4)
-    w = {c: losses.correction_weights(old, mu, mask, cfg(correction=c)) for c in ("tis", "reject", "mis", "icepop")}
-    assert torch.allclose(w["tis"], torch.tensor([[1.0, 2.0, 0.2, 2.0]]))
-    assert torch.equal(w["reject"], torch.tensor([[1.0, 1.0, 0.0, 0.0]]))     # band [0.5, 5]: 1 inside
-    assert torch.equal(w["mis"], w["reject"])                                 # the old name, same thing
-    assert torch.allclose(w["icepop"], torch.tensor([[1.0, 4.0, 0.0, 0.0]]))  # rho inside, 0 outside
-    geo = (1 * 4 * 0.2 * 6) ** 0.25                                           # 1.57: inside the band
-    assert torch.allclose(losses.correction_weights(old, mu, mask, cfg(correction="seq_icepop")), torch.full((1, 4), geo))
-    assert torch.equal(losses.correction_weights(old, mu, mask, cfg(correction="seq_reject")), torch.ones(1, 4))
-    assert losses.rejects(cfg(correction="icepop")) and losses.rejects(cfg(correction="seq_mis"))
-    assert not losses.rejects(cfg(correction="tis"))
+    w = {c: losses.correction_weights(old, mu, mask, cfg(correction=c)) for c in ("is", "tis", "mis", "reject", "icepop")}
+    assert torch.allclose(w["is"], torch.tensor([[1.0, 4.0, 0.2, 6.0]]))        # vanilla IS: uncapped
+    assert torch.allclose(w["tis"], torch.tensor([[1.0, 2.0, 0.2, 2.0]]))       # min(rho, 2)
+    assert torch.allclose(w["mis"], torch.tensor([[1.0, 4.0, 0.2, 0.0]]))       # masked IS: rho up to 5, 0 above
+    assert torch.equal(w["reject"], torch.tensor([[1.0, 1.0, 0.0, 0.0]]))      # band [0.5, 5]: 1 inside
+    assert torch.allclose(w["icepop"], torch.tensor([[1.0, 4.0, 0.0, 0.0]]))   # rho inside, 0 outside
+    assert not torch.equal(w["mis"], w["reject"])                              # masked IS is not rejection
+    geo = (1 * 4 * 0.2 * 6) ** 0.25                                            # 1.57: inside the band
+    seq = lambda c, **kw: losses.correction_weights(old, mu, mask, cfg(correction=c, **kw))  # noqa: E731
+    assert torch.allclose(seq("seq_is"), torch.full((1, 4), geo))
+    assert torch.allclose(seq("seq_icepop"), torch.full((1, 4), geo))
+    assert torch.allclose(seq("seq_mis"), torch.full((1, 4), geo))
+    assert torch.equal(seq("seq_reject"), torch.ones(1, 4))
+    # the product of rho (4.8): seq_tis truncates it to 2, seq_mis keeps it (<= 5), seq_icepop too
+    assert torch.allclose(seq("seq_tis", seq_rho="product"), torch.full((1, 4), 2.0))
+    assert torch.allclose(seq("seq_mis", seq_rho="product"), torch.full((1, 4), 4.8))
+    assert torch.allclose(seq("seq_mis", seq_rho="product", mis_high=4.0), torch.zeros(1, 4))
+    assert torch.allclose(seq("seq_tis"), torch.full((1, 4), geo))              # control: geo_mean is below the cap
+    pad = torch.tensor([[1.0, 1.0, 0.0, 0.0]])                                 # padding is outside the sequence
+    assert torch.allclose(losses.correction_weights(old, mu, pad, cfg(correction="seq_is", seq_rho="product")),
+                          torch.full((1, 4), 4.0))
+    for c in ("mis", "reject", "icepop", "seq_mis", "seq_icepop"):
+        assert losses.rejects(cfg(correction=c))
+    for c in ("none", "is", "tis", "seq_tis"):
+        assert not losses.rejects(cfg(correction=c))
 
 
+@pytest.mark.parametrize("seq_rho", losses.SEQ_RHOS)
 @pytest.mark.parametrize("corr", [c for c in losses.CORRECTIONS if c != "none"])
-def test_every_correction_is_an_exact_noop_without_mismatch(corr):
+def test_every_correction_is_an_exact_noop_without_mismatch(corr, seq_rho):
     g = torch.Generator().manual_seed(2)
     logp = -torch.rand(3, 4, generator=g)
-    w = losses.correction_weights(logp.clone(), logp.clone(), torch.ones(3, 4), cfg(correction=corr))
+    mask = torch.ones(3, 4)
+    mask[1, 2:] = 0
+    w = losses.correction_weights(logp.clone(), logp.clone(), mask, cfg(correction=corr, seq_rho=seq_rho))
     assert torch.equal(w, torch.ones_like(w))
+    shifted = losses.correction_weights(logp + 2.0, logp, mask, cfg(correction=corr, seq_rho=seq_rho))
+    assert not torch.equal(shifted, torch.ones_like(w))                        # control: a mismatch moves it
+
+
+def test_the_old_mis_alias_is_gone_and_bands_must_keep_rho_one():
+    with pytest.raises(ConfigError, match="mis_low <= 1 <= mis_high"):
+        cfg(mis_low=1.5, mis_high=5.0)                                         # would reject on-policy tokens
+    with pytest.raises(ConfigError, match="seq_rho"):
+        cfg(seq_rho="sum")
+    with pytest.raises(ConfigError, match="gspo_log_ratio_max"):
+        cfg(gspo_log_ratio_max=25.0)
+    with pytest.raises(ConfigError, match="choose one of none, is, tis, mis, reject, icepop"):
+        cfg(correction="seq_none")
+
+
+def test_gspo_log_ratio_max_and_k3_clamped_by_hand():
+    logp, old, mask = torch.tensor([[12.0, 12.0]]), torch.zeros(1, 2), torch.ones(1, 2)
+    for c, value in ((cfg(loss="gspo"), math.exp(12.0)), (cfg(loss="gspo", gspo_log_ratio_max=10.0), math.exp(10.0))):
+        loss, _ = losses.policy_loss(logp, old, torch.tensor([-1.0]), mask, c)
+        assert torch.allclose(loss, torch.full((1, 2), value))
+    d = torch.tensor([-1.0, 3.0])                                              # ref - logp: k3 = e^-1, e^3 - 4
+    assert torch.allclose(losses.kl_penalty(torch.zeros(2), d, "k3"), torch.tensor([math.exp(-1.0), math.exp(3.0) - 4]))
+    assert torch.allclose(losses.kl_penalty(torch.zeros(2), d, "k3_clamped"), torch.tensor([math.exp(-1.0), 10.0]))
 
 
 def test_route_overlap_and_filter_by_hand():

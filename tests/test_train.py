@@ -138,7 +138,7 @@ def test_corrections_act_on_mismatch():
     old = torch.log(torch.tensor([[0.5, 2.0, 0.1]]))               # rho = 1, 4, 0.2
     mask = torch.ones(1, 3)
     assert torch.allclose(train.correction_weights(old, mu, mask, cfg(correction="tis")), torch.tensor([[1.0, 2.0, 0.2]]))
-    assert torch.equal(train.correction_weights(old, mu, mask, cfg(correction="mis")), torch.tensor([[1.0, 1.0, 0.0]]))
+    assert torch.equal(train.correction_weights(old, mu, mask, cfg(correction="reject")), torch.tensor([[1.0, 1.0, 0.0]]))
     rho_seq = (1 * 4 * 0.2) ** (1 / 3)
     assert torch.allclose(train.correction_weights(old, mu, mask, cfg(correction="seq_tis")), torch.full((1, 3), rho_seq))
 
