@@ -357,7 +357,8 @@ class TrainConfig:
                  f"(this run's is {self.lr_schedule})")
         _require(self.lr_schedule != "halving" or 0 <= self.min_lr_ratio <= 1,
                  f"--min_lr_ratio={self.min_lr_ratio}: --lr_schedule=halving needs a floor in [0, 1]")
-        _require(self.router_lr_scale >= 0, f"--router_lr_scale={self.router_lr_scale}: must be >= 0 (0 freezes the router)")
+        _require(self.router_lr_scale >= 0,
+                 f"--router_lr_scale={self.router_lr_scale}: must be >= 0 (0 freezes the router)")
         _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
         _require(self.group_size >= 2, "--group_size must be >= 2: advantages compare responses within a group")
         _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")

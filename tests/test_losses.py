@@ -88,7 +88,8 @@ def test_each_correction_by_hand():
     mu = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
     old = torch.log(torch.tensor([[0.5, 2.0, 0.1, 3.0]]))          # rho = 1, 4, 0.2, 6
     mask = torch.ones(1, 4)
-    w = {c: losses.correction_weights(old, mu, mask, cfg(correction=c)) for c in ("is", "tis", "mis", "reject", "icepop")}
+    w = {c: losses.correction_weights(old, mu, mask, cfg(correction=c))
+         for c in ("is", "tis", "mis", "reject", "icepop")}
     assert torch.allclose(w["is"], torch.tensor([[1.0, 4.0, 0.2, 6.0]]))        # vanilla IS: uncapped
     assert torch.allclose(w["tis"], torch.tensor([[1.0, 2.0, 0.2, 2.0]]))       # min(rho, 2)
     assert torch.allclose(w["mis"], torch.tensor([[1.0, 4.0, 0.2, 0.0]]))       # masked IS: rho up to 5, 0 above
@@ -255,7 +256,8 @@ VERL_CASES = {
     "grpo_dual_clip": (dict(dual_clip_c=3.0), ("vanilla", "token-mean", None, None, None)),
     "grpo_k1": (dict(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k1"), ("vanilla", "token-mean", None, None, "k1")),
     "grpo_k2": (dict(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k2"), ("vanilla", "token-mean", None, None, "k2")),
-    "grpo_k3": (dict(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k3_clamped"), ("vanilla", "token-mean", None, None, "k3")),
+    "grpo_k3": (dict(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k3_clamped"),
+                ("vanilla", "token-mean", None, None, "k3")),
     "cispo": (dict(loss="cispo"), ("cispo", "token-mean", None, None, None)),
     "sapo": (dict(loss="sapo"), ("sapo", "seq-mean-token-mean", None, None, None)),
     "gspo": (dict(loss="gspo", gspo_log_ratio_max=10.0), ("gspo", "seq-mean-token-mean", None, None, None)),

@@ -278,7 +278,8 @@ def test_kernels_backend_field(monkeypatch):
 # ---- the lr schedule and the router's lr ------------------------------------------------------------
 def test_halving_lr_by_hand():
     c = cfg(lr=1.0, warmup_steps=2, lr_schedule="halving", lr_decay_period=3, min_lr_ratio=0.1)
-    assert [train.lr_at(s, c) for s in range(16)] == [0.5, 1.0] + [1.0] * 3 + [0.5] * 3 + [0.25] * 3 + [0.125] * 3 + [0.1] * 2
+    expected = [0.5, 1.0] + [1.0] * 3 + [0.5] * 3 + [0.25] * 3 + [0.125] * 3 + [0.1] * 2     # warmup 2, period 3
+    assert [train.lr_at(s, c) for s in range(16)] == expected
     assert train.lr_at(10_000, c) == 0.1                             # the floor, for good
     for bad, needle in ((dict(lr_schedule="halving"), "--lr_decay_period=0"),
                         (dict(lr_decay_period=5), "only --lr_schedule=halving uses it"),
