@@ -267,8 +267,12 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 5
-    lr_schedule: str = "cosine"       # cosine | constant
+    lr_schedule: str = "cosine"       # cosine | constant | halving (after warmup, halve every lr_decay_period
+                                      # steps, never below lr * min_lr_ratio)
     lr_decay_steps: int = 0           # the cosine's horizon; 0: --steps (saved in checkpoints: a resume keeps it)
+    lr_decay_period: int = 0          # --lr_schedule=halving: steps per halving (required there, 0 elsewhere)
+    router_lr_scale: float = 1.0      # the MoE router gate weights train at lr * S (0 freezes them; the
+                                      # score-correction bias is --expert_bias_update_rate's)
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.99
@@ -284,16 +288,21 @@ class TrainConfig:
     dual_clip_c: float = 0.0          # > 1: GRPO tokens with A < 0 lose at most -A * c (0: off)
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
+    gspo_log_ratio_max: float = 20.0  # GSPO's sequence log-ratio clamped to [-20, this] (verl: 10)
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
     kl_coef: float = 0.0              # KL to the frozen initial policy
-    kl_estimator: str = "k3"          # k1 | k2 | k3
+    kl_estimator: str = "k3"          # k1 | k2 | k3 | k3_clamped (k3 at most 10, as verl's low_var_kl)
     # train-inference mismatch
     recompute_old_logp: bool = False  # recompute old log-probs with the trainer (default: use the rollout's)
-    correction: str = "none"          # none | tis | reject (= mis) | icepop | seq_tis | seq_reject | seq_icepop
+    correction: str = "none"          # none | is (rho) | tis (min(rho, tis_cap)) | mis (rho up to mis_high, else 0) |
+    #                                   reject (1 inside [mis_low, mis_high], else 0) | icepop (rho inside, else 0)
+    #                                   | seq_<each>: on the sequence's rho (losses.TOKEN_CORRECTIONS)
     tis_cap: float = 2.0
-    mis_low: float = 0.5              # the band [mis_low, mis_high] of rho that reject and icepop keep
-    mis_high: float = 5.0
+    mis_low: float = 0.5              # the band [mis_low, mis_high] of rho that reject and icepop keep;
+    mis_high: float = 5.0             # mis keeps rho <= mis_high (masked IS's C)
+    seq_rho: str = "geo_mean"         # seq_*: the sequence's rho as the geometric mean of its tokens' rho, or
+                                      # their product (the papers' Seq-TIS / Seq-MIS, verl's rollout_is=sequence)
     rejected_tokens: str = "zero_weight"   # zero_weight (still counted in the token mean, still carry KL) | drop
     replay: str = "none"              # none | r3
     route_filter: str = "none"        # none | mask | downweight: tokens whose rollout/trainer top-k overlap
@@ -314,7 +323,7 @@ class TrainConfig:
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                  f"--device={self.device!r}: choose auto, cpu, cuda or cuda:N")
         _require(not (self.resume and self.overwrite), "--resume and --overwrite contradict each other: pick one")
-        from losses import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, LOSSES   # the tables the loop runs
+        from losses import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, LOSSES, SEQ_RHOS   # the tables the loop runs
         _require(self.loss in LOSSES, f"--loss={self.loss!r}: choose one of {', '.join(LOSSES)}")
         _require(self.agg == "auto" or self.agg in AGGREGATIONS,
                  f"--agg={self.agg!r}: choose auto or one of {', '.join(AGGREGATIONS)}")
@@ -330,11 +339,26 @@ class TrainConfig:
                  "need lr > 0, grad_clip > 0, tis_cap > 0, kl_coef >= 0")
         _require(0 <= self.eps_low < 1 and self.eps_high >= 0 and 0 <= self.gspo_eps_low < 1,
                  "clip ranges: need 0 <= eps_low < 1, eps_high >= 0, 0 <= gspo_eps_low < 1")
-        _require(0 <= self.mis_low <= self.mis_high, f"--mis_low ({self.mis_low}) must be in [0, mis_high={self.mis_high}]")
+        _require(0 <= self.mis_low <= 1 <= self.mis_high,
+                 f"--mis_low={self.mis_low}, --mis_high={self.mis_high}: need 0 <= mis_low <= 1 <= mis_high "
+                 "(rho = 1, no mismatch, must keep its weight)")
         _require(self.correction in CORRECTIONS, f"--correction={self.correction!r}: choose one of {', '.join(CORRECTIONS)}")
+        _require(self.seq_rho in SEQ_RHOS, f"--seq_rho={self.seq_rho!r}: choose one of {', '.join(SEQ_RHOS)}")
+        _require(0 < self.gspo_log_ratio_max <= 20,
+                 f"--gspo_log_ratio_max={self.gspo_log_ratio_max}: must be in (0, 20] (exp(20) stays finite in fp32)")
         _require(self.replay in ("none", "r3"), f"--replay={self.replay!r}: choose none or r3")
         _require(self.kl_estimator in KL_ESTIMATORS, f"--kl_estimator={self.kl_estimator!r}: {', '.join(KL_ESTIMATORS)}")
-        _require(self.lr_schedule in ("cosine", "constant"), "--lr_schedule: cosine or constant")
+        _require(self.lr_schedule in ("cosine", "constant", "halving"),
+                 f"--lr_schedule={self.lr_schedule!r}: cosine, constant or halving")
+        _require(self.lr_schedule != "halving" or self.lr_decay_period >= 1,
+                 f"--lr_decay_period={self.lr_decay_period}: --lr_schedule=halving needs a period of >= 1 steps")
+        _require(self.lr_schedule == "halving" or self.lr_decay_period == 0,
+                 f"--lr_decay_period={self.lr_decay_period}: only --lr_schedule=halving uses it "
+                 f"(this run's is {self.lr_schedule})")
+        _require(self.lr_schedule != "halving" or 0 <= self.min_lr_ratio <= 1,
+                 f"--min_lr_ratio={self.min_lr_ratio}: --lr_schedule=halving needs a floor in [0, 1]")
+        _require(self.router_lr_scale >= 0,
+                 f"--router_lr_scale={self.router_lr_scale}: must be >= 0 (0 freezes the router)")
         _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
         _require(self.group_size >= 2, "--group_size must be >= 2: advantages compare responses within a group")
         _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")

@@ -53,12 +53,14 @@ def grpo_loss(logp, old_logp, A, mask, cfg):
     return loss, clipped
 
 
-def _gspo_log_ratio(logp, old_logp, mask):
-    """log s_i = mean_t(logp - old_logp), clamped as a whole (the sequence's ratio, not each token's);
-    and whether it is inside the clamp (outside, the gradient is zero in both GSPO forms)."""
+def _gspo_log_ratio(logp, old_logp, mask, cfg):
+    """log s_i = mean_t(logp - old_logp), clamped as a whole (the sequence's ratio, not each token's) to
+    [-20, cfg.gspo_log_ratio_max]; and whether it is inside the clamp (outside, the gradient is zero in
+    both GSPO forms)."""
+    hi = cfg.gspo_log_ratio_max
     m = seq_mean(logp - old_logp, mask)                               # (B,)
-    inside = m.detach().abs() < LOG_RATIO_CLAMP
-    return m.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)[:, None], inside[:, None]
+    inside = (m.detach() > -LOG_RATIO_CLAMP) & (m.detach() < hi)
+    return m.clamp(-LOG_RATIO_CLAMP, hi)[:, None], inside[:, None]
 
 
 def _gspo_clip(s, A, cfg):
@@ -68,14 +70,14 @@ def _gspo_clip(s, A, cfg):
 
 def gspo_loss(logp, old_logp, A, mask, cfg):
     """GSPO: s_i = exp(log s_i) on every token of sequence i, then the sequence-level clip."""
-    log_s, _ = _gspo_log_ratio(logp, old_logp, mask)
+    log_s, _ = _gspo_log_ratio(logp, old_logp, mask, cfg)
     return _gspo_clip(torch.exp(log_s).expand_as(logp), A, cfg)
 
 
 def gspo_token_loss(logp, old_logp, A, mask, cfg):
     """GSPO-token: log s_it = sg[log s_i] + logp_t - sg[logp_t]. Value s_i, gradient per token; with the
     per-sequence mean it equals GSPO's gradient (also at the clamp, where both are zero)."""
-    log_s, inside = _gspo_log_ratio(logp, old_logp, mask)
+    log_s, inside = _gspo_log_ratio(logp, old_logp, mask, cfg)
     s = torch.exp(log_s.detach() + torch.where(inside, logp - logp.detach(), 0.0))
     return _gspo_clip(s, A, cfg)
 
@@ -141,27 +143,38 @@ def _in_band(rho, cfg):
 
 TOKEN_CORRECTIONS: dict[str, Callable] = {
     "none": lambda rho, cfg: torch.ones_like(rho),
-    "tis": lambda rho, cfg: rho.clamp(max=cfg.tis_cap),                         # truncated IS
+    "is": lambda rho, cfg: rho,                                                # vanilla IS: uncapped
+    "tis": lambda rho, cfg: rho.clamp(max=cfg.tis_cap),                         # truncated IS: min(rho, C)
+    "mis": lambda rho, cfg: torch.where(rho <= cfg.mis_high, rho, 0.0),         # masked IS: rho up to C, 0 above
     "reject": lambda rho, cfg: _in_band(rho, cfg).float(),                     # rejection: 1 inside the band
     "icepop": lambda rho, cfg: torch.where(_in_band(rho, cfg), rho, 0.0),      # IcePop: rho inside, 0 outside
 }
-ALIASES = {"mis": "reject", "seq_mis": "seq_reject"}                           # accepted as the same corrections
-CORRECTIONS = tuple(TOKEN_CORRECTIONS) + tuple(f"seq_{c}" for c in TOKEN_CORRECTIONS if c != "none") + tuple(ALIASES)
+REJECTING = ("mis", "reject", "icepop")                                        # the ones that can weigh a token 0
+CORRECTIONS = tuple(TOKEN_CORRECTIONS) + tuple(f"seq_{c}" for c in TOKEN_CORRECTIONS if c != "none")
+SEQ_RHOS = ("geo_mean", "product")
+
+
+def _seq_log_rho(log_rho, mask, seq_rho: str):
+    """A sequence's log rho on each of its tokens: the mean of the token log-ratios (the geometric mean of
+    rho, length-independent) or their sum (the product of rho, the sequence's own likelihood ratio)."""
+    agg = seq_mean(log_rho, mask) if seq_rho == "geo_mean" else (log_rho * mask).sum(-1)
+    return agg[:, None].expand_as(log_rho)
 
 
 def correction_weights(old_logp, rollout_logp, mask, cfg) -> torch.Tensor:
-    """Importance weights (B, T). seq_* use the sequence's geometric-mean rho. With zero mismatch rho == 1
-    exactly, so every weight is exactly 1 (the corrections are no-ops under the contract)."""
-    name = ALIASES.get(cfg.correction, cfg.correction)
+    """Importance weights (B, T). seq_* weigh every token by the sequence's rho (cfg.seq_rho says which).
+    With zero mismatch rho == 1 exactly, so every weight is exactly 1 (the corrections are no-ops under
+    the contract; config keeps 1 inside [mis_low, mis_high])."""
+    name = cfg.correction
     log_rho = (old_logp - rollout_logp).detach()
     if name.startswith("seq_"):
-        log_rho, name = seq_mean(log_rho, mask)[:, None].expand_as(log_rho), name[4:]
+        log_rho, name = _seq_log_rho(log_rho, mask, cfg.seq_rho), name[4:]
     return TOKEN_CORRECTIONS[name](torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), cfg)
 
 
 def rejects(cfg) -> bool:
     """Whether cfg.correction can give a token weight 0 (then --rejected_tokens decides what else it loses)."""
-    return ALIASES.get(cfg.correction, cfg.correction).removeprefix("seq_") in ("reject", "icepop")
+    return cfg.correction.removeprefix("seq_") in REJECTING
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -189,10 +202,14 @@ def route_filter_weights(overlap: torch.Tensor, mode: str, threshold: float) -> 
 # ---------------------------------------------------------------------------------------------------
 # KL to a reference policy, from samples of pi (Schulman's estimators)
 # ---------------------------------------------------------------------------------------------------
+K3_CLAMP = 10.0                   # k3_clamped: verl's low_var_kl bound
+
+
 KL_ESTIMATORS: dict[str, Callable] = {
     "k1": lambda d: -d,
     "k2": lambda d: 0.5 * d * d,
     "k3": lambda d: torch.exp(d) - d - 1,
+    "k3_clamped": lambda d: (torch.exp(d) - d - 1).clamp(max=K3_CLAMP),     # no gradient past the bound
 }
 
 

@@ -50,7 +50,7 @@ from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_
                         trim_metrics)
 from distributed import (Dist, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lower_precision_copy,
                          parallelize, reduce_metrics)
-from model import CheckpointError, Transformer, hf_to_state, read_safetensors_dir
+from model import CheckpointError, MoE, Transformer, hf_to_state, read_safetensors_dir
 from replay import pack_routes, route_audit
 from rollout import Sampler
 from tasks import RewardError, check_reward, make_task
@@ -185,12 +185,21 @@ def plan_resume(tcfg: TrainConfig, state: dict, d: "Dist") -> TrainConfig:
         raise ConfigError(f"--resume: the checkpoint in {tcfg.out_dir!r} is at step {done} and --steps={tcfg.steps}"
                           + (": the run is finished" if tcfg.steps == done else "")
                           + f"; pass --steps=N with N > {done} to train further")
-    saved = state["train_config"].get("lr_decay_steps") or state["train_config"]["steps"]
+    ckpt_cfg = state["train_config"]
+    saved = ckpt_cfg.get("lr_decay_steps") or ckpt_cfg["steps"]
     horizon = tcfg.lr_decay_steps or saved
     if tcfg.lr_schedule == "cosine" and tcfg.steps > horizon:
         d.print0(f"resume: --steps={tcfg.steps} extends the run past its lr horizon of {horizon} steps: lr follows "
                  f"the planned cosine to step {horizon}, then holds at {tcfg.lr * tcfg.min_lr_ratio:.3g} "
                  f"(pass --lr_decay_steps={tcfg.steps} to re-plan the schedule instead)")
+    was = (ckpt_cfg.get("lr_schedule", "cosine"), ckpt_cfg.get("lr_decay_period", 0))
+    if was != (tcfg.lr_schedule, tcfg.lr_decay_period):     # halving needs no horizon: its period is its plan
+        d.print0(f"resume: the lr schedule changes from {was[0]} (period {was[1]}) to {tcfg.lr_schedule} "
+                 f"(period {tcfg.lr_decay_period}): lr is re-planned from step {done + 1}")
+    scale = ckpt_cfg.get("router_lr_scale", 1.0)
+    if (scale == 1) != (tcfg.router_lr_scale == 1):          # one param group or two: see build_optimizer
+        raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the checkpoint's optimizer was built with "
+                          f"router_lr_scale={scale}; resume with 1 on both sides or != 1 on both sides")
     return dataclasses.replace(tcfg, lr_decay_steps=horizon)
 
 
@@ -199,6 +208,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return cfg.lr
+    if cfg.lr_schedule == "halving":                                 # halved every period, down to the floor
+        return cfg.lr * max(cfg.min_lr_ratio, 0.5 ** ((step - cfg.warmup_steps) // cfg.lr_decay_period))
     horizon = cfg.lr_decay_steps or cfg.steps                        # past it, lr stays at its minimum
     progress = 1.0 if step >= horizon else (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
@@ -281,6 +292,28 @@ class OldPolicy:
     audit: tuple | None              # (logp, routes, rows) of a trainer forward before any update
 
 
+def build_optimizer(scorer: nn.Module, tcfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the scorer's parameters, one param group. With --router_lr_scale=S != 1 the MoE router
+    gates get a second group whose lr is S times the first's, set just before each step (the loop sets
+    every group's lr); S = 0 also drops their weight decay, so frozen gates keep their bits."""
+    kw = dict(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
+    if tcfg.router_lr_scale == 1:
+        return torch.optim.AdamW(scorer.parameters(), **kw)
+    gates = {id(p) for m in scorer.modules() if isinstance(m, MoE) for p in m.gate.parameters()}
+    if not gates:
+        raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the model has no MoE layer (no router)")
+    params = list(scorer.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if id(p) not in gates]},
+                             {"params": [p for p in params if id(p) in gates]}], **kw)
+
+    def scale_router_lr(opt, args, kwargs):
+        main, router = opt.param_groups
+        router["lr"] = main["lr"] * tcfg.router_lr_scale
+        router["weight_decay"] = tcfg.weight_decay if tcfg.router_lr_scale > 0 else 0.0
+    opt.register_step_pre_hook(scale_router_lr)
+    return opt
+
+
 def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     """Check the configs against each other, build (or resume) the model, optimizer and sampler."""
     if tcfg.prompts_per_step % d.world or tcfg.minibatch_size % d.world:
@@ -319,8 +352,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         ref_model = (build_model(tcfg, device, dtype) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
     scorer, full_model, sync_full_weights = parallelize(model, tcfg, d)
     rollout_model, sync_rollout_weights = full_model, sync_full_weights
-    opt = torch.optim.AdamW(scorer.parameters(), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2),
-                            weight_decay=tcfg.weight_decay)
+    opt = build_optimizer(scorer, tcfg)
     if state is not None:
         load_optimizer_state(scorer, opt, state["optimizer"], d.world > 1 and tcfg.parallel == "fsdp")
         state = None                                                  # free the host copy

@@ -209,6 +209,16 @@ def test_apply_overrides_wrong_type(key, raw):
     ({"device": "cuda:x"}, "--device='cuda:x'"),
     ({"task": "nope"}, "--task='nope'"),
     ({"resume": "true", "overwrite": "true"}, "--resume and --overwrite contradict"),
+    ({"lr_schedule": "halving"}, "--lr_decay_period=0: --lr_schedule=halving needs a period of >= 1 steps"),
+    ({"lr_schedule": "halving", "lr_decay_period": "-2"}, "--lr_decay_period=-2"),
+    ({"lr_decay_period": "10"}, "--lr_decay_period=10: only --lr_schedule=halving uses it"),
+    ({"lr_schedule": "linear"}, "--lr_schedule='linear': cosine, constant or halving"),
+    ({"router_lr_scale": "-0.5"}, "--router_lr_scale=-0.5: must be >= 0"),
+    ({"correction": "seq_none"}, "--correction='seq_none': choose one of none, is, tis, mis, reject, icepop"),
+    ({"seq_rho": "sum"}, "--seq_rho='sum': choose one of geo_mean, product"),
+    ({"gspo_log_ratio_max": "0"}, "--gspo_log_ratio_max=0.0: must be in (0, 20]"),
+    ({"mis_high": "0.8"}, "need 0 <= mis_low <= 1 <= mis_high"),
+    ({"kl_estimator": "k4"}, "--kl_estimator='k4': k1, k2, k3, k3_clamped"),
 ])
 def test_train_config_names_the_bad_field(overrides, needle):
     from config import RolloutConfig, TrainConfig
@@ -216,7 +226,9 @@ def test_train_config_names_the_bad_field(overrides, needle):
         apply_overrides(overrides, TrainConfig(), RolloutConfig())
     assert needle in str(e.value)
     tcfg, rcfg = TrainConfig(), RolloutConfig()                       # control: good values pass
-    apply_overrides({"steps": "1", "device": "cuda:1", "lr": "0.5", "task": "reverse"}, tcfg, rcfg)
+    apply_overrides({"steps": "1", "device": "cuda:1", "lr": "0.5", "task": "reverse", "lr_schedule": "halving",
+                     "lr_decay_period": "3", "router_lr_scale": "0", "correction": "seq_mis", "seq_rho": "product",
+                     "gspo_log_ratio_max": "10", "kl_estimator": "k3_clamped"}, tcfg, rcfg)
 
 
 def test_model_config_rejects_non_finite():

@@ -84,28 +84,70 @@ def test_gspo_and_gspo_token_gradients_are_equal_everywhere(scale):
         assert (m.abs() > 20).any() and torch.equal(ga[m.abs() > 20], torch.zeros_like(ga[m.abs() > 20]))
 
 
-def test_rejection_icepop_and_tis_by_hand():
+def test_each_correction_by_hand():
     mu = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
     old = torch.log(torch.tensor([[0.5, 2.0, 0.1, 3.0]]))          # rho = 1, 4, 0.2, 6
     mask = torch.ones(1, 4)
-    w = {c: losses.correction_weights(old, mu, mask, cfg(correction=c)) for c in ("tis", "reject", "mis", "icepop")}
-    assert torch.allclose(w["tis"], torch.tensor([[1.0, 2.0, 0.2, 2.0]]))
-    assert torch.equal(w["reject"], torch.tensor([[1.0, 1.0, 0.0, 0.0]]))     # band [0.5, 5]: 1 inside
-    assert torch.equal(w["mis"], w["reject"])                                 # the old name, same thing
-    assert torch.allclose(w["icepop"], torch.tensor([[1.0, 4.0, 0.0, 0.0]]))  # rho inside, 0 outside
-    geo = (1 * 4 * 0.2 * 6) ** 0.25                                           # 1.57: inside the band
-    assert torch.allclose(losses.correction_weights(old, mu, mask, cfg(correction="seq_icepop")), torch.full((1, 4), geo))
-    assert torch.equal(losses.correction_weights(old, mu, mask, cfg(correction="seq_reject")), torch.ones(1, 4))
-    assert losses.rejects(cfg(correction="icepop")) and losses.rejects(cfg(correction="seq_mis"))
-    assert not losses.rejects(cfg(correction="tis"))
+    w = {c: losses.correction_weights(old, mu, mask, cfg(correction=c))
+         for c in ("is", "tis", "mis", "reject", "icepop")}
+    assert torch.allclose(w["is"], torch.tensor([[1.0, 4.0, 0.2, 6.0]]))        # vanilla IS: uncapped
+    assert torch.allclose(w["tis"], torch.tensor([[1.0, 2.0, 0.2, 2.0]]))       # min(rho, 2)
+    assert torch.allclose(w["mis"], torch.tensor([[1.0, 4.0, 0.2, 0.0]]))       # masked IS: rho up to 5, 0 above
+    assert torch.equal(w["reject"], torch.tensor([[1.0, 1.0, 0.0, 0.0]]))      # band [0.5, 5]: 1 inside
+    assert torch.allclose(w["icepop"], torch.tensor([[1.0, 4.0, 0.0, 0.0]]))   # rho inside, 0 outside
+    assert not torch.equal(w["mis"], w["reject"])                              # masked IS is not rejection
+    geo = (1 * 4 * 0.2 * 6) ** 0.25                                            # 1.57: inside the band
+    seq = lambda c, **kw: losses.correction_weights(old, mu, mask, cfg(correction=c, **kw))  # noqa: E731
+    assert torch.allclose(seq("seq_is"), torch.full((1, 4), geo))
+    assert torch.allclose(seq("seq_icepop"), torch.full((1, 4), geo))
+    assert torch.allclose(seq("seq_mis"), torch.full((1, 4), geo))
+    assert torch.equal(seq("seq_reject"), torch.ones(1, 4))
+    # the product of rho (4.8): seq_tis truncates it to 2, seq_mis keeps it (<= 5), seq_icepop too
+    assert torch.allclose(seq("seq_tis", seq_rho="product"), torch.full((1, 4), 2.0))
+    assert torch.allclose(seq("seq_mis", seq_rho="product"), torch.full((1, 4), 4.8))
+    assert torch.allclose(seq("seq_mis", seq_rho="product", mis_high=4.0), torch.zeros(1, 4))
+    assert torch.allclose(seq("seq_tis"), torch.full((1, 4), geo))              # control: geo_mean is below the cap
+    pad = torch.tensor([[1.0, 1.0, 0.0, 0.0]])                                 # padding is outside the sequence
+    assert torch.allclose(losses.correction_weights(old, mu, pad, cfg(correction="seq_is", seq_rho="product")),
+                          torch.full((1, 4), 4.0))
+    for c in ("mis", "reject", "icepop", "seq_mis", "seq_icepop"):
+        assert losses.rejects(cfg(correction=c))
+    for c in ("none", "is", "tis", "seq_tis"):
+        assert not losses.rejects(cfg(correction=c))
 
 
+@pytest.mark.parametrize("seq_rho", losses.SEQ_RHOS)
 @pytest.mark.parametrize("corr", [c for c in losses.CORRECTIONS if c != "none"])
-def test_every_correction_is_an_exact_noop_without_mismatch(corr):
+def test_every_correction_is_an_exact_noop_without_mismatch(corr, seq_rho):
     g = torch.Generator().manual_seed(2)
     logp = -torch.rand(3, 4, generator=g)
-    w = losses.correction_weights(logp.clone(), logp.clone(), torch.ones(3, 4), cfg(correction=corr))
+    mask = torch.ones(3, 4)
+    mask[1, 2:] = 0
+    w = losses.correction_weights(logp.clone(), logp.clone(), mask, cfg(correction=corr, seq_rho=seq_rho))
     assert torch.equal(w, torch.ones_like(w))
+    shifted = losses.correction_weights(logp + 2.0, logp, mask, cfg(correction=corr, seq_rho=seq_rho))
+    assert not torch.equal(shifted, torch.ones_like(w))                        # control: a mismatch moves it
+
+
+def test_the_old_mis_alias_is_gone_and_bands_must_keep_rho_one():
+    with pytest.raises(ConfigError, match="mis_low <= 1 <= mis_high"):
+        cfg(mis_low=1.5, mis_high=5.0)                                         # would reject on-policy tokens
+    with pytest.raises(ConfigError, match="seq_rho"):
+        cfg(seq_rho="sum")
+    with pytest.raises(ConfigError, match="gspo_log_ratio_max"):
+        cfg(gspo_log_ratio_max=25.0)
+    with pytest.raises(ConfigError, match="choose one of none, is, tis, mis, reject, icepop"):
+        cfg(correction="seq_none")
+
+
+def test_gspo_log_ratio_max_and_k3_clamped_by_hand():
+    logp, old, mask = torch.tensor([[12.0, 12.0]]), torch.zeros(1, 2), torch.ones(1, 2)
+    for c, value in ((cfg(loss="gspo"), math.exp(12.0)), (cfg(loss="gspo", gspo_log_ratio_max=10.0), math.exp(10.0))):
+        loss, _ = losses.policy_loss(logp, old, torch.tensor([-1.0]), mask, c)
+        assert torch.allclose(loss, torch.full((1, 2), value))
+    d = torch.tensor([-1.0, 3.0])                                              # ref - logp: k3 = e^-1, e^3 - 4
+    assert torch.allclose(losses.kl_penalty(torch.zeros(2), d, "k3"), torch.tensor([math.exp(-1.0), math.exp(3.0) - 4]))
+    assert torch.allclose(losses.kl_penalty(torch.zeros(2), d, "k3_clamped"), torch.tensor([math.exp(-1.0), 10.0]))
 
 
 def test_route_overlap_and_filter_by_hand():
@@ -117,3 +159,167 @@ def test_route_overlap_and_filter_by_hand():
     assert torch.equal(losses.route_filter_weights(ov, "downweight", 0.6), torch.tensor([[1.0, 0.5]]))
     assert torch.equal(losses.route_filter_weights(ov, "none", 0.6), torch.ones(1, 2))
     assert torch.equal(losses.route_overlap(rollout, rollout), torch.ones(1, 2))   # no flips: weight 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# cross-check against verl (verl-project/verl at 1dda039: trainer/ppo/core_algos.py and
+# rollout_corr_helper.py): the formulas below are re-derived from reading that code, as references
+# ---------------------------------------------------------------------------------------------------
+def _verl_agg(loss, mask, mode, n_seq):
+    if mode == "token-mean":                                         # batch_num_tokens: the kept tokens
+        return (loss * mask).sum() / mask.sum()
+    seq = (loss * mask).sum(-1) / (mask.sum(-1) + 1e-8)              # seq-mean-token-mean
+    return seq.sum() / n_seq
+
+
+def _verl_pg(kind, old, logp, A, mask, c):
+    """Per-token policy loss of verl's vanilla (dual-clip), gspo (token form), sapo, cispo; A is (B, T)."""
+    if kind == "gspo":
+        seq = ((logp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        s = torch.exp((logp - logp.detach() + seq.detach()[:, None]).clamp(max=10.0))
+        return torch.maximum(-A * s, -A * s.clamp(1 - c.gspo_eps_low, 1 + c.gspo_eps_high))
+    r = torch.exp((logp - old).clamp(-20.0, 20.0))
+    if kind == "sapo":
+        tau = torch.where(A > 0, c.sapo_tau_pos, c.sapo_tau_neg)
+        return -torch.sigmoid(tau * (r - 1)) * (4.0 / tau) * A
+    if kind == "cispo":
+        return -r.clamp(1 - c.eps_low, 1 + c.eps_high).detach() * A * logp
+    clip1 = torch.maximum(-A * r, -A * r.clamp(1 - c.eps_low, 1 + c.eps_high))
+    return torch.where(A < 0, torch.minimum(-A * c.dual_clip_c, clip1), clip1)
+
+
+def _verl_kl(logp, ref, kind):
+    if kind == "k1":
+        return logp - ref
+    if kind == "k2":
+        return 0.5 * (logp - ref) ** 2
+    kl = (ref - logp).clamp(-20.0, 20.0)                             # low_var_kl
+    return (torch.exp(kl) - kl - 1).clamp(-10.0, 10.0)
+
+
+def _verl_is_weights(log_ratio, mask, level, upper, lower=None):
+    """rollout_is=token|sequence (the product); a float threshold truncates (TIS), lower_upper masks (IcePop)."""
+    lr = log_ratio if level == "token" else (log_ratio * mask).sum(-1, keepdim=True)
+    w = torch.exp(lr.clamp(-20.0, 20.0)).expand_as(log_ratio) * mask
+    return w.clamp(max=upper) if lower is None else torch.where((w >= lower) & (w <= upper), w, 0.0)
+
+
+def _verl_rs_keep(log_ratio, mask, level, lower, upper):
+    """rollout_rs=token_k1|seq_mean_k1 with threshold lower_upper: keep lower <= mu / pi_old <= upper."""
+    k1 = -log_ratio.clamp(-20.0, 20.0)
+    if level == "seq":
+        k1 = ((k1 * mask).sum(-1) / (mask.sum(-1) + 1e-8))[:, None].expand_as(k1)
+    return ((k1 >= math.log(lower)) & (k1 <= math.log(upper))).float()
+
+
+def _batch(seed=0, B=6, T=7):
+    g = torch.Generator().manual_seed(seed)
+    mu = -torch.rand(B, T, generator=g) * 3                          # rollout log-probs
+    old = mu + 0.6 * torch.randn(B, T, generator=g)                  # trainer's: rho from ~0.2 to ~5
+    logp = old + 0.3 * torch.randn(B, T, generator=g)                # the updated policy
+    ref = logp + 0.8 * torch.randn(B, T, generator=g)
+    mask = torch.ones(B, T)
+    mask[1, 4:] = 0
+    mask[4, 2:] = 0
+    return logp, old, mu, ref, torch.randn(B, generator=g), mask
+
+
+def _ours(c, logp0, old, mu, ref, adv, mask):
+    """The loss of train.py's update on one minibatch (weights, loss mask, KL, aggregation) and its gradient."""
+    logp = logp0.clone().requires_grad_(True)
+    w = losses.correction_weights(old, mu, mask, c)
+    m = mask * (w > 0) if c.rejected_tokens == "drop" and losses.rejects(c) else mask
+    L = losses.policy_loss(logp, old, adv, m, c)[0] * w
+    if c.kl_coef > 0:
+        L = L + c.kl_coef * losses.kl_penalty(logp, ref, c.kl_estimator)
+    loss = losses.aggregate(L, m, c.aggregation, int(m.sum()), mask.shape[0], mask.shape[1])
+    loss.backward()
+    return loss.detach(), logp.grad
+
+
+def _verl(c, kind, mode, logp0, old, mu, ref, adv, mask, is_=None, rs=None, kl=None):
+    logp = logp0.clone().requires_grad_(True)
+    m = mask * _verl_rs_keep(old - mu, mask, *rs) if rs else mask     # rejection edits response_mask
+    pg = _verl_pg(kind, old, logp, adv[:, None].expand_as(logp), m, c)
+    if is_:
+        pg = pg * _verl_is_weights(old - mu, mask, *is_)
+    loss = _verl_agg(pg, m, mode, mask.shape[0])
+    if kl:
+        loss = loss + c.kl_coef * _verl_agg(_verl_kl(logp, ref, kl), m, mode, mask.shape[0])
+    loss.backward()
+    return loss.detach(), logp.grad
+
+
+# ours (TrainConfig overrides) -> verl (loss_mode, loss_agg_mode, rollout IS, rollout RS, KL type). Our band
+# [mis_low, mis_high] = [0.5, 5] keeps rho; verl's k1 bounds are on mu / pi_old: [1/5, 1/0.5].
+VERL_CASES = {
+    "grpo_dual_clip": (dict(dual_clip_c=3.0), ("vanilla", "token-mean", None, None, None)),
+    "grpo_k1": (dict(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k1"), ("vanilla", "token-mean", None, None, "k1")),
+    "grpo_k2": (dict(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k2"), ("vanilla", "token-mean", None, None, "k2")),
+    "grpo_k3": (dict(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k3_clamped"),
+                ("vanilla", "token-mean", None, None, "k3")),
+    "cispo": (dict(loss="cispo"), ("cispo", "token-mean", None, None, None)),
+    "sapo": (dict(loss="sapo"), ("sapo", "seq-mean-token-mean", None, None, None)),
+    "gspo": (dict(loss="gspo", gspo_log_ratio_max=10.0), ("gspo", "seq-mean-token-mean", None, None, None)),
+    "gspo_token": (dict(loss="gspo_token", gspo_log_ratio_max=10.0), ("gspo", "seq-mean-token-mean", None, None, None)),
+    "tis": (dict(dual_clip_c=3.0, correction="tis"), ("vanilla", "token-mean", ("token", 2.0), None, None)),
+    "seq_tis": (dict(dual_clip_c=3.0, correction="seq_tis", seq_rho="product"),
+                ("vanilla", "token-mean", ("sequence", 2.0), None, None)),
+    "icepop": (dict(dual_clip_c=3.0, correction="icepop"), ("vanilla", "token-mean", ("token", 5.0, 0.5), None, None)),
+    "seq_icepop": (dict(dual_clip_c=3.0, correction="seq_icepop", seq_rho="product"),
+                   ("vanilla", "token-mean", ("sequence", 5.0, 0.5), None, None)),
+    "reject": (dict(dual_clip_c=3.0, correction="reject", rejected_tokens="drop"),
+               ("vanilla", "token-mean", None, ("token", 0.2, 2.0), None)),
+    "seq_reject": (dict(dual_clip_c=3.0, correction="seq_reject", rejected_tokens="drop"),
+                   ("vanilla", "token-mean", None, ("seq", 0.2, 2.0), None)),
+    "gspo_reject": (dict(loss="gspo", gspo_log_ratio_max=10.0, correction="reject", rejected_tokens="drop"),
+                    ("gspo", "seq-mean-token-mean", None, ("token", 0.2, 2.0), None)),
+}
+
+
+@pytest.mark.parametrize("name", VERL_CASES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_losses_and_gradients_equal_verls(name, seed):
+    over, (kind, mode, is_, rs, kl) = VERL_CASES[name]
+    c = cfg(**over)
+    logp, old, mu, ref, adv, mask = _batch(seed)
+    rho = torch.exp(old - mu)[mask > 0]
+    assert ((rho < 0.5) | (rho > 5)).any() and (rho > 2).any()       # the caps and bands do act here
+    ours, g_ours = _ours(c, logp, old, mu, ref, adv, mask)
+    ref_loss, g_ref = _verl(c, kind, mode, logp, old, mu, ref, adv, mask, is_, rs, kl)
+    assert torch.allclose(ours, ref_loss, rtol=1e-5, atol=1e-7), (ours, ref_loss)
+    assert torch.allclose(g_ours, g_ref, rtol=1e-5, atol=1e-7)
+    assert g_ours.abs().sum() > 0
+
+
+def test_verl_gspo_clamp_acts_and_the_default_differs_there():
+    logp, old, mu, ref, adv, mask = _batch(3)
+    logp, adv = logp.clone(), adv.clone()
+    logp[0] += 12.0                                                  # row 0: a sequence log-ratio of ~12, ...
+    adv[0] = -1.0                                                    # ... and A < 0, so the clip does not cap it
+    c10, c20 = cfg(loss="gspo", gspo_log_ratio_max=10.0), cfg(loss="gspo")
+    verl_loss, verl_g = _verl(c10, "gspo", "seq-mean-token-mean", logp, old, mu, ref, adv, mask)
+    ours, g = _ours(c10, logp, old, mu, ref, adv, mask)
+    assert torch.allclose(ours, verl_loss, rtol=1e-5) and torch.allclose(g, verl_g, rtol=1e-5, atol=1e-7)
+    assert torch.equal(g[0], torch.zeros_like(g[0]))                 # past the clamp: no gradient in either
+    default, _ = _ours(c20, logp, old, mu, ref, adv, mask)
+    assert not torch.allclose(default, verl_loss, rtol=1e-3)         # control: +-20 keeps exp(12) there
+
+
+def test_the_documented_differences_from_verl_are_real():
+    """Each default that docs/design.md lists as differing from verl does differ on this batch."""
+    logp, old, mu, ref, adv, mask = _batch(4)
+    ref = ref.clone()
+    ref[0, 0] = logp[0, 0] + 3.0                                     # k3 = e^3 - 4 = 16 > 10
+    run = lambda c, *a, **kw: (_ours(c, logp, old, mu, ref, adv, mask)[0],  # noqa: E731
+                               _verl(c, *a, logp, old, mu, ref, adv, mask, **kw)[0])
+    ours, verl = run(cfg(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k3"), "vanilla", "token-mean", kl="k3")
+    assert not torch.allclose(ours, verl, rtol=1e-4)                 # k3 unclamped
+    ours, verl = run(cfg(dual_clip_c=3.0, correction="seq_tis"), "vanilla", "token-mean", is_=("sequence", 2.0))
+    assert not torch.allclose(ours, verl, rtol=1e-4)                 # seq_* on the geometric mean
+    ours, verl = run(cfg(dual_clip_c=3.0, correction="icepop", rejected_tokens="drop"), "vanilla", "token-mean",
+                     is_=("token", 5.0, 0.5))
+    assert not torch.allclose(ours, verl, rtol=1e-4)                 # verl's IcePop keeps the tokens counted
+    ours, verl = run(cfg(loss="gspo", gspo_log_ratio_max=10.0, correction="reject"), "gspo", "seq-mean-token-mean",
+                     rs=("token", 0.2, 2.0))
+    assert not torch.allclose(ours, verl, rtol=1e-4)                 # zero_weight: GSPO's ratio covers them

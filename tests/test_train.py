@@ -1,4 +1,5 @@
 """train.py: the loss formulas, corrections, routing replay, an end-to-end run, and resume."""
+import dataclasses
 import json
 import math
 import os
@@ -138,7 +139,7 @@ def test_corrections_act_on_mismatch():
     old = torch.log(torch.tensor([[0.5, 2.0, 0.1]]))               # rho = 1, 4, 0.2
     mask = torch.ones(1, 3)
     assert torch.allclose(train.correction_weights(old, mu, mask, cfg(correction="tis")), torch.tensor([[1.0, 2.0, 0.2]]))
-    assert torch.equal(train.correction_weights(old, mu, mask, cfg(correction="mis")), torch.tensor([[1.0, 1.0, 0.0]]))
+    assert torch.equal(train.correction_weights(old, mu, mask, cfg(correction="reject")), torch.tensor([[1.0, 1.0, 0.0]]))
     rho_seq = (1 * 4 * 0.2) ** (1 / 3)
     assert torch.allclose(train.correction_weights(old, mu, mask, cfg(correction="seq_tis")), torch.full((1, 3), rho_seq))
 
@@ -272,3 +273,107 @@ def test_kernels_backend_field(monkeypatch):
         assert seen[-1] == want and kernels.get_backend() == before
     with pytest.raises(ConfigError, match="kernels_backend"):
         TrainConfig(kernels_backend="cuda")
+
+
+# ---- the lr schedule and the router's lr ------------------------------------------------------------
+def test_halving_lr_by_hand():
+    c = cfg(lr=1.0, warmup_steps=2, lr_schedule="halving", lr_decay_period=3, min_lr_ratio=0.1)
+    expected = [0.5, 1.0] + [1.0] * 3 + [0.5] * 3 + [0.25] * 3 + [0.125] * 3 + [0.1] * 2     # warmup 2, period 3
+    assert [train.lr_at(s, c) for s in range(16)] == expected
+    assert train.lr_at(10_000, c) == 0.1                             # the floor, for good
+    for bad, needle in ((dict(lr_schedule="halving"), "--lr_decay_period=0"),
+                        (dict(lr_decay_period=5), "only --lr_schedule=halving uses it"),
+                        (dict(lr_schedule="halving", lr_decay_period=5, min_lr_ratio=2.0), "--min_lr_ratio=2.0"),
+                        (dict(lr_schedule="step"), "--lr_schedule='step'")):
+        with pytest.raises(ConfigError, match=needle):
+            cfg(**bad)
+
+
+def test_halving_resume_continues_the_same_lr_sequence(tmp_path, capsys):
+    timing = {"step_time", "rollout_tokens_per_s"}
+    halving = ["--lr_schedule=halving", "--lr_decay_period=2", "--warmup_steps=1"]
+    full = _run(tmp_path / "a", SMALL + halving + ["--steps=6", "--save_every=3"])
+    assert [h["lr"] for h in full] == [1e-2 * f for f in (1, 1, 1, 0.5, 0.5, 0.25)]   # warmup 1, then halvings
+    _run(tmp_path / "b", SMALL + halving + ["--steps=3", "--save_every=3"])       # a 3-step run, then extended
+    resumed = _run(tmp_path / "b", SMALL + halving + ["--steps=6", "--resume=true"])
+    for a, b in zip(full[3:], resumed):
+        assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+    assert "re-planned" not in capsys.readouterr().out
+    _run(tmp_path / "b", SMALL + ["--lr_schedule=halving", "--lr_decay_period=1", "--steps=7", "--resume=true"])
+    assert "re-planned from step 7" in capsys.readouterr().out       # another period is a new plan, and says so
+
+
+def _grads(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _gate_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.5])
+def test_router_lr_scale_trains_the_gates_at_lr_times_s(scale):
+    tcfg = cfg(router_lr_scale=scale, weight_decay=0.1, lr=1e-2)
+    model, gates_only = _model(), _model()
+    gates0 = _gate_weights(model)
+    assert len(gates0) == len(model.config.moe_layers)
+    opt = train.build_optimizer(model, tcfg)
+    ref = torch.optim.AdamW([p for n, p in gates_only.named_parameters() if n in gates0], lr=tcfg.lr * scale,
+                            betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay if scale else 0.0)
+    for step in range(3):
+        for g in opt.param_groups:                                   # as the loop sets it: every group, lr_at
+            g["lr"] = tcfg.lr / (step + 1)
+        for g in ref.param_groups:
+            g["lr"] = tcfg.lr * scale / (step + 1)
+        _grads(model, step), _grads(gates_only, step)
+        opt.step(), ref.step()
+    after, expected = _gate_weights(model), _gate_weights(gates_only)
+    for n in gates0:
+        assert torch.equal(after[n], expected[n])
+        if scale == 0:                                               # frozen: bitwise, weight decay included
+            assert torch.equal(after[n].view(torch.int32), gates0[n].view(torch.int32))
+        else:
+            assert not torch.equal(after[n], gates0[n])
+    init = dict(_model().named_parameters())
+    moved = [n for n, p in model.named_parameters() if n not in gates0 and not torch.equal(p, init[n])]
+    assert len(moved) == len(init) - len(gates0)                     # everything else trains at lr
+
+
+def test_router_lr_scale_default_keeps_one_param_group_and_adamws_bits():
+    model, plain = _model(), _model()
+    opt = train.build_optimizer(model, cfg(weight_decay=0.1))
+    assert len(opt.param_groups) == 1
+    ref = torch.optim.AdamW(plain.parameters(), lr=cfg().lr, betas=(cfg().beta1, cfg().beta2), weight_decay=0.1)
+    for step in range(2):
+        _grads(model, step), _grads(plain, step)
+        opt.step(), ref.step()
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), n
+    frozen = train.build_optimizer(_model(), cfg(router_lr_scale=0.0))
+    assert len(frozen.param_groups) == 2                             # control: S != 1 splits the gates off
+
+
+def test_router_lr_scale_errors():
+    dense = Transformer(ModelConfig(num_experts=0))
+    with pytest.raises(ConfigError, match="no MoE layer"):
+        train.build_optimizer(dense, cfg(router_lr_scale=0.0))
+    with pytest.raises(ConfigError, match="--router_lr_scale=-1.0"):
+        cfg(router_lr_scale=-1.0)
+    d = train.Dist(rank=0, world=1, device=torch.device("cpu"))
+    state = {"step": 2, "train_config": dataclasses.asdict(cfg(steps=2))}
+    with pytest.raises(ConfigError, match="router_lr_scale=1.0; resume with 1"):
+        train.plan_resume(cfg(steps=4, router_lr_scale=0.0, resume=True), state, d)
+    train.plan_resume(cfg(steps=4, resume=True), state, d)           # control: the same layout resumes
+
+
+def test_a_run_with_a_frozen_router_keeps_its_gates(tmp_path):
+    _run(tmp_path, SMALL + ["--steps=2", "--save_every=2", "--router_lr_scale=0", "--weight_decay=0.1"])
+    trained = Transformer.from_pretrained(str(tmp_path / "ckpt-000002"))
+    init = train.build_model(cfg(), torch.device("cpu"), torch.float32)
+    gates, start = _gate_weights(trained), _gate_weights(init)
+    assert gates and all(torch.equal(gates[n], start[n]) for n in gates)
+    experts = [n for n, _ in trained.named_parameters() if n.endswith("w13")]
+    trained_p, init_p = dict(trained.named_parameters()), dict(init.named_parameters())
+    assert experts and all(not torch.equal(trained_p[n], init_p[n]) for n in experts)   # control: the rest trains
