@@ -14,6 +14,9 @@ Your own task: a JSONL file with one {"prompt": "...", "answer": ...} object per
 where `def reward(prompt: str, response: str, answer) -> float` lives in my_mod.py. It must return a
 finite number (int, float, bool, or a numpy scalar): anything else (a string, None, NaN) stops the run with
 a message naming the function, the example and the value (see `check_reward`).
+
+A new built-in task is one entry in TASKS (at the bottom): --task=NAME builds it, and config.py checks
+--task against the same table. Mistakes in a task's files raise TaskError (one line `error: ...`).
 """
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ import os
 import random
 from dataclasses import dataclass
 from typing import Any, Callable
-
 
 
 class TaskError(ValueError):
@@ -188,7 +190,7 @@ def load_tokenizer(path: str):
         from tokenizers import Tokenizer
     except ImportError:
         raise TaskError("--tokenizer: reading a tokenizer.json needs the `tokenizers` package: "
-                          "pip install tokenizers") from None
+                       "pip install tokenizers") from None
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
@@ -217,7 +219,7 @@ def load_function(spec: str) -> Callable:
             if not (e.name == mod_name or mod_name.startswith(f"{e.name}.")):
                 raise                      # the module exists but an import inside it failed: show where
             raise TaskError(f"--reward_fn={spec!r}: no module {mod_name!r} on the path "
-                              "(run from its folder, or pass path/to/file.py:function)") from None
+                           "(run from its folder, or pass path/to/file.py:function)") from None
     if not callable(getattr(module, fn_name, None)):
         raise TaskError(f"--reward_fn={spec!r}: {mod_name} has no function {fn_name!r}")
     return getattr(module, fn_name)

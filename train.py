@@ -397,7 +397,8 @@ def unchecked(model: Transformer) -> Callable:
     return partial(model.score, check=False)
 
 
-def forward(run: Run, score: Callable, b: Batch, rows: torch.Tensor, *, grad: bool, with_entropy: bool = False) -> Scored:
+def forward(run: Run, score: Callable, b: Batch, rows: torch.Tensor, *, grad: bool,
+            with_entropy: bool = False) -> Scored:
     """One forward of b (rows `rows` of the rollout batch) through score: the trainer's scorer (DDP /
     FSDP2 hook its call) or unchecked(model) (the old and reference policies); under R3 it replays the
     rollout's routes. Nothing here reads a tensor back: make_batch and pack_routes checked the batch."""

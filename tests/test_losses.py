@@ -210,4 +210,4 @@ def test_route_filter_by_hand():
     assert torch.equal(losses.route_filter_weights(ov, "mask", 0.6), torch.tensor([[1.0, 0.0]]))
     assert torch.equal(losses.route_filter_weights(ov, "downweight", 0.6), torch.tensor([[1.0, 0.5]]))
     assert torch.equal(losses.route_filter_weights(ov, "none", 0.6), torch.ones(1, 2))
-    assert torch.equal(losses.route_filter_weights(torch.ones(1, 2), "mask", 0.6), torch.ones(1, 2))   # no flips: weight 1
+    assert torch.equal(losses.route_filter_weights(torch.ones(1, 2), "mask", 0.6), torch.ones(1, 2))   # no flips: 1
