@@ -21,6 +21,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from tasks import TASKS     # the task table (tasks.py imports nothing of this module)
+
 
 class ConfigError(ValueError):
     """A config value, key or file that cannot be used; the message says what to change."""
@@ -234,9 +236,6 @@ class RolloutConfig:
                  "need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
 
 
-TASKS = ("copy", "reverse", "jsonl")
-
-
 @dataclass
 class TrainConfig:
     init_from: str = "tiny"           # a model preset name or an HF checkpoint directory
@@ -249,7 +248,7 @@ class TrainConfig:
     parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
     kernels_backend: str = ""         # "" (KERNELS_BACKEND, default auto: Triton on CUDA) | auto | torch | triton
     # data
-    task: str = "copy"                # copy | reverse | jsonl (see tasks.py)
+    task: str = "copy"                # a name in tasks.TASKS: copy | reverse | jsonl
     n_digits: int = 4
     data: str = ""                    # --task=jsonl: the JSONL file
     tokenizer: str = ""               # --task=jsonl: an HF tokenizer.json
@@ -269,7 +268,7 @@ class TrainConfig:
     warmup_steps: int = 5
     lr_schedule: str = "cosine"       # cosine | constant | halving (after warmup, halve every lr_decay_period
                                       # steps, never below lr * min_lr_ratio)
-    lr_decay_steps: int = 0           # the cosine's horizon; 0: --steps (saved in checkpoints: a resume keeps it)
+    lr_decay_steps: int = 0           # the cosine's horizon; 0: --steps (on resume: docs/design.md, "The learning-rate horizon")
     lr_decay_period: int = 0          # --lr_schedule=halving: steps per halving (required there, 0 elsewhere)
     router_lr_scale: float = 1.0      # the MoE router gate weights train at lr * S (0 freezes them; the
                                       # score-correction bias is --expert_bias_update_rate's)
@@ -319,7 +318,7 @@ class TrainConfig:
             _require(getattr(self, name) > 0, f"--{name}={getattr(self, name)}: must be >= 1")
         for name in ("micro_batch_size", "logits_chunk", "lr_decay_steps", "skip_nonfinite_steps", "warmup_steps"):
             _require(getattr(self, name) >= 0, f"--{name}={getattr(self, name)}: must be >= 0")
-        _require(self.task in TASKS, f"--task={self.task!r}: choose one of {TASKS}")
+        _require(self.task in TASKS, f"--task={self.task!r}: choose one of {tuple(TASKS)}")
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                  f"--device={self.device!r}: choose auto, cpu, cuda or cuda:N")
         _require(not (self.resume and self.overwrite), "--resume and --overwrite contradict each other: pick one")
@@ -382,6 +381,13 @@ class TrainConfig:
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
+def parse_bool(key: str, raw: str) -> bool:
+    """The one reading of a bool option: 1 / true / yes / on or 0 / false / no / off, any case."""
+    if raw.lower() in _TRUE | _FALSE:
+        return raw.lower() in _TRUE
+    raise ConfigError(f"--{key} expects bool, got {raw!r}")
+
+
 def _convert(key: str, raw: str, tp):
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -393,19 +399,15 @@ def _convert(key: str, raw: str, tp):
         (inner, *_) = typing.get_args(tp) or (str,)
         items = [s for s in raw.replace("[", "").replace("]", "").split(",") if s.strip()]
         return [_convert(key, s.strip(), inner) for s in items]
-    conv = {int: int, float: float, str: str, bool: _parse_bool}.get(tp)
+    if tp is bool:
+        return parse_bool(key, raw)
+    conv = {int: int, float: float, str: str}.get(tp)
     if conv is None:
         raise ConfigError(f"--{key}: unsupported field type {tp}")
     try:
         return conv(raw)
     except ValueError:
         raise ConfigError(f"--{key} expects {tp.__name__}, got {raw!r}") from None
-
-
-def _parse_bool(raw: str) -> bool:
-    if raw.lower() in _TRUE | _FALSE:
-        return raw.lower() in _TRUE
-    raise ValueError(raw)
 
 
 def parse_args(argv: list[str]) -> dict[str, str]:

@@ -58,14 +58,19 @@ def init_distributed(device: str) -> Dist:
 
 
 class Scorer(nn.Module):
-    """model.score as a module call: DDP and FSDP2 hook __call__, so training goes through this."""
+    """model.score as a module call: DDP and FSDP2 hook __call__, so training goes through this.
+
+    The trainer's hot path: score runs unchecked (its checks read tensors back, a sync on a GPU); the
+    trainer checks its batches where it builds them (train.make_batch, audit.pack_routes).
+    """
 
     def __init__(self, model: Transformer):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens, temperature, routes=None, with_entropy=False, logits_chunk=0):
-        out = self.model.score(tokens, temperature, routes, with_entropy, logits_chunk)
+    def forward(self, tokens, *, temperature: float, routes=None, with_entropy: bool = False, logits_chunk: int = 0):
+        out = self.model.score(tokens, temperature=temperature, routes=routes, with_entropy=with_entropy,
+                               logits_chunk=logits_chunk, check=False)
         return (out[0].clone(), *out[1:])                             # FSDP2 wants no view outputs
 
 

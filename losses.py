@@ -180,17 +180,10 @@ def rejects(cfg) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # route-consistency filter: the cheaper alternative to R3
 # ---------------------------------------------------------------------------------------------------
-def route_overlap(rollout_routes: torch.Tensor, train_routes: torch.Tensor) -> torch.Tensor:
-    """Each token's top-k overlap |rollout set & trainer set| / k, averaged over MoE layers.
-    routes (B, T, n_moe, k) -> (B, T) in [0, 1]; 1 where there is no MoE layer."""
-    if rollout_routes.shape[2] == 0:
-        return torch.ones(rollout_routes.shape[:2], device=rollout_routes.device)
-    same = (rollout_routes[..., :, None] == train_routes[..., None, :]).any(-1)    # (B, T, n_moe, k)
-    return same.float().mean(-1).mean(-1)
-
-
 def route_filter_weights(overlap: torch.Tensor, mode: str, threshold: float) -> torch.Tensor:
-    """mask: 0 for tokens whose overlap is below the threshold; downweight: their loss times the overlap."""
+    """Per-token loss weights (B, T) from each token's top-k overlap (B, T) (audit.token_overlap: the
+    rollout's experts against the trainer's, averaged over MoE layers). mask: 0 for tokens whose overlap
+    is below the threshold; downweight: their loss times the overlap."""
     below = overlap < threshold
     if mode == "mask":
         return (~below).float()

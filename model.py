@@ -297,12 +297,13 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         else:
             positions = kv.positions
-        # the sampler checks its lengths at admission: a check here would be a host sync per decode step
-        if kv is None and int(positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(positions.max())} is past max_position_embeddings="
+        # Only checks of shapes here, never of values: reading a tensor back is a host sync on a GPU.
+        # The sampler checks its lengths at admission; score() and forward() check their inputs.
+        if kv is None and T > self.config.max_position_embeddings:
+            raise ValueError(f"position {T - 1} is past max_position_embeddings="
                              f"{self.config.max_position_embeddings}; shorten the sequence or raise the limit")
         if routes is not None:
-            self._check_routes(routes, B, T)
+            self._check_route_shape(routes, B, T)
         cos_t, sin_t = self.rope(tokens.device)
         cos, sin = cos_t[positions], sin_t[positions]                     # (B, T, rotary_dim/2)
         x = self.embed_tokens(tokens)                                     # (B, T, D)
@@ -318,14 +319,20 @@ class Transformer(nn.Module):
             routes_out = torch.zeros(B, T, 0, self.config.num_experts_per_tok, dtype=torch.long, device=tokens.device)
         return self.norm(x), routes_out
 
-    def _check_routes(self, routes: torch.Tensor, B: int, T: int):
-        c = self.config
-        want = (B, T, self.n_moe_layers, c.num_experts_per_tok)
+    def _check_route_shape(self, routes: torch.Tensor, B: int, T: int) -> None:
+        """Shape and dtype only (no tensor read): replay of routes that do not fit the tokens is an error."""
+        want = (B, T, self.n_moe_layers, self.config.num_experts_per_tok)
         if tuple(routes.shape) != want:
             raise ValueError(f"routes have shape {tuple(routes.shape)} but the tokens need {want} "
                              f"(batch, tokens, moe layers, top_k); pass the routes recorded for these exact tokens")
         if routes.dtype == torch.bool or routes.dtype.is_floating_point or routes.dtype.is_complex:
             raise ValueError(f"routes must be integer expert ids, got {routes.dtype}")
+
+    def check_routes(self, routes: torch.Tensor, B: int, T: int) -> None:
+        """Raise ValueError unless routes are replayable expert ids for (B, T) tokens. Reads the routes
+        back to the host: call it where routes enter (score, forward), not inside the trainer's loop."""
+        c = self.config
+        self._check_route_shape(routes, B, T)
         if (routes < -1).any():
             raise ValueError(f"routes hold the negative id {int(routes.min())}; the only negative id allowed is -1 "
                              "(the mark of an unrecorded row)")
@@ -361,13 +368,19 @@ class Transformer(nn.Module):
             raise ValueError(f"token ids must be in [0, vocab_size={self.config.vocab_size}), got "
                              f"{int(lo) if lo < 0 else int(hi)}")
 
-    def forward(self, tokens: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
+    def check_inputs(self, tokens, routes: torch.Tensor | None = None) -> None:
+        """The checks of score() and forward(): tokens (check_tokens), then routes if given (check_routes)."""
         self.check_tokens(tokens)
+        if routes is not None:
+            self.check_routes(routes, *tokens.shape)
+
+    def forward(self, tokens: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
+        self.check_inputs(tokens, routes)
         h, _ = self.hidden_states(tokens, routes)
         return self.compute_logits(h)                                     # (B, T, V)
 
     def score(self, tokens: torch.Tensor, temperature: float = 1.0, routes: torch.Tensor | None = None,
-              with_entropy: bool = False, logits_chunk: int = 0):
+              with_entropy: bool = False, logits_chunk: int = 0, check: bool = True):
         """Log-probs of tokens[:, 1:] under softmax(logits / temperature), and the routes used.
 
         tokens (B, T) int, right padding allowed (padded positions get values the caller masks out).
@@ -379,8 +392,12 @@ class Transformer(nn.Module):
         logits_chunk: if > 0, at most that many positions' logits exist at a time (forward and
         backward, which recomputes them): the (B, T-1, V) logits of long responses need not fit. The
         same bits (every op is row-invariant); one more LM-head matmul in the backward.
+        check: check tokens and routes first (ValueError / TypeError naming the problem). The checks
+        read the inputs back to the host, a sync on a GPU: the trainer passes check=False for batches
+        it built and checked itself (train.make_batch, audit.pack_routes), keeping its forward pure.
         """
-        self.check_tokens(tokens)
+        if check:
+            self.check_inputs(tokens, routes)
         h, used = self.hidden_states(tokens, routes)
         B, T1, D = h.shape[0], h.shape[1] - 1, h.shape[2]
         if logits_chunk and B * T1 > logits_chunk:      # at most logits_chunk rows of logits at a time

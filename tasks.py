@@ -14,6 +14,9 @@ Your own task: a JSONL file with one {"prompt": "...", "answer": ...} object per
 where `def reward(prompt: str, response: str, answer) -> float` lives in my_mod.py. It must return a
 finite number (int, float, bool, or a numpy scalar): anything else (a string, None, NaN) stops the run with
 a message naming the function, the example and the value (see `check_reward`).
+
+A new built-in task is one entry in TASKS (at the bottom): --task=NAME builds it, and config.py checks
+--task against the same table. Mistakes in a task's files raise TaskError (one line `error: ...`).
 """
 from __future__ import annotations
 
@@ -27,7 +30,12 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from config import ConfigError
+
+class TaskError(ValueError):
+    """A task name, data file, tokenizer or reward function that cannot be used; the message says what to change.
+
+    Its own class (a sibling of config.ConfigError): config.py reads this module's TASKS table to check
+    --task, so this module imports nothing of config.py (dependencies run one way)."""
 
 
 @dataclass
@@ -37,15 +45,19 @@ class Example:
 
 
 class DigitTask:
-    """Digit-string transformations with a per-position reward; `name` picks reverse or copy."""
+    """Digit-string transformations with a per-position reward; `name` picks one of TRANSFORMS."""
 
     DIGITS = "0123456789"
     EQ, BOS, EOS = 10, 11, 12
     vocab_size = 13          # ids used; the model may have more (they are never rewarded)
+    TRANSFORMS: dict[str, Callable[[list[int]], list[int]]] = {
+        "copy": lambda digits: digits,
+        "reverse": lambda digits: digits[::-1],
+    }
 
     def __init__(self, name: str = "copy", n_digits: int = 4, seed: int = 0):
-        if name not in ("reverse", "copy"):
-            raise ValueError(f"unknown digit task {name!r}; choose reverse or copy")
+        if name not in self.TRANSFORMS:
+            raise ValueError(f"unknown digit task {name!r}; choose one of {', '.join(self.TRANSFORMS)}")
         self.name, self.n_digits = name, n_digits
         self.rng = random.Random(seed)
         self.stop_token_ids = (self.EOS,)
@@ -56,7 +68,7 @@ class DigitTask:
         out = []
         for _ in range(n):
             digits = [self.rng.randrange(10) for _ in range(self.n_digits)]
-            target = (digits[::-1] if self.name == "reverse" else digits) + [self.EOS]
+            target = self.TRANSFORMS[self.name](digits) + [self.EOS]
             out.append(Example([self.BOS, *digits, self.EQ], target))
         return out
 
@@ -150,12 +162,12 @@ def check_reward(value) -> float:
 def read_jsonl(path: str) -> list[dict]:
     """The objects of a JSONL file, one a line (blank lines skipped); errors name the file and line."""
     if not os.path.isfile(path):
-        raise ConfigError(f"--data={path!r}: no such JSONL file")
+        raise TaskError(f"--data={path!r}: no such JSONL file")
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().split("\n")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"--data={path!r}: not UTF-8 text (byte {e.start})") from None
+        raise TaskError(f"--data={path!r}: not UTF-8 text (byte {e.start})") from None
     rows = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -163,12 +175,12 @@ def read_jsonl(path: str) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+            raise TaskError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ConfigError(f"{path}:{lineno}: expected an object with a string 'prompt' field")
+            raise TaskError(f"{path}:{lineno}: expected an object with a string 'prompt' field")
         rows.append(row)
     if not rows:
-        raise ConfigError(f"--data={path!r}: the file holds no examples")
+        raise TaskError(f"--data={path!r}: the file holds no examples")
     return rows
 
 
@@ -177,26 +189,26 @@ def load_tokenizer(path: str):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConfigError("--tokenizer: reading a tokenizer.json needs the `tokenizers` package: "
-                          "pip install tokenizers") from None
+        raise TaskError("--tokenizer: reading a tokenizer.json needs the `tokenizers` package: "
+                       "pip install tokenizers") from None
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
-        raise ConfigError(f"--tokenizer={path!r}: no tokenizer.json there")
+        raise TaskError(f"--tokenizer={path!r}: no tokenizer.json there")
     try:
         return Tokenizer.from_file(path)
     except Exception as e:                  # tokenizers raises a bare Exception for a malformed file
-        raise ConfigError(f"--tokenizer={path!r}: not a tokenizers tokenizer.json ({e})") from None
+        raise TaskError(f"--tokenizer={path!r}: not a tokenizers tokenizer.json ({e})") from None
 
 
 def load_function(spec: str) -> Callable:
     """'module:function' or 'path/to/file.py:function' -> the function."""
     mod_name, _, fn_name = spec.rpartition(":")
     if not mod_name or not fn_name:
-        raise ConfigError(f"--reward_fn={spec!r}: expected 'module:function' or 'file.py:function'")
+        raise TaskError(f"--reward_fn={spec!r}: expected 'module:function' or 'file.py:function'")
     if mod_name.endswith(".py"):
         if not os.path.isfile(mod_name):
-            raise ConfigError(f"--reward_fn={spec!r}: no such file {mod_name!r}")
+            raise TaskError(f"--reward_fn={spec!r}: no such file {mod_name!r}")
         spec_ = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
         module = importlib.util.module_from_spec(spec_)
         spec_.loader.exec_module(module)   # errors inside the user's module keep their traceback
@@ -206,19 +218,32 @@ def load_function(spec: str) -> Callable:
         except ModuleNotFoundError as e:
             if not (e.name == mod_name or mod_name.startswith(f"{e.name}.")):
                 raise                      # the module exists but an import inside it failed: show where
-            raise ConfigError(f"--reward_fn={spec!r}: no module {mod_name!r} on the path "
-                              "(run from its folder, or pass path/to/file.py:function)") from None
+            raise TaskError(f"--reward_fn={spec!r}: no module {mod_name!r} on the path "
+                           "(run from its folder, or pass path/to/file.py:function)") from None
     if not callable(getattr(module, fn_name, None)):
-        raise ConfigError(f"--reward_fn={spec!r}: {mod_name} has no function {fn_name!r}")
+        raise TaskError(f"--reward_fn={spec!r}: {mod_name} has no function {fn_name!r}")
     return getattr(module, fn_name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the task table: --task=NAME builds TASKS[NAME] (config.TrainConfig checks --task against it)
+# ---------------------------------------------------------------------------------------------------
+def _digit_task(name: str, seed: int, n_digits: int, **_):
+    return DigitTask(name, n_digits, seed)
+
+
+def _jsonl_task(name: str, seed: int, data: str, tokenizer: str, reward_fn: str, max_new_tokens: int, **_):
+    if not (data and tokenizer and reward_fn):
+        raise TaskError("--task=jsonl needs --data=file.jsonl, --tokenizer=tokenizer.json and --reward_fn=mod:fn")
+    return JsonlTask(data, tokenizer, reward_fn, max_new_tokens or 256, seed)
+
+
+TASKS: dict[str, Callable] = {**{name: _digit_task for name in DigitTask.TRANSFORMS}, "jsonl": _jsonl_task}
 
 
 def make_task(name: str, seed: int = 0, n_digits: int = 4, data: str = "", tokenizer: str = "",
               reward_fn: str = "", max_new_tokens: int = 0):
-    if name in ("reverse", "copy"):
-        return DigitTask(name, n_digits, seed)
-    if name == "jsonl":
-        if not (data and tokenizer and reward_fn):
-            raise ConfigError("--task=jsonl needs --data=file.jsonl, --tokenizer=tokenizer.json and --reward_fn=mod:fn")
-        return JsonlTask(data, tokenizer, reward_fn, max_new_tokens or 256, seed)
-    raise ConfigError(f"unknown task {name!r}; choose reverse, copy or jsonl")
+    if name not in TASKS:
+        raise TaskError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    return TASKS[name](name=name, seed=seed, n_digits=n_digits, data=data, tokenizer=tokenizer,
+                       reward_fn=reward_fn, max_new_tokens=max_new_tokens)

@@ -9,19 +9,21 @@ Each step: sample `group_size` responses for each of `prompts_per_step` prompts 
 same model object, the same kernels), reward them, compute group-normalised advantages, then take
 optimizer steps over minibatches of the rollout batch on `model.score`. In the default invariant mode
 the rollout log-probs ARE the old policy's log-probs, so the logged train-rollout KL, max |logp diff|
-and route flip fraction are exactly 0. Metrics go to out_dir/metrics.jsonl, one JSON object per step.
+and route flip fraction are exactly 0 (measured by audit.py). Metrics go to out_dir/metrics.jsonl, one
+JSON object per step.
 Formulas: docs/design.md, "RL losses" (A_i = (r_i - mean) / (std + 1e-6); ratio r_t = exp(logp_t - old_logp_t)).
 
 The loop (`_train`) reads as one step's phases: rollout; rewards and advantages; the old policy's
 log-probs and corrections; the updates; metrics and log; checkpoint. The objectives are tables in
-losses.py, torchrun's wrappers and reductions live in distributed.py, checkpoints in checkpoint.py.
+losses.py, the mismatch measurement is audit.py, torchrun's wrappers and reductions live in
+distributed.py, checkpoints in checkpoint.py.
 
 Reliability: a non-numeric or non-finite reward, loss or gradient norm stops the run (or skips the
 optimizer step, up to --skip_nonfinite_steps) before it reaches the weights; a checkpoint is written
 only from finite weights, to a temporary folder renamed into place. An out_dir that holds a run is
-continued with --resume=true or started over with --overwrite=true, never overwritten silently. A resume
-keeps the run's lr horizon (--lr_decay_steps, saved in the checkpoint): extending --steps holds lr at
-its minimum for the extra steps. Every user mistake ends in one line `error: ...` and a non-zero exit.
+continued with --resume=true or started over with --overwrite=true, never overwritten silently; what a
+resume keeps (the lr horizon among it) is in docs/design.md ("Reliability", "The learning-rate horizon"). Every user mistake ends in one
+line `error: ...` and a non-zero exit.
 """
 from __future__ import annotations
 
@@ -32,48 +34,33 @@ import math
 import os
 import sys
 import time
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import kernels
+from audit import expert_load, mismatch_metrics, pack_routes, route_audit, token_overlap
 from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text,
-                    parse_args)
+                    parse_args, parse_bool)
 from losses import (aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, rejects,
-                    route_filter_weights, route_overlap)
+                    route_filter_weights)
 from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_optimizer_state,  # noqa: F401
                         load_trainer_state, optimizer_state, prepare_out_dir, save_checkpoint, saved_configs,
                         trim_metrics)
 from distributed import (Dist, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lower_precision_copy,
                          parallelize, reduce_metrics)
 from model import CheckpointError, MoE, Transformer, hf_to_state, read_safetensors_dir
-from replay import pack_routes, route_audit
 from rollout import Sampler
-from tasks import RewardError, check_reward, make_task
+from tasks import RewardError, TaskError, check_reward, make_task
 
 
 # ---------------------------------------------------------------------------------------------------
-# metrics of the train-inference mismatch (the loss formulas are in losses.py)
+# rewards and the finiteness checks (the loss formulas are in losses.py, the mismatch metrics in audit.py)
 # ---------------------------------------------------------------------------------------------------
-def mismatch_metrics(train_logp, rollout_logp, mask) -> dict:
-    """How far the trainer's log-probs are from the rollout's, on the response tokens."""
-    m = mask.bool()
-    t, r = train_logp[m].double(), rollout_logp[m].double()
-    d = t - r
-    rho = torch.exp(d)
-    return {
-        "train_rollout_kl": (-d).mean().item(),                      # k1 of KL(mu || pi)
-        "train_rollout_k3": (rho - d - 1).mean().item(),
-        "logp_max_abs_diff": d.abs().max().item(),
-        "extreme_token_frac": (d.abs() > math.log(2)).double().mean().item(),
-        "is_ratio_min": rho.min().item(), "is_ratio_mean": rho.mean().item(), "is_ratio_max": rho.max().item(),
-    }
-
-
 def compute_rewards(task, examples, outs, G: int, step: int) -> torch.Tensor:
     """(B,) rewards of the responses (example i // G for output i), each a finite number, else RunError
     naming the reward function, the example and the value."""
@@ -124,6 +111,9 @@ class Batch:
 
 
 def make_batch(outs, adv: torch.Tensor) -> Batch:
+    """The sampler's outputs as one right-padded batch: where the trainer's data enters. Its tokens are
+    the sampler's (prompts checked there, ids drawn from the model's vocabulary) and pack_routes checks
+    that the routes fit them, so the trainer's forwards run without checks that read tensors back."""
     lengths = [len(o.prompt) + len(o.tokens) for o in outs]
     B, T = len(outs), max(lengths)
     tokens = torch.zeros(B, T, dtype=torch.long)
@@ -140,21 +130,12 @@ def make_batch(outs, adv: torch.Tensor) -> Batch:
     return Batch(tokens, mask, rollout_logp, routes, route_mask, adv)
 
 
-def expert_load(routes: torch.Tensor, mask: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """(n_moe, E) int64: how often each expert was chosen at the positions that score a response token.
-
-    routes (B, T, n_moe, k) from the trainer's forward; mask (B, T-1): position j predicts token j + 1.
-    """
-    r = routes[:, :-1][mask.bool()]                                  # (N, n_moe, k)
-    return F.one_hot(r, n_experts).sum(dim=(0, 2))                   # (n_moe, E)
-
-
 @torch.no_grad()
 def update_expert_bias(model: Transformer, load: torch.Tensor, rate: float, d: Dist) -> None:
     """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
 
-    load (n_moe, E) is this rank's count; it is summed over ranks first, so every rank applies the
-    same update to its copy of the bias.
+    load (n_moe, E) is this rank's count (audit.expert_load); it is summed over ranks first, so every
+    rank applies the same update to its copy of the bias.
     """
     if d.world > 1:
         dist.all_reduce(load)
@@ -258,18 +239,34 @@ def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
 
 
 @dataclasses.dataclass
+class Weights:
+    """The policy's copies, and which reads which. sync() refreshes full and rollout from trained."""
+    trained: Transformer             # the weights the optimizer steps (sharded under FSDP2)
+    scorer: nn.Module                # trained.score as a module: DDP / FSDP2 hook its __call__
+    full: Transformer                # full weights: checkpoints, the old policy's forward (trained itself off FSDP2)
+    rollout: Transformer             # what the sampler runs: full, or the mismatch lab's lower-precision copy
+    refresh: Callable[[], None]      # full <- trained (an all-gather under FSDP2), then rollout <- full
+
+    def sync(self) -> None:
+        self.refresh()
+
+
+def build_weights(model: Transformer, tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, dtype) -> Weights:
+    scorer, full, refresh = parallelize(model, tcfg, d)
+    rollout_model = full
+    if rcfg.rollout_dtype and getattr(torch, rcfg.rollout_dtype) != dtype:
+        rollout_model, refresh = lower_precision_copy(full, getattr(torch, rcfg.rollout_dtype), refresh)
+    return Weights(model, scorer, full, rollout_model, refresh)
+
+
+@dataclasses.dataclass
 class Run:
-    """What the steps of a run share: configs, the models and their sync functions, optimizer, sampler."""
+    """What the steps of a run share: configs, the weights, optimizer, sampler."""
     tcfg: TrainConfig
     rcfg: RolloutConfig
     d: Dist
     task: object
-    model: Transformer               # the trained weights (sharded under FSDP2)
-    scorer: nn.Module                # model.score as a module: DDP / FSDP2 hook its __call__
-    full_model: Transformer          # full weights: the sampler's source, checkpoints
-    sync_full_weights: Callable
-    rollout_model: Transformer       # what the sampler runs (full_model, or the lab's lower-precision copy)
-    sync_rollout_weights: Callable
+    weights: Weights
     ref_model: Transformer | None    # the frozen initial policy when --kl_coef > 0
     opt: torch.optim.Optimizer
     sampler: Sampler
@@ -283,13 +280,22 @@ class Run:
 
 
 @dataclasses.dataclass
+class Scored:
+    """A trainer forward over some rows of the rollout batch."""
+    logp: torch.Tensor               # (N, T-1) log-probs of tokens[:, 1:]
+    routes: torch.Tensor             # (N, T, n_moe, k) the router's own choice (also under R3 replay)
+    entropy: torch.Tensor | None     # (N, T-1) when asked for (detached)
+    rows: torch.Tensor               # (N,) which rows of the rollout batch
+
+
+@dataclasses.dataclass
 class OldPolicy:
     """What the updates weigh against: the old policy's log-probs, the reference's, correction weights."""
     logp: torch.Tensor               # (B, T-1): the rollout's, or the trainer's recomputed ones
     ref_logp: torch.Tensor | None    # (B, T-1) when --kl_coef > 0
     weights: torch.Tensor            # (B, T-1) the correction's importance weights (1 without one)
     loss_mask: torch.Tensor          # (B, T-1) the tokens the loss counts (rejected ones dropped if asked)
-    audit: tuple | None              # (logp, routes, rows) of a trainer forward before any update
+    audit: Scored | None             # the recomputed old log-probs: a trainer forward before any update
 
 
 def build_optimizer(scorer: nn.Module, tcfg: TrainConfig) -> torch.optim.Optimizer:
@@ -314,16 +320,21 @@ def build_optimizer(scorer: nn.Module, tcfg: TrainConfig) -> torch.optim.Optimiz
     return opt
 
 
-def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
-    """Check the configs against each other, build (or resume) the model, optimizer and sampler."""
+def check_run_configs(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
+    """The checks that need both configs or the number of ranks (each config checks itself)."""
     if tcfg.prompts_per_step % d.world or tcfg.minibatch_size % d.world:
         raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) and minibatch_size ({tcfg.minibatch_size}) "
                           f"must be divisible by the number of ranks ({d.world})")
-    device, dtype = d.device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[tcfg.dtype]
     rollout_deviates = rcfg.rollout_mode != "invariant" or rcfg.router_bf16 or rcfg.rollout_dtype not in ("", tcfg.dtype)
     if rollout_deviates and tcfg.correction != "none" and not tcfg.recompute_old_logp:
         raise ConfigError(f"--correction={tcfg.correction} weighs the trainer's old log-probs against the rollout's; "
                           "with a deviating rollout they differ only if recomputed: add --recompute_old_logp=true")
+
+
+def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
+    """Check the configs against each other, build (or resume) the model, optimizer and sampler."""
+    check_run_configs(tcfg, rcfg, d)
+    device, dtype = d.device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[tcfg.dtype]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     prepare_out_dir(tcfg, d.master)
     if not tcfg.resume:                                               # the lr horizon, saved with the run
@@ -350,24 +361,20 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     ref_model = None
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
         ref_model = (build_model(tcfg, device, dtype) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
-    scorer, full_model, sync_full_weights = parallelize(model, tcfg, d)
-    rollout_model, sync_rollout_weights = full_model, sync_full_weights
+    policy = build_weights(model, tcfg, rcfg, d, dtype)
+    scorer, rollout_model = policy.scorer, policy.rollout
     opt = build_optimizer(scorer, tcfg)
     if state is not None:
         load_optimizer_state(scorer, opt, state["optimizer"], d.world > 1 and tcfg.parallel == "fsdp")
         state = None                                                  # free the host copy
     if d.master and tcfg.resume:
         trim_metrics(metrics_path, start)
-    if rcfg.rollout_dtype and getattr(torch, rcfg.rollout_dtype) != dtype:
-        rollout_model, sync_rollout_weights = lower_precision_copy(rollout_model, getattr(torch, rcfg.rollout_dtype),
-                                                                   sync_rollout_weights)
     # The gradients (first backward) and AdamW's two moment buffers (first step; already there on resume)
     # are allocated after the sampler sizes its KV pool from the free memory: set them aside, for this
     # rank's shard of the parameters under FSDP. Activations and temporaries come out of the rest.
     param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
     sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=(1 if opt.state else 3) * param_bytes)
-    return Run(tcfg, rcfg, d, task, model, scorer, full_model, sync_full_weights, rollout_model,
-               sync_rollout_weights, ref_model, opt, sampler, start, skipped, metrics_path)
+    return Run(tcfg, rcfg, d, task, policy, ref_model, opt, sampler, start, skipped, metrics_path)
 
 
 def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
@@ -383,8 +390,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         rewards = compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1)
         batch = make_batch(outs, group_advantages(rewards, run.tcfg.group_size, run.tcfg.adv_std_norm))
         old = old_policy(run, batch)
-        stats, first_forward = update(run, batch, old, step)
-        row = step_metrics(run, step, batch, outs, rewards, old, stats, first_forward, t_rollout, t0)
+        stats, first = update(run, batch, old, step)
+        row = step_metrics(run, step, batch, outs, rewards, old.audit or first, stats, t_rollout, t0)
         history.append(log_row(run, step, row))
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
                         flip=f"{row.get('route_flip_frac', 0):.3f}")
@@ -398,8 +405,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
 def rollout(run: Run, step: int):
     """Every rank draws the same global prompts and samples its own slice (groups stay whole)."""
     tcfg, rcfg, d = run.tcfg, run.rcfg, run.d
-    run.sync_rollout_weights()
-    run.model.eval()
+    run.weights.sync()
+    run.weights.trained.eval()
     n_prompts = tcfg.prompts_per_step // d.world
     examples = run.task.sample(tcfg.prompts_per_step)[d.rank * n_prompts:(d.rank + 1) * n_prompts]
     try:
@@ -417,12 +424,28 @@ def max_new_tokens(run: Run) -> int:
     return run.rcfg.max_new_tokens or run.task.max_new_tokens
 
 
-def forward(run: Run, fn, b: Batch, grad: bool, with_entropy: bool = False):
-    """(logp, routes[, entropy]) of a batch through fn (model.score or the scorer), replaying its routes
-    under R3."""
+def unchecked(model: Transformer) -> Callable:
+    """model.score without its input checks (they read tensors back): for batches make_batch built."""
+    return partial(model.score, check=False)
+
+
+def forward(run: Run, score: Callable, b: Batch, rows: torch.Tensor, *, grad: bool,
+            with_entropy: bool = False) -> Scored:
+    """One forward of b (rows `rows` of the rollout batch) through score: the trainer's scorer (DDP /
+    FSDP2 hook its call) or unchecked(model) (the old and reference policies); under R3 it replays the
+    rollout's routes. Nothing here reads a tensor back: make_batch and pack_routes checked the batch."""
+    dev = run.d.device
     with torch.set_grad_enabled(grad):
-        return fn(b.tokens.to(run.d.device), run.rcfg.temperature,
-                  b.routes.to(run.d.device) if run.tcfg.replay == "r3" else None, with_entropy, run.tcfg.logits_chunk)
+        out = score(b.tokens.to(dev), temperature=run.rcfg.temperature,
+                    routes=b.routes.to(dev) if run.tcfg.replay == "r3" else None,
+                    with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk)
+    return Scored(out[0], out[1], out[2] if with_entropy else None, rows)
+
+
+def on_host(parts: list[Scored]) -> Scored:
+    """Forwards of consecutive row sets as one, on the host: logp in fp32, detached (entropy dropped)."""
+    return Scored(torch.cat([p.logp.detach().float().cpu() for p in parts]), torch.cat([p.routes.cpu() for p in parts]),
+                  None, torch.cat([p.rows for p in parts]))
 
 
 def micro_batches(run: Run, B: int) -> int:
@@ -432,14 +455,13 @@ def micro_batches(run: Run, B: int) -> int:
 def old_policy(run: Run, batch: Batch) -> OldPolicy:
     """The old policy's log-probs (the rollout's, unless recomputed), the reference's, the corrections."""
     B, micro = batch.tokens.shape[0], micro_batches(run, batch.tokens.shape[0])
-    chunks = [batch.select(slice(i, i + micro)) for i in range(0, B, micro)]
+    chunks = [(batch.select(slice(i, i + micro)), torch.arange(i, min(i + micro, B))) for i in range(0, B, micro)]
     logp, audit, ref_logp = batch.rollout_logp, None, None
     if run.tcfg.recompute_old_logp:
-        scored = [forward(run, run.full_model.score, c, False) for c in chunks]
-        logp = torch.cat([s[0].float().cpu() for s in scored])
-        audit = (logp, torch.cat([s[1].cpu() for s in scored]), torch.arange(B))
+        audit = on_host([forward(run, unchecked(run.weights.full), c, rows, grad=False) for c, rows in chunks])
+        logp = audit.logp
     if run.ref_model is not None:
-        ref_logp = torch.cat([forward(run, run.ref_model.score, c, False)[0].float().cpu() for c in chunks])
+        ref_logp = on_host([forward(run, unchecked(run.ref_model), c, rows, grad=False) for c, rows in chunks]).logp
     weights = correction_weights(logp, batch.rollout_logp, batch.mask, run.tcfg)
     loss_mask = batch.mask
     if run.tcfg.rejected_tokens == "drop" and rejects(run.tcfg):        # out of the loss, its mean and the KL
@@ -447,45 +469,78 @@ def old_policy(run: Run, batch: Batch) -> OldPolicy:
     return OldPolicy(logp, ref_logp, weights, loss_mask, audit)
 
 
-def update(run: Run, batch: Batch, old: OldPolicy, step: int):
+@dataclasses.dataclass
+class MinibatchResult:
+    """One minibatch's forward and backward (gradients clipped, not yet applied)."""
+    loss: float                      # this rank's share of the global minibatch loss
+    clip_frac: float                 # clipped tokens over the global minibatch's tokens
+    grad_norm: float                 # before clipping, over every rank
+    scored: Scored                   # its forward, on the host (rows idx)
+    entropy_sum: float               # entropy summed over its response tokens
+    filtered: float                  # response tokens the route filter masked or down-weighted
+    tokens: float                    # response tokens
+
+
+@dataclasses.dataclass
+class UpdateStats:
+    """A step's minibatches, summed: loss, clip_frac, grad_norm over the applied updates; the entropy and
+    the route filter over every forward (a skipped update's forward still measured the policy)."""
+    loss: float = 0.0
+    clip_frac: float = 0.0
+    grad_norm: float = 0.0
+    updates: int = 0
+    entropy_sum: float = 0.0
+    filtered: float = 0.0
+    tokens: float = 0.0
+
+    def add_forward(self, r: MinibatchResult) -> None:
+        self.entropy_sum += r.entropy_sum
+        self.filtered += r.filtered
+        self.tokens += r.tokens
+
+    def add_update(self, r: MinibatchResult) -> None:
+        self.grad_norm += r.grad_norm
+        self.loss += r.loss
+        self.clip_frac += r.clip_frac
+        self.updates += 1
+
+    def means(self) -> dict:
+        n = self.updates
+        return {k: getattr(self, k) / n if n else math.nan for k in ("loss", "clip_frac", "grad_norm")}
+
+
+def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateStats, Scored]:
     """Minibatches of the rollout batch, each one optimizer step (skipped if its loss or gradient is not
-    finite and --skip_nonfinite_steps allows). Returns the summed stats and the first update's forward
-    (logp, routes, rows): the policy had not moved yet, so it measures train vs rollout."""
-    tcfg, d = run.tcfg, run.d
+    finite and --skip_nonfinite_steps allows). Returns the summed stats and the first minibatch's
+    forward: the policy had not moved yet, so it measures train vs rollout."""
+    tcfg, d, model = run.tcfg, run.d, run.weights.trained
     B = batch.tokens.shape[0]
     mb_size = min(tcfg.minibatch_size // d.world, B)
-    run.model.train()
-    stats = {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, "updates": 0, "entropy_sum": 0.0,
-             "filtered": 0.0, "tokens": 0.0}
-    first_forward = None
+    model.train()
+    stats, first = UpdateStats(), None
     perm_gen = torch.Generator().manual_seed(tcfg.seed * 7919 + step * 131 + d.rank)
     for epoch in range(tcfg.epochs):
         perm = torch.randperm(B, generator=perm_gen)
         for lo in range(0, B, mb_size):
             idx = perm[lo:lo + mb_size]
-            loss, clip_frac, grad_norm, fwd, seen = minibatch_step(run, batch, old, idx, step)
-            if first_forward is None:
-                first_forward = fwd
-            for k, v in seen.items():                                 # over every forward, updates or not
-                stats[k] += v
-            stats["grad_norm"] += grad_norm
-            if not update_is_finite(step + 1, loss, grad_norm, run.skipped, tcfg, d):
-                stats["grad_norm"] -= grad_norm
+            r = minibatch_step(run, batch, old, idx, step)
+            if first is None:
+                first = r.scored
+            stats.add_forward(r)
+            if not update_is_finite(step + 1, r.loss, r.grad_norm, run.skipped, tcfg, d):
                 run.skipped += 1                                      # as if this update had not run
                 continue
             run.opt.step()
             if tcfg.expert_bias_update_rate > 0:                      # aux-loss-free balancing of the router bias
-                load = expert_load(fwd[1], batch.mask[idx], run.model.config.num_experts)
-                update_expert_bias(run.model, load.to(d.device), tcfg.expert_bias_update_rate, d)
-            stats["loss"] += loss
-            stats["clip_frac"] += clip_frac
-            stats["updates"] += 1
-    return stats, first_forward
+                chosen = r.scored.routes[:, :-1][batch.mask[idx].bool()]   # (N, n_moe, k) at response-scoring positions
+                load = expert_load(chosen, model.config.num_experts)
+                update_expert_bias(model, load.to(d.device), tcfg.expert_bias_update_rate, d)
+            stats.add_update(r)
+    return stats, first
 
 
-def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, step: int):
-    """Forward and backward of one minibatch in micro-batches, gradients clipped (not yet applied).
-    -> (loss, clip fraction, grad norm, (logp, routes, rows) of its forward)."""
+def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, step: int) -> MinibatchResult:
+    """Forward and backward of one minibatch in micro-batches, gradients clipped (not yet applied)."""
     tcfg, d, device = run.tcfg, run.d, run.d.device
     # normalisers over the global minibatch, so every rank's loss adds up to the global one
     n_tok, n_seq = all_sum(float(old.loss_mask[idx].sum()), d), len(idx) * d.world
@@ -495,53 +550,51 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     run.opt.zero_grad(set_to_none=True)
     micro = micro_batches(run, batch.tokens.shape[0])
     starts = list(range(0, len(idx), micro))
-    total, clipped_tok, logps, routes = 0.0, 0.0, [], []
-    seen = {"entropy_sum": 0.0, "filtered": 0.0, "tokens": 0.0}
+    total, clipped_tok, entropy_sum, filtered, tokens, parts = 0.0, 0.0, 0.0, 0.0, 0.0, []
     for mlo in starts:
         sub = idx[mlo:mlo + micro]
         mb = batch.select(sub)
-        with grad_sync(run.scorer, enabled=mlo == starts[-1]):
-            logp, train_routes, entropy = forward(run, run.scorer, mb, True, with_entropy=True)
-            logp = logp.float()
+        with grad_sync(run.weights.scorer, enabled=mlo == starts[-1]):
+            out = forward(run, run.weights.scorer, mb, sub, grad=True, with_entropy=True)
+            logp = out.logp.float()
             mask = old.loss_mask[sub].to(device)
             loss_tok, clipped = policy_loss(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg)
             loss_tok = loss_tok * old.weights[sub].to(device)
             if tcfg.route_filter != "none":                           # rollout vs trainer experts, per token
-                overlap = route_overlap(mb.routes[:, :-1].to(device), train_routes[:, :-1])
+                overlap = token_overlap(mb.routes[:, :-1].to(device), out.routes[:, :-1])
                 keep = route_filter_weights(overlap, tcfg.route_filter, tcfg.route_filter_threshold)
                 loss_tok = loss_tok * keep
-                seen["filtered"] += ((keep < 1) * mb.mask.to(device)).sum().item()
+                filtered += ((keep < 1) * mb.mask.to(device)).sum().item()
             if run.ref_model is not None:
                 loss_tok = loss_tok + tcfg.kl_coef * kl_penalty(logp, old.ref_logp[sub].to(device), tcfg.kl_estimator)
             loss = aggregate(loss_tok, mask, tcfg.aggregation, n_tok, n_seq, max_new_tokens(run))
             (loss * d.world).backward()                               # DDP / FSDP average over ranks
         total += loss.item()
         clipped_tok += (clipped.float() * mask).sum().item() / n_tok
-        seen["entropy_sum"] += (entropy * mb.mask.to(device)).sum().item()
-        seen["tokens"] += mb.mask.sum().item()
-        logps.append(logp.detach().cpu())
-        routes.append(train_routes.cpu())
-    gn = torch.nn.utils.clip_grad_norm_(run.scorer.parameters(), tcfg.grad_clip)
+        entropy_sum += (out.entropy * mb.mask.to(device)).sum().item()
+        tokens += mb.mask.sum().item()
+        parts.append(dataclasses.replace(out, logp=logp))
+    gn = torch.nn.utils.clip_grad_norm_(run.weights.scorer.parameters(), tcfg.grad_clip)
     gn = gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
-    return total, clipped_tok, gn, (torch.cat(logps), torch.cat(routes), idx), seen
+    return MinibatchResult(total, clipped_tok, gn, on_host(parts), entropy_sum, filtered, tokens)
 
 
-def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, old: OldPolicy, stats: dict, first_forward,
+def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scored, stats: UpdateStats,
                  t_rollout: float, t0: float) -> dict:
-    """One row of metrics (reduced over ranks): rewards, the update's stats, the train-rollout audit."""
-    a_logp, a_routes, a_idx = old.audit or first_forward
+    """One row of metrics (reduced over ranks): rewards, the update's stats, the train-rollout audit of
+    `audited` (the recomputed old log-probs, else the first minibatch's forward)."""
+    rows, n_experts = audited.rows, run.weights.trained.config.num_experts
     lengths = torch.tensor([len(o.tokens) for o in outs], dtype=torch.float)
     all_rewards = all_cat(rewards, run.d)
-    n, seen = stats.pop("updates"), {k: stats.pop(k) for k in ("entropy_sum", "filtered", "tokens")}
     row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
            "response_len": all_cat(lengths, run.d).mean().item(),
-           **{k: v / n if n else math.nan for k, v in stats.items()},
-           **mismatch_metrics(a_logp, batch.rollout_logp[a_idx], batch.mask[a_idx]),
-           **route_audit(batch.routes[a_idx], a_routes, batch.route_mask[a_idx], run.model.config.num_experts),
+           **stats.means(),
+           **mismatch_metrics(audited.logp, batch.rollout_logp[rows], batch.mask[rows]),
+           **route_audit(batch.routes[rows], audited.routes, batch.route_mask[rows], n_experts),
            # the entropy of softmax(logits / T) at the response tokens, from the training forwards
-           "entropy": seen["entropy_sum"] / seen["tokens"],
+           "entropy": stats.entropy_sum / stats.tokens,
            "neg_logp_mean": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
-           "route_filtered_frac": seen["filtered"] / seen["tokens"],
+           "route_filtered_frac": stats.filtered / stats.tokens,
            "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / t_rollout,
            "step_time": time.perf_counter() - t0, "preemptions": run.sampler.num_preemptions,
            "skipped_steps": run.skipped}
@@ -559,12 +612,12 @@ def log_row(run: Run, step: int, row: dict) -> dict:
 
 def checkpoint(run: Run, step: int) -> None:
     """Check the weights (finite, the same on every rank), then rank 0 writes the checkpoint."""
-    run.sync_full_weights()
-    check_finite_weights(run.full_model, step)                        # on every rank: they stop together
-    digest = check_in_sync(run.full_model, run.d)
-    opt_state = optimizer_state(run.scorer, run.opt, run.fsdp)        # collective under FSDP2
+    run.weights.sync()
+    check_finite_weights(run.weights.full, step)                      # on every rank: they stop together
+    digest = check_in_sync(run.weights.full, run.d)
+    opt_state = optimizer_state(run.weights.scorer, run.opt, run.fsdp)   # collective under FSDP2
     if run.d.master:
-        save_checkpoint(run.tcfg.out_dir, step, run.full_model, opt_state, run.tcfg, run.rcfg, run.task,
+        save_checkpoint(run.tcfg.out_dir, step, run.weights.full, opt_state, run.tcfg, run.rcfg, run.task,
                         extra={"skipped_steps": run.skipped})
     if run.d.world > 1:
         dist.barrier()
@@ -578,7 +631,7 @@ def main(argv: list[str]) -> None:
         print(help_text(tcfg, rcfg))
         return
     overrides = parse_args(argv)
-    if overrides.get("resume", "false").lower() in ("1", "true", "yes", "on"):
+    if parse_bool("resume", overrides.get("resume", "false")):
         # continue the saved run: its configs, with this command line's overrides on top
         ckpt = latest_checkpoint(overrides.get("out_dir", tcfg.out_dir))
         tcfg, rcfg = saved_configs(load_trainer_state(ckpt), ckpt)
@@ -605,7 +658,7 @@ def cli(argv: list[str]) -> None:
     """main, with user mistakes and stopped runs as one line `error: ...` and exit status 1, no traceback."""
     try:
         main(argv)
-    except (ConfigError, CheckpointError, RunError) as e:
+    except (ConfigError, CheckpointError, RunError, TaskError) as e:
         sys.exit(f"error: {e}")
 
 

@@ -1,4 +1,5 @@
-"""losses.py: each objective against a hand-computed value, and the gradient identities.
+"""losses.py: each objective, aggregation, correction, KL estimator and the route filter against a
+hand-computed value, and the gradient identities.
 
     python -m pytest -q tests/test_losses.py
 """
@@ -40,6 +41,98 @@ def test_auto_aggregation_follows_each_paper():
     assert cfg(loss="sapo", agg="token_mean").aggregation == "token_mean"
 
 
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    a = losses.group_advantages(r, 4)
+    std = math.sqrt(((0.75 ** 2) + 3 * (0.25 ** 2)) / 3)        # unbiased std of [1, 0, 0, 0]
+    assert torch.allclose(a[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6))
+    assert torch.equal(a[4:], torch.zeros(4))                      # a group with equal rewards learns nothing
+    assert torch.allclose(losses.group_advantages(r, 4, std_norm=False)[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_grpo_clip_by_hand():
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))           # with old = 0: ratios 1.5, 0.5, 1.1
+    old = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    pos, _ = losses.policy_loss(logp, old, torch.tensor([2.0]), mask, cfg())
+    # A > 0: max(-A r, -A clip(r, 0.8, 1.28)) -> -2*1.28, -2*0.5, -2*1.1
+    assert torch.allclose(pos, torch.tensor([[-2.56, -1.0, -2.2]]))
+    neg, clipped = losses.policy_loss(logp, old, torch.tensor([-1.0]), mask, cfg())
+    # A < 0: max(r, clip(r)) -> 1.5, 0.8, 1.1
+    assert torch.allclose(neg, torch.tensor([[1.5, 0.8, 1.1]]))
+    assert clipped.tolist() == [[False, True, False]]
+
+
+def test_gspo_by_hand():
+    logp = torch.tensor([[0.1, -0.1, 0.3, 0.0]])
+    old = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])                  # the last token is padding
+    c = cfg(loss="gspo")
+    loss, clipped = losses.policy_loss(logp, old, torch.tensor([1.0]), mask, c)
+    s = math.exp((0.1 - 0.1 + 0.3) / 3)                           # geometric mean ratio, padding excluded
+    assert s > 1 + c.gspo_eps_high
+    assert torch.allclose(loss, torch.full((1, 4), -(1 + c.gspo_eps_high)))
+    assert clipped[0, :3].all()
+
+
+def test_sapo_and_cispo_by_hand():
+    logp = torch.log(torch.tensor([[1.2, 0.9]]))
+    old, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    loss, _ = losses.policy_loss(logp, old, torch.tensor([1.0]), mask, cfg(loss="sapo"))
+    r = torch.tensor([1.2, 0.9])
+    assert torch.allclose(loss[0], -(torch.sigmoid(r - 1) * 4))
+    loss, _ = losses.policy_loss(logp, old, torch.tensor([-2.0]), mask, cfg(loss="sapo"))
+    assert torch.allclose(loss[0], 2 * torch.sigmoid(1.05 * (r - 1)) * 4 / 1.05)
+    loss, _ = losses.policy_loss(logp, old, torch.tensor([1.0]), mask, cfg(loss="cispo"))
+    assert torch.allclose(loss[0], -torch.tensor([1.2, 0.9]) * logp[0])
+
+
+def test_aggregations_by_hand():
+    L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert losses.aggregate(L, m, "token_mean", 4, 2, 3).item() == pytest.approx(10 / 4)
+    assert losses.aggregate(L, m, "seq_mean_token_mean", 4, 2, 3).item() == pytest.approx((2 + 4) / 2)
+    assert losses.aggregate(L, m, "seq_mean_token_sum", 4, 2, 3).item() == pytest.approx((6 + 4) / 2)
+    assert losses.aggregate(L, m, "drgrpo", 4, 2, 3).item() == pytest.approx(10 / 6)
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
+    assert losses.kl_penalty(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert losses.kl_penalty(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert losses.kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)
+
+
+def _toy(seed=0, B=4, T=5):
+    g = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(B, T, generator=g) * 3)
+    mask = torch.ones(B, T)
+    mask[1, 3:] = 0
+    mask[3, 1:] = 0
+    adv = torch.randn(B, generator=g)
+    return logp, mask, adv
+
+
+def _grad_agg(loss_name, logp0, old, mask, adv, agg):
+    logp = logp0.clone().requires_grad_(True)
+    c = cfg(loss=loss_name)
+    L, _ = losses.policy_loss(logp, old, adv, mask, c)
+    losses.aggregate(L, mask, agg, int(mask.sum()), mask.shape[0], mask.shape[1]).backward()
+    return logp.grad
+
+
+@pytest.mark.parametrize("loss", ["grpo", "sapo", "cispo", "gspo", "gspo_token"])
+def test_ratio_one_reduces_to_reinforce(loss):
+    logp0, mask, adv = _toy()
+    agg = "seq_mean_token_mean" if loss.startswith("gspo") else "token_mean"
+    g = _grad_agg(loss, logp0, logp0.clone(), mask, adv, agg)
+    # REINFORCE with the same aggregation: loss = agg(-A * logp)
+    logp = logp0.clone().requires_grad_(True)
+    losses.aggregate(-adv[:, None] * logp, mask, agg, int(mask.sum()), 4, 5).backward()
+    assert torch.allclose(g, logp.grad, atol=1e-6), loss
+    assert g.abs().sum() > 0
+
+
 def test_dual_clip_by_hand():
     logp, old, mask = torch.log(torch.tensor([[5.0, 1.5]])), torch.zeros(1, 2), torch.ones(1, 2)
     off, _ = losses.policy_loss(logp, old, torch.tensor([-1.0]), mask, cfg())
@@ -79,6 +172,7 @@ def test_gspo_and_gspo_token_gradients_are_equal_everywhere(scale):
     adv = torch.randn(6, generator=g)
     ga, gb = _grad("gspo", logp0, old, mask, adv), _grad("gspo_token", logp0, old, mask, adv)
     assert torch.allclose(ga, gb, atol=1e-7, rtol=1e-5)
+    assert ga.abs().sum() > 0                                      # control: the gradients are not all zero
     if scale == 30.0:
         m = losses.seq_mean(logp0 - old, mask)
         assert (m.abs() > 20).any() and torch.equal(ga[m.abs() > 20], torch.zeros_like(ga[m.abs() > 20]))
@@ -122,7 +216,7 @@ def test_every_correction_is_an_exact_noop_without_mismatch(corr, seq_rho):
     g = torch.Generator().manual_seed(2)
     logp = -torch.rand(3, 4, generator=g)
     mask = torch.ones(3, 4)
-    mask[1, 2:] = 0
+    mask[1, 2:] = 0                                                # padding: the seq_* means skip it
     w = losses.correction_weights(logp.clone(), logp.clone(), mask, cfg(correction=corr, seq_rho=seq_rho))
     assert torch.equal(w, torch.ones_like(w))
     shifted = losses.correction_weights(logp + 2.0, logp, mask, cfg(correction=corr, seq_rho=seq_rho))
@@ -150,15 +244,12 @@ def test_gspo_log_ratio_max_and_k3_clamped_by_hand():
     assert torch.allclose(losses.kl_penalty(torch.zeros(2), d, "k3_clamped"), torch.tensor([math.exp(-1.0), 10.0]))
 
 
-def test_route_overlap_and_filter_by_hand():
-    rollout = torch.tensor([[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]])               # (B=1, T=2, n_moe=2, k=2)
-    train = torch.tensor([[[[1, 0], [2, 9]], [[4, 5], [8, 9]]]])
-    ov = losses.route_overlap(rollout, train)
-    assert torch.allclose(ov, torch.tensor([[(1 + 0.5) / 2, (1 + 0) / 2]]))   # 0.75, 0.5
+def test_route_filter_by_hand():
+    ov = torch.tensor([[0.75, 0.5]])                               # each token's overlap (audit.token_overlap)
     assert torch.equal(losses.route_filter_weights(ov, "mask", 0.6), torch.tensor([[1.0, 0.0]]))
     assert torch.equal(losses.route_filter_weights(ov, "downweight", 0.6), torch.tensor([[1.0, 0.5]]))
     assert torch.equal(losses.route_filter_weights(ov, "none", 0.6), torch.ones(1, 2))
-    assert torch.equal(losses.route_overlap(rollout, rollout), torch.ones(1, 2))   # no flips: weight 1
+    assert torch.equal(losses.route_filter_weights(torch.ones(1, 2), "mask", 0.6), torch.ones(1, 2))   # no flips: 1
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,19 +1,23 @@
-"""train.py: the loss formulas, corrections, routing replay, an end-to-end run, and resume."""
+"""train.py: routing replay in the trainer, the trainer's forward without host reads, an end-to-end run,
+and resume. The loss formulas are tested in test_losses.py, the mismatch measurement in test_audit.py.
+"""
 import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
 from model import Transformer
-from replay import pack_routes, route_audit
+from audit import pack_routes, route_audit
 from rollout import Sampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,127 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def cfg(**kw) -> TrainConfig:
     return TrainConfig(**kw)
-
-
-# ---- hand-computed toy cases ------------------------------------------------------------------------
-def test_group_advantages_by_hand():
-    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
-    a = train.group_advantages(r, 4)
-    std = math.sqrt(((0.75 ** 2) + 3 * (0.25 ** 2)) / 3)        # unbiased std of [1, 0, 0, 0]
-    assert torch.allclose(a[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6))
-    assert torch.equal(a[4:], torch.zeros(4))                      # a group with equal rewards learns nothing
-    assert torch.allclose(train.group_advantages(r, 4, std_norm=False)[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
-
-
-def test_grpo_clip_by_hand():
-    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))           # with old = 0: ratios 1.5, 0.5, 1.1
-    old = torch.zeros(1, 3)
-    mask = torch.ones(1, 3)
-    pos, _ = train.policy_loss(logp, old, torch.tensor([2.0]), mask, cfg())
-    # A > 0: max(-A r, -A clip(r, 0.8, 1.28)) -> -2*1.28, -2*0.5, -2*1.1
-    assert torch.allclose(pos, torch.tensor([[-2.56, -1.0, -2.2]]))
-    neg, clipped = train.policy_loss(logp, old, torch.tensor([-1.0]), mask, cfg())
-    # A < 0: max(r, clip(r)) -> 1.5, 0.8, 1.1
-    assert torch.allclose(neg, torch.tensor([[1.5, 0.8, 1.1]]))
-    assert clipped.tolist() == [[False, True, False]]
-
-
-def test_gspo_by_hand():
-    logp = torch.tensor([[0.1, -0.1, 0.3, 0.0]])
-    old = torch.zeros(1, 4)
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])                  # the last token is padding
-    c = cfg(loss="gspo")
-    loss, clipped = train.policy_loss(logp, old, torch.tensor([1.0]), mask, c)
-    s = math.exp((0.1 - 0.1 + 0.3) / 3)                           # geometric mean ratio, padding excluded
-    assert s > 1 + c.gspo_eps_high
-    assert torch.allclose(loss, torch.full((1, 4), -(1 + c.gspo_eps_high)))
-    assert clipped[0, :3].all()
-
-
-def test_sapo_and_cispo_by_hand():
-    logp = torch.log(torch.tensor([[1.2, 0.9]]))
-    old, mask = torch.zeros(1, 2), torch.ones(1, 2)
-    loss, _ = train.policy_loss(logp, old, torch.tensor([1.0]), mask, cfg(loss="sapo"))
-    r = torch.tensor([1.2, 0.9])
-    assert torch.allclose(loss[0], -(torch.sigmoid(r - 1) * 4))
-    loss, _ = train.policy_loss(logp, old, torch.tensor([-2.0]), mask, cfg(loss="sapo"))
-    assert torch.allclose(loss[0], 2 * torch.sigmoid(1.05 * (r - 1)) * 4 / 1.05)
-    loss, _ = train.policy_loss(logp, old, torch.tensor([1.0]), mask, cfg(loss="cispo"))
-    assert torch.allclose(loss[0], -torch.tensor([1.2, 0.9]) * logp[0])
-
-
-def test_aggregations_by_hand():
-    L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
-    m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    assert train.aggregate(L, m, "token_mean", 4, 2, 3).item() == pytest.approx(10 / 4)
-    assert train.aggregate(L, m, "seq_mean_token_mean", 4, 2, 3).item() == pytest.approx((2 + 4) / 2)
-    assert train.aggregate(L, m, "seq_mean_token_sum", 4, 2, 3).item() == pytest.approx((6 + 4) / 2)
-    assert train.aggregate(L, m, "drgrpo", 4, 2, 3).item() == pytest.approx(10 / 6)
-
-
-def test_kl_estimators_by_hand():
-    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
-    assert train.kl_penalty(logp, ref, "k1").item() == pytest.approx(0.5)
-    assert train.kl_penalty(logp, ref, "k2").item() == pytest.approx(0.125)
-    assert train.kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)
-
-
-# ---- gradient identities ----------------------------------------------------------------------------
-def _toy(seed=0, B=4, T=5):
-    g = torch.Generator().manual_seed(seed)
-    logp = (-torch.rand(B, T, generator=g) * 3)
-    mask = torch.ones(B, T)
-    mask[1, 3:] = 0
-    mask[3, 1:] = 0
-    adv = torch.randn(B, generator=g)
-    return logp, mask, adv
-
-
-def _grad(loss_name, logp0, old, mask, adv, agg):
-    logp = logp0.clone().requires_grad_(True)
-    c = cfg(loss=loss_name)
-    L, _ = train.policy_loss(logp, old, adv, mask, c)
-    train.aggregate(L, mask, agg, int(mask.sum()), mask.shape[0], mask.shape[1]).backward()
-    return logp.grad
-
-
-@pytest.mark.parametrize("loss", ["grpo", "sapo", "cispo", "gspo", "gspo_token"])
-def test_ratio_one_reduces_to_reinforce(loss):
-    logp0, mask, adv = _toy()
-    agg = "seq_mean_token_mean" if loss.startswith("gspo") else "token_mean"
-    g = _grad(loss, logp0, logp0.clone(), mask, adv, agg)
-    # REINFORCE with the same aggregation: loss = agg(-A * logp)
-    logp = logp0.clone().requires_grad_(True)
-    train.aggregate(-adv[:, None] * logp, mask, agg, int(mask.sum()), 4, 5).backward()
-    assert torch.allclose(g, logp.grad, atol=1e-6), loss
-    assert g.abs().sum() > 0
-
-
-def test_gspo_token_gradient_equals_gspo_off_policy():
-    logp0, mask, adv = _toy(1)
-    old = logp0 + 0.0002 * torch.randn(logp0.shape, generator=torch.Generator().manual_seed(5))
-    ga = _grad("gspo", logp0, old, mask, adv, "seq_mean_token_mean")
-    gb = _grad("gspo_token", logp0, old, mask, adv, "seq_mean_token_mean")
-    assert torch.allclose(ga, gb, atol=1e-7)
-    assert ga.abs().sum() > 0
-
-
-# ---- corrections ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("corr", ["tis", "mis", "seq_tis", "seq_mis"])
-def test_corrections_exact_noop_without_mismatch(corr):
-    logp0, mask, _ = _toy(2)
-    w = train.correction_weights(logp0.clone(), logp0.clone(), mask, cfg(correction=corr))
-    assert torch.equal(w, torch.ones_like(w))
-
-
-def test_corrections_act_on_mismatch():
-    mu = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
-    old = torch.log(torch.tensor([[0.5, 2.0, 0.1]]))               # rho = 1, 4, 0.2
-    mask = torch.ones(1, 3)
-    assert torch.allclose(train.correction_weights(old, mu, mask, cfg(correction="tis")), torch.tensor([[1.0, 2.0, 0.2]]))
-    assert torch.equal(train.correction_weights(old, mu, mask, cfg(correction="reject")), torch.tensor([[1.0, 1.0, 0.0]]))
-    rho_seq = (1 * 4 * 0.2) ** (1 / 3)
-    assert torch.allclose(train.correction_weights(old, mu, mask, cfg(correction="seq_tis")), torch.full((1, 3), rho_seq))
 
 
 # ---- routing replay in the trainer ------------------------------------------------------------------
@@ -189,15 +72,73 @@ def test_r3_replays_recorded_routes_and_router_learns():
         model.score(batch.tokens[:, :-1], routes=batch.routes)
 
 
-def test_route_audit_counts_flips():
-    a = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]]])      # (1, 2 tokens, 2 layers, k=2)
-    b = torch.tensor([[[[1, 0], [2, 4]], [[0, 1], [2, 3]]]])
-    m = torch.ones(1, 2, dtype=torch.bool)
-    r = route_audit(a, b, m, 5)
-    assert r["route_flip_frac"] == pytest.approx(1 / 4)           # only token 0, layer 1 changed its set
-    assert r["top1_flip_frac"] == pytest.approx(1 / 4)            # token 0 layer 0 swapped order only
-    assert r["token_any_flip_frac"] == pytest.approx(1 / 2)
-    assert r["topk_overlap"] == pytest.approx((1 + 0.5 + 1 + 1) / 4)
+# ---- the trainer's forward reads nothing back to the host ------------------------------------------
+class HostReads(TorchDispatchMode):
+    """Counts the reads of tensor values back to the host, by the repository file that made them.
+
+    Every Python-level read of a value (item, bool, int, float: `if t.any()`, `int(t.max())`) goes
+    through aten._local_scalar_dense; ops whose output shape depends on values sync on a GPU too.
+    tolist / numpy read without dispatching, so they are patched. The file is that of the innermost
+    frame in the repository (not tests/, not torch)."""
+    DATA_DEPENDENT = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "bincount",
+                      "unique_consecutive"}
+
+    def __init__(self):
+        super().__init__()
+        self.by_file = {}
+
+    def _count(self):
+        for frame in reversed(traceback.extract_stack()):
+            if frame.filename.startswith(ROOT) and "/tests/" not in frame.filename:
+                name = os.path.basename(frame.filename)
+                self.by_file[name] = self.by_file.get(name, 0) + 1
+                return
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.DATA_DEPENDENT:
+            self._count()
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._patched = [(name, getattr(torch.Tensor, name)) for name in ("tolist", "numpy")]
+        for name, real in self._patched:
+            setattr(torch.Tensor, name, lambda t, *a, _real=real, **kw: (self._count(), _real(t, *a, **kw))[1])
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, real in self._patched:
+            setattr(torch.Tensor, name, real)
+        return super().__exit__(*exc)
+
+
+def test_trainers_forward_under_r3_reads_nothing_back():
+    """model.score's checks read the inputs back (a sync per micro-batch on a GPU); the trainer's
+    forward (distributed.Scorer, as train.forward calls it, R3 replay, entropy, logits chunks,
+    backward) makes none of them: no read from model.py, distributed.py, train.py or audit.py. The
+    torch backend's own grouping of MoE rows by expert and its attention's tile count read on the
+    host (kernels.py, the CPU backend); the Triton backend's do not."""
+    from distributed import Scorer
+    model = _model()
+    outs = Sampler(model).generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=6, n=2, progress=False)
+    batch = train.make_batch(outs, torch.zeros(len(outs)))
+    scorer = Scorer(model)
+    kw = dict(temperature=1.0, routes=batch.routes, with_entropy=True, logits_chunk=8)
+    with HostReads() as trainer:
+        logp, routes, entropy = scorer(batch.tokens, **kw)
+        logp.sum().backward()
+    ours = {f: n for f, n in trainer.by_file.items() if f != "kernels.py"}
+    assert ours == {}, ours
+    with HostReads() as checked:                                     # control: the public, checked score
+        logp_checked, routes_checked, _ = model.score(batch.tokens, **kw)
+    assert checked.by_file.get("model.py", 0) >= 7, checked.by_file  # aminmax + the route checks
+    assert torch.equal(logp_checked, logp) and torch.equal(routes_checked, routes)   # the same forward
+    # the errors stay where users meet them
+    bad = batch.routes.clone()
+    bad[0, 0, 0, 0] = model.config.num_experts
+    with pytest.raises(ValueError, match="num_experts"):
+        model.score(batch.tokens, routes=bad)
+    with pytest.raises(ValueError, match="vocab_size"):
+        model.score(batch.tokens + model.config.vocab_size)
 
 
 # ---- end to end -------------------------------------------------------------------------------------
