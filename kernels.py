@@ -427,7 +427,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     M, k = ids.shape
     order, counts = sort_slots(ids, w13.shape[0])                   # slot s = token s // k
     per_slot = grouped_experts(x, k, order, counts, w13, w2, weights.reshape(-1))   # (M*k, D) fp32
-    return combine_slots(per_slot.view(M, k, -1), x.dtype)
+    return combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
 
 
 def sort_slots(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int]]:
