@@ -246,6 +246,7 @@ class TrainConfig:
     resume: bool = False              # continue the run in out_dir from its latest checkpoint
     overwrite: bool = False           # start over in an out_dir that holds a run (deletes its metrics and checkpoints)
     parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
+    expert_parallel: int = 1          # N ranks per EP group, each holding E/N experts (expert_parallel.py)
     kernels_backend: str = ""         # "" (KERNELS_BACKEND, default auto: Triton on CUDA) | auto | torch | triton
     # data
     task: str = "copy"                # a name in tasks.TASKS: copy | reverse | jsonl
@@ -361,6 +362,7 @@ class TrainConfig:
         _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
         _require(self.group_size >= 2, "--group_size must be >= 2: advantages compare responses within a group")
         _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")
+        _require(self.expert_parallel >= 1, f"--expert_parallel={self.expert_parallel}: must be >= 1")
         _require(self.kernels_backend in ("", "auto", "torch", "triton"),
                  f"--kernels_backend={self.kernels_backend!r}: auto, torch or triton (or '' for KERNELS_BACKEND)")
         _require(self.expert_bias_update_rate >= 0, "--expert_bias_update_rate must be >= 0 (0: the bias is frozen)")

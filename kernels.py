@@ -416,18 +416,37 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Sum over k of weight_k * down(silu(gate x) * up x) for each token's chosen experts.
 
     x (M, D); w13 (E, 2I, D) gate rows first; w2 (E, D, I); ids (M, k); weights (M, k) fp32.
+    The torch path is the three steps below; expert_parallel.py runs the same three with an exchange
+    between them (sort_slots and grouped_experts on the expert's owner, combine_slots on the token's rank).
     """
     if _fast():
         return _fast_moe_experts(x, w13, w2, ids, weights)
     if _triton_for(x) is not None:            # triton backend dispatch (the fused MoE has its own file)
         import kernels_triton_moe
         return kernels_triton_moe.moe_experts(x, w13, w2, ids, weights)
-    M, D = x.shape
-    E, k = w13.shape[0], ids.shape[1]
+    M, k = ids.shape
+    order, counts = sort_slots(ids, w13.shape[0])                   # slot s = token s // k
+    per_slot = grouped_experts(x, k, order, counts, w13, w2, weights.reshape(-1))   # (M*k, D) fp32
+    return combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
+
+
+def sort_slots(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The (row, slot) pairs grouped by expert with a stable sort: ids (R, k) -> order (R*k,), rows per expert."""
+    slot_expert = ids.reshape(-1)                                    # (R*k,)
+    order = torch.sort(slot_expert, stable=True).indices
+    counts = torch.bincount(slot_expert, minlength=n_experts).tolist()
+    return order, counts
+
+
+def grouped_experts(x: torch.Tensor, k: int, order: torch.Tensor, counts: list[int], w13: torch.Tensor,
+                    w2: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """weight * down(silu(gate x) * up x) in fp32 for each slot s, which reads row s // k of x.
+
+    x (R, D); order, counts from sort_slots; w13 (E, 2I, D); w2 (E, D, I); weights (R*k,) fp32
+    -> (R*k, D) fp32 in slot order. Each expert's rows go through the row-chunked linear, so a slot's
+    bits depend neither on the other slots of its expert nor on its position among them.
+    """
     I = w2.shape[2]
-    slot_expert = ids.reshape(-1)                                    # (M*k,) slot s = token s // k
-    order = torch.sort(slot_expert, stable=True).indices             # slots grouped by expert
-    counts = torch.bincount(slot_expert, minlength=E).tolist()
     outs, start = [], 0
     for e, n in enumerate(counts):                                   # empty experts too: the same ops
         slots = order[start:start + n]                               # whichever experts the batch hits
@@ -435,13 +454,17 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         h = linear(x[slots // k], w13[e])                           # (n, 2I)
         a = silu_mul(h[:, :I], h[:, I:])                            # (n, I)
         y = linear(a, w2[e]).float()                                # (n, D)
-        outs.append(y * weights.reshape(-1)[slots, None])
-    sorted_out = torch.cat(outs)                                    # (M*k, D) in expert order
-    per_slot = sorted_out[torch.argsort(order)].view(M, k, D)       # back to slot order
+        outs.append(y * weights[slots, None])
+    sorted_out = torch.cat(outs)                                    # (R*k, D) in expert order
+    return sorted_out[torch.argsort(order)]                         # back to slot order
+
+
+def combine_slots(per_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The top-k combine: per_slot (M, k, D) fp32 summed over k ascending in fp32, rounded to dtype."""
     out = per_slot[:, 0]
-    for j in range(1, k):                                           # fixed-order fp32 combine
+    for j in range(1, per_slot.shape[1]):                          # fixed-order fp32 combine
         out = out + per_slot[:, j]
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import expert_parallel
 import families
 import kernels
 from config import ModelConfig
@@ -216,6 +217,8 @@ class MoE(nn.Module):
         # the router's knobs; at their defaults kernels.route runs exactly the softmax path
         self.route_kw = dict(scoring=cfg.router_scoring, n_group=cfg.n_group, topk_group=cfg.topk_group,
                              scaling=cfg.routed_scaling_factor)
+        # expert_parallel.ExpertParallel when w13 / w2 hold only this rank's E/N experts (shard_experts)
+        self.ep = None
 
     def forward(self, x, forced_ids=None):
         B, T, D = x.shape
@@ -225,7 +228,10 @@ class MoE(nn.Module):
                                              None if forced_ids is None else forced_ids.reshape(B * T, -1),
                                              bias=getattr(self.gate, "e_score_correction_bias", None),
                                              **self.route_kw)
-        out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
+        if self.ep is None:
+            out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
+        else:                                                   # the same bits, experts on their owners
+            out = expert_parallel.moe_experts(x2, self.w13, self.w2, ids, weights, self.ep)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         if self.shared_expert is not None:

@@ -42,7 +42,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm.auto import tqdm
 
+import expert_parallel
 import kernels
+import plan
 from audit import expert_load, mismatch_metrics, pack_routes, route_audit, token_overlap
 from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text,
                     parse_args, parse_bool)
@@ -341,6 +343,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens)
     model = build_model(tcfg, device, dtype)
+    expert_parallel.check_training(tcfg.expert_parallel, model.config.num_experts, d.world)
     if tcfg.expert_bias_update_rate > 0 and not model.config.score_correction_bias:
         raise ConfigError("--expert_bias_update_rate needs a model with a score-correction bias "
                           "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")
@@ -630,6 +633,8 @@ def main(argv: list[str]) -> None:
         print(__doc__)
         print(help_text(tcfg, rcfg))
         return
+    if "--plan" in argv:                        # bytes per rank, nothing loaded (plan.py)
+        return print(plan.main([a for a in argv if a != "--plan"]))
     overrides = parse_args(argv)
     if parse_bool("resume", overrides.get("resume", "false")):
         # continue the saved run: its configs, with this command line's overrides on top

@@ -1,0 +1,237 @@
+"""Expert parallelism: each rank of an EP group holds E/N experts of every MoE layer; tokens travel to them.
+
+    ep = init_expert_parallel(2)                 # under torchrun: EP groups of 2 consecutive ranks
+    shard_experts(model, ep)                     # keep this rank's experts only (w13, w2 of E/N experts)
+    logp, routes = model.score(tokens)           # the same bits as at EP=1, routes as logical expert ids
+    state = gather_experts(model, ep)            # whole experts again (for saving in the HF layout)
+
+How a MoE layer runs under EP (moe_experts below), and why it gives EP=1's bits:
+* the router runs on the token's own rank; routes are logical expert ids everywhere outside this file,
+  and the Placement table maps a logical id to (owner rank, local index);
+* the token's rank sorts its (token, slot) rows by logical expert exactly as kernels.moe_experts does,
+  groups them by owner rank (a stable sort) and sends the rows, their routing weights and local expert
+  ids with all_to_all_single (row counts are exchanged first: prefill and training only);
+* each owner runs kernels.grouped_experts on what it received: per expert, the row-chunked linear, whose
+  bits for a row depend neither on the other rows nor on the row's position among them;
+* the per-slot fp32 outputs go back the same way, and the token's rank puts them in slot order and sums
+  them with kernels.combine_slots: a fixed-order fp32 sum over k, then one rounding to the model dtype.
+So a token's bits depend neither on the EP degree, nor on the placement, nor on the tokens it shares an
+expert with. The backward runs the exchanges in reverse (Exchange below): gradients of x and of the
+routing weights return to the token's rank, the expert weights' gradients stay with their owner.
+
+Run: tests/test_expert_parallel.py launches tests/ep_check.py with torchrun (gloo on the CPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import kernels
+from config import ConfigError
+
+
+# ---------------------------------------------------------------------------------------------------
+# placement: logical expert id -> (owner rank, local index)
+# ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """table[e] is the physical slot of logical expert e; physical slot p lives on rank p // (E/N), local
+    index p % (E/N). The identity table is the contiguous placement: rank r owns [r*E/N, (r+1)*E/N)."""
+    table: tuple[int, ...]
+    ep_size: int
+
+    def __post_init__(self):
+        E, N = len(self.table), self.ep_size
+        if N < 1 or E % N:
+            raise ConfigError(f"a placement of {E} experts over {N} ranks: {N} must divide {E}")
+        if sorted(self.table) != list(range(E)):
+            raise ConfigError(f"expert placement {list(self.table)}: not a permutation of 0..{E - 1}")
+
+    @classmethod
+    def contiguous(cls, n_experts: int, ep_size: int) -> "Placement":
+        return cls(tuple(range(n_experts)), ep_size)
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.table)
+
+    @property
+    def per_rank(self) -> int:
+        return self.n_experts // self.ep_size
+
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rank holding each logical expert id (any shape)."""
+        return torch.tensor(self.table, device=ids.device)[ids] // self.per_rank
+
+    def local(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each logical expert's index inside its owner's shard."""
+        return torch.tensor(self.table, device=ids.device)[ids] % self.per_rank
+
+    def experts_of(self, rank: int) -> list[int]:
+        """The logical ids rank holds, in its local order (shard row j is expert experts_of(rank)[j])."""
+        by_slot = sorted(range(self.n_experts), key=lambda e: self.table[e])
+        return by_slot[rank * self.per_rank:(rank + 1) * self.per_rank]
+
+    def rows_per_rank(self, routes: torch.Tensor) -> torch.Tensor:
+        """Device load: (token, slot) rows each rank computes for these routes (any shape of logical
+        ids, -1 for padding) -> (ep_size,) int64. Routes of one MoE layer give that layer's load."""
+        ids = routes[routes >= 0]
+        return torch.bincount(self.owner(ids).reshape(-1), minlength=self.ep_size)
+
+
+@dataclasses.dataclass
+class ExpertParallel:
+    """This rank's place in its EP group: the placement, the group (None: the default group) and the
+    rank inside it."""
+    placement: Placement
+    rank: int
+    group: object = None
+
+    @property
+    def size(self) -> int:
+        return self.placement.ep_size
+
+
+def check_degree(n: int, n_experts: int, world: int) -> None:
+    """--expert_parallel=n must divide the number of experts and the world size (one line otherwise)."""
+    if n < 1:
+        raise ConfigError(f"--expert_parallel={n}: must be >= 1")
+    if n > 1 and n_experts == 0:
+        raise ConfigError(f"--expert_parallel={n}: the model has no experts")
+    if n_experts % n:
+        raise ConfigError(f"--expert_parallel={n}: must divide the number of experts ({n_experts})")
+    if world % n:
+        raise ConfigError(f"--expert_parallel={n}: must divide the number of ranks ({world})")
+
+
+def check_training(n: int, n_experts: int, world: int) -> None:
+    """train.setup's check: a valid degree, and EP=1 until the training step runs under EP."""
+    check_degree(n, n_experts, world)
+    if n > 1:
+        raise ConfigError(f"--expert_parallel={n}: the training loop does not run under expert parallelism "
+                          "yet (the MoE layer and `python train.py --plan` do)")
+
+
+def init_expert_parallel(n: int, placement: Placement | None = None, n_experts: int = 0) -> ExpertParallel:
+    """EP groups of n consecutive ranks of the default group (every rank creates every group, as
+    torch.distributed requires). placement defaults to the contiguous one over n_experts."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    placement = placement or Placement.contiguous(n_experts, n)
+    check_degree(n, placement.n_experts, world)
+    mine = None
+    for first in range(0, world, n):
+        group = dist.new_group(list(range(first, first + n))) if n < world else None
+        if first <= rank < first + n:
+            mine = group
+    return ExpertParallel(placement, rank % n, mine)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the exchange
+# ---------------------------------------------------------------------------------------------------
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows x[: send[0]] to rank 0, the next send[1] to rank 1, ...; returns the rows received, by source."""
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+class Exchange(torch.autograd.Function):
+    """all_to_all_single whose backward sends the gradients back along the same rows (an exact copy)."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.route = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv, group = ctx.route
+        return _all_to_all(grad, recv, send, group), None, None, None
+
+
+def _exchange_counts(send: torch.Tensor, group) -> list[int]:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.tolist()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the MoE layer under EP
+# ---------------------------------------------------------------------------------------------------
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """kernels.moe_experts with the experts on their owners: x (M, D) this rank's tokens; w13 (E/N, 2I, D),
+    w2 (E/N, D, I) this rank's shard; ids (M, k) logical ids; weights (M, k) fp32 -> (M, D) in x.dtype.
+    Every rank of the group must call it (with M = 0 if it has no tokens)."""
+    M, k = ids.shape
+    pl = ep.placement
+    # 1. the token's rank: its slots in EP=1's order (by logical expert), each expert's rows gathered
+    #    separately as grouped_experts does, so x's gradient sums a token's k slots in EP=1's order
+    order, counts = kernels.sort_slots(ids, pl.n_experts)
+    rows, start = [], 0
+    for n in counts:
+        rows.append(x[order[start:start + n] // k])
+        start += n
+    x_sorted = torch.cat(rows)                                     # (M*k, D) by logical expert
+    w_sorted = weights.reshape(-1)[order]                          # (M*k,) fp32
+    e_sorted = ids.reshape(-1)[order]
+    dest = pl.owner(e_sorted)                                       # (M*k,) owner rank of each row
+    by_dest = torch.sort(dest, stable=True).indices                 # grouped by owner, EP=1's order inside
+    send = torch.bincount(dest, minlength=ep.size)
+    send_l = send.tolist()
+    recv_l = _exchange_counts(send, ep.group)
+    # 2. the owner: the rows of every source, source by source, through the same per-expert computation
+    x_in = Exchange.apply(x_sorted[by_dest], send_l, recv_l, ep.group)          # (R, D)
+    w_in = Exchange.apply(w_sorted[by_dest], send_l, recv_l, ep.group)          # (R,) fp32
+    local = _all_to_all(pl.local(e_sorted)[by_dest], send_l, recv_l, ep.group)  # (R,) local expert ids
+    lorder, lcounts = kernels.sort_slots(local, pl.per_rank)
+    y = kernels.grouped_experts(x_in, 1, lorder, lcounts, w13, w2, w_in)        # (R, D) fp32, arrival order
+    # 3. back to the token's rank: into slot order, then EP=1's combine
+    y_back = Exchange.apply(y, recv_l, send_l, ep.group)                        # (M*k, D) in by_dest order
+    slot_of_row = order[by_dest]                                                # row i holds slot slot_of_row[i]
+    per_slot = y_back[torch.argsort(slot_of_row)]                               # (M*k, D) in slot order
+    return kernels.combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# shards of a model's experts
+# ---------------------------------------------------------------------------------------------------
+def _moe_layers(model: nn.Module):
+    """(name, module) of the MoE layers: the modules holding stacked experts w13 and w2."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "w13", None), nn.Parameter)]
+
+
+def shard_experts(model: nn.Module, ep: ExpertParallel) -> nn.Module:
+    """Keep only this rank's experts in every MoE layer (rows in the placement's local order) and route
+    the layer through the exchange. In place; returns the model."""
+    mine = torch.tensor(ep.placement.experts_of(ep.rank))
+    for _, m in _moe_layers(model):
+        if m.w13.shape[0] != ep.placement.n_experts:
+            raise ValueError(f"shard_experts: a layer holds {m.w13.shape[0]} experts, the placement "
+                             f"{ep.placement.n_experts} (already sharded?)")
+        with torch.no_grad():
+            m.w13 = nn.Parameter(m.w13[mine.to(m.w13.device)].clone(), requires_grad=m.w13.requires_grad)
+            m.w2 = nn.Parameter(m.w2[mine.to(m.w2.device)].clone(), requires_grad=m.w2.requires_grad)
+        m.ep = ep
+    return model
+
+
+def gather_experts(model: nn.Module, ep: ExpertParallel) -> dict[str, torch.Tensor]:
+    """The model's state dict with whole experts (logical order), gathered over the EP group; every rank
+    of the group gets it (collective)."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    pl = ep.placement
+    for name, m in _moe_layers(model):
+        for key in ("w13", "w2"):
+            shard = getattr(m, key).detach().contiguous()
+            parts = [torch.empty_like(shard) for _ in range(ep.size)]
+            dist.all_gather(parts, shard, group=ep.group)
+            whole = torch.empty(pl.n_experts, *shard.shape[1:], dtype=shard.dtype, device=shard.device)
+            for r, part in enumerate(parts):
+                whole[torch.tensor(pl.experts_of(r), device=shard.device)] = part
+            state[f"{name}.{key}" if name else key] = whole
+    return state

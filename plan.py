@@ -1,0 +1,143 @@
+"""The memory plan: bytes per rank of a training run's state, before anything is loaded.
+
+    python train.py --plan --init_from=qwen3-30b-a3b --world_size=8 --parallel=fsdp --expert_parallel=8 \
+        --dtype=bfloat16 --gpu_memory_gb=80
+
+The layout assumed (fp32-master mixed precision): fp32 masters (4 bytes a parameter), fp32 gradients (4),
+AdamW's two fp32 moments (8); with --dtype=bfloat16 a bf16 compute copy (2) cast from the masters (with
+float32 the masters are the compute weights). Dense parameters (attention, router, norms, embeddings,
+shared experts) are whole on every rank under DDP and sharded over the world under FSDP2; expert
+parameters are divided by --expert_parallel=N, and under FSDP2 also by world / N. The sampler reads whole
+dense weights and this rank's E/N experts in the rollout dtype: under DDP that is the compute copy (no
+more bytes), under FSDP2 a copy of its own. The KV pool: --kv_tokens positions, or RolloutConfig's
+num_blocks pages, or (neither given) kv_memory_fraction of what is left, as the sampler sizes it on a GPU.
+Activations and temporaries are not counted: the headroom is theirs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from config import MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
+
+GB = 1e9
+PLAN_KEYS = {"world_size": int, "gpu_memory_gb": float, "kv_tokens": int}   # --plan's own keys
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Bytes on the most loaded rank (FSDP2's first shards are the largest)."""
+    dense_params: int              # parameters of the model, whole
+    expert_params: int
+    params_per_rank: int           # this rank's share (masters, gradients, AdamW state)
+    masters: int
+    grads: int
+    adamw: int
+    compute_copy: int
+    sampler_copy: int
+    kv_pool: int
+    kv_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.masters + self.grads + self.adamw + self.compute_copy + self.sampler_copy + self.kv_pool
+
+
+def shard_rows(rows: int, ways: int) -> int:
+    """Rows of dim 0 on the first (largest) of `ways` shards: torch.chunk's split, as FSDP2's Shard(0)."""
+    return -(-rows // ways)
+
+
+def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel: str, expert_parallel: int,
+                dtype_bytes: int, sampler_bytes: int, kv_bytes_per_token: int, kv_tokens: int = 0,
+                gpu_bytes: int = 0, kv_fraction: float = 0.5, kv_cap_tokens: int = 0) -> MemoryPlan:
+    """The arithmetic. shapes: (shape, is_expert) of every parameter, experts stacked (E, ...).
+    dtype_bytes: the compute dtype's size (4: the masters compute); sampler_bytes: the rollout's.
+    kv_tokens 0: kv_fraction of what gpu_bytes leaves, at most kv_cap_tokens."""
+    N, fsdp = expert_parallel, parallel == "fsdp" and world > 1
+    dense = sum(math.prod(s) for s, e in shapes if not e)
+    expert = sum(math.prod(s) for s, e in shapes if e)
+    mine = whole_dense = local_experts = 0
+    for shape, is_expert in shapes:
+        rows, rest = shape[0], math.prod(shape[1:])
+        if is_expert:
+            rows //= N                                                   # this rank's E/N experts
+            local_experts += rows * rest
+        else:
+            whole_dense += rows * rest
+        ways = (world // N if is_expert else world) if fsdp else 1
+        mine += shard_rows(rows, ways) * rest
+    compute = mine * dtype_bytes if dtype_bytes != 4 else 0
+    sampler = (whole_dense + local_experts) * sampler_bytes if fsdp or sampler_bytes != dtype_bytes else 0
+    plan = MemoryPlan(dense, expert, mine, 4 * mine, 4 * mine, 8 * mine, compute, sampler, 0, kv_tokens)
+    if not kv_tokens and gpu_bytes and kv_bytes_per_token:
+        room = max(0, gpu_bytes - plan.total) * kv_fraction
+        plan.kv_tokens = min(int(room // kv_bytes_per_token), kv_cap_tokens or math.inf)
+    plan.kv_pool = plan.kv_tokens * kv_bytes_per_token
+    return plan
+
+
+def parameter_shapes(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, is_expert) of every parameter of the model, from a meta-device build (no memory)."""
+    import torch
+
+    from model import Transformer
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return [(tuple(p.shape), n.endswith((".mlp.w13", ".mlp.w2"))) for n, p in model.named_parameters()]
+
+
+def model_config(init_from: str) -> ModelConfig:
+    """A preset's config, or a checkpoint folder's config.json (no weights read)."""
+    if init_from in MODEL_PRESETS:
+        return ModelConfig.preset(init_from)
+    if os.path.isdir(init_from):
+        return ModelConfig.from_hf(init_from)
+    raise ConfigError(f"--init_from={init_from!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) "
+                      "nor a checkpoint folder")
+
+
+def main(argv: list[str]) -> str:
+    """`python train.py --plan ...`: the table for the command line's configs (plus --world_size,
+    --gpu_memory_gb, --kv_tokens)."""
+    from expert_parallel import check_degree
+    overrides = parse_args(argv)
+    mine = {k: overrides.pop(k) for k in list(overrides) if k in PLAN_KEYS}
+    try:
+        world, gpu_gb, kv_tokens = (PLAN_KEYS[k](mine.get(k, d)) for k, d in
+                                    (("world_size", os.environ.get("WORLD_SIZE", "1")), ("gpu_memory_gb", "80"),
+                                     ("kv_tokens", "0")))
+    except ValueError:
+        raise ConfigError(f"--plan: --world_size and --kv_tokens take integers, --gpu_memory_gb a number "
+                          f"(got {mine})") from None
+    if world < 1 or gpu_gb <= 0 or kv_tokens < 0:
+        raise ConfigError("--plan: need --world_size >= 1, --gpu_memory_gb > 0, --kv_tokens >= 0")
+    tcfg, rcfg = TrainConfig(), RolloutConfig()
+    apply_overrides(overrides, tcfg, rcfg)
+    cfg = model_config(tcfg.init_from)
+    check_degree(tcfg.expert_parallel, cfg.num_experts, world)
+    nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    dtype_bytes = nbytes[tcfg.dtype]
+    sampler_bytes = nbytes[rcfg.rollout_dtype or tcfg.dtype]
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * sampler_bytes
+    plan = memory_plan(parameter_shapes(cfg), world, tcfg.parallel, tcfg.expert_parallel, dtype_bytes,
+                       sampler_bytes, kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size,
+                       int(gpu_gb * GB), rcfg.kv_memory_fraction,
+                       rcfg.max_batch_size * cfg.max_position_embeddings)
+    return format_plan(plan, tcfg, world, gpu_gb, rcfg.rollout_dtype or tcfg.dtype)
+
+
+def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, sampler_dtype: str) -> str:
+    layout = "FSDP2" if tcfg.parallel == "fsdp" and world > 1 else "DDP" if world > 1 else "one process"
+    rows = [("masters (fp32)", plan.masters), ("gradients (fp32)", plan.grads), ("AdamW state (fp32 x 2)", plan.adamw),
+            (f"compute copy ({tcfg.dtype})", plan.compute_copy), (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
+            (f"KV pool ({plan.kv_tokens:,} tokens)", plan.kv_pool), ("total", plan.total)]
+    fits = plan.total <= gpu_gb * GB
+    lines = [f"plan: {tcfg.init_from}, {plan.dense_params / 1e9:.2f}B dense + {plan.expert_params / 1e9:.2f}B expert "
+             f"parameters; {world} rank(s), {layout}, --expert_parallel={tcfg.expert_parallel}, --dtype={tcfg.dtype}",
+             f"per rank: {plan.params_per_rank / 1e9:.2f}B parameters"]
+    lines += [f"  {name:<34} {b / GB:9.2f} GB" for name, b in rows]
+    lines.append(f"{'fits' if fits else 'does not fit'} in {gpu_gb:g} GB per GPU "
+                 f"({(gpu_gb * GB - plan.total) / GB:+.2f} GB left for activations and temporaries)")
+    return "\n".join(lines)

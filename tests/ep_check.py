@@ -1,0 +1,111 @@
+"""Expert parallelism against EP=1, on every rank of a torchrun job (gloo on the CPU).
+
+    torchrun --standalone --nproc_per_node=4 tests/ep_check.py
+
+Every rank builds the same tiny model and the same tokens, computes the EP=1 reference itself, then runs
+each EP degree that divides the world (with the contiguous and a permuted placement) on its own slice of
+the tokens and compares. Prints one `ok ...` line per check on rank 0; any mismatch raises.
+tests/test_expert_parallel.py runs it with 2 and 4 processes.
+"""
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from config import ModelConfig                                    # noqa: E402
+from expert_parallel import Placement, gather_experts, init_expert_parallel, shard_experts   # noqa: E402
+from model import Transformer                                     # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The router's gradient sums over tokens: each rank sums its own, then the ranks add up (the reduction
+# DDP does too), so it is EP=1's sum re-associated. Bound in norm (an element that is a near-total
+# cancellation moves by more): fp32 1e-5 relative; bf16 2e-2 (each rank's partial sum rounded to bf16).
+ROUTER_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def say(msg):
+    if dist.get_rank() == 0:
+        print("ok", msg, flush=True)
+
+
+def placements(E, n):
+    g = torch.Generator().manual_seed(n)
+    yield "contiguous", Placement.contiguous(E, n)
+    yield "permuted", Placement(tuple(torch.randperm(E, generator=g).tolist()), n)
+
+
+def split(total, n, r):
+    """Rank r's slice of total rows: uneven, and the group's last rank gets none when n > 1."""
+    if n == 1:
+        return 0, total
+    cuts = [total * i // (n - 1) for i in range(n)] + [total]      # n = 4, total = 37: 0 12 24 37 37
+    return cuts[r], cuts[r + 1]
+
+
+def check_score(cfg, dtype, n, name, placement):
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (2 * n, 12), generator=torch.Generator().manual_seed(1))
+    ref_logp, ref_routes = model.score(tokens)
+    ep = init_expert_parallel(n, placement)
+    whole = {k: v.clone() for k, v in model.state_dict().items()}
+    shard_experts(model, ep)
+    b = slice(2 * ep.rank, 2 * ep.rank + 2)                        # this rank's two sequences
+    logp, routes = model.score(tokens[b])
+    assert torch.equal(logp, ref_logp[b]), f"score logp EP={n} {name} {dtype}"
+    assert torch.equal(routes, ref_routes[b]), f"score routes EP={n} {name} {dtype}"
+    back = gather_experts(model, ep)
+    assert all(torch.equal(back[k], whole[k]) for k in whole), "gather_experts is not the whole model"
+    say(f"score EP={n} {name} {dtype}: logp and routes equal EP=1's; gather_experts round trip")
+
+
+def check_grads(cfg, dtype, n, name, placement):
+    """One MoE layer, forward and backward, on this rank's slice of 37 tokens (some ranks get none)."""
+    torch.manual_seed(0)
+    moe = Transformer(cfg).to(dtype).layers[1].mlp
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 37, cfg.hidden_size, generator=g).to(dtype)
+    probe = torch.randn(1, 37, cfg.hidden_size, generator=g)       # loss = sum(out * probe)
+    xr = x.clone().requires_grad_()
+    out, ids = moe(xr)
+    (out.float() * probe).sum().backward()
+    ep = init_expert_parallel(n, placement)
+    mine = placement.experts_of(ep.rank)
+    local = shard_experts(copy.deepcopy(moe), ep)
+    local.zero_grad()
+    lo, hi = split(37, n, ep.rank)
+    xl = x[:, lo:hi].clone().requires_grad_()
+    out_l, ids_l = local(xl)
+    (out_l.float() * probe[:, lo:hi]).sum().backward()
+    what = f"EP={n} {name} {dtype}"
+    assert torch.equal(out_l, out[:, lo:hi]) and torch.equal(ids_l, ids[:, lo:hi]), f"MoE forward {what}"
+    assert torch.equal(xl.grad, xr.grad[:, lo:hi]), f"grad of x {what}"
+    assert torch.equal(local.w13.grad, moe.w13.grad[mine]), f"grad of w13 {what}"
+    assert torch.equal(local.w2.grad, moe.w2.grad[mine]), f"grad of w2 {what}"
+    router = local.gate.weight.grad.float()
+    dist.all_reduce(router, group=ep.group)
+    ref = moe.gate.weight.grad.float()
+    gap = ((router - ref).norm() / ref.norm()).item()
+    assert gap < ROUTER_RTOL[dtype], f"router grad {what}: relative gap {gap:.2e}"
+    say(f"grads {what}: x, w13, w2 bitwise; router {gap:.1e} relative (bound {ROUTER_RTOL[dtype]})")
+
+
+def main():
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    tiny = ModelConfig.preset("tiny")
+    top4 = ModelConfig(**{**tiny.__dict__, "num_experts_per_tok": 4})   # k > 2: the slot order matters
+    for dtype in DTYPES.values():
+        for n in [d for d in (1, 2, 4) if world % d == 0]:
+            for name, placement in placements(tiny.num_experts, n):
+                check_score(tiny, dtype, n, name, placement)
+                check_grads(top4, dtype, n, name, placement)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Expert parallelism: placement, the degree checks, the slot-order combine (with its control), and
+tests/ep_check.py under torchrun with 2 and 4 gloo processes (score and gradients against EP=1)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from config import ConfigError, ModelConfig
+from expert_parallel import ExpertParallel, Placement, check_degree, shard_experts
+from model import Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_contiguous_placement_owns_ranges():
+    pl = Placement.contiguous(8, 4)
+    ids = torch.arange(8)
+    assert pl.owner(ids).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert pl.local(ids).tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [pl.experts_of(r) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_permuted_placement_maps_logical_to_physical():
+    pl = Placement((5, 0, 7, 2, 1, 6, 3, 4), 2)                      # expert e sits at physical slot table[e]
+    for r in range(2):
+        for j, e in enumerate(pl.experts_of(r)):
+            assert pl.owner(torch.tensor(e)).item() == r and pl.local(torch.tensor(e)).item() == j
+    assert sorted(pl.experts_of(0) + pl.experts_of(1)) == list(range(8))
+    routes = torch.tensor([[[1, 4]], [[0, -1]]])                     # -1: padding, on no rank
+    assert pl.rows_per_rank(routes).tolist() == [2, 1]               # experts 1, 4 on rank 0; 0 on rank 1
+
+
+@pytest.mark.parametrize("table, n", [((0, 1, 1, 3), 2), ((0, 1, 2), 2)])
+def test_bad_placement_is_one_line(table, n):
+    with pytest.raises(ConfigError):
+        Placement(table, n)
+
+
+@pytest.mark.parametrize("n, experts, world, says", [(3, 8, 6, "number of experts (8)"),
+                                                     (2, 8, 3, "number of ranks (3)"), (0, 8, 1, ">= 1")])
+def test_expert_parallel_degree_errors(n, experts, world, says):
+    with pytest.raises(ConfigError, match=f"--expert_parallel={n}: .*{says}".replace("(", r"\(").replace(")", r"\)")):
+        check_degree(n, experts, world)
+    check_degree(2, 8, 4)                                            # a valid one passes
+
+
+def test_expert_parallel_flag_is_one_line_in_train(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--expert_parallel=3", "--steps=1", "--device=cpu",
+                        f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "error: --expert_parallel=3: must divide the number of experts (8)"], r.stderr
+
+
+def test_shard_keeps_only_local_experts_in_placement_order():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    whole = {k: v.clone() for k, v in model.state_dict().items()}
+    pl = Placement((3, 6, 0, 5, 1, 7, 2, 4), 4)
+    shard_experts(model, ExpertParallel(pl, rank=1))
+    for name, p in model.named_parameters():
+        if name.endswith((".w13", ".w2")):
+            assert p.shape[0] == 2 and torch.equal(p, whole[name][pl.experts_of(1)])
+        else:
+            assert torch.equal(p, whole[name])
+
+
+def test_slot_order_combine_and_its_control():
+    """The combine's order is the contract: EP's rows come back grouped by owner rank, and summing them
+    in that arrival order, or per rank first, gives other bits than the slot-order sum at EP=1."""
+    g = torch.Generator().manual_seed(0)
+    M, D, I, E, k = 64, 48, 32, 8, 4
+    x = torch.randn(M, D, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, D, generator=g) * 0.2, torch.randn(E, D, I, generator=g) * 0.2
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)])
+    weights = torch.rand(M, k, generator=g)
+    ref = kernels.moe_experts(x, w13, w2, ids, weights)
+    order, counts = kernels.sort_slots(ids, E)
+    per_slot = kernels.grouped_experts(x, k, order, counts, w13, w2, weights.reshape(-1)).view(M, k, D)
+    assert torch.equal(kernels.combine_slots(per_slot, x.dtype), ref)
+    owner = Placement.contiguous(E, 2).owner(ids)                   # (M, k)
+    arrival = torch.sort(owner * E + ids, dim=1, stable=True).indices   # by owner, by expert inside
+    in_arrival_order = kernels.combine_slots(per_slot.gather(1, arrival[..., None].expand(-1, -1, D)), x.dtype)
+    per_rank = [kernels.combine_slots(per_slot * (owner == r)[..., None], x.dtype) for r in range(2)]
+    rank_first = per_rank[0] + per_rank[1]
+    assert not torch.equal(in_arrival_order, ref) and not torch.equal(rank_first, ref)
+    torch.testing.assert_close(in_arrival_order, ref)                # the same sum, other roundings
+    torch.testing.assert_close(rank_first, ref)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "tests/ep_check.py"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    degrees = [n for n in (1, 2, 4) if nproc % n == 0]
+    ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
+    assert len(ok) == 2 * 2 * 2 * len(degrees), r.stdout            # score + grads, 2 dtypes, 2 placements
+    for n in degrees:
+        assert sum(f"EP={n} " in line for line in ok) == 8

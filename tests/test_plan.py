@@ -1,0 +1,77 @@
+"""`python train.py --plan`: the memory arithmetic held against the bytes of a tiny model's real, sharded
+parameters, and the plan's verdict for Qwen3-30B-A3B on 8 x 80 GB with and without expert parallelism."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import plan
+from config import ConfigError, ModelConfig
+from expert_parallel import ExpertParallel, Placement, shard_experts
+from model import Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sharded_tiny(n, rank, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny")).to(dtype)
+    return shard_experts(model, ExpertParallel(Placement.contiguous(8, n), rank)) if n > 1 else model
+
+
+def is_expert(name):
+    return name.endswith((".mlp.w13", ".mlp.w2"))
+
+
+@pytest.mark.parametrize("world, n", [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4)])
+def test_plan_matches_the_bytes_of_sharded_parameters(world, n):
+    shapes = plan.parameter_shapes(ModelConfig.preset("tiny"))
+    for rank in range(n):
+        fp32, bf16 = sharded_tiny(n, rank), sharded_tiny(n, rank, torch.bfloat16)
+        ddp = plan.memory_plan(shapes, world, "ddp", n, 2, 2, 0)
+        assert ddp.masters == sum(p.nbytes for p in fp32.parameters())
+        assert ddp.compute_copy == sum(p.nbytes for p in bf16.parameters()) and ddp.sampler_copy == 0
+        assert ddp.grads == ddp.masters and ddp.adamw == 2 * ddp.masters
+        if world == 1:                                                   # one process: no FSDP2
+            continue
+        # FSDP2 shards dim 0 as torch.chunk does: dense over the world, this rank's experts over world / n
+        fsdp = plan.memory_plan(shapes, world, "fsdp", n, 2, 2, 0)
+        first_shards = sum(torch.chunk(p, world // n if is_expert(k) else world)[0].nbytes
+                           for k, p in fp32.named_parameters())
+        assert fsdp.masters == first_shards
+        assert fsdp.sampler_copy == ddp.compute_copy                     # whole dense + E/N experts, bf16
+        assert fsdp.compute_copy == first_shards // 2
+
+
+def test_kv_pool_from_tokens_or_the_room_left():
+    shapes = [((10, 10), False), ((4, 5, 5), True)]
+    assert plan.memory_plan(shapes, 1, "ddp", 1, 4, 4, 64, kv_tokens=100).kv_pool == 6400
+    p = plan.memory_plan(shapes, 1, "ddp", 1, 4, 4, 64, gpu_bytes=10_000, kv_fraction=0.5)
+    assert p.kv_tokens == int((10_000 - 16 * 200) * 0.5 // 64) and p.total <= 10_000
+
+
+def test_qwen3_30b_a3b_on_eight_80gb_gpus_fits_only_with_expert_parallelism():
+    common = ["--init_from=qwen3-30b-a3b", "--world_size=8", "--dtype=bfloat16", "--gpu_memory_gb=80",
+              "--parallel=fsdp"]                # the KV pool: half of what the state leaves
+    without, with_ep = plan.main(common), plan.main(common + ["--expert_parallel=8"])
+    assert without.splitlines()[-1].startswith("does not fit") and with_ep.splitlines()[-1].startswith("fits")
+    assert "KV pool (0 tokens)" in without and "KV pool (0 tokens)" not in with_ep
+
+
+def test_train_plan_entry_prints_the_table():
+    r = subprocess.run([sys.executable, "train.py", "--plan", "--init_from=qwen3-30b-a3b", "--world_size=8",
+                        "--expert_parallel=8"], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    rows = ("masters", "gradients", "AdamW state", "compute copy", "sampler's copy", "KV pool", "total")
+    assert r.returncode == 0 and all(f"  {row}" in r.stdout for row in rows), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("bad, says", [(["--expert_parallel=3"], "number of experts (128)"),
+                                       (["--expert_parallel=16", "--world_size=8"], "number of ranks (8)"),
+                                       (["--world_size=x"], "integers")])
+def test_plan_bad_values_are_config_errors(bad, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        plan.main(["--init_from=qwen3-30b-a3b"] + bad)
