@@ -50,7 +50,8 @@ from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_
                         trim_metrics)
 from distributed import (Dist, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lower_precision_copy,
                          parallelize, reduce_metrics)
-from model import CheckpointError, Transformer, hf_to_state, read_safetensors_dir
+from hf import CheckpointError, hf_to_state, read_safetensors_dir
+from model import Transformer
 from replay import pack_routes, route_audit
 from rollout import Sampler
 from tasks import RewardError, check_reward, make_task
