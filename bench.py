@@ -53,6 +53,7 @@ import torch
 
 import kernels
 from config import ModelConfig
+from hf import config_to_hf
 from model import Transformer
 from rollout import Sampler
 
@@ -487,7 +488,7 @@ def hf_generate_rows(rows: Rows, model, args, tiny, B, new, lo, hi) -> None:
         return
     sync = (lambda: None) if tiny else torch.cuda.synchronize
     p = next(model.parameters())
-    hf_cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in model.config.to_hf().items() if k != "architectures"})
+    hf_cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in config_to_hf(model.config).items() if k != "architectures"})
     with torch.device(p.device):                     # made on the device, then our weights copied in
         hf = transformers.Qwen3MoeForCausalLM._from_config(hf_cfg, dtype=p.dtype).eval()
     # transformers 5 stacks experts as ours: gate_up_proj (E, 2I, D) = w13, down_proj (E, D, I) = w2

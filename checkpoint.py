@@ -22,7 +22,8 @@ import shutil
 import torch
 
 from config import ConfigError, RolloutConfig, TrainConfig
-from model import CheckpointError, Transformer
+from hf import CheckpointError
+from model import Transformer
 
 
 class RunError(RuntimeError):

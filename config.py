@@ -2,20 +2,18 @@
 
     from config import ModelConfig
     cfg = ModelConfig.preset("tiny")                  # the CPU default of `python train.py`
-    cfg = ModelConfig.from_hf("path/to/config.json")  # qwen3_moe, qwen2_moe, olmoe, mixtral, glm4_moe (families.py)
 
 Field names follow Hugging Face's Qwen3-MoE config; the knobs of other families (sigmoid routing, a
 score-correction bias, grouped top-k, shared experts, biases, partial RoPE) are extra fields that are
-off by default, and families.py translates each family's config.json names onto them.
+off by default. hf.py translates each family's config.json onto them (hf.config_from_hf) and checks
+model_type; this file imports nothing of it.
 Every dataclass validates itself in `__post_init__`; `apply_overrides` turns command-line
 `--key=value` strings into typed fields and rejects unknown keys and bad values by name.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import re
 import types
 import typing
@@ -60,8 +58,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 256
     initializer_range: float = 0.02
-    # other families (families.py); every default below is Qwen3-MoE, which uses none of them
-    model_type: str = "qwen3_moe"        # the HF family: config names and weight keys on load and save
+    # other families (hf.py); every default below is Qwen3-MoE, which uses none of them
+    model_type: str = "qwen3_moe"        # the HF family (hf.FAMILIES): config names and weight keys on load and save
     router_scoring: str = "softmax"      # softmax | sigmoid (DeepSeek-V3, GLM-4.5), in fp32
     score_correction_bias: bool = False  # a per-expert bias added to the scores for the choice only
     n_group: int = 1                     # group-limited top-k: experts in n_group groups, ...
@@ -99,9 +97,6 @@ class ModelConfig:
         self._check_family_knobs()
 
     def _check_family_knobs(self):
-        import families   # here, not at the top: families.py imports this module
-        _require(self.model_type in families.FAMILIES,
-                 f"model_type={self.model_type!r} is not supported; choose one of {sorted(families.FAMILIES)}")
         _require(self.router_scoring in ("softmax", "sigmoid"),
                  f"router_scoring={self.router_scoring!r}: softmax or sigmoid")
         _require(self.qk_norm in ("head", "full", "none"), f"qk_norm={self.qk_norm!r}: head, full or none")
@@ -146,47 +141,6 @@ class ModelConfig:
         if name not in MODEL_PRESETS:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
         return ModelConfig(**MODEL_PRESETS[name])
-
-    # ---- Hugging Face config.json: the translation of each family lives in families.py ----
-    @staticmethod
-    def from_hf(path_or_dict: str | dict) -> "ModelConfig":
-        """Read a config.json of a supported family (families.FAMILIES); old and new transformers names."""
-        if isinstance(path_or_dict, dict):
-            hf = dict(path_or_dict)
-        else:
-            path = path_or_dict
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise ConfigError(f"no config.json at {path_or_dict!r}")
-            with open(path) as f:
-                try:
-                    hf = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
-        _require(not missing, f"config.json{'' if isinstance(path_or_dict, dict) else ' at ' + repr(path_or_dict)} "
-                              f"lacks the required field(s) {', '.join(missing)}")
-        import families   # here, not at the top: families.py imports this module
-        return ModelConfig(**families.config_from_hf(hf))
-
-    def to_hf(self) -> dict:
-        """The config.json that transformers' class for `model_type` reads (old and new rope keys).
-
-        Raises ConfigError if the family cannot express a field this config sets (e.g. sigmoid routing
-        under model_type qwen3_moe): a checkpoint must load back as the model that wrote it.
-        """
-        import families
-        d = families.config_to_hf(self)
-        back = ModelConfig(**families.config_from_hf(json.loads(json.dumps(d))))
-        ignored = families.unused_fields(self)
-        lost = [f.name for f in dataclasses.fields(self)
-                if f.name not in ignored and getattr(back, f.name) != getattr(self, f.name)]
-        if lost:
-            raise ConfigError(f"model_type {self.model_type!r} cannot express {lost[0]}={getattr(self, lost[0])!r} "
-                              f"(it would load back as {getattr(back, lost[0])!r}); pick the model_type of a "
-                              "family that has this knob (see families.py)")
-        return d
 
 
 MODEL_PRESETS: dict[str, dict] = {

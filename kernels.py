@@ -351,7 +351,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     keeps its gradient. A row of all -1 (a position nobody recorded, e.g. padding) is routed normally.
 
     Every step is row-local torch (sorts are stable and descending: ties go to the lowest index), also
-    on CUDA, where no Triton kernel replaces it; tests/test_families.py's GPU test shows the row
+    on CUDA, where no Triton kernel replaces it; tests/test_hf.py's GPU test shows the row
     invariance there. With the defaults this runs exactly the softmax ops it always ran.
     """
     if _variant is not None and _variant["router_bf16"]:

@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts transformer (Qwen3-MoE semantics), its checkpoints, and route record/replay.
+"""The Mixture-of-Experts transformer (Qwen3-MoE semantics), its checkpoints (via hf.py), and route record/replay.
 
     from config import ModelConfig
     from model import Transformer
@@ -15,15 +15,13 @@ Layer: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)), where mlp is MoE on layers c
 ModelConfig.is_moe_layer and a dense SwiGLU elsewhere. Attention: GQA, per-head RMSNorm on q and k
 before NeoX RoPE, scale head_dim^-0.5, no biases. Router: softmax(gate(x)) in fp32, top-k,
 optional renormalisation. Experts are stacked: w13 (E, 2I, D) with gate rows first, w2 (E, D, I).
-That is Qwen3-MoE; the other families (families.py) switch on config knobs, each off by default:
+That is Qwen3-MoE; the other families (hf.py) switch on config knobs, each off by default:
 q/k/v and o biases (added after the matmul, in the model dtype), q/k norm over the whole projection or
 none, partial RoPE (the first rotary_dim dims of each head), sigmoid routing with a score-correction
 bias and grouped top-k (kernels.route), routed_scaling_factor, and shared experts (see MoE).
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import expert_parallel
-import families
+import hf
 import kernels
 from config import ModelConfig
 
@@ -75,10 +73,6 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 dh[rows], dwc = torch.autograd.grad(lp, (hc, wc), g[rows])
             dw += dwc.float()
         return dh, dw.to(w.dtype), None, None, None, None
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model config; the message names the tensor."""
 
 
 @dataclass
@@ -416,19 +410,19 @@ class Transformer(nn.Module):
             logp, entropy = out if with_entropy else (out, None)
         return (logp, used, entropy) if with_entropy else (logp, used)
 
-    # ---- Hugging Face checkpoints ----
+    # ---- Hugging Face checkpoints: the translation lives in hf.py ----
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype | None = None, device="cpu") -> "Transformer":
-        """Load a safetensors directory of a supported family (families.py; single file or sharded;
+        """Load a safetensors directory of a supported family (hf.FAMILIES; single file or sharded;
         per-expert or fused experts).
 
         dtype: None keeps the checkpoint's (that of its embedding); any other is converted to.
+        Raises ConfigError for a config.json it cannot read, hf.CheckpointError for weights that do not fit.
         """
-        config = ModelConfig.from_hf(path)
+        config = hf.config_from_hf(path)
         with torch.device("meta"):
             model = cls(config)
-        tensors = read_safetensors_dir(path)
-        state = hf_to_state(tensors, model)
+        state = hf.hf_to_state(hf.read_safetensors_dir(path), model)
         dtype = dtype or state["embed_tokens.weight"].dtype   # the weights' dtype (norms are often fp32)
         model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True)
         return model
@@ -436,140 +430,4 @@ class Transformer(nn.Module):
     def save_pretrained(self, path: str, max_shard_bytes: int = 2 << 30) -> None:
         """Write config.json + safetensors (sharded past max_shard_bytes) in the per-expert HF layout of
         the config's model_type, which transformers reads back as the same model."""
-        from safetensors.torch import save_file
-        os.makedirs(path, exist_ok=True)
-        state = state_to_hf(self)
-        dtype = next(iter(state.values())).dtype
-        hf_cfg = self.config.to_hf()
-        hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(dtype).removeprefix("torch.")
-        shards, cur, size = [], {}, 0
-        for k, v in state.items():
-            nbytes = v.numel() * v.element_size()
-            if cur and size + nbytes > max_shard_bytes:
-                shards.append(cur)
-                cur, size = {}, 0
-            cur[k], size = v, size + nbytes
-        shards.append(cur)
-        if len(shards) == 1:
-            save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-                weight_map.update({k: name for k in shard})
-            total = sum(v.numel() * v.element_size() for v in state.values())
-            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf_cfg, f, indent=2)
-
-
-def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory under its HF key.
-
-    Raises CheckpointError naming the file for an unreadable (e.g. truncated) shard, and naming the key
-    of the first tensor holding a NaN or an infinity: a poisoned checkpoint never loads silently.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{index}: not a safetensors index (expected JSON with a 'weight_map')") from None
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
-    out = {}
-    for name in files:
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{file}: missing (named by model.safetensors.index.json)")
-        try:
-            tensors = load_file(file)
-        except SafetensorError as e:
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e}); was it truncated by an interrupted "
-                                  "copy or download?") from None
-        for key, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                n = int((~torch.isfinite(t)).sum())
-                raise CheckpointError(f"{file}: tensor {key!r} holds {n} non-finite value(s) (NaN or inf); "
-                                      "the checkpoint is poisoned, load an earlier one")
-        out.update(tensors)
-    return out
-
-
-def hf_to_state(tensors: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
-    """Map a checkpoint's HF keys (spelled as model.config.model_type's family) onto this model's
-    state_dict keys, stacking per-expert weights.
-
-    Raises CheckpointError naming the first missing, unexpected or mis-shaped tensor.
-    """
-    cfg = model.config
-    fam = families.family(cfg.model_type)
-    want = {k: v.shape for k, v in model.state_dict().items()}
-    src, hf_name = {}, {}                        # our spelling -> tensor, and -> the checkpoint's key
-    for key, t in tensors.items():
-        ours = families.hf_key_to_ours(fam, key, cfg.num_hidden_layers)
-        if ours is not None:
-            src[ours], hf_name[ours] = t, key
-    state: dict[str, torch.Tensor] = {}
-
-    def take(name: str, shape=None):
-        if name not in src:
-            raise CheckpointError(f"checkpoint is missing {families.our_key_to_hf(fam, name)!r} "
-                                  "(does config.json match the weights?)")
-        t = src.pop(name)
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {hf_name[name]!r} has shape {tuple(t.shape)}, the config needs {tuple(shape)}")
-        return t
-
-    for name in want:
-        if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
-            continue
-        state[name] = take(name, want[name])
-    if cfg.tie_word_embeddings:
-        src.pop("lm_head.weight", None)   # some tools write the tied copy too
-    for i in cfg.moe_layers:
-        pre = f"layers.{i}.mlp.experts"
-        if f"{pre}.gate_up_proj" in src:   # fused layout of newer transformers: (E, 2I, D), (E, D, I)
-            state[f"layers.{i}.mlp.w13"] = take(f"{pre}.gate_up_proj", want[f"layers.{i}.mlp.w13"])
-            state[f"layers.{i}.mlp.w2"] = take(f"{pre}.down_proj", want[f"layers.{i}.mlp.w2"])
-        else:
-            D, I = cfg.hidden_size, cfg.moe_intermediate_size
-            gate = [take(f"{pre}.{e}.gate_proj.weight", (I, D)) for e in range(cfg.num_experts)]
-            up = [take(f"{pre}.{e}.up_proj.weight", (I, D)) for e in range(cfg.num_experts)]
-            down = [take(f"{pre}.{e}.down_proj.weight", (D, I)) for e in range(cfg.num_experts)]
-            state[f"layers.{i}.mlp.w13"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
-            state[f"layers.{i}.mlp.w2"] = torch.stack(down)
-    if src:
-        extra = sorted(hf_name[k] for k in src)
-        raise CheckpointError(f"checkpoint has {len(extra)} tensors the config does not use, e.g. {extra[0]!r} "
-                              f"(does config.json match the weights?)")
-    return state
-
-
-def state_to_hf(model: Transformer) -> dict[str, torch.Tensor]:
-    """This model's state (weights and the router bias buffers) under its family's HF keys, experts
-    split per expert (what transformers and vLLM read)."""
-    cfg = model.config
-    fam = families.family(cfg.model_type)
-    I = cfg.moe_intermediate_size
-    out = {}
-    for name, t in model.state_dict().items():
-        t = t.detach().contiguous()
-        if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
-            pre = name.rsplit(".", 1)[0] + ".experts"
-            for e in range(t.shape[0]):
-                if name.endswith("w13"):
-                    out[families.our_key_to_hf(fam, f"{pre}.{e}.gate_proj.weight")] = t[e, :I].clone()
-                    out[families.our_key_to_hf(fam, f"{pre}.{e}.up_proj.weight")] = t[e, I:].clone()
-                else:
-                    out[families.our_key_to_hf(fam, f"{pre}.{e}.down_proj.weight")] = t[e].clone()
-        else:
-            out[families.our_key_to_hf(fam, name)] = t
-    return out
+        hf.write_safetensors_dir(path, hf.state_to_hf(self), hf.config_to_hf(self.config), max_shard_bytes)

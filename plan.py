@@ -19,6 +19,7 @@ import dataclasses
 import math
 import os
 
+import hf
 from config import MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
 
 GB = 1e9
@@ -93,7 +94,7 @@ def model_config(init_from: str) -> ModelConfig:
     if init_from in MODEL_PRESETS:
         return ModelConfig.preset(init_from)
     if os.path.isdir(init_from):
-        return ModelConfig.from_hf(init_from)
+        return hf.config_from_hf(init_from)
     raise ConfigError(f"--init_from={init_from!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) "
                       "nor a checkpoint folder")
 

@@ -55,7 +55,8 @@ from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_
                         trim_metrics)
 from distributed import (Dist, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lower_precision_copy,
                          parallelize, reduce_metrics)
-from model import CheckpointError, MoE, Transformer, hf_to_state, read_safetensors_dir
+from hf import CheckpointError, hf_to_state, read_safetensors_dir
+from model import MoE, Transformer
 from rollout import Sampler
 from tasks import RewardError, TaskError, check_reward, make_task
 

@@ -80,7 +80,7 @@ def hf_classes():
 
 
 def hf_config(**overrides):
-    """A transformers Qwen3MoeConfig built directly (not through our to_hf), new-style field names."""
+    """A transformers Qwen3MoeConfig built directly (not through hf.config_to_hf), new-style field names."""
     Qwen3MoeConfig, _ = hf_classes()
     kw = dict(TINY)
     kw.update(overrides)
@@ -149,6 +149,15 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
+def assert_same_weights(a: Transformer, b: Transformer):
+    """The same state_dict keys, dtypes and bits."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype, k
+        assert torch.equal(sa[k], sb[k]), k
+
+
 def assert_contract(model: Transformer, outs, temperature: float = 1.0) -> None:
     """Each sampler output's log-probs and routes are bitwise what model.score computes for prompt +
     tokens (on the model's device; the outputs live on the CPU)."""
@@ -165,7 +174,7 @@ def assert_contract(model: Transformer, outs, temperature: float = 1.0) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# other model families (tests/test_families.py): tiny random transformers models of each model_type
+# other model families (tests/test_hf.py): tiny random transformers models of each model_type
 # ---------------------------------------------------------------------------------------------------
 FAMILY_DIMS = dict(vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=48, num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=256,

@@ -1,7 +1,4 @@
-"""config.py: presets, validation, Hugging Face config.json in both field-name generations, overrides."""
-import dataclasses
-import json
-
+"""config.py: presets, validation, overrides. Hugging Face config.json: tests/test_hf.py."""
 import pytest
 
 import config
@@ -65,87 +62,6 @@ def test_moe_layer_rule():
     assert cfg.moe_layers == [1, 5]
     assert tiny_config(num_experts=0).moe_layers == []
     assert tiny_config(mlp_only_layers=[]).moe_layers == [0, 1, 2]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Hugging Face config.json
-# ---------------------------------------------------------------------------------------------------
-def _hf_base():
-    return dict(model_type="qwen3_moe", vocab_size=1000, hidden_size=64, num_hidden_layers=4,
-                num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                moe_intermediate_size=32, num_experts_per_tok=3, norm_topk_prob=True,
-                mlp_only_layers=[0], decoder_sparse_step=1, rms_norm_eps=1e-5,
-                tie_word_embeddings=False, max_position_embeddings=512, hidden_act="silu")
-
-
-def test_from_hf_old_and_new_field_names_agree(tmp_path):
-    old = dict(_hf_base(), num_experts=12, rope_theta=123456.0, rope_scaling=None)
-    new = dict(_hf_base(), num_local_experts=12,
-               rope_parameters={"rope_type": "default", "rope_theta": 123456.0})
-    a, b = ModelConfig.from_hf(old), ModelConfig.from_hf(new)
-    assert a == b
-    assert a.num_experts == 12 and a.rope_theta == 123456.0
-    assert (a.num_experts_per_tok, a.moe_intermediate_size, a.rms_norm_eps) == (3, 32, 1e-5)
-    # the same through a file and through a directory
-    (tmp_path / "config.json").write_text(json.dumps(new))
-    assert ModelConfig.from_hf(str(tmp_path)) == b
-    assert ModelConfig.from_hf(str(tmp_path / "config.json")) == b
-
-
-def test_from_hf_accepts_transformers_own_config():
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.Qwen3MoeConfig(
-        vocab_size=77, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=8, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=40,
-        mlp_only_layers=[2], rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
-    cfg = ModelConfig.from_hf(hf.to_dict())
-    assert (cfg.vocab_size, cfg.num_key_value_heads, cfg.head_dim, cfg.num_experts) == (77, 1, 8, 5)
-    assert cfg.rope_theta == 5000.0 and cfg.mlp_only_layers == [2] and cfg.norm_topk_prob is False
-
-
-def test_to_hf_from_hf_round_trip():
-    for cfg in (tiny_config(), tiny_config(norm_topk_prob=False, tie_word_embeddings=True,
-                                           decoder_sparse_step=2, mlp_only_layers=[], rope_theta=5e5),
-                ModelConfig.preset("qwen3-30b-a3b")):
-        d = cfg.to_hf()
-        assert d["model_type"] == "qwen3_moe" and d["num_local_experts"] == cfg.num_experts
-        assert d["rope_parameters"] == {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        back = ModelConfig.from_hf(json.loads(json.dumps(d)))   # through JSON, as on disk
-        assert back == cfg
-        assert dataclasses.asdict(back) == dataclasses.asdict(cfg)
-
-
-@pytest.mark.parametrize("bad, needle", [
-    (dict(model_type="llama"), "model_type"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "yarn"),
-    (dict(model_type="olmoe", clip_qkv=8.0), "clip_qkv"),    # qwen3_moe's attention_bias is supported now
-    (dict(use_sliding_window=True), "use_sliding_window"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-])
-def test_from_hf_rejects_unsupported(bad, needle):
-    with pytest.raises(ConfigError, match=needle):
-        ModelConfig.from_hf(dict(_hf_base(), num_experts=4, **bad))
-
-
-def test_from_hf_missing_file(tmp_path):
-    with pytest.raises(ConfigError):
-        ModelConfig.from_hf(str(tmp_path))
-
-
-@pytest.mark.parametrize("drop", ["hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads"])
-def test_from_hf_missing_required_field_names_it_and_the_file(tmp_path, drop):
-    hf = _hf_base()
-    del hf[drop]
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(ConfigError) as e:
-        ModelConfig.from_hf(str(tmp_path))
-    assert f"lacks the required field(s) {drop}" in str(e.value) and str(tmp_path) in str(e.value)
-
-
-def test_from_hf_invalid_json_names_the_file(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 10,')
-    with pytest.raises(ConfigError, match=r"config.json: not valid JSON"):
-        ModelConfig.from_hf(str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------------

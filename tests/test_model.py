@@ -1,19 +1,17 @@
-"""model.py: agreement with transformers' Qwen3MoeForCausalLM, checkpoints, batch invariance of score(),
-routing replay (R3), and gradients.
+"""model.py: agreement with transformers' Qwen3MoeForCausalLM, batch invariance of score(), routing replay
+(R3), and gradients. Checkpoint formats and bad checkpoints: tests/test_hf.py.
 
 Bitwise claims use torch.equal. transformers is the reference and a test-only dependency: the tests that
 need it call pytest.importorskip through conftest.hf_classes().
 """
 import copy
-import json
-import os
 
 import pytest
 import torch
 
 import kernels
-from conftest import hf_classes, load_hf, make_model, rel_err, tiny_config
-from model import CheckpointError, Transformer
+from conftest import assert_same_weights, load_hf, make_model, rel_err, tiny_config
+from model import Transformer
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
@@ -126,208 +124,8 @@ def test_matches_transformers_ours_to_hf(name, tmp_path):
     check_logits_match(model, hf, tokens, f"ours->hf {name}")
 
 
-def test_our_checkpoint_is_per_expert_layout(tmp_path):
-    model = make_model()
-    model.save_pretrained(str(tmp_path))
-    from safetensors.torch import load_file
-    keys = set(load_file(str(tmp_path / "model.safetensors")))
-    E = model.config.num_experts
-    for i in model.config.moe_layers:
-        for e in range(E):
-            for p in ("gate_proj", "up_proj", "down_proj"):
-                assert f"model.layers.{i}.mlp.experts.{e}.{p}.weight" in keys
-        assert f"model.layers.{i}.mlp.gate.weight" in keys
-        assert f"model.layers.{i}.mlp.experts.gate_up_proj" not in keys
-    assert "model.layers.0.mlp.gate_proj.weight" in keys          # the dense layer
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["model_type"] == "qwen3_moe" and cfg["architectures"] == ["Qwen3MoeForCausalLM"]
-
-
 # ---------------------------------------------------------------------------------------------------
-# b. checkpoint formats
-# ---------------------------------------------------------------------------------------------------
-def assert_same_weights(a: Transformer, b: Transformer):
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert sa[k].dtype == sb[k].dtype, k
-        assert torch.equal(sa[k], sb[k]), k
-
-
-def test_sharded_checkpoint(tmp_path):
-    model = make_model()
-    model.save_pretrained(str(tmp_path), max_shard_bytes=20_000)
-    index_path = tmp_path / "model.safetensors.index.json"
-    assert index_path.is_file()
-    assert not (tmp_path / "model.safetensors").exists()
-    index = json.loads(index_path.read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) > 1
-    assert all((tmp_path / s).is_file() for s in shards)
-    loaded = Transformer.from_pretrained(str(tmp_path))
-    assert_same_weights(loaded, model)
-    tokens = torch.randint(0, 50, (2, 20))
-    with torch.no_grad():
-        assert torch.equal(loaded(tokens), model(tokens))
-
-
-def test_sharded_checkpoint_readable_by_transformers(tmp_path):
-    hf_classes()
-    model = make_model(std=0.15)
-    model.save_pretrained(str(tmp_path), max_shard_bytes=20_000)
-    hf = load_hf(str(tmp_path))
-    tokens = torch.randint(0, 50, (2, 20))
-    with torch.no_grad():
-        assert rel_err(model(tokens), hf_logits(hf, tokens)) < TOL
-
-
-def test_fused_expert_layout_loads(tmp_path):
-    from safetensors.torch import load_file, save_file
-    model = make_model()
-    src, dst = tmp_path / "per_expert", tmp_path / "fused"
-    model.save_pretrained(str(src))
-    t = load_file(str(src / "model.safetensors"))
-    cfg = model.config
-    for i in cfg.moe_layers:
-        pre = f"model.layers.{i}.mlp.experts"
-        gate = [t.pop(f"{pre}.{e}.gate_proj.weight") for e in range(cfg.num_experts)]
-        up = [t.pop(f"{pre}.{e}.up_proj.weight") for e in range(cfg.num_experts)]
-        down = [t.pop(f"{pre}.{e}.down_proj.weight") for e in range(cfg.num_experts)]
-        t[f"{pre}.gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1).contiguous()  # (E, 2I, D)
-        t[f"{pre}.down_proj"] = torch.stack(down).contiguous()                                          # (E, D, I)
-        assert t[f"{pre}.gate_up_proj"].shape == (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
-    os.makedirs(dst)
-    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    assert_same_weights(Transformer.from_pretrained(str(dst)), model)
-
-
-def test_bf16_checkpoint(tmp_path):
-    model = make_model().to(torch.bfloat16)
-    model.save_pretrained(str(tmp_path))
-    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    loaded = Transformer.from_pretrained(str(tmp_path))
-    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
-    assert_same_weights(loaded, model)
-    as32 = Transformer.from_pretrained(str(tmp_path), dtype=torch.float32)
-    assert all(p.dtype == torch.float32 for p in as32.parameters())
-    for (k, a), b in zip(as32.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b.float()), k
-    tokens = torch.randint(0, 50, (1, 12))
-    with torch.no_grad():
-        assert loaded(tokens).dtype == torch.bfloat16
-        assert as32(tokens).dtype == torch.float32
-
-
-# ---------------------------------------------------------------------------------------------------
-# c. bad checkpoints
-# ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def good_ckpt(tmp_path):
-    """A valid checkpoint of the tiny model; returns (dir, tensors, config dict) to be edited and saved."""
-    from safetensors.torch import load_file
-    path = tmp_path / "good"
-    make_model().save_pretrained(str(path))
-    return path, load_file(str(path / "model.safetensors")), json.loads((path / "config.json").read_text())
-
-
-def write_ckpt(path, tensors, cfg):
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(cfg))
-    return str(path)
-
-
-def load_error(path) -> str:
-    with pytest.raises(CheckpointError) as e:
-        Transformer.from_pretrained(path)
-    return str(e.value)
-
-
-@pytest.mark.parametrize("key", ["model.layers.1.self_attn.k_norm.weight", "lm_head.weight",
-                                 "model.layers.2.mlp.experts.5.up_proj.weight", "model.layers.1.mlp.gate.weight"])
-def test_missing_tensor(good_ckpt, tmp_path, key):
-    _, t, cfg = good_ckpt
-    del t[key]
-    assert key in load_error(write_ckpt(tmp_path / "bad", t, cfg))
-
-
-@pytest.mark.parametrize("key", ["model.layers.0.mlp.experts.0.gate_proj.weight", "model.extra.weight"])
-def test_unexpected_tensor(good_ckpt, tmp_path, key):
-    _, t, cfg = good_ckpt
-    t[key] = torch.zeros(3)
-    assert key in load_error(write_ckpt(tmp_path / "bad", t, cfg))
-
-
-def test_misshaped_tensor(good_ckpt, tmp_path):
-    _, t, cfg = good_ckpt
-    t["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(64, 33)
-    assert "layers.0.self_attn.q_proj.weight" in load_error(write_ckpt(tmp_path / "bad", t, cfg))
-
-
-def test_misshaped_single_expert(good_ckpt, tmp_path):
-    """One expert's tensor of the wrong shape: a CheckpointError naming it, not a torch.stack error."""
-    _, t, cfg = good_ckpt
-    t["model.layers.1.mlp.experts.3.down_proj.weight"] = torch.zeros(32, 25)
-    path = write_ckpt(tmp_path / "bad", t, cfg)
-    with pytest.raises(CheckpointError) as e:
-        Transformer.from_pretrained(path)
-    msg = str(e.value)
-    assert "layers.1.mlp" in msg and ("experts.3.down_proj" in msg or "w2" in msg)
-
-
-@pytest.mark.parametrize("field, value, needle", [
-    ("hidden_size", 48, "embed_tokens.weight"),
-    ("moe_intermediate_size", 16, "layers.1.mlp.experts.0.gate_proj.weight"),
-    ("vocab_size", 60, "embed_tokens.weight"),
-    ("num_local_experts", 6, "layers.1.mlp.gate.weight"),   # the router has 8 rows, the config wants 6
-    ("num_hidden_layers", 2, "layers.2"),              # layer 2 is left over
-])
-def test_config_does_not_match_weights(good_ckpt, tmp_path, field, value, needle):
-    _, t, cfg = good_ckpt
-    cfg = dict(cfg, **{field: value})
-    if field == "num_local_experts":
-        cfg["num_experts"] = value
-    assert needle in load_error(write_ckpt(tmp_path / "bad", t, cfg))
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_weight_is_refused_by_key_and_file(good_ckpt, tmp_path, bad):
-    _, t, cfg = good_ckpt
-    t["model.layers.2.mlp.gate.weight"][1, 4] = bad
-    msg = load_error(write_ckpt(tmp_path / "bad", t, cfg))
-    assert "model.safetensors: tensor 'model.layers.2.mlp.gate.weight' holds 1 non-finite value(s)" in msg
-    assert Transformer.from_pretrained(str(good_ckpt[0])) is not None      # control: the original loads
-
-
-def test_truncated_safetensors_names_the_file(good_ckpt):
-    path = good_ckpt[0] / "model.safetensors"
-    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
-    assert f"{path}: unreadable safetensors file" in load_error(str(good_ckpt[0]))
-
-
-def test_sharded_index_naming_a_missing_shard(good_ckpt, tmp_path):
-    _, t, cfg = good_ckpt
-    path = write_ckpt(tmp_path / "bad", t, cfg)
-    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00002.safetensors"))
-    index = {"weight_map": {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(t)}}
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f)
-    assert "model-00002-of-00002.safetensors: missing" in load_error(path)
-
-
-def test_directory_without_safetensors(good_ckpt, tmp_path):
-    _, _, cfg = good_ckpt
-    empty = tmp_path / "empty"
-    os.makedirs(empty)
-    (empty / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError):
-        Transformer.from_pretrained(str(empty))
-
-
-# ---------------------------------------------------------------------------------------------------
-# d, e. batch invariance of score() and forward, and the control
+# b, c. batch invariance of score() and forward, and the control
 # ---------------------------------------------------------------------------------------------------
 LENGTHS = [1, 2, 15, 16, 17, 32, 70]     # multiples of 16 and 16 +- 1 (KV_BLOCK), and ROW_CHUNK
 
@@ -476,7 +274,7 @@ def test_control_model_with_naive_matmul_is_not_batch_invariant(inv_model, monke
 
 
 # ---------------------------------------------------------------------------------------------------
-# f. routing replay (R3)
+# d. routing replay (R3)
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def replay_setup():
@@ -609,7 +407,7 @@ def test_replay_rejects_bad_routes(replay_setup, case):
 
 
 # ---------------------------------------------------------------------------------------------------
-# g. gradients
+# e. gradients
 # ---------------------------------------------------------------------------------------------------
 def hf_param_name(name: str) -> str:
     if name.endswith(".mlp.w13"):

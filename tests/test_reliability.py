@@ -21,7 +21,8 @@ import torch.distributed as dist
 import tasks
 import train
 from config import RolloutConfig, TrainConfig, apply_overrides, parse_args
-from model import CheckpointError, Transformer
+from hf import CheckpointError
+from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--task=copy", "--n_digits=2", "--prompts_per_step=2", "--group_size=2", "--minibatch_size=4",

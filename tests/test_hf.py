@@ -1,7 +1,8 @@
-"""Model families (families.py) and the router semantics they need: each family against transformers,
-the contract for every new op, and the score-correction bias as state.
+"""hf.py (model families, config.json, weight keys, safetensors) and the router semantics the families
+need: each family against transformers, the contract for every new op, and the score-correction bias
+as state.
 
-    python -m pytest -q tests/test_families.py
+    python -m pytest -q tests/test_hf.py
 
 Per family (qwen3_moe, qwen2_moe, olmoe, mixtral, glm4_moe; tiny random checkpoints that transformers
 makes here, conftest.FAMILY_HF): logits within 1e-5 relative in fp32, gradients, save -> transformers
@@ -9,11 +10,14 @@ reads back the same bits, batch-invariant score (fp32, bf16), the sampler contra
 transformers' generate. Then: the router's new ops (sigmoid, bias, groups, scaling) against brute force
 and for row invariance with their controls, R3 replay under sigmoid routing, DeepSeek-V3's MoE block
 against transformers' DeepseekV3MoE, Qwen3-MoE unchanged (the old ops, bit for bit), the bias in
-checkpoints, syncs and the balancing update, and a CUDA test of the router ops' row invariance.
+checkpoints, syncs and the balancing update, and a CUDA test of the router ops' row invariance. For
+Qwen3-MoE: config.json in both transformers field-name generations, the per-expert, sharded, fused and
+bf16 checkpoint formats, and every bad checkpoint refused by name.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import os
@@ -26,10 +30,11 @@ import torch.nn.functional as F
 
 import kernels
 import train
-from conftest import (FAMILY_HF, assert_contract, load_hf_auto, make_hf_family, make_model, rel_err,
-                      tiny_config)
-from config import ConfigError, ModelConfig
-from model import CheckpointError, Transformer
+from conftest import (FAMILY_HF, assert_contract, assert_same_weights, hf_classes, load_hf, load_hf_auto,
+                      make_hf_family, make_model, rel_err, tiny_config)
+from config import MODEL_PRESETS, ConfigError, ModelConfig
+from hf import CheckpointError, config_from_hf, config_to_hf, hf_to_state
+from model import Transformer
 from rollout import Sampler
 
 transformers = pytest.importorskip("transformers")
@@ -108,7 +113,6 @@ def test_glm_bias_is_used_for_the_choice(family):
 
 def hf_state_as_ours(hf, model, grads=False):
     """transformers' in-memory state (fused experts) mapped through our loader; grads=True: the gradients."""
-    from model import hf_to_state
     params = dict(hf.named_parameters())
     src = {k: (params[k].grad if grads and k in params else v) for k, v in hf.state_dict().items()}
     return hf_to_state(src, model)
@@ -527,17 +531,17 @@ def test_family_config_fields():
                          moe_layers=[1, 2], rotary_dim=8),
     }
     for mt, want in expect.items():
-        cfg = ModelConfig.from_hf(make_hf_family(mt).config.to_dict())
+        cfg = config_from_hf(make_hf_family(mt).config.to_dict())
         for k, v in want.items():
             assert getattr(cfg, k) == v, (mt, k)
-        assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+        assert config_from_hf(json.loads(json.dumps(config_to_hf(cfg)))) == cfg
 
 
 def test_old_glm_config_keeps_partial_rotary_factor_at_the_top():
     d = make_hf_family("glm4_moe").config.to_dict()
     d.pop("rope_parameters")
     d.update(rope_theta=5e5, partial_rotary_factor=0.25)               # the GLM-4.5 config.json spelling
-    cfg = ModelConfig.from_hf(d)
+    cfg = config_from_hf(d)
     assert cfg.partial_rotary_factor == 0.25 and cfg.rope_theta == 5e5
 
 
@@ -549,14 +553,14 @@ def test_old_glm_config_keeps_partial_rotary_factor_at_the_top():
 ])
 def test_to_hf_refuses_what_the_family_cannot_express(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
-        tiny_config(**overrides).to_hf()                               # model_type qwen3_moe
+        config_to_hf(tiny_config(**overrides))                         # model_type qwen3_moe
 
 
 @pytest.mark.parametrize("overrides, needle", [
     (dict(n_group=3), "n_group"), (dict(n_group=2, topk_group=3), "topk_group"),
     (dict(n_group=4, topk_group=1, num_experts_per_tok=3), "num_experts_per_tok"),
     (dict(router_scoring="relu"), "router_scoring"), (dict(qk_norm="layer"), "qk_norm"),
-    (dict(partial_rotary_factor=0.1), "rotary"), (dict(model_type="llama"), "model_type"),
+    (dict(partial_rotary_factor=0.1), "rotary"),
     (dict(n_shared_experts=1, shared_expert_intermediate_size=8), "not both"),
 ])
 def test_validation_of_the_new_fields(overrides, needle):
@@ -564,10 +568,300 @@ def test_validation_of_the_new_fields(overrides, needle):
         tiny_config(**overrides)
 
 
+def test_unknown_model_type_is_refused_where_config_json_is_read_or_written(tmp_path):
+    """ModelConfig takes model_type as a plain name; hf.py refuses one it has no family for, naming the
+    supported ones, before anything is written."""
+    cfg = tiny_config(model_type="llama")
+    for call in (lambda: config_to_hf(cfg), lambda: make_model(cfg).save_pretrained(str(tmp_path / "out"))):
+        with pytest.raises(ConfigError, match=r"model_type 'llama' is not supported; supported: .*qwen3_moe"):
+            call()
+    assert not (tmp_path / "out").exists()
+    assert config_to_hf(tiny_config())["model_type"] == "qwen3_moe"       # control: a known family writes
+
+
+def test_every_preset_writes_a_config_json_that_reads_back():
+    for name in MODEL_PRESETS:
+        cfg = ModelConfig.preset(name)
+        assert config_from_hf(json.loads(json.dumps(config_to_hf(cfg)))) == cfg, name
+
+
 def test_tiny_sigmoid_preset():
     cfg = ModelConfig.preset("tiny-sigmoid")
     assert (cfg.router_scoring, cfg.score_correction_bias, cfg.n_group, cfg.n_shared_experts) == ("sigmoid", True, 2, 1)
-    assert cfg.moe_layers == [1, 2, 3] and ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert cfg.moe_layers == [1, 2, 3] and config_from_hf(config_to_hf(cfg)) == cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# config.json of Qwen3-MoE: both field-name generations, files, errors
+# ---------------------------------------------------------------------------------------------------
+def _hf_base():
+    return dict(model_type="qwen3_moe", vocab_size=1000, hidden_size=64, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                moe_intermediate_size=32, num_experts_per_tok=3, norm_topk_prob=True,
+                mlp_only_layers=[0], decoder_sparse_step=1, rms_norm_eps=1e-5,
+                tie_word_embeddings=False, max_position_embeddings=512, hidden_act="silu")
+
+
+def test_from_hf_old_and_new_field_names_agree(tmp_path):
+    old = dict(_hf_base(), num_experts=12, rope_theta=123456.0, rope_scaling=None)
+    new = dict(_hf_base(), num_local_experts=12,
+               rope_parameters={"rope_type": "default", "rope_theta": 123456.0})
+    a, b = config_from_hf(old), config_from_hf(new)
+    assert a == b
+    assert a.num_experts == 12 and a.rope_theta == 123456.0
+    assert (a.num_experts_per_tok, a.moe_intermediate_size, a.rms_norm_eps) == (3, 32, 1e-5)
+    # the same through a file and through a directory
+    (tmp_path / "config.json").write_text(json.dumps(new))
+    assert config_from_hf(str(tmp_path)) == b
+    assert config_from_hf(str(tmp_path / "config.json")) == b
+
+
+def test_from_hf_accepts_transformers_own_config():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen3MoeConfig(
+        vocab_size=77, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=8, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=40,
+        mlp_only_layers=[2], rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    cfg = config_from_hf(hf.to_dict())
+    assert (cfg.vocab_size, cfg.num_key_value_heads, cfg.head_dim, cfg.num_experts) == (77, 1, 8, 5)
+    assert cfg.rope_theta == 5000.0 and cfg.mlp_only_layers == [2] and cfg.norm_topk_prob is False
+
+
+def test_to_hf_from_hf_round_trip():
+    for cfg in (tiny_config(), tiny_config(norm_topk_prob=False, tie_word_embeddings=True,
+                                           decoder_sparse_step=2, mlp_only_layers=[], rope_theta=5e5),
+                ModelConfig.preset("qwen3-30b-a3b")):
+        d = config_to_hf(cfg)
+        assert d["model_type"] == "qwen3_moe" and d["num_local_experts"] == cfg.num_experts
+        assert d["rope_parameters"] == {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        back = config_from_hf(json.loads(json.dumps(d)))   # through JSON, as on disk
+        assert back == cfg
+        assert dataclasses.asdict(back) == dataclasses.asdict(cfg)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (dict(model_type="llama"), "model_type"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "yarn"),
+    (dict(model_type="olmoe", clip_qkv=8.0), "clip_qkv"),    # qwen3_moe's attention_bias is supported now
+    (dict(use_sliding_window=True), "use_sliding_window"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_from_hf_rejects_unsupported(bad, needle):
+    with pytest.raises(ConfigError, match=needle):
+        config_from_hf(dict(_hf_base(), num_experts=4, **bad))
+
+
+def test_from_hf_missing_file(tmp_path):
+    with pytest.raises(ConfigError):
+        config_from_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("drop", ["hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads"])
+def test_from_hf_missing_required_field_names_it_and_the_file(tmp_path, drop):
+    hf = _hf_base()
+    del hf[drop]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError) as e:
+        config_from_hf(str(tmp_path))
+    assert f"lacks the required field(s) {drop}" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_from_hf_invalid_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 10,')
+    with pytest.raises(ConfigError, match=r"config.json: not valid JSON"):
+        config_from_hf(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Qwen3-MoE checkpoint formats: per-expert layout, shards, fused experts, bf16
+# ---------------------------------------------------------------------------------------------------
+def test_our_checkpoint_is_per_expert_layout(tmp_path):
+    model = make_model()
+    model.save_pretrained(str(tmp_path))
+    from safetensors.torch import load_file
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    E = model.config.num_experts
+    for i in model.config.moe_layers:
+        for e in range(E):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                assert f"model.layers.{i}.mlp.experts.{e}.{p}.weight" in keys
+        assert f"model.layers.{i}.mlp.gate.weight" in keys
+        assert f"model.layers.{i}.mlp.experts.gate_up_proj" not in keys
+    assert "model.layers.0.mlp.gate_proj.weight" in keys          # the dense layer
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_moe" and cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+
+
+def test_sharded_checkpoint(tmp_path):
+    model = make_model()
+    model.save_pretrained(str(tmp_path), max_shard_bytes=20_000)
+    index_path = tmp_path / "model.safetensors.index.json"
+    assert index_path.is_file()
+    assert not (tmp_path / "model.safetensors").exists()
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    assert all((tmp_path / s).is_file() for s in shards)
+    loaded = Transformer.from_pretrained(str(tmp_path))
+    assert_same_weights(loaded, model)
+    tokens = torch.randint(0, 50, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))
+
+
+def test_sharded_checkpoint_readable_by_transformers(tmp_path):
+    hf_classes()
+    model = make_model(std=0.15)
+    model.save_pretrained(str(tmp_path), max_shard_bytes=20_000)
+    hf = load_hf(str(tmp_path))
+    tokens = torch.randint(0, 50, (2, 20))
+    with torch.no_grad():
+        assert rel_err(model(tokens), hf(tokens).logits) < TOL
+
+
+def test_fused_expert_layout_loads_qwen3_moe(tmp_path):
+    from safetensors.torch import load_file, save_file
+    model = make_model()
+    src, dst = tmp_path / "per_expert", tmp_path / "fused"
+    model.save_pretrained(str(src))
+    t = load_file(str(src / "model.safetensors"))
+    cfg = model.config
+    for i in cfg.moe_layers:
+        pre = f"model.layers.{i}.mlp.experts"
+        gate = [t.pop(f"{pre}.{e}.gate_proj.weight") for e in range(cfg.num_experts)]
+        up = [t.pop(f"{pre}.{e}.up_proj.weight") for e in range(cfg.num_experts)]
+        down = [t.pop(f"{pre}.{e}.down_proj.weight") for e in range(cfg.num_experts)]
+        t[f"{pre}.gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1).contiguous()  # (E, 2I, D)
+        t[f"{pre}.down_proj"] = torch.stack(down).contiguous()                                          # (E, D, I)
+        assert t[f"{pre}.gate_up_proj"].shape == (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    os.makedirs(dst)
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    assert_same_weights(Transformer.from_pretrained(str(dst)), model)
+
+
+def test_bf16_checkpoint(tmp_path):
+    model = make_model().to(torch.bfloat16)
+    model.save_pretrained(str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded = Transformer.from_pretrained(str(tmp_path))
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    assert_same_weights(loaded, model)
+    as32 = Transformer.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in as32.parameters())
+    for (k, a), b in zip(as32.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b.float()), k
+    tokens = torch.randint(0, 50, (1, 12))
+    with torch.no_grad():
+        assert loaded(tokens).dtype == torch.bfloat16
+        assert as32(tokens).dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------
+# bad checkpoints: each refused with a CheckpointError naming the tensor or the file
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def good_ckpt(tmp_path):
+    """A valid checkpoint of the tiny model; returns (dir, tensors, config dict) to be edited and saved."""
+    from safetensors.torch import load_file
+    path = tmp_path / "good"
+    make_model().save_pretrained(str(path))
+    return path, load_file(str(path / "model.safetensors")), json.loads((path / "config.json").read_text())
+
+
+def write_ckpt(path, tensors, cfg):
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def load_error(path) -> str:
+    with pytest.raises(CheckpointError) as e:
+        Transformer.from_pretrained(path)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("key", ["model.layers.1.self_attn.k_norm.weight", "lm_head.weight",
+                                 "model.layers.2.mlp.experts.5.up_proj.weight", "model.layers.1.mlp.gate.weight"])
+def test_missing_tensor(good_ckpt, tmp_path, key):
+    _, t, cfg = good_ckpt
+    del t[key]
+    assert key in load_error(write_ckpt(tmp_path / "bad", t, cfg))
+
+
+@pytest.mark.parametrize("key", ["model.layers.0.mlp.experts.0.gate_proj.weight", "model.extra.weight"])
+def test_unexpected_tensor(good_ckpt, tmp_path, key):
+    _, t, cfg = good_ckpt
+    t[key] = torch.zeros(3)
+    assert key in load_error(write_ckpt(tmp_path / "bad", t, cfg))
+
+
+def test_misshaped_tensor(good_ckpt, tmp_path):
+    _, t, cfg = good_ckpt
+    t["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(64, 33)
+    assert "layers.0.self_attn.q_proj.weight" in load_error(write_ckpt(tmp_path / "bad", t, cfg))
+
+
+def test_misshaped_single_expert(good_ckpt, tmp_path):
+    """One expert's tensor of the wrong shape: a CheckpointError naming it, not a torch.stack error."""
+    _, t, cfg = good_ckpt
+    t["model.layers.1.mlp.experts.3.down_proj.weight"] = torch.zeros(32, 25)
+    path = write_ckpt(tmp_path / "bad", t, cfg)
+    with pytest.raises(CheckpointError) as e:
+        Transformer.from_pretrained(path)
+    msg = str(e.value)
+    assert "layers.1.mlp" in msg and ("experts.3.down_proj" in msg or "w2" in msg)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("hidden_size", 48, "embed_tokens.weight"),
+    ("moe_intermediate_size", 16, "layers.1.mlp.experts.0.gate_proj.weight"),
+    ("vocab_size", 60, "embed_tokens.weight"),
+    ("num_local_experts", 6, "layers.1.mlp.gate.weight"),   # the router has 8 rows, the config wants 6
+    ("num_hidden_layers", 2, "layers.2"),              # layer 2 is left over
+])
+def test_config_does_not_match_weights(good_ckpt, tmp_path, field, value, needle):
+    _, t, cfg = good_ckpt
+    cfg = dict(cfg, **{field: value})
+    if field == "num_local_experts":
+        cfg["num_experts"] = value
+    assert needle in load_error(write_ckpt(tmp_path / "bad", t, cfg))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weight_is_refused_by_key_and_file(good_ckpt, tmp_path, bad):
+    _, t, cfg = good_ckpt
+    t["model.layers.2.mlp.gate.weight"][1, 4] = bad
+    msg = load_error(write_ckpt(tmp_path / "bad", t, cfg))
+    assert "model.safetensors: tensor 'model.layers.2.mlp.gate.weight' holds 1 non-finite value(s)" in msg
+    assert Transformer.from_pretrained(str(good_ckpt[0])) is not None      # control: the original loads
+
+
+def test_truncated_safetensors_names_the_file(good_ckpt):
+    path = good_ckpt[0] / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    assert f"{path}: unreadable safetensors file" in load_error(str(good_ckpt[0]))
+
+
+def test_sharded_index_naming_a_missing_shard(good_ckpt, tmp_path):
+    _, t, cfg = good_ckpt
+    path = write_ckpt(tmp_path / "bad", t, cfg)
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00002.safetensors"))
+    index = {"weight_map": {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(t)}}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    assert "model-00002-of-00002.safetensors: missing" in load_error(path)
+
+
+def test_directory_without_safetensors(good_ckpt, tmp_path):
+    _, _, cfg = good_ckpt
+    empty = tmp_path / "empty"
+    os.makedirs(empty)
+    (empty / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError):
+        Transformer.from_pretrained(str(empty))
 
 
 # ---------------------------------------------------------------------------------------------------

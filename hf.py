@@ -1,14 +1,21 @@
-"""Model families: how each Hugging Face `model_type` maps onto ModelConfig and onto this model's weights.
+"""Everything Hugging Face: the family table, config.json <-> ModelConfig, weight keys, safetensors.
 
-    import families
-    families.FAMILIES["glm4_moe"].architecture                  # 'Glm4MoeForCausalLM'
-    cfg = ModelConfig(**families.config_from_hf(hf_config_dict))  # what ModelConfig.from_hf does
+    import hf
+    cfg = hf.config_from_hf("path/to/config.json")     # qwen3_moe, qwen3, qwen2_moe, olmoe, mixtral, glm4_moe
+    hf.config_to_hf(cfg)                               # the config.json dict transformers reads
+    state = hf.hf_to_state(hf.read_safetensors_dir(path), model)   # HF tensors -> model.state_dict() keys
+    hf.write_safetensors_dir(path, hf.state_to_hf(model), hf.config_to_hf(model.config))
+
+Transformer.from_pretrained / save_pretrained (model.py) are these calls. Dependencies run one way:
+of the project's files this one imports config alone; model.py imports it, config.py knows nothing of it.
 
 FAMILIES is the one seam. An entry says which config.json names carry which ModelConfig field (and the
 family's default when a key is absent), which knobs its architecture always has, which HF options must
-be off (what this model does not implement), and how its weight keys are spelled. ModelConfig.from_hf /
-to_hf (config.py) and hf_to_state / state_to_hf (model.py) read only this table: adding a family is one
-entry here plus its tests (tests/test_families.py).
+be off (what this model does not implement), and how its weight keys are spelled. Adding a family is
+one entry here, plus a ModelConfig field (off by default) and its forward for each knob the model does
+not have yet, plus the family in tests/conftest.py's FAMILY_HF (every test of tests/test_hf.py runs on
+it). The model_type itself is checked here, where a config is read from or written to config.json:
+ModelConfig treats it as a plain name.
 
 Weight keys. Ours are transformers' without the leading "model.", except that the experts of each MoE
 layer are stacked: layers.N.mlp.w13 (E, 2I, D) = [gate_proj; up_proj] per expert, layers.N.mlp.w2
@@ -17,14 +24,28 @@ what transformers saves and vLLM reads; Mixtral spells it `block_sparse_moe.expe
 (`...mlp.experts.gate_up_proj` / `...mlp.experts.down_proj`, transformers 5's in-memory layout, which
 newer tools write). Both load; the family's per-expert spelling is saved. A family's `load_renames`
 are regex substitutions from its spelling to ours, `save_renames` the way back.
+
+Safetensors. A checkpoint directory holds config.json and model.safetensors, or shards named by
+model.safetensors.index.json. Reading refuses, naming the file and key, an unreadable shard and any
+non-finite tensor: a poisoned checkpoint never loads silently.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
+import torch
+
 from config import ConfigError, ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model config; the message names the tensor."""
+
 
 REQUIRED = object()   # a default meaning "config.json must have this key"
 
@@ -131,7 +152,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 # Fields that mean nothing for a config without MoE layers, or without dense layers (ignored when
-# checking that a config survives to_hf -> from_hf).
+# checking that a config survives config_to_hf -> config_from_hf).
 MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_scoring",
               "score_correction_bias", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts",
               "shared_expert_intermediate_size", "mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace")
@@ -140,7 +161,7 @@ MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", 
 def family(model_type: str) -> Family:
     if model_type not in FAMILIES:
         raise ConfigError(f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))} "
-                          "(a new family is one entry in families.FAMILIES)")
+                          "(a new family is one entry in hf.FAMILIES)")
     return FAMILIES[model_type]
 
 
@@ -155,7 +176,7 @@ def unused_fields(cfg: ModelConfig) -> set[str]:
 # ---------------------------------------------------------------------------------------------------
 # config.json <-> ModelConfig fields
 # ---------------------------------------------------------------------------------------------------
-def config_from_hf(hf: dict) -> dict:
+def _read_fields(hf: dict) -> dict:
     """A family's config.json (a dict) -> ModelConfig keyword arguments; ConfigError names what is wrong."""
     mt = hf.get("model_type", "qwen3_moe")
     fam = family(mt)
@@ -189,8 +210,8 @@ def config_from_hf(hf: dict) -> dict:
     return kw
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
-    """ModelConfig -> the family's config.json dict (ModelConfig.to_hf checks that it reads back the same)."""
+def _write_fields(cfg: ModelConfig) -> dict:
+    """ModelConfig -> the family's config.json dict, unchecked (config_to_hf checks that it reads back)."""
     fam = family(cfg.model_type)
     d = {"architectures": [fam.architecture], "model_type": cfg.model_type,
          **COMMON_EXTRA, **COMMON_REQUIRES, **fam.requires, **fam.extra}
@@ -205,8 +226,49 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return d
 
 
+def config_from_hf(path_or_dict: str | dict) -> ModelConfig:
+    """Read a config.json (a dict, a file, or the directory holding it) of a supported family; old and
+    new transformers names."""
+    if isinstance(path_or_dict, dict):
+        hf = dict(path_or_dict)
+    else:
+        path = path_or_dict
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"no config.json at {path_or_dict!r}")
+        with open(path) as f:
+            try:
+                hf = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
+    if missing:
+        raise ConfigError(f"config.json{'' if isinstance(path_or_dict, dict) else ' at ' + repr(path_or_dict)} "
+                          f"lacks the required field(s) {', '.join(missing)}")
+    return ModelConfig(**_read_fields(hf))
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The config.json that transformers' class for `cfg.model_type` reads (old and new rope keys).
+
+    Raises ConfigError if the family cannot express a field this config sets (e.g. sigmoid routing
+    under model_type qwen3_moe): a checkpoint must load back as the model that wrote it.
+    """
+    d = _write_fields(cfg)
+    back = ModelConfig(**_read_fields(json.loads(json.dumps(d))))
+    ignored = unused_fields(cfg)
+    lost = [f.name for f in dataclasses.fields(cfg)
+            if f.name not in ignored and getattr(back, f.name) != getattr(cfg, f.name)]
+    if lost:
+        raise ConfigError(f"model_type {cfg.model_type!r} cannot express {lost[0]}={getattr(cfg, lost[0])!r} "
+                          f"(it would load back as {getattr(back, lost[0])!r}); pick the model_type of a "
+                          "family that has this knob (see hf.FAMILIES)")
+    return d
+
+
 # ---------------------------------------------------------------------------------------------------
-# weight keys
+# weight keys, expert stacking
 # ---------------------------------------------------------------------------------------------------
 def hf_key_to_ours(fam: Family, key: str, num_hidden_layers: int) -> str | None:
     """An HF tensor name -> our spelling (experts still per expert or fused); None: not ours to load."""
@@ -225,3 +287,148 @@ def our_key_to_hf(fam: Family, key: str) -> str:
     for pattern, repl in fam.save_renames:
         key = re.sub(pattern, repl, key)
     return key
+
+
+def hf_to_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Map a checkpoint's HF keys (spelled as model.config.model_type's family) onto the state_dict keys
+    of `model` (a model.Transformer), stacking per-expert weights.
+
+    Raises CheckpointError naming the first missing, unexpected or mis-shaped tensor.
+    """
+    cfg = model.config
+    fam = family(cfg.model_type)
+    want = {k: v.shape for k, v in model.state_dict().items()}
+    src, hf_name = {}, {}                        # our spelling -> tensor, and -> the checkpoint's key
+    for key, t in tensors.items():
+        ours = hf_key_to_ours(fam, key, cfg.num_hidden_layers)
+        if ours is not None:
+            src[ours], hf_name[ours] = t, key
+    state: dict[str, torch.Tensor] = {}
+
+    def take(name: str, shape=None):
+        if name not in src:
+            raise CheckpointError(f"checkpoint is missing {our_key_to_hf(fam, name)!r} "
+                                  "(does config.json match the weights?)")
+        t = src.pop(name)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {hf_name[name]!r} has shape {tuple(t.shape)}, the config needs {tuple(shape)}")
+        return t
+
+    for name in want:
+        if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
+            continue
+        state[name] = take(name, want[name])
+    if cfg.tie_word_embeddings:
+        src.pop("lm_head.weight", None)   # some tools write the tied copy too
+    for i in cfg.moe_layers:
+        pre = f"layers.{i}.mlp.experts"
+        if f"{pre}.gate_up_proj" in src:   # fused layout of newer transformers: (E, 2I, D), (E, D, I)
+            state[f"layers.{i}.mlp.w13"] = take(f"{pre}.gate_up_proj", want[f"layers.{i}.mlp.w13"])
+            state[f"layers.{i}.mlp.w2"] = take(f"{pre}.down_proj", want[f"layers.{i}.mlp.w2"])
+        else:
+            D, I = cfg.hidden_size, cfg.moe_intermediate_size
+            gate = [take(f"{pre}.{e}.gate_proj.weight", (I, D)) for e in range(cfg.num_experts)]
+            up = [take(f"{pre}.{e}.up_proj.weight", (I, D)) for e in range(cfg.num_experts)]
+            down = [take(f"{pre}.{e}.down_proj.weight", (D, I)) for e in range(cfg.num_experts)]
+            state[f"layers.{i}.mlp.w13"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)   # (E, 2I, D)
+            state[f"layers.{i}.mlp.w2"] = torch.stack(down)                                         # (E, D, I)
+    if src:
+        extra = sorted(hf_name[k] for k in src)
+        raise CheckpointError(f"checkpoint has {len(extra)} tensors the config does not use, e.g. {extra[0]!r} "
+                              f"(does config.json match the weights?)")
+    return state
+
+
+def state_to_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state of `model` (a model.Transformer: weights and the router bias buffers) under its family's
+    HF keys, experts split per expert (what transformers and vLLM read)."""
+    cfg = model.config
+    fam = family(cfg.model_type)
+    I = cfg.moe_intermediate_size
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().contiguous()
+        if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
+            pre = name.rsplit(".", 1)[0] + ".experts"
+            for e in range(t.shape[0]):
+                if name.endswith("w13"):
+                    out[our_key_to_hf(fam, f"{pre}.{e}.gate_proj.weight")] = t[e, :I].clone()
+                    out[our_key_to_hf(fam, f"{pre}.{e}.up_proj.weight")] = t[e, I:].clone()
+                else:
+                    out[our_key_to_hf(fam, f"{pre}.{e}.down_proj.weight")] = t[e].clone()
+        else:
+            out[our_key_to_hf(fam, name)] = t
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# safetensors directories
+# ---------------------------------------------------------------------------------------------------
+def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory under its HF key.
+
+    Raises CheckpointError naming the file for an unreadable (e.g. truncated) shard, and naming the key
+    of the first tensor holding a NaN or an infinity: a poisoned checkpoint never loads silently.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index}: not a safetensors index (expected JSON with a 'weight_map')") from None
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
+    out = {}
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing (named by model.safetensors.index.json)")
+        try:
+            tensors = load_file(file)
+        except SafetensorError as e:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e}); was it truncated by an interrupted "
+                                  "copy or download?") from None
+        for key, t in tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                n = int((~torch.isfinite(t)).sum())
+                raise CheckpointError(f"{file}: tensor {key!r} holds {n} non-finite value(s) (NaN or inf); "
+                                      "the checkpoint is poisoned, load an earlier one")
+        out.update(tensors)
+    return out
+
+
+def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: dict,
+                          max_shard_bytes: int = 2 << 30) -> None:
+    """Write config.json (with the tensors' dtype added) and the tensors, in order, as model.safetensors
+    or, past max_shard_bytes, as shards named by model.safetensors.index.json."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    dtype = next(iter(tensors.values())).dtype
+    config = dict(config)
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    shards, cur, size = [], {}, 0
+    for k, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = v, size + nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in tensors.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
