@@ -46,11 +46,11 @@ from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, Trai
 from losses import (aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, rejects,
                     route_filter_weights, route_overlap)
 from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_optimizer_state,  # noqa: F401
-                        load_trainer_state, optimizer_state, prepare_out_dir, save_checkpoint, saved_configs,
-                        trim_metrics)
-from distributed import (Dist, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lower_precision_copy,
-                         parallelize, reduce_metrics)
-from model import CheckpointError, Transformer, hf_to_state, read_safetensors_dir
+                        load_trainer_state, load_weights, optimizer_state, prepare_out_dir, save_checkpoint,
+                        saved_configs, trim_metrics)
+from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, grad_sync, init_distributed,
+                         lower_precision_copy, place_weights, reduce_metrics)
+from model import CheckpointError, Transformer
 from replay import pack_routes, route_audit
 from rollout import Sampler
 from tasks import RewardError, check_reward, make_task
@@ -265,6 +265,7 @@ class Run:
     start: int                       # the first step to run (> 0 on resume)
     skipped: int                     # optimizer steps skipped for a non-finite loss or gradient so far
     metrics_path: str
+    mp: MixedPrecision | None = None  # mixed precision: model is the fp32 masters, full_model the compute copy
 
     @property
     def fsdp(self) -> bool:
@@ -286,7 +287,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     if tcfg.prompts_per_step % d.world or tcfg.minibatch_size % d.world:
         raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) and minibatch_size ({tcfg.minibatch_size}) "
                           f"must be divisible by the number of ranks ({d.world})")
-    device, dtype = d.device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[tcfg.dtype]
+    device, dtype = d.device, getattr(torch, tcfg.master_dtype)     # mixed precision: the masters' dtype
     rollout_deviates = rcfg.rollout_mode != "invariant" or rcfg.router_bf16 or rcfg.rollout_dtype not in ("", tcfg.dtype)
     if rollout_deviates and tcfg.correction != "none" and not tcfg.recompute_old_logp:
         raise ConfigError(f"--correction={tcfg.correction} weighs the trainer's old log-probs against the rollout's; "
@@ -310,32 +311,34 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         tcfg = plan_resume(tcfg, state, d)
         if ModelConfig(**state["model_config"]) != model.config:       # fields added since take their defaults
             raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
-        weights = hf_to_state(read_safetensors_dir(ckpt), model)
-        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
+        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in load_weights(ckpt, model).items()})
         task.load_state_dict(state["task"])
         start, skipped = state["step"], state.get("skipped_steps", 0)
     ref_model = None
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
         ref_model = (build_model(tcfg, device, dtype) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
-    scorer, full_model, sync_full_weights = parallelize(model, tcfg, d)
+    scorer, full_model, sync_full_weights, mp = place_weights(model, tcfg, d)   # mp: None unless mixed precision
+    if mp is not None and ref_model is not None:                      # mixed precision: the reference computes in bf16
+        ref_model = mp.cast(ref_model)
     rollout_model, sync_rollout_weights = full_model, sync_full_weights
-    opt = torch.optim.AdamW(scorer.parameters(), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2),
-                            weight_decay=tcfg.weight_decay)
+    opt = torch.optim.AdamW(mp.parameters() if mp else scorer.parameters(), lr=tcfg.lr,   # mixed: the fp32 masters
+                            betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     if state is not None:
         load_optimizer_state(scorer, opt, state["optimizer"], d.world > 1 and tcfg.parallel == "fsdp")
         state = None                                                  # free the host copy
     if d.master and tcfg.resume:
         trim_metrics(metrics_path, start)
-    if rcfg.rollout_dtype and getattr(torch, rcfg.rollout_dtype) != dtype:
+    if rcfg.rollout_dtype and rcfg.rollout_dtype != tcfg.dtype:
         rollout_model, sync_rollout_weights = lower_precision_copy(rollout_model, getattr(torch, rcfg.rollout_dtype),
                                                                    sync_rollout_weights)
     # The gradients (first backward) and AdamW's two moment buffers (first step; already there on resume)
     # are allocated after the sampler sizes its KV pool from the free memory: set them aside, for this
     # rank's shard of the parameters under FSDP. Activations and temporaries come out of the rest.
     param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
-    sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=(1 if opt.state else 3) * param_bytes)
+    reserve = mp.reserve_bytes(bool(opt.state)) if mp else (1 if opt.state else 3) * param_bytes   # mixed precision
+    sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=reserve)
     return Run(tcfg, rcfg, d, task, model, scorer, full_model, sync_full_weights, rollout_model,
-               sync_rollout_weights, ref_model, opt, sampler, start, skipped, metrics_path)
+               sync_rollout_weights, ref_model, opt, sampler, start, skipped, metrics_path, mp)
 
 
 def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
@@ -445,6 +448,8 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int):
             if tcfg.expert_bias_update_rate > 0:                      # aux-loss-free balancing of the router bias
                 load = expert_load(fwd[1], batch.mask[idx], run.model.config.num_experts)
                 update_expert_bias(run.model, load.to(d.device), tcfg.expert_bias_update_rate, d)
+            if run.mp is not None:                                    # mixed precision: recast the compute copy
+                run.mp.refresh()
             stats["loss"] += loss
             stats["clip_frac"] += clip_frac
             stats["updates"] += 1
@@ -489,7 +494,9 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
         seen["tokens"] += mb.mask.sum().item()
         logps.append(logp.detach().cpu())
         routes.append(train_routes.cpu())
-    gn = torch.nn.utils.clip_grad_norm_(run.scorer.parameters(), tcfg.grad_clip)
+    if run.mp is not None:                                            # mixed precision: fp32 grads, averaged over ranks
+        run.mp.reduce_grads()
+    gn = torch.nn.utils.clip_grad_norm_([p for g in run.opt.param_groups for p in g["params"]], tcfg.grad_clip)
     gn = gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
     return total, clipped_tok, gn, (torch.cat(logps), torch.cat(routes), idx), seen
 
@@ -529,11 +536,15 @@ def checkpoint(run: Run, step: int) -> None:
     """Check the weights (finite, the same on every rank), then rank 0 writes the checkpoint."""
     run.sync_full_weights()
     check_finite_weights(run.full_model, step)                        # on every rank: they stop together
-    digest = check_in_sync(run.full_model, run.d)
+    digest = check_in_sync(run.full_model, run.d)                     # mixed precision: the compute copy
+    if run.mp is not None and not run.fsdp:                           # mixed precision: and the masters
+        check_in_sync(run.mp.master, run.d)
+    masters = run.mp.master_state() if run.mp is not None else None   # mixed precision: collective under FSDP2
     opt_state = optimizer_state(run.scorer, run.opt, run.fsdp)        # collective under FSDP2
     if run.d.master:
         save_checkpoint(run.tcfg.out_dir, step, run.full_model, opt_state, run.tcfg, run.rcfg, run.task,
-                        extra={"skipped_steps": run.skipped})
+                        extra={"skipped_steps": run.skipped}, masters=masters,
+                        save_dtype=run.tcfg.save_dtype or run.tcfg.dtype)
     if run.d.world > 1:
         dist.barrier()
         run.d.print0(f"step {step}: weights identical on {run.d.world} ranks (sha256 {digest[:16]})")
