@@ -332,7 +332,7 @@ def fsdp_cast_check():
             seen[i] = {n: p.detach().clone() for n, p in mod.named_parameters()}
         layer.self_attn.register_forward_pre_hook(lambda m, a, layer=layer, grab=grab: grab(layer, a))
     toks = torch.randint(0, 32, (2, 10), generator=torch.Generator().manual_seed(0))
-    mp.scorer(toks, 1.0)
+    mp.scorer(toks, 1.0)[0].sum().backward()                           # a training step's pass: resharded after
     mp.sync_full_weights()
     full = dict(mp.full_model.named_parameters())
     gathered = {n: p.full_tensor() for n, p in master.named_parameters()}   # fp32, then cast below
