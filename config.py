@@ -244,7 +244,7 @@ class TrainConfig:
     device: str = "auto"              # auto: cuda if available, else cpu
     dtype: str = "float32"            # the compute dtype: float32 | bfloat16 (one copy serves sampler and trainer)
     master_dtype: str = "float32"     # the optimizer's weights and AdamW state: float32 | bfloat16 (= --dtype only)
-    router_dtype: str = "auto"        # the router gate and bias: auto (the family's, hf table) | float32 | --dtype
+    router_dtype: str = "auto"        # the router gate and bias: auto (the family table's) | float32 | --dtype
     save_dtype: str = ""              # the HF export's dtype: "" (--dtype) | float32 | bfloat16
     seed: int = 0
     resume: bool = False              # continue the run in out_dir from its latest checkpoint

@@ -107,7 +107,7 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
 # mixed precision: fp32 masters, one compute copy (docs/design.md, "Mixed precision")
 # ---------------------------------------------------------------------------------------------------
 def router_dtype(tcfg: TrainConfig, model_type: str) -> torch.dtype:
-    """--router_dtype resolved: auto is the family's (hf table: float32 where transformers upcasts)."""
+    """--router_dtype resolved: auto is the family table's (float32 where transformers upcasts)."""
     import families
     name = tcfg.router_dtype
     if name == "auto":
@@ -140,7 +140,7 @@ def place_weights(model: Transformer, tcfg: TrainConfig, d: Dist):
         return mp.scorer, mp.full_model, mp.sync_full_weights, mp
     if tcfg.master_dtype == "bfloat16":
         d.print0("--master_dtype=bfloat16: the optimizer updates bf16 weights; an update smaller than half a bf16 "
-                 "ulp of its weight (about 2e-3 relative) is lost (float32 masters keep it)")
+                 "ulp of its weight (2e-3 to 4e-3 relative) is lost (float32 masters keep it)")
     router = router_dtype(tcfg, model.config.model_type)
     for gate in routers(model):                                       # pure storage: the router's own dtype
         if gate.weight.dtype != router:
