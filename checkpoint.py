@@ -2,6 +2,11 @@
 
     save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task)   # whole or not at all
     state = load_trainer_state(latest_checkpoint(out_dir))               # plain data: nothing is unpickled
+    model.load_state_dict(load_weights(ckpt, model))                     # the exact weights to resume from
+
+Mixed precision: the HF export is written in --save_dtype (default the compute dtype: the compute copy
+itself, as the sampler ran it); when that loses bits of the fp32 masters, they are saved beside it
+(masters.safetensors, this model's state_dict keys), and a resume reads them, with AdamW's state.
 
 The rules (docs/design.md, "Reliability"): a checkpoint is written to a .tmp folder and renamed, only
 from finite weights, and the last good one is never replaced by a bad one; `latest` names a ckpt folder
@@ -22,8 +27,10 @@ import shutil
 import torch
 
 from config import ConfigError, RolloutConfig, TrainConfig
-from hf import CheckpointError
+from hf import CheckpointError, hf_to_state, read_safetensors_dir
 from model import Transformer
+
+MASTERS = "masters.safetensors"                                       # the exact weights, when the export rounds
 
 
 class RunError(RuntimeError):
@@ -61,8 +68,26 @@ def check_finite_weights(model: Transformer, step: int) -> None:
                            "one stays); lower --lr or check the rewards, then --resume")
 
 
-def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: dict | None = None):
+def export_model(model: Transformer, masters: dict | None, save_dtype: str) -> Transformer:
+    """The model the HF export is written from: `model` itself when it is in save_dtype, else the masters
+    (or model's own state) cast to save_dtype, on the meta device then assigned (no second full copy)."""
+    dtype = getattr(torch, save_dtype) if save_dtype else model.embed_tokens.weight.dtype
+    if model.embed_tokens.weight.dtype == dtype:
+        return model
+    state = masters if masters is not None else model.state_dict()
+    with torch.device("meta"):
+        out = Transformer(model.config)
+    out.load_state_dict({k: v.detach().to(dtype) for k, v in state.items()}, assign=True)
+    return out
+
+
+def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: dict | None = None,
+                    masters: dict | None = None, save_dtype: str = ""):
     """Write ckpt-NNNNNN via a .tmp folder renamed into place, point `latest` at it, drop older ones.
+
+    model: the full weights (the compute copy); masters: the fp32 master state when it is another
+    (mixed precision); save_dtype: the HF export's dtype ("" = model's). The masters are saved beside
+    the export when the export does not hold their exact bits.
 
     A failed write (a full disk) removes the partial .tmp and raises RunError: `latest` and the
     checkpoint it names are untouched until the new one is complete.
@@ -72,7 +97,13 @@ def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: di
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
+        export = export_model(model, masters, save_dtype)
+        export.save_pretrained(tmp)
+        exact = masters if masters is not None else model.state_dict()
+        saved = export.state_dict()
+        if any(saved[k].dtype != v.dtype for k, v in exact.items()):    # the export rounds: keep the masters
+            from safetensors.torch import save_file
+            save_file({k: v.detach().cpu().contiguous() for k, v in exact.items()}, os.path.join(tmp, MASTERS))
         torch.save({"step": step, "optimizer": opt_state, "train_config": dataclasses.asdict(tcfg),
                     "rollout_config": dataclasses.asdict(rcfg), "model_config": dataclasses.asdict(model.config),
                     "task": task.state_dict(), **(extra or {})},
@@ -107,6 +138,27 @@ def latest_checkpoint(out_dir) -> str:
     if not os.path.isdir(os.path.join(out_dir, name)):
         raise CheckpointError(f"{path} names {name}, which is not in {out_dir!r}")
     return os.path.join(out_dir, name)
+
+
+def load_weights(ckpt: str, model: Transformer) -> dict[str, torch.Tensor]:
+    """The weights to resume from (model.state_dict keys): the saved masters if the export rounded
+    them, else the HF export."""
+    path = os.path.join(ckpt, MASTERS)
+    if not os.path.isfile(path):
+        return hf_to_state(read_safetensors_dir(ckpt), model)
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        state = load_file(path)
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({e}); was it truncated?") from None
+    want = model.state_dict()
+    if set(state) != set(want) or any(tuple(state[k].shape) != tuple(v.shape) for k, v in want.items()):
+        raise CheckpointError(f"{path}: its tensors do not match the model config (keys or shapes differ)")
+    bad = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"{path}: tensor {bad[0]!r} holds non-finite values; load an earlier checkpoint")
+    return state
 
 
 def load_trainer_state(ckpt: str) -> dict:

@@ -195,7 +195,10 @@ class TrainConfig:
     init_from: str = "tiny"           # a model preset name or an HF checkpoint directory
     out_dir: str = "out"
     device: str = "auto"              # auto: cuda if available, else cpu
-    dtype: str = "float32"            # float32 | bfloat16 (the same weights serve sampler and trainer)
+    dtype: str = "float32"            # the compute dtype: float32 | bfloat16 (one copy serves sampler and trainer)
+    master_dtype: str = "float32"     # the optimizer's weights and AdamW state: float32 | bfloat16 (= --dtype only)
+    router_dtype: str = "auto"        # the router gate and bias: auto (the family table's) | float32 | --dtype
+    save_dtype: str = ""              # the HF export's dtype: "" (--dtype) | float32 | bfloat16
     seed: int = 0
     resume: bool = False              # continue the run in out_dir from its latest checkpoint
     overwrite: bool = False           # start over in an out_dir that holds a run (deletes its metrics and checkpoints)
@@ -320,9 +323,27 @@ class TrainConfig:
         _require(self.kernels_backend in ("", "auto", "torch", "triton"),
                  f"--kernels_backend={self.kernels_backend!r}: auto, torch or triton (or '' for KERNELS_BACKEND)")
         _require(self.expert_bias_update_rate >= 0, "--expert_bias_update_rate must be >= 0 (0: the bias is frozen)")
-        _require(self.expert_bias_update_rate == 0 or self.dtype == "float32",
-                 "--expert_bias_update_rate needs --dtype=float32: a bf16 bias would round away updates "
-                 "smaller than its precision")
+        self._check_precision()
+
+    def _check_precision(self):
+        """--dtype / --master_dtype / --router_dtype / --save_dtype (docs/design.md, "Mixed precision")."""
+        _require(self.master_dtype in ("float32", "bfloat16"),
+                 f"--master_dtype={self.master_dtype!r}: float32 or bfloat16")
+        _require(self.master_dtype == "float32" or self.dtype == "bfloat16",
+                 f"--master_dtype={self.master_dtype}: the master weights cannot be less precise than "
+                 f"--dtype={self.dtype}; drop --master_dtype")
+        _require(self.router_dtype in ("auto", "float32", self.dtype),
+                 f"--router_dtype={self.router_dtype!r}: auto, float32 or --dtype ({self.dtype})")
+        _require(self.save_dtype in ("", "float32", "bfloat16"),
+                 f"--save_dtype={self.save_dtype!r}: '' (--dtype), float32 or bfloat16")
+        _require(self.expert_bias_update_rate == 0 or self.master_dtype == "float32" or self.router_dtype == "float32",
+                 "--expert_bias_update_rate needs a float32 bias: keep --master_dtype=float32 (or pass "
+                 "--router_dtype=float32); a bf16 bias would round away updates smaller than its precision")
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Compute in --dtype on a copy cast from float32 masters (the optimizer's weights)."""
+        return self.dtype != self.master_dtype
 
     @property
     def aggregation(self) -> str:

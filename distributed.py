@@ -1,12 +1,14 @@
 """Distributed training: one process, or one rank of a torchrun job (RANK, WORLD_SIZE, LOCAL_RANK set).
 
     d = init_distributed("auto")                              # NCCL per GPU, gloo on CPU, or one process
-    scorer, full_model, sync = parallelize(model, tcfg, d)    # DDP or FSDP2; the sampler's full weights
+    scorer, full_model, sync, mp = place_weights(model, tcfg, d)   # DDP or FSDP2; the sampler's full weights;
+                                                              # mp: bf16 compute over fp32 masters, or None
 
 What train.py needs beyond one process: the parallel wrappers (DDP, FSDP2 with a full copy of the
 weights for the sampler), the weight syncs (parameters and buffers: a router's score-correction bias
 is state the rollout must see bit for bit), gradient-sync control, reductions of metrics over ranks,
-and the check that every rank holds the same bits.
+and the check that every rank holds the same bits; and mixed precision (MixedPrecision: fp32 masters
+for the optimizer, one compute copy that the trainer and the sampler both read, fp32 gradients).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import os
 
@@ -89,6 +92,8 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
     from torch.distributed.fsdp import fully_shard
     full_copy = copy.deepcopy(model).requires_grad_(False)
     for layer in model.layers:
+        if layer.is_moe and layer.mlp.gate.weight.dtype != layer.input_layernorm.weight.dtype:
+            fully_shard(layer.mlp.gate)                               # an fp32 router: one dtype per FSDP group
         fully_shard(layer)
     fully_shard(scorer)
     full_params = dict(full_copy.named_parameters())
@@ -101,6 +106,169 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
         for name, b in model.named_buffers():                         # FSDP2 leaves buffers whole on each rank
             full_buffers[name].copy_(b)
     return scorer, full_copy, sync
+
+
+# ---------------------------------------------------------------------------------------------------
+# mixed precision: fp32 masters, one compute copy (docs/design.md, "Mixed precision")
+# ---------------------------------------------------------------------------------------------------
+def router_dtype(tcfg: TrainConfig, model_type: str) -> torch.dtype:
+    """--router_dtype resolved: auto is the family table's (float32 where transformers upcasts)."""
+    import families
+    name = tcfg.router_dtype
+    if name == "auto":
+        name = "float32" if families.family(model_type).router_dtype == "float32" else tcfg.dtype
+    return getattr(torch, name)
+
+
+def routers(model: Transformer) -> list[nn.Module]:
+    """The gates (Linear + its score-correction bias buffer) of the MoE layers."""
+    return [layer.mlp.gate for layer in model.layers if layer.is_moe]
+
+
+def cast_for_compute(model: Transformer, dtype: torch.dtype, router: torch.dtype) -> Transformer:
+    """A copy of `model` in `dtype`, its routers (gate weight, bias) in `router`; a cast is elementwise,
+    so the copy's bits are those of each master tensor rounded on its own."""
+    out = copy.deepcopy(model).to(dtype)
+    with torch.no_grad():
+        for src, dst in zip(routers(model), routers(out)):
+            dst.to(router)
+            for a, b in zip(model_state(src), model_state(dst)):     # from the masters, not re-rounded
+                b.copy_(a)
+    return out
+
+
+def place_weights(model: Transformer, tcfg: TrainConfig, d: Dist):
+    """-> (scorer, full_model, sync_full_weights, mp): parallelize's three, and the MixedPrecision
+    object when --dtype computes on a copy of the --master_dtype weights (None: one set of weights)."""
+    if tcfg.mixed_precision:
+        mp = MixedPrecision(model, tcfg, d)
+        return mp.scorer, mp.full_model, mp.sync_full_weights, mp
+    if tcfg.master_dtype == "bfloat16":
+        d.print0("--master_dtype=bfloat16: the optimizer updates bf16 weights; an update smaller than half a bf16 "
+                 "ulp of its weight (2e-3 to 4e-3 relative) is lost (float32 masters keep it)")
+    router = router_dtype(tcfg, model.config.model_type)
+    for gate in routers(model):                                       # pure storage: the router's own dtype
+        if gate.weight.dtype != router:
+            gate.to(router)
+    return (*parallelize(model, tcfg, d), None)
+
+
+def _accumulate_into(master: torch.Tensor, p: torch.Tensor) -> None:
+    """After autograd accumulated p.grad (compute dtype): add it to the master's fp32 grad, free it."""
+    g = p.grad.to(master.dtype)                                       # an fp32 router's grad: itself
+    if master.grad is None:
+        master.grad = g
+    else:
+        master.grad.add_(g)
+    p.grad = None
+
+
+class MixedPrecision:
+    """fp32 master weights (the optimizer's) and one compute copy in --dtype (the router in its own dtype).
+
+    One process / DDP: `compute` is a full Transformer cast from the masters after every optimizer step
+    (refresh); the trainer's forward and backward run on it and the sampler reads it, one copy. Each
+    compute parameter's gradient is added in fp32 to its master's .grad as soon as autograd has
+    accumulated it (a post-accumulate hook), so micro-batches accumulate in fp32; across ranks the fp32
+    master grads are averaged by all-reduce (reduce_grads; no DDP wrapper, whose reduction would run in
+    bf16). FSDP2: the masters are sharded with MixedPrecisionPolicy(param_dtype=--dtype,
+    reduce_dtype=fp32) (routers: param_dtype = the router's), so FSDP2 casts each shard and all-gathers
+    the compute dtype for the forward; the sampler's full copy is the same cast shards all-gathered.
+    """
+
+    def __init__(self, master: Transformer, tcfg: TrainConfig, d: Dist):
+        self.master, self.d = master, d
+        self.dtype = getattr(torch, tcfg.dtype)
+        self.router = router_dtype(tcfg, master.config.model_type)
+        self.fsdp = d.world > 1 and tcfg.parallel == "fsdp"
+        self.full_model = cast_for_compute(master, self.dtype, self.router)
+        if self.fsdp:
+            self.scorer = self._shard()
+            self.sync_full_weights = self._gather
+            return
+        self.scorer, self.sync_full_weights = Scorer(self.full_model), lambda: None
+        masters = dict(master.named_parameters())
+        for name, p in self.full_model.named_parameters():
+            p.register_post_accumulate_grad_hook(functools.partial(_accumulate_into, masters[name]))
+        self._pairs = list(zip(model_state(master), model_state(self.full_model)))
+
+    def parameters(self) -> list[nn.Parameter]:
+        """What the optimizer updates and clipping measures: the masters (sharded under FSDP2)."""
+        return list(self.scorer.parameters()) if self.fsdp else list(self.master.parameters())
+
+    def _shard(self) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        f32 = torch.float32
+        # cast_forward_inputs off: the fp32 RoPE tables enter every block as they do in the full copy
+        policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=f32, cast_forward_inputs=False)
+        router = MixedPrecisionPolicy(param_dtype=self.router, reduce_dtype=f32, cast_forward_inputs=False)
+        for layer in self.master.layers:
+            if layer.is_moe and self.router != self.dtype:
+                fully_shard(layer.mlp.gate, mp_policy=router)
+            fully_shard(layer, mp_policy=policy)
+        scorer = Scorer(self.master)
+        fully_shard(scorer, mp_policy=policy)
+        self.full_model.requires_grad_(False)
+        self._full = dict(self.full_model.named_parameters())
+        self._full_buffers = dict(self.full_model.named_buffers())
+        return scorer
+
+    @torch.no_grad()
+    def _gather(self) -> None:
+        """The sampler's copy: each fp32 shard cast to its compute dtype, then all-gathered (half the
+        bytes of gathering fp32; the same bits, a cast being elementwise)."""
+        for name, p in self.master.named_parameters():
+            full = self._full[name]
+            full.copy_(p.to(full.dtype).full_tensor())
+        for name, b in self.master.named_buffers():                  # whole on every rank (the router bias)
+            self._full_buffers[name].copy_(b)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """After an optimizer step (and the bias update): the compute copy cast from the masters.
+        FSDP2 casts at each all-gather and the full copy is gathered before a rollout: nothing to do."""
+        if not self.fsdp:
+            for m, c in self._pairs:
+                c.copy_(m)
+
+    @torch.no_grad()
+    def reduce_grads(self, bucket_bytes: int = 64 << 20) -> None:
+        """Average the fp32 master grads over ranks (one process, FSDP2: nothing to do), in buckets."""
+        if self.d.world == 1 or self.fsdp:
+            return
+        params = self.parameters()
+        for p in params:
+            if p.grad is None:                                        # every rank reduces the same tensors
+                p.grad = torch.zeros_like(p)
+        bucket, size = [], 0
+        for i, p in enumerate(params):
+            bucket.append(p.grad)
+            size += p.grad.nbytes
+            if size >= bucket_bytes or i == len(params) - 1:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat)
+                flat.div_(self.d.world)
+                for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                    g.copy_(part.view_as(g))
+                bucket, size = [], 0
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """The full fp32 masters (state_dict keys, buffers included); a collective under FSDP2."""
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+                for k, v in self.master.state_dict().items()}
+
+    def cast(self, model: Transformer) -> Transformer:
+        """Another model (the frozen reference) in the compute dtypes."""
+        return cast_for_compute(model, self.dtype, self.router).requires_grad_(False)
+
+    def reserve_bytes(self, opt_has_state: bool) -> int:
+        """Bytes still to come after the sampler is built: fp32 master grads and AdamW's two moments
+        (this rank's shard under FSDP2) and the compute grads in flight (the largest one; under FSDP2 a
+        block's unsharded fp32 grads kept while micro-batches accumulate, bounded by the full model)."""
+        local = sum(getattr(p, "to_local", lambda: p)().nbytes for p in self.parameters())
+        extra = (sum(p.numel() for p in self.full_model.parameters()) * 4 if self.fsdp
+                 else max(p.nbytes for p in self.full_model.parameters()))
+        return (1 if opt_has_state else 3) * local + extra
 
 
 def lower_precision_copy(source: Transformer, dtype: torch.dtype, sync_source):

@@ -15,7 +15,11 @@ be off (what this model does not implement), and how its weight keys are spelled
 one entry here, plus a ModelConfig field (off by default) and its forward for each knob the model does
 not have yet, plus the family in tests/conftest.py's FAMILY_HF (every test of tests/test_hf.py runs on
 it). The model_type itself is checked here, where a config is read from or written to config.json:
-ModelConfig treats it as a plain name.
+ModelConfig treats it as a plain name. Each entry also names the dtype of its router under bf16 compute
+(`router_dtype`, the default of --router_dtype=auto), following transformers' modeling code: GLM-4.5,
+like DeepSeek-V3, keeps the gate weight and the score-correction bias in fp32 and upcasts the hidden
+states for the gate matmul; Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral run the gate in the model dtype and
+only the softmax in fp32.
 
 Weight keys. Ours are transformers' without the leading "model.", except that the experts of each MoE
 layer are stacked: layers.N.mlp.w13 (E, 2I, D) = [gate_proj; up_proj] per expert, layers.N.mlp.w2
@@ -68,6 +72,8 @@ class Family:
     load_renames: tuple[tuple[str, str], ...] = ()        # (regex on an HF key, replacement) -> our spelling
     save_renames: tuple[tuple[str, str], ...] = ()        # (regex on our spelling, replacement) -> HF key
     extra_layers: bool = False                            # layers >= num_hidden_layers (MTP) are dropped
+    router_dtype: str = "compute"                         # --router_dtype=auto: the gate and bias in "float32"
+    #                                                       or in the "compute" dtype, as transformers' model runs
 
 
 # Fields every family spells the same way.
@@ -107,7 +113,8 @@ FAMILIES: dict[str, Family] = {
         config={"num_experts": HF(("num_experts", "num_local_experts"), 0),
                 "moe_intermediate_size": HF(("moe_intermediate_size",), 0),
                 "norm_topk_prob": HF(("norm_topk_prob",), False), **_QWEN_LAYOUT, **_BIAS_QKVO},
-        requires={"use_sliding_window": False}, extra={"sliding_window": None}),
+        requires={"use_sliding_window": False}, extra={"sliding_window": None},
+        router_dtype="compute"),   # gate(x) in the model dtype, softmax in fp32
     "qwen3": Family(   # dense Qwen3: the same layers, no experts
         "Qwen3ForCausalLM", config=dict(_BIAS_QKVO), fixed={"num_experts": 0, "mlp_only_layers": []},
         requires={"use_sliding_window": False}, extra={"sliding_window": None}),
@@ -118,16 +125,17 @@ FAMILIES: dict[str, Family] = {
                 "norm_topk_prob": HF(("norm_topk_prob",), False), **_QWEN_LAYOUT,
                 "shared_expert_intermediate_size": HF(("shared_expert_intermediate_size",), 0),
                 "attention_bias": HF(("qkv_bias",), True)},   # older configs have no key: always biased
-        fixed={"qk_norm": "none"}, requires={"use_sliding_window": False}),
+        fixed={"qk_norm": "none"}, requires={"use_sliding_window": False}, router_dtype="compute"),
     "olmoe": Family(   # q/k RMSNorm over the whole projection; the experts' width is intermediate_size
         "OlmoeForCausalLM",
         config={"num_experts": HF(("num_experts",), 0), "moe_intermediate_size": HF(("intermediate_size",)),
                 "norm_topk_prob": HF(("norm_topk_prob",), False), **_BIAS_QKVO},
-        fixed={"qk_norm": "full", **_ALL_MOE}, requires={"clip_qkv": None}),
+        fixed={"qk_norm": "full", **_ALL_MOE}, requires={"clip_qkv": None}, router_dtype="compute"),
     "mixtral": Family(   # softmax over the top-k (= renormalised), no q/k norm
         "MixtralForCausalLM",
         config={"num_experts": HF(("num_local_experts",), 0), "moe_intermediate_size": HF(("intermediate_size",))},
         fixed={"norm_topk_prob": True, "qk_norm": "none", **_ALL_MOE}, requires={"sliding_window": None},
+        router_dtype="compute",
         load_renames=((r"\.block_sparse_moe\.", ".mlp."), (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
                       (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
                       (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj.")),
@@ -148,7 +156,8 @@ FAMILIES: dict[str, Family] = {
                 "partial_rotary_factor": HF(("partial_rotary_factor",), 0.5, float)},
         fixed={"router_scoring": "sigmoid", "score_correction_bias": True, **_ALL_MOE},
         extra={"num_nextn_predict_layers": 0},   # we keep no multi-token-prediction layer
-        extra_layers=True),                      # GLM-4.5 ships its MTP layer as layer num_hidden_layers
+        extra_layers=True,                       # GLM-4.5 ships its MTP layer as layer num_hidden_layers
+        router_dtype="float32"),   # as DeepSeek-V3: gate weight and bias kept in fp32, x upcast for the gate
 }
 
 # Fields that mean nothing for a config without MoE layers, or without dense layers (ignored when

@@ -217,10 +217,13 @@ class MoE(nn.Module):
     def forward(self, x, forced_ids=None):
         B, T, D = x.shape
         x2 = x.reshape(B * T, D)                                # (M, D)
-        logits = self.gate(x2)                                  # (M, E)
+        # the gate runs in its own weight's dtype: an fp32 router (--router_dtype) upcasts x, as
+        # transformers' GLM-4.5 / DeepSeek-V3 do; the bias is applied in the logits' dtype
+        logits = self.gate(x2.to(self.gate.weight.dtype))       # (M, E)
+        bias = getattr(self.gate, "e_score_correction_bias", None)
         ids, weights, chosen = kernels.route(logits, self.top_k, self.norm_topk_prob,
                                              None if forced_ids is None else forced_ids.reshape(B * T, -1),
-                                             bias=getattr(self.gate, "e_score_correction_bias", None),
+                                             bias=None if bias is None else bias.to(logits.dtype),
                                              **self.route_kw)
         if self.ep is None:
             out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)

@@ -51,11 +51,10 @@ from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, Trai
 from losses import (aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, rejects,
                     route_filter_weights)
 from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_optimizer_state,  # noqa: F401
-                        load_trainer_state, optimizer_state, prepare_out_dir, save_checkpoint, saved_configs,
-                        trim_metrics)
-from distributed import (Dist, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lower_precision_copy,
-                         parallelize, reduce_metrics)
-from hf import CheckpointError, hf_to_state, read_safetensors_dir
+                        load_trainer_state, load_weights, optimizer_state, prepare_out_dir, save_checkpoint,
+                        saved_configs, trim_metrics)
+from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, grad_sync, init_distributed,
+                         lower_precision_copy, place_weights, reduce_metrics)
 from model import MoE, Transformer
 from rollout import Sampler
 from tasks import RewardError, TaskError, check_reward, make_task
@@ -249,17 +248,18 @@ class Weights:
     full: Transformer                # full weights: checkpoints, the old policy's forward (trained itself off FSDP2)
     rollout: Transformer             # what the sampler runs: full, or the mismatch lab's lower-precision copy
     refresh: Callable[[], None]      # full <- trained (an all-gather under FSDP2), then rollout <- full
+    mp: MixedPrecision | None        # bf16 compute over fp32 masters: trained holds the masters, full the copy
 
     def sync(self) -> None:
         self.refresh()
 
 
-def build_weights(model: Transformer, tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, dtype) -> Weights:
-    scorer, full, refresh = parallelize(model, tcfg, d)
+def build_weights(model: Transformer, tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Weights:
+    scorer, full, refresh, mp = place_weights(model, tcfg, d)
     rollout_model = full
-    if rcfg.rollout_dtype and getattr(torch, rcfg.rollout_dtype) != dtype:
+    if rcfg.rollout_dtype and rcfg.rollout_dtype != tcfg.dtype:      # the lab's copy, from the compute weights
         rollout_model, refresh = lower_precision_copy(full, getattr(torch, rcfg.rollout_dtype), refresh)
-    return Weights(model, scorer, full, rollout_model, refresh)
+    return Weights(model, scorer, full, rollout_model, refresh, mp)
 
 
 @dataclasses.dataclass
@@ -337,7 +337,7 @@ def check_run_configs(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
 def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     """Check the configs against each other, build (or resume) the model, optimizer and sampler."""
     check_run_configs(tcfg, rcfg, d)
-    device, dtype = d.device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[tcfg.dtype]
+    device, dtype = d.device, getattr(torch, tcfg.master_dtype)       # the trained weights: the masters
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     prepare_out_dir(tcfg, d.master)
     if not tcfg.resume:                                               # the lr horizon, saved with the run
@@ -358,16 +358,17 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         tcfg = plan_resume(tcfg, state, d)
         if ModelConfig(**state["model_config"]) != model.config:       # fields added since take their defaults
             raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
-        weights = hf_to_state(read_safetensors_dir(ckpt), model)
-        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
+        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in load_weights(ckpt, model).items()})
         task.load_state_dict(state["task"])
         start, skipped = state["step"], state.get("skipped_steps", 0)
     ref_model = None
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
         ref_model = (build_model(tcfg, device, dtype) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
-    policy = build_weights(model, tcfg, rcfg, d, dtype)
-    scorer, rollout_model = policy.scorer, policy.rollout
-    opt = build_optimizer(scorer, tcfg)
+    policy = build_weights(model, tcfg, rcfg, d)
+    scorer, rollout_model, mp = policy.scorer, policy.rollout, policy.mp
+    if mp is not None and ref_model is not None:                      # mixed precision: the reference computes in bf16
+        ref_model = mp.cast(ref_model)
+    opt = build_optimizer(model, tcfg)                                # the masters under mixed precision
     if state is not None:
         load_optimizer_state(scorer, opt, state["optimizer"], d.world > 1 and tcfg.parallel == "fsdp")
         state = None                                                  # free the host copy
@@ -377,7 +378,8 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     # are allocated after the sampler sizes its KV pool from the free memory: set them aside, for this
     # rank's shard of the parameters under FSDP. Activations and temporaries come out of the rest.
     param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
-    sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=(1 if opt.state else 3) * param_bytes)
+    reserve = mp.reserve_bytes(bool(opt.state)) if mp else (1 if opt.state else 3) * param_bytes
+    sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=reserve)
     return Run(tcfg, rcfg, d, task, policy, ref_model, opt, sampler, start, skipped, metrics_path)
 
 
@@ -539,6 +541,8 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateSta
                 chosen = r.scored.routes[:, :-1][batch.mask[idx].bool()]   # (N, n_moe, k) at response-scoring positions
                 load = expert_load(chosen, model.config.num_experts)
                 update_expert_bias(model, load.to(d.device), tcfg.expert_bias_update_rate, d)
+            if run.weights.mp is not None:                            # mixed precision: recast the compute copy
+                run.weights.mp.refresh()
             stats.add_update(r)
     return stats, first
 
@@ -578,7 +582,9 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
         entropy_sum += (out.entropy * mb.mask.to(device)).sum().item()
         tokens += mb.mask.sum().item()
         parts.append(dataclasses.replace(out, logp=logp))
-    gn = torch.nn.utils.clip_grad_norm_(run.weights.scorer.parameters(), tcfg.grad_clip)
+    if run.weights.mp is not None:                                    # mixed precision: fp32 grads, averaged over ranks
+        run.weights.mp.reduce_grads()
+    gn = torch.nn.utils.clip_grad_norm_(run.weights.trained.parameters(), tcfg.grad_clip)   # the masters
     gn = gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
     return MinibatchResult(total, clipped_tok, gn, on_host(parts), entropy_sum, filtered, tokens)
 
@@ -618,11 +624,16 @@ def checkpoint(run: Run, step: int) -> None:
     """Check the weights (finite, the same on every rank), then rank 0 writes the checkpoint."""
     run.weights.sync()
     check_finite_weights(run.weights.full, step)                      # on every rank: they stop together
-    digest = check_in_sync(run.weights.full, run.d)
+    digest = check_in_sync(run.weights.full, run.d)                   # mixed precision: the compute copy
+    mp = run.weights.mp
+    if mp is not None and not run.fsdp:                               # mixed precision: and the masters
+        check_in_sync(mp.master, run.d)
+    masters = mp.master_state() if mp is not None else None           # collective under FSDP2
     opt_state = optimizer_state(run.weights.scorer, run.opt, run.fsdp)   # collective under FSDP2
     if run.d.master:
         save_checkpoint(run.tcfg.out_dir, step, run.weights.full, opt_state, run.tcfg, run.rcfg, run.task,
-                        extra={"skipped_steps": run.skipped})
+                        extra={"skipped_steps": run.skipped}, masters=masters,
+                        save_dtype=run.tcfg.save_dtype or run.tcfg.dtype)
     if run.d.world > 1:
         dist.barrier()
         run.d.print0(f"step {step}: weights identical on {run.d.world} ranks (sha256 {digest[:16]})")
