@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import hf
 from config import TrainConfig
 from model import Transformer
 
@@ -113,10 +114,9 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
 # ---------------------------------------------------------------------------------------------------
 def router_dtype(tcfg: TrainConfig, model_type: str) -> torch.dtype:
     """--router_dtype resolved: auto is the family table's (float32 where transformers upcasts)."""
-    import families
     name = tcfg.router_dtype
     if name == "auto":
-        name = "float32" if families.family(model_type).router_dtype == "float32" else tcfg.dtype
+        name = "float32" if hf.family(model_type).router_dtype == "float32" else tcfg.dtype
     return getattr(torch, name)
 
 

@@ -55,6 +55,7 @@ from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_
                         saved_configs, trim_metrics)
 from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, grad_sync, init_distributed,
                          lower_precision_copy, place_weights, reduce_metrics)
+from hf import CheckpointError
 from model import MoE, Transformer
 from rollout import Sampler
 from tasks import RewardError, TaskError, check_reward, make_task

@@ -118,7 +118,7 @@ def test_one_step_is_fp32_adamw_by_hand(preset):
             ref[k] += g.float()
     opt = torch.optim.AdamW(mp.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     for mb in (toks[:2], toks[2:]):                                     # two micro-batches through the hooks
-        mp.scorer(mb, 1.0)[0].float().sum().backward()
+        mp.scorer(mb, temperature=1.0)[0].float().sum().backward()
     assert all(p.grad is None for p in compute.parameters())           # freed into the masters
     for k, p in master.named_parameters():
         assert p.grad.dtype == torch.float32 and torch.equal(p.grad, ref[k]), k
@@ -144,12 +144,12 @@ def test_one_step_is_fp32_adamw_by_hand(preset):
 def test_trainer_and_sampler_read_one_copy(tmp_path):
     tcfg, rcfg = configs(f"--out_dir={tmp_path}", "--dtype=bfloat16", "--init_from=tiny-sigmoid")
     run = train.setup(tcfg, rcfg, Dist(0, 1, torch.device("cpu")))
-    assert run.sampler.model is run.full_model and run.scorer.model is run.full_model
-    assert run.rollout_model is run.full_model                          # no second copy
+    assert run.sampler.model is run.weights.full and run.weights.scorer.model is run.weights.full
+    assert run.weights.rollout is run.weights.full                          # no second copy
     assert all(p.dtype == torch.float32 for g in run.opt.param_groups for p in g["params"])
-    gate = run.full_model.layers[1].mlp.gate
+    gate = run.weights.full.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32   # glm4_moe's fp32 router
-    assert run.full_model.layers[1].mlp.w13.dtype == torch.bfloat16
+    assert run.weights.full.layers[1].mlp.w13.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-sigmoid"])
@@ -332,7 +332,7 @@ def fsdp_cast_check():
             seen[i] = {n: p.detach().clone() for n, p in mod.named_parameters()}
         layer.self_attn.register_forward_pre_hook(lambda m, a, layer=layer, grab=grab: grab(layer, a))
     toks = torch.randint(0, 32, (2, 10), generator=torch.Generator().manual_seed(0))
-    mp.scorer(toks, 1.0)[0].sum().backward()                           # a training step's pass: resharded after
+    mp.scorer(toks, temperature=1.0)[0].sum().backward()                           # a training step's pass: resharded after
     mp.sync_full_weights()
     full = dict(mp.full_model.named_parameters())
     gathered = {n: p.full_tensor() for n, p in master.named_parameters()}   # fp32, then cast below
