@@ -333,7 +333,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     # are allocated after the sampler sizes its KV pool from the free memory: set them aside, for this
     # rank's shard of the parameters under FSDP. Activations and temporaries come out of the rest.
     param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
-    sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=(1 if opt.state else 3) * param_bytes)
+    sampler = Sampler(rollout_model, rcfg, reserve_bytes=(1 if opt.state else 3) * param_bytes)
     return Run(tcfg, rcfg, d, task, model, scorer, full_model, sync_full_weights, rollout_model,
                sync_rollout_weights, ref_model, opt, sampler, start, skipped, metrics_path)
 
