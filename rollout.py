@@ -126,10 +126,10 @@ class BlockManager:
     def num_admissible(self, num_tokens: int, group_size: int, num_running: int) -> int:
         """How many members of a group of num_tokens-token sequences the free blocks admit now.
 
-        The leader takes its blocks, each other member one copy of a partly filled last block, and every
-        sequence that will run (num_running others, plus those admitted) keeps one spare block, so that the
-        next decode step need not preempt at once. Without anything else running there are no spares:
-        the pool then only has to hold this group.
+        The leader takes its blocks and each other member a copy of a partly filled last block. While
+        others run (num_running: running, or admitted earlier in this step), each of them and each new
+        member keeps one spare block, so that the next decode step need not preempt at once; with nothing
+        else running, the pool only has to hold this group.
         """
         base, partial = -(-num_tokens // self.block_size), int(num_tokens % self.block_size != 0)
         spare = int(num_running > 0)
@@ -300,7 +300,8 @@ class Scheduler:
 
 
 class ModelRunner:
-    """The device side: KV pages, per-row buffers, the prefill and decode steps, CUDA graphs.
+    """The device side: carries out the Scheduler's Steps (`run`); KV pages, per-row buffers, the prefill
+    and decode steps, CUDA graphs.
 
     Rows 0..max_batch_size-1 hold sequences; one extra row (`pad_row`) feeds the padding of a batch
     bucket: it reads and writes only the scratch page (the last page of each pool), so padding never
