@@ -219,7 +219,8 @@ def bench_fast(args) -> list[tuple[str, float, str]]:
     model = build_model(args)
     prompts = make_prompts(args, model.config.vocab_size)
     n_gen = len(prompts) * args.max_new_tokens
-    samplers = {m: Sampler(model, max_batch_size=max(len(prompts), 1), mode=m) for m in ("invariant", "fast")}
+    samplers = {m: Sampler(model, max_batch_size=max(len(prompts), 1), rollout_mode=m)
+                for m in ("invariant", "fast")}
     res = interleaved({m: (lambda s=s: run_ours(s, prompts, args)) for m, s in samplers.items()}, args.warmup, args.repeats)
     B, T = args.score_batch, args.score_len
     tokens = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(args.seed))
@@ -347,7 +348,7 @@ def bench_gpu(args) -> list[tuple[str, float, str]]:
     samplers = {"invariant eager": Sampler(model, cuda_graphs=False, **pool)}
     if not tiny:
         samplers["invariant graphs"] = Sampler(model, **pool)
-    samplers["fast"] = Sampler(model, mode="fast", **pool)
+    samplers["fast"] = Sampler(model, rollout_mode="fast", **pool)
     for i, B in enumerate(sizes):
         prompts = make_prompts(argparse.Namespace(**{**vars(args), "prompts": B, "min_prompt_len": lo,
                                                      "max_prompt_len": hi}), model.config.vocab_size)

@@ -161,12 +161,28 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 
+def check_sampling(temperature, top_p, top_k) -> None:
+    """The sampling ranges, the one rule for RolloutConfig and for each request (rollout.SamplingParams)."""
+    import numbers
+
+    def real(x):
+        return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    _require(real(temperature) and math.isfinite(temperature) and temperature >= 0,
+             f"temperature={temperature!r}: need a finite number >= 0 (0 samples greedily)")
+    _require(real(top_p) and 0 < top_p <= 1, f"top_p={top_p!r}: need a number in (0, 1]")
+    _require(isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and top_k >= 0,
+             f"top_k={top_k!r}: need an integer >= 0 (0 turns it off)")
+
+
 @dataclass
 class RolloutConfig:
+    """The sampler's settings (rollout.Sampler reads the engine's, train.py passes the sampling ones)."""
     block_size: int = 16              # KV positions per page
     num_blocks: int = 0               # 0: sized from the device (see rollout.Sampler)
     max_batch_size: int = 256         # running sequences at most
+    max_num_batched_tokens: int = 4096   # tokens per prefill forward (prompts right-padded to the longest)
     kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after grads + AdamW state) for the KV pool
+    cuda_graphs: bool | None = None   # decode steps as CUDA graphs; None: where they run without host syncs
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -181,13 +197,14 @@ class RolloutConfig:
         _require(self.rollout_mode in ("invariant", "fast"), f"--rollout_mode={self.rollout_mode!r}: invariant or fast")
         _require(self.rollout_dtype in ("", "float32", "bfloat16", "float16"),
                  f"--rollout_dtype={self.rollout_dtype!r}: '', float32, bfloat16 or float16")
-        _require(self.block_size > 0 and self.max_batch_size > 0 and self.num_blocks >= 0,
-                 "block_size and max_batch_size must be > 0, num_blocks >= 0")
+        _require(self.block_size > 0 and self.max_batch_size > 0 and self.max_num_batched_tokens > 0
+                 and self.num_blocks >= 0, "block_size, max_batch_size and max_num_batched_tokens must be > 0, "
+                 "num_blocks >= 0")
         from kernels import KV_BLOCK      # a page holds whole attention tiles
-        _require(self.block_size % KV_BLOCK == 0, f"--block_size={self.block_size}: must be a multiple of {KV_BLOCK}")
+        _require(self.block_size % KV_BLOCK == 0,
+                 f"--block_size={self.block_size}: must be a multiple of kernels.KV_BLOCK={KV_BLOCK}")
         _require(0 < self.kv_memory_fraction <= 1, f"--kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
-        _require(self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0,
-                 "need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        check_sampling(self.temperature, self.top_p, self.top_k)
 
 
 @dataclass

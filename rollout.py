@@ -1,19 +1,22 @@
 """The rollout sampler: paged KV cache, continuous batching, preemption, CUDA graphs, exact recording.
 
     from rollout import Sampler
-    sampler = Sampler(model)                                   # or Sampler.from_config(model, RolloutConfig())
+    sampler = Sampler(model)                    # or Sampler(model, RolloutConfig(...)), Sampler(model, num_blocks=64)
     outs = sampler.generate(prompts, max_new_tokens=64, temperature=1.0, n=8, seed=0)
     outs[i].tokens, outs[i].logprobs, outs[i].routes           # see SequenceOutput
 
-Vocabulary from vLLM / nano-vllm. A `Sequence` owns a `block_table` of KV blocks (pages) of
-`block_size` positions. The `BlockManager` hands out blocks from a free list with reference counts,
-so a GRPO group shares its prompt's full blocks. The `Scheduler` owns the sequence lifecycle:
-`add()` queues requests, `schedule()` returns the next batch and whether it is a prefill (waiting
+Vocabulary from vLLM / nano-vllm, and its split: one object decides, one does. A `Sequence` owns a
+`block_table` of KV blocks (pages) of `block_size` positions. The `BlockManager` hands out blocks from
+a free list with reference counts, so a GRPO group shares its prompt's full blocks, and says how many
+members of a group the free blocks admit (`num_admissible`). The `Scheduler` owns the sequence
+lifecycle: `add()` queues requests, `schedule()` decides the next `Step`: a prefill (waiting
 sequences, admitted while batch rows, blocks and the token budget allow) or a decode (every running
-sequence, preempting the newest when blocks run out), `postprocess()` retires finished sequences.
-The `ModelRunner` owns the tensors: the KV pages and, per batch row, the sequence's tokens, log-probs
-and routes, all on the device; a decode step is a fixed set of tensor ops over those buffers (one
-small read comes back: which rows finished), replayed as a CUDA graph per batch-size bucket on a GPU.
+sequence, preempting the newest when blocks run out; the step lists the blocks it handed out),
+`postprocess()` retires finished sequences. The `ModelRunner` carries a Step out (`run`) and owns the
+tensors: the KV pages and, per batch row, the sequence's tokens, log-probs and routes, all on the
+device; a decode step is a fixed set of tensor ops over those buffers (one small read comes back:
+which rows finished), replayed as a CUDA graph per batch-size bucket on a GPU. `Sampler` ties them
+together for one request at a time; its settings are a `config.RolloutConfig`, which validates them.
 
 Host work per decode step does not grow with the batch: the scheduler knows every running
 sequence's length from one clock (they all advance together), finds the sequences that start a new
@@ -30,7 +33,7 @@ from a counter-based hash of those three (`draw_keys`), turned into a token by i
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 import numbers
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,11 +42,19 @@ import torch
 from tqdm.auto import tqdm
 
 import kernels
-from model import MoE, PagedKV, Transformer
+from config import RolloutConfig, check_sampling
+from model import PagedKV, Transformer
+
+CPU_KV_BYTES = 1 << 30            # the KV pool's cap on the CPU, where there is no free-memory query
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass
 class SamplingParams:
+    """One request's sampling settings, checked where the request enters (Sampler.generate)."""
     temperature: float = 1.0          # 0: greedy (log-probs then at temperature 1)
     top_p: float = 1.0
     top_k: int = 0                    # 0: off
@@ -52,22 +63,12 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        def is_int(x):
-            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-        def is_real(x):
-            return isinstance(x, numbers.Real) and not isinstance(x, bool)
-        if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r}: need a finite number >= 0 (0 samples greedily)")
-        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r}: need a number in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r}: need an integer >= 0 (0 turns it off)")
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        check_sampling(self.temperature, self.top_p, self.top_k)     # the ranges RolloutConfig checks too
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: need an integer >= 1")
-        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 64:
+        if not _is_int(self.seed) or not 0 <= self.seed < 2 ** 64:
             raise ValueError(f"seed={self.seed!r}: need an integer in [0, 2**64)")
-        if not all(is_int(t) for t in self.stop_token_ids):
+        if not all(_is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: need integer token ids")
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.top_k, self.max_new_tokens, self.seed = int(self.top_k), int(self.max_new_tokens), int(self.seed)
@@ -96,6 +97,17 @@ class Sequence:
     output: SequenceOutput | None = None
 
 
+@dataclass
+class Step:
+    """One engine step as the Scheduler decided it; the ModelRunner carries it out."""
+    batch: list[Sequence]        # prefill: each group's leader, then its members; decode: `running` itself
+    is_prefill: bool
+    # decode only: the blocks handed out this step, (row, index in its block table, block id), and
+    # whether the running set changed since the previous decode step (the runner then rewrites its rows)
+    new_blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    rows_changed: bool = False
+
+
 class BlockManager:
     """Blocks (pages) of `block_size` KV positions, a free list, and reference counts for sharing."""
 
@@ -110,6 +122,22 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def num_admissible(self, num_tokens: int, group_size: int, num_running: int) -> int:
+        """How many members of a group of num_tokens-token sequences the free blocks admit now.
+
+        The leader takes its blocks and each other member a copy of a partly filled last block. While
+        others run (num_running: running, or admitted earlier in this step), each of them and each new
+        member keeps one spare block, so that the next decode step need not preempt at once; with nothing
+        else running, the pool only has to hold this group.
+        """
+        base, partial = -(-num_tokens // self.block_size), int(num_tokens % self.block_size != 0)
+        spare = int(num_running > 0)
+        avail = self.num_free - spare * num_running
+        if partial + spare == 0:                                    # members share every block
+            return group_size if base <= avail else 0
+        # m members need base + partial * (m - 1) + spare * m <= avail
+        return max(0, min(group_size, (avail - base + partial) // (partial + spare)))
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow seq.block_table to hold positions [0, num_tokens)."""
@@ -161,8 +189,7 @@ class Scheduler:
         self.clock = 0                                  # decode steps taken; length = offset + clock
         self.offset: dict[Sequence, int] = {}           # running sequence -> num_tokens - clock
         self.by_phase = [dict() for _ in range(block_manager.block_size)]   # offset % bs -> {seq: None}
-        self.version = 0                                # bumped whenever `running` changes
-        self.new_blocks: list[tuple[int, int, int]] = []   # (row, index, block) for the runner to write
+        self.running_changed = True                     # since the last decode step was handed out
         self.num_preemptions = 0
 
     # ---- lifecycle ----
@@ -177,18 +204,19 @@ class Scheduler:
         """Tokens in a sequence's row: every running sequence gains one per decode step."""
         return self.offset[seq] + self.clock if seq in self.offset else seq.num_tokens
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The next batch and whether it is a prefill. A prefill batch lists each group's members
-        after their leader (member.parent = leader); a decode batch is `running` itself."""
+    def schedule(self) -> Step:
+        """The next step: a prefill of admitted waiting groups (each group's members after their leader,
+        member.parent = leader), else a decode step of every running sequence."""
         batch = self._schedule_prefill()
         if batch:
-            return batch, True
-        return self._schedule_decode(), False
+            return Step(batch, is_prefill=True)
+        return self._schedule_decode()
 
-    def postprocess(self, batch: list[Sequence], is_prefill: bool, finished: list[bool]) -> list[Sequence]:
+    def postprocess(self, step: Step, finished: list[bool]) -> list[Sequence]:
         """After a step: admitted sequences start running, the clock ticks, finished ones leave.
         Returns the finished sequences (their rows still hold their data until the next schedule)."""
-        if is_prefill:
+        batch = step.batch
+        if step.is_prefill:
             for s in batch:
                 s.num_tokens += 1                                    # the token the prefill sampled
                 self._start(s)
@@ -205,7 +233,6 @@ class Scheduler:
     # ---- prefill: admit waiting groups ----
     def _schedule_prefill(self) -> list[Sequence]:
         batch, n_leaders, longest = [], 0, 0
-        bs = self.bm.block_size
         while self.waiting:
             group = self.waiting[0]
             L = group[0].num_tokens
@@ -213,16 +240,9 @@ class Scheduler:
             if batch and (n_leaders + 1) * max(longest, L) > self.max_num_batched_tokens:
                 break
             rows = len(group) if group[0].row >= 0 else len(self.free_rows)   # a preempted one kept its row
-            # blocks: the leader's, one copied partial block per other member, and one spare block per
-            # sequence that will run, so that the next decode step need not preempt at once (dropped
-            # when nothing else runs: then the pool only has to hold this group)
-            base, partial = -(-L // bs), int(L % bs != 0)
-            n_running = len(self.running) + len(batch)
-            spare = 1 if n_running else 0
-            avail = self.bm.num_free - spare * n_running            # _admit has taken the batch's blocks
-            fits = (avail - base + partial) // (partial + spare) if partial + spare else len(group)
-            take = group[:min(rows, fits)]
-            if not take or base + partial * (len(take) - 1) > avail:
+            # (_admit has already taken the blocks of the sequences in this batch)
+            take = group[:min(rows, self.bm.num_admissible(L, len(group), len(self.running) + len(batch)))]
+            if not take:
                 break
             if len(take) == len(group):
                 self.waiting.popleft()
@@ -245,16 +265,18 @@ class Scheduler:
             self.bm.fork(leader, s, leader.num_tokens)
 
     # ---- decode: one more position for every running sequence ----
-    def _schedule_decode(self) -> list[Sequence]:
+    def _schedule_decode(self) -> Step:
         """Give a new block to each running sequence whose next position starts one, preempting the
         newest sequences while the free blocks do not suffice."""
         need = self.by_phase[(1 - self.clock) % self.bm.block_size]    # (offset + clock - 1) % bs == 0
         while len(need) > self.bm.num_free:
             self._preempt(self.running[-1])
+        new_blocks = []
         for s in need:
             self.bm.allocate(s, len(s.block_table) * self.bm.block_size + 1)
-            self.new_blocks.append((s.row, len(s.block_table) - 1, s.block_table[-1]))
-        return self.running
+            new_blocks.append((s.row, len(s.block_table) - 1, s.block_table[-1]))
+        changed, self.running_changed = self.running_changed, False
+        return Step(self.running, is_prefill=False, new_blocks=new_blocks, rows_changed=changed)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks and queue it first for recompute (a prefill of all its tokens); it
@@ -269,16 +291,17 @@ class Scheduler:
         self.running.append(seq)
         self.offset[seq] = seq.num_tokens - self.clock
         self.by_phase[self.offset[seq] % self.bm.block_size][seq] = None
-        self.version += 1
+        self.running_changed = True
 
     def _stop(self, seq: Sequence) -> None:
         self.running.remove(seq)
         del self.by_phase[self.offset.pop(seq) % self.bm.block_size][seq]
-        self.version += 1
+        self.running_changed = True
 
 
 class ModelRunner:
-    """The device side: KV pages, per-row buffers, the prefill and decode steps, CUDA graphs.
+    """The device side: carries out the Scheduler's Steps (`run`); KV pages, per-row buffers, the prefill
+    and decode steps, CUDA graphs.
 
     Rows 0..max_batch_size-1 hold sequences; one extra row (`pad_row`) feeds the padding of a batch
     bucket: it reads and writes only the scratch page (the last page of each pool), so padding never
@@ -290,9 +313,8 @@ class ModelRunner:
 
     GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
-    def __init__(self, model: Transformer, block_size: int, num_blocks: int, max_batch_size: int,
-                 cuda_graphs: bool):
-        cfg = model.config
+    def __init__(self, model: Transformer, config: RolloutConfig, num_blocks: int):
+        cfg, block_size, max_batch_size = model.config, config.block_size, config.max_batch_size
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         self.block_size, self.num_blocks, self.max_batch_size = block_size, num_blocks, max_batch_size
@@ -301,17 +323,28 @@ class ModelRunner:
         self.caches = [(torch.zeros(kv_shape, dtype=self.dtype, device=self.device),
                         torch.zeros(kv_shape, dtype=self.dtype, device=self.device))
                        for _ in range(cfg.num_hidden_layers)]
-        self.cuda_graphs = cuda_graphs
-        self.pad_to_buckets = cuda_graphs          # tests set it on the CPU: padded steps without graphs
+        self.cuda_graphs = config.cuda_graphs
+        if self.cuda_graphs is None:
+            self.cuda_graphs = self._graphs_usable(config.rollout_mode)
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        self.pad_to_buckets = self.cuda_graphs     # tests set it on the CPU: padded steps without graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warm: set[tuple] = set()                              # buckets run once eagerly (compiled)
         self.pool = None                                           # the captured graphs' shared memory pool
         self.capacity = 0
         self.stop_ids = torch.zeros(0)
-        self.rows_version = -1
         # routes are most of a row's bytes (n_moe * top_k per position: 384 at 48 layers, top-8), so
         # they take the smallest type that holds every expert id
         self.route_dtype = torch.uint8 if cfg.num_experts <= 256 else torch.int16
+
+    def _graphs_usable(self, mode: str) -> bool:
+        """Whether decode steps can be CUDA graphs: not with the torch backend or the fast MoE's host-side
+        expert loop (kernels.grouped_mm_usable), which read the device inside a step."""
+        cfg = self.model.config
+        return self.device.type == "cuda" and kernels.get_backend() != "torch" and (
+            mode == "invariant" or not self.model.n_moe_layers
+            or kernels.grouped_mm_usable(self.device, self.dtype, cfg.hidden_size, cfg.moe_intermediate_size))
 
     def bucket(self, n: int) -> int:
         """Rows a decode step of n sequences runs (padded up, so a few graphs serve every n)."""
@@ -326,7 +359,6 @@ class ModelRunner:
         and stop tokens (device tensors, so that captured graphs serve every request)."""
         if max_len > self.capacity or len(sp.stop_token_ids) > self.stop_ids.numel():
             self._allocate(max(max_len, self.capacity), max(8, len(sp.stop_token_ids)))
-        self.rows_version = -1                                     # a new request: a new Scheduler
         self.seed.copy_(torch.tensor([sp.seed & 0xFFFFFFFF, (sp.seed >> 32) & 0xFFFFFFFF]))
         stop = list(sp.stop_token_ids) + [-1] * (self.stop_ids.numel() - len(sp.stop_token_ids))
         self.stop_ids.copy_(torch.tensor(stop))
@@ -371,10 +403,17 @@ class ModelRunner:
         self.block_tables[torch.tensor([s.row for s in seqs], device=dev), :width] = table.to(dev)
 
     def write_new_blocks(self, new_blocks: list[tuple[int, int, int]]) -> None:
+        """Enter blocks handed out by a decode step, (row, index in its block table, block), in the tables."""
         if new_blocks:
             r, i, b = torch.tensor(new_blocks, device=self.device).unbind(1)
             self.block_tables[r, i] = b
-            new_blocks.clear()
+
+    def run(self, step: Step, sp: SamplingParams) -> list[bool]:
+        """Carry out a scheduled step; -> for each sequence of its batch, whether it finished."""
+        if step.is_prefill:
+            return self.prefill(step.batch, sp)
+        self.write_new_blocks(step.new_blocks)
+        return self.decode(step.batch, step.rows_changed, sp)
 
     # ---- the forward, shared by prefill and decode ----
     def _forward(self, rows, tokens, positions, valid):
@@ -437,14 +476,14 @@ class ModelRunner:
         return self._record(rows, n_tok, tokens, logp).tolist()
 
     # ---- decode ----
-    def decode(self, seqs: list[Sequence], version: int, sp: SamplingParams) -> list[bool]:
-        """One decode step of every running sequence; graph replay where captured."""
+    def decode(self, seqs: list[Sequence], rows_changed: bool, sp: SamplingParams) -> list[bool]:
+        """One decode step of every running sequence; graph replay where captured. rows_changed: the
+        running set is not the previous decode step's (always so for a request's first decode step)."""
         n = len(seqs)
         bucket = self.bucket(n)
-        if version != self.rows_version:                           # the running set changed
+        if rows_changed:
             self.rows.fill_(self.pad_row)
             self.rows[:n] = torch.tensor([s.row for s in seqs], device=self.device)
-            self.rows_version = version
         if not self.cuda_graphs or kernels.get_backend() == "torch":   # (the torch backend syncs the host)
             return self._decode_step(bucket, sp)[:n].tolist()
         key = (bucket, sp.temperature, sp.top_p, sp.top_k)
@@ -490,62 +529,41 @@ class ModelRunner:
 
 
 class Sampler:
-    def __init__(self, model: Transformer, block_size: int = 16, num_blocks: int | None = None,
-                 max_batch_size: int = 256, max_num_batched_tokens: int = 4096,
-                 kv_memory_fraction: float = 0.5, cpu_kv_bytes: int = 1 << 30, mode: str = "invariant",
-                 router_bf16: bool = False, reserve_bytes: int = 0, cuda_graphs: bool | None = None):
+    def __init__(self, model: Transformer, config: RolloutConfig | None = None, *, reserve_bytes: int = 0,
+                 **overrides):
         """A sampler over `model`'s own weights (no copy: the trainer's updates are seen at once).
 
-        block_size: KV positions per block (page); a multiple of kernels.KV_BLOCK.
-        num_blocks: the pool size. Default: on CUDA, kv_memory_fraction of the free memory left after
-            reserve_bytes (what will be allocated later, e.g. the optimizer's state); on CPU, enough
-            for max_batch_size full-context sequences, capped at cpu_kv_bytes.
-        max_batch_size: running sequences at most; max_num_batched_tokens: tokens per prefill step (its
-            prompts right-padded to the longest; a longer prompt is prefilled alone).
-        mode: "invariant" (the contract) or "fast" (batch-variant ops, see kernels.variant: the mismatch
-            lab); router_bf16: round router logits to bf16 here, on the rollout side only.
-        cuda_graphs: replay decode steps as CUDA graphs (default: on for CUDA with the Triton kernels,
-            which run without host syncs; in fast mode only where kernels.grouped_mm_usable).
+        config: a config.RolloutConfig (default: its defaults; its fields are described there), which
+            validates them; overrides: any of its fields by name, replacing the config's, e.g.
+            `Sampler(model, max_batch_size=8)`. The sampler reads the engine's fields (block_size,
+            num_blocks, max_batch_size, max_num_batched_tokens, kv_memory_fraction, cuda_graphs,
+            rollout_mode, router_bf16); the sampling ones are generate()'s arguments.
+        reserve_bytes: on CUDA, what will be allocated after the sampler (e.g. the optimizer's state),
+            set aside when the pool is sized from the free memory (num_blocks=0, see _pool_blocks).
         """
-        if mode not in ("invariant", "fast"):
-            raise ValueError(f"mode={mode!r}: choose invariant or fast")
-        self.variant = dict(batch_variant=mode == "fast", router_bf16=router_bf16)
-        if max_batch_size < 1 or max_num_batched_tokens < 1 or (num_blocks is not None and num_blocks < 1):
-            raise ValueError("max_batch_size, max_num_batched_tokens and num_blocks must be >= 1")
-        if block_size % kernels.KV_BLOCK:
-            raise ValueError(f"block_size={block_size} must be a multiple of kernels.KV_BLOCK={kernels.KV_BLOCK}")
-        self.model, cfg = model, model.config
-        self.block_size, self.max_batch_size = block_size, max_batch_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = cfg.max_position_embeddings
-        p = next(model.parameters())
-        block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
-        if num_blocks is None:
-            wanted = max_batch_size * -(-self.max_model_len // block_size)
-            if p.device.type == "cuda":
-                free = torch.cuda.mem_get_info(p.device)[0]
-                num_blocks = kv_pool_blocks(free, kv_memory_fraction, reserve_bytes, block_bytes, wanted)
-            else:
-                num_blocks = kv_pool_blocks(cpu_kv_bytes, 1.0, 0, block_bytes, wanted)
-        self.num_blocks = num_blocks
-        if cuda_graphs is None:
-            # the torch backend and the fast MoE's host-side loop read the device inside a step
-            moe_I = [m.w2.shape[2] for m in model.modules() if isinstance(m, MoE)]
-            cuda_graphs = p.device.type == "cuda" and kernels.get_backend() != "torch" and (
-                mode == "invariant" or not moe_I
-                or kernels.grouped_mm_usable(p.device, p.dtype, cfg.hidden_size, moe_I[0]))
-        if cuda_graphs and p.device.type != "cuda":
-            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
-        self.runner = ModelRunner(model, block_size, num_blocks, max_batch_size, cuda_graphs)
+        if config is not None and not isinstance(config, RolloutConfig):
+            raise TypeError(f"config must be a config.RolloutConfig, got {type(config).__name__}")
+        self.config = RolloutConfig(**overrides) if config is None else dataclasses.replace(config, **overrides)
+        self.model = model
+        self.variant = dict(batch_variant=self.config.rollout_mode == "fast", router_bf16=self.config.router_bf16)
+        self.max_model_len = model.config.max_position_embeddings
+        self.num_blocks = self.config.num_blocks or self._pool_blocks(reserve_bytes)
+        self.runner = ModelRunner(model, self.config, self.num_blocks)
         self.weights_key = self.runner.weights_key()
         self.num_preemptions = 0
 
-    @classmethod
-    def from_config(cls, model: Transformer, rcfg, reserve_bytes: int = 0) -> "Sampler":
-        """A Sampler sized by a config.RolloutConfig."""
-        return cls(model, block_size=rcfg.block_size, num_blocks=rcfg.num_blocks or None,
-                   max_batch_size=rcfg.max_batch_size, kv_memory_fraction=rcfg.kv_memory_fraction,
-                   mode=rcfg.rollout_mode, router_bf16=rcfg.router_bf16, reserve_bytes=reserve_bytes)
+    def _pool_blocks(self, reserve_bytes: int) -> int:
+        """The KV pool's size where the config leaves it (num_blocks=0): on CUDA, kv_memory_fraction of
+        the free memory left after reserve_bytes; on the CPU, at most CPU_KV_BYTES; never more than
+        max_batch_size full-context sequences need."""
+        cfg, bs = self.model.config, self.config.block_size
+        p = next(self.model.parameters())
+        block_bytes = 2 * cfg.num_hidden_layers * bs * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
+        wanted = self.config.max_batch_size * -(-self.max_model_len // bs)
+        if p.device.type == "cuda":
+            free = torch.cuda.mem_get_info(p.device)[0]
+            return kv_pool_blocks(free, self.config.kv_memory_fraction, reserve_bytes, block_bytes, wanted)
+        return kv_pool_blocks(CPU_KV_BYTES, 1.0, 0, block_bytes, wanted)
 
     @property
     def caches(self):
@@ -564,9 +582,9 @@ class Sampler:
         draws equal those of a single process sampling the whole request).
         """
         sp = SamplingParams(temperature, top_p, top_k, max_new_tokens, tuple(stop_token_ids), seed)
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        if not _is_int(n) or n < 1:
             raise ValueError(f"n={n!r}: need an integer >= 1 (samples per prompt)")
-        if isinstance(index_offset, bool) or not isinstance(index_offset, numbers.Integral) or index_offset < 0:
+        if not _is_int(index_offset) or index_offset < 0:
             raise ValueError(f"index_offset={index_offset!r}: need an integer >= 0")
         seqs = [Sequence(index_offset + i * n + j, prompt, min(len(prompt) + sp.max_new_tokens, self.max_model_len),
                          num_tokens=len(prompt))
@@ -574,8 +592,8 @@ class Sampler:
         if self.runner.weights_key() != self.weights_key:          # e.g. model.to(...) after building
             raise RuntimeError("the model's weights moved to new memory since this Sampler was built (e.g. "
                                "model.to() or load_state_dict(assign=True)); build a new Sampler")
-        sched = Scheduler(BlockManager(self.num_blocks, self.block_size), self.max_batch_size,
-                          self.max_num_batched_tokens)
+        cfg = self.config
+        sched = Scheduler(BlockManager(self.num_blocks, cfg.block_size), cfg.max_batch_size, cfg.max_num_batched_tokens)
         groups: dict[tuple, list[Sequence]] = {}
         for s in seqs:
             groups.setdefault(tuple(s.prompt), []).append(s)
@@ -594,14 +612,10 @@ class Sampler:
         """The engine loop: schedule, run the step on the device, retire what finished."""
         runner = self.runner
         while not sched.is_finished():
-            batch, is_prefill = sched.schedule()
-            runner.write_new_blocks(sched.new_blocks)
-            if is_prefill:
-                finished = runner.prefill(batch, sp)
-            else:
-                finished = runner.decode(batch, sched.version, sp)
-            bar.update(len(batch))
-            for s in sched.postprocess(batch, is_prefill, finished):
+            step = sched.schedule()
+            finished = runner.run(step, sp)
+            bar.update(len(step.batch))
+            for s in sched.postprocess(step, finished):
                 s.output = runner.collect(s)
                 # a stop token ends a sequence as "stop" even when it is also the last allowed one
                 stopped = s.output.tokens[-1] in sp.stop_token_ids
@@ -619,8 +633,7 @@ class Sampler:
                 if prompt.dim() != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:
                     raise ValueError(f"prompt {i} must be a 1-D integer tensor or a list of integer token ids")
                 prompt = prompt.tolist()
-            if not isinstance(prompt, (list, tuple)) or not all(
-                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            if not isinstance(prompt, (list, tuple)) or not all(_is_int(t) for t in prompt):
                 raise ValueError(f"prompt {i} must be a list of integer token ids")
             prompt = [int(t) for t in prompt]
             if not prompt:
@@ -631,8 +644,8 @@ class Sampler:
             if not all(0 <= t < vocab for t in prompt):
                 raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab})")
             max_len = min(len(prompt) + sp.max_new_tokens, self.max_model_len)
-            if -(-max_len // self.block_size) > self.num_blocks:
-                raise ValueError(f"prompt {i} may grow to {max_len} tokens = {-(-max_len // self.block_size)} "
+            if -(-max_len // self.config.block_size) > self.num_blocks:
+                raise ValueError(f"prompt {i} may grow to {max_len} tokens = {-(-max_len // self.config.block_size)} "
                                  f"blocks, but the pool has {self.num_blocks}; raise num_blocks")
             out.append(prompt)
         return out
@@ -640,9 +653,8 @@ class Sampler:
 
 def kv_pool_blocks(free_bytes: int, fraction: float, reserve_bytes: int, block_bytes: int, wanted: int) -> int:
     """KV blocks to allocate: `fraction` of the memory left once `reserve_bytes` are set aside, at most
-    `wanted` (full-context sequences for the whole batch), at least 1 (the scheduler then preempts)."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"kv_memory_fraction={fraction} must be in (0, 1]")
+    `wanted` (full-context sequences for the whole batch), at least 1 (the scheduler then preempts).
+    RolloutConfig checks the fraction (kv_memory_fraction)."""
     budget = int(max(0, free_bytes - reserve_bytes) * fraction)
     return max(1, min(wanted, budget // block_bytes))
 

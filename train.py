@@ -380,7 +380,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     # rank's shard of the parameters under FSDP. Activations and temporaries come out of the rest.
     param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
     reserve = mp.reserve_bytes(bool(opt.state)) if mp else (1 if opt.state else 3) * param_bytes
-    sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=reserve)
+    sampler = Sampler(rollout_model, rcfg, reserve_bytes=reserve)
     return Run(tcfg, rcfg, d, task, policy, ref_model, opt, sampler, start, skipped, metrics_path)
 
 

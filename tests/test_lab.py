@@ -49,9 +49,9 @@ def test_invariant_rollout_has_zero_mismatch():
 
 
 def test_fast_rollout_has_a_mismatch():
-    diff, _ = _gap({"mode": "fast"})
+    diff, _ = _gap({"rollout_mode": "fast"})
     assert diff > 0                                   # batch-variant fp32 kernels: tiny but nonzero
-    diff_bf16, flips = _gap({"mode": "fast", "router_bf16": True}, weights_dtype=torch.bfloat16)
+    diff_bf16, flips = _gap({"rollout_mode": "fast", "router_bf16": True}, weights_dtype=torch.bfloat16)
     assert diff_bf16 > 1e-3 and flips > 0             # lower precision: large, and routes flip
 
 

@@ -5,12 +5,17 @@
 The central property (DESIGN.md section 2): whatever the batch, the page size, the prefix sharing or
 the preemptions, every generated token's log-prob is bitwise model.score's, every recorded route is
 score's, and the sampled tokens depend only on (weights, prompt, seed, index in the request).
-Everything runs on the CPU at tiny sizes; the helpers live here so this file stands alone.
+Everything runs on the CPU at tiny sizes; the helpers live here so this file stands alone. A
+randomized stress run draws requests around page boundaries and the context limit (a 64-position
+model), group sizes 1..4, stop tokens, 1..8 batch rows, pools so small that sequences are preempted,
+pages of 16 and 32, padded (bucketed) decode steps, greedy / top-p / top-k sampling, and a second
+request on the same Sampler, against the contract and against a large-pool reference.
 """
 from __future__ import annotations
 
 import functools
 import os
+import random
 import subprocess
 import sys
 
@@ -21,11 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from conftest import assert_contract  # noqa: E402
-from config import ModelConfig  # noqa: E402
+import rollout  # noqa: E402
+from conftest import assert_contract, rel_err  # noqa: E402
+from config import ConfigError, ModelConfig, RolloutConfig  # noqa: E402
 from model import Transformer  # noqa: E402
 from kernels import sample_tokens  # noqa: E402
-from rollout import BlockManager, Sampler, Scheduler, Sequence, draw_keys, kv_pool_blocks  # noqa: E402
+from rollout import BlockManager, Sampler, SamplingParams, Scheduler, Sequence, draw_keys, kv_pool_blocks  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
@@ -97,6 +103,14 @@ def _one_thread():
 @functools.lru_cache(maxsize=None)
 def fp32_model() -> Transformer:
     return make_model(seed=0)
+
+
+SHORT_POS = 64                                  # a shorter context, so that random requests reach it
+
+
+@functools.lru_cache(maxsize=None)
+def short_model() -> Transformer:
+    return make_model(seed=0, max_position_embeddings=SHORT_POS)
 
 
 # sampling settings (temperature, top_p, top_k) and sampler configurations
@@ -256,7 +270,7 @@ def test_padded_decode_steps_keep_the_contract():
         sampler = Sampler(model, **CONFIGS[config])
         sampler.runner.pad_to_buckets = True
         outs = sampler.generate(prompts, max_new_tokens=MAX_NEW, temperature=1.0, n=N, seed=1234, progress=False)
-        assert sampler.runner.bucket(30) == min(32, sampler.max_batch_size)   # 30 sequences: 2 pad rows
+        assert sampler.runner.bucket(30) == min(32, sampler.config.max_batch_size)   # 30 sequences: 2 pad rows
         for a, b in zip(ref, outs):
             assert a.tokens == b.tokens and torch.equal(a.logprobs, b.logprobs) and torch.equal(a.routes, b.routes)
 
@@ -349,6 +363,35 @@ def test_stop_tokens_truncate_the_same_samples():
     assert 0 < n_stopped < len(outs)
 
 
+def test_stop_token_at_the_length_limit_finishes_as_stop():
+    """A sequence whose last allowed token is a stop token ended on that stop token: "stop" (as vLLM).
+    Checked where the prefill samples the last token, where a decode step does, and at the context
+    limit; the control, without stop tokens, is "length"."""
+    model, vocab = short_model(), short_model().config.vocab_size
+    sampler = Sampler(model)
+    prompts = make_prompts([5, 16, SHORT_POS - 1], seed=3)
+    everything = tuple(range(vocab))
+    outs = sampler.generate(prompts, max_new_tokens=1, temperature=1.0, stop_token_ids=everything,
+                            progress=False)
+    assert [o.finish_reason for o in outs] == ["stop"] * 3
+    control = sampler.generate(prompts, max_new_tokens=1, temperature=1.0, progress=False)
+    assert [o.tokens for o in control] == [o.tokens for o in outs]
+    assert [o.finish_reason for o in control] == ["length"] * 3
+    # decode: greedy, the 4th token is the first stop token and the last one max_new_tokens allows
+    for seed in range(20):
+        prompt = make_prompts([9], seed=100 + seed)
+        free = sampler.generate(prompt, max_new_tokens=4, temperature=0, progress=False)[0]
+        if free.tokens[3] not in free.tokens[:3]:
+            break
+    else:
+        pytest.fail("no prompt whose 4th greedy token differs from the first three")
+    stop = tuple(t for t in everything if t not in free.tokens[:3])
+    out = sampler.generate(prompt, max_new_tokens=4, temperature=0, stop_token_ids=stop, progress=False)[0]
+    assert out.tokens == free.tokens and out.finish_reason == "stop"
+    assert free.finish_reason == "length"
+    assert_contract(model, outs + [out], 1.0)
+
+
 def test_max_new_tokens_gives_length():
     outs = Sampler(fp32_model()).generate(make_prompts([2, 17], seed=4), max_new_tokens=5, temperature=1.0,
                                           n=2, progress=False)
@@ -420,9 +463,9 @@ def test_kv_pool_sizing():
     assert kv_pool_blocks(100_000, 0.5, 20_000, 1000, 10**6) == 40
     assert kv_pool_blocks(100_000, 0.5, 0, 1000, 30) == 30
     assert kv_pool_blocks(10_000, 0.5, 20_000, 1000, 30) == 1
-    with pytest.raises(ValueError, match="kv_memory_fraction"):
-        kv_pool_blocks(100_000, 0.0, 0, 1000, 30)
-    from config import ConfigError, RolloutConfig
+    # the fraction's range is RolloutConfig's rule, whichever way the sampler is built
+    with pytest.raises(ConfigError, match="kv_memory_fraction"):
+        Sampler(fp32_model(), kv_memory_fraction=0.0)
     with pytest.raises(ConfigError, match="kv_memory_fraction"):
         RolloutConfig(kv_memory_fraction=1.5)
 
@@ -430,9 +473,22 @@ def test_kv_pool_sizing():
 def test_bad_block_size_raises():
     with pytest.raises(ValueError, match="KV_BLOCK"):
         Sampler(fp32_model(), block_size=24)
-    from config import ConfigError, RolloutConfig
     with pytest.raises(ConfigError, match="block_size"):
         RolloutConfig(block_size=24)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.5), dict(temperature="1"), dict(top_p=0.0), dict(top_p=1.5),
+                                 dict(top_p="0.9"), dict(top_k=-1), dict(top_k=2.0), dict(top_k=True)])
+def test_sampling_ranges_have_one_owner(bad):
+    """The run's config (RolloutConfig, from the command line) and each request (SamplingParams, from
+    generate()) reject the same sampling values in the same words: one rule, config.check_sampling."""
+    with pytest.raises(ConfigError) as by_config:
+        RolloutConfig(**bad)
+    with pytest.raises(ConfigError) as by_request:
+        SamplingParams(**bad)
+    assert str(by_config.value) == str(by_request.value) and next(iter(bad)) in str(by_config.value)
+    ok = dict(temperature=0.0, top_p=1.0, top_k=0)           # control: the edges of each range pass
+    RolloutConfig(**ok), SamplingParams(**ok)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -493,28 +549,29 @@ def test_scheduler_lifecycle_and_block_growth():
     group, other = [seq(0, 15), seq(1, 15)], [seq(2, 16)]
     sched.add(group)
     sched.add(other)
-    batch, is_prefill = sched.schedule()
-    assert is_prefill and batch == group + other
+    step = sched.schedule()
+    assert step.is_prefill and step.batch == group + other and not step.new_blocks
     assert group[1].parent is group[0] and group[0].parent is None and other[0].parent is None
     assert len(group[0].block_table) == len(group[1].block_table) == 1   # 15 tokens: one page, copied
     assert group[0].block_table != group[1].block_table                  # (a partial page is not shared)
-    assert sorted(s.row for s in batch) == [0, 1, 2]
-    sched.postprocess(batch, True, [False, False, False])
-    assert [sched.length(s) for s in batch] == [16, 16, 17]
-    for step in range(40):
+    assert sorted(s.row for s in step.batch) == [0, 1, 2]
+    sched.postprocess(step, [False, False, False])
+    assert [sched.length(s) for s in step.batch] == [16, 16, 17]
+    for i in range(40):
         before = {id(s): len(s.block_table) for s in sched.running}
-        batch, is_prefill = sched.schedule()
-        assert not is_prefill and batch is sched.running
-        for s in batch:                                     # position length - 1 is written this step
-            assert len(s.block_table) == -(-sched.length(s) // 16), (step, s.seq_id)
+        step = sched.schedule()
+        assert not step.is_prefill and step.batch is sched.running
+        for s in step.batch:                                # position length - 1 is written this step
+            assert len(s.block_table) == -(-sched.length(s) // 16), (i, s.seq_id)
             assert len(s.block_table) - before[id(s)] == int((sched.length(s) - 1) % 16 == 0)
-        assert {(r, i, b) for r, i, b in sched.new_blocks} == {
-            (s.row, len(s.block_table) - 1, s.block_table[-1]) for s in batch if len(s.block_table) > before[id(s)]}
-        sched.new_blocks.clear()
-        sched.postprocess(batch, False, [step == 10 and s.seq_id == 1 for s in batch])
+        assert set(step.new_blocks) == {(s.row, len(s.block_table) - 1, s.block_table[-1])
+                                        for s in step.batch if len(s.block_table) > before[id(s)]}
+        # the runner rewrites its rows only when the running set changed: first decode, after a finish
+        assert step.rows_changed == (i in (0, 11)), i
+        sched.postprocess(step, [i == 10 and s.seq_id == 1 for s in step.batch])
     assert [s.seq_id for s in sched.running] == [0, 2] and group[1].num_tokens == 16 + 11
     assert sched.free_rows[-1] == group[1].row              # its row is handed out again
-    done = sched.postprocess(sched.schedule()[0], False, [True, True])
+    done = sched.postprocess(sched.schedule(), [True, True])
     assert [s.seq_id for s in done] == [0, 2] and sched.is_finished()
     assert bm.num_free == 32 and bm.ref_counts == [0] * 32
 
@@ -524,22 +581,22 @@ def test_scheduler_preempts_newest_to_front_of_waiting():
     sched = Scheduler(bm, max_batch_size=8, max_num_batched_tokens=1024)
     running = [seq(i, 15) for i in range(3)]                  # each fills one page after its first token
     sched.add(running)
-    batch, _ = sched.schedule()
-    sched.postprocess(batch, True, [False] * 3)
+    sched.postprocess(sched.schedule(), [False] * 3)
     other = [seq(9, 5)]
     sched.add(other)
-    batch, is_prefill = sched.schedule()                      # 1 block free: no admission; decode 16th
-    assert not is_prefill and batch == running
-    sched.postprocess(batch, False, [False] * 3)
-    batch, is_prefill = sched.schedule()                      # position 16: each needs a 2nd page
-    assert not is_prefill and batch == running[:2]            # 1 free, and 1 more from preempting the newest
+    step = sched.schedule()                                   # 1 block free: no admission; decode 16th
+    assert not step.is_prefill and step.batch == running
+    sched.postprocess(step, [False] * 3)
+    step = sched.schedule()                                   # position 16: each needs a 2nd page
+    assert not step.is_prefill and step.batch == running[:2]  # 1 free, and 1 more from preempting the newest
+    assert step.rows_changed and len(step.new_blocks) == 2    # the preempted row leaves the batch
     assert sched.num_preemptions == 1
     assert list(sched.waiting) == [[running[2]], other]       # first in line for recompute
     assert running[2].block_table == [] and running[2].num_tokens == 17 and running[2].row >= 0
     assert all(len(s.block_table) == 2 for s in running[:2]) and bm.num_free == 0
-    sched.postprocess(batch, False, [True, True])             # both finish: their pages come back
-    batch, is_prefill = sched.schedule()
-    assert is_prefill and batch[0] is running[2]              # recompute of all 17 tokens
+    sched.postprocess(step, [True, True])                     # both finish: their pages come back
+    step = sched.schedule()
+    assert step.is_prefill and step.batch[0] is running[2]    # recompute of all 17 tokens
     assert len(running[2].block_table) == 2
 
 
@@ -548,8 +605,67 @@ def test_scheduler_splits_a_group_larger_than_the_batch():
     sched = Scheduler(bm, max_batch_size=2, max_num_batched_tokens=1024)
     group = [seq(i, 20) for i in range(5)]
     sched.add(group)
-    assert sched.schedule() == (group[:2], True)
+    step = sched.schedule()
+    assert step.is_prefill and step.batch == group[:2]
     assert list(sched.waiting) == [group[2:]]
+
+
+def test_block_manager_admission():
+    """num_admissible: m members of a group of L-token sequences need the leader's ceil(L / 16) blocks,
+    m - 1 copies of a partly filled last block, and, while others run, one spare block for each of the
+    m and of the num_running others."""
+    bm = BlockManager(10, 16)
+    assert bm.num_admissible(64, 3, 0) == 3                  # 4 full blocks, all shared, no spares
+    assert bm.num_admissible(160, 3, 0) == 3                 # exactly the 10 free blocks
+    assert bm.num_admissible(161, 3, 0) == 0                 # 11 blocks: not even the leader
+    assert bm.num_admissible(40, 9, 0) == 8                  # 3 blocks + 7 copies = 10
+    assert bm.num_admissible(40, 9, 2) == 3                  # 10 - 2 spares: 3 + (m - 1) + m <= 8
+    assert bm.num_admissible(64, 9, 2) == 4                  # 4 + m <= 8
+    assert bm.num_admissible(64, 9, 9) == 0                  # the spares of the running take all but 1
+    bm.allocate(seq(0, 80), 80)                              # 5 blocks taken
+    assert bm.num_admissible(40, 9, 0) == 3 and bm.num_admissible(40, 2, 0) == 2
+
+
+def test_prefill_admits_every_group_the_pool_holds():
+    """Two 64-token prompts (4 pages each) and a 10-page pool: both fit, with a spare page each for the
+    next decode step. Admission allocates the pages at once, so they must not also be subtracted a
+    second time from the free count (that would admit one group per prefill step here)."""
+    bm = BlockManager(10, 16)
+    sched = Scheduler(bm, max_batch_size=8, max_num_batched_tokens=4096)
+    a, b = [seq(0, 64)], [seq(1, 64)]
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()
+    assert step.is_prefill and step.batch == a + b
+    assert bm.num_free == 2
+    sched.postprocess(step, [False, False])
+    step = sched.schedule()                                # position 64: a new page each, no preemption
+    assert not step.is_prefill and step.batch == a + b and sched.num_preemptions == 0 and bm.num_free == 0
+
+
+def test_prefill_budget_counts_the_padded_forward():
+    """ModelRunner.prefill runs the leaders right-padded to the longest, so a prefill step costs
+    leaders x longest tokens; max_num_batched_tokens must bound that, not the sum of the lengths
+    (which would let a 60-token prompt and four 1-token ones make a 5 x 60 = 300-token forward at
+    budget 64)."""
+    budget = 64
+    bm = BlockManager(64, 16)
+    sched = Scheduler(bm, max_batch_size=16, max_num_batched_tokens=budget)
+    groups = [[seq(0, 60)]] + [[seq(i, 1)] for i in range(1, 11)]
+    for g in groups:
+        sched.add(g)
+    steps = []
+    while sched.waiting:
+        step = sched.schedule()
+        assert step.is_prefill
+        steps.append(step.batch)
+        sched.postprocess(step, [True] * len(step.batch))   # finish at once: only admission matters
+    for batch in steps:
+        leaders = [s for s in batch if s.parent is None]
+        assert len(leaders) * max(s.num_tokens for s in leaders) <= budget or len(leaders) == 1
+    assert [len(b) for b in steps] == [1, 10]                 # the short prompts share one step
+    assert sorted(s.seq_id for b in steps for s in b) == list(range(11))
+    assert bm.num_free == 64 and bm.ref_counts == [0] * 64
 
 
 def test_preemption_end_to_end_never_drops_a_sequence():
@@ -596,10 +712,112 @@ def test_routes_past_255_experts_come_back_exactly(num_experts):
         assert top > 255, "no route past id 255: the int16 buffer was not exercised"
 
 
-def test_sampler_from_rollout_config():
-    from config import RolloutConfig
-    s = Sampler.from_config(fp32_model(), RolloutConfig(block_size=32, num_blocks=40, max_batch_size=3))
-    assert (s.block_size, s.num_blocks, s.max_batch_size) == (32, 40, 3)
+def test_sampler_takes_a_rollout_config():
+    """Sampler(model, RolloutConfig) sizes its pool and rows from the config; keyword overrides replace
+    fields of a copy (the caller's config is untouched) and pass the config's checks."""
+    rcfg = RolloutConfig(block_size=32, num_blocks=40, max_batch_size=3)
+    s = Sampler(fp32_model(), rcfg)
+    assert (s.config.block_size, s.num_blocks, s.config.max_batch_size) == (32, 40, 3)
+    assert s.caches[0][0].shape[:2] == (40 + 1, 32)                    # + the scratch page
+    t = Sampler(fp32_model(), rcfg, max_batch_size=5)
+    assert (t.config.block_size, t.config.max_batch_size, rcfg.max_batch_size) == (32, 5, 3)
+    assert t.runner.max_batch_size == 5 and t.runner.pad_row == 5
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        Sampler(fp32_model(), rcfg, max_num_batched_tokens=0)
+    with pytest.raises(TypeError, match="RolloutConfig"):
+        Sampler(fp32_model(), 16)                                      # a page size is not a config
+
+
+# ---------------------------------------------------------------------------------------------------
+# randomized stress: contract, large-pool reference, bookkeeping
+# ---------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def reference(request: tuple):
+    """The same request on a pool and a batch large enough that nothing waits or is preempted."""
+    kw = dict(request)
+    kw["prompts"] = [list(p) for p in kw["prompts"]]
+    return Sampler(short_model(), num_blocks=2000, max_batch_size=64).generate(**kw, progress=False)
+
+
+def random_request(rng: random.Random, vocab: int) -> dict:
+    """Prompt lengths at page boundaries and at the context limit, repeated prompts, random sampling."""
+    edges = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, SHORT_POS - 2, SHORT_POS - 1]
+    lengths = [min(SHORT_POS - 1, max(1, rng.choice(edges) + rng.randint(-1, 1))) for _ in range(rng.randint(1, 5))]
+    prompts = [tuple(rng.randrange(vocab) for _ in range(L)) for L in lengths]
+    if len(prompts) > 1 and rng.random() < 0.4:
+        prompts[-1] = prompts[0]                             # a prompt repeated at another index
+    return dict(prompts=tuple(prompts), max_new_tokens=rng.choice([1, 2, 5, 17, 40]), n=rng.randint(1, 4),
+                temperature=rng.choice([0.0, 1.0, 0.7]), top_p=rng.choice([1.0, 0.9, 0.3]),
+                top_k=rng.choice([0, 0, 1, 5]), stop_token_ids=tuple(rng.sample(range(vocab), rng.choice([0, 1, 3]))),
+                seed=rng.randrange(1 << 40))
+
+
+def check_outputs(model, request: dict, outs) -> None:
+    """The contract, equality with the large-pool reference, and the finish reasons."""
+    assert_contract(model, outs, request["temperature"])
+    ref = reference(tuple(request.items()))
+    assert len(outs) == len(ref) == len(request["prompts"]) * request["n"]
+    stop = request["stop_token_ids"]
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert o.tokens == r.tokens, i
+        assert torch.equal(o.logprobs, r.logprobs) and torch.equal(o.routes, r.routes), i
+        assert not any(t in stop for t in o.tokens[:-1]), i
+        limit = min(len(o.prompt) + request["max_new_tokens"], SHORT_POS)
+        if o.tokens[-1] in stop:
+            assert o.finish_reason == "stop", i
+        else:
+            assert o.finish_reason == "length" and len(o.prompt) + len(o.tokens) == limit, i
+
+
+def check_released(sched: Scheduler) -> None:
+    """After a request: nothing waits or runs, every page is free exactly once, every row is free."""
+    bm = sched.bm
+    assert sched.is_finished() and not sched.offset and not any(sched.by_phase)
+    assert bm.ref_counts == [0] * len(bm.ref_counts)
+    assert sorted(bm.free_block_ids) == list(range(len(bm.ref_counts)))
+    assert sorted(sched.free_rows) == list(range(sched.max_batch_size))
+
+
+def test_random_requests_match_a_large_pool(monkeypatch):
+    model = short_model()
+    vocab = model.config.vocab_size
+    scheds = []
+
+    class Recorded(Scheduler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            scheds.append(self)
+    monkeypatch.setattr(rollout, "Scheduler", Recorded)
+    rng = random.Random(2024)
+    preemptions = 0
+    for trial in range(20):
+        request = random_request(rng, vocab)
+        bs = rng.choice([16, 32])
+        longest = max(min(len(p) + request["max_new_tokens"], SHORT_POS) for p in request["prompts"])
+        sampler = Sampler(model, block_size=bs, num_blocks=-(-longest // bs) + rng.choice([0, 1, 3]),
+                          max_batch_size=rng.randint(1, 8), max_num_batched_tokens=rng.choice([1, 40, 4096]))
+        sampler.runner.pad_to_buckets = trial % 2 == 1
+        for j in range(2):                                    # a second request on the same Sampler
+            if j:
+                request = dict(request, seed=request["seed"] + 1, temperature=rng.choice([0.0, 1.0, 0.7]),
+                               prompts=tuple(p[:max(1, len(p) // 2)] for p in request["prompts"][::-1]))
+            outs = sampler.generate(**{**request, "prompts": [list(p) for p in request["prompts"]]}, progress=False)
+            check_outputs(model, request, outs)
+            check_released(scheds[-1])
+            preemptions += sampler.num_preemptions
+    assert preemptions > 0                                    # the small pools did force recompute
+
+
+def test_check_outputs_sees_one_ulp():
+    """Control: the stress test's check is bitwise; one ulp in one log-prob fails it."""
+    request = dict(prompts=((1, 2, 3), (4,) * 17), max_new_tokens=5, n=2, temperature=1.0, top_p=1.0, top_k=0,
+                   stop_token_ids=(), seed=7)
+    outs = Sampler(short_model(), num_blocks=3).generate(**{**request, "prompts": [list(p) for p in request["prompts"]]},
+                                                          progress=False)
+    check_outputs(short_model(), request, outs)
+    outs[1].logprobs[2] = torch.nextafter(outs[1].logprobs[2], torch.tensor(0.0))
+    with pytest.raises(AssertionError):
+        check_outputs(short_model(), request, outs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -711,6 +929,34 @@ def test_bench_gpu_section_runs_on_cpu(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
+# the fast path's grouped-GEMM MoE (CUDA-only in the sampler; this torch runs torch._grouped_mm on CPU)
+# ---------------------------------------------------------------------------------------------------
+def test_grouped_mm_moe_matches_the_expert_loop():
+    """kernels._grouped_mm_moe: slots sorted by expert, int32 cumulative group ends as offs, the weights
+    as (E, K, N) transposed views, results scattered back to slot order and combined over k. Against
+    the invariant MoE in fp32 on the same bf16 weights, within bf16 rounding; expert 3 gets no token."""
+    import kernels
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    g = torch.Generator().manual_seed(0)
+    M, D, I, E, k = 37, 64, 32, 8, 2
+    x = torch.randn(M, D, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * I, D, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(E, D, I, generator=g) * 0.1).bfloat16()
+    logits = torch.randn(M, E, generator=g)
+    logits[:, 3] = -1e9
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    weights = torch.softmax(torch.randn(M, k, generator=g), dim=-1)
+    try:
+        out = kernels._grouped_mm_moe(x, w13, w2, ids, weights)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._grouped_mm does not run on this CPU build: {e}")
+    ref = kernels.moe_experts(x.float(), w13.float(), w2.float(), ids, weights)
+    assert out.shape == (M, D) and out.dtype == torch.bfloat16
+    assert rel_err(out.float(), ref) < 2e-2
+
+
+# ---------------------------------------------------------------------------------------------------
 # CUDA: graphs replay the eager bits; draws do not depend on the batch (skipped without a GPU)
 # ---------------------------------------------------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -755,7 +1001,7 @@ def test_cuda_top_p_draws_do_not_depend_on_the_batch():
 def test_cuda_fast_mode_runs_with_graphs():
     """The fast path (cuBLAS, SDPA, torch._grouped_mm) runs as graphs in bf16 and deviates a little."""
     model, prompts = cuda_model(), request_prompts()
-    sampler = Sampler(model, mode="fast")
+    sampler = Sampler(model, rollout_mode="fast")
     outs = [sampler.generate(prompts, max_new_tokens=MAX_NEW, temperature=1.0, n=N, seed=3, progress=False)
             for _ in range(2)]
     assert sampler.runner.cuda_graphs and sampler.runner.graphs
