@@ -262,6 +262,15 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     return cache.index_select(0, block_table.reshape(-1).long()).view(B, n * cache.shape[1], *cache.shape[2:])
 
 
+def packed_block(t: torch.Tensor) -> int:
+    """Positions per query block and page of a packed forward's attention (model.PackedPages): the
+    torch kernel's key tile; on Triton the forward's query rows per program, so a query sits at the
+    place of its program's tile it has in the padded forward."""
+    if (kt := _triton_for(t)) is not None:
+        return max(KV_BLOCK, kt.ATTN_TABLE["fwd"][0])
+    return KV_BLOCK
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of queries against their sequence's keys in a paged cache.
