@@ -203,6 +203,22 @@ def test_packed_score_under_the_triton_interpreter():
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_gpu_packed_score_equals_padded_bitwise(dtype):
+    """On CUDA the Triton path's claim is bitwise: packed == padded, 200-token sequences across tiles."""
+    model = make_model(tiny_config(max_position_embeddings=512)).to("cuda", dtype).eval()
+    lengths = [200, 3, 77, 64, 1, 130]
+    tok = padded_batch(lengths).cuda()
+    pk = Packing.concat(lengths)
+    with kernels.set_backend("triton"):
+        lp, routes = model.score(tok)
+        plp, proutes = model.score(pk.from_padded(tok), packing=pk)
+    assert_same_tokens(pk, plp, lp, what="logp")
+    assert_same_tokens(pk, proutes, routes, what="routes")
+
+
 # ---------------------------------------------------------------------------------------------------
 # the packing rule
 # ---------------------------------------------------------------------------------------------------
