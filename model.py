@@ -10,6 +10,8 @@
 There is one forward. The trainer calls it with no cache (keys and values of the call itself are laid
 out as pages); the sampler (rollout.py) calls it with a `PagedKV` batch whose pages persist across
 decode steps. Both go through the same kernels.py functions, so both compute the same bits.
+The trainer may pack several sequences into a row (`score(tokens, packing=...)`, see Packing and
+pack()): each sequence keeps its own positions and pages, so every token gets the padded forward's bits.
 
 Layer: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)), where mlp is MoE on layers chosen by
 ModelConfig.is_moe_layer and a dense SwiGLU elsewhere. Attention: GQA, per-head RMSNorm on q and k
@@ -129,25 +131,33 @@ class Packing:
         starts = tuple(sum(lengths[:i]) for i in range(len(lengths)))
         return cls((0,) * len(lengths), starts, lengths, (1, sum(lengths)))
 
+    # The index tensors are built on the host (their sizes come from the lengths) and then moved, so
+    # a packed forward on a GPU does not sync on them.
     def token_index(self, device=None) -> torch.Tensor:
         """(n,) flat index into the R*N packed tokens of every sequence token, sequence by sequence."""
-        L = torch.tensor(self.lengths, device=device)
-        base = torch.tensor([r * self.shape[1] + s for r, s in zip(self.rows, self.starts)], device=device)
+        return self._token_index().to(device)
+
+    def _token_index(self) -> torch.Tensor:
+        L = torch.tensor(self.lengths)
+        base = torch.tensor([r * self.shape[1] + s for r, s in zip(self.rows, self.starts)])
         return torch.repeat_interleave(base, L) + _local_positions(L)
+
+    def _padded_index(self, T: int) -> torch.Tensor:
+        """(n,) flat index into a right-padded (S, T) tensor of every sequence token, in the same order."""
+        L = torch.tensor(self.lengths)
+        return torch.repeat_interleave(torch.arange(len(self.lengths)) * T, L) + _local_positions(L)
 
     def positions(self, device=None) -> torch.Tensor:
         """(R, N) position of each token inside its sequence (0 on padding)."""
-        L = torch.tensor(self.lengths, device=device)
-        pos = torch.zeros(self.shape[0] * self.shape[1], dtype=torch.long, device=device)
-        return pos.index_copy(0, self.token_index(device), _local_positions(L)).view(self.shape)
+        pos = torch.zeros(self.shape[0] * self.shape[1], dtype=torch.long)
+        return pos.index_copy(0, self._token_index(), _local_positions(torch.tensor(self.lengths))).view(self.shape).to(device)
 
     def from_padded(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """(S, T, ...) right-padded, sequence i in row i -> (R, N, ...) packed; padding gets `fill`."""
         S, T = x.shape[:2]
-        L = torch.tensor(self.lengths, device=x.device)
-        src = torch.repeat_interleave(torch.arange(S, device=x.device) * T, L) + _local_positions(L)
+        src = x.reshape(S * T, *x.shape[2:])[self._padded_index(T).to(x.device)]
         out = x.new_full((self.shape[0] * self.shape[1], *x.shape[2:]), fill)
-        return out.index_copy(0, self.token_index(x.device), x.reshape(S * T, *x.shape[2:])[src]).view(*self.shape, *x.shape[2:])
+        return out.index_copy(0, self.token_index(x.device), src).view(*self.shape, *x.shape[2:])
 
     def to_padded(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """(R, N, ...) or (R, N - 1, ...) packed (score's log-probs) -> (S, max length, ...) right-padded.
@@ -158,25 +168,22 @@ class Packing:
         if x.shape[1] == N - 1:
             x = torch.cat([x, x.new_full((R, 1, *x.shape[2:]), fill)], dim=1)
         S, T = len(self.lengths), max(self.lengths)
-        L = torch.tensor(self.lengths, device=x.device)
-        dst = torch.repeat_interleave(torch.arange(S, device=x.device) * T, L) + _local_positions(L)
-        out = x.new_full((S * T, *x.shape[2:]), fill)
         src = x.reshape(R * N, *x.shape[2:])[self.token_index(x.device)]
-        return out.index_copy(0, dst, src).view(S, T, *x.shape[2:])
+        out = x.new_full((S * T, *x.shape[2:]), fill)
+        return out.index_copy(0, self._padded_index(T).to(x.device), src).view(S, T, *x.shape[2:])
 
     def pages(self, block: int, device=None) -> "PackedPages":
         """The attention layout of the packed sequences with query blocks / pages of `block` positions."""
-        L = torch.tensor(self.lengths, device=device)
+        L = torch.tensor(self.lengths)
         nb = (L + block - 1) // block                                  # (S,) blocks per sequence
         first = torch.cumsum(nb, 0) - nb                               # (S,) first block of each
-        seq = torch.repeat_interleave(torch.arange(len(self.lengths), device=device), nb)  # (n_blocks,)
-        j = torch.arange(seq.shape[0], device=device) - first[seq]     # block index inside its sequence
-        width = int(nb.max())
+        seq = torch.repeat_interleave(torch.arange(len(self.lengths)), nb)    # (n_blocks,) its sequence
+        j = torch.arange(seq.shape[0]) - first[seq]                    # block index inside its sequence
         # entries past a sequence's last block repeat it: never read (masked), but valid page ids
-        table = first[seq, None] + torch.minimum(torch.arange(width, device=device)[None], nb[seq, None] - 1)
-        positions = j[:, None] * block + torch.arange(block, device=device)[None]
+        table = first[seq, None] + torch.minimum(torch.arange(int(nb.max()))[None], nb[seq, None] - 1)
+        positions = j[:, None] * block + torch.arange(block)[None]
         slots = torch.repeat_interleave(first * block, L) + _local_positions(L)
-        return PackedPages(self.token_index(device), slots, table, positions)
+        return PackedPages(*(t.to(device) for t in (self._token_index(), slots, table, positions)))
 
 
 def _local_positions(lengths: torch.Tensor) -> torch.Tensor:
