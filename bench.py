@@ -256,8 +256,9 @@ def bench_packing(args) -> list[tuple[str, float, str]]:
     train.make_batch) vs packed ones (model.pack by token budget); tokens/s counts real tokens only."""
     model = build_model(args)
     model.train()
-    lengths = long_tail_lengths(args.pack_seqs, model.config.max_position_embeddings)
     g = torch.Generator().manual_seed(args.seed)
+    lengths = long_tail_lengths(args.pack_seqs, model.config.max_position_embeddings)
+    lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=g).tolist()]   # rollout order
     S, T = len(lengths), max(lengths)
     tokens = torch.randint(0, model.config.vocab_size, (S, T), generator=g)
     mask = torch.arange(T - 1)[None] < torch.tensor(lengths)[:, None] - 1        # (S, T-1) real targets
