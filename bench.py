@@ -22,6 +22,11 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
 * forward: model.score on a (batch, seq) = (64, 64) batch of random tokens: tokens/s.
 * fast: rollout tokens/s and trainer forward+backward tokens/s with the invariant kernels vs the
   batch-variant ones of kernels.variant (what the contract costs).
+* packing: trainer forward+backward over 32 responses of a long-tailed length mix (lognormal
+  quantiles, the longest 10x the median, up to the model's max_position_embeddings): padded micro-batches
+  of --pack-micro-batch sequences (slices of one (B, T_max) tensor) vs packed micro-batches of at most
+  --micro-batch-tokens tokens (model.pack); tokens/s of real tokens, and the share of computed
+  positions that are padding.
 * moe: the invariant MoE layer (sort by expert, fixed tiles) vs a per-expert index_add_ loop.
 * decode: one decode step at 16 and at 256 sequences: the torch ops the host dispatches (the same
   count: host work does not grow with the batch) and its time under the profiler.
@@ -54,7 +59,7 @@ import torch
 import kernels
 from config import ModelConfig
 from hf import config_to_hf
-from model import Transformer
+from model import Transformer, pack
 from rollout import Sampler
 
 
@@ -234,6 +239,58 @@ def bench_fast(args) -> list[tuple[str, float, str]]:
     rows.append(("rollout invariant / fast", res["fast"][0] / res["invariant"][0], "ratio"))
     rows += [(f"trainer fwd+bwd {m} ({B}, {T})", B * T / t, f"{t * 1e3:.0f} ms per step") for m, (t, _) in tres.items()]
     rows.append(("trainer invariant / fast", tres["fast"][0] / tres["invariant"][0], "ratio"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# packed vs padded micro-batches: the trainer's forward+backward on a long-tailed length mix
+# ---------------------------------------------------------------------------------------------------
+def long_tail_lengths(n: int, longest: int, spread: float = 10.0) -> list[int]:
+    """n lengths at the quantiles (i + 0.5) / n of a lognormal whose longest is `spread` x the median."""
+    normal = torch.distributions.Normal(0.0, 1.0)
+    z = normal.icdf((torch.arange(n, dtype=torch.float64) + 0.5) / n)
+    sigma = torch.log(torch.tensor(spread, dtype=torch.float64)) / z.max()
+    return [max(2, round(longest / spread * float(torch.exp(sigma * q)))) for q in z.tolist()]
+
+
+def bench_packing(args) -> list[tuple[str, float, str]]:
+    """Trainer fwd+bwd over one rollout batch, padded micro-batches (slices of one (B, T_max) tensor, as
+    train.make_batch) vs packed ones (model.pack by token budget); tokens/s counts real tokens only."""
+    model = build_model(args)
+    model.train()
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = long_tail_lengths(args.pack_seqs, model.config.max_position_embeddings)
+    lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=g).tolist()]   # rollout order
+    S, T = len(lengths), max(lengths)
+    tokens = torch.randint(0, model.config.vocab_size, (S, T), generator=g)
+    mask = torch.arange(T - 1)[None] < torch.tensor(lengths)[:, None] - 1        # (S, T-1) real targets
+    real = sum(lengths)
+    mbs = pack(lengths, args.micro_batch_tokens)
+    packed = [(mb.packing, mb.packing.from_padded(tokens[list(mb.indices)]),
+               mask[list(mb.indices), :max(mb.packing.lengths) - 1]) for mb in mbs]     # mask (k, L_max - 1)
+    k = args.pack_micro_batch
+
+    def padded_step():
+        model.zero_grad(set_to_none=True)
+        for lo in range(0, S, k):
+            lp, _ = model.score(tokens[lo:lo + k])
+            (lp * mask[lo:lo + k]).sum().backward()
+
+    def packed_step():
+        model.zero_grad(set_to_none=True)
+        for pk, tok, m in packed:
+            lp, _ = model.score(tok, packing=pk)
+            (pk.to_padded(lp)[:, :-1] * m).sum().backward()
+    res = interleaved({"padded": padded_step, "packed": packed_step}, args.warmup, args.repeats)
+    computed = {"padded": S * T, "packed": sum(pk.shape[0] * pk.shape[1] for pk, _, _ in packed)}
+    block = kernels.packed_block(tokens)
+    slots = sum(-(-n // block) * block for n in lengths)
+    mix = f"{S} seqs, lengths {min(lengths)}..{statistics.median(lengths):.0f}..{T}, {real} tokens"
+    rows = [(f"trainer fwd+bwd padded ({mix}, micro-batches of {k})", real / res["padded"][0],
+             f"{1 - real / computed['padded']:.0%} of computed positions are padding"),
+            (f"trainer fwd+bwd packed ({len(mbs)} micro-batches <= {args.micro_batch_tokens} tokens)", real / res["packed"][0],
+             f"{1 - real / computed['packed']:.0%} padding ({1 - real / slots:.0%} of the attention's query slots)"),
+            ("trainer packed / padded", res["padded"][0] / res["packed"][0], "ratio")]
     return rows
 
 
@@ -589,9 +646,9 @@ def lab_figure(results: dict, out: str, seed: int) -> None:
         print(f"no figure: {e}")
 
 
-BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "moe": bench_moe,
+BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "packing": bench_packing, "moe": bench_moe,
               "decode": bench_decode, "gpu": bench_gpu, "lab": bench_lab}
-DEFAULT = "rollout,forward,fast,moe,decode"
+DEFAULT = "rollout,forward,fast,packing,moe,decode"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -615,6 +672,9 @@ def main(argv=None):
                    help="torch intra-op threads (0: torch's default). 1 by default: on a shared CPU, "
                         "multi-threaded runs slowed down unevenly, by up to 10x, and skewed the ratios")
     p.add_argument("--skip-nocache", action="store_true", help="leave out the (slow) no-cache loop")
+    p.add_argument("--pack-seqs", type=int, default=32, help="packing: responses in the long-tailed mix")
+    p.add_argument("--pack-micro-batch", type=int, default=8, help="packing: sequences per padded micro-batch")
+    p.add_argument("--micro-batch-tokens", type=int, default=1024, help="packing: token budget per packed micro-batch")
     p.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer in the moe section")
     p.add_argument("--gpu-layers", type=int, default=4, help="gpu: layers of the Qwen3-30B-A3B-shaped model")
     p.add_argument("--gpu-batches", default="256,64,1024",

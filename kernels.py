@@ -262,6 +262,15 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     return cache.index_select(0, block_table.reshape(-1).long()).view(B, n * cache.shape[1], *cache.shape[2:])
 
 
+def packed_block(t: torch.Tensor) -> int:
+    """Positions per query block and page of a packed forward's attention (model.PackedPages): the
+    torch kernel's key tile; on Triton the forward's query rows per program, so a query sits at the
+    place of its program's tile it has in the padded forward."""
+    if (kt := _triton_for(t)) is not None:
+        return max(KV_BLOCK, kt.ATTN_TABLE["fwd"][0])
+    return KV_BLOCK
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of queries against their sequence's keys in a paged cache.
@@ -275,8 +284,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns (B, T, H, D) in q.dtype.
 
     The keys are visited in KV_BLOCK tiles from position 0 upward with an online softmax in fp32;
-    the number of tiles only depends on the largest position, and tiles past a query's position are
-    exact no-ops for it (max unchanged, alpha = exp(0) = 1, p = 0).
+    a row (sequence) walks the tiles up to its own largest position, and tiles past a query's
+    position are exact no-ops for it (max unchanged, alpha = exp(0) = 1, p = 0), so where a row
+    stops does not change its bits.
     """
     if _fast():
         return _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale)
@@ -286,11 +296,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     page_size, KVH = k_cache.shape[1], k_cache.shape[2]
     G = H // KVH
     assert page_size % KV_BLOCK == 0, "page_size must be a multiple of KV_BLOCK"
-    n_tiles = (int(positions.max()) + KV_BLOCK) // KV_BLOCK
-    n_pages = -(-n_tiles * KV_BLOCK // page_size)
-    keys = gather_pages(k_cache, block_table[:, :n_pages])         # (B, n_pages * page_size, KVH, D)
-    vals = gather_pages(v_cache, block_table[:, :n_pages])
-
+    # Each row walks its own tiles only: rows sorted by tile count (descending, stable), so at tile t
+    # the rows still walking are a prefix; a row retires after its last tile (the tiles it skips were
+    # exact no-ops for it). A packed batch's short sequences then cost their own length, not the
+    # longest one's; rows of equal length (the padded trainer batch) keep their order.
+    row_tiles = positions.amax(1) // KV_BLOCK + 1                     # (B,)
+    order = torch.argsort(row_tiles, descending=True, stable=True)
+    tiles = row_tiles[order].tolist()                                 # host: the loop bounds
+    if tiles[0] != tiles[-1]:
+        q, block_table, positions = q[order], block_table[order], positions[order]
     # The T * G query rows of each (sequence, KV head) go through fixed ATTN_ROWS-row bmm tiles, as in
     # linear(): a row's q.k and p.v never see a GEMM shape that depends on how many rows there are.
     # Only the two bmm's see the padding rows; the softmax state and its elementwise ops (row-local,
@@ -306,26 +320,41 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     l = torch.zeros((B, KVH, R), dtype=torch.float32, device=q.device)
     acc = torch.zeros((B, KVH, R, D), dtype=torch.float32, device=q.device)
     offs = torch.arange(KV_BLOCK, device=q.device)
+    k_slots, v_slots = k_cache.view(-1, KVH, D), v_cache.view(-1, KVH, D)     # (pages * page_size, KVH, D)
+    done = []                                                        # (acc, l) of retired rows, last first
 
-    def per_chunk(t):                                                # (B, KVH, ...) -> (B*KVH*nC, ...)
-        return t[:, :, None].expand(B, KVH, n_chunks, *t.shape[2:]).reshape(-1, *t.shape[2:])
-    for t in range(n_tiles):
+    def per_chunk(t):                                                # (n, KVH, ...) -> (n*KVH*nC, ...)
+        return t[:, :, None].expand(t.shape[0], KVH, n_chunks, *t.shape[2:]).reshape(-1, *t.shape[2:])
+    n = B
+    for t in range(tiles[0]):
         lo = t * KV_BLOCK
-        k = keys[:, lo:lo + KV_BLOCK].float().permute(0, 2, 3, 1)   # (B, KVH, D, KB)
-        v = vals[:, lo:lo + KV_BLOCK].float().permute(0, 2, 1, 3)   # (B, KVH, KB, D)
-        s = torch.bmm(qr, per_chunk(k)).view(B, KVH, R + pad, KV_BLOCK)[:, :, :R].contiguous()  # (B, KVH, R, KB)
-        visible = (lo + offs)[None, None, None, :] <= row_pos[..., None]      # (B, 1, R, KB)
+        while tiles[n - 1] <= t:                                      # rows whose last tile has passed
+            n -= 1
+        if n < acc.shape[0]:
+            done.append((acc[n:], l[n:]))
+            acc, l, m = acc[:n], l[:n], m[:n]
+        slots = (block_table[:n, lo // page_size] * page_size + lo % page_size)[:, None] + offs   # (n, KB)
+        k = k_slots.index_select(0, slots.view(-1)).view(n, KV_BLOCK, KVH, D).float().permute(0, 2, 3, 1)  # (n, KVH, D, KB)
+        v = v_slots.index_select(0, slots.view(-1)).view(n, KV_BLOCK, KVH, D).float().permute(0, 2, 1, 3)  # (n, KVH, KB, D)
+        s = torch.bmm(qr[:n * KVH * n_chunks], per_chunk(k)).view(n, KVH, R + pad, KV_BLOCK)[:, :, :R].contiguous()
+        visible = (lo + offs)[None, None, None, :] <= row_pos[:n, ..., None]  # (n, 1, R, KB)
         s = s.masked_fill(~visible, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[..., None])                         # (B, KVH, R, KB)
+        p = torch.exp(s - m_new[..., None])                         # (n, KVH, R, KB)
         l = l * alpha + p.sum(-1)
-        p = (F.pad(p, (0, 0, 0, pad)) if pad else p).view(-1, ATTN_ROWS, KV_BLOCK)   # (B*KVH*nC, C, KB)
-        pv = torch.bmm(p, per_chunk(v)).view(B, KVH, R + pad, D)[:, :, :R]
+        p = (F.pad(p, (0, 0, 0, pad)) if pad else p).view(-1, ATTN_ROWS, KV_BLOCK)   # (n*KVH*nC, C, KB)
+        pv = torch.bmm(p, per_chunk(v)).view(n, KVH, R + pad, D)[:, :, :R]
         acc = acc * alpha[..., None] + pv
         m = m_new
+    if done:
+        acc = torch.cat([acc] + [a for a, _ in done[::-1]])
+        l = torch.cat([l] + [x for _, x in done[::-1]])
     out = (acc / l[..., None]).reshape(B, KVH, T, G, D)             # (B, KVH, T, G, D)
-    return out.permute(0, 2, 1, 3, 4).reshape(B, T, H, D).to(q.dtype)
+    out = out.permute(0, 2, 1, 3, 4).reshape(B, T, H, D).to(q.dtype)
+    if tiles[0] != tiles[-1]:
+        out = torch.empty_like(out).index_copy(0, order, out)       # back to the callers' row order
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
