@@ -22,7 +22,7 @@ import shutil
 import torch
 
 from config import ConfigError, RolloutConfig, TrainConfig
-from hf import CheckpointError
+from hf import CheckpointError, Identity, write_identity
 from model import Transformer
 
 
@@ -50,7 +50,7 @@ def load_optimizer_state(scorer, opt, state, full: bool):
 
 
 CKPT_NAME = re.compile(r"ckpt-\d{6}")                               # the only names `latest` may hold
-RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp")                 # with ckpt-*: what makes a folder a run
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "latest", "latest.tmp")   # with ckpt-*: what makes a folder a run
 
 
 def check_finite_weights(model: Transformer, step: int) -> None:
@@ -61,8 +61,11 @@ def check_finite_weights(model: Transformer, step: int) -> None:
                            "one stays); lower --lr or check the rewards, then --resume")
 
 
-def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: dict | None = None):
-    """Write ckpt-NNNNNN via a .tmp folder renamed into place, point `latest` at it, drop older ones.
+def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: dict | None = None,
+                    identity: Identity | None = None, keep: int = 1) -> str:
+    """Write ckpt-NNNNNN via a .tmp folder renamed into place, point `latest` at it, keep the `keep`
+    newest; returns its path. `identity` (token ids, tokenizer files) makes the weights a checkpoint
+    transformers' generate stops on (hf.write_identity).
 
     A failed write (a full disk) removes the partial .tmp and raises RunError: `latest` and the
     checkpoint it names are untouched until the new one is complete.
@@ -73,6 +76,8 @@ def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: di
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
+        if identity is not None:
+            write_identity(tmp, identity)
         torch.save({"step": step, "optimizer": opt_state, "train_config": dataclasses.asdict(tcfg),
                     "rollout_config": dataclasses.asdict(rcfg), "model_config": dataclasses.asdict(model.config),
                     "task": task.state_dict(), **(extra or {})},
@@ -89,16 +94,22 @@ def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: di
     with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
         f.write(os.path.basename(final))
     os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
-    for name in os.listdir(out_dir):                                  # keep only the newest
-        if name.startswith("ckpt-") and name != os.path.basename(final):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    done = sorted(n for n in os.listdir(out_dir) if CKPT_NAME.fullmatch(n) and n <= os.path.basename(final))
+    later = [n for n in os.listdir(out_dir) if n.startswith("ckpt-") and n not in done]   # a run started over
+    for name in done[:-keep] + later:
+        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    return final
 
 
 def latest_checkpoint(out_dir) -> str:
     """The checkpoint folder `out_dir/latest` names; it must be a ckpt-NNNNNN folder inside out_dir."""
     path = os.path.join(out_dir, "latest")
     if not os.path.isfile(path):
-        raise ConfigError(f"--resume: no checkpoint in {out_dir!r} (no 'latest' file); drop --resume to start fresh")
+        files = sorted(n for n in os.listdir(out_dir) if n in RUN_FILES) if os.path.isdir(out_dir) else []
+        held = f"it holds {', '.join(files)} but " if files else ""
+        raise ConfigError(f"--resume=true: no checkpoint in {out_dir!r} ({held}no 'latest' file): nothing to "
+                          "continue; start fresh with --overwrite=true in place of --resume=true"
+                          + (" (deletes those files)" if files else ""))
     with open(path) as f:
         name = f.read().strip()
     if not CKPT_NAME.fullmatch(name):
@@ -134,8 +145,12 @@ def prepare_out_dir(tcfg: TrainConfig, master: bool) -> None:
         return
     found = sorted(n for n in os.listdir(tcfg.out_dir) if n in RUN_FILES or n.startswith("ckpt-"))
     if found and not tcfg.overwrite:
-        raise ConfigError(f"--out_dir={tcfg.out_dir!r} holds a run ({', '.join(found[:3])}); continue it with "
-                          "--resume=true, start over with --overwrite=true (deletes it), or pick another --out_dir")
+        if "latest" in found:
+            raise ConfigError(f"--out_dir={tcfg.out_dir!r} holds a run ({', '.join(found[:3])}); continue it with "
+                              "--resume=true, start over with --overwrite=true (deletes it), or pick another --out_dir")
+        raise ConfigError(f"--out_dir={tcfg.out_dir!r} holds a run's files ({', '.join(found[:3])}) but no checkpoint, "
+                          "so --resume=true has nothing to continue: start over with --overwrite=true (deletes "
+                          "them), or pick another --out_dir")
     for name in found if master else ():                              # --overwrite=true: start over knowingly
         path = os.path.join(tcfg.out_dir, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
