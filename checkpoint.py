@@ -107,7 +107,7 @@ def latest_checkpoint(out_dir) -> str:
     if not os.path.isfile(path):
         files = sorted(n for n in os.listdir(out_dir) if n in RUN_FILES) if os.path.isdir(out_dir) else []
         held = f"it holds {', '.join(files)} but " if files else ""
-        raise ConfigError(f"--resume=true: no checkpoint in {out_dir!r} ({held}no 'latest' file): nothing to "
+        raise ConfigError(f"--resume: no checkpoint in {out_dir!r} ({held}no 'latest' file): nothing to "
                           "continue; start fresh with --overwrite=true in place of --resume=true"
                           + (" (deletes those files)" if files else ""))
     with open(path) as f:

@@ -552,11 +552,13 @@ def network_reachable(host: str) -> bool:
 
 
 def progress_line(run: Run, row: dict) -> str:
-    """--progress=false: one line every --log_every steps."""
-    return (f"step {row['step']}/{run.tcfg.steps}: reward {row['reward_mean']:.3f}, loss {row['loss']:.4g}, "
-            f"train-rollout kl {row['train_rollout_kl']:.1e}, route flips {row.get('route_flip_frac') or 0:.3f}, "
-            f"response len {row['response_len']:.1f}, {row['step_time']:.2f} s"
-            + "".join(f", {k} {v:.3f}" for k, v in row.items() if k.startswith("eval_") and v is not None))
+    """--progress=false: one line every --log_every steps (a value that is null in the row shows as -)."""
+    def f(key, spec):
+        return "-" if row.get(key) is None else format(row[key], spec)
+    return (f"step {row['step']}/{run.tcfg.steps}: reward {f('reward_mean', '.3f')}, loss {f('loss', '.4g')}, "
+            f"train-rollout kl {f('train_rollout_kl', '.1e')}, route flips {f('route_flip_frac', '.3f')}, "
+            f"response len {f('response_len', '.1f')}, {f('step_time', '.2f')} s"
+            + "".join(f", {k} {f(k, '.3f')}" for k in row if k.startswith("eval_")))
 
 
 # ---- stopping on a signal ------------------------------------------------------------------------
