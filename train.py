@@ -23,7 +23,13 @@ optimizer step, up to --skip_nonfinite_steps) before it reaches the weights; a c
 only from finite weights, to a temporary folder renamed into place. An out_dir that holds a run is
 continued with --resume=true or started over with --overwrite=true, never overwritten silently; what a
 resume keeps (the lr horizon among it) is in docs/design.md ("Reliability", "The learning-rate horizon"). Every user mistake ends in one
-line `error: ...` and a non-zero exit.
+line `error: ...` and a non-zero exit (under torchrun printed by rank 0 alone). A SIGINT or SIGTERM
+ends the step under way, saves it and exits 130 / 143 ("interrupted at step N; resume with --resume=true").
+
+What a run shows: a start banner, a line per checkpoint, --log_samples=N responses a step (samples.jsonl),
+a line every --log_every steps with --progress=false, --eval_data's reward and pass@k (eval.py) in
+metrics.jsonl, a copy of each row to --log_to=tensorboard|wandb. Every checkpoint carries the token ids
+and tokenizer files of --init_from (or --tokenizer), so transformers' generate stops at its EOS.
 """
 from __future__ import annotations
 
