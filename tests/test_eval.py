@@ -75,7 +75,7 @@ def jsonl(tmp_path):
 
 
 def args(folder, *extra):
-    return FAST + [f"--task=jsonl", f"--data={folder / 'data.jsonl'}", f"--tokenizer={folder / 'tokenizer.json'}",
+    return FAST + ["--task=jsonl", f"--data={folder / 'data.jsonl'}", f"--tokenizer={folder / 'tokenizer.json'}",
                    f"--reward_fn={folder / 'reward.py'}:reward", f"--out_dir={folder / 'out'}", "--max_new_tokens=3",
                    *extra]
 
