@@ -27,7 +27,7 @@ import shutil
 import torch
 
 from config import ConfigError, RolloutConfig, TrainConfig
-from hf import CheckpointError, hf_to_state, read_safetensors_dir
+from hf import CheckpointError, Identity, hf_to_state, read_safetensors_dir, write_identity
 from model import Transformer
 
 MASTERS = "masters.safetensors"                                       # the exact weights, when the export rounds
@@ -57,7 +57,7 @@ def load_optimizer_state(scorer, opt, state, full: bool):
 
 
 CKPT_NAME = re.compile(r"ckpt-\d{6}")                               # the only names `latest` may hold
-RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp")                 # with ckpt-*: what makes a folder a run
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "latest", "latest.tmp")   # with ckpt-*: what makes a folder a run
 
 
 def check_finite_weights(model: Transformer, step: int) -> None:
@@ -82,8 +82,11 @@ def export_model(model: Transformer, masters: dict | None, save_dtype: str) -> T
 
 
 def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: dict | None = None,
-                    masters: dict | None = None, save_dtype: str = ""):
-    """Write ckpt-NNNNNN via a .tmp folder renamed into place, point `latest` at it, drop older ones.
+                    masters: dict | None = None, save_dtype: str = "", identity: Identity | None = None,
+                    keep: int = 1) -> str:
+    """Write ckpt-NNNNNN via a .tmp folder renamed into place, point `latest` at it, keep the `keep`
+    newest; returns its path. `identity` (token ids, tokenizer files) makes the weights a checkpoint
+    transformers' generate stops on (hf.write_identity).
 
     model: the full weights (the compute copy); masters: the fp32 master state when it is another
     (mixed precision); save_dtype: the HF export's dtype ("" = model's). The masters are saved beside
@@ -104,6 +107,8 @@ def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: di
         if any(saved[k].dtype != v.dtype for k, v in exact.items()):    # the export rounds: keep the masters
             from safetensors.torch import save_file
             save_file({k: v.detach().cpu().contiguous() for k, v in exact.items()}, os.path.join(tmp, MASTERS))
+        if identity is not None:
+            write_identity(tmp, identity)
         torch.save({"step": step, "optimizer": opt_state, "train_config": dataclasses.asdict(tcfg),
                     "rollout_config": dataclasses.asdict(rcfg), "model_config": dataclasses.asdict(model.config),
                     "task": task.state_dict(), **(extra or {})},
@@ -120,16 +125,22 @@ def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: di
     with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
         f.write(os.path.basename(final))
     os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
-    for name in os.listdir(out_dir):                                  # keep only the newest
-        if name.startswith("ckpt-") and name != os.path.basename(final):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    done = sorted(n for n in os.listdir(out_dir) if CKPT_NAME.fullmatch(n) and n <= os.path.basename(final))
+    later = [n for n in os.listdir(out_dir) if n.startswith("ckpt-") and n not in done]   # a run started over
+    for name in done[:-keep] + later:
+        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    return final
 
 
 def latest_checkpoint(out_dir) -> str:
     """The checkpoint folder `out_dir/latest` names; it must be a ckpt-NNNNNN folder inside out_dir."""
     path = os.path.join(out_dir, "latest")
     if not os.path.isfile(path):
-        raise ConfigError(f"--resume: no checkpoint in {out_dir!r} (no 'latest' file); drop --resume to start fresh")
+        files = sorted(n for n in os.listdir(out_dir) if n in RUN_FILES) if os.path.isdir(out_dir) else []
+        held = f"it holds {', '.join(files)} but " if files else ""
+        raise ConfigError(f"--resume: no checkpoint in {out_dir!r} ({held}no 'latest' file): nothing to "
+                          "continue; start fresh with --overwrite=true in place of --resume=true"
+                          + (" (deletes those files)" if files else ""))
     with open(path) as f:
         name = f.read().strip()
     if not CKPT_NAME.fullmatch(name):
@@ -186,8 +197,12 @@ def prepare_out_dir(tcfg: TrainConfig, master: bool) -> None:
         return
     found = sorted(n for n in os.listdir(tcfg.out_dir) if n in RUN_FILES or n.startswith("ckpt-"))
     if found and not tcfg.overwrite:
-        raise ConfigError(f"--out_dir={tcfg.out_dir!r} holds a run ({', '.join(found[:3])}); continue it with "
-                          "--resume=true, start over with --overwrite=true (deletes it), or pick another --out_dir")
+        if "latest" in found:
+            raise ConfigError(f"--out_dir={tcfg.out_dir!r} holds a run ({', '.join(found[:3])}); continue it with "
+                              "--resume=true, start over with --overwrite=true (deletes it), or pick another --out_dir")
+        raise ConfigError(f"--out_dir={tcfg.out_dir!r} holds a run's files ({', '.join(found[:3])}) but no checkpoint, "
+                          "so --resume=true has nothing to continue: start over with --overwrite=true (deletes "
+                          "them), or pick another --out_dir")
     for name in found if master else ():                              # --overwrite=true: start over knowingly
         path = os.path.join(tcfg.out_dir, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)

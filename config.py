@@ -285,7 +285,14 @@ class TrainConfig:
     # logging
     log_every: int = 1
     save_every: int = 50
-    progress: bool = True
+    keep_checkpoints: int = 1         # the newest K checkpoints are kept, older ones deleted
+    progress: bool = True             # a progress bar; false: one line every --log_every steps
+    log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
+    log_to: str = ""                  # "" (metrics.jsonl only) | tensorboard | wandb: a copy of each row
+    # evaluation (eval.py): greedy and sampled reward and pass@k on a held-out JSONL
+    eval_data: str = ""               # a JSONL file in --data's format, scored with --reward_fn
+    eval_every: int = 0               # evaluate every N steps and at the last (0: at the last step only)
+    eval_samples: int = 4             # k sampled responses per eval prompt (pass@k)
 
     def __post_init__(self):
         _require_finite(self)
@@ -309,6 +316,15 @@ class TrainConfig:
         _require(self.route_filter in ("none", "mask", "downweight"), "--route_filter: none, mask or downweight")
         _require(0 <= self.route_filter_threshold <= 1, "--route_filter_threshold must be in [0, 1]")
         _require(self.save_every > 0 and self.log_every > 0, "--save_every and --log_every must be > 0")
+        for name in ("keep_checkpoints", "eval_samples"):
+            _require(getattr(self, name) >= 1, f"--{name}={getattr(self, name)}: must be >= 1")
+        for name in ("log_samples", "eval_every"):
+            _require(getattr(self, name) >= 0, f"--{name}={getattr(self, name)}: must be >= 0")
+        _require(self.log_to in ("", "tensorboard", "wandb"), f"--log_to={self.log_to!r}: '', tensorboard or wandb")
+        _require(not self.eval_every or self.eval_data,
+                 f"--eval_every={self.eval_every}: needs --eval_data=FILE (a held-out JSONL)")
+        _require(not self.eval_data or self.task == "jsonl",
+                 f"--eval_data={self.eval_data!r}: needs --task=jsonl (its --tokenizer and --reward_fn score it)")
         _require(self.lr > 0 and self.grad_clip > 0 and self.tis_cap > 0 and self.kl_coef >= 0,
                  "need lr > 0, grad_clip > 0, tis_cap > 0, kl_coef >= 0")
         _require(0 <= self.eps_low < 1 and self.eps_high >= 0 and 0 <= self.gspo_eps_low < 1,

@@ -441,3 +441,66 @@ def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: d
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# a checkpoint's identity: its token ids and tokenizer files, carried into every export
+# ---------------------------------------------------------------------------------------------------
+TOKEN_ID_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+
+
+@dataclass
+class Identity:
+    """What an export needs beyond its weights for transformers' generate to stop and its tokenizer to load.
+
+    token_ids: eos_token_id (an int or a list), bos_token_id, pad_token_id; None where unknown.
+    generation: generation_config.json's other keys (the source's sampling defaults), kept as they were.
+    files: the name in the export -> the file copied there (the tokenizer's).
+    """
+    token_ids: dict[str, Any] = field(default_factory=dict)
+    generation: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return d if isinstance(d, dict) else {}
+
+
+def read_identity(folder: str) -> Identity:
+    """The identity of an HF checkpoint folder: token ids from config.json, where generation_config.json
+    (what generate reads) does not set them, and its tokenizer files."""
+    config, gen = _read_json(os.path.join(folder, "config.json")), _read_json(os.path.join(folder, "generation_config.json"))
+    ids = {k: gen.get(k, config.get(k)) for k in TOKEN_ID_KEYS}
+    generation = {k: v for k, v in gen.items() if k not in TOKEN_ID_KEYS and not k.startswith("_")
+                  and k != "transformers_version"}
+    files = {n: os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))}
+    return Identity(ids, generation, files)
+
+
+def write_identity(path: str, identity: Identity) -> None:
+    """Add the token ids to path/config.json, write generation_config.json, copy the tokenizer files.
+
+    pad_token_id falls back to the first eos id (what generate pads a finished sequence with)."""
+    import shutil
+    ids = dict(identity.token_ids)
+    eos = ids.get("eos_token_id")
+    if ids.get("pad_token_id") is None and eos is not None:
+        ids["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    ids = {k: v for k, v in ids.items() if v is not None}
+    cfg_path = os.path.join(path, "config.json")
+    config = {**_read_json(cfg_path), **ids}
+    with open(cfg_path, "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({**identity.generation, **ids}, f, indent=2)
+    for name, src in identity.files.items():
+        shutil.copyfile(src, os.path.join(path, name))

@@ -23,7 +23,13 @@ optimizer step, up to --skip_nonfinite_steps) before it reaches the weights; a c
 only from finite weights, to a temporary folder renamed into place. An out_dir that holds a run is
 continued with --resume=true or started over with --overwrite=true, never overwritten silently; what a
 resume keeps (the lr horizon among it) is in docs/design.md ("Reliability", "The learning-rate horizon"). Every user mistake ends in one
-line `error: ...` and a non-zero exit.
+line `error: ...` and a non-zero exit (under torchrun printed by rank 0 alone). A SIGINT or SIGTERM
+ends the step under way, saves it and exits 130 / 143 ("interrupted at step N; resume with --resume=true").
+
+What a run shows: a start banner, a line per checkpoint, --log_samples=N responses a step (samples.jsonl),
+a line every --log_every steps with --progress=false, --eval_data's reward and pass@k (eval.py) in
+metrics.jsonl, a copy of each row to --log_to=tensorboard|wandb. Every checkpoint carries the token ids
+and tokenizer files of --init_from (or --tokenizer), so transformers' generate stops at its EOS.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from functools import partial
@@ -42,7 +49,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm.auto import tqdm
 
+import eval as evaluation
 import expert_parallel
+import hf
 import kernels
 import plan
 from audit import expert_load, mismatch_metrics, pack_routes, route_audit, token_overlap
@@ -277,6 +286,7 @@ class Run:
     start: int                       # the first step to run (> 0 on resume)
     skipped: int                     # optimizer steps skipped for a non-finite loss or gradient so far
     metrics_path: str
+    outputs: "Outputs | None" = None  # identity of the exports, eval task, logger (set by open_outputs)
 
     @property
     def fsdp(self) -> bool:
@@ -329,10 +339,18 @@ def check_run_configs(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
     if tcfg.prompts_per_step % d.world or tcfg.minibatch_size % d.world:
         raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) and minibatch_size ({tcfg.minibatch_size}) "
                           f"must be divisible by the number of ranks ({d.world})")
-    rollout_deviates = rcfg.rollout_mode != "invariant" or rcfg.router_bf16 or rcfg.rollout_dtype not in ("", tcfg.dtype)
-    if rollout_deviates and tcfg.correction != "none" and not tcfg.recompute_old_logp:
+    if tcfg.correction != "none" and not tcfg.recompute_old_logp:      # else rho = pi_old / mu is 1 by definition
         raise ConfigError(f"--correction={tcfg.correction} weighs the trainer's old log-probs against the rollout's; "
-                          "with a deviating rollout they differ only if recomputed: add --recompute_old_logp=true")
+                          "without --recompute_old_logp=true they are the rollout's own: add it")
+    batch = tcfg.prompts_per_step * tcfg.group_size
+    if tcfg.minibatch_size > batch:
+        d.print0(f"--minibatch_size={tcfg.minibatch_size} is more than the batch of {batch} (prompts_per_step x "
+                 f"group_size): one optimizer step of {batch} per epoch")
+    elif batch % tcfg.minibatch_size:
+        raise ConfigError(f"--minibatch_size={tcfg.minibatch_size} must divide the batch of {batch} (prompts_per_step "
+                          "x group_size): uneven minibatches would weigh their sequences unequally")
+    if tcfg.log_to:
+        open_logger(tcfg.log_to, tcfg.out_dir, probe=True)               # a missing package: one line, before work
 
 
 def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
@@ -385,27 +403,205 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
 
 
 def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
-    """The loop: each step reads top to bottom as its phases."""
+    """The loop: each step reads top to bottom as its phases. A SIGINT / SIGTERM (see `cli`) ends the
+    step under way, then the run saves it and stops (Interrupted)."""
     run = setup(tcfg, rcfg, d)
-    history = []
+    run.outputs = open_outputs(run)
+    d.print0(banner(run))
+    history, saved = [], run.start
     bar = tqdm(range(run.start, run.tcfg.steps), desc="train", disable=not (run.tcfg.progress and d.master),
                initial=run.start, total=run.tcfg.steps)
-    for step in bar:
-        t0 = time.perf_counter()
-        examples, outs = rollout(run, step)
-        t_rollout = time.perf_counter() - t0
-        rewards = compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1)
-        batch = make_batch(outs, group_advantages(rewards, run.tcfg.group_size, run.tcfg.adv_std_norm))
-        old = old_policy(run, batch)
-        stats, first = update(run, batch, old, step)
-        row = step_metrics(run, step, batch, outs, rewards, old.audit or first, stats, t_rollout, t0)
-        history.append(log_row(run, step, row))
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
-                        flip=f"{row.get('route_flip_frac', 0):.3f}")
-        if (step + 1) % run.tcfg.save_every == 0 or step + 1 == run.tcfg.steps:
-            checkpoint(run, step + 1)
-    bar.close()
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            examples, outs = rollout(run, step)
+            t_rollout = time.perf_counter() - t0
+            rewards = compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1)
+            log_samples(run, step, examples, outs, rewards)
+            batch = make_batch(outs, group_advantages(rewards, run.tcfg.group_size, run.tcfg.adv_std_norm))
+            old = old_policy(run, batch)
+            stats, first = update(run, batch, old, step)
+            row = step_metrics(run, step, batch, outs, rewards, old.audit or first, stats, t_rollout, t0)
+            row.update(maybe_evaluate(run, step))
+            history.append(log_row(run, step, row))
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
+                            flip=f"{row.get('route_flip_frac', 0):.3f}")
+            if (step + 1) % run.tcfg.save_every == 0 or step + 1 == run.tcfg.steps:
+                checkpoint(run, step + 1)
+                saved = step + 1
+            signum = stop_requested(d)
+            if signum:                                                # the step is whole: save it, then stop
+                if saved != step + 1:
+                    checkpoint(run, step + 1)
+                raise Interrupted(step + 1, signum)
+    finally:
+        bar.close()
+        run.outputs.close()
     return history
+
+
+# ---- what a run shows and writes besides metrics.jsonl ---------------------------------------------
+@dataclasses.dataclass
+class Outputs:
+    """The run's other outputs: its exports' identity, the eval task, the optional logger (rank 0)."""
+    identity: hf.Identity
+    eval_task: object | None
+    logger: object | None
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+
+
+def open_outputs(run: Run) -> Outputs:
+    tcfg = run.tcfg
+    eval_task = None
+    if tcfg.eval_data:                                                # the training task's tokenizer and reward
+        eval_task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.eval_data, tcfg.tokenizer, tcfg.reward_fn,
+                              run.rcfg.max_new_tokens)
+    logger = open_logger(tcfg.log_to, tcfg.out_dir) if tcfg.log_to and run.d.master else None
+    samples = os.path.join(tcfg.out_dir, "samples.jsonl")
+    if run.start and run.d.master and os.path.exists(samples):      # a resume: drop the rows past its checkpoint
+        trim_metrics(samples, run.start)
+    return Outputs(export_identity(tcfg, run.task), eval_task, logger)
+
+
+def export_identity(tcfg: TrainConfig, task) -> hf.Identity:
+    """The token ids and tokenizer files every checkpoint carries: --init_from's own (a checkpoint folder),
+    else the task's stop ids as eos and --tokenizer's file."""
+    ident = hf.read_identity(tcfg.init_from) if os.path.isdir(tcfg.init_from) else hf.Identity()
+    if ident.token_ids.get("eos_token_id") is None and task.stop_token_ids:
+        stop = list(task.stop_token_ids)
+        ident.token_ids["eos_token_id"] = stop[0] if len(stop) == 1 else stop
+    if tcfg.tokenizer and "tokenizer.json" not in ident.files:
+        path = os.path.join(tcfg.tokenizer, "tokenizer.json") if os.path.isdir(tcfg.tokenizer) else tcfg.tokenizer
+        ident.files["tokenizer.json"] = path
+    return ident
+
+
+def banner(run: Run) -> str:
+    """The start of a run in two lines: what trains where, and what the rollout stops on."""
+    tcfg, cfg, d = run.tcfg, run.weights.full.config, run.d
+    n_params = sum(p.numel() for p in run.weights.full.parameters())
+    moe = f", {cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else ""
+    where = f"{d.device}" + (f" x {d.world} ranks ({tcfg.parallel})" if d.world > 1 else "")
+    start = (f"resume: continuing from step {run.start} ({latest_checkpoint(tcfg.out_dir)}) to step {tcfg.steps}"
+             if run.start else f"steps 1..{tcfg.steps}")
+    return (f"train: {tcfg.init_from} ({cfg.model_type}, {n_params / 1e6:.2f}M parameters{moe}) on {where}, "
+            f"{tcfg.dtype}; task {tcfg.task}; out_dir {tcfg.out_dir}; {start}\n"
+            f"rollout: stop ids {list(run.task.stop_token_ids)}, max_new_tokens {max_new_tokens(run)}, "
+            f"temperature {run.rcfg.temperature}, {tcfg.prompts_per_step} prompts x {tcfg.group_size} responses")
+
+
+def log_samples(run: Run, step: int, examples, outs, rewards: torch.Tensor) -> None:
+    """--log_samples=N: this rank's first N responses to samples.jsonl (rank 0), the first on the console."""
+    n = run.tcfg.log_samples
+    if not n or not run.d.master:
+        return
+    G, task = run.tcfg.group_size, run.task
+    rows = [{"step": step + 1, "prompt": task.decode(examples[i // G].prompt), "response": task.decode(o.tokens),
+             "reward": rewards[i].item()} for i, o in enumerate(outs[:n])]
+    with open(os.path.join(run.tcfg.out_dir, "samples.jsonl"), "a") as f:
+        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
+    r = rows[0]
+    line = f"step {r['step']} sample: {r['prompt'][-60:]!r} -> {r['response'][:80]!r} (reward {r['reward']:.3f})"
+    tqdm.write(line) if run.tcfg.progress else print(line, flush=True)
+
+
+def maybe_evaluate(run: Run, step: int) -> dict:
+    """--eval_data: eval.evaluate's keys every --eval_every steps and at the last step, else nothing."""
+    tcfg = run.tcfg
+    every = tcfg.eval_every or tcfg.steps
+    if run.outputs.eval_task is None or not ((step + 1) % every == 0 or step + 1 == tcfg.steps):
+        return {}
+    run.weights.sync()
+    run.weights.trained.eval()
+    return evaluation.evaluate(run.sampler, run.outputs.eval_task, compute_rewards, samples=tcfg.eval_samples,
+                               max_new_tokens=max_new_tokens(run), temperature=run.rcfg.temperature,
+                               top_p=run.rcfg.top_p, top_k=run.rcfg.top_k,
+                               stop_token_ids=run.task.stop_token_ids, step=step + 1, d=run.d)
+
+
+class Logger:
+    """A copy of each metrics row to tensorboard or wandb; metrics.jsonl stays the record."""
+
+    def __init__(self, log, close):
+        self.log, self.close = log, close
+
+
+def open_logger(kind: str, out_dir: str, probe: bool = False) -> Logger | None:
+    """--log_to=tensorboard|wandb. probe: only check that the package is there (ConfigError if not)."""
+    package = {"tensorboard": "tensorboard", "wandb": "wandb"}[kind]
+    try:
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+        else:
+            import wandb
+    except ImportError:
+        raise ConfigError(f"--log_to={kind} needs the {package} package: pip install {package} "
+                          "(or drop --log_to: metrics.jsonl has every row)") from None
+    if probe:
+        return None
+    numbers_of = lambda row: {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}  # noqa: E731
+    if kind == "tensorboard":
+        w = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+        return Logger(lambda row: [w.add_scalar(k, v, row["step"]) for k, v in numbers_of(row).items()], w.close)
+    mode = os.environ.get("WANDB_MODE") or ("online" if network_reachable("api.wandb.ai") else "offline")
+    r = wandb.init(project="moe-rl", dir=out_dir, mode=mode)
+    return Logger(lambda row: r.log(numbers_of(row), step=row["step"]), r.finish)
+
+
+def network_reachable(host: str) -> bool:
+    import socket
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def progress_line(run: Run, row: dict) -> str:
+    """--progress=false: one line every --log_every steps (a value that is null in the row shows as -)."""
+    def f(key, spec):
+        return "-" if row.get(key) is None else format(row[key], spec)
+    return (f"step {row['step']}/{run.tcfg.steps}: reward {f('reward_mean', '.3f')}, loss {f('loss', '.4g')}, "
+            f"train-rollout kl {f('train_rollout_kl', '.1e')}, route flips {f('route_flip_frac', '.3f')}, "
+            f"response len {f('response_len', '.1f')}, {f('step_time', '.2f')} s"
+            + "".join(f", {k} {f(k, '.3f')}" for k in row if k.startswith("eval_")))
+
+
+# ---- stopping on a signal ------------------------------------------------------------------------
+class Interrupted(Exception):
+    """A SIGINT / SIGTERM stopped the run after `step`, which is saved; exit status 128 + signum."""
+
+    def __init__(self, step: int, signum: int):
+        super().__init__(step, signum)
+        self.step, self.signum = step, signum
+
+
+class StopRequest:
+    """The signal handlers' flag. The first SIGINT / SIGTERM asks the loop to stop after the step under
+    way; a second one stops at once (KeyboardInterrupt), saving nothing more."""
+    signum = 0
+
+    @classmethod
+    def handler(cls, signum, frame):
+        if cls.signum:
+            raise KeyboardInterrupt
+        cls.signum = signum
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"\n{signal.Signals(signum).name}: stopping after this step and saving it "
+                  "(send it again to stop now without saving)", file=sys.stderr, flush=True)
+
+
+def stop_requested(d: Dist) -> int:
+    """The signal number if any rank was asked to stop, else 0: every rank stops after the same step."""
+    signum = StopRequest.signum
+    if d.world > 1:
+        t = torch.tensor([signum], device=d.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        signum = int(t.item())
+    return signum
 
 
 # ---- the phases of a step -------------------------------------------------------------------------
@@ -618,6 +814,10 @@ def log_row(run: Run, step: int, row: dict) -> dict:
     if run.d.master and ((step + 1) % run.tcfg.log_every == 0 or step + 1 == run.tcfg.steps):
         with open(run.metrics_path, "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
+        if run.outputs is not None and run.outputs.logger is not None:
+            run.outputs.logger.log(row)
+        if not run.tcfg.progress:
+            print(progress_line(run, row), flush=True)
     return row
 
 
@@ -632,9 +832,12 @@ def checkpoint(run: Run, step: int) -> None:
     masters = mp.master_state() if mp is not None else None           # collective under FSDP2
     opt_state = optimizer_state(run.weights.scorer, run.opt, run.fsdp)   # collective under FSDP2
     if run.d.master:
-        save_checkpoint(run.tcfg.out_dir, step, run.weights.full, opt_state, run.tcfg, run.rcfg, run.task,
-                        extra={"skipped_steps": run.skipped}, masters=masters,
-                        save_dtype=run.tcfg.save_dtype or run.tcfg.dtype)
+        path = save_checkpoint(run.tcfg.out_dir, step, run.weights.full, opt_state, run.tcfg, run.rcfg, run.task,
+                               extra={"skipped_steps": run.skipped}, masters=masters,
+                               save_dtype=run.tcfg.save_dtype or run.tcfg.dtype, keep=run.tcfg.keep_checkpoints,
+                               identity=run.outputs.identity if run.outputs is not None else None)
+        line = f"step {step}: saved {path}"
+        tqdm.write(line) if run.tcfg.progress else print(line, flush=True)
     if run.d.world > 1:
         dist.barrier()
         run.d.print0(f"step {step}: weights identical on {run.d.world} ranks (sha256 {digest[:16]})")
@@ -673,11 +876,28 @@ def summary(history: list[dict], seconds: float, out_dir: str) -> str:
 
 
 def cli(argv: list[str]) -> None:
-    """main, with user mistakes and stopped runs as one line `error: ...` and exit status 1, no traceback."""
+    """main, with user mistakes and stopped runs as one line `error: ...` and exit status 1, no traceback;
+    under torchrun rank 0 alone prints it (every rank meets the same mistake) and every rank exits 1.
+    SIGINT / SIGTERM save the last whole step and exit 130 / 143 (128 + the signal's number)."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    handlers = {sig: signal.signal(sig, StopRequest.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         main(argv)
     except (ConfigError, CheckpointError, RunError, TaskError) as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {e}" if rank0 else 1)
+    except Interrupted as e:
+        if rank0:
+            print(f"interrupted at step {e.step}; resume with --resume=true", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:                                         # a second signal, or one before the loop
+        if rank0:
+            print("interrupted; the step under way is not saved (the last checkpoint, if any, is kept)",
+                  file=sys.stderr, flush=True)
+        sys.exit(128 + (StopRequest.signum or signal.SIGINT))
+    finally:
+        StopRequest.signum = 0
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
 
 
 if __name__ == "__main__":

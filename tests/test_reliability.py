@@ -480,3 +480,83 @@ def test_code_cites_only_the_repository():
     design = open(os.path.join(ROOT, "docs", "design.md")).read()
     assert "## The contract" in design and "## RL losses" in design and "## Reliability" in design
     assert "docs/design.md" in train.__doc__
+
+
+# ---------------------------------------------------------------------------------------------------
+# SIGINT / SIGTERM: the last whole step is saved, one line, exit 128 + signum, and the resume continues it
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_saves_the_last_whole_step_and_the_resume_continues_it(tmp_path, sig, status):
+    import signal
+    import time
+    timing = {"step_time", "rollout_tokens_per_s"}
+    argv = FAST + ["--save_every=1000", "--lr_decay_steps=1000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "train.py", *argv, "--steps=1000", f"--out_dir={tmp_path / 'a'}"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(getattr(signal, sig))                # before the first checkpoint (save_every=1000)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == status, err[-2000:]
+    assert "Traceback" not in err, err
+    n = len(metrics.read_text().splitlines())
+    assert err.splitlines()[-1] == f"interrupted at step {n}; resume with --resume=true"
+    assert checkpoints(tmp_path / "a") == [f"ckpt-{n:06d}"] and f"step {n}: saved" in out
+    # the resume says where it continues, and continues the same run
+    r = subprocess.run([sys.executable, "train.py", *argv, f"--steps={n + 2}", f"--out_dir={tmp_path / 'a'}",
+                        "--resume=true"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and f"resume: continuing from step {n} (" in r.stdout, r.stderr[-2000:]
+    whole = run(tmp_path / "b", "--save_every=1000", "--lr_decay_steps=1000", f"--steps={n + 2}")
+    legs = [json.loads(line) for line in open(metrics)]
+    assert [h["step"] for h in legs] == list(range(1, n + 3))
+    for a, b in zip(whole, legs):
+        assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+
+
+def test_resume_and_fresh_start_refusals_name_both_ways_out(tmp_path):
+    msg = cli_error(f"--out_dir={tmp_path}", "--resume=true")              # nothing there
+    assert "no checkpoint" in msg and "--overwrite=true" in msg and "--resume=true" in msg
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')             # a run stopped before its first save
+    msg = cli_error(f"--out_dir={tmp_path}", "--resume=true")
+    assert "metrics.jsonl" in msg and "--overwrite=true" in msg
+    msg = cli_error(f"--out_dir={tmp_path}")
+    assert "no checkpoint" in msg and "--overwrite=true" in msg and "--resume=true has nothing" in msg
+    run(tmp_path, "--steps=1", "--overwrite=true")                        # the way out it names works
+    assert checkpoints(tmp_path) == ["ckpt-000001"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# silent acceptances: each an error or one printed decision
+# ---------------------------------------------------------------------------------------------------
+def test_minibatch_and_correction_checks(tmp_path, capsys):
+    assert "--minibatch_size=3 must divide the batch of 8" in cli_error(
+        f"--out_dir={tmp_path}", "--prompts_per_step=4", "--minibatch_size=3")
+    msg = cli_error(f"--out_dir={tmp_path}", "--correction=tis")
+    assert "--correction=tis" in msg and "--recompute_old_logp=true" in msg
+    run(tmp_path, "--steps=1", "--minibatch_size=1000")                   # clamped, and said once
+    assert capsys.readouterr().out.count("--minibatch_size=1000 is more than the batch of 4") == 1
+
+
+@pytest.mark.parametrize("kind, module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
+def test_log_to_without_its_package_is_one_line(tmp_path, monkeypatch, kind, module):
+    monkeypatch.setitem(sys.modules, module, None)                       # what an absent package looks like
+    msg = cli_error(f"--out_dir={tmp_path}", f"--log_to={kind}")
+    assert f"--log_to={kind} needs the {kind} package: pip install {kind}" in msg
+    assert not os.path.exists(tmp_path / "metrics.jsonl")               # before any work
+    assert "--log_to='nope'" in cli_error(f"--out_dir={tmp_path}", "--log_to=nope")
+
+
+def test_torchrun_error_is_printed_once_by_rank_0(tmp_path):
+    """Every rank meets the mistake; rank 0 alone prints it, no rank prints a traceback (torchrun's own
+    launcher still reports the failed job)."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "train.py", *FAST, "--prompts_per_step=4", "--device=cpu", "--minibatch_size=6",
+                        f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert r.returncode != 0
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--minibatch_size=6 must divide the batch of 8" in errors[0], r.stderr[-3000:]
+    assert 'train.py", line' not in r.stderr and r.stderr.count("Traceback") <= 1, r.stderr[-3000:]

@@ -167,7 +167,8 @@ def test_short_run_learns_with_zero_mismatch(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [["--recompute_old_logp=true", "--replay=r3", "--epochs=2", "--micro_batch_size=24"],
-                                   ["--loss=gspo", "--correction=seq_mis", "--kl_coef=0.05"]])
+                                   ["--loss=gspo", "--correction=seq_mis", "--recompute_old_logp=true",
+                                    "--kl_coef=0.05"]])
 def test_variants_run_with_zero_mismatch(tmp_path, extra):
     hist = _run(tmp_path, SMALL + ["--steps=2"] + extra)
     for h in hist:
@@ -318,3 +319,40 @@ def test_a_run_with_a_frozen_router_keeps_its_gates(tmp_path):
     experts = [n for n, _ in trained.named_parameters() if n.endswith("w13")]
     trained_p, init_p = dict(trained.named_parameters()), dict(init.named_parameters())
     assert experts and all(not torch.equal(trained_p[n], init_p[n]) for n in experts)   # control: the rest trains
+
+
+# ---- what a run shows ------------------------------------------------------------------------------
+def test_banner_checkpoint_lines_samples_and_progress_lines(tmp_path, capsys):
+    argv = ["--task=copy", "--n_digits=2", "--prompts_per_step=2", "--group_size=2", "--minibatch_size=4",
+            f"--out_dir={tmp_path}", "--progress=false", "--save_every=2", "--log_every=2", "--log_samples=3"]
+    train.cli(argv + ["--steps=4"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("train: tiny (qwen3_moe, ") and "M parameters, 8 experts top-2) on cpu, float32" in out[0]
+    assert f"task copy; out_dir {tmp_path}; steps 1..4" in out[0]
+    assert out[1].startswith("rollout: stop ids [12], max_new_tokens 3, temperature 1.0")
+    assert [line.split(":")[0] for line in out if line.startswith("step ") and "/4:" in line] == ["step 2/4", "step 4/4"]
+    assert [line for line in out if ": saved " in line] == [f"step {s}: saved {tmp_path / f'ckpt-{s:06d}'}"
+                                                              for s in (2, 4)]
+    shown = [line for line in out if " sample: " in line]
+    assert len(shown) == 4 and shown[0].startswith("step 1 sample: '^")
+    rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]   # strict JSON, 3 a step
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    assert all(set(r) == {"step", "prompt", "response", "reward"} and 0 <= r["reward"] <= 1 for r in rows)
+    assert all(r["prompt"].startswith("^") and r["prompt"].endswith("=") for r in rows)
+    # a resume says where it continues and drops the samples past its checkpoint (a killed run's)
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "prompt": "lost", "response": "", "reward": 0.0}) + "\n")
+    train.cli(argv + ["--steps=6", "--resume=true"])
+    out = capsys.readouterr().out
+    assert f"resume: continuing from step 4 ({tmp_path / 'ckpt-000004'}) to step 6" in out
+    rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert [r["step"] for r in rows] == [s for s in range(1, 7) for _ in range(3)]
+    assert "lost" not in {r["prompt"] for r in rows}
+
+
+def test_log_samples_changes_no_metric(tmp_path):
+    timing = {"step_time", "rollout_tokens_per_s"}
+    a = _run(tmp_path / "a", SMALL + ["--steps=2"])
+    b = _run(tmp_path / "b", SMALL + ["--steps=2", "--log_samples=4", "--keep_checkpoints=3"])
+    assert [{k: v for k, v in r.items() if k not in timing} for r in a] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in b]

@@ -1,0 +1,138 @@
+"""Evaluation on a held-out JSONL: reward and pass rates, greedy and sampled, of a model or a checkpoint.
+
+    python eval.py out/ckpt-000200 --data=heldout.jsonl        # the run's tokenizer, reward fn and limits
+    python eval.py CKPT --data=FILE --reward_fn=my_mod:reward --tokenizer=dir/tokenizer.json --samples=8
+
+The file has --data's format (one {"prompt": ..., "answer": ...} a line, tasks.py) and is scored with
+the same reward function as training. Every prompt is answered once greedily (temperature 0) and k times
+sampled (at the run's temperature, from a fixed seed, so two evaluations differ only by the weights).
+A response passes when its reward is >= PASS_REWARD: `eval_greedy_pass` is the fraction of prompts whose
+greedy response passes (pass@1), `eval_pass@k` the fraction with at least one passing sample of k.
+
+train.py --eval_data=FILE --eval_every=N --eval_samples=k calls the same `evaluate` and logs its keys
+into metrics.jsonl. For a checkpoint train.py wrote, the defaults come from its trainer_state.pt; the
+tokenizer from the checkpoint folder itself (exports carry tokenizer.json).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+PASS_REWARD = 1.0             # a response with reward >= this counts as solved
+EVAL_SEED = 1_000_003         # the sampled responses' seed: the same draws at every evaluation
+
+
+def evaluate(sampler, task, score, *, samples: int, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+             top_k: int = 0, stop_token_ids=(), step: int = 0, d=None) -> dict:
+    """Greedy and sampled reward and pass rates of sampler's model on every example of `task` (a JSONL
+    task, read from its start each time). score(task, examples, outs, n, step) -> (len(outs),) rewards
+    (train.compute_rewards: a bad reward stops with the example named). Under torchrun each rank answers
+    a contiguous slice of the prompts and the sums are reduced, so every rank returns the same dict."""
+    from distributed import all_sum
+    task.load_state_dict({"epoch": 0, "pos": 0})
+    examples = task.sample(len(task.rows))                     # every example once, in the task's first order
+    rank, world = (d.rank, d.world) if d is not None else (0, 1)
+    per = -(-len(examples) // world)
+    lo, mine = rank * per, examples[rank * per:(rank + 1) * per]
+    sums = {"n": float(len(mine)), "greedy_reward": 0.0, "greedy_pass": 0.0, "sampled_reward": 0.0, "pass_k": 0.0}
+    if mine:
+        kw = dict(max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
+                  progress=False)
+        prompts = [ex.prompt for ex in mine]
+        greedy = score(task, mine, sampler.generate(prompts, temperature=0.0, n=1, index_offset=lo, **kw), 1, step)
+        outs = sampler.generate(prompts, temperature=temperature, n=samples, seed=EVAL_SEED,
+                                index_offset=lo * samples, **kw)
+        sampled = score(task, mine, outs, samples, step).view(len(mine), samples)   # (prompts, k)
+        sums.update(greedy_reward=greedy.sum().item(), greedy_pass=(greedy >= PASS_REWARD).sum().item(),
+                    sampled_reward=sampled.mean(1).sum().item(),
+                    pass_k=(sampled >= PASS_REWARD).any(1).sum().item())
+    if d is not None:
+        sums = {k: all_sum(v, d) for k, v in sums.items()}
+    n = sums["n"]
+    return {"eval_greedy_reward": sums["greedy_reward"] / n, "eval_greedy_pass": sums["greedy_pass"] / n,
+            "eval_sampled_reward": sums["sampled_reward"] / n, f"eval_pass@{samples}": sums["pass_k"] / n}
+
+
+def format_result(result: dict) -> str:
+    k = next(key for key in result if key.startswith("eval_pass@")).removeprefix("eval_pass@")
+    return (f"greedy reward {result['eval_greedy_reward']:.3f}, pass@1 {result['eval_greedy_pass']:.3f}; "
+            f"sampled (k={k}) reward {result['eval_sampled_reward']:.3f}, pass@{k} {result[f'eval_pass@{k}']:.3f}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# python eval.py CKPT --data=FILE
+# ---------------------------------------------------------------------------------------------------
+OPTIONS = {"data": "", "reward_fn": "", "tokenizer": "", "samples": 4, "max_new_tokens": 0, "temperature": 1.0,
+           "device": "cpu"}
+
+
+def checkpoint_defaults(ckpt: str) -> dict:
+    """What the run that wrote ckpt used (its trainer_state.pt), where this command line says nothing."""
+    from checkpoint import load_trainer_state
+    out = {"tokenizer": ckpt if os.path.isfile(os.path.join(ckpt, "tokenizer.json")) else ""}
+    if os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):
+        state = load_trainer_state(ckpt)
+        t, r = state.get("train_config", {}), state.get("rollout_config", {})
+        out.update(reward_fn=t.get("reward_fn", ""), temperature=r.get("temperature", 1.0),
+                   max_new_tokens=r.get("max_new_tokens", 0))
+        out["tokenizer"] = out["tokenizer"] or t.get("tokenizer", "")
+    return out
+
+
+def parse(argv: list[str]) -> tuple[str, dict]:
+    from config import ConfigError, parse_args
+    if not argv or argv[0].startswith("--"):
+        raise ConfigError("usage: python eval.py CKPT --data=FILE [--reward_fn=mod:fn] [--tokenizer=FILE] "
+                          "[--samples=k] [--max_new_tokens=N] [--temperature=T] [--device=cpu|cuda]")
+    ckpt, given = argv[0], parse_args(argv[1:])
+    if not os.path.isdir(ckpt):
+        raise ConfigError(f"{ckpt!r}: no such checkpoint folder")
+    unknown = sorted(set(given) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"unknown option --{unknown[0]}; eval.py takes {', '.join('--' + k for k in OPTIONS)}")
+    opts = {**OPTIONS, **{k: v for k, v in checkpoint_defaults(ckpt).items() if v}}
+    for k, raw in given.items():
+        try:
+            opts[k] = type(OPTIONS[k])(raw)
+        except ValueError:
+            raise ConfigError(f"--{k} expects {type(OPTIONS[k]).__name__}, got {raw!r}") from None
+    for k in ("data", "reward_fn", "tokenizer"):
+        if not opts[k]:
+            raise ConfigError(f"--{k}=... is needed (the checkpoint's run does not say)")
+    if opts["samples"] < 1 or opts["temperature"] < 0:
+        raise ConfigError(f"need --samples >= 1 and --temperature >= 0 (got {opts['samples']}, {opts['temperature']})")
+    return ckpt, opts
+
+
+def main(argv: list[str]) -> dict:
+    import hf
+    from model import Transformer
+    from rollout import Sampler
+    from tasks import make_task
+    from train import compute_rewards                          # the trainer's reward check, one owner
+    ckpt, o = parse(argv)
+    task = make_task("jsonl", data=o["data"], tokenizer=o["tokenizer"], reward_fn=o["reward_fn"],
+                     max_new_tokens=o["max_new_tokens"])
+    eos = hf.read_identity(ckpt).token_ids.get("eos_token_id")
+    stop = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else task.stop_token_ids
+    model = Transformer.from_pretrained(ckpt, device=o["device"])
+    result = evaluate(Sampler(model), task, compute_rewards, samples=o["samples"],
+                      max_new_tokens=o["max_new_tokens"] or task.max_new_tokens, temperature=o["temperature"],
+                      stop_token_ids=stop)
+    print(f"eval {ckpt} on {o['data']} ({len(task.rows)} prompts, stop ids {list(stop)}): {format_result(result)}")
+    return result
+
+
+def cli(argv: list[str]) -> None:
+    from checkpoint import RunError
+    from config import ConfigError
+    from hf import CheckpointError
+    from tasks import TaskError
+    try:
+        main(argv)
+    except (ConfigError, CheckpointError, RunError, TaskError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])
