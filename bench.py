@@ -585,7 +585,24 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "fast+gspo": ["--recompute_old_logp=true", "--loss=gspo"],
     # another router: sigmoid scores, a score-correction bias (balanced during RL), a shared expert, 2 groups
     "fast+sigmoid": ["--recompute_old_logp=true", "--init_from=tiny-sigmoid", "--expert_bias_update_rate=1e-3"],
+    # more remedies against the fast rollout: old-policy routing replay, a frozen router; a dense control
+    "fast+replay_old": ["--recompute_old_logp=true", "--replay=old"],
+    "fast+frozen_router": ["--recompute_old_logp=true", "--router_lr_scale=0"],
+    "dense fast": ["--recompute_old_logp=true", "--init_from=tiny-dense"],
+    # the rows below keep the invariant kernels: their one deviation is named in the row
+    "int8": ["--recompute_old_logp=true", "--rollout_dtype=int8"],
+    "int8+is": ["--recompute_old_logp=true", "--rollout_dtype=int8", "--correction=is"],
+    "int8+tis": ["--recompute_old_logp=true", "--rollout_dtype=int8", "--correction=tis"],
+    "int8 fp32 router": ["--recompute_old_logp=true", "--rollout_dtype=int8", "--rollout_quant_router=false"],
+    "fp8": ["--recompute_old_logp=true", "--rollout_dtype=fp8_e4m3"],
+    "fp8+is": ["--recompute_old_logp=true", "--rollout_dtype=fp8_e4m3", "--correction=is"],
+    "fp8+tis": ["--recompute_old_logp=true", "--rollout_dtype=fp8_e4m3", "--correction=tis"],
+    "train capacity 1.25": ["--recompute_old_logp=true", "--train_capacity_factor=1.25"],
+    **{f"sigmoid fault {f}": ["--recompute_old_logp=true", "--init_from=tiny-sigmoid", "--expert_bias_update_rate=1e-3",
+                              f"--rollout_router_fault={f}"]
+       for f in ("no_bias", "bias_sign", "bias_in_weights", "no_renorm")},
 }
+LAB_FAST = [name for name in LAB if name == "fast" or name.startswith(("fast+", "dense fast"))]   # get the fast flags
 
 
 def bench_lab(args) -> list[tuple[str, float, str]]:
@@ -603,7 +620,7 @@ def bench_lab(args) -> list[tuple[str, float, str]]:
         for name in runs:
             argv = [f"--steps={args.lab_steps}", f"--seed={seed}", f"--out_dir={args.lab_out}/{name}/seed{seed}",
                     "--progress=false", "--save_every=1000000", "--overwrite=true"] + LAB[name] + \
-                (fast if name != "invariant" else [])
+                (fast if name in LAB_FAST else [])
             tcfg, rcfg = TrainConfig(), RolloutConfig()
             apply_overrides(parse_args(argv + args.lab_args.split()), tcfg, rcfg)
             t0 = time.perf_counter()
@@ -628,7 +645,7 @@ def bench_lab(args) -> list[tuple[str, float, str]]:
         cells = (name, f"{mean:.3f}" + (f" ± {sd:.3f}" if len(finals) > 1 else ""), " ".join(f"{f:.2f}" for f in finals),
                  f"{sum(kl) / len(kl):.2e}", f"{max(kl):.2e}", f"{max(h['logp_max_abs_diff'] for h in steps):.2e}",
                  f"{sum(h['extreme_token_frac'] for h in steps) / len(steps):.2e}",
-                 f"{sum(h.get('route_flip_frac', 0.0) for h in steps) / len(steps):.2e}",
+                 f"{sum(h.get('route_flip_frac') or 0.0 for h in steps) / len(steps):.2e}",
                  f"{sum(w for _, w in per_seed):.0f}")
         print("| " + " | ".join(cells) + " |")
     lab_figure(results, args.lab_out, seeds[0])

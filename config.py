@@ -151,6 +151,9 @@ MODEL_PRESETS: dict[str, dict] = {
     # inside the best one), one shared expert; layer 0 dense through first_k_dense_replace (GLM's spelling).
     "tiny-sigmoid": dict(model_type="glm4_moe", router_scoring="sigmoid", score_correction_bias=True, n_group=2,
                          topk_group=1, n_shared_experts=1, mlp_only_layers=[], first_k_dense_replace=1),
+    # The dense control of the lab: tiny's width and active parameters, every layer a dense SwiGLU MLP of
+    # intermediate_size = top_k * moe_intermediate_size (2 * 128), so a numeric gap meets no router.
+    "tiny-dense": dict(num_experts=0, intermediate_size=256, mlp_only_layers=[]),
     # The real Qwen3-30B-A3B shapes (48 layers, 128 experts, top-8, 3.3B active parameters).
     "qwen3-30b-a3b": dict(
         vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
@@ -159,6 +162,9 @@ MODEL_PRESETS: dict[str, dict] = {
         decoder_sparse_step=1, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         max_position_embeddings=40960),
 }
+
+
+QUANT_FORMATS = ("int8", "fp8_e4m3")   # --rollout_dtype's quantized formats
 
 
 def check_sampling(temperature, top_p, top_k) -> None:
@@ -190,13 +196,24 @@ class RolloutConfig:
     # the mismatch lab: deviations on the rollout side only (the trainer always stays invariant)
     rollout_mode: str = "invariant"   # invariant | fast (batch-variant torch / cuBLAS / SDPA ops)
     router_bf16: bool = False         # round the rollout's router logits to bf16
-    rollout_dtype: str = ""           # "" (the trainer's) | bfloat16 | float16: a lower-precision weight copy
+    rollout_dtype: str = ""           # "" (the trainer's) | bfloat16 | float16: a lower-precision weight copy |
+                                      # int8 | fp8_e4m3: matmul weights rounded to that format per output channel
+                                      # (absmax scales) and dequantized (distributed.quantized_copy)
+    rollout_quant_router: bool = True   # int8 / fp8_e4m3: quantize the router gate too (false: full precision)
+    rollout_router_fault: str = "none"  # none | no_bias | bias_sign | bias_in_weights | no_renorm: the rollout's
+                                        # router wrong in that one way (model.ROUTER_FAULTS), the trainer's right
 
     def __post_init__(self):
         _require_finite(self)
         _require(self.rollout_mode in ("invariant", "fast"), f"--rollout_mode={self.rollout_mode!r}: invariant or fast")
-        _require(self.rollout_dtype in ("", "float32", "bfloat16", "float16"),
-                 f"--rollout_dtype={self.rollout_dtype!r}: '', float32, bfloat16 or float16")
+        _require(self.rollout_dtype in ("", "float32", "bfloat16", "float16") + QUANT_FORMATS,
+                 f"--rollout_dtype={self.rollout_dtype!r}: '', float32, bfloat16, float16, int8 or fp8_e4m3")
+        _require(self.rollout_quant_router or self.rollout_dtype in QUANT_FORMATS,
+                 f"--rollout_quant_router=false: only a quantized rollout (--rollout_dtype=int8 or fp8_e4m3) "
+                 f"quantizes the router (this one's is {self.rollout_dtype or 'the trainer dtype'})")
+        from model import ROUTER_FAULTS
+        _require(self.rollout_router_fault in ROUTER_FAULTS,
+                 f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
         _require(self.block_size > 0 and self.max_batch_size > 0 and self.max_num_batched_tokens > 0
                  and self.num_blocks >= 0, "block_size, max_batch_size and max_num_batched_tokens must be > 0, "
                  "num_blocks >= 0")
@@ -278,9 +295,13 @@ class TrainConfig:
     seq_rho: str = "geo_mean"         # seq_*: the sequence's rho as the geometric mean of its tokens' rho, or
                                       # their product (the papers' Seq-TIS / Seq-MIS, verl's rollout_is=sequence)
     rejected_tokens: str = "zero_weight"   # zero_weight (still counted in the token mean, still carry KL) | drop
-    replay: str = "none"              # none | r3
+    replay: str = "none"              # none | r3 (the rollout's routes) | old (the recomputed old policy's routes,
+                                      # "vanilla routing replay"; needs --recompute_old_logp)
     route_filter: str = "none"        # none | mask | downweight: tokens whose rollout/trainer top-k overlap
     route_filter_threshold: float = 0.9    # (mean over MoE layers) is below the threshold
+    train_capacity_factor: float = 0.0    # > 0: in the trainer's forwards each expert takes at most
+                                          # ceil(C * tokens * k / E) (token, slot) rows (model.capacity_limit);
+                                          # 0: dropless. The rollout is always dropless
     expert_bias_update_rate: float = 0.0  # > 0: after each optimizer step, router bias += rate * sign(mean load - load)
     # logging
     log_every: int = 1
@@ -336,7 +357,11 @@ class TrainConfig:
         _require(self.seq_rho in SEQ_RHOS, f"--seq_rho={self.seq_rho!r}: choose one of {', '.join(SEQ_RHOS)}")
         _require(0 < self.gspo_log_ratio_max <= 20,
                  f"--gspo_log_ratio_max={self.gspo_log_ratio_max}: must be in (0, 20] (exp(20) stays finite in fp32)")
-        _require(self.replay in ("none", "r3"), f"--replay={self.replay!r}: choose none or r3")
+        _require(self.replay in ("none", "r3", "old"), f"--replay={self.replay!r}: choose none, r3 or old")
+        _require(self.replay != "old" or self.recompute_old_logp,
+                 "--replay=old replays the routes of the recomputed old-policy forward: add --recompute_old_logp=true")
+        _require(self.train_capacity_factor >= 0,
+                 f"--train_capacity_factor={self.train_capacity_factor}: 0 (dropless) or > 0")
         _require(self.kl_estimator in KL_ESTIMATORS, f"--kl_estimator={self.kl_estimator!r}: {', '.join(KL_ESTIMATORS)}")
         _require(self.lr_schedule in ("cosine", "constant", "halving"),
                  f"--lr_schedule={self.lr_schedule!r}: cosine, constant or halving")

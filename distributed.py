@@ -271,9 +271,12 @@ class MixedPrecision:
         return (1 if opt_has_state else 3) * local + extra
 
 
-def lower_precision_copy(source: Transformer, dtype: torch.dtype, sync_source):
-    """The mismatch lab's rollout weights: a copy of `source` in `dtype`, refreshed before each rollout."""
-    copy_ = copy.deepcopy(source).to(dtype).requires_grad_(False)
+def lower_precision_copy(source: Transformer, dtype: torch.dtype | None, sync_source):
+    """The mismatch lab's rollout weights: a copy of `source` in `dtype` (None: its own dtypes),
+    refreshed before each rollout."""
+    copy_ = copy.deepcopy(source).requires_grad_(False)
+    if dtype is not None:
+        copy_ = copy_.to(dtype)
     pairs = list(zip(model_state(source), model_state(copy_)))       # the router bias is rounded too
 
     @torch.no_grad()
@@ -281,6 +284,43 @@ def lower_precision_copy(source: Transformer, dtype: torch.dtype, sync_source):
         sync_source()
         for p, q in pairs:
             q.copy_(p)
+    return copy_, sync
+
+
+QUANT_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}     # the largest magnitude of each format
+
+
+def fake_quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """w rounded to `fmt` with one absmax scale per output channel, dequantized back to w's dtype.
+
+    w (..., out, in): the scale of row o is max|w[..., o, :]| / QUANT_MAX[fmt] (1 for an all-zero row);
+    int8 rounds w / scale to the nearest integer in [-127, 127], fp8_e4m3 casts it to
+    torch.float8_e4m3fn (round to nearest even). Computed in fp32.
+    """
+    w32 = w.float()
+    absmax = w32.abs().amax(dim=-1, keepdim=True)                    # (..., out, 1)
+    scale = torch.where(absmax > 0, absmax / QUANT_MAX[fmt], torch.ones_like(absmax))
+    x = w32 / scale
+    q = x.round().clamp(-127, 127) if fmt == "int8" else x.to(torch.float8_e4m3fn).float()
+    return (q * scale).to(w.dtype)
+
+
+def quantized_copy(source: Transformer, fmt: str, sync_source, quantize_router: bool = True):
+    """The mismatch lab's quantized rollout weights: a copy of `source` whose matmul weights (attention
+    and MLP projections, the stacked experts, the router gate unless quantize_router is False) are
+    fake_quantize'd, refreshed before each rollout; embeddings, the LM head, norms, biases and the
+    router's score-correction bias stay as they are (weight-only quantization as engines serve it)."""
+    copy_ = copy.deepcopy(source).requires_grad_(False)
+    skip = {id(source.embed_tokens.weight), id(source.lm_weight())}
+    if not quantize_router:
+        skip |= {id(g.weight) for g in routers(source)}
+    pairs = [(p, q, p.dim() >= 2 and id(p) not in skip) for p, q in zip(model_state(source), model_state(copy_))]
+
+    @torch.no_grad()
+    def sync():
+        sync_source()
+        for p, q, quantize in pairs:
+            q.copy_(fake_quantize(p, fmt) if quantize else p)
     return copy_, sync
 
 

@@ -467,6 +467,22 @@ def sort_slots(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[in
     return order, counts
 
 
+def capacity_keep(ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """Which (row, slot) pairs fit an expert capacity: ids (R, k) -> keep (R, k) bool.
+
+    Each expert keeps its first `capacity` slots in slot order (s = row * k + j: earlier rows first,
+    then the row's slots j ascending), the order sort_slots groups them in; the rest are dropped.
+    Which rows are dropped depends on the whole batch by design: that is token dropping.
+    """
+    slot_expert = ids.reshape(-1)                                    # (R*k,)
+    order = torch.sort(slot_expert, stable=True).indices             # grouped by expert, slot order inside
+    counts = torch.bincount(slot_expert, minlength=n_experts)
+    first = torch.cumsum(counts, 0) - counts                         # (E,) each expert's first sorted place
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=ids.device) - first[slot_expert[order]]
+    return (rank < capacity).view(ids.shape)
+
+
 def grouped_experts(x: torch.Tensor, k: int, order: torch.Tensor, counts: list[int], w13: torch.Tensor,
                     w2: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """weight * down(silu(gate x) * up x) in fp32 for each slot s, which reads row s // k of x.

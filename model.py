@@ -24,6 +24,8 @@ bias and grouped top-k (kernels.route), routed_scaling_factor, and shared expert
 """
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -348,6 +350,77 @@ class MLP(nn.Module):
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+# The mismatch lab's router faults (RolloutConfig.rollout_router_fault), set on the rollout copy's MoE
+# modules only (train.build_weights): what a conversion bug or a second engine gets wrong.
+ROUTER_FAULTS = ("none",
+                 "no_bias",            # the score-correction bias lost: the choice on the raw scores
+                 "bias_sign",          # the bias subtracted instead of added
+                 "bias_in_weights",    # the combine weights taken from the biased scores
+                 "no_renorm")          # the top-k weights not renormalised (norm_topk_prob ignored)
+
+
+def fault_inputs(fault: str, bias: torch.Tensor | None, norm_topk_prob: bool):
+    """The bias and norm_topk_prob that kernels.route gets under a router fault."""
+    if fault == "no_bias":
+        bias = None
+    elif fault == "bias_sign":
+        bias = -bias
+    elif fault == "no_renorm":
+        norm_topk_prob = False
+    return bias, norm_topk_prob
+
+
+def biased_weights(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor, norm_topk_prob: bool, *,
+                   scoring: str, scaling: float, **_) -> torch.Tensor:
+    """The bias_in_weights fault: kernels.route's combine weights, but of the biased scores.
+    logits (M, E), ids (M, k) -> weights (M, k) fp32."""
+    probs = torch.softmax(logits.float(), dim=-1) if scoring == "softmax" else kernels.sigmoid(logits)
+    weights = (probs + bias.float()).gather(-1, ids)
+    if norm_topk_prob:
+        total = weights[:, 0]
+        for j in range(1, weights.shape[1]):                          # k ascending, as route
+            total = total + weights[:, j]
+        weights = weights / (total[:, None] + (1e-20 if scoring == "sigmoid" else 0.0))
+    return weights * scaling if scaling != 1.0 else weights
+
+
+class CapacityLimit:
+    """--train_capacity_factor: under `with capacity_limit(limit):` each MoE layer's forward lets every
+    expert take at most ceil(factor * M * k / E) of its M tokens' (token, slot) rows, kept in slot order
+    (kernels.capacity_keep: earlier token positions of the flattened (B, T) batch first, padding
+    included, then slots j ascending); a dropped row gets weight 0, so its token keeps the other
+    experts' outputs (and the residual). Counts accumulate on the device (no host sync) until read."""
+
+    def __init__(self, factor: float):
+        self.factor, self.rows, self.dropped = factor, 0, 0
+
+    def apply(self, ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> torch.Tensor:
+        M, k = ids.shape
+        keep = kernels.capacity_keep(ids, n_experts, math.ceil(self.factor * M * k / n_experts))
+        self.rows, self.dropped = self.rows + M * k, self.dropped + (~keep).sum()
+        return weights * keep
+
+    def pop_metrics(self) -> dict:
+        """The counts since the last call: dropped (token, slot) rows and their share of all rows."""
+        dropped = float(self.dropped)
+        out = {"capacity_dropped": dropped, "capacity_drop_frac": dropped / self.rows if self.rows else 0.0}
+        self.rows, self.dropped = 0, 0
+        return out
+
+
+_capacity: CapacityLimit | None = None       # set only inside capacity_limit (the trainer's forwards)
+
+
+@contextlib.contextmanager
+def capacity_limit(limit: CapacityLimit):
+    global _capacity
+    previous, _capacity = _capacity, limit
+    try:
+        yield limit
+    finally:
+        _capacity = previous
+
+
 class MoE(nn.Module):
     """Routed experts, plus the shared experts of some families.
 
@@ -381,6 +454,8 @@ class MoE(nn.Module):
                              scaling=cfg.routed_scaling_factor)
         # expert_parallel.ExpertParallel when w13 / w2 hold only this rank's E/N experts (shard_experts)
         self.ep = None
+        self.n_experts = E
+        self.router_fault = "none"     # ROUTER_FAULTS: set on the mismatch lab's rollout copy only
 
     def forward(self, x, forced_ids=None):
         B, T, D = x.shape
@@ -389,10 +464,17 @@ class MoE(nn.Module):
         # transformers' GLM-4.5 / DeepSeek-V3 do; the bias is applied in the logits' dtype
         logits = self.gate(x2.to(self.gate.weight.dtype))       # (M, E)
         bias = getattr(self.gate, "e_score_correction_bias", None)
-        ids, weights, chosen = kernels.route(logits, self.top_k, self.norm_topk_prob,
+        bias = None if bias is None else bias.to(logits.dtype)
+        norm = self.norm_topk_prob
+        if self.router_fault != "none":                         # the lab's wrong rollout router
+            bias, norm = fault_inputs(self.router_fault, bias, norm)
+        ids, weights, chosen = kernels.route(logits, self.top_k, norm,
                                              None if forced_ids is None else forced_ids.reshape(B * T, -1),
-                                             bias=None if bias is None else bias.to(logits.dtype),
-                                             **self.route_kw)
+                                             bias=bias, **self.route_kw)
+        if self.router_fault == "bias_in_weights":
+            weights = biased_weights(logits, ids, bias, norm, **self.route_kw)
+        if _capacity is not None:                               # trainer-side token dropping
+            weights = _capacity.apply(ids, weights, self.n_experts)
         if self.ep is None:
             out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
         else:                                                   # the same bits, experts on their owners

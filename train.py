@@ -33,6 +33,7 @@ and tokenizer files of --init_from (or --tokenizer), so transformers' generate s
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -55,7 +56,7 @@ import hf
 import kernels
 import plan
 from audit import expert_load, mismatch_metrics, pack_routes, route_audit, token_overlap
-from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text,
+from config import (MODEL_PRESETS, QUANT_FORMATS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text,
                     parse_args, parse_bool)
 from losses import (aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, rejects,
                     route_filter_weights)
@@ -63,9 +64,9 @@ from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_
                         load_trainer_state, load_weights, optimizer_state, prepare_out_dir, save_checkpoint,
                         saved_configs, trim_metrics)
 from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, grad_sync, init_distributed,
-                         lower_precision_copy, place_weights, reduce_metrics)
+                         lower_precision_copy, place_weights, quantized_copy, reduce_metrics)
 from hf import CheckpointError
-from model import MoE, Transformer
+from model import CapacityLimit, MoE, Transformer, capacity_limit
 from rollout import Sampler
 from tasks import RewardError, TaskError, check_reward, make_task
 
@@ -267,9 +268,32 @@ class Weights:
 def build_weights(model: Transformer, tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Weights:
     scorer, full, refresh, mp = place_weights(model, tcfg, d)
     rollout_model = full
-    if rcfg.rollout_dtype and rcfg.rollout_dtype != tcfg.dtype:      # the lab's copy, from the compute weights
+    if rcfg.rollout_dtype in QUANT_FORMATS:                          # the lab's quantized copy
+        rollout_model, refresh = quantized_copy(full, rcfg.rollout_dtype, refresh, rcfg.rollout_quant_router)
+    elif rcfg.rollout_dtype and rcfg.rollout_dtype != tcfg.dtype:    # the lab's copy, from the compute weights
         rollout_model, refresh = lower_precision_copy(full, getattr(torch, rcfg.rollout_dtype), refresh)
+    if rcfg.rollout_router_fault != "none":
+        rollout_model, refresh = faulty_router_copy(rollout_model, full, rcfg.rollout_router_fault, refresh)
     return Weights(model, scorer, full, rollout_model, refresh, mp)
+
+
+def faulty_router_copy(rollout_model: Transformer, full: Transformer, fault: str, refresh):
+    """The rollout's weights with their routers wrong in one way (model.ROUTER_FAULTS); a copy of its
+    own, so the trainer's model never carries the fault."""
+    c = full.config
+    if fault in ("no_bias", "bias_sign", "bias_in_weights") and not c.score_correction_bias:
+        raise ConfigError(f"--rollout_router_fault={fault} needs a router with a score-correction bias "
+                          "(--init_from=tiny-sigmoid or a glm4_moe checkpoint)")
+    if fault == "no_renorm" and not c.norm_topk_prob:
+        raise ConfigError("--rollout_router_fault=no_renorm: this model does not renormalise its top-k weights")
+    if not c.moe_layers:
+        raise ConfigError(f"--rollout_router_fault={fault}: the model has no MoE layer (no router)")
+    if rollout_model is full:                                        # a copy in the same dtype
+        rollout_model, refresh = lower_precision_copy(full, None, refresh)
+    for layer in rollout_model.layers:
+        if layer.is_moe:
+            layer.mlp.router_fault = fault
+    return rollout_model, refresh
 
 
 @dataclasses.dataclass
@@ -287,6 +311,7 @@ class Run:
     skipped: int                     # optimizer steps skipped for a non-finite loss or gradient so far
     metrics_path: str
     outputs: "Outputs | None" = None  # identity of the exports, eval task, logger (set by open_outputs)
+    capacity: CapacityLimit | None = None   # --train_capacity_factor's drop counts (see trainer_capacity)
 
     @property
     def fsdp(self) -> bool:
@@ -632,15 +657,26 @@ def unchecked(model: Transformer) -> Callable:
     return partial(model.score, check=False)
 
 
+def trainer_capacity(run: Run):
+    """The trainer's forwards under --train_capacity_factor (model.capacity_limit); dropless at 0."""
+    if run.tcfg.train_capacity_factor == 0:
+        return contextlib.nullcontext()
+    if run.capacity is None:
+        run.capacity = CapacityLimit(run.tcfg.train_capacity_factor)
+    return capacity_limit(run.capacity)
+
+
 def forward(run: Run, score: Callable, b: Batch, rows: torch.Tensor, *, grad: bool,
-            with_entropy: bool = False) -> Scored:
+            with_entropy: bool = False, replay: torch.Tensor | None = None) -> Scored:
     """One forward of b (rows `rows` of the rollout batch) through score: the trainer's scorer (DDP /
     FSDP2 hook its call) or unchecked(model) (the old and reference policies); under R3 it replays the
-    rollout's routes. Nothing here reads a tensor back: make_batch and pack_routes checked the batch."""
+    rollout's routes, else `replay` if given (--replay=old). Nothing here reads a tensor back:
+    make_batch and pack_routes checked the batch."""
     dev = run.d.device
-    with torch.set_grad_enabled(grad):
+    routes = b.routes if run.tcfg.replay == "r3" else replay
+    with torch.set_grad_enabled(grad), trainer_capacity(run):
         out = score(b.tokens.to(dev), temperature=run.rcfg.temperature,
-                    routes=b.routes.to(dev) if run.tcfg.replay == "r3" else None,
+                    routes=None if routes is None else routes.to(dev),
                     with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk)
     return Scored(out[0], out[1], out[2] if with_entropy else None, rows)
 
@@ -670,6 +706,11 @@ def old_policy(run: Run, batch: Batch) -> OldPolicy:
     if run.tcfg.rejected_tokens == "drop" and rejects(run.tcfg):        # out of the loss, its mean and the KL
         loss_mask = batch.mask * (weights > 0)
     return OldPolicy(logp, ref_logp, weights, loss_mask, audit)
+
+
+def old_routes(run: Run, old: OldPolicy, rows: torch.Tensor) -> torch.Tensor | None:
+    """--replay=old: the routes the old-policy forward chose for these rows (vanilla routing replay)."""
+    return old.audit.routes[rows] if run.tcfg.replay == "old" else None
 
 
 @dataclasses.dataclass
@@ -760,7 +801,7 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
         sub = idx[mlo:mlo + micro]
         mb = batch.select(sub)
         with grad_sync(run.weights.scorer, enabled=mlo == starts[-1]):
-            out = forward(run, run.weights.scorer, mb, sub, grad=True, with_entropy=True)
+            out = forward(run, run.weights.scorer, mb, sub, grad=True, with_entropy=True, replay=old_routes(run, old, sub))
             logp = out.logp.float()
             mask = old.loss_mask[sub].to(device)
             loss_tok, clipped = policy_loss(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg)
@@ -805,6 +846,8 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / t_rollout,
            "step_time": time.perf_counter() - t0, "preemptions": run.sampler.num_preemptions,
            "skipped_steps": run.skipped}
+    if run.capacity is not None:                                      # --train_capacity_factor's drops
+        row.update(run.capacity.pop_metrics())
     return reduce_metrics(row, run.d)
 
 

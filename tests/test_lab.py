@@ -24,10 +24,10 @@ def _model():
     return Transformer(ModelConfig(initializer_range=0.2))
 
 
-def _gap(sampler_kwargs, model=None, weights_dtype=None):
+def _gap(sampler_kwargs, model=None, weights_dtype=None, rollout_model=None):
     """max |rollout logp - trainer logp| and the fraction of route rows that differ."""
     model = model or _model()
-    rollout_model = model
+    rollout_model = rollout_model or model
     if weights_dtype is not None:
         rollout_model = Transformer(model.config).to(weights_dtype)
         rollout_model.load_state_dict(model.state_dict())
@@ -101,9 +101,12 @@ def test_lab_command_runs_end_to_end(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     table = [line for line in r.stdout.splitlines() if line.startswith("| ")]
-    assert [line.split("|")[1].strip() for line in table[1:]] == ["invariant", "fast", "fast+tis", "fast+reject",
-                                                                  "fast+icepop", "fast+r3", "fast+route_filter",
-                                                                  "fast+gspo", "fast+sigmoid"]
+    import bench
+    names = [line.split("|")[1].strip() for line in table[1:]]
+    assert names == list(bench.LAB) and names[:9] == ["invariant", "fast", "fast+tis", "fast+reject", "fast+icepop",
+                                                      "fast+r3", "fast+route_filter", "fast+gspo", "fast+sigmoid"]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in table[1:]}
+    assert float(rows["int8"][6]) > 0 and float(rows["dense fast"][8]) == 0   # a gap; no router, no flips
     # columns: run, final reward (mean ± sd over seeds), per seed, mean KL, max KL, max |dlogp|, extreme, flips, wall
     inv = table[1].split("|")
     assert "±" in inv[2] and len(inv[3].split()) == 2                          # two seeds
@@ -146,3 +149,153 @@ def test_true_entropy_is_logged_beside_the_sampled_logprob():
     h = hist[0]
     assert 0 < h["entropy"] <= math.log(32) + 1e-6                            # at most log(vocab)
     assert h["neg_logp_mean"] > 0 and h["entropy"] != h["neg_logp_mean"]
+
+
+# ---- quantized rollouts, router faults, trainer-side token dropping, the dense control --------------
+def test_fake_quantize_by_hand():
+    from distributed import fake_quantize
+    # scales chosen as powers of two, so every expected value is exact: int8 absmax 127/16, fp8 448/16
+    w = torch.tensor([[127 / 16, 0.1, -3.03], [0.0, 0.0, 0.0]])
+    assert torch.equal(fake_quantize(w, "int8"), torch.tensor([[127 / 16, 2 / 16, -48 / 16], [0.0, 0.0, 0.0]]))
+    # e4m3: 1.6 -> 1.625 (3 mantissa bits in [1, 2)), 48.48 -> 48 (steps of 4 in [32, 64)), 16 exact
+    w8 = torch.tensor([[28.0, 0.1, -3.03, 1.0]])
+    assert torch.equal(fake_quantize(w8, "fp8_e4m3"), torch.tensor([[28.0, 1.625 / 16, -48 / 16, 1.0]]))
+    # one scale per output channel: stacked experts (E, out, in) quantize each (e, out) row on its own
+    stack = torch.randn(3, 4, 8)
+    assert torch.equal(fake_quantize(stack, "int8")[1, 2], fake_quantize(stack[1, 2][None], "int8")[0])
+    err = (fake_quantize(stack, "int8") - stack).abs()
+    assert (err <= stack.abs().amax(-1, keepdim=True) / 127 / 2 + 1e-7).all() and err.max() > 0
+    assert fake_quantize(stack.bfloat16(), "fp8_e4m3").dtype == torch.bfloat16
+
+
+def test_quantized_rollout_has_a_mismatch_and_the_trainer_stays_exact():
+    from distributed import quantized_copy
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    q, sync = quantized_copy(model, "int8", lambda: None)
+    sync()
+    gate = model.layers[1].mlp.gate.weight
+    assert not torch.equal(q.layers[1].mlp.w13, model.layers[1].mlp.w13)           # quantized
+    assert not torch.equal(q.layers[1].mlp.gate.weight, gate)
+    assert torch.equal(q.embed_tokens.weight, model.embed_tokens.weight)          # kept
+    assert torch.equal(q.lm_head.weight, model.lm_head.weight) and torch.equal(q.norm.weight, model.norm.weight)
+    q_fp_router, sync_fp = quantized_copy(model, "int8", lambda: None, quantize_router=False)
+    sync_fp()
+    assert torch.equal(q_fp_router.layers[1].mlp.gate.weight, gate)
+    diff, _ = _gap({}, model=model, rollout_model=q)
+    assert diff > 0                                                              # nonzero rollout-trainer gap
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the trainer's weights untouched
+    assert _gap({}, model=model) == (0.0, 0.0)                                   # and its own rollout exact
+    with torch.no_grad():                                                         # a refresh follows the source
+        model.layers[1].mlp.w2.mul_(2)
+    sync()
+    assert torch.equal(q.layers[1].mlp.w2, _fq(model.layers[1].mlp.w2))
+
+
+def _fq(w):
+    from distributed import fake_quantize
+    return fake_quantize(w, "int8")
+
+
+def _sigmoid_moe():
+    from model import MoE
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                      router_scoring="sigmoid", score_correction_bias=True, initializer_range=0.5)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.5)
+        moe.gate.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+    return moe
+
+
+def _route_seen(moe, x):
+    """The ids and weights moe.forward hands to kernels.moe_experts."""
+    seen, real = [], kernels.moe_experts
+    kernels.moe_experts = lambda x2, w13, w2, ids, w: (seen.append((ids.clone(), w.clone())), real(x2, w13, w2, ids, w))[1]
+    try:
+        moe(x)
+    finally:
+        kernels.moe_experts = real
+    return seen[0]
+
+
+@pytest.mark.parametrize("fault", ["none", "no_bias", "bias_sign", "bias_in_weights", "no_renorm"])
+def test_router_fault_vs_hand_computed_routing(fault):
+    moe = _sigmoid_moe()
+    x = torch.randn(1, 6, 16)
+    moe.router_fault = fault
+    ids, weights = _route_seen(moe, x)
+    scores = 1 / (1 + torch.exp(-(x[0] @ moe.gate.weight.T)))                      # (6, 4) by hand
+    bias = moe.gate.e_score_correction_bias
+    choice = {"no_bias": scores, "bias_sign": scores - bias}.get(fault, scores + bias)
+    want_ids = torch.topk(choice, 2, dim=-1).indices                               # distinct scores: no ties
+    w = (scores + bias if fault == "bias_in_weights" else scores).gather(-1, want_ids)
+    if fault != "no_renorm":
+        w = w / w.sum(-1, keepdim=True)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, w, rtol=1e-6, atol=1e-7)
+    if fault != "none":                                                           # each fault changes something
+        moe.router_fault = "none"
+        right_ids, right_w = _route_seen(moe, x)
+        assert not (torch.equal(right_ids, ids) and torch.equal(right_w, weights))
+
+
+def test_router_fault_is_on_the_rollout_copy_only(tmp_path):
+    model = Transformer(ModelConfig.preset("tiny-sigmoid"))
+    rollout, _ = train.faulty_router_copy(model, model, "bias_sign", lambda: None)
+    assert rollout is not model
+    assert {l.mlp.router_fault for l in model.layers if l.is_moe} == {"none"}
+    assert {l.mlp.router_fault for l in rollout.layers if l.is_moe} == {"bias_sign"}
+    with pytest.raises(ConfigError, match="score-correction bias"):
+        train.faulty_router_copy(_model(), _model(), "no_bias", lambda: None)
+    hist = _run(tmp_path, ["--init_from=tiny-sigmoid", "--rollout_router_fault=no_renorm", "--recompute_old_logp=true"])
+    assert hist[0]["logp_max_abs_diff"] > 0                                      # the rollout's weights were wrong
+
+
+def test_capacity_keep_by_hand():
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    # slot order: e0 gets slots (0,0) (1,0) (2,0) (3,1), e1 (0,1) (2,1) (3,0), e2 (1,1); capacity 2
+    want = torch.tensor([[True, True], [True, True], [False, True], [False, False]])
+    assert torch.equal(kernels.capacity_keep(ids, 3, 2), want)
+    assert kernels.capacity_keep(ids, 3, 4).all()
+
+
+def test_train_capacity_drops_only_inside_the_trainers_forward(tmp_path):
+    from model import CapacityLimit, capacity_limit
+    model = _model()
+    t = torch.randint(0, 32, (3, 20))
+    free = model.score(t)[0]
+    with capacity_limit(CapacityLimit(100.0)) as big:                             # nothing overflows
+        assert torch.equal(model.score(t)[0], free)
+    assert big.pop_metrics()["capacity_dropped"] == 0
+    limit = CapacityLimit(0.5)
+    with capacity_limit(limit):
+        dropped = model.score(t)[0]
+    m = limit.pop_metrics()
+    assert not torch.equal(dropped, free) and m["capacity_dropped"] > 0
+    assert m["capacity_drop_frac"] >= 0.5 - 1e-9          # at C = 0.5 at least half the (token, slot) rows go
+    assert torch.equal(model.score(t)[0], free)                                   # scoped: dropless again
+    hist = _run(tmp_path, ["--train_capacity_factor=1.0"])
+    assert hist[0]["capacity_drop_frac"] > 0 and hist[0]["logp_max_abs_diff"] > 0
+    with pytest.raises(ConfigError, match="train_capacity_factor"):
+        TrainConfig(train_capacity_factor=-1.0)
+
+
+def test_dense_control_matches_tiny_active_parameters():
+    moe, dense = ModelConfig.preset("tiny"), ModelConfig.preset("tiny-dense")
+    assert dense.moe_layers == [] and dense.hidden_size == moe.hidden_size
+    assert dense.intermediate_size == moe.num_experts_per_tok * moe.moe_intermediate_size
+    n = lambda m, pred=lambda k: True: sum(p.numel() for k, p in m.named_parameters() if pred(k))
+    tm, td = Transformer(moe), Transformer(dense)
+    experts = n(tm, lambda k: ".w13" in k or ".w2" in k)
+    active = n(tm) - experts * (1 - moe.num_experts_per_tok / moe.num_experts) - n(tm, lambda k: k.endswith("mlp.gate.weight"))
+    assert n(td) == active
+
+
+def test_lab_options_refuse_bad_values():
+    for kw, msg in ((dict(rollout_dtype="int4"), "rollout_dtype"), (dict(rollout_router_fault="flip"), "rollout_router_fault"),
+                    (dict(rollout_quant_router=False), "rollout_quant_router")):
+        with pytest.raises(ConfigError, match=msg):
+            RolloutConfig(**kw)

@@ -356,3 +356,39 @@ def test_log_samples_changes_no_metric(tmp_path):
     b = _run(tmp_path / "b", SMALL + ["--steps=2", "--log_samples=4", "--keep_checkpoints=3"])
     assert [{k: v for k, v in r.items() if k not in timing} for r in a] == \
         [{k: v for k, v in r.items() if k not in timing} for r in b]
+def test_replay_old_replays_the_old_policys_routes(tmp_path, monkeypatch):
+    """--replay=old (vanilla routing replay): the updates replay the routes of the recomputed old-policy
+    forward. With an invariant rollout and one update per step (the policy has not moved yet) those
+    are the routes the free forward takes, so the run is the no-replay run bit for bit; under a fast rollout the updates get the old forward's routes, not the
+    rollout's (R3's)."""
+    timing = {"step_time", "rollout_tokens_per_s"}
+    one = ["--steps=2", "--recompute_old_logp=true", "--minibatch_size=128"]
+    base = _run(tmp_path / "a", SMALL + one)
+    old = _run(tmp_path / "b", SMALL + one + ["--replay=old"])
+    assert [{k: v for k, v in h.items() if k not in timing} for h in base] == \
+        [{k: v for k, v in h.items() if k not in timing} for h in old]
+    seen, real = [], train.forward
+
+    def spy(run, score, b, rows, **kw):
+        if kw.get("grad"):
+            seen.append((kw.get("replay"), rows))
+        else:
+            seen.append(("old forward", None))
+        return real(run, score, b, rows, **kw)
+    monkeypatch.setattr(train, "forward", spy)
+    recorded = []
+    real_old = train.old_policy
+
+    def old_spy(run, batch):
+        recorded.append((real_old(run, batch), batch))
+        return recorded[-1][0]
+    monkeypatch.setattr(train, "old_policy", old_spy)
+    _run(tmp_path / "c", SMALL + ["--steps=1", "--recompute_old_logp=true", "--replay=old", "--rollout_mode=fast",
+                                  "--rollout_dtype=bfloat16", "--router_bf16=true"])
+    (policy, batch), = recorded
+    updates = [(r, rows) for r, rows in seen if r is not None and rows is not None]
+    assert updates and all(torch.equal(r, policy.audit.routes[rows]) for r, rows in updates)
+    assert any(not torch.equal(r[batch.route_mask[rows]], batch.routes[rows][batch.route_mask[rows]])
+               for r, rows in updates)                                # not the rollout's routes
+    with pytest.raises(ConfigError, match="recompute_old_logp"):
+        TrainConfig(replay="old")
