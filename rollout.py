@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+import expert_parallel
 import kernels
 from config import RolloutConfig, check_sampling
 from model import PagedKV, Transformer
@@ -610,8 +611,16 @@ class Sampler:
 
     def _run(self, sched: Scheduler, sp: SamplingParams, bar) -> None:
         """The engine loop: schedule, run the step on the device, retire what finished."""
-        runner = self.runner
-        while not sched.is_finished():
+        runner, ep = self.runner, expert_parallel.of(self.model)
+        while True:
+            if ep is not None:                   # the EP group steps together and ends together
+                if expert_parallel.group_all(sched.is_finished(), ep):
+                    break
+                if sched.is_finished():          # nothing left here: the group's exchanges, zero rows
+                    expert_parallel.idle_step(self.model)
+                    continue
+            elif sched.is_finished():
+                break
             step = sched.schedule()
             finished = runner.run(step, sp)
             bar.update(len(step.batch))
