@@ -92,6 +92,7 @@ class ExpertParallel:
     group: object = None
     replicas: object = None
     n_replicas: int = 1
+    capacity: int = 0        # > 0: the sampler's decode step, fixed buffers of this many rows per destination
 
     @property
     def size(self) -> int:
@@ -203,11 +204,15 @@ def idle_step(model: nn.Module) -> None:
         moe_experts(x, m.w13, m.w2, ids, torch.zeros(0, k, device=x.device), m.ep)
 
 
-def group_all(flag: bool, ep: ExpertParallel) -> bool:
-    """Whether flag holds on every rank of the EP group (a collective: one host sync)."""
-    t = torch.tensor([int(flag)], device="cpu" if dist.get_backend(ep.group) == "gloo" else "cuda")
+def group_step(done: bool, prefill: bool, ep: ExpertParallel) -> tuple[bool, bool]:
+    """The sampler's per-step agreement of an EP group: (every rank is done, some rank prefills), so the
+    group ends together and runs one exchange protocol per step (one small all-reduce, read on the host
+    as the step's finished flags are)."""
+    dev = "cpu" if dist.get_backend(ep.group) == "gloo" else "cuda"
+    t = torch.tensor([int(done), int(not prefill)], device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ep.group)
-    return bool(t.item())
+    all_done, none_prefill = t.tolist()
+    return bool(all_done), not none_prefill
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -262,6 +267,9 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     e_sorted = ids.reshape(-1)[order]
     dest = pl.owner(e_sorted)                                       # (M*k,) owner rank of each row
     by_dest = torch.sort(dest, stable=True).indices                 # grouped by owner, EP=1's order inside
+    if ep.capacity:
+        return _moe_experts_fixed(x, w13, w2, x_sorted[by_dest], w_sorted[by_dest], pl.local(e_sorted)[by_dest],
+                                  dest[by_dest], order[by_dest], (M, k), ep)
     send = torch.bincount(dest, minlength=ep.size)
     send_l = send.tolist()
     recv_l = _exchange_counts(send, ep.group)
@@ -276,6 +284,30 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     slot_of_row = order[by_dest]                                                # row i holds slot slot_of_row[i]
     per_slot = y_back[torch.argsort(slot_of_row)]                               # (M*k, D) in slot order
     return kernels.combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
+
+
+def _moe_experts_fixed(x, w13, w2, x_rows, w_rows, local, dest, slot_of_row, shape, ep):
+    """The decode step's exchange: every rank sends ep.capacity rows to every rank (its rows for that
+    owner, then padding), so no counts are exchanged and nothing is read back to the host. Padding rows
+    run through expert 0 with weight 0 and are dropped; a real row's bits are those of the counted path
+    (the expert kernel is row-invariant). x_rows, w_rows, local, dest: the slots grouped by owner."""
+    M, k = shape
+    S, C, N, D = x_rows.shape[0], ep.capacity, ep.size, x.shape[1]
+    counts = torch.bincount(dest, minlength=N)
+    first = torch.cumsum(counts, 0) - counts                        # (N,) where each owner's rows start
+    at = dest * C + torch.arange(S, device=x.device) - first[dest]  # (S,) each row's place in the buffer
+    x_buf = x_rows.new_zeros(N * C, D).index_copy(0, at, x_rows)
+    w_buf = w_rows.new_zeros(N * C).index_copy(0, at, w_rows)
+    l_buf = local.new_zeros(N * C).index_copy(0, at, local)         # padding: expert 0
+    even = [C] * N
+    x_in = _all_to_all(x_buf, even, even, ep.group)                 # (N*C, D) C rows from each source
+    w_in = _all_to_all(w_buf, even, even, ep.group)
+    l_in = _all_to_all(l_buf, even, even, ep.group)
+    lorder, lcounts = kernels.sort_slots(l_in, ep.placement.per_rank)
+    y = kernels.grouped_experts(x_in, 1, lorder, lcounts, w13, w2, w_in)
+    y_back = _all_to_all(y, even, even, ep.group)[at]              # (M*k, D) in by-owner order
+    per_slot = y_back[torch.argsort(slot_of_row)]
+    return kernels.combine_slots(per_slot.view(M, k, D), x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -101,9 +101,10 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     degrees = [n for n in (1, 2, 4) if nproc % n == 0]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == 2 * 2 * 2 * len(degrees), r.stdout            # score + grads, 2 dtypes, 2 placements
+    assert len(ok) == 2 * 2 * 2 * len(degrees) + 2, r.stdout        # score + grads, 2 dtypes, 2 placements; sampler
+    assert sum(line.startswith("ok sampler EP=2") for line in ok) == 2
     for n in degrees:
-        assert sum(f"EP={n} " in line for line in ok) == 8
+        assert sum(f"EP={n} " in line for line in ok if not line.startswith("ok sampler")) == 8
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
