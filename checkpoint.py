@@ -26,6 +26,7 @@ import shutil
 
 import torch
 
+import expert_parallel
 from config import ConfigError, RolloutConfig, TrainConfig
 from hf import CheckpointError, Identity, hf_to_state, read_safetensors_dir, write_identity
 from model import Transformer
@@ -43,13 +44,18 @@ class RunError(RuntimeError):
 # The weights are saved full (FSDP2 gathers them), by rank 0 alone.
 # ---------------------------------------------------------------------------------------------------
 def optimizer_state(scorer, opt, full: bool):
+    """AdamW's state as saved: whole (FSDP2 gathers it), whole experts under EP (collective on every rank)."""
     if not full:
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    return get_optimizer_state_dict(scorer, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = opt.state_dict()
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        state = get_optimizer_state_dict(scorer, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return expert_parallel.gather_optimizer_state(opt, scorer, state)
 
 
 def load_optimizer_state(scorer, opt, state, full: bool):
+    """The saved state into opt: under EP, this rank's experts' moments (at any EP degree)."""
+    state = expert_parallel.shard_optimizer_state(opt, scorer, state)
     if not full:
         return opt.load_state_dict(state)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import expert_parallel
 import hf
 from config import TrainConfig
 from model import Transformer
@@ -84,29 +85,54 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
     ddp: every rank holds the full model; the sampler reads it directly.
     fsdp: FSDP2 shards each block and the rest; the sampler reads a full copy, refreshed by an
     all-gather before each rollout (bit-identical to the weights the trainer computes with).
+    Sharded experts (expert_parallel.shard_experts) are left out of both wrappers: each is this rank's
+    own, replicated across the EP groups and reduced over its replicas (expert_parallel.reduce_expert_grads).
     """
     scorer = Scorer(model)
     if d.world == 1:
         return scorer, model, lambda: None
+    ep = expert_parallel.of(model)
     if tcfg.parallel == "ddp":
+        if ep is not None:
+            DDP._set_params_and_buffers_to_ignore_for_model(scorer, expert_names(scorer))
         return DDP(scorer, device_ids=[d.device.index] if d.device.type == "cuda" else None), model, lambda: None
     from torch.distributed.fsdp import fully_shard
     full_copy = copy.deepcopy(model).requires_grad_(False)
+    ignored = set(expert_parallel.split_params(model)[1]) if ep is not None else None
     for layer in model.layers:
         if layer.is_moe and layer.mlp.gate.weight.dtype != layer.input_layernorm.weight.dtype:
             fully_shard(layer.mlp.gate)                               # an fp32 router: one dtype per FSDP group
-        fully_shard(layer)
-    fully_shard(scorer)
+        fully_shard(layer, ignored_params=ignored)
+    fully_shard(scorer, ignored_params=ignored)
     full_params = dict(full_copy.named_parameters())
     full_buffers = dict(full_copy.named_buffers())
 
     @torch.no_grad()
     def sync():
         for name, p in model.named_parameters():
-            full_params[name].copy_(p.full_tensor())
+            full_params[name].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)   # an expert shard: itself
         for name, b in model.named_buffers():                         # FSDP2 leaves buffers whole on each rank
             full_buffers[name].copy_(b)
     return scorer, full_copy, sync
+
+
+def expert_names(module: nn.Module) -> list[str]:
+    return [n for n, _ in module.named_parameters() if expert_parallel.is_expert(n)]
+
+
+def finish_grads(trained: nn.Module, mp, max_norm: float, d: Dist) -> float:
+    """After a minibatch's backward: reduce what the wrappers did not (mixed precision's fp32 master
+    grads, sharded experts' grads over their replicas), clip to max_norm -> the norm before clipping."""
+    if mp is not None:
+        mp.reduce_grads()
+    ep = expert_parallel.of(trained)
+    if ep is None:
+        gn = torch.nn.utils.clip_grad_norm_(trained.parameters(), max_norm)
+        return gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
+    dense, experts = expert_parallel.split_params(trained)
+    if mp is None:                                                    # mp reduced its expert masters already
+        expert_parallel.reduce_expert_grads(experts, ep, d.world)
+    return expert_parallel.clip_grad_norm(dense, experts, max_norm, ep)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,6 +263,10 @@ class MixedPrecision:
         if self.d.world == 1 or self.fsdp:
             return
         params = self.parameters()
+        ep = expert_parallel.of(self.master)
+        if ep is not None:                                            # experts: over their replicas only
+            params, experts = expert_parallel.split_params(self.master)
+            expert_parallel.reduce_expert_grads(experts, ep, self.d.world)
         for p in params:
             if p.grad is None:                                        # every rank reduces the same tensors
                 p.grad = torch.zeros_like(p)
@@ -253,7 +283,11 @@ class MixedPrecision:
                 bucket, size = [], 0
 
     def master_state(self) -> dict[str, torch.Tensor]:
-        """The full fp32 masters (state_dict keys, buffers included); a collective under FSDP2."""
+        """The full fp32 masters (state_dict keys, buffers included), whole experts; a collective under
+        FSDP2 and EP."""
+        ep = expert_parallel.of(self.master)
+        if ep is not None:
+            return expert_parallel.gather_experts(self.master, ep)
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
                 for k, v in self.master.state_dict().items()}
 
@@ -384,17 +418,32 @@ def reduce_metrics(row: dict, d: Dist) -> dict:
     return out
 
 
-def check_in_sync(model: Transformer, d: Dist) -> str:
-    """Raise unless every rank holds bit-identical weights (and buffers); returns their digest."""
+def _digest(tensors) -> str:
     h = hashlib.sha256()
-    for p in model_state(model):
+    for p in tensors:
         t = p.detach().cpu().contiguous()
         h.update(ctypes.string_at(t.data_ptr(), t.nbytes))            # the raw bytes; needs no numpy
-    digests = [None] * d.world
+    return h.hexdigest()
+
+
+def check_in_sync(model: Transformer, d: Dist) -> str:
+    """Raise unless every rank holds bit-identical weights (and buffers); returns their digest. With
+    sharded experts: the replicated state on every rank, each expert shard on the ranks holding it."""
+    ep = expert_parallel.of(model)
+    names = expert_names(model) if ep is not None else []
+    state = dict(model.named_parameters())
+    dense = [p for n, p in state.items() if n not in names] + list(model.buffers())
+    mine = (_digest(dense), _digest([state[n] for n in names]), ep.rank if ep else 0)
+    rows = [None] * d.world
     if d.world > 1:
-        dist.all_gather_object(digests, h.hexdigest())
+        dist.all_gather_object(rows, mine)
     else:
-        digests = [h.hexdigest()]
-    if len(set(digests)) != 1:
-        raise RuntimeError(f"ranks hold different weights: {digests}")
-    return digests[0]
+        rows = [mine]
+    shards = {}
+    for _, shard, r in rows:
+        shards.setdefault(r, set()).add(shard)
+    if len({row[0] for row in rows}) != 1 or any(len(v) != 1 for v in shards.values()):
+        raise RuntimeError(f"ranks hold different weights: {rows}")
+    if ep is None:
+        return rows[0][0]
+    return hashlib.sha256("".join([rows[0][0]] + [next(iter(shards[r])) for r in sorted(shards)]).encode()).hexdigest()

@@ -85,14 +85,21 @@ class Placement:
 @dataclasses.dataclass
 class ExpertParallel:
     """This rank's place in its EP group: the placement, the group (None: the default group) and the
-    rank inside it."""
+    rank inside it; `replicas`, the ranks holding the same shard in the other EP groups (None: the
+    default group; never used when there is only one EP group, n_replicas == 1)."""
     placement: Placement
     rank: int
     group: object = None
+    replicas: object = None
+    n_replicas: int = 1
+    capacity: int = 0        # > 0: the sampler's decode step, fixed buffers of this many rows per destination
 
     @property
     def size(self) -> int:
         return self.placement.ep_size
+
+    def __deepcopy__(self, memo):
+        return self                     # a model copy (the sampler's, the reference) shares the groups
 
 
 def check_degree(n: int, n_experts: int, world: int) -> None:
@@ -107,26 +114,105 @@ def check_degree(n: int, n_experts: int, world: int) -> None:
         raise ConfigError(f"--expert_parallel={n}: must divide the number of ranks ({world})")
 
 
-def check_training(n: int, n_experts: int, world: int) -> None:
-    """train.setup's check: a valid degree, and EP=1 until the training step runs under EP."""
-    check_degree(n, n_experts, world)
-    if n > 1:
-        raise ConfigError(f"--expert_parallel={n}: the training loop does not run under expert parallelism "
-                          "yet (the MoE layer and `python train.py --plan` do)")
-
-
 def init_expert_parallel(n: int, placement: Placement | None = None, n_experts: int = 0) -> ExpertParallel:
-    """EP groups of n consecutive ranks of the default group (every rank creates every group, as
-    torch.distributed requires). placement defaults to the contiguous one over n_experts."""
+    """EP groups of n consecutive ranks of the default group, and the replica groups across them (the
+    ranks r, r + n, r + 2n, ... hold the same shard: their expert gradients are reduced together).
+    Every rank creates every group, as torch.distributed requires. placement defaults to the contiguous
+    one over n_experts."""
     world, rank = dist.get_world_size(), dist.get_rank()
     placement = placement or Placement.contiguous(n_experts, n)
     check_degree(n, placement.n_experts, world)
-    mine = None
+    mine = replicas = None
     for first in range(0, world, n):
         group = dist.new_group(list(range(first, first + n))) if n < world else None
         if first <= rank < first + n:
             mine = group
-    return ExpertParallel(placement, rank % n, mine)
+    if 1 < n < world:
+        for r in range(n):
+            group = dist.new_group(list(range(r, world, n)))
+            if rank % n == r:
+                replicas = group
+    return ExpertParallel(placement, rank % n, mine, replicas, world // n)
+
+
+def of(model: nn.Module) -> ExpertParallel | None:
+    """The ExpertParallel a model's MoE layers were sharded with (None: whole experts)."""
+    return next((m.ep for _, m in _moe_layers(model) if getattr(m, "ep", None) is not None), None)
+
+
+def is_expert(name: str) -> bool:
+    """Whether a parameter name (state_dict key) is a stacked expert weight (w13, w2)."""
+    return name.rsplit(".", 1)[-1] in ("w13", "w2")
+
+
+def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the replicated parameters, the expert shards), in model order."""
+    dense, experts = [], []
+    for name, p in model.named_parameters():
+        (experts if is_expert(name) else dense).append(p)
+    return dense, experts
+
+
+@torch.no_grad()
+def reduce_expert_grads(experts: list[nn.Parameter], ep: ExpertParallel, world: int) -> None:
+    """Average the expert shards' gradients as DDP averages the rest. Each owner's gradient already
+    sums its EP group's tokens (the exchange brought them), so it is summed over the replicas of the
+    shard only (fp32 where the master is) and divided by the world size."""
+    for p in experts:
+        if p.grad is None:                                            # no rows reached it: every replica reduces
+            p.grad = torch.zeros_like(p)
+    if ep.n_replicas > 1:
+        flat = torch.cat([p.grad.reshape(-1) for p in experts])
+        dist.all_reduce(flat, group=ep.replicas)
+        for p, part in zip(experts, flat.split([p.numel() for p in experts])):
+            p.grad.copy_(part.view_as(p))
+    for p in experts:
+        p.grad.div_(world)
+
+
+@torch.no_grad()
+def clip_grad_norm(dense: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float,
+                   ep: ExpertParallel) -> float:
+    """clip_grad_norm_ over the whole model when the experts are sharded: the replicated part's squared
+    norm (DTensor shards summed by full_tensor), plus the shards' squared norms summed over the EP
+    group; every rank gets the same norm and scales by the same factor. -> the norm before clipping."""
+    def sq(ps):
+        total = torch.zeros((), dtype=torch.float64)
+        for p in ps:
+            if p.grad is not None:
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                total += g.double().pow(2).sum().cpu()
+        return total
+    local = sq(experts)
+    dist.all_reduce(local, group=ep.group)
+    norm = (sq(dense) + local).sqrt().item()
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1:
+        for p in dense + experts:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+def idle_step(model: nn.Module) -> None:
+    """A step of a rank with nothing to run while its EP group steps: every MoE layer's exchange once,
+    in layer order, with zero rows (the others' forwards wait on it)."""
+    for _, m in _moe_layers(model):
+        D, k = m.w13.shape[-1], m.top_k
+        x = m.w13.new_zeros(0, D)
+        ids = torch.zeros(0, k, dtype=torch.long, device=x.device)
+        moe_experts(x, m.w13, m.w2, ids, torch.zeros(0, k, device=x.device), m.ep)
+
+
+def group_step(done: bool, prefill: bool, ep: ExpertParallel) -> tuple[bool, bool]:
+    """The sampler's per-step agreement of an EP group: (every rank is done, some rank prefills), so the
+    group ends together and runs one exchange protocol per step (one small all-reduce, read on the host
+    as the step's finished flags are)."""
+    dev = "cpu" if dist.get_backend(ep.group) == "gloo" else "cuda"
+    t = torch.tensor([int(done), int(not prefill)], device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ep.group)
+    all_done, none_prefill = t.tolist()
+    return bool(all_done), not none_prefill
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,6 +267,9 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     e_sorted = ids.reshape(-1)[order]
     dest = pl.owner(e_sorted)                                       # (M*k,) owner rank of each row
     by_dest = torch.sort(dest, stable=True).indices                 # grouped by owner, EP=1's order inside
+    if ep.capacity:
+        return _moe_experts_fixed(x, w13, w2, x_sorted[by_dest], w_sorted[by_dest], pl.local(e_sorted)[by_dest],
+                                  dest[by_dest], order[by_dest], (M, k), ep)
     send = torch.bincount(dest, minlength=ep.size)
     send_l = send.tolist()
     recv_l = _exchange_counts(send, ep.group)
@@ -195,6 +284,30 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     slot_of_row = order[by_dest]                                                # row i holds slot slot_of_row[i]
     per_slot = y_back[torch.argsort(slot_of_row)]                               # (M*k, D) in slot order
     return kernels.combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
+
+
+def _moe_experts_fixed(x, w13, w2, x_rows, w_rows, local, dest, slot_of_row, shape, ep):
+    """The decode step's exchange: every rank sends ep.capacity rows to every rank (its rows for that
+    owner, then padding), so no counts are exchanged and nothing is read back to the host. Padding rows
+    run through expert 0 with weight 0 and are dropped; a real row's bits are those of the counted path
+    (the expert kernel is row-invariant). x_rows, w_rows, local, dest: the slots grouped by owner."""
+    M, k = shape
+    S, C, N, D = x_rows.shape[0], ep.capacity, ep.size, x.shape[1]
+    counts = torch.bincount(dest, minlength=N)
+    first = torch.cumsum(counts, 0) - counts                        # (N,) where each owner's rows start
+    at = dest * C + torch.arange(S, device=x.device) - first[dest]  # (S,) each row's place in the buffer
+    x_buf = x_rows.new_zeros(N * C, D).index_copy(0, at, x_rows)
+    w_buf = w_rows.new_zeros(N * C).index_copy(0, at, w_rows)
+    l_buf = local.new_zeros(N * C).index_copy(0, at, local)         # padding: expert 0
+    even = [C] * N
+    x_in = _all_to_all(x_buf, even, even, ep.group)                 # (N*C, D) C rows from each source
+    w_in = _all_to_all(w_buf, even, even, ep.group)
+    l_in = _all_to_all(l_buf, even, even, ep.group)
+    lorder, lcounts = kernels.sort_slots(l_in, ep.placement.per_rank)
+    y = kernels.grouped_experts(x_in, 1, lorder, lcounts, w13, w2, w_in)
+    y_back = _all_to_all(y, even, even, ep.group)[at]              # (M*k, D) in by-owner order
+    per_slot = y_back[torch.argsort(slot_of_row)]
+    return kernels.combine_slots(per_slot.view(M, k, D), x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -216,22 +329,93 @@ def shard_experts(model: nn.Module, ep: ExpertParallel) -> nn.Module:
         with torch.no_grad():
             m.w13 = nn.Parameter(m.w13[mine.to(m.w13.device)].clone(), requires_grad=m.w13.requires_grad)
             m.w2 = nn.Parameter(m.w2[mine.to(m.w2.device)].clone(), requires_grad=m.w2.requires_grad)
+        m.w13.expert_shard = m.w2.expert_shard = True               # what the optimizer's state knows them by
         m.ep = ep
     return model
+
+
+def gather_rows(shard: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """(E/N, ...) rows of this rank's experts -> (E, ...) in logical order, on every rank of the group."""
+    shard = shard.detach().contiguous()
+    parts = [torch.empty_like(shard) for _ in range(ep.size)]
+    dist.all_gather(parts, shard, group=ep.group)
+    pl = ep.placement
+    whole = torch.empty(pl.n_experts, *shard.shape[1:], dtype=shard.dtype, device=shard.device)
+    for r, part in enumerate(parts):
+        whole[torch.tensor(pl.experts_of(r), device=shard.device)] = part
+    return whole
+
+
+def shard_rows(whole: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """(E, ...) in logical order -> this rank's (E/N, ...) rows, in its local order."""
+    return whole[torch.tensor(ep.placement.experts_of(ep.rank), device=whole.device)].clone()
 
 
 def gather_experts(model: nn.Module, ep: ExpertParallel) -> dict[str, torch.Tensor]:
     """The model's state dict with whole experts (logical order), gathered over the EP group; every rank
     of the group gets it (collective)."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    pl = ep.placement
     for name, m in _moe_layers(model):
         for key in ("w13", "w2"):
-            shard = getattr(m, key).detach().contiguous()
-            parts = [torch.empty_like(shard) for _ in range(ep.size)]
-            dist.all_gather(parts, shard, group=ep.group)
-            whole = torch.empty(pl.n_experts, *shard.shape[1:], dtype=shard.dtype, device=shard.device)
-            for r, part in enumerate(parts):
-                whole[torch.tensor(pl.experts_of(r), device=shard.device)] = part
-            state[f"{name}.{key}" if name else key] = whole
+            state[f"{name}.{key}" if name else key] = gather_rows(getattr(m, key), ep)
     return state
+
+
+def whole_model(model: nn.Module) -> nn.Module:
+    """model itself, or, with sharded experts, a copy holding whole ones (collective over every rank:
+    each EP group gathers its experts). For writing checkpoints in the HF layout."""
+    ep = of(model)
+    if ep is None:
+        return model
+    state = gather_experts(model, ep)
+    with torch.device("meta"):
+        out = type(model)(model.config)
+    out.load_state_dict(state, assign=True)
+    return out
+
+
+def _expert_state(opt_state: dict, names: dict, fn) -> dict:
+    """opt_state with fn applied to the moment tensors of the expert parameters. names maps a state key
+    (a parameter index, or an FQN for the FSDP2 full state dict) to whether it is an expert."""
+    state = dict(opt_state["state"])
+    for key, entry in state.items():
+        if names.get(key):
+            state[key] = {k: fn(v) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in entry.items()}
+    return {**opt_state, "state": state}
+
+
+def expert_keys(opt: torch.optim.Optimizer, model: nn.Module, opt_state: dict) -> dict:
+    """Which keys of opt_state['state'] are the experts': indices in the param groups' order, or FQNs."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    by_index = {i: getattr(p, "expert_shard", False) for i, p in enumerate(params)}    # the optimizer may hold masters of another copy
+    return {k: (by_index.get(k, False) if isinstance(k, int) else is_expert(k)) for k in opt_state["state"]}
+
+
+def gather_optimizer_state(opt, model, opt_state: dict) -> dict:
+    """AdamW's state with whole experts' moments, as a checkpoint stores it: a collective on every rank
+    (each gathers from its own optimizer; FSDP2's full state dict is rank 0's alone)."""
+    ep = of(model)
+    if ep is None:
+        return opt_state
+    params = [p for g in opt.param_groups for p in g["params"]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    whole = {}
+    for i, p in enumerate(params):
+        if getattr(p, "expert_shard", False) and p in opt.state:
+            whole[i] = {k: gather_rows(v, ep) if torch.is_tensor(v) and v.dim() > 0 else v
+                        for k, v in opt.state[p].items()}
+    if "state" not in opt_state:
+        return opt_state
+    state = dict(opt_state["state"])
+    for i, entry in whole.items():
+        fqn = next((k for k in state if isinstance(k, str) and names.get(id(params[i]), "").endswith(k)), None)
+        state[i if i in state else fqn] = entry
+    return {**opt_state, "state": state}
+
+
+def shard_optimizer_state(opt, model, opt_state: dict) -> dict:
+    """A checkpoint's AdamW state (whole experts) cut to this rank's experts."""
+    ep = of(model)
+    if ep is None:
+        return opt_state
+    return _expert_state(opt_state, expert_keys(opt, model, opt_state), lambda t: shard_rows(t, ep))

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+import expert_parallel
 import kernels
 from config import RolloutConfig, check_sampling
 from model import PagedKV, Transformer
@@ -610,10 +611,27 @@ class Sampler:
 
     def _run(self, sched: Scheduler, sp: SamplingParams, bar) -> None:
         """The engine loop: schedule, run the step on the device, retire what finished."""
-        runner = self.runner
-        while not sched.is_finished():
-            step = sched.schedule()
-            finished = runner.run(step, sp)
+        runner, ep = self.runner, expert_parallel.of(self.model)
+        while True:
+            done = sched.is_finished()
+            step = None if done else sched.schedule()
+            if ep is None:
+                if done:
+                    break
+                finished = runner.run(step, sp)
+            else:                                # the EP group steps together and ends together
+                all_done, prefill = expert_parallel.group_step(done, step is not None and step.is_prefill, ep)
+                if all_done:
+                    break
+                # decode: fixed-size exchange buffers (no counts); a step with a prefill in the group: counted
+                ep.capacity = 0 if prefill else runner.max_batch_size * self.model.config.num_experts_per_tok
+                try:
+                    if done:                     # nothing left here: the group's exchanges, zero rows
+                        expert_parallel.idle_step(self.model)
+                        continue
+                    finished = runner.run(step, sp)
+                finally:
+                    ep.capacity = 0
             bar.update(len(step.batch))
             for s in sched.postprocess(step, finished):
                 s.output = runner.collect(s)

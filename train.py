@@ -63,8 +63,8 @@ from losses import (aggregate, correction_weights, group_advantages, kl_penalty,
 from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_optimizer_state,  # noqa: F401
                         load_trainer_state, load_weights, optimizer_state, prepare_out_dir, save_checkpoint,
                         saved_configs, trim_metrics)
-from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, grad_sync, init_distributed,
-                         lower_precision_copy, place_weights, quantized_copy, reduce_metrics)
+from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, finish_grads, grad_sync,
+                         init_distributed, lower_precision_copy, place_weights, quantized_copy, reduce_metrics)
 from hf import CheckpointError
 from model import CapacityLimit, MoE, Transformer, capacity_limit
 from rollout import Sampler
@@ -388,7 +388,10 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens)
     model = build_model(tcfg, device, dtype)
-    expert_parallel.check_training(tcfg.expert_parallel, model.config.num_experts, d.world)
+    expert_parallel.check_degree(tcfg.expert_parallel, model.config.num_experts, d.world)
+    if tcfg.expert_parallel > 1 and tcfg.mixed_precision and d.world > 1 and tcfg.parallel == "fsdp":
+        raise ConfigError(f"--expert_parallel={tcfg.expert_parallel} with --parallel=fsdp and --dtype={tcfg.dtype} over "
+                          f"--master_dtype={tcfg.master_dtype}: not supported yet (use --parallel=ddp, or one dtype)")
     if tcfg.expert_bias_update_rate > 0 and not model.config.score_correction_bias:
         raise ConfigError("--expert_bias_update_rate needs a model with a score-correction bias "
                           "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")
@@ -408,6 +411,11 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     ref_model = None
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
         ref_model = (build_model(tcfg, device, dtype) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
+    if tcfg.expert_parallel > 1:          # each rank keeps its E/N experts (whole ones were loaded above)
+        ep = expert_parallel.init_expert_parallel(tcfg.expert_parallel, n_experts=model.config.num_experts)
+        for m in (model, ref_model):
+            if m is not None:
+                expert_parallel.shard_experts(m, ep)
     policy = build_weights(model, tcfg, rcfg, d)
     scorer, rollout_model, mp = policy.scorer, policy.rollout, policy.mp
     if mp is not None and ref_model is not None:                      # mixed precision: the reference computes in bf16
@@ -820,10 +828,8 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
         entropy_sum += (out.entropy * mb.mask.to(device)).sum().item()
         tokens += mb.mask.sum().item()
         parts.append(dataclasses.replace(out, logp=logp))
-    if run.weights.mp is not None:                                    # mixed precision: fp32 grads, averaged over ranks
-        run.weights.mp.reduce_grads()
-    gn = torch.nn.utils.clip_grad_norm_(run.weights.trained.parameters(), tcfg.grad_clip)   # the masters
-    gn = gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
+    # what the wrappers did not reduce (mixed precision's fp32 grads, expert shards), then clipping
+    gn = finish_grads(run.weights.trained, run.weights.mp, tcfg.grad_clip, d)   # the masters
     return MinibatchResult(total, clipped_tok, gn, on_host(parts), entropy_sum, filtered, tokens)
 
 
@@ -872,10 +878,11 @@ def checkpoint(run: Run, step: int) -> None:
     mp = run.weights.mp
     if mp is not None and not run.fsdp:                               # mixed precision: and the masters
         check_in_sync(mp.master, run.d)
-    masters = mp.master_state() if mp is not None else None           # collective under FSDP2
-    opt_state = optimizer_state(run.weights.scorer, run.opt, run.fsdp)   # collective under FSDP2
+    masters = mp.master_state() if mp is not None else None           # collective under FSDP2 and EP
+    opt_state = optimizer_state(run.weights.scorer, run.opt, run.fsdp)   # collective under FSDP2 and EP
+    full = expert_parallel.whole_model(run.weights.full)              # EP: whole experts (collective)
     if run.d.master:
-        path = save_checkpoint(run.tcfg.out_dir, step, run.weights.full, opt_state, run.tcfg, run.rcfg, run.task,
+        path = save_checkpoint(run.tcfg.out_dir, step, full, opt_state, run.tcfg, run.rcfg, run.task,
                                extra={"skipped_steps": run.skipped}, masters=masters,
                                save_dtype=run.tcfg.save_dtype or run.tcfg.dtype, keep=run.tcfg.keep_checkpoints,
                                identity=run.outputs.identity if run.outputs is not None else None)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import ModelConfig                                    # noqa: E402
+import expert_parallel                                            # noqa: E402
 from expert_parallel import Placement, gather_experts, init_expert_parallel, shard_experts   # noqa: E402
 from model import Transformer                                     # noqa: E402
 
@@ -93,12 +94,52 @@ def check_grads(cfg, dtype, n, name, placement):
     say(f"grads {what}: x, w13, w2 bitwise; router {gap:.1e} relative (bound {ROUTER_RTOL[dtype]})")
 
 
+def score_outputs(model, outs):
+    """score() of the sampled sequences, right-padded: (logp, routes) per output, cut to its tokens."""
+    lengths = [len(o.prompt) + len(o.tokens) for o in outs]
+    tokens = torch.zeros(len(outs), max(lengths), dtype=torch.long)
+    for i, o in enumerate(outs):
+        tokens[i, :lengths[i]] = torch.tensor(o.prompt + o.tokens)
+    logp, routes = model.score(tokens)
+    return [(logp[i, len(o.prompt) - 1:n - 1], routes[i, :n - 1]) for i, (o, n) in enumerate(zip(outs, lengths))]
+
+
+def check_sampler(cfg, dtype):
+    """The sampler at EP=2 (ranks of a group with different prompts, so they finish at different steps:
+    prefill and decode mix in one group step, a finished rank exchanges zero rows) against score at
+    EP=1 and at EP=world, bitwise."""
+    from rollout import Sampler
+    torch.manual_seed(0)
+    whole = Transformer(cfg).to(dtype)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(10 + rank)
+    prompts = [torch.randint(1, cfg.vocab_size, (3 + 2 * rank + i,), generator=g).tolist() for i in range(1 + rank)]
+    model = shard_experts(copy.deepcopy(whole), init_expert_parallel(2, n_experts=cfg.num_experts))
+    sampler = Sampler(model, max_batch_size=4, num_blocks=64)
+    fixed, calls = expert_parallel._moe_experts_fixed, []
+    expert_parallel._moe_experts_fixed = lambda *a: calls.append(1) or fixed(*a)   # count the decode exchanges
+    try:
+        outs = sampler.generate(prompts, max_new_tokens=4 + 3 * rank, n=2, temperature=1.0, seed=7, progress=False,
+                                stop_token_ids=(5,))
+    finally:
+        expert_parallel._moe_experts_fixed = fixed
+    assert calls, "no decode step ran the fixed-size exchange"
+    ref = score_outputs(whole, outs)
+    wide = shard_experts(copy.deepcopy(whole), init_expert_parallel(world, n_experts=cfg.num_experts))
+    for name, scored in (("EP=1", ref), (f"EP={world}", score_outputs(wide, outs))):
+        for o, (logp, routes) in zip(outs, scored):
+            assert torch.equal(o.logprobs, logp), f"sampler EP=2 vs score {name} logp {dtype}"
+            assert torch.equal(o.routes, routes), f"sampler EP=2 vs score {name} routes {dtype}"
+    say(f"sampler EP=2 {dtype}: logp and routes equal score at EP=1 and EP={world}")
+
+
 def main():
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     tiny = ModelConfig.preset("tiny")
     top4 = ModelConfig(**{**tiny.__dict__, "num_experts_per_tok": 4})   # k > 2: the slot order matters
     for dtype in DTYPES.values():
+        check_sampler(tiny, dtype)
         for n in [d for d in (1, 2, 4) if world % d == 0]:
             for name, placement in placements(tiny.num_experts, n):
                 check_score(tiny, dtype, n, name, placement)

@@ -101,6 +101,21 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     degrees = [n for n in (1, 2, 4) if nproc % n == 0]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == 2 * 2 * 2 * len(degrees), r.stdout            # score + grads, 2 dtypes, 2 placements
+    assert len(ok) == 2 * 2 * 2 * len(degrees) + 2, r.stdout        # score + grads, 2 dtypes, 2 placements; sampler
+    assert sum(line.startswith("ok sampler EP=2") for line in ok) == 2
     for n in degrees:
-        assert sum(f"EP={n} " in line for line in ok) == 8
+        assert sum(f"EP={n} " in line for line in ok if not line.startswith("ok sampler")) == 8
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_training_under_ep_equals_ep1_under_torchrun(nproc, tmp_path):
+    """train.py's loop at EP>1 against EP=1 (DDP, FSDP2; fp32, bf16), the router bias, resume."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "tests/ep_train_check.py", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
+    assert len(ok) == (7 if nproc == 2 else 5), r.stdout
+    assert any("resume EP=2 -> EP=2: the same metrics bit for bit" in line for line in ok)
