@@ -55,10 +55,10 @@ from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_
                         trim_metrics)
 from distributed import (Dist, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lower_precision_copy,
                          parallelize, reduce_metrics)
-from hf import CheckpointError, hf_to_state, read_safetensors_dir
+from hf import CheckpointError, eos_token_ids, hf_to_state, read_safetensors_dir
 from model import MoE, Transformer
 from rollout import Sampler
-from tasks import RewardError, TaskError, check_reward, make_task
+from tasks import RewardError, TaskError, check_reward, example_text, generation_line, make_task, print_user_traceback
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -72,9 +72,12 @@ def compute_rewards(task, examples, outs, G: int, step: int) -> torch.Tensor:
         ex = examples[i // G]
         try:
             values.append(check_reward(task.reward(ex, o.tokens)))
-        except RewardError as e:
-            raise RunError(f"step {step}: {task.reward_source} {e}; example: prompt {task.decode(ex.prompt)[:80]!r}, "
-                           f"response {task.decode(o.tokens)[:80]!r}, answer {str(ex.answer)[:80]!r}") from None
+        except RewardError as e:                                      # a value that is not a finite number
+            raise RunError(f"step {step}: {task.reward_source} {e}; example: {example_text(task, ex, o.tokens)}") from None
+        except Exception as e:                                        # it raised: its traceback, then which call
+            print_user_traceback(e)
+            raise RunError(f"step {step}: {task.reward_source} raised {type(e).__name__} (traceback above); "
+                           f"example: {example_text(task, ex, o.tokens)}") from None
     return torch.tensor(values)
 
 
@@ -199,11 +202,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def build_model(tcfg: TrainConfig, device, dtype) -> Transformer:
-    """The same initial weights on every rank: from a checkpoint, or a preset seeded by --seed."""
+def build_model(tcfg: TrainConfig, device, dtype, preset: ModelConfig | None = None) -> Transformer:
+    """The same initial weights on every rank: from a checkpoint, or a preset (its config `preset`, with
+    --vocab_size applied: TrainConfig.model_preset) seeded by --seed."""
     if os.path.isdir(tcfg.init_from):
         return Transformer.from_pretrained(tcfg.init_from, dtype=dtype, device=device)
-    if tcfg.init_from not in MODEL_PRESETS:
+    if preset is None and tcfg.init_from in MODEL_PRESETS:
+        preset = ModelConfig.preset(tcfg.init_from)
+    if preset is None:
         if os.path.exists(tcfg.init_from):
             raise ConfigError(f"--init_from={tcfg.init_from!r} is a file; pass the checkpoint's folder "
                               "(config.json and *.safetensors)")
@@ -212,7 +218,7 @@ def build_model(tcfg: TrainConfig, device, dtype) -> Transformer:
         raise ConfigError(f"--init_from={tcfg.init_from!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) "
                           "nor a checkpoint folder")
     torch.manual_seed(tcfg.seed)
-    return Transformer(ModelConfig.preset(tcfg.init_from)).to(device=device, dtype=dtype)
+    return Transformer(preset).to(device=device, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -342,8 +348,13 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     prepare_out_dir(tcfg, d.master)
     if not tcfg.resume:                                               # the lr horizon, saved with the run
         tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
-    task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens)
-    model = build_model(tcfg, device, dtype)
+    from_dir = os.path.isdir(tcfg.init_from)
+    task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens,
+                     stop_tokens=rcfg.stop_token_ids, model_eos=eos_token_ids(tcfg.init_from) if from_dir else ((), ""),
+                     chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,
+                     checkpoint=tcfg.init_from if from_dir else "")
+    preset = tcfg.model_preset(task.vocab_size, tokenizer=tcfg.task == "jsonl")
+    model = build_model(tcfg, device, dtype, preset)
     expert_parallel.check_training(tcfg.expert_parallel, model.config.num_experts, d.world)
     if tcfg.expert_bias_update_rate > 0 and not model.config.score_correction_bias:
         raise ConfigError("--expert_bias_update_rate needs a model with a score-correction bias "
@@ -364,7 +375,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         start, skipped = state["step"], state.get("skipped_steps", 0)
     ref_model = None
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
-        ref_model = (build_model(tcfg, device, dtype) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
+        ref_model = (build_model(tcfg, device, dtype, preset) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
     policy = build_weights(model, tcfg, rcfg, d, dtype)
     scorer, rollout_model = policy.scorer, policy.rollout
     opt = build_optimizer(scorer, tcfg)
@@ -378,6 +389,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     # rank's shard of the parameters under FSDP. Activations and temporaries come out of the rest.
     param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in scorer.parameters())
     sampler = Sampler.from_config(rollout_model, rcfg, reserve_bytes=(1 if opt.state else 3) * param_bytes)
+    d.print0(generation_line(task, rcfg.max_new_tokens or task.max_new_tokens))
     return Run(tcfg, rcfg, d, task, policy, ref_model, opt, sampler, start, skipped, metrics_path)
 
 
