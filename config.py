@@ -38,7 +38,7 @@ def _require_range(cfg, names, ok, what: str) -> None:
     """Each field in names passes ok(value), else `--name=value: must be <what>` (one option per message)."""
     for name in names.split():
         v = getattr(cfg, name)
-        _require(ok(v), f"--{name}={v}: must be {what}")
+        _require(ok(v), f"--{name}={v:g}: must be {what}" if isinstance(v, float) else f"--{name}={v}: must be {what}")
 
 
 def _require_finite(cfg) -> None:

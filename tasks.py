@@ -97,6 +97,9 @@ class DigitTask:
         sym = {self.EQ: "=", self.BOS: "^", self.EOS: "$"}
         return "".join(self.DIGITS[i] if i < 10 else sym.get(i, f"<{i}>") for i in ids)
 
+    def token_name(self, i: int) -> str:
+        return self.decode([i])
+
     def state_dict(self) -> dict:
         return {"rng": self.rng.getstate()}
 
@@ -186,6 +189,10 @@ class JsonlTask:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
 
+    def token_name(self, i: int) -> str:
+        """The token's own spelling (decode drops special tokens)."""
+        return self.tok.id_to_token(i) or f"<{i}>"
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
 
@@ -196,7 +203,7 @@ class JsonlTask:
 
 def generation_line(task, max_new_tokens: int) -> str:
     """One line: the stop ids in force, where they came from, and the response length limit."""
-    names = ", ".join(repr(task.decode([i])) for i in task.stop_token_ids)
+    names = ", ".join(repr(task.token_name(i)) for i in task.stop_token_ids)
     stops = f"stop ids {list(task.stop_token_ids)} ({names}; {task.stop_source})" if task.stop_token_ids else \
         f"no stop ids ({task.stop_source})"
     return f"generation: {stops}, at most {max_new_tokens} new tokens (--max_new_tokens)"

@@ -130,7 +130,7 @@ def make_batch(outs, adv: torch.Tensor) -> Batch:
         P, N = len(o.prompt), len(o.tokens)
         tokens[i, :P + N] = torch.tensor(o.prompt + o.tokens)
         mask[i, P - 1:P - 1 + N] = 1                                  # logp[:, j] scores tokens[:, j + 1]
-        rollout_logp[i, P - 1:P - 1 + N] = o.logprobs
+        rollout_logp[i, P - 1:P - 1 + N] = torch.tensor(o.logprobs, dtype=torch.float32)   # the fp32 bits, exactly
         route_mask[i, :P + N - 1] = True
     routes = pack_routes([o.routes for o in outs], lengths, T)
     return Batch(tokens, mask, rollout_logp, routes, route_mask, adv)
