@@ -361,8 +361,9 @@ class TrainConfig:
         tokenizer's decode to nothing, yet the policy would sample them. Each refusal says what to pass.
         """
         if self.init_from not in MODEL_PRESETS or os.path.isdir(self.init_from):
-            _require(not (self.vocab_size and os.path.isdir(self.init_from)), f"--vocab_size={self.vocab_size}: only a preset's vocabulary can be "
-                     f"changed; --init_from={self.init_from!r} is a checkpoint folder with its own")
+            _require(not (self.vocab_size and os.path.isdir(self.init_from)),
+                     f"--vocab_size={self.vocab_size}: only a preset's vocabulary can be changed; "
+                     f"--init_from={self.init_from!r} is a checkpoint folder with its own")
             return None
         cfg = ModelConfig.preset(self.init_from)
         vocab = task_vocab if self.vocab_size == "auto" else int(self.vocab_size or cfg.vocab_size)

@@ -561,10 +561,10 @@ class Sampler:
                  seed: int = 0, progress: bool = False, index_offset: int = 0) -> list[SequenceOutput]:
         """Sample n continuations of each prompt; returns len(prompts) * n outputs, prompt-major.
 
-        temperature 0 is greedy (log-probs then use temperature 1). progress=True draws a progress bar. Identical prompts (repeated, or
+        temperature 0 is greedy (log-probs then use temperature 1). Identical prompts (repeated, or
         through n) are prefilled once and share their KV blocks. index_offset: the index of this
         request's first sequence in a larger one (a data-parallel rank passes its global offset, so its
-        draws equal those of a single process sampling the whole request).
+        draws equal those of a single process sampling the whole request). progress=True draws a bar.
         """
         sp = SamplingParams(temperature, top_p, top_k, max_new_tokens, tuple(stop_token_ids), seed)
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
