@@ -210,3 +210,18 @@ def test_each_range_check_names_its_option(key, raw, needle):
     with pytest.raises(ConfigError) as e:
         apply_overrides({key: raw}, TrainConfig(), RolloutConfig())
     assert str(e.value).startswith(needle)
+
+
+def test_a_checkpoint_run_stops_on_its_generation_config_eos(folder, capsys):
+    import torch
+    import train
+    from model import Transformer
+    torch.manual_seed(0)
+    ck = folder / "ck"
+    Transformer(dataclasses.replace(ModelConfig.preset("tiny"), vocab_size=64)).save_pretrained(str(ck))
+    (ck / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    train.cli(["--task=jsonl", f"--data={folder / 'data.jsonl'}", f"--tokenizer={folder / 'tokenizer.json'}",
+               f"--reward_fn={folder / 'reward.py'}:reward", f"--init_from={ck}", f"--out_dir={folder / 'out'}",
+               "--steps=1", "--prompts_per_step=2", "--group_size=2", "--minibatch_size=4", "--progress=false"])
+    out = capsys.readouterr().out
+    assert f"generation: stop ids [5, 7] ('4', '6'; {ck / 'generation_config.json'}), at most 64 new tokens" in out
