@@ -54,7 +54,12 @@ import statistics
 import tempfile
 import time
 
-import torch
+# torch.profiler's backend (libkineto) logs every profiler start and stop to stderr ("USDT: ...
+# profiler_start", "STAGE: ... Completed Stage"); 6 is above its highest level. Read when the profiler
+# first starts; set it yourself to see them.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import torch  # noqa: E402
 
 import kernels
 from config import ModelConfig
@@ -532,7 +537,7 @@ def contract_mismatches(model: Transformer, outs, chunk: int) -> int:
         logp, routes = model.score(tokens.to(dev))
         for b, o in enumerate(part):
             P, G = len(o.prompt), len(o.tokens)
-            bad += not (torch.equal(logp[b, P - 1:P - 1 + G].cpu(), o.logprobs)
+            bad += not (torch.equal(logp[b, P - 1:P - 1 + G].cpu(), torch.tensor(o.logprobs))
                         and torch.equal(routes[b, :P + G - 1].cpu(), o.routes))
     return bad
 

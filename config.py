@@ -13,7 +13,10 @@ Every dataclass validates itself in `__post_init__`; `apply_overrides` turns com
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import math
+import os
 import re
 import types
 import typing
@@ -31,6 +34,13 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _require_range(cfg, names, ok, what: str) -> None:
+    """Each field in names passes ok(value), else `--name=value: must be <what>` (one option per message)."""
+    for name in names.split():
+        v = getattr(cfg, name)
+        _require(ok(v), f"--{name}={v:g}: must be {what}" if isinstance(v, float) else f"--{name}={v}: must be {what}")
+
+
 def _require_finite(cfg) -> None:
     """Every float field finite: an inf learning rate or a NaN temperature would poison the run silently."""
     for f in dataclasses.fields(cfg):
@@ -40,24 +50,24 @@ def _require_finite(cfg) -> None:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 32
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 32
+    vocab_size: int = 32                 # token ids the embedding and the LM head hold
+    hidden_size: int = 128               # the residual stream's width
+    num_hidden_layers: int = 4           # transformer blocks
+    num_attention_heads: int = 4         # query heads
+    num_key_value_heads: int = 2         # key/value heads (grouped-query attention)
+    head_dim: int = 32                   # dims per attention head
     num_experts: int = 8                 # 0 makes every layer a dense SwiGLU MLP
     num_experts_per_tok: int = 2         # top-k
     moe_intermediate_size: int = 128     # per expert
     intermediate_size: int = 256         # dense MLP layers
     norm_topk_prob: bool = True          # renormalise the top-k router probabilities to sum to 1
-    mlp_only_layers: list[int] = field(default_factory=lambda: [0])
-    decoder_sparse_step: int = 1
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 256
-    initializer_range: float = 0.02
+    mlp_only_layers: list[int] = field(default_factory=lambda: [0])   # layers with a dense MLP, comma-separated
+    decoder_sparse_step: int = 1         # every step-th layer is MoE
+    rope_theta: float = 10000.0          # RoPE base
+    rms_norm_eps: float = 1e-6           # RMSNorm's epsilon
+    tie_word_embeddings: bool = False    # the LM head shares the embedding's weights
+    max_position_embeddings: int = 256   # the longest sequence (prompt + response)
+    initializer_range: float = 0.02      # std of the random initial weights
     # other families (hf.py); every default below is Qwen3-MoE, which uses none of them
     model_type: str = "qwen3_moe"        # the HF family (hf.FAMILIES): config names and weight keys on load and save
     router_scoring: str = "softmax"      # softmax | sigmoid (DeepSeek-V3, GLM-4.5), in fp32
@@ -75,40 +85,37 @@ class ModelConfig:
 
     def __post_init__(self):
         _require_finite(self)
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "decoder_sparse_step", "max_position_embeddings"):
-            _require(getattr(self, name) > 0, f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        _require_range(self, "vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads "
+                       "head_dim decoder_sparse_step max_position_embeddings rope_theta rms_norm_eps",
+                       lambda v: v > 0, "> 0")
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                  f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
         _require(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        _require(self.num_experts >= 0, f"num_experts must be >= 0, got {self.num_experts}")
+        _require_range(self, "num_experts", lambda v: v >= 0, ">= 0")
         if self.num_experts > 0:
             _require(1 <= self.num_experts_per_tok <= self.num_experts,
                      f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts="
                      f"{self.num_experts}]")
-            _require(self.moe_intermediate_size > 0, "moe_intermediate_size must be > 0 when num_experts > 0")
-        _require(self.rope_theta > 0 and self.rms_norm_eps > 0, "rope_theta and rms_norm_eps must be > 0")
+            _require_range(self, "moe_intermediate_size", lambda v: v > 0, "> 0 when num_experts > 0")
         self.mlp_only_layers = sorted(int(i) for i in self.mlp_only_layers)
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         _require(not bad, f"mlp_only_layers {bad} are outside [0, num_hidden_layers={self.num_hidden_layers})")
         if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
-            _require(self.intermediate_size > 0, "intermediate_size must be > 0: the config has dense layers")
+            _require_range(self, "intermediate_size", lambda v: v > 0, "> 0: the config has dense layers")
         self._check_family_knobs()
 
     def _check_family_knobs(self):
         _require(self.router_scoring in ("softmax", "sigmoid"),
                  f"router_scoring={self.router_scoring!r}: softmax or sigmoid")
         _require(self.qk_norm in ("head", "full", "none"), f"qk_norm={self.qk_norm!r}: head, full or none")
-        _require(self.first_k_dense_replace >= 0 and self.n_shared_experts >= 0
-                 and self.shared_expert_intermediate_size >= 0,
-                 "first_k_dense_replace, n_shared_experts and shared_expert_intermediate_size must be >= 0")
+        _require_range(self, "first_k_dense_replace n_shared_experts shared_expert_intermediate_size",
+                       lambda v: v >= 0, ">= 0")
         _require(not (self.n_shared_experts and self.shared_expert_intermediate_size),
                  "set n_shared_experts (ungated, GLM / DeepSeek) or shared_expert_intermediate_size "
                  "(gated, Qwen2-MoE), not both")
-        _require(self.routed_scaling_factor > 0, f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
-        _require(0 < self.partial_rotary_factor <= 1,
-                 f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        _require_range(self, "routed_scaling_factor", lambda v: v > 0, "> 0")
+        _require_range(self, "partial_rotary_factor", lambda v: 0 < v <= 1, "in (0, 1]")
         _require(self.rotary_dim >= 2 and self.rotary_dim % 2 == 0,
                  f"head_dim * partial_rotary_factor = {self.rotary_dim} rotary dims: must be even and >= 2")
         _require(self.n_group >= 1 and 1 <= self.topk_group <= self.n_group,
@@ -189,10 +196,12 @@ class RolloutConfig:
     max_num_batched_tokens: int = 4096   # tokens per prefill forward (prompts right-padded to the longest)
     kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after grads + AdamW state) for the KV pool
     cuda_graphs: bool | None = None   # decode steps as CUDA graphs; None: where they run without host syncs
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 0           # 0: the task's default
+    temperature: float = 1.0          # sampling temperature (0: greedy); log-probs are of softmax(logits / T)
+    top_p: float = 1.0                # nucleus sampling (1: off)
+    top_k: int = 0                    # sample among the k most likely tokens (0: off)
+    max_new_tokens: int = 0           # response length limit; 0: the task's (n_digits + 1; --task=jsonl: 64)
+    stop_tokens: str = ""             # comma-separated ids that end a response, instead of the checkpoint's /
+                                      # tokenizer's eos (the digit tasks: their EOS)
     # the mismatch lab: deviations on the rollout side only (the trainer always stays invariant)
     rollout_mode: str = "invariant"   # invariant | fast (batch-variant torch / cuBLAS / SDPA ops)
     router_bf16: bool = False         # round the rollout's router logits to bf16
@@ -214,26 +223,36 @@ class RolloutConfig:
         from model import ROUTER_FAULTS
         _require(self.rollout_router_fault in ROUTER_FAULTS,
                  f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
-        _require(self.block_size > 0 and self.max_batch_size > 0 and self.max_num_batched_tokens > 0
-                 and self.num_blocks >= 0, "block_size, max_batch_size and max_num_batched_tokens must be > 0, "
-                 "num_blocks >= 0")
+        _require_range(self, "block_size max_batch_size max_num_batched_tokens", lambda v: v > 0, "> 0")
+        _require_range(self, "num_blocks max_new_tokens", lambda v: v >= 0, ">= 0")
         from kernels import KV_BLOCK      # a page holds whole attention tiles
         _require(self.block_size % KV_BLOCK == 0,
                  f"--block_size={self.block_size}: must be a multiple of kernels.KV_BLOCK={KV_BLOCK}")
         _require(0 < self.kv_memory_fraction <= 1, f"--kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
         check_sampling(self.temperature, self.top_p, self.top_k)
+        self.stop_token_ids                                          # parses --stop_tokens (errors name it)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...] | None:
+        """--stop_tokens as ids, or None when not given (the task's then: tasks.py, "Stop tokens")."""
+        if not self.stop_tokens.strip():
+            return None
+        items = [t.strip() for t in self.stop_tokens.split(",")]
+        _require(all(re.fullmatch(r"\d+", t) for t in items),
+                 f"--stop_tokens={self.stop_tokens!r}: comma-separated token ids, e.g. --stop_tokens=151645,151643")
+        return tuple(int(t) for t in items)
 
 
 @dataclass
 class TrainConfig:
     init_from: str = "tiny"           # a model preset name or an HF checkpoint directory
-    out_dir: str = "out"
+    out_dir: str = "out"               # the run folder: metrics.jsonl, ckpt-NNNNNN/, latest
     device: str = "auto"              # auto: cuda if available, else cpu
     dtype: str = "float32"            # the compute dtype: float32 | bfloat16 (one copy serves sampler and trainer)
     master_dtype: str = "float32"     # the optimizer's weights and AdamW state: float32 | bfloat16 (= --dtype only)
     router_dtype: str = "auto"        # the router gate and bias: auto (the family table's) | float32 | --dtype
     save_dtype: str = ""              # the HF export's dtype: "" (--dtype) | float32 | bfloat16
-    seed: int = 0
+    seed: int = 0                     # initial weights, data order and sampling noise
     resume: bool = False              # continue the run in out_dir from its latest checkpoint
     overwrite: bool = False           # start over in an out_dir that holds a run (deletes its metrics and checkpoints)
     parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
@@ -241,13 +260,16 @@ class TrainConfig:
     kernels_backend: str = ""         # "" (KERNELS_BACKEND, default auto: Triton on CUDA) | auto | torch | triton
     # data
     task: str = "copy"                # a name in tasks.TASKS: copy | reverse | jsonl
-    n_digits: int = 4
+    n_digits: int = 4                 # copy / reverse: digits per prompt
     data: str = ""                    # --task=jsonl: the JSONL file
     tokenizer: str = ""               # --task=jsonl: an HF tokenizer.json
-    reward_fn: str = ""               # --task=jsonl: module:function
+    reward_fn: str = ""               # --task=jsonl: module:function or file.py:function, reward(prompt, response, answer)
+    chat_template: bool = False       # --task=jsonl: format each prompt with tokenizer_config.json's chat_template
+    system_prompt: str = ""           # --chat_template=true: a system message before each prompt
+    vocab_size: str = ""              # a preset's vocabulary: '' (the preset's) | auto (the task's tokenizer) | N
     # batch
-    steps: int = 200
-    prompts_per_step: int = 32
+    steps: int = 200                  # RL steps (one rollout batch each)
+    prompts_per_step: int = 32        # prompts sampled per step (each gets group_size responses)
     group_size: int = 8               # G responses per prompt
     epochs: int = 1                   # passes over each rollout batch
     minibatch_size: int = 128         # sequences per optimizer step
@@ -255,33 +277,33 @@ class TrainConfig:
     logits_chunk: int = 4096          # token positions whose (positions, vocab) logits exist at once in the
                                       # trainer's forward and backward (recomputed there); 0: all at once
     # optimizer
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 5
+    lr: float = 1e-3                  # AdamW's peak learning rate
+    min_lr_ratio: float = 0.1         # the schedule's floor, as a fraction of lr
+    warmup_steps: int = 5             # linear warmup from lr / warmup_steps
     lr_schedule: str = "cosine"       # cosine | constant | halving (after warmup, halve every lr_decay_period
                                       # steps, never below lr * min_lr_ratio)
     lr_decay_steps: int = 0           # the cosine's horizon; 0: --steps (on resume: docs/design.md, "The learning-rate horizon")
     lr_decay_period: int = 0          # --lr_schedule=halving: steps per halving (required there, 0 elsewhere)
     router_lr_scale: float = 1.0      # the MoE router gate weights train at lr * S (0 freezes them; the
                                       # score-correction bias is --expert_bias_update_rate's)
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0
+    weight_decay: float = 0.0         # AdamW's decoupled weight decay
+    beta1: float = 0.9                # AdamW's first-moment decay
+    beta2: float = 0.99               # AdamW's second-moment decay
+    grad_clip: float = 1.0            # clip the global gradient norm to this
     skip_nonfinite_steps: int = 0     # optimizer steps with a non-finite loss or grad norm to skip before stopping
     # loss
     loss: str = "grpo"                # grpo | gspo | gspo_token | sapo | cispo (losses.LOSSES)
     agg: str = "auto"                 # auto (the loss's own: per sequence for GSPO and SAPO) | token_mean |
     #                                   seq_mean_token_mean | seq_mean_token_sum | drgrpo
     adv_std_norm: bool = True         # False: Dr.GRPO advantages (no division by the group std)
-    eps_low: float = 0.2
-    eps_high: float = 0.28            # DAPO clip-higher
+    eps_low: float = 0.2              # PPO-clip: ratios below 1 - eps_low are clipped
+    eps_high: float = 0.28            # ... above 1 + eps_high (DAPO clip-higher)
     dual_clip_c: float = 0.0          # > 1: GRPO tokens with A < 0 lose at most -A * c (0: off)
-    gspo_eps_low: float = 3e-4
-    gspo_eps_high: float = 4e-4
+    gspo_eps_low: float = 3e-4        # GSPO's clip range on the sequence ratio: below 1 - this ...
+    gspo_eps_high: float = 4e-4       # ... and above 1 + this
     gspo_log_ratio_max: float = 20.0  # GSPO's sequence log-ratio clamped to [-20, this] (verl: 10)
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
+    sapo_tau_pos: float = 1.0         # SAPO's gate temperature for A > 0
+    sapo_tau_neg: float = 1.05        # ... for A < 0
     kl_coef: float = 0.0              # KL to the frozen initial policy
     kl_estimator: str = "k3"          # k1 | k2 | k3 | k3_clamped (k3 at most 10, as verl's low_var_kl)
     # train-inference mismatch
@@ -289,9 +311,9 @@ class TrainConfig:
     correction: str = "none"          # none | is (rho) | tis (min(rho, tis_cap)) | mis (rho up to mis_high, else 0) |
     #                                   reject (1 inside [mis_low, mis_high], else 0) | icepop (rho inside, else 0)
     #                                   | seq_<each>: on the sequence's rho (losses.TOKEN_CORRECTIONS)
-    tis_cap: float = 2.0
-    mis_low: float = 0.5              # the band [mis_low, mis_high] of rho that reject and icepop keep;
-    mis_high: float = 5.0             # mis keeps rho <= mis_high (masked IS's C)
+    tis_cap: float = 2.0              # tis: the cap C of min(rho, C)
+    mis_low: float = 0.5              # reject and icepop keep rho inside [mis_low, mis_high]
+    mis_high: float = 5.0             # ... (mis keeps rho <= mis_high: masked IS's C)
     seq_rho: str = "geo_mean"         # seq_*: the sequence's rho as the geometric mean of its tokens' rho, or
                                       # their product (the papers' Seq-TIS / Seq-MIS, verl's rollout_is=sequence)
     rejected_tokens: str = "zero_weight"   # zero_weight (still counted in the token mean, still carry KL) | drop
@@ -304,8 +326,8 @@ class TrainConfig:
                                           # 0: dropless. The rollout is always dropless
     expert_bias_update_rate: float = 0.0  # > 0: after each optimizer step, router bias += rate * sign(mean load - load)
     # logging
-    log_every: int = 1
-    save_every: int = 50
+    log_every: int = 1                # write a metrics.jsonl row every N steps
+    save_every: int = 50              # checkpoint every N steps (and at the end)
     keep_checkpoints: int = 1         # the newest K checkpoints are kept, older ones deleted
     progress: bool = True             # a progress bar; false: one line every --log_every steps
     log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
@@ -335,8 +357,6 @@ class TrainConfig:
                  f"--dual_clip_c={self.dual_clip_c}: 0 (off) or > 1, with --loss=grpo")
         _require(self.rejected_tokens in ("zero_weight", "drop"), "--rejected_tokens: zero_weight or drop")
         _require(self.route_filter in ("none", "mask", "downweight"), "--route_filter: none, mask or downweight")
-        _require(0 <= self.route_filter_threshold <= 1, "--route_filter_threshold must be in [0, 1]")
-        _require(self.save_every > 0 and self.log_every > 0, "--save_every and --log_every must be > 0")
         for name in ("keep_checkpoints", "eval_samples"):
             _require(getattr(self, name) >= 1, f"--{name}={getattr(self, name)}: must be >= 1")
         for name in ("log_samples", "eval_every"):
@@ -344,12 +364,12 @@ class TrainConfig:
         _require(self.log_to in ("", "tensorboard", "wandb"), f"--log_to={self.log_to!r}: '', tensorboard or wandb")
         _require(not self.eval_every or self.eval_data,
                  f"--eval_every={self.eval_every}: needs --eval_data=FILE (a held-out JSONL)")
-        _require(not self.eval_data or self.task == "jsonl",
-                 f"--eval_data={self.eval_data!r}: needs --task=jsonl (its --tokenizer and --reward_fn score it)")
-        _require(self.lr > 0 and self.grad_clip > 0 and self.tis_cap > 0 and self.kl_coef >= 0,
-                 "need lr > 0, grad_clip > 0, tis_cap > 0, kl_coef >= 0")
-        _require(0 <= self.eps_low < 1 and self.eps_high >= 0 and 0 <= self.gspo_eps_low < 1,
-                 "clip ranges: need 0 <= eps_low < 1, eps_high >= 0, 0 <= gspo_eps_low < 1")
+        _require_range(self, "route_filter_threshold", lambda v: 0 <= v <= 1, "in [0, 1]")
+        _require_range(self, "save_every log_every", lambda v: v > 0, ">= 1")
+        _require_range(self, "lr grad_clip tis_cap", lambda v: v > 0, "> 0")
+        _require_range(self, "kl_coef eps_high gspo_eps_high weight_decay", lambda v: v >= 0, ">= 0")
+        _require_range(self, "eps_low gspo_eps_low", lambda v: 0 <= v < 1, "in [0, 1)")
+        _require_range(self, "beta1 beta2", lambda v: 0 <= v < 1, "in [0, 1)")
         _require(0 <= self.mis_low <= 1 <= self.mis_high,
                  f"--mis_low={self.mis_low}, --mis_high={self.mis_high}: need 0 <= mis_low <= 1 <= mis_high "
                  "(rho = 1, no mismatch, must keep its weight)")
@@ -375,12 +395,18 @@ class TrainConfig:
         _require(self.router_lr_scale >= 0,
                  f"--router_lr_scale={self.router_lr_scale}: must be >= 0 (0 freezes the router)")
         _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
-        _require(self.group_size >= 2, "--group_size must be >= 2: advantages compare responses within a group")
+        _require_range(self, "group_size", lambda v: v >= 2, ">= 2: advantages compare responses within a group")
         _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")
         _require(self.expert_parallel >= 1, f"--expert_parallel={self.expert_parallel}: must be >= 1")
         _require(self.kernels_backend in ("", "auto", "torch", "triton"),
                  f"--kernels_backend={self.kernels_backend!r}: auto, torch or triton (or '' for KERNELS_BACKEND)")
-        _require(self.expert_bias_update_rate >= 0, "--expert_bias_update_rate must be >= 0 (0: the bias is frozen)")
+        _require_range(self, "expert_bias_update_rate", lambda v: v >= 0, ">= 0 (0: the bias is frozen)")
+        _require(self.vocab_size in ("", "auto") or (self.vocab_size.isdigit() and int(self.vocab_size) > 0),
+                 f"--vocab_size={self.vocab_size!r}: auto (the task's tokenizer) or a number of token ids > 0")
+        _require(self.task == "jsonl" or not (self.chat_template or self.system_prompt),
+                 "--chat_template and --system_prompt format JSONL prompts: add --task=jsonl")
+        _require(self.chat_template or not self.system_prompt,
+                 "--system_prompt goes into the checkpoint's chat template: add --chat_template=true")
         self._check_precision()
 
     def _check_precision(self):
@@ -402,6 +428,30 @@ class TrainConfig:
     def mixed_precision(self) -> bool:
         """Compute in --dtype on a copy cast from float32 masters (the optimizer's weights)."""
         return self.dtype != self.master_dtype
+
+    def model_preset(self, task_vocab: int, tokenizer: bool) -> ModelConfig | None:
+        """The ModelConfig of --init_from when it names a preset (None for a checkpoint folder), its vocabulary
+        set by --vocab_size: '' keeps the preset's, auto takes the task's, N is N.
+
+        The task's ids must fit; with a tokenizer, a larger vocabulary is refused too: the ids past the
+        tokenizer's decode to nothing, yet the policy would sample them. Each refusal says what to pass.
+        """
+        if self.init_from not in MODEL_PRESETS or os.path.isdir(self.init_from):
+            _require(not (self.vocab_size and os.path.isdir(self.init_from)),
+                     f"--vocab_size={self.vocab_size}: only a preset's vocabulary can be changed; "
+                     f"--init_from={self.init_from!r} is a checkpoint folder with its own")
+            return None
+        cfg = ModelConfig.preset(self.init_from)
+        vocab = task_vocab if self.vocab_size == "auto" else int(self.vocab_size or cfg.vocab_size)
+        source = "the tokenizer" if tokenizer else f"task {self.task!r}"
+        _require(vocab >= task_vocab, f"{source} uses {task_vocab} token ids, the model has vocab_size={vocab} "
+                 f"({'--vocab_size' if self.vocab_size else 'preset ' + repr(self.init_from)}); pass "
+                 f"--vocab_size=auto (or N >= {task_vocab})")
+        _require(not tokenizer or vocab == task_vocab or self.vocab_size.isdigit(),
+                 f"the tokenizer has {task_vocab} tokens, preset {self.init_from!r} has vocab_size={vocab}: ids "
+                 f"{task_vocab}..{vocab - 1} would decode to nothing; pass --vocab_size=auto (or --vocab_size={vocab} "
+                 "to keep them)")
+        return dataclasses.replace(cfg, vocab_size=vocab)
 
     @property
     def aggregation(self) -> str:
@@ -472,18 +522,41 @@ def apply_overrides(overrides: dict[str, str], *configs) -> None:
     for key, raw in overrides.items():
         owners = [(c, h[key]) for c, h in hints if key in h]
         if not owners:
-            known = sorted(k for _, h in hints for k in h)
-            raise ConfigError(f"unknown config key --{key}; known keys: {', '.join(known)}")
+            near = difflib.get_close_matches(key, [k for _, h in hints for k in h], n=1, cutoff=0.6)
+            raise ConfigError(f"unknown config key --{key}" + (f"; did you mean --{near[0]}?" if near else "")
+                              + " (--help lists every option)")
         for c, tp in owners:
             setattr(c, key, _convert(key, raw, tp))
     for c in configs:
         c.__post_init__()
 
 
+def field_docs(cls) -> dict[str, str]:
+    """{field: its description}: the trailing comment of the field's line in the class source, with the
+    comment-only lines that continue it (indented past the field, or `#` then aligned text). The one place
+    an option is described: --help prints these."""
+    docs, last = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"    (\w+): [^#]*?(?:#\s?(.*))?$", line)
+        if m and not line.lstrip().startswith("#"):
+            last = m.group(1) if m.group(2) is not None else None
+            docs[m.group(1)] = (m.group(2) or "").strip()
+            continue
+        c = re.match(r"( +)#(.*)$", line)
+        if last and c and (len(c.group(1)) > 4 or c.group(2).startswith("  ")):
+            docs[last] += " " + c.group(2).strip()
+        else:
+            last = None
+    return docs
+
+
 def help_text(*configs) -> str:
+    """Every option: `--name=default  description`, grouped by dataclass."""
     lines = []
     for c in configs:
         lines.append(f"{type(c).__name__}:")
-        for f in dataclasses.fields(c):
-            lines.append(f"  --{f.name}={getattr(c, f.name)!r}")
+        docs = field_docs(type(c))
+        opts = [(f"--{f.name}={getattr(c, f.name)!r}", docs.get(f.name, "")) for f in dataclasses.fields(c)]
+        width = max(len(o) for o, _ in opts)
+        lines += [f"  {o:<{width}}  {d}".rstrip() for o, d in opts]
     return "\n".join(lines)

@@ -258,6 +258,28 @@ def config_from_hf(path_or_dict: str | dict) -> ModelConfig:
     return ModelConfig(**_read_fields(hf))
 
 
+def eos_token_ids(folder: str) -> tuple[tuple[int, ...], str]:
+    """The checkpoint's own stop ids and the file they came from: `eos_token_id` (one id or a list) of
+    generation_config.json (what transformers' generate stops on), else of config.json; ((), "") if neither
+    names one. A file that is not JSON, or an id that is not an integer, is a ConfigError naming it."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if eos is None or eos == []:
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ConfigError(f"{path}: eos_token_id={eos!r}: expected a token id or a list of them")
+        return tuple(ids), path
+    return (), ""
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
     """The config.json that transformers' class for `cfg.model_type` reads (old and new rope keys).
 

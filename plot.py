@@ -4,9 +4,12 @@
     python plot.py out/lab/invariant/seed0 out/lab/fast/seed0 --labels invariant,fast
     python plot.py RUN [RUN ...] --out fig.png
 
-Panels against the training step: reward, train-rollout KL (k3), max |logp diff|, route flips, the IS
-ratio range (min and max, shaded), grad norm and entropy. A metric a run did not log (or logged as
-null) is left out of that run's line. Needs matplotlib (`pip install matplotlib`); plotting is the only
+Panels against the training step: reward (mean, and its std within the batch), response length, loss,
+clip fraction, train-rollout KL (k3), max |logp diff|, route flips, the IS ratio range (min and max,
+shaded), grad norm and entropy. A panel asking for a log axis gets one only when every value drawn in
+it is positive (else linear); a panel whose values are one constant in every run (zero mismatch in the
+invariant mode) says so in words instead of drawing a flat line. A metric a run did not log (or logged
+as null) is left out of that run's line. Needs matplotlib (`pip install matplotlib`); plotting is the only
 thing in the project that does.
 """
 from __future__ import annotations
@@ -16,14 +19,18 @@ import json
 import os
 import sys
 
-# (metric key, panel title, y scale): "symlog" where zero is the interesting value (no mismatch)
+# (metric key, panel title, y scale): "log" where the values span decades (used only if all are > 0)
 PANELS = [
     ("reward_mean", "reward (mean)", "linear"),
-    ("train_rollout_k3", "train-rollout KL (k3, per token)", "symlog"),
-    ("logp_max_abs_diff", "max |logp train - logp rollout|", "symlog"),
-    ("route_flip_frac", "route flips (token, layer decisions)", "symlog"),
+    ("reward_std", "reward std (within the batch)", "linear"),
+    ("response_len", "response length (tokens)", "linear"),
+    ("loss", "loss", "linear"),
+    ("clip_frac", "clip fraction", "linear"),
+    ("train_rollout_k3", "train-rollout KL (k3, per token)", "log"),
+    ("logp_max_abs_diff", "max |logp train - logp rollout|", "log"),
+    ("route_flip_frac", "route flips (token, layer decisions)", "log"),
     (("is_ratio_min", "is_ratio_max"), "IS ratio pi_old / mu (min..max)", "linear"),
-    ("grad_norm", "grad norm (before clipping)", "linear"),
+    ("grad_norm", "grad norm (before clipping)", "log"),
     ("entropy", "entropy of softmax(logits / T)", "linear"),
 ]
 
@@ -53,6 +60,22 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def panel_values(runs: dict[str, list[dict]], key) -> list[float]:
+    """Every value a panel would draw, over all runs (both ends of a range)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return [v for rows in runs.values() for k in keys for v in series(rows, k)[1]]
+
+
+def constant_value(values: list[float]) -> float | None:
+    """The one value of a panel that never changes (None if it does, or holds nothing)."""
+    return values[0] if values and all(v == values[0] for v in values) else None
+
+
+def y_scale(requested: str, values: list[float]) -> str:
+    """A log axis only for positive quantities: anything <= 0 in the panel makes it linear."""
+    return "log" if requested == "log" and values and min(values) > 0 else "linear"
+
+
 def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> str:
     """Draw every panel for every run into one PNG; returns its path."""
     try:
@@ -65,6 +88,16 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> st
     fig, axes = plt.subplots(-(-len(PANELS) // cols), cols, figsize=(4.2 * cols, 3.2 * -(-len(PANELS) // cols)),
                              squeeze=False)
     for ax, (key, name, scale) in zip(axes.flat, PANELS):
+        ax.set_title(name, fontsize=10)
+        values = panel_values(runs, key)
+        const = constant_value(values)
+        if const is not None:                                          # a flat line would hide that it is exact
+            where = "in every run" if len(runs) > 1 else ""
+            ax.text(0.5, 0.5, f"{const:g} at every step {where}".strip(), ha="center", va="center",
+                    transform=ax.transAxes, fontsize=10)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
         for i, (label, rows) in enumerate(runs.items()):
             color = f"C{i % 10}"
             if isinstance(key, tuple):                                 # a range: shade between min and max
@@ -78,9 +111,8 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> st
                 steps, vals = series(rows, key)
                 if vals:
                     ax.plot(steps, vals, color=color, lw=1.2, label=label)
-        ax.set_title(name, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
-        ax.set_yscale(scale, **({"linthresh": 1e-6} if scale == "symlog" else {}))
+        ax.set_yscale(y_scale(scale, values))
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)
     for ax in list(axes.flat)[len(PANELS):]:

@@ -5,6 +5,9 @@
     outs = sampler.generate(prompts, max_new_tokens=64, temperature=1.0, n=8, seed=0)
     outs[i].tokens, outs[i].logprobs, outs[i].routes           # see SequenceOutput
 
+Output types: per-token values are Python lists (prompt and tokens: ids, logprobs: the fp32 log-probs
+exactly, as floats; torch.tensor(o.logprobs) gives back the fp32 bits); routes, 2-D per token, a tensor.
+
 Vocabulary from vLLM / nano-vllm, and its split: one object decides, one does. A `Sequence` owns a
 `block_table` of KV blocks (pages) of `block_size` positions. The `BlockManager` hands out blocks from
 a free list with reference counts, so a GRPO group shares its prompt's full blocks, and says how many
@@ -80,7 +83,7 @@ class SamplingParams:
 class SequenceOutput:
     prompt: list[int]
     tokens: list[int]            # generated ids
-    logprobs: torch.Tensor       # (n_generated,) fp32: log softmax(logits / temperature)[token]
+    logprobs: list[float]        # one per generated id: the fp32 log softmax(logits / temperature)[token], exactly
     routes: torch.Tensor         # (len(prompt) + n_generated - 1, n_moe_layers, top_k) int64
     finish_reason: str           # "stop" (a stop token), "length" (max_new_tokens or the context)
 
@@ -520,7 +523,7 @@ class ModelRunner:
         """Copy a finished sequence's tokens, log-probs and routes out of its row (one copy each)."""
         n, P = seq.num_tokens, len(seq.prompt)
         tokens = self.token_buf[seq.row, P:n].tolist()
-        logprobs = self.logp_buf[seq.row, :n - P].to("cpu", copy=True)     # copy: the row will be reused
+        logprobs = self.logp_buf[seq.row, :n - P].tolist()
         routes = self.route_buf[seq.row, :n - 1].to("cpu", torch.long, copy=True)
         return SequenceOutput(list(seq.prompt), tokens, logprobs, routes, seq.finish_reason)
 
@@ -574,13 +577,13 @@ class Sampler:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, n: int = 1, stop_token_ids: tuple[int, ...] = (),
-                 seed: int = 0, progress: bool = True, index_offset: int = 0) -> list[SequenceOutput]:
+                 seed: int = 0, progress: bool = False, index_offset: int = 0) -> list[SequenceOutput]:
         """Sample n continuations of each prompt; returns len(prompts) * n outputs, prompt-major.
 
         temperature 0 is greedy (log-probs then use temperature 1). Identical prompts (repeated, or
         through n) are prefilled once and share their KV blocks. index_offset: the index of this
         request's first sequence in a larger one (a data-parallel rank passes its global offset, so its
-        draws equal those of a single process sampling the whole request).
+        draws equal those of a single process sampling the whole request). progress=True draws a bar.
         """
         sp = SamplingParams(temperature, top_p, top_k, max_new_tokens, tuple(stop_token_ids), seed)
         if not _is_int(n) or n < 1:

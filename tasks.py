@@ -11,9 +11,21 @@ Your own task: a JSONL file with one {"prompt": "...", "answer": ...} object per
 
     python train.py --task=jsonl --data=my.jsonl --tokenizer=dir/tokenizer.json --reward_fn=my_mod:reward
 
-where `def reward(prompt: str, response: str, answer) -> float` lives in my_mod.py. It must return a
+where `def reward(prompt: str, response: str, answer) -> float` lives in my_mod.py. It gets the JSONL's
+prompt text as written (not a re-decoding of its ids, nor the chat-templated text), the response decoded
+without its stop token, and the row's "answer" as parsed (any JSON value; None if absent). It must return a
 finite number (int, float, bool, or a numpy scalar): anything else (a string, None, NaN) stops the run with
-a message naming the function, the example and the value (see `check_reward`).
+a message naming the function, the example and the value (see `check_reward`). A worked example with
+its data, tokenizer and reward: examples/arithmetic/.
+
+Stop tokens, in this order: --stop_tokens=ID,ID; the checkpoint's eos_token_id (hf.eos_token_ids:
+generation_config.json, then config.json; one id or a list); the tokenizer's: tokenizer_config.json's
+eos_token and every one of STOP_NAMES it holds. Responses end there or after --max_new_tokens (64 by
+default for JSONL: JSONL_MAX_NEW_TOKENS). `generation_line` says which are in force.
+
+--chat_template=true formats each prompt with the checkpoint's template (chat_template.jinja or
+tokenizer_config.json's chat_template, next to the tokenizer or in --init_from), rendered with jinja2 as
+one user message (after --system_prompt's system message) with the generation prompt.
 
 A new built-in task is one entry in TASKS (at the bottom): --task=NAME builds it, and config.py checks
 --task against the same table. Mistakes in a task's files raise TaskError (one line `error: ...`).
@@ -22,11 +34,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import numbers
 import os
 import random
+import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +57,7 @@ class TaskError(ValueError):
 class Example:
     prompt: list[int]     # token ids
     answer: Any           # what the reward function compares against
+    text: str | None = None   # the prompt as the data wrote it (JSONL), before any chat template
 
 
 class DigitTask:
@@ -55,12 +71,13 @@ class DigitTask:
         "reverse": lambda digits: digits[::-1],
     }
 
-    def __init__(self, name: str = "copy", n_digits: int = 4, seed: int = 0):
+    def __init__(self, name: str = "copy", n_digits: int = 4, seed: int = 0, stop_tokens: tuple[int, ...] | None = None):
         if name not in self.TRANSFORMS:
             raise ValueError(f"unknown digit task {name!r}; choose one of {', '.join(self.TRANSFORMS)}")
         self.name, self.n_digits = name, n_digits
         self.rng = random.Random(seed)
-        self.stop_token_ids = (self.EOS,)
+        self.stop_token_ids = (self.EOS,) if stop_tokens is None else stop_tokens
+        self.stop_source = "the task's EOS" if stop_tokens is None else "--stop_tokens"
         self.max_new_tokens = n_digits + 1
         self.reward_source = f"the built-in {name!r} reward"
 
@@ -80,6 +97,9 @@ class DigitTask:
         sym = {self.EQ: "=", self.BOS: "^", self.EOS: "$"}
         return "".join(self.DIGITS[i] if i < 10 else sym.get(i, f"<{i}>") for i in ids)
 
+    def token_name(self, i: int) -> str:
+        return self.decode([i])
+
     def state_dict(self) -> dict:
         return {"rng": self.rng.getstate()}
 
@@ -91,24 +111,56 @@ def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+JSONL_MAX_NEW_TOKENS = 64        # --max_new_tokens=0 on --task=jsonl (config.py's --help says so)
+STOP_NAMES = ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "<|end_of_text|>", "<|end|>")
+
+
 class JsonlTask:
     """Prompts and answers from a JSONL file, a tokenizer, and a user reward function.
 
     Examples are drawn in a shuffled order, epoch after epoch; the position is saved in checkpoints.
+    stop_tokens: --stop_tokens (None: not given); model_eos: the checkpoint's (ids, file) (hf.eos_token_ids);
+    checkpoint: the --init_from folder, where a chat template may live.
     """
 
-    def __init__(self, path: str, tokenizer_path: str, reward_fn: str, max_new_tokens: int = 256,
-                 seed: int = 0):
+    def __init__(self, path: str, tokenizer_path: str, reward_fn: str, max_new_tokens: int = 0, seed: int = 0,
+                 stop_tokens: tuple[int, ...] | None = None, model_eos: tuple[tuple[int, ...], str] = ((), ""),
+                 chat_template: bool = False, system_prompt: str = "", checkpoint: str = ""):
         self.rows = read_jsonl(path)
         self.tok = load_tokenizer(tokenizer_path)
         self.reward_fn: Callable = load_function(reward_fn)
+        check_signature(self.reward_fn, reward_fn)
         self.reward_source = f"--reward_fn={reward_fn}"
-        self.max_new_tokens = max_new_tokens
-        ids = [self.tok.token_to_id(t) for t in ("<|im_end|>", "</s>", "<|endoftext|>")]
-        self.stop_token_ids = tuple(i for i in ids if i is not None)[:1]     # id 0 is a valid stop token
+        self.max_new_tokens = max_new_tokens or JSONL_MAX_NEW_TOKENS
         self.vocab_size = self.tok.get_vocab_size()
+        dirs = [os.path.dirname(os.path.abspath(tokenizer_path)) if not os.path.isdir(tokenizer_path)
+                else tokenizer_path] + ([checkpoint] if checkpoint and os.path.isdir(checkpoint) else [])
+        self.tok_config = read_tokenizer_config(dirs)
+        self.stop_token_ids, self.stop_source = self._stop_tokens(stop_tokens, model_eos)
+        self.template = load_chat_template(dirs, system_prompt) if chat_template else None
         self.seed, self.epoch, self.pos = seed, 0, 0
         self._order = self._shuffle()
+
+    def _stop_tokens(self, given, model_eos) -> tuple[tuple[int, ...], str]:
+        """(ids, where they came from): --stop_tokens, else the checkpoint's eos, else the tokenizer's."""
+        if given is not None:
+            bad = [i for i in given if not 0 <= i < self.vocab_size]
+            if bad:
+                raise TaskError(f"--stop_tokens: {bad} not in the tokenizer's {self.vocab_size} ids")
+            return given, "--stop_tokens"
+        if model_eos[0]:
+            return model_eos[0], model_eos[1]
+        eos = self.tok_config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        names = ([eos] if isinstance(eos, str) else []) + [n for n in STOP_NAMES if n != eos]
+        ids = [self.tok.token_to_id(n) for n in names]
+        ids = tuple(dict.fromkeys(i for i in ids if i is not None))    # id 0 is a valid stop token
+        return ids, "the tokenizer's eos tokens" if ids else "none found (only --max_new_tokens ends a response)"
+
+    def _encode(self, text: str) -> list[int]:
+        if self.template is None:
+            return self.tok.encode(text).ids
+        return self.tok.encode(self.template(text), add_special_tokens=False).ids   # the template has its specials
 
     def _shuffle(self) -> list[int]:
         order = list(range(len(self.rows)))
@@ -123,16 +175,23 @@ class JsonlTask:
                 self._order = self._shuffle()
             row = self.rows[self._order[self.pos]]
             self.pos += 1
-            out.append(Example(self.tok.encode(row["prompt"]).ids, row.get("answer")))
+            out.append(Example(self._encode(row["prompt"]), row.get("answer"), row["prompt"]))
         return out
+
+    def response_text(self, response: list[int]) -> str:
+        """The response as the reward function sees it: decoded, its stop tokens left out."""
+        return self.tok.decode([t for t in response if t not in self.stop_token_ids])
 
     def reward(self, ex: Example, response: list[int]):
         """The user function's value, unconverted: float("0.5") would hide a bug (see check_reward)."""
-        ids = [t for t in response if t not in self.stop_token_ids]
-        return self.reward_fn(self.tok.decode(ex.prompt), self.tok.decode(ids), ex.answer)
+        return self.reward_fn(ex.text, self.response_text(response), ex.answer)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
+
+    def token_name(self, i: int) -> str:
+        """The token's own spelling (decode drops special tokens)."""
+        return self.tok.id_to_token(i) or f"<{i}>"
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
@@ -140,6 +199,31 @@ class JsonlTask:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._order = self._shuffle()
+
+
+def generation_line(task, max_new_tokens: int) -> str:
+    """One line: the stop ids in force, where they came from, and the response length limit."""
+    names = ", ".join(repr(task.token_name(i)) for i in task.stop_token_ids)
+    stops = f"stop ids {list(task.stop_token_ids)} ({names}; {task.stop_source})" if task.stop_token_ids else \
+        f"no stop ids ({task.stop_source})"
+    return f"generation: {stops}, at most {max_new_tokens} new tokens (--max_new_tokens)"
+
+
+def print_user_traceback(e: BaseException) -> None:
+    """The traceback of an exception raised in the user's code, without the frames of this project above it."""
+    ours = {os.path.dirname(os.path.abspath(__file__))}
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None and \
+            os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) in ours:
+        tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb, file=sys.stderr)
+
+
+def example_text(task, ex: Example, response: list[int]) -> str:
+    """An example as an error message shows it: the prompt, the response and the answer, each cut to 80."""
+    prompt = ex.text if ex.text is not None else task.decode(ex.prompt)
+    shown = task.response_text(response) if hasattr(task, "response_text") else task.decode(response)
+    return f"prompt {prompt[:80]!r}, response {shown[:80]!r}, answer {str(ex.answer)[:80]!r}"
 
 
 class RewardError(ValueError):
@@ -201,6 +285,76 @@ def load_tokenizer(path: str):
         raise TaskError(f"--tokenizer={path!r}: not a tokenizers tokenizer.json ({e})") from None
 
 
+def check_signature(fn: Callable, spec: str) -> None:
+    """The reward function must take (prompt, response, answer): said at load time, not as a TypeError mid-run."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):                  # a builtin without a signature: let it run
+        return
+    try:
+        sig.bind("prompt", "response", "answer")
+    except TypeError:
+        raise TaskError(f"--reward_fn={spec}: its signature is {fn.__name__}{sig}; expected "
+                        "reward(prompt, response, answer)") from None
+
+
+def read_tokenizer_config(dirs: list[str]) -> dict:
+    """The first tokenizer_config.json in dirs ({} if none): its eos_token and chat_template."""
+    for d in dirs:
+        path = os.path.join(d, "tokenizer_config.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    return {**json.load(f), "_path": path}
+            except json.JSONDecodeError as e:
+                raise TaskError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    return {}
+
+
+def load_chat_template(dirs: list[str], system_prompt: str) -> Callable[[str], str]:
+    """prompt -> the chat-formatted text: the first chat_template.jinja or tokenizer_config.json's
+    chat_template in dirs, rendered with jinja2 as transformers' apply_chat_template does (one user message
+    after an optional system one, add_generation_prompt=True)."""
+    source, cfg = None, {}
+    for d in dirs:
+        cfg = read_tokenizer_config([d])              # its special tokens fill the template's bos_token, ...
+        if os.path.isfile(os.path.join(d, "chat_template.jinja")):
+            with open(os.path.join(d, "chat_template.jinja"), encoding="utf-8") as f:
+                source = f.read()
+        elif cfg.get("chat_template"):
+            source = cfg["chat_template"]
+            if isinstance(source, list):              # named templates: the default one
+                source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        if source:
+            break
+    if not source:
+        raise TaskError(f"--chat_template=true: no chat template in {' or '.join(dirs)} (chat_template.jinja or "
+                        "tokenizer_config.json's chat_template); drop the option or add one")
+    try:
+        import jinja2.sandbox
+    except ImportError:
+        raise TaskError("--chat_template=true renders the template with jinja2: pip install jinja2") from None
+
+    def raise_exception(msg):
+        raise TaskError(f"--chat_template=true: the chat template refused the prompt: {msg}")
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    try:
+        template = env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise TaskError(f"--chat_template=true: the chat template does not parse ({e})") from None
+    special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in cfg.items()
+               if k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+
+    def render(prompt: str) -> str:
+        return template.render(messages=system + [{"role": "user", "content": prompt}],
+                               add_generation_prompt=True, **special)
+    render("")                                       # a template that fails, fails before the run starts
+    return render
+
+
 def load_function(spec: str) -> Callable:
     """'module:function' or 'path/to/file.py:function' -> the function."""
     mod_name, _, fn_name = spec.rpartition(":")
@@ -228,22 +382,25 @@ def load_function(spec: str) -> Callable:
 # ---------------------------------------------------------------------------------------------------
 # the task table: --task=NAME builds TASKS[NAME] (config.TrainConfig checks --task against it)
 # ---------------------------------------------------------------------------------------------------
-def _digit_task(name: str, seed: int, n_digits: int, **_):
-    return DigitTask(name, n_digits, seed)
+def _digit_task(name: str, seed: int, n_digits: int, stop_tokens=None, **_):
+    return DigitTask(name, n_digits, seed, stop_tokens)
 
 
-def _jsonl_task(name: str, seed: int, data: str, tokenizer: str, reward_fn: str, max_new_tokens: int, **_):
+def _jsonl_task(name: str, seed: int, data: str, tokenizer: str, reward_fn: str, max_new_tokens: int, n_digits: int,
+                **kw):
     if not (data and tokenizer and reward_fn):
         raise TaskError("--task=jsonl needs --data=file.jsonl, --tokenizer=tokenizer.json and --reward_fn=mod:fn")
-    return JsonlTask(data, tokenizer, reward_fn, max_new_tokens or 256, seed)
+    return JsonlTask(data, tokenizer, reward_fn, max_new_tokens, seed, **kw)
 
 
 TASKS: dict[str, Callable] = {**{name: _digit_task for name in DigitTask.TRANSFORMS}, "jsonl": _jsonl_task}
 
 
 def make_task(name: str, seed: int = 0, n_digits: int = 4, data: str = "", tokenizer: str = "",
-              reward_fn: str = "", max_new_tokens: int = 0):
+              reward_fn: str = "", max_new_tokens: int = 0, **options):
+    """TASKS[name] built from the run's options; `options` are JsonlTask's keyword arguments (stop_tokens,
+    model_eos, chat_template, system_prompt, checkpoint), stop_tokens also the digit tasks'."""
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     return TASKS[name](name=name, seed=seed, n_digits=n_digits, data=data, tokenizer=tokenizer,
-                       reward_fn=reward_fn, max_new_tokens=max_new_tokens)
+                       reward_fn=reward_fn, max_new_tokens=max_new_tokens, **options)

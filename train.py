@@ -65,10 +65,10 @@ from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_
                         saved_configs, trim_metrics)
 from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, finish_grads, grad_sync,
                          init_distributed, lower_precision_copy, place_weights, quantized_copy, reduce_metrics)
-from hf import CheckpointError
+from hf import CheckpointError, eos_token_ids
 from model import CapacityLimit, MoE, Transformer, capacity_limit
 from rollout import Sampler
-from tasks import RewardError, TaskError, check_reward, make_task
+from tasks import RewardError, TaskError, check_reward, example_text, generation_line, make_task, print_user_traceback
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -82,9 +82,12 @@ def compute_rewards(task, examples, outs, G: int, step: int) -> torch.Tensor:
         ex = examples[i // G]
         try:
             values.append(check_reward(task.reward(ex, o.tokens)))
-        except RewardError as e:
-            raise RunError(f"step {step}: {task.reward_source} {e}; example: prompt {task.decode(ex.prompt)[:80]!r}, "
-                           f"response {task.decode(o.tokens)[:80]!r}, answer {str(ex.answer)[:80]!r}") from None
+        except RewardError as e:                                      # a value that is not a finite number
+            raise RunError(f"step {step}: {task.reward_source} {e}; example: {example_text(task, ex, o.tokens)}") from None
+        except Exception as e:                                        # it raised: its traceback, then which call
+            print_user_traceback(e)
+            raise RunError(f"step {step}: {task.reward_source} raised {type(e).__name__} (traceback above); "
+                           f"example: {example_text(task, ex, o.tokens)}") from None
     return torch.tensor(values)
 
 
@@ -137,7 +140,7 @@ def make_batch(outs, adv: torch.Tensor) -> Batch:
         P, N = len(o.prompt), len(o.tokens)
         tokens[i, :P + N] = torch.tensor(o.prompt + o.tokens)
         mask[i, P - 1:P - 1 + N] = 1                                  # logp[:, j] scores tokens[:, j + 1]
-        rollout_logp[i, P - 1:P - 1 + N] = o.logprobs
+        rollout_logp[i, P - 1:P - 1 + N] = torch.tensor(o.logprobs, dtype=torch.float32)   # the fp32 bits, exactly
         route_mask[i, :P + N - 1] = True
     routes = pack_routes([o.routes for o in outs], lengths, T)
     return Batch(tokens, mask, rollout_logp, routes, route_mask, adv)
@@ -209,11 +212,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def build_model(tcfg: TrainConfig, device, dtype) -> Transformer:
-    """The same initial weights on every rank: from a checkpoint, or a preset seeded by --seed."""
+def build_model(tcfg: TrainConfig, device, dtype, preset: ModelConfig | None = None) -> Transformer:
+    """The same initial weights on every rank: from a checkpoint, or a preset (its config `preset`, with
+    --vocab_size applied: TrainConfig.model_preset) seeded by --seed."""
     if os.path.isdir(tcfg.init_from):
         return Transformer.from_pretrained(tcfg.init_from, dtype=dtype, device=device)
-    if tcfg.init_from not in MODEL_PRESETS:
+    if preset is None and tcfg.init_from in MODEL_PRESETS:
+        preset = ModelConfig.preset(tcfg.init_from)
+    if preset is None:
         if os.path.exists(tcfg.init_from):
             raise ConfigError(f"--init_from={tcfg.init_from!r} is a file; pass the checkpoint's folder "
                               "(config.json and *.safetensors)")
@@ -222,7 +228,7 @@ def build_model(tcfg: TrainConfig, device, dtype) -> Transformer:
         raise ConfigError(f"--init_from={tcfg.init_from!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) "
                           "nor a checkpoint folder")
     torch.manual_seed(tcfg.seed)
-    return Transformer(ModelConfig.preset(tcfg.init_from)).to(device=device, dtype=dtype)
+    return Transformer(preset).to(device=device, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,8 +392,13 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     prepare_out_dir(tcfg, d.master)
     if not tcfg.resume:                                               # the lr horizon, saved with the run
         tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
-    task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens)
-    model = build_model(tcfg, device, dtype)
+    from_dir = os.path.isdir(tcfg.init_from)
+    task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens,
+                     stop_tokens=rcfg.stop_token_ids, model_eos=eos_token_ids(tcfg.init_from) if from_dir else ((), ""),
+                     chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,
+                     checkpoint=tcfg.init_from if from_dir else "")
+    preset = tcfg.model_preset(task.vocab_size, tokenizer=tcfg.task == "jsonl")
+    model = build_model(tcfg, device, dtype, preset)
     expert_parallel.check_degree(tcfg.expert_parallel, model.config.num_experts, d.world)
     if tcfg.expert_parallel > 1 and tcfg.mixed_precision and d.world > 1 and tcfg.parallel == "fsdp":
         raise ConfigError(f"--expert_parallel={tcfg.expert_parallel} with --parallel=fsdp and --dtype={tcfg.dtype} over "
@@ -410,7 +421,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         start, skipped = state["step"], state.get("skipped_steps", 0)
     ref_model = None
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
-        ref_model = (build_model(tcfg, device, dtype) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
+        ref_model = (build_model(tcfg, device, dtype, preset) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
     if tcfg.expert_parallel > 1:          # each rank keeps its E/N experts (whole ones were loaded above)
         ep = expert_parallel.init_expert_parallel(tcfg.expert_parallel, n_experts=model.config.num_experts)
         for m in (model, ref_model):
@@ -522,8 +533,8 @@ def banner(run: Run) -> str:
              if run.start else f"steps 1..{tcfg.steps}")
     return (f"train: {tcfg.init_from} ({cfg.model_type}, {n_params / 1e6:.2f}M parameters{moe}) on {where}, "
             f"{tcfg.dtype}; task {tcfg.task}; out_dir {tcfg.out_dir}; {start}\n"
-            f"rollout: stop ids {list(run.task.stop_token_ids)}, max_new_tokens {max_new_tokens(run)}, "
-            f"temperature {run.rcfg.temperature}, {tcfg.prompts_per_step} prompts x {tcfg.group_size} responses")
+            f"{generation_line(run.task, max_new_tokens(run))}; temperature {run.rcfg.temperature}, "
+            f"{tcfg.prompts_per_step} prompts x {tcfg.group_size} responses")
 
 
 def log_samples(run: Run, step: int, examples, outs, rewards: torch.Tensor) -> None:

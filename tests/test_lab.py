@@ -37,7 +37,7 @@ def _gap(sampler_kwargs, model=None, weights_dtype=None, rollout_model=None):
     for o in outs:
         P = len(o.prompt)
         lp, r = model.score(torch.tensor([o.prompt + o.tokens]))
-        diff = max(diff, (lp[0, P - 1:] - o.logprobs).abs().max().item())
+        diff = max(diff, (lp[0, P - 1:] - torch.tensor(o.logprobs)).abs().max().item())
         used = r[0, :len(o.routes)]
         flips += (used.sort(-1).values != o.routes.sort(-1).values).any(-1).sum().item()
         rows += used.shape[0] * used.shape[1]

@@ -77,3 +77,33 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(SystemExit, match="pip install matplotlib"):
         plot.plot_runs({"a": plot.read_metrics(write_run(tmp_path / "a"))}, str(tmp_path / "x.png"))
+
+
+def test_log_axes_only_for_positive_values():
+    assert plot.y_scale("log", [1e-6, 0.5]) == "log"
+    assert plot.y_scale("log", [0.0, 1e-3]) == "linear" and plot.y_scale("log", [-1.0, 2.0]) == "linear"
+    assert plot.y_scale("linear", [1.0, 2.0]) == "linear" and plot.y_scale("log", []) == "linear"
+
+
+def test_constant_panel_is_said_in_words(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    said, drawn, real_text, real_plot = [], [], matplotlib.axes.Axes.text, matplotlib.axes.Axes.plot
+
+    def text(ax, *a, **kw):
+        said.append((ax.get_title(), a[2]))
+        return real_text(ax, *a, **kw)
+
+    def line(ax, *a, **kw):
+        drawn.append(ax.get_title())
+        return real_plot(ax, *a, **kw)
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", text)
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", line)
+    runs = {"a": plot.read_metrics(write_run(tmp_path / "a")), "b": plot.read_metrics(write_run(tmp_path / "b"))}
+    plot.plot_runs(runs, str(tmp_path / "x.png"))
+    titles = {name: key for key, name, _ in plot.PANELS}
+    assert dict(said) == {"train-rollout KL (k3, per token)": "0 at every step in every run",
+                          "max |logp train - logp rollout|": "0 at every step in every run",
+                          "route flips (token, layer decisions)": "0.01 at every step in every run"}
+    assert not {t for t, _ in said} & set(drawn) and "reward (mean)" in drawn and "IS ratio pi_old / mu (min..max)" in drawn
+    assert {"reward_std", "response_len", "loss", "clip_frac"} <= set(titles.values())

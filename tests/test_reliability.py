@@ -354,7 +354,7 @@ def jsonl_task(tmp_path):
 
 def jsonl_args(folder, **change):
     args = dict(task="jsonl", data=folder / "data.jsonl", tokenizer=folder / "tokenizer.json",
-                reward_fn=f"{folder / 'reward.py'}:reward", out_dir=folder / "out", steps=2)
+                reward_fn=f"{folder / 'reward.py'}:reward", out_dir=folder / "out", steps=2, vocab_size="auto")
     args.update(change)
     return [f"--{k}={v}" for k, v in args.items()]
 

@@ -329,7 +329,7 @@ def test_banner_checkpoint_lines_samples_and_progress_lines(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("train: tiny (qwen3_moe, ") and "M parameters, 8 experts top-2) on cpu, float32" in out[0]
     assert f"task copy; out_dir {tmp_path}; steps 1..4" in out[0]
-    assert out[1].startswith("rollout: stop ids [12], max_new_tokens 3, temperature 1.0")
+    assert out[1].startswith("generation: stop ids [12] (") and "at most 3 new tokens (--max_new_tokens); temperature 1.0" in out[1]
     assert [line.split(":")[0] for line in out if line.startswith("step ") and "/4:" in line] == ["step 2/4", "step 4/4"]
     assert [line for line in out if ": saved " in line] == [f"step {s}: saved {tmp_path / f'ckpt-{s:06d}'}"
                                                               for s in (2, 4)]

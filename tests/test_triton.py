@@ -618,7 +618,7 @@ def test_sampler_records_score_bits_with_triton():
             for o in outs:
                 P, G = len(o.prompt), len(o.tokens)
                 lp, routes = model.score(torch.tensor([o.prompt + o.tokens]))
-                assert rel(o.logprobs, lp[0, P - 1:]) < TOL and torch.equal(o.routes, routes[0, :P + G - 1])
+                assert rel(torch.tensor(o.logprobs, device=lp.device), lp[0, P - 1:]) < TOL and torch.equal(o.routes, routes[0, :P + G - 1])
 
 
 # ---------------------------------------------------------------------------------------------------
