@@ -175,16 +175,20 @@ QUANT_FORMATS = ("int8", "fp8_e4m3")   # --rollout_dtype's quantized formats
 
 
 def check_sampling(temperature, top_p, top_k) -> None:
-    """The sampling ranges, the one rule for RolloutConfig and for each request (rollout.SamplingParams)."""
+    """The sampling ranges, the one rule for RolloutConfig (the command line) and for each request
+    (rollout.SamplingParams, generate()'s arguments): the same words for the same value."""
     import numbers
 
     def real(x):
         return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+    def shown(x):
+        return f"{x:g}" if real(x) else repr(x)
     _require(real(temperature) and math.isfinite(temperature) and temperature >= 0,
-             f"temperature={temperature!r}: need a finite number >= 0 (0 samples greedily)")
-    _require(real(top_p) and 0 < top_p <= 1, f"top_p={top_p!r}: need a number in (0, 1]")
+             f"--temperature={shown(temperature)}: must be >= 0 and finite (0 samples greedily)")
+    _require(real(top_p) and 0 < top_p <= 1, f"--top_p={shown(top_p)}: must be in (0, 1]")
     _require(isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and top_k >= 0,
-             f"top_k={top_k!r}: need an integer >= 0 (0 turns it off)")
+             f"--top_k={top_k!r}: must be an integer >= 0 (0 turns it off)")
 
 
 @dataclass
