@@ -191,6 +191,7 @@ class RolloutConfig:
     rollout_mode: str = "invariant"   # invariant | fast (batch-variant torch / cuBLAS / SDPA ops)
     router_bf16: bool = False         # round the rollout's router logits to bf16
     rollout_dtype: str = ""           # "" (the trainer's) | bfloat16 | float16: a lower-precision weight copy
+    record_route_detail: bool = False  # the sampler also keeps each route's combine weights and margin (fp32)
 
     def __post_init__(self):
         _require_finite(self)
