@@ -282,11 +282,15 @@ class TrainConfig:
     replay: str = "none"              # none | r3
     route_filter: str = "none"        # none | mask | downweight: tokens whose rollout/trainer top-k overlap
     route_filter_threshold: float = 0.9    # (mean over MoE layers) is below the threshold
+    route_filter_level: str = "token"      # token | sequence: filter whole responses by their mean overlap
     expert_bias_update_rate: float = 0.0  # > 0: after each optimizer step, router bias += rate * sign(mean load - load)
     # logging
     log_every: int = 1
     save_every: int = 50
     progress: bool = True
+    probe_every: int = 0              # > 0: every N steps, roll out a fixed probe set greedily and audit it
+    probe_prompts: int = 8            # the probe set's size (drawn once from the task)
+    diagnostics: int = 0              # > 0: each step, the N most mismatched sequences to diagnostics.jsonl
 
     def __post_init__(self):
         _require_finite(self)
@@ -309,9 +313,14 @@ class TrainConfig:
         _require(self.rejected_tokens in ("zero_weight", "drop"), "--rejected_tokens: zero_weight or drop")
         _require(self.route_filter in ("none", "mask", "downweight"), "--route_filter: none, mask or downweight")
         _require(0 <= self.route_filter_threshold <= 1, "--route_filter_threshold must be in [0, 1]")
+        _require(self.route_filter_level in ("token", "sequence"),
+                 f"--route_filter_level={self.route_filter_level!r}: token or sequence")
+        _require(self.probe_every >= 0 and self.diagnostics >= 0,
+                 f"--probe_every={self.probe_every}, --diagnostics={self.diagnostics}: must be >= 0 (0: off)")
+        _require(self.probe_prompts > 0, f"--probe_prompts={self.probe_prompts}: must be >= 1")
         _require(self.save_every > 0 and self.log_every > 0, "--save_every and --log_every must be > 0")
-        _require(self.lr > 0 and self.grad_clip > 0 and self.tis_cap > 0 and self.kl_coef >= 0,
-                 "need lr > 0, grad_clip > 0, tis_cap > 0, kl_coef >= 0")
+        _require(self.lr >= 0 and self.grad_clip > 0 and self.tis_cap > 0 and self.kl_coef >= 0,
+                 "need lr >= 0 (0: a frozen policy), grad_clip > 0, tis_cap > 0, kl_coef >= 0")
         _require(0 <= self.eps_low < 1 and self.eps_high >= 0 and 0 <= self.gspo_eps_low < 1,
                  "clip ranges: need 0 <= eps_low < 1, eps_high >= 0, 0 <= gspo_eps_low < 1")
         _require(0 <= self.mis_low <= 1 <= self.mis_high,
