@@ -5,7 +5,8 @@
     python plot.py RUN [RUN ...] --out fig.png
 
 Panels against the training step: reward, train-rollout KL (k3), max |logp diff|, route flips, the IS
-ratio range (min and max, shaded), grad norm and entropy. A metric a run did not log (or logged as
+ratio range (min and max, shaded), grad norm, entropy, and the route flips binned by the trainer's
+margin (one line style per bin). A metric a run did not log (or logged as
 null) is left out of that run's line. Needs matplotlib (`pip install matplotlib`); plotting is the only
 thing in the project that does.
 """
@@ -25,7 +26,10 @@ PANELS = [
     (("is_ratio_min", "is_ratio_max"), "IS ratio pi_old / mu (min..max)", "linear"),
     ("grad_norm", "grad norm (before clipping)", "linear"),
     ("entropy", "entropy of softmax(logits / T)", "linear"),
+    ("route_flip_frac_by_margin", "route flips by trainer margin", "symlog"),
 ]
+# a list metric: one line per bin, told apart by line style (audit.MARGIN_BINS)
+BIN_STYLES = {"route_flip_frac_by_margin": (("-", "< 1e-4"), ("--", "< 1e-3"), (":", "< 1e-2"), ("-.", ">= 1e-2"))}
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -53,6 +57,12 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def bin_series(rows: list[dict], key: str, i: int) -> tuple[list[int], list[float]]:
+    """(steps, values) of bin i of a list metric, from the rows that logged it."""
+    pts = [(r["step"], r[key][i]) for r in rows if isinstance(r.get(key), list) and isinstance(r[key][i], (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
 def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> str:
     """Draw every panel for every run into one PNG; returns its path."""
     try:
@@ -74,10 +84,19 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> st
                     ax.fill_between(s_lo, lo, hi, color=color, alpha=0.25)
                     ax.plot(s_lo, lo, color=color, lw=1, label=label)
                     ax.plot(s_hi, hi, color=color, lw=1)
+            elif key in BIN_STYLES:                                    # one line per bin
+                for b, (style, name) in enumerate(BIN_STYLES[key]):
+                    steps, vals = bin_series(rows, key, b)
+                    if vals:
+                        ax.plot(steps, vals, color=color, ls=style, lw=1.2)
+                    if i == 0:                                         # the key to the line styles
+                        ax.plot([], [], color="gray", ls=style, label=f"margin {name}")
             else:
                 steps, vals = series(rows, key)
                 if vals:
                     ax.plot(steps, vals, color=color, lw=1.2, label=label)
+        if key in BIN_STYLES:
+            ax.legend(fontsize=6, frameon=False)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.set_yscale(scale, **({"linthresh": 1e-6} if scale == "symlog" else {}))
