@@ -277,7 +277,7 @@ def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch):
     msg = cli_error(f"--out_dir={tmp_path}", "--steps=3", "--save_every=1")
     assert "step 2: writing checkpoint" in msg and "disk full" in msg and "ckpt-000002.tmp" in msg
     assert "--resume" in msg and "GiB free" in msg
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "latest", "metrics.jsonl"]   # no .tmp left
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "latest", "metrics.jsonl", "routes.jsonl"]   # no .tmp left
     assert open(tmp_path / "latest").read() == "ckpt-000001"
     assert_all_finite(tmp_path / "ckpt-000001")
 
