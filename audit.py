@@ -11,6 +11,9 @@ whose output is never used, and the padding). `model.score(tokens, routes=packed
 `topk_overlap` and `expert_load` are the two measures everything else is built from: the route audit
 logs them, the route filter (losses.route_filter_weights) weighs tokens by the overlap, and the
 aux-loss-free bias update (train.update_expert_bias) balances the load.
+With the trainer's model.RouteDetail, route_audit also bins the flips by margin (margin_stats) and logs
+the router entropy; load_histogram, route_drift and diagnostics feed routes.jsonl, the probe and
+diagnostics.jsonl (train.log_routes, train.probe).
 """
 from __future__ import annotations
 
