@@ -11,12 +11,19 @@ whose output is never used, and the padding). `model.score(tokens, routes=packed
 `topk_overlap` and `expert_load` are the two measures everything else is built from: the route audit
 logs them, the route filter (losses.route_filter_weights) weighs tokens by the overlap, and the
 aux-loss-free bias update (train.update_expert_bias) balances the load.
+With the trainer's model.RouteDetail, route_audit also bins the flips by margin (margin_stats) and logs
+the router entropy; load_histogram, route_drift and diagnostics feed routes.jsonl, the probe and
+diagnostics.jsonl (train.log_routes, train.probe).
 """
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:                                                     # for the annotation only: no import circle
+    from model import RouteDetail
 
 
 def pack_routes(routes: list[torch.Tensor], lengths: list[int], T: int) -> torch.Tensor:
@@ -59,14 +66,16 @@ def expert_load(routes: torch.Tensor, n_experts: int) -> torch.Tensor:
     return torch.bincount((routes + offset).reshape(-1), minlength=n_moe * n_experts).view(n_moe, n_experts)
 
 
-def route_audit(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, n_experts: int) -> dict:
+def route_audit(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, n_experts: int,
+                detail: "RouteDetail | None" = None) -> dict:
     """Compare rollout and trainer routes (B, T, n_moe, k) at the positions where mask (B, T) is True.
 
     route_flip_frac: fraction of (token, layer) decisions whose top-k *set* differs.
     route_flip_frac_layer: the same per MoE layer. topk_overlap: mean |set intersection| / k.
     top1_flip_frac: the first choice differs. token_any_flip_frac: tokens with a flip in any layer.
     expert_load_max: the busiest expert's share of the trainer's routed slots over a uniform share
-    (1.0 = perfectly balanced), worst layer.
+    (1.0 = perfectly balanced), worst layer; load_imbalance_layer: the same (max / mean) per layer.
+    detail: the trainer's model.RouteDetail (B, T, ...) of `train`: adds margin_stats and router_entropy_layer.
     """
     m = mask.bool()
     a, b = rollout[m], train[m]                               # (N, n_moe, k)
@@ -76,14 +85,57 @@ def route_audit(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, 
     flipped = overlap < 1
     load = expert_load(b, n_experts)
     load = load.float() / load.sum(-1, keepdim=True) * n_experts    # (n_moe, E), 1.0 = uniform
-    return {
+    row = {
         "route_flip_frac": flipped.float().mean().item(),
         "route_flip_frac_layer": [round(v, 6) for v in flipped.float().mean(0).tolist()],
         "topk_overlap": overlap.mean().item(),
         "top1_flip_frac": (a[..., 0] != b[..., 0]).float().mean().item(),
         "token_any_flip_frac": flipped.any(-1).float().mean().item(),
         "expert_load_max": load.max().item(),
+        "load_imbalance_layer": [round(v, 6) for v in load.max(-1).values.tolist()],
     }
+    if detail is not None:
+        row.update(margin_stats(flipped, detail.margin[m]))
+        row["router_entropy_layer"] = [round(v, 6) for v in detail.entropy[m].mean(0).tolist()]
+    return row
+
+
+MARGIN_BINS = (1e-4, 1e-3, 1e-2)     # route margins binned as < 1e-4, < 1e-3, < 1e-2, larger
+
+
+def margin_bin(margin: torch.Tensor) -> torch.Tensor:
+    """Each margin's bin index in 0..len(MARGIN_BINS) (the last: >= 1e-2, inf included)."""
+    return torch.bucketize(margin.float(), torch.tensor(MARGIN_BINS, device=margin.device), right=True)
+
+
+def margin_stats(flipped: torch.Tensor, margin: torch.Tensor) -> dict:
+    """Flips against the trainer's margins: flipped (N, n_moe) bool, margin (N, n_moe) fp32.
+
+    route_margin_frac[i]: the share of (token, layer) decisions in margin bin i (MARGIN_BINS);
+    route_flip_frac_by_margin[i]: the share of decisions that flipped AND sit in bin i (they sum to
+    route_flip_frac), so bin i's flip rate is the ratio of the two and "what share of the flips sat
+    below 1e-3" is (b0 + b1) / sum.
+    """
+    bins = margin_bin(margin).reshape(-1)
+    n = len(MARGIN_BINS) + 1
+    every = torch.bincount(bins, minlength=n).double() / bins.numel()
+    flips = torch.bincount(bins[flipped.reshape(-1)], minlength=n).double() / bins.numel()
+    return {"route_margin_frac": [round(v, 8) for v in every.tolist()],
+            "route_flip_frac_by_margin": [round(v, 8) for v in flips.tolist()]}
+
+
+def load_histogram(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, n_experts: int) -> dict:
+    """Per-expert load counts of each MoE layer, {rollout, train}: (n_moe, E) lists of ints, at the
+    positions where mask (B, T) is True (the rows of routes.jsonl)."""
+    m = mask.bool()
+    return {"rollout": expert_load(rollout[m], n_experts).tolist(), "train": expert_load(train[m], n_experts).tolist()}
+
+
+def route_drift(before: torch.Tensor, after: torch.Tensor, mask: torch.Tensor) -> float:
+    """The share of (token, layer) decisions at mask (B, T) whose top-k set differs between two
+    routings (B, T, n_moe, k) of the same tokens, e.g. by the first and the current weights."""
+    m = mask.bool()
+    return (topk_overlap(before[m], after[m]) < 1).float().mean().item() if m.any() else 0.0
 
 
 def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -99,3 +151,51 @@ def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
         "extreme_token_frac": (d.abs() > math.log(2)).double().mean().item(),
         "is_ratio_min": rho.min().item(), "is_ratio_mean": rho.mean().item(), "is_ratio_max": rho.max().item(),
     }
+
+
+def _rounded(t: torch.Tensor) -> list:
+    """A tensor as (nested) lists of floats with 7 significant digits; inf / nan become None (strict JSON)."""
+    return [[_rounded_one(v) for v in r] if isinstance(r, list) else _rounded_one(r) for r in t.tolist()]
+
+
+def _rounded_one(v: float):
+    return float(f"{v:.7g}") if math.isfinite(v) else None
+
+
+def diagnostics(step: int, outs: list, rows: torch.Tensor, train_logp: torch.Tensor, train_routes: torch.Tensor,
+                rollout_routes: torch.Tensor, rewards: torch.Tensor, n: int, *,
+                train_margin: torch.Tensor | None = None, decode=None) -> list[dict]:
+    """The rows of diagnostics.jsonl: up to n of the sequences `rows` whose routes or log-probs disagree.
+
+    A sequence qualifies if any response token's routes flipped in some layer or a token is extreme
+    (|logp train - logp rollout| > ln 2); the n with the lowest mean top-k overlap go first (ties: the
+    larger max |logp diff|). train_logp (R, T-1), train_routes / rollout_routes (R, T, n_moe, k) and
+    train_margin (R, T, n_moe) are for the sequences outs[rows[j]]. Per response token j the route
+    fields are those of the position that scores it (the one before it, as the log-prob).
+    """
+    picked = []
+    for j, r in enumerate(rows.tolist()):
+        o = outs[r]
+        P, N = len(o.prompt), len(o.tokens)
+        at = slice(P - 1, P - 1 + N)                                  # the positions scoring the response
+        diff = (train_logp[j, at].double() - o.logprobs.double()).abs()
+        overlap = topk_overlap(rollout_routes[j, at], train_routes[j, at])       # (N, n_moe)
+        mean_overlap = overlap.mean().item() if overlap.numel() else 1.0
+        if mean_overlap < 1 or (diff > math.log(2)).any():
+            picked.append((mean_overlap, -diff.max().item(), j, r, at, overlap))
+    picked.sort(key=lambda p: p[:2])
+    out = []
+    for mean_overlap, neg_diff, j, r, at, overlap in picked[:n]:
+        o = outs[r]
+        row = {"step": step, "sequence": r, "reward": float(rewards[r]), "prompt": list(o.prompt),
+               "response": list(o.tokens), "logp_train": _rounded(train_logp[j, at]),
+               "logp_rollout": _rounded(o.logprobs), "flipped_layers": (overlap < 1).sum(-1).tolist(),
+               "topk_overlap": round(mean_overlap, 6), "logp_max_abs_diff": _rounded_one(-neg_diff)}
+        if train_margin is not None:
+            row["margin_train"] = _rounded(train_margin[j, at])
+        if o.route_margins is not None:
+            row["margin_rollout"] = _rounded(o.route_margins[at])
+        if decode is not None:
+            row["prompt_text"], row["response_text"] = decode(list(o.prompt)), decode(list(o.tokens))
+        out.append(row)
+    return out

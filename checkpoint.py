@@ -63,7 +63,8 @@ def load_optimizer_state(scorer, opt, state, full: bool):
 
 
 CKPT_NAME = re.compile(r"ckpt-\d{6}")                               # the only names `latest` may hold
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "latest", "latest.tmp")   # with ckpt-*: what makes a folder a run
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "routes.jsonl", "diagnostics.jsonl", "latest",
+             "latest.tmp")                                            # with ckpt-*: what makes a folder a run
 
 
 def check_finite_weights(model: Transformer, step: int) -> None:
@@ -195,7 +196,7 @@ def load_trainer_state(ckpt: str) -> dict:
 
 def prepare_out_dir(tcfg: TrainConfig, master: bool) -> None:
     """Refuse to start a new run over an old one unless --overwrite=true, which removes (on rank 0) the old
-    run's files: metrics.jsonl, latest and ckpt-*, nothing else."""
+    run's files: RUN_FILES and ckpt-*, nothing else."""
     if os.path.exists(tcfg.out_dir) and not os.path.isdir(tcfg.out_dir):
         raise ConfigError(f"--out_dir={tcfg.out_dir!r} is a file; pass a folder")
     os.makedirs(tcfg.out_dir, exist_ok=True)

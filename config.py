@@ -215,6 +215,7 @@ class RolloutConfig:
     rollout_quant_router: bool = True   # int8 / fp8_e4m3: quantize the router gate too (false: full precision)
     rollout_router_fault: str = "none"  # none | no_bias | bias_sign | bias_in_weights | no_renorm: the rollout's
                                         # router wrong in that one way (model.ROUTER_FAULTS), the trainer's right
+    record_route_detail: bool = False  # the sampler also keeps each route's combine weights and margin (fp32)
 
     def __post_init__(self):
         _require_finite(self)
@@ -328,12 +329,16 @@ class TrainConfig:
     train_capacity_factor: float = 0.0    # > 0: in the trainer's forwards each expert takes at most
                                           # ceil(C * tokens * k / E) (token, slot) rows (model.capacity_limit);
                                           # 0: dropless. The rollout is always dropless
+    route_filter_level: str = "token"      # token | sequence: filter whole responses by their mean overlap
     expert_bias_update_rate: float = 0.0  # > 0: after each optimizer step, router bias += rate * sign(mean load - load)
     # logging
     log_every: int = 1                # write a metrics.jsonl row every N steps
     save_every: int = 50              # checkpoint every N steps (and at the end)
     keep_checkpoints: int = 1         # the newest K checkpoints are kept, older ones deleted
     progress: bool = True             # a progress bar; false: one line every --log_every steps
+    probe_every: int = 0              # > 0: every N steps, roll out a fixed probe set greedily and audit it
+    probe_prompts: int = 8            # the probe set's size (drawn once from the task)
+    diagnostics: int = 0              # > 0: each step, the N most mismatched sequences to diagnostics.jsonl
     log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
     log_to: str = ""                  # "" (metrics.jsonl only) | tensorboard | wandb: a copy of each row
     # evaluation (eval.py): greedy and sampled reward and pass@k on a held-out JSONL
@@ -370,10 +375,16 @@ class TrainConfig:
                  f"--eval_every={self.eval_every}: needs --eval_data=FILE (a held-out JSONL)")
         _require_range(self, "route_filter_threshold", lambda v: 0 <= v <= 1, "in [0, 1]")
         _require_range(self, "save_every log_every", lambda v: v > 0, ">= 1")
-        _require_range(self, "lr grad_clip tis_cap", lambda v: v > 0, "> 0")
+        _require_range(self, "lr", lambda v: v >= 0, ">= 0 (0: a frozen policy)")
+        _require_range(self, "grad_clip tis_cap", lambda v: v > 0, "> 0")
         _require_range(self, "kl_coef eps_high gspo_eps_high weight_decay", lambda v: v >= 0, ">= 0")
         _require_range(self, "eps_low gspo_eps_low", lambda v: 0 <= v < 1, "in [0, 1)")
         _require_range(self, "beta1 beta2", lambda v: 0 <= v < 1, "in [0, 1)")
+        _require(self.route_filter_level in ("token", "sequence"),
+                 f"--route_filter_level={self.route_filter_level!r}: token or sequence")
+        _require(self.probe_every >= 0 and self.diagnostics >= 0,
+                 f"--probe_every={self.probe_every}, --diagnostics={self.diagnostics}: must be >= 0 (0: off)")
+        _require(self.probe_prompts > 0, f"--probe_prompts={self.probe_prompts}: must be >= 1")
         _require(0 <= self.mis_low <= 1 <= self.mis_high,
                  f"--mis_low={self.mis_low}, --mis_high={self.mis_high}: need 0 <= mis_low <= 1 <= mis_high "
                  "(rho = 1, no mismatch, must keep its weight)")

@@ -362,8 +362,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # ---------------------------------------------------------------------------------------------------
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
           forced_ids: torch.Tensor | None = None, *, scoring: str = "softmax", bias: torch.Tensor | None = None,
-          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0, detail: bool = False
+          ) -> tuple[torch.Tensor, ...]:
     """Router: scores in fp32, top-k with lowest-index tie-break, optional renormalisation and scaling.
 
     logits (M, E) -> ids (M, k) int64 used, weights (M, k) fp32, chosen (M, k) int64: the router's own
@@ -378,6 +378,8 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     forced_ids (M, k): replay (R3) these experts instead of choosing; the weights are still the
     model's own scores of those experts (then the same renormalisation and scaling), so the router
     keeps its gradient. A row of all -1 (a position nobody recorded, e.g. padding) is routed normally.
+    detail: also return margin (M,) and entropy (M,), fp32 and detached (see route_margin and
+    router_entropy); the first three outputs keep their bits.
 
     Every step is row-local torch (sorts are stable and descending: ties go to the lowest index), also
     on CUDA, where no Triton kernel replaces it; tests/test_hf.py's GPU test shows the row
@@ -399,6 +401,8 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     else:
         ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
     chosen = ids
+    if detail:
+        margin, entropy = route_margin(choice, top_k), router_entropy(probs)
     if forced_ids is not None:
         forced_ids = forced_ids.long()
         free = (forced_ids < 0).all(-1, keepdim=True)               # (M, 1) unrecorded rows
@@ -413,7 +417,32 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
         weights = weights / total[:, None]
     if scaling != 1.0:
         weights = weights * scaling
+    if detail:
+        return ids, weights, chosen, margin, entropy
     return ids, weights, chosen
+
+
+def route_margin(choice: torch.Tensor, top_k: int) -> torch.Tensor:
+    """How close a routing decision was: the k-th best minus the (k+1)-th best of the scores the choice
+    was made on (biased, group-limited), (M, E) fp32 -> (M,) fp32, detached. 0 is a tie; +inf where
+    fewer than k+1 experts could be chosen (E == k, or groups that leave only k).
+
+    Values of a sort, then one subtraction: elementwise, so row-invariant, the same bits in the sampler
+    and the trainer (the fast mode's torch.topk gives the same values as the stable sort)."""
+    choice = choice.detach()
+    if top_k >= choice.shape[-1]:
+        return torch.full(choice.shape[:-1], float("inf"), device=choice.device)
+    top = (torch.topk(choice, top_k + 1, dim=-1) if _fast()
+           else torch.sort(choice, dim=-1, descending=True, stable=True)).values
+    return top[:, top_k - 1] - top[:, top_k]
+
+
+def router_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of the routing distribution: the router's scores (M, E) fp32 (softmax, or sigmoids),
+    normalised to sum 1, -> (M,) fp32, detached. 0 log 0 counts as 0. For logging only."""
+    p = probs.detach()
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
+    return -(p * torch.log(p.clamp(min=1e-30))).sum(-1)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:

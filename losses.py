@@ -180,10 +180,17 @@ def rejects(cfg) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # route-consistency filter: the cheaper alternative to R3
 # ---------------------------------------------------------------------------------------------------
-def route_filter_weights(overlap: torch.Tensor, mode: str, threshold: float) -> torch.Tensor:
+def route_filter_weights(overlap: torch.Tensor, mode: str, threshold: float, level: str = "token",
+                         mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token loss weights (B, T) from each token's top-k overlap (B, T) (audit.token_overlap: the
     rollout's experts against the trainer's, averaged over MoE layers). mask: 0 for tokens whose overlap
-    is below the threshold; downweight: their loss times the overlap."""
+    is below the threshold; downweight: their loss times the overlap.
+    level "sequence": the same rule on each response's mean overlap over its tokens (mask (B, T), the
+    response tokens), applied to all its tokens. Without a mismatch every overlap is 1: weights all 1."""
+    if level == "sequence":
+        m = mask.to(overlap.dtype)
+        mean = (overlap * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)   # (B, 1)
+        overlap = torch.where(m.sum(-1, keepdim=True) > 0, mean, 1.0).expand_as(overlap)
     below = overlap < threshold
     if mode == "mask":
         return (~below).float()

@@ -6,6 +6,7 @@
     logits = model(tokens)                                   # (B, T) -> (B, T, V)
     logp, routes = model.score(tokens, temperature=1.0)      # (B, T-1), (B, T, n_moe_layers, top_k)
     logp, _ = model.score(tokens, routes=routes)             # R3: replay recorded expert choices
+    logp, routes, detail = model.score(tokens, route_detail=True)   # + combine weights, margins (RouteDetail)
 
 There is one forward. The trainer calls it with no cache (keys and values of the call itself are laid
 out as pages); the sampler (rollout.py) calls it with a `PagedKV` batch whose pages persist across
@@ -339,6 +340,30 @@ class Attention(nn.Module):
         return torch.cat([kernels.apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
+@dataclass
+class RouteDetail:
+    """What a routing decision looked like, per (position, MoE layer), beside the routes' ids.
+
+    weights (B, T, n_moe, k) fp32: the combine weights of the experts used (after renormalisation and
+    scaling); margin (B, T, n_moe) fp32: the k-th minus the (k+1)-th score the choice was made on
+    (kernels.route_margin); entropy (B, T, n_moe) fp32: of the routing distribution (kernels.router_entropy).
+    All detached. The sampler stores weights and margin (rollout.SequenceOutput); the trainer gets all
+    three from score(route_detail=True); under the contract both sides' bits are equal.
+    """
+    weights: torch.Tensor
+    margin: torch.Tensor
+    entropy: torch.Tensor
+
+    @classmethod
+    def stack(cls, layers: list, B: int, T: int, k: int, device) -> "RouteDetail":
+        """From MoE.forward's per-layer (weights (B, T, k), margin (B, T), entropy (B, T)) tuples."""
+        if not layers:
+            return cls(torch.zeros(B, T, 0, k, device=device), torch.zeros(B, T, 0, device=device),
+                       torch.zeros(B, T, 0, device=device))
+        w, m, e = zip(*layers)
+        return cls(torch.stack(w, 2), torch.stack(m, 2), torch.stack(e, 2))   # layers on dim 2
+
+
 class MLP(nn.Module):
     """Dense SwiGLU: down(silu(gate x) * up x)."""
 
@@ -457,7 +482,9 @@ class MoE(nn.Module):
         self.n_experts = E
         self.router_fault = "none"     # ROUTER_FAULTS: set on the mismatch lab's rollout copy only
 
-    def forward(self, x, forced_ids=None):
+    def forward(self, x, forced_ids=None, detail: list | None = None):
+        """x (B, T, D) -> (B, T, D) and the router's own top-k ids (B, T, k). detail: a list to append
+        this layer's route detail to, (weights (B, T, k), margin (B, T), entropy (B, T)) (RouteDetail)."""
         B, T, D = x.shape
         x2 = x.reshape(B * T, D)                                # (M, D)
         # the gate runs in its own weight's dtype: an fp32 router (--router_dtype) upcasts x, as
@@ -468,13 +495,16 @@ class MoE(nn.Module):
         norm = self.norm_topk_prob
         if self.router_fault != "none":                         # the lab's wrong rollout router
             bias, norm = fault_inputs(self.router_fault, bias, norm)
-        ids, weights, chosen = kernels.route(logits, self.top_k, norm,
-                                             None if forced_ids is None else forced_ids.reshape(B * T, -1),
-                                             bias=bias, **self.route_kw)
+        ids, weights, chosen, *extra = kernels.route(logits, self.top_k, norm,
+                                                     None if forced_ids is None else forced_ids.reshape(B * T, -1),
+                                                     bias=bias, detail=detail is not None, **self.route_kw)
         if self.router_fault == "bias_in_weights":
             weights = biased_weights(logits, ids, bias, norm, **self.route_kw)
         if _capacity is not None:                               # trainer-side token dropping
             weights = _capacity.apply(ids, weights, self.n_experts)
+        if detail is not None:                                  # the combine weights used, the margin, entropy
+            margin, entropy = extra
+            detail.append((weights.detach().view(B, T, -1), margin.view(B, T), entropy.view(B, T)))
         if self.ep is None:
             out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
         else:                                                   # the same bits, experts on their owners
@@ -497,12 +527,13 @@ class Block(nn.Module):
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.layer_idx = layer_idx
 
-    def forward(self, x, cos, sin, positions, kv: PagedKV | PackedPages | None, forced_ids=None):
+    def forward(self, x, cos, sin, positions, kv: PagedKV | PackedPages | None, forced_ids=None,
+                detail: list | None = None):
         """x (B, T, D) -> (B, T, D), and the router's own top-k ids (B, T, top_k) on MoE layers (else None)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, self.layer_idx)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
-            out, ids = self.mlp(h, forced_ids)
+            out, ids = self.mlp(h, forced_ids, detail)
             return x + out, ids
         return x + self.mlp(h), None
 
@@ -543,8 +574,9 @@ class Transformer(nn.Module):
 
     # ---- the one forward ----
     def hidden_states(self, tokens: torch.Tensor, routes: torch.Tensor | None = None,
-                      kv: PagedKV | None = None, packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens (B, T) -> final normed hidden states (B, T, D) and routes (B, T, n_moe_layers, top_k).
+                      kv: PagedKV | None = None, packing: Packing | None = None, route_detail: bool = False):
+        """tokens (B, T) -> final normed hidden states (B, T, D) and routes (B, T, n_moe_layers, top_k),
+        and with route_detail a third output, the RouteDetail of those routes.
 
         packing: the tokens hold packed sequences (trainer only, kv None): positions restart at each
         sequence's start and attention stays inside it; every other op is row-local."""
@@ -569,16 +601,18 @@ class Transformer(nn.Module):
         cos_t, sin_t = self.rope(tokens.device)
         cos, sin = cos_t[positions], sin_t[positions]                     # (B, T, rotary_dim/2)
         x = self.embed_tokens(tokens)                                     # (B, T, D)
-        recorded = []
+        recorded, detail = [], [] if route_detail else None
         for layer in self.layers:
             forced = None if routes is None or not layer.is_moe else routes[:, :, len(recorded)]
-            x, ids = layer(x, cos, sin, positions, kv, forced)
+            x, ids = layer(x, cos, sin, positions, kv, forced, detail)
             if ids is not None:
                 recorded.append(ids)
         if recorded:
             routes_out = torch.stack(recorded, dim=2)                     # (B, T, n_moe, k)
         else:
             routes_out = torch.zeros(B, T, 0, self.config.num_experts_per_tok, dtype=torch.long, device=tokens.device)
+        if route_detail:
+            return self.norm(x), routes_out, RouteDetail.stack(detail, B, T, self.config.num_experts_per_tok, x.device)
         return self.norm(x), routes_out
 
     def _check_route_shape(self, routes: torch.Tensor, B: int, T: int) -> None:
@@ -643,7 +677,7 @@ class Transformer(nn.Module):
 
     def score(self, tokens: torch.Tensor, temperature: float = 1.0, routes: torch.Tensor | None = None,
               with_entropy: bool = False, logits_chunk: int = 0, packing: Packing | None = None,
-              check: bool = True):
+              check: bool = True, route_detail: bool = False):
         """Log-probs of tokens[:, 1:] under softmax(logits / temperature), and the routes used.
 
         tokens (B, T) int, right padding allowed (padded positions get values the caller masks out).
@@ -661,10 +695,12 @@ class Transformer(nn.Module):
         check: check tokens and routes first (ValueError / TypeError naming the problem). The checks
         read the inputs back to the host, a sync on a GPU: the trainer passes check=False for batches
         it built and checked itself (train.make_batch, audit.pack_routes), keeping its forward pure.
+        route_detail: also return the RouteDetail (B, T, ...) of the routes, last: (logp, routes,
+        [entropy,] detail). The other outputs keep their bits.
         """
         if check:
             self.check_inputs(tokens, routes)
-        h, used = self.hidden_states(tokens, routes, packing=packing)
+        h, used, *detail = self.hidden_states(tokens, routes, packing=packing, route_detail=route_detail)
         B, T1, D = h.shape[0], h.shape[1] - 1, h.shape[2]
         if logits_chunk and B * T1 > logits_chunk:      # at most logits_chunk rows of logits at a time
             logp, entropy = _ChunkedLogprobs.apply(h[:, :-1].reshape(-1, D), self.lm_weight(), tokens[:, 1:].reshape(-1),
@@ -674,7 +710,7 @@ class Transformer(nn.Module):
             logits = self.compute_logits(h[:, :-1])                       # (B, T-1, V)
             out = kernels.token_logprobs(logits, tokens[:, 1:], temperature, with_entropy)
             logp, entropy = out if with_entropy else (out, None)
-        return (logp, used, entropy) if with_entropy else (logp, used)
+        return (logp, used) + ((entropy,) if with_entropy else ()) + tuple(detail)
 
     # ---- Hugging Face checkpoints: the translation lives in hf.py ----
     @classmethod

@@ -6,7 +6,7 @@
 
 Panels against the training step: reward (mean, and its std within the batch), response length, loss,
 clip fraction, train-rollout KL (k3), max |logp diff|, route flips, the IS ratio range (min and max,
-shaded), grad norm and entropy. A panel asking for a log axis gets one only when every value drawn in
+shaded), grad norm, entropy, and the route flips binned by the trainer's margin (one line style per bin). A panel asking for a log axis gets one only when every value drawn in
 it is positive (else linear); a panel whose values are one constant in every run (zero mismatch in the
 invariant mode) says so in words instead of drawing a flat line. A metric a run did not log (or logged
 as null) is left out of that run's line. Needs matplotlib (`pip install matplotlib`); plotting is the only
@@ -32,7 +32,10 @@ PANELS = [
     (("is_ratio_min", "is_ratio_max"), "IS ratio pi_old / mu (min..max)", "linear"),
     ("grad_norm", "grad norm (before clipping)", "log"),
     ("entropy", "entropy of softmax(logits / T)", "linear"),
+    ("route_flip_frac_by_margin", "route flips by trainer margin", "symlog"),
 ]
+# a list metric: one line per bin, told apart by line style (audit.MARGIN_BINS)
+BIN_STYLES = {"route_flip_frac_by_margin": (("-", "< 1e-4"), ("--", "< 1e-3"), (":", "< 1e-2"), ("-.", ">= 1e-2"))}
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -62,6 +65,8 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def panel_values(runs: dict[str, list[dict]], key) -> list[float]:
     """Every value a panel would draw, over all runs (both ends of a range)."""
+    if key in BIN_STYLES:                                              # a list metric: every bin's values
+        return [v for rows in runs.values() for b in range(len(BIN_STYLES[key])) for v in bin_series(rows, key, b)[1]]
     keys = key if isinstance(key, tuple) else (key,)
     return [v for rows in runs.values() for k in keys for v in series(rows, k)[1]]
 
@@ -73,7 +78,15 @@ def constant_value(values: list[float]) -> float | None:
 
 def y_scale(requested: str, values: list[float]) -> str:
     """A log axis only for positive quantities: anything <= 0 in the panel makes it linear."""
+    if requested == "symlog":                                          # zero and small positive values together
+        return "symlog"
     return "log" if requested == "log" and values and min(values) > 0 else "linear"
+
+
+def bin_series(rows: list[dict], key: str, i: int) -> tuple[list[int], list[float]]:
+    """(steps, values) of bin i of a list metric, from the rows that logged it."""
+    pts = [(r["step"], r[key][i]) for r in rows if isinstance(r.get(key), list) and isinstance(r[key][i], (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
 
 
 def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> str:
@@ -107,12 +120,22 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> st
                     ax.fill_between(s_lo, lo, hi, color=color, alpha=0.25)
                     ax.plot(s_lo, lo, color=color, lw=1, label=label)
                     ax.plot(s_hi, hi, color=color, lw=1)
+            elif key in BIN_STYLES:                                    # one line per bin
+                for b, (style, name) in enumerate(BIN_STYLES[key]):
+                    steps, vals = bin_series(rows, key, b)
+                    if vals:
+                        ax.plot(steps, vals, color=color, ls=style, lw=1.2)
+                    if i == 0:                                         # the key to the line styles
+                        ax.plot([], [], color="gray", ls=style, label=f"margin {name}")
             else:
                 steps, vals = series(rows, key)
                 if vals:
                     ax.plot(steps, vals, color=color, lw=1.2, label=label)
+        if key in BIN_STYLES:
+            ax.legend(fontsize=6, frameon=False)
         ax.set_xlabel("step", fontsize=8)
-        ax.set_yscale(y_scale(scale, values))
+        yscale = y_scale(scale, values)
+        ax.set_yscale(yscale, **({"linthresh": 1e-6} if yscale == "symlog" else {}))
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)
     for ax in list(axes.flat)[len(PANELS):]:

@@ -86,6 +86,9 @@ class SequenceOutput:
     logprobs: list[float]        # one per generated id: the fp32 log softmax(logits / temperature)[token], exactly
     routes: torch.Tensor         # (len(prompt) + n_generated - 1, n_moe_layers, top_k) int64
     finish_reason: str           # "stop" (a stop token), "length" (max_new_tokens or the context)
+    # with RolloutConfig.record_route_detail (model.RouteDetail, at the positions of routes), else None
+    route_weights: torch.Tensor | None = None    # (..., n_moe_layers, top_k) fp32 combine weights
+    route_margins: torch.Tensor | None = None    # (..., n_moe_layers) fp32 k-th minus (k+1)-th score
 
 
 @dataclass(eq=False)             # compared and hashed by identity: the scheduler keys dicts by sequence
@@ -341,6 +344,7 @@ class ModelRunner:
         # routes are most of a row's bytes (n_moe * top_k per position: 384 at 48 layers, top-8), so
         # they take the smallest type that holds every expert id
         self.route_dtype = torch.uint8 if cfg.num_experts <= 256 else torch.int16
+        self.record_detail = config.record_route_detail            # route weights and margins beside them
 
     def _graphs_usable(self, mode: str) -> bool:
         """Whether decode steps can be CUDA graphs: not with the torch backend or the fast MoE's host-side
@@ -374,6 +378,7 @@ class ModelRunner:
         self.token_buf = torch.zeros(R, L + 1, dtype=torch.long, device=dev)      # +1: a finished row's last write
         self.logp_buf = torch.zeros(R, L + 1, dtype=torch.float32, device=dev)
         self.route_buf = torch.zeros(R, L, n_moe, k, dtype=self.route_dtype, device=dev)
+        self._allocate_detail(R, L)
         self.block_tables = torch.full((R, W), self.scratch_page, dtype=torch.long, device=dev)
         self.num_tokens = torch.ones(R, dtype=torch.long, device=dev)             # pad row: 1 token, position 0
         self.prompt_len = torch.zeros(R, dtype=torch.long, device=dev)
@@ -427,7 +432,11 @@ class ModelRunner:
         bt = self.block_tables[rows]                                           # (B, W)
         slots = bt.gather(1, positions // bs) * bs + positions % bs            # (B, T)
         slots = torch.where(valid, slots, self.scratch_page * bs)
-        return self.model.hidden_states(tokens, kv=PagedKV(self.caches, bt, slots, positions))
+        h, routes, *detail = self.model.hidden_states(tokens, kv=PagedKV(self.caches, bt, slots, positions),
+                                                      route_detail=self.record_detail)
+        if detail:
+            self._store_detail(rows, positions, detail[0])
+        return h, routes
 
     def _sample(self, logits, rows, positions, sp: SamplingParams):
         """Next tokens (B,) and their log-probs (B,) for logits (B, V) of `rows` at `positions`."""
@@ -467,6 +476,7 @@ class ModelRunner:
             src = torch.tensor([s.parent.row for s in children], device=dev)
             dst = torch.tensor([s.row for s in children], device=dev)
             self.route_buf[dst, :T] = self.route_buf[src, :T]
+            self._copy_detail(src, dst, T)
             pages = [(s.parent.block_table[s.num_tokens // bs], s.block_table[-1]) for s in children
                      if s.num_tokens % bs]
             if pages:
@@ -525,7 +535,32 @@ class ModelRunner:
         tokens = self.token_buf[seq.row, P:n].tolist()
         logprobs = self.logp_buf[seq.row, :n - P].tolist()
         routes = self.route_buf[seq.row, :n - 1].to("cpu", torch.long, copy=True)
-        return SequenceOutput(list(seq.prompt), tokens, logprobs, routes, seq.finish_reason)
+        return SequenceOutput(list(seq.prompt), tokens, logprobs, routes, seq.finish_reason,
+                              *self._collect_detail(seq.row, n - 1))
+
+    # ---- route detail (RolloutConfig.record_route_detail): weights and margins beside the routes ----
+    def _allocate_detail(self, R: int, L: int) -> None:
+        """fp32 buffers, per row (L, n_moe, k) weights and (L, n_moe) margins: 4 (k + 1) bytes per
+        position and MoE layer on top of the routes' ids; none when not recorded."""
+        n_moe, k = self.model.n_moe_layers, self.model.config.num_experts_per_tok
+        shape = (R, L, n_moe) if self.record_detail else (0, 0, n_moe)
+        self.weight_buf = torch.zeros(*shape, k, dtype=torch.float32, device=self.device)
+        self.margin_buf = torch.zeros(*shape, dtype=torch.float32, device=self.device)
+
+    def _store_detail(self, rows, positions, detail) -> None:
+        """Write a forward's RouteDetail (B, T, ...) at (rows, positions), as the routes are written."""
+        self.weight_buf[rows[:, None], positions] = detail.weights
+        self.margin_buf[rows[:, None], positions] = detail.margin
+
+    def _copy_detail(self, src, dst, T: int) -> None:
+        if self.record_detail:
+            self.weight_buf[dst, :T] = self.weight_buf[src, :T]
+            self.margin_buf[dst, :T] = self.margin_buf[src, :T]
+
+    def _collect_detail(self, row: int, n: int) -> tuple:
+        if not self.record_detail:
+            return None, None
+        return self.weight_buf[row, :n].to("cpu", copy=True), self.margin_buf[row, :n].to("cpu", copy=True)
 
     def weights_key(self) -> tuple:
         """Where the weights live: captured graphs read these addresses, so they must not move."""

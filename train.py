@@ -55,6 +55,7 @@ import expert_parallel
 import hf
 import kernels
 import plan
+import audit
 from audit import expert_load, mismatch_metrics, pack_routes, route_audit, token_overlap
 from config import (MODEL_PRESETS, QUANT_FORMATS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text,
                     parse_args, parse_bool)
@@ -66,7 +67,7 @@ from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_
 from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, finish_grads, grad_sync,
                          init_distributed, lower_precision_copy, place_weights, quantized_copy, reduce_metrics)
 from hf import CheckpointError, eos_token_ids
-from model import CapacityLimit, MoE, Transformer, capacity_limit
+from model import CapacityLimit, MoE, RouteDetail, Transformer, capacity_limit
 from rollout import Sampler
 from tasks import RewardError, TaskError, check_reward, example_text, generation_line, make_task, print_user_traceback
 
@@ -318,6 +319,7 @@ class Run:
     metrics_path: str
     outputs: "Outputs | None" = None  # identity of the exports, eval task, logger (set by open_outputs)
     capacity: CapacityLimit | None = None   # --train_capacity_factor's drop counts (see trainer_capacity)
+    probe: "Probe | None" = None     # --probe_every: the fixed probe set, drawn at the first probe
 
     @property
     def fsdp(self) -> bool:
@@ -331,6 +333,7 @@ class Scored:
     routes: torch.Tensor             # (N, T, n_moe, k) the router's own choice (also under R3 replay)
     entropy: torch.Tensor | None     # (N, T-1) when asked for (detached)
     rows: torch.Tensor               # (N,) which rows of the rollout batch
+    detail: RouteDetail | None = None   # (N, T, ...) the routes' weights, margins, router entropy
 
 
 @dataclasses.dataclass
@@ -467,6 +470,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             stats, first = update(run, batch, old, step)
             row = step_metrics(run, step, batch, outs, rewards, old.audit or first, stats, t_rollout, t0)
             row.update(maybe_evaluate(run, step))
+            row.update(probe(run, step))                              # --probe_every: the fixed probe's audit
+            log_routes(run, step, batch, outs, rewards, old.audit or first)   # routes.jsonl, diagnostics.jsonl
             history.append(log_row(run, step, row))
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
                             flip=f"{row.get('route_flip_frac', 0):.3f}")
@@ -696,14 +701,17 @@ def forward(run: Run, score: Callable, b: Batch, rows: torch.Tensor, *, grad: bo
     with torch.set_grad_enabled(grad), trainer_capacity(run):
         out = score(b.tokens.to(dev), temperature=run.rcfg.temperature,
                     routes=None if routes is None else routes.to(dev),
-                    with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk)
-    return Scored(out[0], out[1], out[2] if with_entropy else None, rows)
+                    with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk, route_detail=True)
+    return Scored(out[0], out[1], out[2] if with_entropy else None, rows, out[-1])
 
 
 def on_host(parts: list[Scored]) -> Scored:
     """Forwards of consecutive row sets as one, on the host: logp in fp32, detached (entropy dropped)."""
+    detail = None
+    if all(p.detail is not None for p in parts):
+        detail = RouteDetail(*(torch.cat([getattr(p.detail, f).cpu() for p in parts]) for f in ("weights", "margin", "entropy")))
     return Scored(torch.cat([p.logp.detach().float().cpu() for p in parts]), torch.cat([p.routes.cpu() for p in parts]),
-                  None, torch.cat([p.rows for p in parts]))
+                  None, torch.cat([p.rows for p in parts]), detail)
 
 
 def micro_batches(run: Run, B: int) -> int:
@@ -827,7 +835,8 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
             loss_tok = loss_tok * old.weights[sub].to(device)
             if tcfg.route_filter != "none":                           # rollout vs trainer experts, per token
                 overlap = token_overlap(mb.routes[:, :-1].to(device), out.routes[:, :-1])
-                keep = route_filter_weights(overlap, tcfg.route_filter, tcfg.route_filter_threshold)
+                keep = route_filter_weights(overlap, tcfg.route_filter, tcfg.route_filter_threshold,
+                                            tcfg.route_filter_level, mb.mask.to(device))
                 loss_tok = loss_tok * keep
                 filtered += ((keep < 1) * mb.mask.to(device)).sum().item()
             if run.ref_model is not None:
@@ -855,7 +864,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "response_len": all_cat(lengths, run.d).mean().item(),
            **stats.means(),
            **mismatch_metrics(audited.logp, batch.rollout_logp[rows], batch.mask[rows]),
-           **route_audit(batch.routes[rows], audited.routes, batch.route_mask[rows], n_experts),
+           **route_audit(batch.routes[rows], audited.routes, batch.route_mask[rows], n_experts, audited.detail),
            # the entropy of softmax(logits / T) at the response tokens, from the training forwards
            "entropy": stats.entropy_sum / stats.tokens,
            "neg_logp_mean": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
@@ -871,7 +880,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
 def log_row(run: Run, step: int, row: dict) -> dict:
     """Append the row to metrics.jsonl (strict JSON: a non-finite value becomes null); rank 0 writes."""
     row = json_row(row)
-    if run.d.master and ((step + 1) % run.tcfg.log_every == 0 or step + 1 == run.tcfg.steps):
+    if run.d.master and is_log_step(run, step):
         with open(run.metrics_path, "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
         if run.outputs is not None and run.outputs.logger is not None:
@@ -879,6 +888,88 @@ def log_row(run: Run, step: int, row: dict) -> dict:
         if not run.tcfg.progress:
             print(progress_line(run, row), flush=True)
     return row
+
+
+# ---- what the routes say: routes.jsonl, diagnostics.jsonl, the fixed probe ------------------------
+def is_log_step(run: Run, step: int) -> bool:
+    return (step + 1) % run.tcfg.log_every == 0 or step + 1 == run.tcfg.steps
+
+
+def append_jsonl(run: Run, step: int, name: str, rows: list[dict]) -> None:
+    """Rank 0 appends rows to out_dir/name (strict JSON); a resumed run first drops the rows past its
+    checkpoint, as metrics.jsonl's."""
+    if not run.d.master:
+        return
+    path = os.path.join(run.tcfg.out_dir, name)
+    if step == run.start and run.start > 0:
+        trim_metrics(path, run.start)
+    if rows:
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
+
+
+def log_routes(run: Run, step: int, batch: Batch, outs, rewards, audited: Scored) -> None:
+    """The per-expert load histograms of the step (routes.jsonl, at logged steps, summed over ranks)
+    and, with --diagnostics=N, the step's most mismatched sequences (diagnostics.jsonl, audit.diagnostics)."""
+    rows, E = audited.rows, run.weights.trained.config.num_experts
+    if is_log_step(run, step):
+        m = batch.route_mask[rows]
+        loads = torch.stack([expert_load(batch.routes[rows][m], E), expert_load(audited.routes[m], E)])
+        loads = all_cat(loads[None], run.d).sum(0)                    # (2, n_moe, E) over every rank
+        append_jsonl(run, step, "routes.jsonl", [{"step": step + 1, "expert_load_rollout": loads[0].tolist(),
+                                                  "expert_load_train": loads[1].tolist()}])
+    if run.tcfg.diagnostics:
+        found = audit.diagnostics(step + 1, outs, rows, audited.logp, audited.routes, batch.routes[rows],
+                                  rewards, run.tcfg.diagnostics, decode=getattr(run.task, "decode", None),
+                                  train_margin=None if audited.detail is None else audited.detail.margin)
+        if run.d.world > 1:
+            every = [None] * run.d.world
+            dist.all_gather_object(every, found)
+            found = [r for part in every for r in part]
+        append_jsonl(run, step, "diagnostics.jsonl", found)
+
+
+@dataclasses.dataclass
+class Probe:
+    """The fixed probe set (--probe_every): K prompts drawn once, and the first probe's sequences with
+    the trainer's routes of them then (what route drift is measured against)."""
+    prompts: list[list[int]]
+    first: Batch | None = None
+    first_routes: torch.Tensor | None = None     # (K, T, n_moe, k)
+
+
+def probe(run: Run, step: int) -> dict:
+    """--probe_every=N: every N steps the probe prompts are rolled out greedily by the current weights
+    and re-scored by the trainer: probe_* is the audit of that rollout (as the step's), and
+    probe_route_drift the share of (token, layer) of the first probe's sequences whose top-k set the
+    current weights change. Drawing the prompts leaves the task's own stream where it was."""
+    tcfg = run.tcfg
+    if not tcfg.probe_every or (step + 1) % tcfg.probe_every:
+        return {}
+    if run.probe is None:
+        state = run.task.state_dict()
+        run.probe = Probe([ex.prompt for ex in run.task.sample(tcfg.probe_prompts)])
+        run.task.load_state_dict(state)
+    run.weights.sync()
+    outs = run.sampler.generate(run.probe.prompts, max_new_tokens=max_new_tokens(run), temperature=0.0,
+                                stop_token_ids=run.task.stop_token_ids, progress=False)
+    batch = make_batch(outs, torch.zeros(len(outs)))
+    logp, routes, detail = probe_score(run, batch.tokens)
+    E = run.weights.full.config.num_experts
+    row = {**mismatch_metrics(logp, batch.rollout_logp, batch.mask),
+           **route_audit(batch.routes, routes, batch.route_mask, E, detail)}
+    if run.probe.first is None:
+        run.probe.first, run.probe.first_routes = batch, routes
+    _, now, _ = probe_score(run, run.probe.first.tokens)
+    row["route_drift"] = audit.route_drift(run.probe.first_routes, now, run.probe.first.route_mask)
+    return {f"probe_{k}": v for k, v in row.items()}
+
+
+def probe_score(run: Run, tokens: torch.Tensor):
+    """The trainer's own forward of the probe (no replay), at the greedy rollout's temperature 0."""
+    with torch.no_grad():
+        logp, routes, detail = unchecked(run.weights.full)(tokens.to(run.d.device), temperature=0.0, route_detail=True)
+    return logp.float().cpu(), routes.cpu(), RouteDetail(detail.weights.cpu(), detail.margin.cpu(), detail.entropy.cpu())
 
 
 def checkpoint(run: Run, step: int) -> None:

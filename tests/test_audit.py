@@ -5,7 +5,9 @@ mismatch metrics, each against a hand-computed value.
 """
 from __future__ import annotations
 
+import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -74,3 +76,52 @@ def test_mismatch_metrics_by_hand():
     assert r["is_ratio_mean"] == pytest.approx((1 + 1.5 + 0.4) / 3)
     same = audit.mismatch_metrics(rollout, rollout, mask)
     assert same["train_rollout_kl"] == 0 and same["logp_max_abs_diff"] == 0 and same["is_ratio_mean"] == 1
+
+
+def test_margin_stats_and_router_stats_by_hand():
+    """4 decisions (2 tokens x 2 layers) with trainer margins 5e-5, 5e-4, 5e-3, 0.5; the first two flipped."""
+    a = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]]])      # (1, 2 tokens, 2 layers, k=2)
+    b = torch.tensor([[[[0, 2], [2, 4]], [[0, 1], [2, 3]]]])
+    margin = torch.tensor([[[5e-5, 5e-4], [5e-3, 0.5]]])
+    entropy = torch.tensor([[[1.0, 2.0], [3.0, 0.5]]])
+    detail = SimpleNamespace(weights=None, margin=margin, entropy=entropy)
+    r = audit.route_audit(a, b, torch.ones(1, 2, dtype=torch.bool), 5, detail)
+    assert r["route_margin_frac"] == [0.25, 0.25, 0.25, 0.25]
+    assert r["route_flip_frac_by_margin"] == [0.25, 0.25, 0.0, 0.0]
+    assert sum(r["route_flip_frac_by_margin"]) == r["route_flip_frac"]
+    assert r["router_entropy_layer"] == [2.0, 1.25]                # per layer, over the tokens
+    # trainer load: layer 0 {0: 2, 1: 1, 2: 1} of 4 slots over 5 experts -> 2/4 * 5; layer 1 {2: 2, 3: 1, 4: 1}
+    assert r["load_imbalance_layer"] == [2.5, 2.5]
+    assert audit.margin_bin(torch.tensor([0.0, 1e-4, 9.99e-4, 1e-2, float("inf")])).tolist() == [0, 1, 1, 3, 3]
+
+
+def test_route_drift_and_load_histogram():
+    a = torch.tensor([[[[0, 1]], [[2, 3]], [[4, 5]]]])             # (1, 3 tokens, 1 layer, k=2)
+    b = torch.tensor([[[[1, 0]], [[2, 4]], [[0, 0]]]])
+    m = torch.tensor([[True, True, False]])
+    assert audit.route_drift(a, b, m) == 0.5                       # token 1 changed its set; 0 only its order
+    assert audit.route_drift(a, a, m) == 0.0
+    h = audit.load_histogram(a, b, m, 6)
+    assert h == {"rollout": [[1, 1, 1, 1, 0, 0]], "train": [[1, 1, 1, 0, 1, 0]]}
+
+
+def test_diagnostics_pick_the_mismatched_sequences():
+    """Three sequences (prompt 2 tokens, response 2): 0 agrees, 1 has a route flip, 2 an extreme token."""
+    outs = [SimpleNamespace(prompt=[1, 2], tokens=[3, 4], logprobs=torch.tensor([-1.0, -2.0]),
+                            route_margins=None) for _ in range(3)]
+    outs[1].route_margins = torch.tensor([[0.1], [0.2], [0.3]])
+    routes = torch.tensor([0, 1]).expand(3, 4, 1, 2).clone()        # (B, T, 1 layer, k)
+    train_routes = routes.clone()
+    train_routes[1, 2, 0] = torch.tensor([0, 3])                   # position 2 scores response token 2
+    logp = torch.tensor([[0.0, -1.0, -2.0]]).repeat(3, 1)          # (B, T-1): response at positions 1, 2
+    logp[2, 1] = -1.0 - 0.7                                        # |diff| 0.7 > ln 2
+    rows = audit.diagnostics(5, outs, torch.arange(3), logp, train_routes, routes, torch.tensor([0.0, 0.5, 1.0]),
+                             n=5, decode=lambda ids: "".join(map(str, ids)),
+                             train_margin=torch.full((3, 4, 1), 0.25))
+    assert [r["sequence"] for r in rows] == [1, 2]                 # lowest overlap first; 0 does not qualify
+    r = json.loads(json.dumps(rows[0], allow_nan=False))
+    assert r["step"] == 5 and r["reward"] == 0.5 and r["flipped_layers"] == [0, 1]
+    assert r["topk_overlap"] == 0.75 and r["margin_rollout"] == [[0.2], [0.3]] and r["margin_train"] == [[0.25]] * 2
+    assert r["prompt_text"] == "12" and r["response_text"] == "34"
+    assert rows[1]["logp_max_abs_diff"] == pytest.approx(0.7) and "margin_rollout" not in rows[1]
+    assert len(audit.diagnostics(5, outs, torch.arange(3), logp, train_routes, routes, torch.zeros(3), n=1)) == 1

@@ -281,6 +281,31 @@ def test_route_forced_ids(norm):
     assert logits.grad is not None and logits.grad[set_rows].abs().sum() > 0
 
 
+def test_route_margin_and_entropy_by_hand():
+    """A 4-expert router, top-2. Softmax row: probs (0.5, 0.3, 0.15, 0.05) -> margin 0.3 - 0.15, entropy
+    -sum p ln p. A tie (two equal logits at the boundary) -> margin 0. Sigmoid with a bias: every
+    sigmoid is 0.5, the bias (0, .1, .2, .3) decides -> margin on the biased scores 0.7 - 0.6, the
+    entropy of the (uniform) unbiased scores ln 4. top_k = E leaves no (k+1)-th: margin inf."""
+    import math
+    p = [0.5, 0.3, 0.15, 0.05]
+    logits = torch.tensor([[math.log(v) for v in p], [2.0, 1.0, 1.0, 0.0]])
+    ids, w, chosen, margin, entropy = kernels.route(logits, 2, norm_topk_prob=False, detail=True)
+    assert ids.tolist() == [[0, 1], [0, 1]]
+    assert abs(margin[0].item() - 0.15) < 1e-6 and margin[1].item() == 0.0
+    assert abs(entropy[0].item() - -sum(v * math.log(v) for v in p)) < 1e-6
+    q = [math.exp(v) for v in (2.0, 1.0, 1.0, 0.0)]
+    q = [v / sum(q) for v in q]
+    assert abs(entropy[1].item() - -sum(v * math.log(v) for v in q)) < 1e-6
+    plain = kernels.route(logits, 2, norm_topk_prob=False)
+    assert all(torch.equal(a, b) for a, b in zip(plain, (ids, w, chosen)))   # detail changes no bits
+    bias = torch.tensor([0.0, 0.1, 0.2, 0.3])
+    ids, _, _, margin, entropy = kernels.route(torch.zeros(1, 4), 2, True, scoring="sigmoid", bias=bias, detail=True)
+    assert ids.tolist() == [[3, 2]]
+    assert abs(margin.item() - 0.1) < 1e-6 and abs(entropy.item() - math.log(4)) < 1e-6
+    *_, margin, _ = kernels.route(logits, 4, norm_topk_prob=False, detail=True)
+    assert margin.isinf().all()
+
+
 # ---------------------------------------------------------------------------------------------------
 # MoE experts
 # ---------------------------------------------------------------------------------------------------

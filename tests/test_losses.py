@@ -252,6 +252,23 @@ def test_route_filter_by_hand():
     assert torch.equal(losses.route_filter_weights(torch.ones(1, 2), "mask", 0.6), torch.ones(1, 2))   # no flips: 1
 
 
+def test_sequence_route_filter_by_hand():
+    """level=sequence: each response's mean overlap over its tokens decides for all its tokens. Row 0:
+    tokens (1, 0.5, 1) -> mean 5/6; row 1: (0.25, 0.25) -> 1/4; the padding (mask 0) does not count."""
+    ov = torch.tensor([[1.0, 0.5, 1.0, 0.0], [0.25, 0.25, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    w = losses.route_filter_weights(ov, "mask", 0.6, "sequence", mask)
+    assert torch.equal(w, torch.tensor([[1.0] * 4, [0.0] * 4]))
+    w = losses.route_filter_weights(ov, "downweight", 0.9, "sequence", mask)
+    assert torch.allclose(w[0], torch.full((4,), 5 / 6)) and torch.allclose(w[1], torch.full((4,), 0.25))
+    # the token level on the same input masks row 0's second token: the two levels differ
+    assert losses.route_filter_weights(ov, "mask", 0.6)[0, 1] == 0
+    # no mismatch: exactly 1 everywhere, at any threshold, with a row without response tokens too
+    ones, m = torch.ones(3, 5), torch.tensor([[1.0] * 5, [1, 1, 0, 0, 0], [0.0] * 5])
+    for mode in ("mask", "downweight"):
+        assert torch.equal(losses.route_filter_weights(ones, mode, 1.0, "sequence", m), ones)
+
+
 # ---------------------------------------------------------------------------------------------------
 # cross-check against verl (verl-project/verl at 1dda039: trainer/ppo/core_algos.py and
 # rollout_corr_helper.py): the formulas below are re-derived from reading that code, as references

@@ -23,7 +23,8 @@ def write_run(path, n=12, nan_at=None):
         for s in range(1, n + 1):
             row = {"step": s, "reward_mean": s / n, "train_rollout_k3": 0.0 if nan_at is None else 1e-4 * s,
                    "logp_max_abs_diff": 0.0, "route_flip_frac": 0.01, "is_ratio_min": 0.9, "is_ratio_max": 1.1,
-                   "grad_norm": 1.0 / s, "entropy": 2.0 - s / n}
+                   "grad_norm": 1.0 / s, "entropy": 2.0 - s / n,
+                   "route_flip_frac_by_margin": [0.004, 0.003, 0.002, None if s == nan_at else 0.001]}
             if s == nan_at:
                 row["entropy"] = None                                  # strict JSON: a NaN is logged as null
             f.write(json.dumps(row) + "\n")
@@ -41,6 +42,8 @@ def test_plot_writes_a_png_per_call(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 10_000
     assert plot.series(plot.read_metrics(b), "entropy")[0] == [s for s in range(1, 13) if s != 3]
+    assert plot.bin_series(plot.read_metrics(b), "route_flip_frac_by_margin", 3)[0] == [s for s in range(1, 13) if s != 3]
+    assert plot.bin_series(plot.read_metrics(b), "route_flip_frac_by_margin", 0)[1] == [0.004] * 12
 
 
 @pytest.mark.parametrize("case, message", [

@@ -277,7 +277,7 @@ def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch):
     msg = cli_error(f"--out_dir={tmp_path}", "--steps=3", "--save_every=1")
     assert "step 2: writing checkpoint" in msg and "disk full" in msg and "ckpt-000002.tmp" in msg
     assert "--resume" in msg and "GiB free" in msg
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "latest", "metrics.jsonl"]   # no .tmp left
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "latest", "metrics.jsonl", "routes.jsonl"]   # no .tmp left
     assert open(tmp_path / "latest").read() == "ckpt-000001"
     assert_all_finite(tmp_path / "ckpt-000001")
 
@@ -408,6 +408,11 @@ CLI_CASES = {   # argv -> what the one line must say
     "jsonl": (["--task=jsonl"], "--task=jsonl needs --data"),
     "no ckpt": (["--resume=true"], "--resume: no checkpoint in"),
     "prompt": (["--n_digits=300"], "step 1: the sampler refused this step's prompts: prompt 0 has 302 tokens"),
+    "filter level": (["--route_filter_level=batch"], "--route_filter_level='batch': token or sequence"),
+    "probe": (["--probe_every=-1"], "--probe_every=-1, --diagnostics=0: must be >= 0 (0: off)"),
+    "probe size": (["--probe_every=2", "--probe_prompts=0"], "--probe_prompts=0: must be >= 1"),
+    "diagnostics": (["--diagnostics=-2"], "--diagnostics=-2: must be >= 0"),
+    "detail": (["--record_route_detail=maybe"], "--record_route_detail"),
 }
 
 

@@ -243,6 +243,44 @@ def test_trainer_batch_scoring_matches_rollout():
         assert torch.equal(routes[b, :P + G - 1], o.routes)
 
 
+@pytest.mark.parametrize("config", ["preempt", "batch2"])
+def test_route_detail_matches_the_trainers(config):
+    """With record_route_detail the sampler's combine weights and margins are score()'s bits (prefill,
+    decode, preemption, group members), the routes' too; a sigmoid router with a bias and groups as well."""
+    for model in (fp32_model(), make_model(seed=3, router_scoring="sigmoid", score_correction_bias=True,
+                                           n_group=2, topk_group=1, norm_topk_prob=True)):
+        if model.config.score_correction_bias:
+            with torch.no_grad():
+                for m in model.modules():
+                    if hasattr(m, "e_score_correction_bias"):
+                        m.e_score_correction_bias.copy_(torch.randn(6) * 0.05)
+        outs = Sampler(model, record_route_detail=True, **CONFIGS[config]).generate(
+            request_prompts(), max_new_tokens=MAX_NEW, temperature=1.0, n=N, seed=5, progress=False)
+        T = max(len(o.prompt) + len(o.tokens) for o in outs)
+        tokens = torch.zeros(len(outs), T, dtype=torch.long)
+        for b, o in enumerate(outs):
+            tokens[b, :len(o.prompt) + len(o.tokens)] = torch.tensor(o.prompt + o.tokens)
+        _, routes, detail = model.score(tokens, route_detail=True)
+        for b, o in enumerate(outs):
+            n = o.routes.shape[0]
+            assert torch.equal(routes[b, :n], o.routes)
+            assert torch.equal(detail.weights[b, :n], o.route_weights), b
+            assert torch.equal(detail.margin[b, :n], o.route_margins), b
+        assert (detail.margin[detail.margin.isfinite()] >= 0).all() and detail.weights.std() > 0
+    # control: a rollout whose router logits are rounded to bf16 records other weights and margins
+    outs = Sampler(fp32_model(), record_route_detail=True, router_bf16=True).generate(
+        request_prompts()[:2], max_new_tokens=4, temperature=1.0, seed=5, progress=False)
+    _, _, detail = fp32_model().score(torch.tensor([outs[0].prompt + outs[0].tokens]), route_detail=True)
+    n = outs[0].routes.shape[0]
+    assert not torch.equal(detail.margin[0, :n], outs[0].route_margins)
+    assert not torch.equal(detail.weights[0, :n], outs[0].route_weights)
+
+
+def test_route_detail_is_off_by_default():
+    outs = Sampler(fp32_model()).generate([[1, 2, 3]], max_new_tokens=3, progress=False)
+    assert outs[0].route_weights is None and outs[0].route_margins is None
+
+
 def test_bf16_contract():
     model = make_model(seed=0, dtype=torch.bfloat16)
     prompts = request_prompts()

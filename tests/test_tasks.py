@@ -200,7 +200,7 @@ def test_unknown_option_suggests_the_nearest(key, near):
 
 
 @pytest.mark.parametrize("key, raw, needle", [
-    ("lr", "-1", "--lr=-1: must be > 0"), ("grad_clip", "0", "--grad_clip=0: must be > 0"),
+    ("lr", "-1", "--lr=-1: must be >= 0"), ("grad_clip", "0", "--grad_clip=0: must be > 0"),
     ("kl_coef", "-0.1", "--kl_coef=-0.1: must be >= 0"), ("eps_low", "1", "--eps_low=1: must be in [0, 1)"),
     ("top_p", "0", "--top_p=0: must be in (0, 1]"), ("temperature", "-1", "--temperature=-1: must be >= 0"),
     ("block_size", "0", "--block_size=0: must be > 0"), ("save_every", "0", "--save_every=0: must be >= 1"),

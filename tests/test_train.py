@@ -356,6 +356,8 @@ def test_log_samples_changes_no_metric(tmp_path):
     b = _run(tmp_path / "b", SMALL + ["--steps=2", "--log_samples=4", "--keep_checkpoints=3"])
     assert [{k: v for k, v in r.items() if k not in timing} for r in a] == \
         [{k: v for k, v in r.items() if k not in timing} for r in b]
+
+
 def test_replay_old_replays_the_old_policys_routes(tmp_path, monkeypatch):
     """--replay=old (vanilla routing replay): the updates replay the routes of the recomputed old-policy
     forward. With an invariant rollout and one update per step (the policy has not moved yet) those
@@ -392,3 +394,61 @@ def test_replay_old_replays_the_old_policys_routes(tmp_path, monkeypatch):
                for r, rows in updates)                                # not the rollout's routes
     with pytest.raises(ConfigError, match="recompute_old_logp"):
         TrainConfig(replay="old")
+
+
+# ---- what the routes say: the probe, routes.jsonl, diagnostics.jsonl, the sequence-level filter -------
+TIMING = {"step_time", "rollout_tokens_per_s"}
+
+
+def test_probe_drift_is_zero_at_lr_0_and_grows_with_training(tmp_path):
+    probe = ["--probe_every=1", "--probe_prompts=4"]
+    frozen = _run(tmp_path / "frozen", SMALL + ["--steps=3", "--lr=0"] + probe)
+    assert [h["probe_route_drift"] for h in frozen] == [0.0, 0.0, 0.0]
+    assert all(h["probe_route_flip_frac"] == 0 and h["probe_train_rollout_kl"] == 0 for h in frozen)
+    moving = _run(tmp_path / "moving", SMALL + ["--steps=3"] + probe)
+    assert moving[0]["probe_route_drift"] == 0 and moving[-1]["probe_route_drift"] > 0
+    assert moving[-1]["probe_route_flip_frac"] == 0                 # the contract holds on the probe too
+    # drawing the probe leaves the task's prompts (and so the run) as they were without it
+    plain = _run(tmp_path / "plain", SMALL + ["--steps=3"])
+    for a, b in zip(plain, moving):
+        assert a == {k: v for k, v in b.items() if not k.startswith("probe_") and k not in TIMING} | \
+            {k: a[k] for k in TIMING}
+    every2 = _run(tmp_path / "every2", SMALL + ["--steps=2", "--probe_every=2", "--probe_prompts=2"])
+    assert "probe_route_drift" not in every2[0] and every2[1]["probe_route_drift"] == 0
+
+
+def test_routes_and_diagnostics_files_under_mismatch(tmp_path):
+    """The router_bf16 lab flips routes: diagnostics.jsonl names the step of each row, with both sides'
+    log-probs, the flipped layers and both margins per response token; routes.jsonl has the load
+    histograms; metrics carry the flips binned by margin. An invariant run writes no diagnostics."""
+    argv = SMALL + ["--steps=2", "--router_bf16=true", "--diagnostics=3", "--record_route_detail=true"]
+    hist = _run(tmp_path / "lab", argv)
+    rows = [json.loads(line) for line in open(tmp_path / "lab" / "diagnostics.jsonl")]
+    assert rows and {r["step"] for r in rows} <= {1, 2} and all(sum(r["step"] == s for r in rows) <= 3 for s in (1, 2))
+    for r in rows:
+        n = len(r["response"])
+        assert len(r["logp_train"]) == len(r["logp_rollout"]) == len(r["flipped_layers"]) == len(r["margin_rollout"]) == n
+        assert r["topk_overlap"] < 1 or r["logp_max_abs_diff"] > math.log(2)
+        assert isinstance(r["response_text"], str)
+    loads = [json.loads(line) for line in open(tmp_path / "lab" / "routes.jsonl")]
+    assert [r["step"] for r in loads] == [1, 2]
+    n_moe = len(hist[0]["route_flip_frac_layer"])
+    assert len(loads[0]["expert_load_train"]) == n_moe
+    assert sum(map(sum, loads[0]["expert_load_train"])) == sum(map(sum, loads[0]["expert_load_rollout"]))
+    assert hist[0]["route_flip_frac"] > 0
+    assert sum(hist[0]["route_flip_frac_by_margin"]) == pytest.approx(hist[0]["route_flip_frac"], abs=1e-6)
+    _run(tmp_path / "inv", SMALL + ["--steps=2", "--diagnostics=3"])
+    assert not os.path.exists(tmp_path / "inv" / "diagnostics.jsonl")
+
+
+def test_sequence_route_filter_is_a_no_op_without_mismatch(tmp_path):
+    """One update a step (a later minibatch would see the routes of weights moved by the first)."""
+    one = ["--steps=2", "--minibatch_size=128"]
+    plain = _run(tmp_path / "plain", SMALL + one)
+    seq = _run(tmp_path / "seq", SMALL + one + ["--route_filter=mask", "--route_filter_level=sequence",
+                                                "--route_filter_threshold=1.0"])
+    for a, b in zip(plain, seq):
+        assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+    lab = _run(tmp_path / "lab", SMALL + ["--steps=1", "--router_bf16=true", "--route_filter=mask",
+                                          "--route_filter_level=sequence", "--route_filter_threshold=1.0"])
+    assert lab[0]["route_filtered_frac"] > 0                         # control: under mismatch it acts
