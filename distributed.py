@@ -72,9 +72,10 @@ class Scorer(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens, *, temperature: float, routes=None, with_entropy: bool = False, logits_chunk: int = 0):
+    def forward(self, tokens, *, temperature: float, routes=None, with_entropy: bool = False, logits_chunk: int = 0,
+                packing=None):
         out = self.model.score(tokens, temperature=temperature, routes=routes, with_entropy=with_entropy,
-                               logits_chunk=logits_chunk, check=False)
+                               logits_chunk=logits_chunk, packing=packing, check=False)
         return (out[0].clone(), *out[1:])                             # FSDP2 wants no view outputs
 
 
