@@ -470,6 +470,19 @@ def micro_batches(run: Run, rows: torch.Tensor, lengths: torch.Tensor) -> list[M
     return out
 
 
+def even_out(micros: list[Micro], n: int) -> list[Micro]:
+    """micros cut until there are n: the packed one with the most tokens (the first of equals) is halved,
+    again and again. Under torchrun every rank runs as many forwards (FSDP2 all-gathers the weights in
+    each); n is the most any rank packed, never more than a rank's sequences, so a cut always exists."""
+    micros = list(micros)
+    while len(micros) < n:
+        j = max(range(len(micros)), key=lambda i: (sum(micros[i].packing.lengths) * (len(micros[i].rows) > 1), -i))
+        m, h = micros[j], len(micros[j].rows) // 2
+        L = m.packing.lengths
+        micros[j:j + 1] = [Micro(m.rows[:h], Packing.concat(L[:h])), Micro(m.rows[h:], Packing.concat(L[h:]))]
+    return micros
+
+
 def unpack(packing: Packing, x: torch.Tensor, width: int, fill=0) -> torch.Tensor:
     """A packed result (1, N - 1 or N, ...) laid out per sequence as the padded forward's: (k, width, ...),
     `fill` past each sequence (a log-prob column a sequence does not own is masked, as padded)."""
@@ -615,6 +628,8 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
         g["lr"] = lr
     run.opt.zero_grad(set_to_none=True)
     micros = micro_batches(run, idx, batch.lengths)
+    if d.world > 1:                                                   # as many forwards on every rank
+        micros = even_out(micros, int(all_cat(torch.tensor([len(micros)]), d).max()))
     total, clipped_tok, entropy_sum, filtered, tokens, parts = 0.0, 0.0, 0.0, 0.0, 0.0, []
     for n, micro in enumerate(micros):
         sub = micro.rows
