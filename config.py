@@ -294,7 +294,8 @@ class TrainConfig:
         _require_finite(self)
         for name in ("steps", "prompts_per_step", "epochs", "minibatch_size", "n_digits"):
             _require(getattr(self, name) > 0, f"--{name}={getattr(self, name)}: must be >= 1")
-        for name in ("micro_batch_tokens", "micro_batch_size", "logits_chunk", "lr_decay_steps", "skip_nonfinite_steps", "warmup_steps"):
+        for name in ("micro_batch_tokens", "micro_batch_size", "logits_chunk", "lr_decay_steps", "skip_nonfinite_steps",
+                     "warmup_steps"):
             _require(getattr(self, name) >= 0, f"--{name}={getattr(self, name)}: must be >= 0")
         _require(self.task in TASKS, f"--task={self.task!r}: choose one of {tuple(TASKS)}")
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,

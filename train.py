@@ -454,7 +454,8 @@ def micro_batches(run: Run, rows: torch.Tensor, lengths: torch.Tensor) -> list[M
 
     Packed (--micro_batch_tokens=N): model.pack's first fit decreasing, each micro-batch at most N
     tokens (a longer sequence alone) and, with --micro_batch_size=S, at most S sequences. A function of
-    the rows' lengths and the config alone: the same micro-batches on every run, rank and rank count.
+    the rows' lengths and the config alone: the same micro-batches on every run, rank and rank count
+    (under torchrun, even_out then cuts a rank's to the count of the rank with the most).
     Padded (--micro_batch_tokens=0): consecutive slices of S rows (0: a rank's minibatch)."""
     tcfg = run.tcfg
     if tcfg.micro_batch_tokens == 0:
@@ -476,7 +477,8 @@ def even_out(micros: list[Micro], n: int) -> list[Micro]:
     each); n is the most any rank packed, never more than a rank's sequences, so a cut always exists."""
     micros = list(micros)
     while len(micros) < n:
-        j = max(range(len(micros)), key=lambda i: (sum(micros[i].packing.lengths) * (len(micros[i].rows) > 1), -i))
+        cuttable = [i for i, m in enumerate(micros) if len(m.rows) > 1]
+        j = max(cuttable, key=lambda i: (sum(micros[i].packing.lengths), -i))
         m, h = micros[j], len(micros[j].rows) // 2
         L = m.packing.lengths
         micros[j:j + 1] = [Micro(m.rows[:h], Packing.concat(L[:h])), Micro(m.rows[h:], Packing.concat(L[h:]))]
@@ -609,7 +611,8 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateSta
                 continue
             run.opt.step()
             if tcfg.expert_bias_update_rate > 0:                      # aux-loss-free balancing of the router bias
-                chosen = r.scored.routes[:, :-1][batch.mask[r.scored.rows].bool()]   # (N, n_moe, k) at response-scoring positions
+                # (N, n_moe, k) at the response-scoring positions of the forward's rows
+                chosen = r.scored.routes[:, :-1][batch.mask[r.scored.rows].bool()]
                 load = expert_load(chosen, model.config.num_experts)
                 update_expert_bias(model, load.to(d.device), tcfg.expert_bias_update_rate, d)
             if run.weights.mp is not None:                            # mixed precision: recast the compute copy
@@ -628,7 +631,7 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
         g["lr"] = lr
     run.opt.zero_grad(set_to_none=True)
     micros = micro_batches(run, idx, batch.lengths)
-    if d.world > 1:                                                   # as many forwards on every rank
+    if d.world > 1 and tcfg.micro_batch_tokens:                       # packed: as many forwards on every rank
         micros = even_out(micros, int(all_cat(torch.tensor([len(micros)]), d).max()))
     total, clipped_tok, entropy_sum, filtered, tokens, parts = 0.0, 0.0, 0.0, 0.0, 0.0, []
     for n, micro in enumerate(micros):

@@ -290,7 +290,8 @@ def test_trainer_micro_batches_are_a_function_of_the_lengths_alone():
     rows = torch.randperm(48, generator=torch.Generator().manual_seed(0))[:32]    # a minibatch, shuffled
     a = plan(rows, lengths, micro_batch_tokens=300)
     assert a == plan(rows.clone(), lengths.clone(), micro_batch_tokens=300)      # every run
-    assert a == plan(rows, lengths, world=2, micro_batch_tokens=300) == plan(rows, lengths, world=4, micro_batch_tokens=300)
+    for world in (2, 4):                                                          # every rank count
+        assert a == plan(rows, lengths, world=world, micro_batch_tokens=300)
     assert sorted(r for mb, _ in a for r in mb) == sorted(rows.tolist())          # every sequence once
     for mb, pk in a:
         assert pk.lengths == tuple(lengths[list(mb)].tolist())
@@ -355,7 +356,8 @@ def test_packed_training_step_equals_the_padded_one(trainer_batch, loss, agg, ex
     run, batch = trainer_batch
     if "route_filter" in extra:                      # rollout routes the trainer does not take, on odd rows
         odd = (torch.arange(batch.tokens.shape[0]) % 2 == 1)[:, None, None, None] & (batch.routes >= 0)
-        batch = dataclasses.replace(batch, routes=torch.where(odd, (batch.routes + 1) % run.weights.full.config.num_experts, batch.routes))
+        E = run.weights.full.config.num_experts
+        batch = dataclasses.replace(batch, routes=torch.where(odd, (batch.routes + 1) % E, batch.routes))
     idx = torch.randperm(batch.tokens.shape[0], generator=torch.Generator().manual_seed(5))[:24]
     kw = dict(loss=loss, agg=agg, **extra)
     old_a, a, ga, micro_a = minibatch(run, batch, idx, micro_batch_tokens=0, micro_batch_size=8, **kw)
