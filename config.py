@@ -278,7 +278,10 @@ class TrainConfig:
     group_size: int = 8               # G responses per prompt
     epochs: int = 1                   # passes over each rollout batch
     minibatch_size: int = 128         # sequences per optimizer step
-    micro_batch_size: int = 0         # sequences per forward/backward (0: the whole minibatch)
+    micro_batch_tokens: int = 4096    # tokens per forward/backward: sequences packed into one row (model.pack);
+                                      # 0: padded micro-batches of micro_batch_size sequences
+    micro_batch_size: int = 0         # at most this many sequences per forward/backward (0: no cap; padded,
+                                      # the whole minibatch)
     logits_chunk: int = 4096          # token positions whose (positions, vocab) logits exist at once in the
                                       # trainer's forward and backward (recomputed there); 0: all at once
     # optimizer
@@ -350,7 +353,8 @@ class TrainConfig:
         _require_finite(self)
         for name in ("steps", "prompts_per_step", "epochs", "minibatch_size", "n_digits"):
             _require(getattr(self, name) > 0, f"--{name}={getattr(self, name)}: must be >= 1")
-        for name in ("micro_batch_size", "logits_chunk", "lr_decay_steps", "skip_nonfinite_steps", "warmup_steps"):
+        for name in ("micro_batch_tokens", "micro_batch_size", "logits_chunk", "lr_decay_steps", "skip_nonfinite_steps",
+                     "warmup_steps"):
             _require(getattr(self, name) >= 0, f"--{name}={getattr(self, name)}: must be >= 0")
         _require(self.task in TASKS, f"--task={self.task!r}: choose one of {tuple(TASKS)}")
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,

@@ -67,7 +67,7 @@ from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_
 from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, finish_grads, grad_sync,
                          init_distributed, lower_precision_copy, place_weights, quantized_copy, reduce_metrics)
 from hf import CheckpointError, eos_token_ids
-from model import CapacityLimit, MoE, RouteDetail, Transformer, capacity_limit
+from model import CapacityLimit, MoE, Packing, RouteDetail, Transformer, capacity_limit, pack
 from rollout import Sampler
 from tasks import RewardError, TaskError, check_reward, example_text, generation_line, make_task, print_user_traceback
 
@@ -122,6 +122,7 @@ class Batch:
     routes: torch.Tensor          # (B, T, n_moe, k), -1 where unrecorded
     route_mask: torch.Tensor      # (B, T) positions whose routes the rollout recorded
     adv: torch.Tensor             # (B,)
+    lengths: torch.Tensor         # (B,) prompt + response tokens of each sequence
 
     def select(self, idx):
         return Batch(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
@@ -144,7 +145,7 @@ def make_batch(outs, adv: torch.Tensor) -> Batch:
         rollout_logp[i, P - 1:P - 1 + N] = torch.tensor(o.logprobs, dtype=torch.float32)   # the fp32 bits, exactly
         route_mask[i, :P + N - 1] = True
     routes = pack_routes([o.routes for o in outs], lengths, T)
-    return Batch(tokens, mask, rollout_logp, routes, route_mask, adv)
+    return Batch(tokens, mask, rollout_logp, routes, route_mask, adv, torch.tensor(lengths))
 
 
 @torch.no_grad()
@@ -690,19 +691,86 @@ def trainer_capacity(run: Run):
     return capacity_limit(run.capacity)
 
 
-def forward(run: Run, score: Callable, b: Batch, rows: torch.Tensor, *, grad: bool,
-            with_entropy: bool = False, replay: torch.Tensor | None = None) -> Scored:
-    """One forward of b (rows `rows` of the rollout batch) through score: the trainer's scorer (DDP /
-    FSDP2 hook its call) or unchecked(model) (the old and reference policies); under R3 it replays the
-    rollout's routes, else `replay` if given (--replay=old). Nothing here reads a tensor back:
-    make_batch and pack_routes checked the batch."""
-    dev = run.d.device
-    routes = b.routes if run.tcfg.replay == "r3" else replay
+# ---- micro-batches: whole sequences packed by a token budget (model.pack), or padded slices ----------
+# A packed micro-batch puts its sequences back to back in one row, each with its own positions and
+# attending only to itself, so no position is padding and every token gets the padded forward's bits
+# (model.Packing). Its results are laid back per sequence, right-padded to the batch's width, so the
+# loss math (losses.py, the global normalisers of minibatch_step) is the padded path's, unchanged.
+@dataclasses.dataclass
+class Micro:
+    """One forward/backward: rows of the rollout batch and, packed, where their sequences lie."""
+    rows: torch.Tensor               # (k,) int64, in the forward's order
+    packing: Packing | None          # None: the rows' right-padded (k, T) tokens
+
+
+def micro_batches(run: Run, rows: torch.Tensor, lengths: torch.Tensor) -> list[Micro]:
+    """rows (of the rollout batch, whose lengths (B,) are given) as micro-batches.
+
+    Packed (--micro_batch_tokens=N): model.pack's first fit decreasing, each micro-batch at most N
+    tokens (a longer sequence alone) and, with --micro_batch_size=S, at most S sequences. A function of
+    the rows' lengths and the config alone: the same micro-batches on every run, rank and rank count
+    (under torchrun, even_out then cuts a rank's to the count of the rank with the most).
+    Padded (--micro_batch_tokens=0): consecutive slices of S rows (0: a rank's minibatch)."""
+    tcfg = run.tcfg
+    if tcfg.micro_batch_tokens == 0:
+        k = tcfg.micro_batch_size or tcfg.minibatch_size // run.d.world
+        return [Micro(rows[lo:lo + k], None) for lo in range(0, len(rows), k)]
+    n = lengths[rows].tolist()                                        # host tensors: make_batch's
+    out = []
+    for mb in pack(n, tcfg.micro_batch_tokens):
+        cap = tcfg.micro_batch_size or len(mb.indices)                # cut into pieces of at most S sequences
+        for lo in range(0, len(mb.indices), cap):
+            ix = list(mb.indices[lo:lo + cap])
+            out.append(Micro(rows[ix], Packing.concat([n[i] for i in ix])))
+    return out
+
+
+def even_out(micros: list[Micro], n: int) -> list[Micro]:
+    """micros cut until there are n: the packed one with the most tokens (the first of equals) is halved,
+    again and again. Under torchrun every rank runs as many forwards (FSDP2 all-gathers the weights in
+    each); n is the most any rank packed, never more than a rank's sequences, so a cut always exists."""
+    micros = list(micros)
+    while len(micros) < n:
+        cuttable = [i for i, m in enumerate(micros) if len(m.rows) > 1]
+        j = max(cuttable, key=lambda i: (sum(micros[i].packing.lengths), -i))
+        m, h = micros[j], len(micros[j].rows) // 2
+        L = m.packing.lengths
+        micros[j:j + 1] = [Micro(m.rows[:h], Packing.concat(L[:h])), Micro(m.rows[h:], Packing.concat(L[h:]))]
+    return micros
+
+
+def unpack(packing: Packing, x: torch.Tensor, width: int, fill=0) -> torch.Tensor:
+    """A packed result (1, N - 1 or N, ...) laid out per sequence as the padded forward's: (k, width, ...),
+    `fill` past each sequence (a log-prob column a sequence does not own is masked, as padded)."""
+    y = packing.to_padded(x, fill)                                    # (k, longest, ...)
+    if y.shape[1] >= width:
+        return y[:, :width]
+    return torch.cat([y, y.new_full((y.shape[0], width - y.shape[1], *y.shape[2:]), fill)], dim=1)
+
+
+def forward(run: Run, score: Callable, mb: Batch, micro: Micro, *, grad: bool, with_entropy: bool = False,
+            replay: torch.Tensor | None = None) -> Scored:
+    """One forward of the micro-batch mb (rows micro.rows of the rollout batch) through score: the
+    trainer's scorer (DDP / FSDP2 hook its call) or unchecked(model) (the old and reference policies);
+    under R3 it replays the rollout's routes, else `replay` if given (--replay=old), packed with them
+    (-1 where unrecorded). Returns logp (k, T-1), routes (k, T, n_moe, k) and the route detail per
+    sequence, packed or not. Nothing here reads a tensor back from the device: make_batch and
+    pack_routes checked the batch on the host."""
+    dev, T, pk = run.d.device, mb.tokens.shape[1], micro.packing
+    tokens, routes = mb.tokens, mb.routes if run.tcfg.replay == "r3" else replay
+    if pk is not None:
+        tokens = pk.from_padded(tokens)                               # (1, sum of lengths)
+        routes = None if routes is None else pk.from_padded(routes, fill=-1)
     with torch.set_grad_enabled(grad), trainer_capacity(run):
-        out = score(b.tokens.to(dev), temperature=run.rcfg.temperature,
+        out = score(tokens.to(dev), temperature=run.rcfg.temperature,
                     routes=None if routes is None else routes.to(dev),
-                    with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk, route_detail=True)
-    return Scored(out[0], out[1], out[2] if with_entropy else None, rows, out[-1])
+                    with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk, packing=pk, route_detail=True)
+        logp, used, entropy, detail = out[0], out[1], out[2] if with_entropy else None, out[-1]
+        if pk is not None:
+            logp, used = unpack(pk, logp, T - 1), unpack(pk, used, T, fill=-1)
+            entropy = None if entropy is None else unpack(pk, entropy, T - 1)
+            detail = RouteDetail(*(unpack(pk, x, T) for x in (detail.weights, detail.margin, detail.entropy)))
+    return Scored(logp, used, entropy, micro.rows, detail)
 
 
 def on_host(parts: list[Scored]) -> Scored:
@@ -714,20 +782,27 @@ def on_host(parts: list[Scored]) -> Scored:
                   None, torch.cat([p.rows for p in parts]), detail)
 
 
-def micro_batches(run: Run, B: int) -> int:
-    return run.tcfg.micro_batch_size or min(run.tcfg.minibatch_size // run.d.world, B)
+def in_row_order(s: Scored) -> Scored:
+    """s with its rows ascending: forwards over the whole rollout batch, as (B, ...) tensors."""
+    order = torch.argsort(s.rows)
+    detail = None if s.detail is None else RouteDetail(s.detail.weights[order], s.detail.margin[order],
+                                                       s.detail.entropy[order])
+    return Scored(s.logp[order], s.routes[order], None, s.rows[order], detail)
 
 
 def old_policy(run: Run, batch: Batch) -> OldPolicy:
     """The old policy's log-probs (the rollout's, unless recomputed), the reference's, the corrections."""
-    B, micro = batch.tokens.shape[0], micro_batches(run, batch.tokens.shape[0])
-    chunks = [(batch.select(slice(i, i + micro)), torch.arange(i, min(i + micro, B))) for i in range(0, B, micro)]
+    micros = micro_batches(run, torch.arange(batch.tokens.shape[0]), batch.lengths)
+    chunks = [(batch.select(m.rows), m) for m in micros]
+
+    def scored(model):                                                # (B, ...) in the batch's row order
+        return in_row_order(on_host([forward(run, unchecked(model), c, m, grad=False) for c, m in chunks]))
     logp, audit, ref_logp = batch.rollout_logp, None, None
     if run.tcfg.recompute_old_logp:
-        audit = on_host([forward(run, unchecked(run.weights.full), c, rows, grad=False) for c, rows in chunks])
+        audit = scored(run.weights.full)
         logp = audit.logp
     if run.ref_model is not None:
-        ref_logp = on_host([forward(run, unchecked(run.ref_model), c, rows, grad=False) for c, rows in chunks]).logp
+        ref_logp = scored(run.ref_model).logp
     weights = correction_weights(logp, batch.rollout_logp, batch.mask, run.tcfg)
     loss_mask = batch.mask
     if run.tcfg.rejected_tokens == "drop" and rejects(run.tcfg):        # out of the loss, its mean and the KL
@@ -803,7 +878,8 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateSta
                 continue
             run.opt.step()
             if tcfg.expert_bias_update_rate > 0:                      # aux-loss-free balancing of the router bias
-                chosen = r.scored.routes[:, :-1][batch.mask[idx].bool()]   # (N, n_moe, k) at response-scoring positions
+                # (N, n_moe, k) at the response-scoring positions of the forward's rows
+                chosen = r.scored.routes[:, :-1][batch.mask[r.scored.rows].bool()]
                 load = expert_load(chosen, model.config.num_experts)
                 update_expert_bias(model, load.to(d.device), tcfg.expert_bias_update_rate, d)
             if run.weights.mp is not None:                            # mixed precision: recast the compute copy
@@ -821,14 +897,16 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     for g in run.opt.param_groups:
         g["lr"] = lr
     run.opt.zero_grad(set_to_none=True)
-    micro = micro_batches(run, batch.tokens.shape[0])
-    starts = list(range(0, len(idx), micro))
+    micros = micro_batches(run, idx, batch.lengths)
+    if d.world > 1 and tcfg.micro_batch_tokens:                       # packed: as many forwards on every rank
+        micros = even_out(micros, int(all_cat(torch.tensor([len(micros)]), d).max()))
     total, clipped_tok, entropy_sum, filtered, tokens, parts = 0.0, 0.0, 0.0, 0.0, 0.0, []
-    for mlo in starts:
-        sub = idx[mlo:mlo + micro]
+    for n, micro in enumerate(micros):
+        sub = micro.rows
         mb = batch.select(sub)
-        with grad_sync(run.weights.scorer, enabled=mlo == starts[-1]):
-            out = forward(run, run.weights.scorer, mb, sub, grad=True, with_entropy=True, replay=old_routes(run, old, sub))
+        with grad_sync(run.weights.scorer, enabled=n == len(micros) - 1):    # the gradients reduce once
+            out = forward(run, run.weights.scorer, mb, micro, grad=True, with_entropy=True,
+                          replay=old_routes(run, old, sub))
             logp = out.logp.float()
             mask = old.loss_mask[sub].to(device)
             loss_tok, clipped = policy_loss(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg)

@@ -257,3 +257,160 @@ def test_pack_balances_and_ties_go_to_the_lower_index():
     assert pack([7, 7, 7], 14)[0].indices == (0, 1) and pack([7, 7, 7], 14)[1].indices == (2,)
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         pack([3], 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the trainer packed (train.micro_batches, train.forward): the same loss math, the contract kept
+# ---------------------------------------------------------------------------------------------------
+TRAIN = ["--device=cpu", "--task=copy", "--n_digits=2", "--prompts_per_step=8", "--group_size=4",
+         "--minibatch_size=32", "--progress=false", "--lr=1e-2", "--warmup_steps=1"]
+
+
+def train_configs(*argv):
+    from config import RolloutConfig, TrainConfig, apply_overrides, parse_args
+    t, r = TrainConfig(), RolloutConfig()
+    apply_overrides(parse_args([*TRAIN, *argv]), t, r)
+    return t, r
+
+
+def plan(rows, lengths, world=1, **kw):
+    """train.micro_batches of rows under a config with kw, on `world` ranks, as comparable tuples."""
+    from types import SimpleNamespace
+    import train
+    from config import TrainConfig
+    run = SimpleNamespace(tcfg=TrainConfig(minibatch_size=32, **kw), d=train.Dist(0, world, torch.device("cpu")))
+    return [(tuple(m.rows.tolist()), m.packing) for m in train.micro_batches(run, rows, lengths)]
+
+
+def test_trainer_micro_batches_are_a_function_of_the_lengths_alone():
+    from types import SimpleNamespace
+    import train
+    from config import TrainConfig
+    lengths = torch.tensor(lognormal_lengths(48, seed=2))
+    rows = torch.randperm(48, generator=torch.Generator().manual_seed(0))[:32]    # a minibatch, shuffled
+    a = plan(rows, lengths, micro_batch_tokens=300)
+    assert a == plan(rows.clone(), lengths.clone(), micro_batch_tokens=300)      # every run
+    for world in (2, 4):                                                          # every rank count
+        assert a == plan(rows, lengths, world=world, micro_batch_tokens=300)
+    assert sorted(r for mb, _ in a for r in mb) == sorted(rows.tolist())          # every sequence once
+    for mb, pk in a:
+        assert pk.lengths == tuple(lengths[list(mb)].tolist())
+        assert sum(pk.lengths) <= 300 or len(mb) == 1
+    capped = plan(rows, lengths, micro_batch_tokens=300, micro_batch_size=3)      # --micro_batch_size caps it
+    assert max(len(mb) for mb, _ in capped) == 3 and len(capped) > len(a)
+    assert sorted(r for mb, _ in capped for r in mb) == sorted(rows.tolist())
+    # under torchrun the ranks run as many forwards: the one with the most tokens halved, deterministically
+    micros = train.micro_batches(SimpleNamespace(tcfg=TrainConfig(micro_batch_tokens=300), d=None), rows, lengths)
+    even = train.even_out(micros, len(micros) + 3)
+    assert len(even) == len(micros) + 3 and [(m.rows.tolist(), m.packing) for m in even] == \
+        [(m.rows.tolist(), m.packing) for m in train.even_out(micros, len(micros) + 3)]
+    assert sorted(r for m in even for r in m.rows.tolist()) == sorted(rows.tolist())
+    assert all(m.packing.lengths == tuple(lengths[m.rows].tolist()) for m in even)
+    pieces = lambda ms: sorted(sum(m.packing.lengths) for m in ms if len(m.rows) > 1)
+    assert pieces(even)[-1] < pieces(micros)[-1]                   # the fullest packed one was cut
+    originals = [m.rows.tolist() for m in micros]                   # each piece a run of one micro-batch
+    run_of = lambda p, o: any(o[i:i + len(p)] == p for i in range(len(o)))
+    assert all(any(run_of(m.rows.tolist(), o) for o in originals) for m in even)
+    # control: the padded micro-batches (a rank's minibatch of sequences) do follow the rank count
+    assert plan(rows, lengths, micro_batch_tokens=0) != plan(rows, lengths, world=2, micro_batch_tokens=0)
+    assert all(pk is None for _, pk in plan(rows, lengths, micro_batch_tokens=0))
+
+
+@pytest.fixture(scope="module")
+def trainer_batch(tmp_path_factory):
+    """One step's rollout batch of a small run (KL to a reference, the old log-probs recomputed), with
+    random advantages so every sequence's loss terms count."""
+    import train
+    tcfg, rcfg = train_configs(f"--out_dir={tmp_path_factory.mktemp('packed')}", "--kl_coef=0.05",
+                               "--recompute_old_logp=true", "--init_from=tiny-sigmoid")
+    run = train.setup(tcfg, rcfg, train.Dist(0, 1, torch.device("cpu")))
+    _, outs = train.rollout(run, 0)
+    adv = torch.randn(len(outs), generator=torch.Generator().manual_seed(1))
+    return run, train.make_batch(outs, adv)
+
+
+def minibatch(run, batch, idx, **kw):
+    """old_policy + minibatch_step under the config with kw: the result and the clipped gradients."""
+    import dataclasses
+    import train
+    run = dataclasses.replace(run, tcfg=dataclasses.replace(run.tcfg, **kw))
+    old = train.old_policy(run, batch)
+    r = train.minibatch_step(run, batch, old, idx, 0)
+    grads = {n: p.grad.clone() for n, p in run.weights.trained.named_parameters()}
+    return old, r, grads, train.micro_batches(run, idx, batch.lengths)
+
+
+# A packed step sums the same per-token loss values, grouped in other micro-batches: the loss, clip
+# fraction and entropy agree within fp32 rounding of those sums (1e-6 relative, 1e-7 absolute: the
+# token-mean loss is a near-cancelling sum of O(1) terms); the gradients within 1e-5 (the backward's
+# matmuls have other shapes, as test_packed_gradients_match_padded); log-probs and routes bitwise.
+@pytest.mark.parametrize("loss, agg, extra", [
+    ("grpo", "token_mean", {}),
+    ("grpo", "seq_mean_token_sum", {"replay": "r3"}),
+    ("grpo", "drgrpo", {"route_filter": "mask", "route_filter_threshold": 0.99}),    # on other routes: below
+    ("gspo", "auto", {"logits_chunk": 16}),
+])
+def test_packed_training_step_equals_the_padded_one(trainer_batch, loss, agg, extra):
+    import dataclasses
+    import train
+    run, batch = trainer_batch
+    if "route_filter" in extra:                      # rollout routes the trainer does not take, on odd rows
+        odd = (torch.arange(batch.tokens.shape[0]) % 2 == 1)[:, None, None, None] & (batch.routes >= 0)
+        E = run.weights.full.config.num_experts
+        batch = dataclasses.replace(batch, routes=torch.where(odd, (batch.routes + 1) % E, batch.routes))
+    idx = torch.randperm(batch.tokens.shape[0], generator=torch.Generator().manual_seed(5))[:24]
+    kw = dict(loss=loss, agg=agg, **extra)
+    old_a, a, ga, micro_a = minibatch(run, batch, idx, micro_batch_tokens=0, micro_batch_size=8, **kw)
+    old_b, b, gb, micro_b = minibatch(run, batch, idx, micro_batch_tokens=50, **kw)
+    # not the same computation: other micro-batches, packed ones with no padding
+    assert all(m.packing is not None for m in micro_b)
+    assert {tuple(m.rows.tolist()) for m in micro_a} != {tuple(m.rows.tolist()) for m in micro_b}
+    m = batch.mask.bool()
+    assert torch.equal(old_a.logp[m], old_b.logp[m]) and torch.equal(old_b.logp[m], batch.rollout_logp[m])
+    assert torch.equal(old_a.ref_logp[m], old_b.ref_logp[m])
+    sa, sb = train.in_row_order(a.scored), train.in_row_order(b.scored)
+    sm, rm = batch.mask[sa.rows].bool(), batch.route_mask[sa.rows]
+    assert torch.equal(sa.rows, sb.rows) and torch.equal(sa.logp[sm], sb.logp[sm])
+    assert torch.equal(sa.routes[rm], sb.routes[rm])
+    assert b.loss == pytest.approx(a.loss, rel=1e-6, abs=1e-7) and a.loss != 0
+    assert b.clip_frac == pytest.approx(a.clip_frac, rel=1e-6, abs=1e-9)
+    assert b.entropy_sum == pytest.approx(a.entropy_sum, rel=1e-6)
+    assert (b.tokens, b.filtered) == (a.tokens, a.filtered) and (a.filtered > 0) == ("route_filter" in extra)
+    assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+    for n in ga:
+        assert rel_err(gb[n], ga[n]) < 1e-5, n
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_run_keeps_the_contract(tmp_path, dtype):
+    """Packed micro-batches of at most 40 tokens in the old policy's forward and the updates, R3 replay,
+    the route filter, logits chunks and the expert-bias update: the trainer's forward is the rollout's."""
+    import train
+    tcfg, rcfg = train_configs(f"--out_dir={tmp_path}", "--steps=2", f"--dtype={dtype}", "--micro_batch_tokens=40",
+                               "--recompute_old_logp=true", "--replay=r3", "--route_filter=mask", "--logits_chunk=16",
+                               "--init_from=tiny-sigmoid", "--expert_bias_update_rate=0.01", "--epochs=2")
+    rows = train.train(tcfg, rcfg)
+    for r in rows:
+        assert r["train_rollout_kl"] == 0 and r["logp_max_abs_diff"] == 0 and r["route_flip_frac"] == 0, r
+        assert r["grad_norm"] > 0
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("parallel, dtype", [("ddp", "float32"), ("fsdp", "bfloat16")])
+def test_two_ranks_packed_keep_the_contract(tmp_path, parallel, dtype):
+    from test_distributed import metrics, run
+    out = str(tmp_path / parallel)
+    stdout = run(out, 2, "--steps=2", f"--parallel={parallel}", f"--dtype={dtype}", "--micro_batch_tokens=40",
+                 "--recompute_old_logp=true", "--replay=r3")
+    assert "step 2: weights identical on 2 ranks" in stdout
+    for r in metrics(out):
+        assert r["train_rollout_kl"] == 0 and r["logp_max_abs_diff"] == 0 and r["route_flip_frac"] == 0, r
+
+
+@pytest.mark.parametrize("value, needle", [("-1", "--micro_batch_tokens=-1: must be >= 0"),
+                                           ("lots", "--micro_batch_tokens expects int")])
+def test_bad_micro_batch_tokens_is_one_line(tmp_path, value, needle):
+    r = subprocess.run([sys.executable, "train.py", f"--out_dir={tmp_path}", f"--micro_batch_tokens={value}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: ")
