@@ -128,7 +128,7 @@ def check_sampler(cfg, dtype):
     wide = shard_experts(copy.deepcopy(whole), init_expert_parallel(world, n_experts=cfg.num_experts))
     for name, scored in (("EP=1", ref), (f"EP={world}", score_outputs(wide, outs))):
         for o, (logp, routes) in zip(outs, scored):
-            assert torch.equal(o.logprobs, logp), f"sampler EP=2 vs score {name} logp {dtype}"
+            assert torch.equal(torch.tensor(o.logprobs), logp), f"sampler EP=2 vs score {name} logp {dtype}"
             assert torch.equal(o.routes, routes), f"sampler EP=2 vs score {name} routes {dtype}"
     say(f"sampler EP=2 {dtype}: logp and routes equal score at EP=1 and EP={world}")
 

@@ -157,7 +157,7 @@ def test_sampler_outputs_equal_packed_score():
     lp, routes = pk.to_padded(lp), pk.to_padded(routes, -1)
     for i, o in enumerate(outs):
         P, G = len(o.prompt), len(o.tokens)
-        assert torch.equal(o.logprobs, lp[i, P - 1:P + G - 1]), i
+        assert torch.equal(torch.tensor(o.logprobs), lp[i, P - 1:P + G - 1]), i
         assert torch.equal(o.routes, routes[i, :P + G - 1]), i
 
 

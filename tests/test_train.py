@@ -371,12 +371,12 @@ def test_replay_old_replays_the_old_policys_routes(tmp_path, monkeypatch):
         [{k: v for k, v in h.items() if k not in timing} for h in old]
     seen, real = [], train.forward
 
-    def spy(run, score, b, rows, **kw):
+    def spy(run, score, b, micro, **kw):
         if kw.get("grad"):
-            seen.append((kw.get("replay"), rows))
+            seen.append((kw.get("replay"), micro.rows))
         else:
             seen.append(("old forward", None))
-        return real(run, score, b, rows, **kw)
+        return real(run, score, b, micro, **kw)
     monkeypatch.setattr(train, "forward", spy)
     recorded = []
     real_old = train.old_policy
