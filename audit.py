@@ -153,9 +153,10 @@ def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
     }
 
 
-def _rounded(t: torch.Tensor) -> list:
+def _rounded(t: torch.Tensor | list) -> list:
     """A tensor as (nested) lists of floats with 7 significant digits; inf / nan become None (strict JSON)."""
-    return [[_rounded_one(v) for v in r] if isinstance(r, list) else _rounded_one(r) for r in t.tolist()]
+    values = t.tolist() if isinstance(t, torch.Tensor) else t         # a sampler output's logprobs are a list
+    return [[_rounded_one(v) for v in r] if isinstance(r, list) else _rounded_one(r) for r in values]
 
 
 def _rounded_one(v: float):
@@ -178,7 +179,7 @@ def diagnostics(step: int, outs: list, rows: torch.Tensor, train_logp: torch.Ten
         o = outs[r]
         P, N = len(o.prompt), len(o.tokens)
         at = slice(P - 1, P - 1 + N)                                  # the positions scoring the response
-        diff = (train_logp[j, at].double() - o.logprobs.double()).abs()
+        diff = (train_logp[j, at].double() - torch.tensor(o.logprobs, dtype=torch.float64)).abs()
         overlap = topk_overlap(rollout_routes[j, at], train_routes[j, at])       # (N, n_moe)
         mean_overlap = overlap.mean().item() if overlap.numel() else 1.0
         if mean_overlap < 1 or (diff > math.log(2)).any():

@@ -160,7 +160,8 @@ MODEL_PRESETS: dict[str, dict] = {
                          topk_group=1, n_shared_experts=1, mlp_only_layers=[], first_k_dense_replace=1),
     # The dense control of the lab: tiny's width and active parameters, every layer a dense SwiGLU MLP of
     # intermediate_size = top_k * moe_intermediate_size (2 * 128), so a numeric gap meets no router.
-    "tiny-dense": dict(num_experts=0, intermediate_size=256, mlp_only_layers=[]),
+    "tiny-dense": dict(num_experts=0, num_experts_per_tok=1, moe_intermediate_size=0, intermediate_size=256,
+                       mlp_only_layers=[]),                        # the expert knobs as config.json gives them back
     # The real Qwen3-30B-A3B shapes (48 layers, 128 experts, top-8, 3.3B active parameters).
     "qwen3-30b-a3b": dict(
         vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
@@ -377,6 +378,8 @@ class TrainConfig:
         _require(self.log_to in ("", "tensorboard", "wandb"), f"--log_to={self.log_to!r}: '', tensorboard or wandb")
         _require(not self.eval_every or self.eval_data,
                  f"--eval_every={self.eval_every}: needs --eval_data=FILE (a held-out JSONL)")
+        _require(not self.eval_data or self.task == "jsonl",
+                 f"--eval_data={self.eval_data!r}: needs --task=jsonl (its --tokenizer and --reward_fn score it)")
         _require_range(self, "route_filter_threshold", lambda v: 0 <= v <= 1, "in [0, 1]")
         _require_range(self, "save_every log_every", lambda v: v > 0, ">= 1")
         _require_range(self, "lr", lambda v: v >= 0, ">= 0 (0: a frozen policy)")

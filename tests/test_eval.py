@@ -76,7 +76,7 @@ def jsonl(tmp_path):
 
 def args(folder, *extra):
     return FAST + ["--task=jsonl", f"--data={folder / 'data.jsonl'}", f"--tokenizer={folder / 'tokenizer.json'}",
-                   f"--reward_fn={folder / 'reward.py'}:reward", f"--out_dir={folder / 'out'}", "--max_new_tokens=3",
+                   f"--reward_fn={folder / 'reward.py'}:reward", f"--out_dir={folder / 'out'}", "--max_new_tokens=3", "--vocab_size=auto",
                    *extra]
 
 
@@ -86,7 +86,7 @@ def test_trainers_eval_is_eval_py_on_the_saved_checkpoint(jsonl, capsys):
     rows = [json.loads(line) for line in open(jsonl / "out" / "metrics.jsonl")]
     keys = ["eval_greedy_reward", "eval_greedy_pass", "eval_sampled_reward", "eval_pass@3"]
     assert all(set(keys) <= set(r) for r in rows)
-    assert sorted(os.listdir(jsonl / "out")) == ["ckpt-000001", "ckpt-000002", "latest", "metrics.jsonl"]
+    assert sorted(os.listdir(jsonl / "out")) == ["ckpt-000001", "ckpt-000002", "latest", "metrics.jsonl", "routes.jsonl"]
     for step in (1, 2):                            # eval.py scores each kept checkpoint as the trainer did
         got = evaluation.main([str(jsonl / "out" / f"ckpt-{step:06d}"), f"--data={jsonl / 'heldout.jsonl'}",
                                "--samples=3"])     # tokenizer and reward fn from the checkpoint
