@@ -214,8 +214,8 @@ class RolloutConfig:
                                       # int8 | fp8_e4m3: matmul weights rounded to that format per output channel
                                       # (absmax scales) and dequantized (distributed.quantized_copy)
     rollout_quant_router: bool = True   # int8 / fp8_e4m3: quantize the router gate too (false: full precision)
-    rollout_router_fault: str = "none"  # none | no_bias | bias_sign | bias_in_weights | no_renorm: the rollout's
-                                        # router wrong in that one way (model.ROUTER_FAULTS), the trainer's right
+    rollout_router_fault: str = "none"  # none | no_bias | bias_sign | bias_in_weights | no_renorm | expert_map: the
+                                        # rollout's routing wrong in that one way (model.ROUTER_FAULTS), the trainer's right
     record_route_detail: bool = False  # the sampler also keeps each route's combine weights and margin (fp32)
 
     def __post_init__(self):
@@ -263,6 +263,8 @@ class TrainConfig:
     overwrite: bool = False           # start over in an out_dir that holds a run (deletes its metrics and checkpoints)
     parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
     expert_parallel: int = 1          # N ranks per EP group, each holding E/N experts (expert_parallel.py)
+    expert_placement: list[int] = field(default_factory=list)   # "" contiguous | physical slot of each logical
+                                      # expert, comma-separated (a permutation; slot p on rank p // (E/N))
     kernels_backend: str = ""         # "" (KERNELS_BACKEND, default auto: Triton on CUDA) | auto | torch | triton
     # data
     task: str = "copy"                # a name in tasks.TASKS: copy | reverse | jsonl

@@ -42,6 +42,7 @@ class Placement:
     index p % (E/N). The identity table is the contiguous placement: rank r owns [r*E/N, (r+1)*E/N)."""
     table: tuple[int, ...]
     ep_size: int
+    _on: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)   # device -> table tensor
 
     def __post_init__(self):
         E, N = len(self.table), self.ep_size
@@ -62,13 +63,20 @@ class Placement:
     def per_rank(self) -> int:
         return self.n_experts // self.ep_size
 
+    def physical(self, ids: torch.Tensor) -> torch.Tensor:
+        """The physical slot of each logical id (any shape); the table is copied to a device once, so
+        the decode step makes no host-to-device copy."""
+        if ids.device not in self._on:
+            self._on[ids.device] = torch.tensor(self.table, device=ids.device)
+        return self._on[ids.device][ids]
+
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
         """The rank holding each logical expert id (any shape)."""
-        return torch.tensor(self.table, device=ids.device)[ids] // self.per_rank
+        return self.physical(ids) // self.per_rank
 
     def local(self, ids: torch.Tensor) -> torch.Tensor:
         """Each logical expert's index inside its owner's shard."""
-        return torch.tensor(self.table, device=ids.device)[ids] % self.per_rank
+        return self.physical(ids) % self.per_rank
 
     def experts_of(self, rank: int) -> list[int]:
         """The logical ids rank holds, in its local order (shard row j is expert experts_of(rank)[j])."""
@@ -93,6 +101,7 @@ class ExpertParallel:
     replicas: object = None
     n_replicas: int = 1
     capacity: int = 0        # > 0: the sampler's decode step, fixed buffers of this many rows per destination
+    host: object = None      # the EP group on gloo, for the sampler's per-step agreement (None: group itself)
 
     @property
     def size(self) -> int:
@@ -114,6 +123,17 @@ def check_degree(n: int, n_experts: int, world: int) -> None:
         raise ConfigError(f"--expert_parallel={n}: must divide the number of ranks ({world})")
 
 
+def placement_of(table: list[int], n: int, n_experts: int) -> Placement | None:
+    """--expert_placement: None for the contiguous default; a given table is checked here (one line)."""
+    if not table:
+        return None
+    if n == 1:
+        raise ConfigError("--expert_placement: needs --expert_parallel > 1 (one rank holds every expert)")
+    if len(table) != n_experts:
+        raise ConfigError(f"--expert_placement: {len(table)} slots for {n_experts} experts; give one per expert")
+    return Placement(tuple(table), n)
+
+
 def init_expert_parallel(n: int, placement: Placement | None = None, n_experts: int = 0) -> ExpertParallel:
     """EP groups of n consecutive ranks of the default group, and the replica groups across them (the
     ranks r, r + n, r + 2n, ... hold the same shard: their expert gradients are reduced together).
@@ -122,17 +142,20 @@ def init_expert_parallel(n: int, placement: Placement | None = None, n_experts: 
     world, rank = dist.get_world_size(), dist.get_rank()
     placement = placement or Placement.contiguous(n_experts, n)
     check_degree(n, placement.n_experts, world)
-    mine = replicas = None
+    mine = replicas = host = None
+    on_gloo = dist.get_backend() == "gloo"
     for first in range(0, world, n):
-        group = dist.new_group(list(range(first, first + n))) if n < world else None
+        ranks = list(range(first, first + n))
+        group = dist.new_group(ranks) if n < world else None
+        cpu = None if on_gloo else dist.new_group(ranks, backend="gloo")
         if first <= rank < first + n:
-            mine = group
+            mine, host = group, cpu
     if 1 < n < world:
         for r in range(n):
             group = dist.new_group(list(range(r, world, n)))
             if rank % n == r:
                 replicas = group
-    return ExpertParallel(placement, rank % n, mine, replicas, world // n)
+    return ExpertParallel(placement, rank % n, mine, replicas, world // n, host=host)
 
 
 def of(model: nn.Module) -> ExpertParallel | None:
@@ -194,6 +217,18 @@ def clip_grad_norm(dense: list[nn.Parameter], experts: list[nn.Parameter], max_n
     return norm
 
 
+@torch.no_grad()
+def device_load(routes: torch.Tensor, ep: ExpertParallel) -> dict:
+    """Rows per rank per MoE layer for the EP group's tokens: routes (N, n_moe, k) logical ids of this
+    rank's tokens -> {"ep_load_layer": per layer, the busiest rank's rows over the mean rank's (1.0 =
+    balanced), "ep_load_max": the worst layer's}. A collective over the EP group (every rank adds the
+    rows its tokens send to each owner)."""
+    load = torch.stack([ep.placement.rows_per_rank(routes[:, j]) for j in range(routes.shape[1])])   # (n_moe, N)
+    dist.all_reduce(load, group=ep.group)
+    ratio = load.max(-1).values.double() / load.double().mean(-1).clamp(min=1e-12)
+    return {"ep_load_layer": ratio.tolist(), "ep_load_max": ratio.max().item()}
+
+
 def idle_step(model: nn.Module) -> None:
     """A step of a rank with nothing to run while its EP group steps: every MoE layer's exchange once,
     in layer order, with zero rows (the others' forwards wait on it)."""
@@ -206,11 +241,11 @@ def idle_step(model: nn.Module) -> None:
 
 def group_step(done: bool, prefill: bool, ep: ExpertParallel) -> tuple[bool, bool]:
     """The sampler's per-step agreement of an EP group: (every rank is done, some rank prefills), so the
-    group ends together and runs one exchange protocol per step (one small all-reduce, read on the host
-    as the step's finished flags are)."""
-    dev = "cpu" if dist.get_backend(ep.group) == "gloo" else "cuda"
-    t = torch.tensor([int(done), int(not prefill)], device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ep.group)
+    group ends together and runs one exchange protocol per step. Two flags the schedulers hold on the
+    host, all-reduced between the host processes over gloo (as vLLM's data-parallel ranks agree on a
+    step): no device sync, and the decode forward itself stays free of host reads."""
+    t = torch.tensor([int(done), int(not prefill)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ep.host or ep.group)
     all_done, none_prefill = t.tolist()
     return bool(all_done), not none_prefill
 
@@ -255,14 +290,15 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     Every rank of the group must call it (with M = 0 if it has no tokens)."""
     M, k = ids.shape
     pl = ep.placement
-    # 1. the token's rank: its slots in EP=1's order (by logical expert), each expert's rows gathered
-    #    separately as grouped_experts does, so x's gradient sums a token's k slots in EP=1's order
-    order, counts = kernels.sort_slots(ids, pl.n_experts)
-    rows, start = [], 0
-    for n in counts:
-        rows.append(x[order[start:start + n] // k])
-        start += n
-    x_sorted = torch.cat(rows)                                     # (M*k, D) by logical expert
+    # 1. the token's rank: its slots in EP=1's order (by logical expert). With a gradient, each expert's
+    #    rows are gathered separately as grouped_experts does, so x's gradient sums a token's k slots in
+    #    EP=1's order; the decode step (no gradient) gathers them at once, without reading counts back
+    if ep.capacity:
+        order = torch.sort(ids.reshape(-1), stable=True).indices
+        x_sorted = x[order // k]                                   # (M*k, D) by logical expert
+    else:
+        order, counts = kernels.sort_slots(ids, pl.n_experts)
+        x_sorted = torch.cat([x[part // k] for part in order.split(counts)])
     w_sorted = weights.reshape(-1)[order]                          # (M*k,) fp32
     e_sorted = ids.reshape(-1)[order]
     dest = pl.owner(e_sorted)                                       # (M*k,) owner rank of each row
@@ -277,8 +313,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     x_in = Exchange.apply(x_sorted[by_dest], send_l, recv_l, ep.group)          # (R, D)
     w_in = Exchange.apply(w_sorted[by_dest], send_l, recv_l, ep.group)          # (R,) fp32
     local = _all_to_all(pl.local(e_sorted)[by_dest], send_l, recv_l, ep.group)  # (R,) local expert ids
-    lorder, lcounts = kernels.sort_slots(local, pl.per_rank)
-    y = kernels.grouped_experts(x_in, 1, lorder, lcounts, w13, w2, w_in)        # (R, D) fp32, arrival order
+    y = kernels.expert_rows(x_in, w13, w2, local, w_in)                         # (R, D) fp32, arrival order
     # 3. back to the token's rank: into slot order, then EP=1's combine
     y_back = Exchange.apply(y, recv_l, send_l, ep.group)                        # (M*k, D) in by_dest order
     slot_of_row = order[by_dest]                                                # row i holds slot slot_of_row[i]
@@ -293,7 +328,7 @@ def _moe_experts_fixed(x, w13, w2, x_rows, w_rows, local, dest, slot_of_row, sha
     (the expert kernel is row-invariant). x_rows, w_rows, local, dest: the slots grouped by owner."""
     M, k = shape
     S, C, N, D = x_rows.shape[0], ep.capacity, ep.size, x.shape[1]
-    counts = torch.bincount(dest, minlength=N)
+    counts = torch.zeros(N, dtype=torch.long, device=x.device).scatter_add_(0, dest, torch.ones_like(dest))
     first = torch.cumsum(counts, 0) - counts                        # (N,) where each owner's rows start
     at = dest * C + torch.arange(S, device=x.device) - first[dest]  # (S,) each row's place in the buffer
     x_buf = x_rows.new_zeros(N * C, D).index_copy(0, at, x_rows)
@@ -303,8 +338,7 @@ def _moe_experts_fixed(x, w13, w2, x_rows, w_rows, local, dest, slot_of_row, sha
     x_in = _all_to_all(x_buf, even, even, ep.group)                 # (N*C, D) C rows from each source
     w_in = _all_to_all(w_buf, even, even, ep.group)
     l_in = _all_to_all(l_buf, even, even, ep.group)
-    lorder, lcounts = kernels.sort_slots(l_in, ep.placement.per_rank)
-    y = kernels.grouped_experts(x_in, 1, lorder, lcounts, w13, w2, w_in)
+    y = kernels.expert_rows(x_in, w13, w2, l_in, w_in)
     y_back = _all_to_all(y, even, even, ep.group)[at]              # (M*k, D) in by-owner order
     per_slot = y_back[torch.argsort(slot_of_row)]
     return kernels.combine_slots(per_slot.view(M, k, D), x.dtype)

@@ -488,6 +488,21 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
 
 
+def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """Each row through one expert: weights[r] * down(silu(gate x[r]) * up x[r]) of expert ids[r], fp32.
+
+    The per-slot terms that moe_experts sums over k, for the rows an expert-parallel owner received:
+    x (R, D); ids (R,) into w13 (E, 2I, D) / w2 (E, D, I); weights (R,) fp32 -> (R, D) fp32. A row's bits
+    are those of its slot in moe_experts on the same backend (the same row-invariant kernels).
+    """
+    if _triton_for(x) is not None:            # the fused Triton MoE, a slot per row
+        import kernels_triton_moe
+        return kernels_triton_moe.expert_rows(x, w13, w2, ids, weights)
+    order, counts = sort_slots(ids.reshape(-1, 1), w13.shape[0])
+    return grouped_experts(x, 1, order, counts, w13, w2, weights.reshape(-1))
+
+
 def sort_slots(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int]]:
     """The (row, slot) pairs grouped by expert with a stable sort: ids (R, k) -> order (R*k,), rows per expert."""
     slot_expert = ids.reshape(-1)                                    # (R*k,)

@@ -192,8 +192,10 @@ def _sum_over_k(per_slot: torch.Tensor) -> torch.Tensor:
 
 
 class _MoE(torch.autograd.Function):
+    """per_slot: return the weighted fp32 term of each (token, k) slot, (M*k, D), instead of their sum
+    over k rounded to x.dtype; its gradient is rounded to x.dtype (exact when it is a rounded output's)."""
     @staticmethod
-    def forward(ctx, x, w13, w2, ids, weights):
+    def forward(ctx, x, w13, w2, ids, weights, per_slot=False):
         M, D = x.shape
         E, k, I = w13.shape[0], ids.shape[1], w2.shape[2]
         BM, BN, BK, warps, stages = MOE_TILES.get(operand_dtype(x, w13, w2), MOE_TILES[torch.float32])
@@ -217,7 +219,7 @@ class _MoE(torch.autograd.Function):
                 A_BY_TOKEN=False, EPI=EPI_WEIGHTED, **opts)
         ctx.save_for_backward(x, w13, w2, wt, offsets, *plan)
         ctx.opts, ctx.k, ctx.wt_dtype = opts, k, weights.dtype
-        return _sum_over_k(y.view(M, k, D)).to(x.dtype)
+        return y if per_slot else _sum_over_k(y.view(M, k, D)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, gout):
@@ -231,7 +233,7 @@ class _MoE(torch.autograd.Function):
         x = x.contiguous()
         if not M:
             return (torch.zeros_like(x), torch.zeros_like(w13), torch.zeros_like(w2), None,
-                    torch.zeros(0, k, dtype=ctx.wt_dtype, device=x.device))
+                    torch.zeros(0, k, dtype=ctx.wt_dtype, device=x.device), None)
         n_tiles, n_blocks = plan[0].numel(), triton.cdiv(I, BN)
         gw = torch.empty(S, I, dtype=torch.float32, device=x.device)       # dL/dout[token] @ W2[e], sorted rows
         _moe_gemm_kernel[(n_tiles, n_blocks)](
@@ -260,8 +262,15 @@ class _MoE(torch.autograd.Function):
                 A_BY_TOKEN=False, B_BY_TOKEN=True, SCALE_A=False, **opts)
         dx = _sum_over_k(dx_slot.view(M, k, D)).to(x.dtype)
         dwt = dwt_part.sum(1).view(M, k).to(ctx.wt_dtype)
-        return dx, None if dw13 is None else dw13.to(w13.dtype), None if dw2 is None else dw2.to(w2.dtype), None, dwt
+        return dx, None if dw13 is None else dw13.to(w13.dtype), None if dw2 is None else dw2.to(w2.dtype), None, dwt, None
 
 
 def moe_experts(x, w13, w2, ids, weights):
     return _MoE.apply(_aligned(x), _aligned(w13), _aligned(w2), _aligned(ids.long().contiguous()), weights)
+
+
+def expert_rows(x, w13, w2, ids, weights):
+    """kernels.expert_rows: each row a slot of top-1 (the same tiles and kernels as moe_experts, so a
+    row's fp32 term has the bits of that slot in moe_experts). x (R, D), ids (R,), weights (R,) -> (R, D) fp32."""
+    return _MoE.apply(_aligned(x), _aligned(w13), _aligned(w2), _aligned(ids.long().reshape(-1, 1).contiguous()),
+                      weights.reshape(-1, 1), True)

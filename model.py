@@ -381,7 +381,17 @@ ROUTER_FAULTS = ("none",
                  "no_bias",            # the score-correction bias lost: the choice on the raw scores
                  "bias_sign",          # the bias subtracted instead of added
                  "bias_in_weights",    # the combine weights taken from the biased scores
-                 "no_renorm")          # the top-k weights not renormalised (norm_topk_prob ignored)
+                 "no_renorm",          # the top-k weights not renormalised (norm_topk_prob ignored)
+                 "expert_map")         # a wrong logical-to-physical expert table (expert_map_fault): the
+                                       # router is right, its ids reach the wrong experts, routes are logged as chosen
+
+
+def expert_map_fault(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The expert_map fault: ids read through a table that swaps the first and the last expert, as an
+    engine whose placement table disagrees with where the weights are (across EP ranks at every
+    contiguous placement) would compute them. ids (M, k) -> (M, k), the same ids otherwise."""
+    first, last = ids == 0, ids == n_experts - 1
+    return torch.where(first, n_experts - 1, torch.where(last, 0, ids))
 
 
 def fault_inputs(fault: str, bias: torch.Tensor | None, norm_topk_prob: bool):
@@ -505,6 +515,8 @@ class MoE(nn.Module):
         if detail is not None:                                  # the combine weights used, the margin, entropy
             margin, entropy = extra
             detail.append((weights.detach().view(B, T, -1), margin.view(B, T), entropy.view(B, T)))
+        if self.router_fault == "expert_map":                   # the lab's wrong expert table
+            ids = expert_map_fault(ids, self.n_experts)
         if self.ep is None:
             out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
         else:                                                   # the same bits, experts on their owners

@@ -404,6 +404,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     preset = tcfg.model_preset(task.vocab_size, tokenizer=tcfg.task == "jsonl")
     model = build_model(tcfg, device, dtype, preset)
     expert_parallel.check_degree(tcfg.expert_parallel, model.config.num_experts, d.world)
+    placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, model.config.num_experts)
     if tcfg.expert_parallel > 1 and tcfg.mixed_precision and d.world > 1 and tcfg.parallel == "fsdp":
         raise ConfigError(f"--expert_parallel={tcfg.expert_parallel} with --parallel=fsdp and --dtype={tcfg.dtype} over "
                           f"--master_dtype={tcfg.master_dtype}: not supported yet (use --parallel=ddp, or one dtype)")
@@ -427,7 +428,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
         ref_model = (build_model(tcfg, device, dtype, preset) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
     if tcfg.expert_parallel > 1:          # each rank keeps its E/N experts (whole ones were loaded above)
-        ep = expert_parallel.init_expert_parallel(tcfg.expert_parallel, n_experts=model.config.num_experts)
+        ep = expert_parallel.init_expert_parallel(tcfg.expert_parallel, placement, model.config.num_experts)
         for m in (model, ref_model):
             if m is not None:
                 expert_parallel.shard_experts(m, ep)
@@ -952,6 +953,9 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "skipped_steps": run.skipped}
     if run.capacity is not None:                                      # --train_capacity_factor's drops
         row.update(run.capacity.pop_metrics())
+    ep = expert_parallel.of(run.weights.trained)
+    if ep is not None:                                                # rows per rank: the device load
+        row.update(expert_parallel.device_load(audited.routes[batch.route_mask[rows]], ep))
     return reduce_metrics(row, run.d)
 
 

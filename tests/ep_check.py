@@ -94,6 +94,54 @@ def check_grads(cfg, dtype, n, name, placement):
     say(f"grads {what}: x, w13, w2 bitwise; router {gap:.1e} relative (bound {ROUTER_RTOL[dtype]})")
 
 
+def check_decode_reads_nothing_back(cfg):
+    """The decode step's exchange (fixed buffers) reads nothing back to the host: no count exchange, no
+    value read in expert_parallel.py or model.py (the torch backend's per-expert loop reads its counts
+    in kernels.py; the Triton backend's fused kernel does not). Control: the counted exchange of prefill
+    and training reads the counts (send and receive)."""
+    from host_reads import HostReads
+    torch.manual_seed(0)
+    moe = Transformer(cfg).layers[1].mlp
+    ep = init_expert_parallel(2, n_experts=cfg.num_experts)
+    shard_experts(moe, ep)
+    x = torch.randn(1, 3 + ep.rank, cfg.hidden_size)                 # a decode step: a few sequences a rank
+    with torch.no_grad():
+        with HostReads() as counted:
+            ref, _ = moe(x)
+        ep.capacity = 4 * cfg.num_experts_per_tok                     # max_batch_size x top_k rows per destination
+        try:
+            with HostReads() as fixed:
+                out, _ = moe(x)
+        finally:
+            ep.capacity = 0
+    assert torch.equal(out, ref), "the fixed-size exchange changed the bits"
+    mine = {f: n for f, n in fixed.by_file.items() if f in ("expert_parallel.py", "model.py")}
+    assert mine == {}, f"decode exchange reads back: {fixed.by_file}"
+    assert counted.by_file.get("expert_parallel.py", 0) >= 2, counted.by_file
+    say(f"decode exchange: no host read (counted exchange: {counted.by_file['expert_parallel.py']}); same bits")
+
+
+def check_expert_map_fault(cfg):
+    """--rollout_router_fault=expert_map is a wrong table, the same at every EP degree: the faulted
+    score at EP=2 equals EP=1's faulted score bitwise, its routes are the router's, its log-probs are not
+    the right model's."""
+    torch.manual_seed(0)
+    whole = Transformer(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 12), generator=torch.Generator().manual_seed(3))
+    right = whole.score(tokens)
+    for layer in whole.layers:
+        if layer.is_moe:
+            layer.mlp.router_fault = "expert_map"
+    wrong = whole.score(tokens)
+    sharded = shard_experts(copy.deepcopy(whole), init_expert_parallel(2, n_experts=cfg.num_experts))
+    b = slice(2 * (dist.get_rank() % 2), 2 * (dist.get_rank() % 2) + 2)
+    logp, routes = sharded.score(tokens[b])
+    assert torch.equal(logp, wrong[0][b]) and torch.equal(routes, wrong[1][b]), "expert_map at EP=2 vs EP=1"
+    assert not torch.equal(wrong[0], right[0]), "the fault changed nothing"
+    assert torch.equal(wrong[1][:, :, 0], right[1][:, :, 0]), "the first MoE layer's routes are the router's"
+    say("expert_map fault: EP=2 equals EP=1 bitwise; the first layer's routes unchanged, log-probs not")
+
+
 def score_outputs(model, outs):
     """score() of the sampled sequences, right-padded: (logp, routes) per output, cut to its tokens."""
     lengths = [len(o.prompt) + len(o.tokens) for o in outs]
@@ -138,6 +186,8 @@ def main():
     world = dist.get_world_size()
     tiny = ModelConfig.preset("tiny")
     top4 = ModelConfig(**{**tiny.__dict__, "num_experts_per_tok": 4})   # k > 2: the slot order matters
+    check_decode_reads_nothing_back(tiny)
+    check_expert_map_fault(tiny)
     for dtype in DTYPES.values():
         check_sampler(tiny, dtype)
         for n in [d for d in (1, 2, 4) if world % d == 0]:

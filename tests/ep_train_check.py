@@ -34,10 +34,10 @@ def say(msg):
         print("ok", msg, flush=True)
 
 
-def run(out, **kw):
+def run(out, fault=False, **kw):
     tcfg = TrainConfig(**{**BASE, "out_dir": out, "overwrite": True, **kw})
     d = Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-    return train._train(tcfg, RolloutConfig(), d)
+    return train._train(tcfg, RolloutConfig(rollout_router_fault="expert_map" if fault else "none"), d)
 
 
 def resume(out, **kw):
@@ -77,10 +77,26 @@ def main(out):
             for n in degrees:
                 got = run(f"{out}/ep{n}", expert_parallel=n, **kw)
                 compare(ref, got, f"{parallel} {dtype}{' masters' if 'master_dtype' in kw else ''} EP={n}", dtype)
-    # the router bias under EP: aux-loss-free balancing sums each rank's load (routes are logical ids)
+    # the router bias under EP: aux-loss-free balancing sums each rank's load (routes are logical ids);
+    # R3 replays logical ids; a permuted placement; the device load is logged
     if world == 2:
         kw = dict(init_from="tiny-sigmoid", expert_bias_update_rate=1e-3)
         compare(run(f"{out}/ref", **kw), run(f"{out}/ep", expert_parallel=2, **kw), "expert bias EP=2")
+        kw = dict(replay="r3", recompute_old_logp=True)
+        compare(run(f"{out}/ref", **kw), run(f"{out}/ep", expert_parallel=2, **kw), "R3 replay EP=2")
+        ref = run(f"{out}/ref")
+        got = run(f"{out}/ep", expert_parallel=2, expert_placement=[5, 2, 7, 0, 3, 6, 1, 4])
+        compare(ref, got, "permuted placement EP=2")
+        assert all(len(g["ep_load_layer"]) == len(g["route_flip_frac_layer"]) and 1.0 <= g["ep_load_max"] <= 2.0 for g in got), got[0]
+        assert "ep_load_max" not in ref[0]
+        say(f"device load EP=2: busiest rank / mean {got[0]['ep_load_max']:.3f}")
+        # the expert_map fault: the rollout's table is wrong, the same at EP=1 and EP=2
+        kw = dict(recompute_old_logp=True)
+        bad = [run(f"{out}/{n}", expert_parallel=n, **kw, fault=True) for n in (1, 2)]
+        assert all(h["train_rollout_k3"] > 0 for h in bad[0]), bad[0]
+        for a, b in zip(*bad):
+            assert a["reward_mean"] == b["reward_mean"] and close(a["train_rollout_k3"], b["train_rollout_k3"], 1e-5)
+        say(f"expert_map fault EP=1 vs EP=2: the same samples, KL {bad[0][0]['train_rollout_k3']:.2e} at both")
     # checkpoints: whole experts on disk; resume at the same layout, and at another EP degree
     n = 2
     straight = run(f"{out}/straight", expert_parallel=n, steps=3)

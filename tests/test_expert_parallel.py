@@ -101,7 +101,9 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     degrees = [n for n in (1, 2, 4) if nproc % n == 0]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == 2 * 2 * 2 * len(degrees) + 2, r.stdout        # score + grads, 2 dtypes, 2 placements; sampler
+    assert len(ok) == 2 * 2 * 2 * len(degrees) + 4, r.stdout        # score + grads, 2 dtypes, 2 placements; sampler
+    assert any(line.startswith("ok decode exchange: no host read") for line in ok)
+    assert any(line.startswith("ok expert_map fault: EP=2 equals EP=1") for line in ok)
     assert sum(line.startswith("ok sampler EP=2") for line in ok) == 2
     for n in degrees:
         assert sum(f"EP={n} " in line for line in ok if not line.startswith("ok sampler")) == 8
@@ -117,5 +119,7 @@ def test_training_under_ep_equals_ep1_under_torchrun(nproc, tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == (7 if nproc == 2 else 5), r.stdout
+    assert len(ok) == (11 if nproc == 2 else 5), r.stdout
+    for what in ("R3 replay EP=2", "permuted placement EP=2", "device load EP=2", "expert_map fault EP=1 vs EP=2"):
+        assert nproc == 4 or any(what in line for line in ok), (what, r.stdout)
     assert any("resume EP=2 -> EP=2: the same metrics bit for bit" in line for line in ok)

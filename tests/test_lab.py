@@ -242,6 +242,21 @@ def test_router_fault_vs_hand_computed_routing(fault):
         assert not (torch.equal(right_ids, ids) and torch.equal(right_w, weights))
 
 
+def test_expert_map_fault_sends_the_right_routes_to_the_wrong_experts():
+    moe = _sigmoid_moe()
+    x = torch.randn(1, 6, 16)
+    right_ids, right_w = _route_seen(moe, x)
+    out, routes = moe(x)
+    moe.router_fault = "expert_map"
+    ids, weights = _route_seen(moe, x)
+    swap = torch.tensor([3, 1, 2, 0])                                             # experts 0 and E-1 trade places
+    assert torch.equal(ids, swap[right_ids]) and torch.equal(weights, right_w)
+    assert (right_ids == 0).any() or (right_ids == 3).any()                       # the swap is exercised
+    bad_out, bad_routes = moe(x)
+    assert torch.equal(bad_routes, routes)                                        # routes logged as the router chose
+    assert not torch.equal(bad_out, out)
+
+
 def test_router_fault_is_on_the_rollout_copy_only(tmp_path):
     model = Transformer(ModelConfig.preset("tiny-sigmoid"))
     rollout, _ = train.faulty_router_copy(model, model, "bias_sign", lambda: None)

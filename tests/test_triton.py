@@ -539,6 +539,28 @@ def test_moe_gradients_deterministic():
     assert not grads[0][1][3].any() and not grads[0][2][3].any() and grads[0][1][2].abs().min() > 0
 
 
+@runnable
+def test_moe_expert_rows_are_its_slots():
+    """expert_rows (an expert-parallel owner's rows, one slot each) gives every slot the fp32 term that
+    moe_experts sums over k; the gradients against autograd of the torch backend's expert_rows."""
+    x, w13, w2, ids, wt = _moe_inputs(40, k=3)
+    M, k = ids.shape
+    rows = ktm.expert_rows(x.repeat_interleave(k, 0), w13, w2, ids.reshape(-1), wt.reshape(-1))   # (M*k, D) fp32
+    assert rows.dtype == torch.float32 and rows.shape == (M * k, x.shape[1])
+    assert same_bits(kernels.combine_slots(rows.view(M, k, -1), x.dtype), ktm.moe_experts(x, w13, w2, ids, wt))
+    perm = torch.randperm(M * k, generator=torch.Generator().manual_seed(3)).to(DEV)   # rows in any order
+    xs = x.repeat_interleave(k, 0)[perm]
+    assert same_bits(ktm.expert_rows(xs, w13, w2, ids.reshape(-1)[perm], wt.reshape(-1)[perm]), rows[perm])
+    g = randn(M * k, x.shape[1], seed=4)
+    grads = []
+    for f in (ktm.expert_rows, kernels.expert_rows):
+        a = [t.clone().requires_grad_() for t in (xs, w13, w2, wt.reshape(-1)[perm])]
+        (f(a[0], a[1], a[2], ids.reshape(-1)[perm], a[3]) * g).sum().backward()
+        grads.append([t.grad for t in a])
+    for tri, ref in zip(*grads):
+        assert rel(tri, ref) < TOL
+
+
 BAD_IDS = """
 import sys, torch
 sys.path.insert(0, {root!r})
@@ -718,6 +740,9 @@ def test_gpu_moe(dtype):
     perm = torch.randperm(500, device=DEV)
     assert torch.equal(ktm.moe_experts(x[perm], w13, w2, ids[perm], wt[perm]), y[perm])
     assert torch.equal(ktm.moe_experts(x[3:4], w13, w2, ids[3:4], wt[3:4]), y[3:4])
+    rows = ktm.expert_rows(x[perm].repeat_interleave(4, 0), w13, w2, ids[perm].reshape(-1),
+                           wt[perm].reshape(-1))                # an expert-parallel owner's rows, in another order
+    assert torch.equal(kernels.combine_slots(rows.view(500, 4, -1), dtype), y[perm])
     g = randn(500, 256, seed=4, dtype=dtype)
     grads = []
     for f, args in [(ktm.moe_experts, (x, w13, w2, wt))] * 2 + [(kernels.moe_experts, (x, w13, w2, wt))]:
