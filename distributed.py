@@ -86,8 +86,8 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
     ddp: every rank holds the full model; the sampler reads it directly.
     fsdp: FSDP2 shards each block and the rest; the sampler reads a full copy, refreshed by an
     all-gather before each rollout (bit-identical to the weights the trainer computes with).
-    Sharded experts (expert_parallel.shard_experts) are left out of both wrappers: each is this rank's
-    own, replicated across the EP groups and reduced over its replicas (expert_parallel.reduce_expert_grads).
+    Sharded experts (expert_parallel.shard_experts): DDP leaves them out (each rank's own, reduced over
+    its replicas by expert_parallel.reduce_expert_grads); FSDP2 shards them over their replicas (fsdp_shard).
     """
     scorer = Scorer(model)
     if d.world == 1:
@@ -97,14 +97,10 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
         if ep is not None:
             DDP._set_params_and_buffers_to_ignore_for_model(scorer, expert_names(scorer))
         return DDP(scorer, device_ids=[d.device.index] if d.device.type == "cuda" else None), model, lambda: None
-    from torch.distributed.fsdp import fully_shard
     full_copy = copy.deepcopy(model).requires_grad_(False)
-    ignored = set(expert_parallel.split_params(model)[1]) if ep is not None else None
-    for layer in model.layers:
-        if layer.is_moe and layer.mlp.gate.weight.dtype != layer.input_layernorm.weight.dtype:
-            fully_shard(layer.mlp.gate)                               # an fp32 router: one dtype per FSDP group
-        fully_shard(layer, ignored_params=ignored)
-    fully_shard(scorer, ignored_params=ignored)
+    router_apart = any(layer.is_moe and layer.mlp.gate.weight.dtype != layer.input_layernorm.weight.dtype
+                       for layer in model.layers)                     # an fp32 router: one dtype per FSDP group
+    fsdp_shard(model, scorer, d, router_apart=router_apart)
     full_params = dict(full_copy.named_parameters())
     full_buffers = dict(full_copy.named_buffers())
 
@@ -117,8 +113,42 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
     return scorer, full_copy, sync
 
 
+def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, router_policy=None,
+               router_apart: bool = False) -> None:
+    """FSDP2 over every rank: each block, then the rest (scorer); policy: a MixedPrecisionPolicy.
+
+    The router gets a group of its own when its dtype differs (router_policy, one dtype per group) and
+    under EP. Sharded experts (expert_parallel.shard_experts) are sharded over their replicas, the ranks
+    holding the same E/N experts (torchtitan's dp-mod-ep mesh): each MoE layer's w13 and w2 form a group
+    on that mesh, the shared experts a group on every rank. FSDP2 averages their gradient over the
+    replicas; finish_grads divides it by N too, DDP's mean over the world (each owner's gradient already
+    sums its EP group's tokens). A custom divide factor would need PREMUL_SUM, which gloo lacks.
+    """
+    from torch.distributed.fsdp import fully_shard
+    ep = expert_parallel.of(model)
+    kw = {} if policy is None else {"mp_policy": policy}
+    router_kw = kw if router_policy is None else {"mp_policy": router_policy}
+    for layer in model.layers:
+        if layer.is_moe:
+            mlp = layer.mlp
+            if router_apart or ep is not None:          # its own group (Router casts inside its forward)
+                fully_shard(mlp.gate, **router_kw)
+            if ep is not None:
+                for shared in (mlp.shared_experts, mlp.shared_expert, mlp.shared_expert_gate):
+                    if shared is not None:
+                        fully_shard(shared, **kw)
+                fully_shard(mlp, mesh=expert_parallel.replica_mesh(ep, d.device.type), **kw)   # w13, w2
+        fully_shard(layer, **kw)
+    fully_shard(scorer, **kw)
+
+
 def expert_names(module: nn.Module) -> list[str]:
     return [n for n, _ in module.named_parameters() if expert_parallel.is_expert(n)]
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """Whether FSDP2 shards this model's parameters (DTensors)."""
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 def finish_grads(trained: nn.Module, mp, max_norm: float, d: Dist) -> float:
@@ -131,7 +161,11 @@ def finish_grads(trained: nn.Module, mp, max_norm: float, d: Dist) -> float:
         gn = torch.nn.utils.clip_grad_norm_(trained.parameters(), max_norm)
         return gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
     dense, experts = expert_parallel.split_params(trained)
-    if mp is None:                                                    # mp reduced its expert masters already
+    if is_fsdp(trained):                                              # FSDP2 averaged them over the replicas
+        for p in experts:
+            if p.grad is not None:
+                p.grad.div_(ep.size)
+    elif mp is None:                                                  # mp reduced its expert masters already
         expert_parallel.reduce_expert_grads(experts, ep, d.world)
     return expert_parallel.clip_grad_norm(dense, experts, max_norm, ep)
 
@@ -229,12 +263,8 @@ class MixedPrecision:
         # cast_forward_inputs off: the fp32 RoPE tables enter every block as they do in the full copy
         policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=f32, cast_forward_inputs=False)
         router = MixedPrecisionPolicy(param_dtype=self.router, reduce_dtype=f32, cast_forward_inputs=False)
-        for layer in self.master.layers:
-            if layer.is_moe and self.router != self.dtype:
-                fully_shard(layer.mlp.gate, mp_policy=router)
-            fully_shard(layer, mp_policy=policy)
         scorer = Scorer(self.master)
-        fully_shard(scorer, mp_policy=policy)
+        fsdp_shard(self.master, scorer, self.d, policy, router, router_apart=self.router != self.dtype)
         self.full_model.requires_grad_(False)
         self._full = dict(self.full_model.named_parameters())
         self._full_buffers = dict(self.full_model.named_buffers())
@@ -289,8 +319,7 @@ class MixedPrecision:
         ep = expert_parallel.of(self.master)
         if ep is not None:
             return expert_parallel.gather_experts(self.master, ep)
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
-                for k, v in self.master.state_dict().items()}
+        return {k: expert_parallel.unsharded(v) for k, v in self.master.state_dict().items()}
 
     def cast(self, model: Transformer) -> Transformer:
         """Another model (the frozen reference) in the compute dtypes."""

@@ -3,7 +3,7 @@
     ep = init_expert_parallel(2)                 # under torchrun: EP groups of 2 consecutive ranks
     shard_experts(model, ep)                     # keep this rank's experts only (w13, w2 of E/N experts)
     logp, routes = model.score(tokens)           # the same bits as at EP=1, routes as logical expert ids
-    state = gather_experts(model, ep)            # whole experts again (for saving in the HF layout)
+    state = gather_experts(model, ep)            # whole experts on rank 0 (for saving in the HF layout)
 
 How a MoE layer runs under EP (moe_experts below), and why it gives EP=1's bits:
 * the router runs on the token's own rank; routes are logical expert ids everywhere outside this file,
@@ -102,6 +102,7 @@ class ExpertParallel:
     n_replicas: int = 1
     capacity: int = 0        # > 0: the sampler's decode step, fixed buffers of this many rows per destination
     host: object = None      # the EP group on gloo, for the sampler's per-step agreement (None: group itself)
+    mesh: object = None      # FSDP2's DeviceMesh of the replicas (replica_mesh), made when first asked for
 
     @property
     def size(self) -> int:
@@ -368,15 +369,36 @@ def shard_experts(model: nn.Module, ep: ExpertParallel) -> nn.Module:
     return model
 
 
-def gather_rows(shard: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
-    """(E/N, ...) rows of this rank's experts -> (E, ...) in logical order, on every rank of the group."""
-    shard = shard.detach().contiguous()
-    parts = [torch.empty_like(shard) for _ in range(ep.size)]
-    dist.all_gather(parts, shard, group=ep.group)
+def unsharded(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole on this rank: an FSDP2 DTensor all-gathered over its mesh (collective), else itself."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def replica_mesh(ep: ExpertParallel, device_type: str):
+    """The DeviceMesh of the ranks holding this rank's experts (r, r + N, r + 2N, ...), for FSDP2: a 2-D
+    mesh (replica, ep) over every rank, consecutive ranks forming an EP group; collective, made once."""
+    if ep.mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+        ep.mesh = init_device_mesh(device_type, (ep.n_replicas, ep.size), mesh_dim_names=("replica", "ep"))["replica"]
+    return ep.mesh
+
+
+def gather_rows(shard: torch.Tensor, ep: ExpertParallel) -> torch.Tensor | None:
+    """(E/N, ...) rows of this rank's experts -> on rank 0, (E, ...) in logical order in host memory;
+    None on the other ranks. Every rank calls it (an FSDP2 shard is first made whole over its replicas);
+    rank 0's EP group gathers, the other groups hold replicas of the same experts and send nothing. So
+    no rank but rank 0 ever holds every expert, and rank 0 on the host, one tensor at a time."""
+    shard = unsharded(shard).contiguous()
+    if dist.get_rank() >= ep.size:
+        return None
+    parts = [torch.empty_like(shard) for _ in range(ep.size)] if dist.get_rank() == 0 else None
+    dist.gather(shard, parts, dst=0, group=ep.group)
+    if parts is None:
+        return None
     pl = ep.placement
-    whole = torch.empty(pl.n_experts, *shard.shape[1:], dtype=shard.dtype, device=shard.device)
+    whole = torch.empty(pl.n_experts, *shard.shape[1:], dtype=shard.dtype)
     for r, part in enumerate(parts):
-        whole[torch.tensor(pl.experts_of(r), device=shard.device)] = part
+        whole[torch.tensor(pl.experts_of(r))] = part.cpu()
     return whole
 
 
@@ -385,23 +407,25 @@ def shard_rows(whole: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
     return whole[torch.tensor(ep.placement.experts_of(ep.rank), device=whole.device)].clone()
 
 
-def gather_experts(model: nn.Module, ep: ExpertParallel) -> dict[str, torch.Tensor]:
-    """The model's state dict with whole experts (logical order), gathered over the EP group; every rank
-    of the group gets it (collective)."""
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+def gather_experts(model: nn.Module, ep: ExpertParallel) -> dict[str, torch.Tensor] | None:
+    """The model's state dict with whole experts (logical order), on rank 0 (host memory for the
+    experts); None on the other ranks. A collective: every rank calls it."""
+    state = {k: unsharded(v) for k, v in model.state_dict().items()}   # FSDP2: the replicated weights whole too
     for name, m in _moe_layers(model):
         for key in ("w13", "w2"):
             state[f"{name}.{key}" if name else key] = gather_rows(getattr(m, key), ep)
-    return state
+    return state if dist.get_rank() == 0 else None
 
 
-def whole_model(model: nn.Module) -> nn.Module:
-    """model itself, or, with sharded experts, a copy holding whole ones (collective over every rank:
-    each EP group gathers its experts). For writing checkpoints in the HF layout."""
+def whole_model(model: nn.Module) -> nn.Module | None:
+    """model itself, or, with sharded experts, a copy holding whole ones on rank 0 (None elsewhere; a
+    collective, every rank calls it). For writing checkpoints in the HF layout."""
     ep = of(model)
     if ep is None:
         return model
     state = gather_experts(model, ep)
+    if state is None:
+        return None
     with torch.device("meta"):
         out = type(model)(model.config)
     out.load_state_dict(state, assign=True)
@@ -418,27 +442,35 @@ def _expert_state(opt_state: dict, names: dict, fn) -> dict:
     return {**opt_state, "state": state}
 
 
+def _shards(params: list[nn.Parameter], model: nn.Module) -> list[bool]:
+    """Which of params are expert shards: marked by shard_experts (the masters of mixed precision are
+    another copy's), or, once FSDP2 has replaced the parameters, known by their names in model."""
+    by_name = {id(q) for n, q in model.named_parameters() if is_expert(n)}
+    return [getattr(p, "expert_shard", False) or id(p) in by_name for p in params]
+
+
 def expert_keys(opt: torch.optim.Optimizer, model: nn.Module, opt_state: dict) -> dict:
     """Which keys of opt_state['state'] are the experts': indices in the param groups' order, or FQNs."""
     params = [p for g in opt.param_groups for p in g["params"]]
-    by_index = {i: getattr(p, "expert_shard", False) for i, p in enumerate(params)}    # the optimizer may hold masters of another copy
+    by_index = dict(enumerate(_shards(params, model)))
     return {k: (by_index.get(k, False) if isinstance(k, int) else is_expert(k)) for k in opt_state["state"]}
 
 
 def gather_optimizer_state(opt, model, opt_state: dict) -> dict:
-    """AdamW's state with whole experts' moments, as a checkpoint stores it: a collective on every rank
-    (each gathers from its own optimizer; FSDP2's full state dict is rank 0's alone)."""
+    """AdamW's state with whole experts' moments on rank 0, as a checkpoint stores it (the other ranks
+    get opt_state back): a collective on every rank, each gathering from its own optimizer (FSDP2's
+    full state dict is rank 0's alone)."""
     ep = of(model)
     if ep is None:
         return opt_state
     params = [p for g in opt.param_groups for p in g["params"]]
     names = {id(p): n for n, p in model.named_parameters()}
     whole = {}
-    for i, p in enumerate(params):
-        if getattr(p, "expert_shard", False) and p in opt.state:
+    for i, (p, shard) in enumerate(zip(params, _shards(params, model))):
+        if shard and p in opt.state:
             whole[i] = {k: gather_rows(v, ep) if torch.is_tensor(v) and v.dim() > 0 else v
                         for k, v in opt.state[p].items()}
-    if "state" not in opt_state:
+    if dist.get_rank() != 0 or "state" not in opt_state:
         return opt_state
     state = dict(opt_state["state"])
     for i, entry in whole.items():

@@ -276,6 +276,15 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Router(Linear):
+    """The MoE gate, run in its own weight's dtype: an fp32 router (--router_dtype) upcasts x, as
+    transformers' GLM-4.5 / DeepSeek-V3 do. The cast is made here, inside the gate's forward, where
+    FSDP2 has gathered the weight in its compute dtype (outside it, the weight is the fp32 shard)."""
+
+    def forward(self, x):
+        return super().forward(x.to(self.weight.dtype))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -474,7 +483,7 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Linear(D, E)                               # the router
+        self.gate = Router(D, E)
         if cfg.score_correction_bias:
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))      # gate_proj rows then up_proj rows
@@ -497,9 +506,8 @@ class MoE(nn.Module):
         this layer's route detail to, (weights (B, T, k), margin (B, T), entropy (B, T)) (RouteDetail)."""
         B, T, D = x.shape
         x2 = x.reshape(B * T, D)                                # (M, D)
-        # the gate runs in its own weight's dtype: an fp32 router (--router_dtype) upcasts x, as
-        # transformers' GLM-4.5 / DeepSeek-V3 do; the bias is applied in the logits' dtype
-        logits = self.gate(x2.to(self.gate.weight.dtype))       # (M, E)
+        logits = self.gate(x2)                                  # (M, E) in the router's dtype (Router)
+        # the bias is applied in the logits' dtype
         bias = getattr(self.gate, "e_score_correction_bias", None)
         bias = None if bias is None else bias.to(logits.dtype)
         norm = self.norm_topk_prob

@@ -405,9 +405,6 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     model = build_model(tcfg, device, dtype, preset)
     expert_parallel.check_degree(tcfg.expert_parallel, model.config.num_experts, d.world)
     placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, model.config.num_experts)
-    if tcfg.expert_parallel > 1 and tcfg.mixed_precision and d.world > 1 and tcfg.parallel == "fsdp":
-        raise ConfigError(f"--expert_parallel={tcfg.expert_parallel} with --parallel=fsdp and --dtype={tcfg.dtype} over "
-                          f"--master_dtype={tcfg.master_dtype}: not supported yet (use --parallel=ddp, or one dtype)")
     if tcfg.expert_bias_update_rate > 0 and not model.config.score_correction_bias:
         raise ConfigError("--expert_bias_update_rate needs a model with a score-correction bias "
                           "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")

@@ -60,23 +60,40 @@ def compare(ref, got, what, dtype="float32"):
     say(f"train {what}: rewards equal, KL 0, flips 0, loss and grad norm within {RTOL[dtype]}")
 
 
+def check_fsdp_shards_experts_over_replicas():
+    """4 ranks, EP=2, FSDP2: each rank keeps 1/2 of its EP shard's rows (E/N = 4 experts over 2 replicas)."""
+    import expert_parallel
+    from distributed import parallelize
+    from config import ModelConfig
+    from model import Transformer
+    cfg = ModelConfig.preset("tiny")
+    model = expert_parallel.shard_experts(Transformer(cfg), expert_parallel.init_expert_parallel(2, n_experts=cfg.num_experts))
+    d = Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    parallelize(model, TrainConfig(parallel="fsdp"), d)
+    moe = model.layers[1].mlp
+    rows = {moe.w13.to_local().shape[0], moe.w2.to_local().shape[0]}
+    assert rows == {cfg.num_experts // 2 // 2}, rows
+    assert moe.w13.device_mesh.size() == 2 and moe.gate.weight.device_mesh.size() == 4
+    say(f"fsdp EP=2 on 4 ranks: {rows.pop()} of each rank's {cfg.num_experts // 2} experts' rows, the router over 4")
+
+
 def main(out):
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    if world == 4:
+        check_fsdp_shards_experts_over_replicas()
     # 2 ranks: one EP group, every configuration; 4 ranks: EP=2 (two groups: expert grads reduced over
     # the replicas of each shard), and resume at EP=2 and EP=4
     degrees = [2] if world == 4 else [2, 4][:world // 2]
     for dtype in ("float32", "bfloat16"):
         for parallel in ("ddp", "fsdp"):
-            if world == 4 and dtype == "bfloat16" and parallel == "fsdp":
+            if world == 4 and dtype == "bfloat16" and parallel == "ddp":
                 continue
-            kw = dict(parallel=parallel, dtype=dtype)
-            if dtype == "bfloat16" and parallel == "fsdp":
-                kw["master_dtype"] = "bfloat16"                    # FSDP2 + EP: one dtype (see train.setup)
+            kw = dict(parallel=parallel, dtype=dtype)              # bfloat16: bf16 compute over fp32 masters
             ref = run(f"{out}/ref", **kw)
             for n in degrees:
                 got = run(f"{out}/ep{n}", expert_parallel=n, **kw)
-                compare(ref, got, f"{parallel} {dtype}{' masters' if 'master_dtype' in kw else ''} EP={n}", dtype)
+                compare(ref, got, f"{parallel} {dtype} EP={n}", dtype)
     # the router bias under EP: aux-loss-free balancing sums each rank's load (routes are logical ids);
     # R3 replays logical ids; a permuted placement; the device load is logged
     if world == 2:
@@ -98,18 +115,19 @@ def main(out):
             assert a["reward_mean"] == b["reward_mean"] and close(a["train_rollout_k3"], b["train_rollout_k3"], 1e-5)
         say(f"expert_map fault EP=1 vs EP=2: the same samples, KL {bad[0][0]['train_rollout_k3']:.2e} at both")
     # checkpoints: whole experts on disk; resume at the same layout, and at another EP degree
-    n = 2
-    straight = run(f"{out}/straight", expert_parallel=n, steps=3)
-    run(f"{out}/leg", expert_parallel=n, steps=1, lr_decay_steps=3)
-    cont = resume(f"{out}/leg", expert_parallel=n, steps=3)
+    # (4 ranks: under FSDP2, each expert shard sharded over its 2 replicas, AdamW's state too)
+    n, kw = 2, (dict(parallel="fsdp") if world == 4 else {})
+    straight = run(f"{out}/straight", expert_parallel=n, steps=3, **kw)
+    run(f"{out}/leg", expert_parallel=n, steps=1, lr_decay_steps=3, **kw)
+    cont = resume(f"{out}/leg", expert_parallel=n, steps=3, **kw)
     assert len(cont) == 2, len(cont)
     for a, b in zip(straight[1:], cont):
         diff = {k: (a[k], b[k]) for k in a if k not in IGNORED and a[k] != b[k]}
         assert not diff, f"resume EP={n}: {diff}"
-    say(f"resume EP={n} -> EP={n}: the same metrics bit for bit")
+    say(f"resume EP={n} -> EP={n}{' fsdp' if kw else ''}: the same metrics bit for bit")
     other = 4 if world == 4 else 1
-    run(f"{out}/leg2", expert_parallel=n, steps=1, lr_decay_steps=3)
-    moved = resume(f"{out}/leg2", expert_parallel=other, steps=3)
+    run(f"{out}/leg2", expert_parallel=n, steps=1, lr_decay_steps=3, **kw)
+    moved = resume(f"{out}/leg2", expert_parallel=other, steps=3, **kw)
     compare(straight[1:], moved, f"resume EP={n} -> EP={other}")
     dist.barrier()
     dist.destroy_process_group()
