@@ -1125,15 +1125,18 @@ def summary(history: list[dict], seconds: float, out_dir: str) -> str:
 
 def cli(argv: list[str]) -> None:
     """main, with user mistakes and stopped runs as one line `error: ...` and exit status 1, no traceback;
-    under torchrun rank 0 alone prints it (every rank meets the same mistake) and every rank exits 1.
+    under torchrun rank 0 alone prints it (every rank meets the same mistake), every rank exits 1 and
+    tells torchrun why (`tell_launcher`).
     SIGINT / SIGTERM save the last whole step and exit 130 / 143 (128 + the signal's number)."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
     handlers = {sig: signal.signal(sig, StopRequest.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         main(argv)
     except (ConfigError, CheckpointError, RunError, TaskError) as e:
+        tell_launcher(f"error: {e}")
         sys.exit(f"error: {e}" if rank0 else 1)
     except Interrupted as e:
+        tell_launcher(f"interrupted at step {e.step}; resume with --resume=true")
         if rank0:
             print(f"interrupted at step {e.step}; resume with --resume=true", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
@@ -1146,6 +1149,15 @@ def cli(argv: list[str]) -> None:
         StopRequest.signum = 0
         for sig, h in handlers.items():
             signal.signal(sig, h)
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun, this rank's reason to exit in its error file (TORCHELASTIC_ERROR_FILE): torchrun's
+    failure report then shows it as the root cause, instead of a pointer to tracebacks there are none of."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
 
 
 if __name__ == "__main__":

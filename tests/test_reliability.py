@@ -573,7 +573,8 @@ def test_log_to_tensorboard_holds_every_metrics_row(tmp_path):
     assert tags == set().union(*(expected_scalars(r) for r in rows))
     for tag in tags:                                   # tensorboard keeps float32
         logged = [(e.step, e.value) for e in events.Scalars(tag)]
-        assert logged == [(r["step"], torch.tensor(expected_scalars(r)[tag], dtype=torch.float32).item()) for r in rows], tag
+        f32 = [torch.tensor(expected_scalars(r)[tag], dtype=torch.float32).item() for r in rows]
+        assert logged == list(zip([r["step"] for r in rows], f32)), tag
 
 
 def test_log_to_wandb_offline_holds_every_metrics_row_and_the_stop(tmp_path, monkeypatch):
@@ -607,14 +608,18 @@ def test_log_to_wandb_offline_holds_every_metrics_row_and_the_stop(tmp_path, mon
     assert summary["exit_code"] == 143 and summary["config"]["train"]["steps"] == 4, summary
 
 
-def test_torchrun_error_is_printed_once_by_rank_0(tmp_path):
-    """Every rank meets the mistake; rank 0 alone prints it, no rank prints a traceback (torchrun's own
-    launcher still reports the failed job)."""
+@pytest.mark.parametrize("option, message", [("--lr=-1", "--lr=-1: must be >= 0"),   # before the process group
+                                             ("--minibatch_size=6", "--minibatch_size=6 must divide the batch of 8")])
+def test_torchrun_error_is_printed_once_by_rank_0(tmp_path, option, message):
+    """Every rank meets the mistake; rank 0 alone prints it, no rank prints a traceback, and torchrun's own
+    failure report (its launcher's traceback) names it as the root cause."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "train.py", *FAST, "--prompts_per_step=4", "--device=cpu", "--minibatch_size=6",
+                        "train.py", *FAST, "--prompts_per_step=4", "--device=cpu", option,
                         f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert r.returncode != 0
     errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "--minibatch_size=6 must divide the batch of 8" in errors[0], r.stderr[-3000:]
+    assert len(errors) == 1 and message in errors[0], r.stderr[-3000:]
     assert 'train.py", line' not in r.stderr and r.stderr.count("Traceback") <= 1, r.stderr[-3000:]
+    root_cause = r.stderr[r.stderr.index("Root Cause"):]
+    assert f"traceback : {errors[0]}" in root_cause and "To enable traceback" not in r.stderr, r.stderr[-3000:]
