@@ -457,6 +457,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     history, saved = [], run.start
     bar = tqdm(range(run.start, run.tcfg.steps), desc="train", disable=not (run.tcfg.progress and d.master),
                initial=run.start, total=run.tcfg.steps)
+    exit_code = 1                                                     # what the logger is told, unless set below
     try:
         for step in bar:
             t0 = time.perf_counter()
@@ -481,10 +482,12 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             if signum:                                                # the step is whole: save it, then stop
                 if saved != step + 1:
                     checkpoint(run, step + 1)
+                exit_code = 128 + signum
                 raise Interrupted(step + 1, signum)
+        exit_code = 0
     finally:
         bar.close()
-        run.outputs.close()
+        run.outputs.close(exit_code)
     return history
 
 
@@ -496,9 +499,9 @@ class Outputs:
     eval_task: object | None
     logger: object | None
 
-    def close(self) -> None:
+    def close(self, exit_code: int) -> None:
         if self.logger is not None:
-            self.logger.close()
+            self.logger.close(exit_code)
 
 
 def open_outputs(run: Run) -> Outputs:
@@ -507,7 +510,8 @@ def open_outputs(run: Run) -> Outputs:
     if tcfg.eval_data:                                                # the training task's tokenizer and reward
         eval_task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.eval_data, tcfg.tokenizer, tcfg.reward_fn,
                               run.rcfg.max_new_tokens)
-    logger = open_logger(tcfg.log_to, tcfg.out_dir) if tcfg.log_to and run.d.master else None
+    config = {"train": dataclasses.asdict(tcfg), "rollout": dataclasses.asdict(run.rcfg)}
+    logger = open_logger(tcfg.log_to, tcfg.out_dir, config=config) if tcfg.log_to and run.d.master else None
     samples = os.path.join(tcfg.out_dir, "samples.jsonl")
     if run.start and run.d.master and os.path.exists(samples):      # a resume: drop the rows past its checkpoint
         trim_metrics(samples, run.start)
@@ -571,14 +575,24 @@ def maybe_evaluate(run: Run, step: int) -> dict:
 
 
 class Logger:
-    """A copy of each metrics row to tensorboard or wandb; metrics.jsonl stays the record."""
+    """A copy of each metrics row to tensorboard or wandb; metrics.jsonl stays the record.
+    log(row) takes a metrics row, close(exit_code) ends the run (0: it finished, else failed or stopped)."""
 
     def __init__(self, log, close):
         self.log, self.close = log, close
 
 
-def open_logger(kind: str, out_dir: str, probe: bool = False) -> Logger | None:
-    """--log_to=tensorboard|wandb. probe: only check that the package is there (ConfigError if not)."""
+def logged_scalars(row: dict) -> dict[str, float]:
+    """A metrics row as the loggers' scalars: each number by its key, a list's numbers as key/i (e.g. one
+    per layer); a null (a non-finite value in metrics.jsonl) and the step itself are left out."""
+    items = [(f"{k}/{i}", x) for k, v in row.items() if isinstance(v, list) for i, x in enumerate(v)]
+    items += [(k, v) for k, v in row.items() if not isinstance(v, list) and k != "step"]
+    return {k: float(x) for k, x in items if isinstance(x, (int, float))}
+
+
+def open_logger(kind: str, out_dir: str, probe: bool = False, config: dict | None = None) -> Logger | None:
+    """--log_to=tensorboard|wandb. probe: only check that the package is there (ConfigError if not).
+    config: the run's configs, which wandb keeps with the run."""
     package = {"tensorboard": "tensorboard", "wandb": "wandb"}[kind]
     try:
         if kind == "tensorboard":
@@ -590,13 +604,17 @@ def open_logger(kind: str, out_dir: str, probe: bool = False) -> Logger | None:
                           "(or drop --log_to: metrics.jsonl has every row)") from None
     if probe:
         return None
-    numbers_of = lambda row: {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}  # noqa: E731
     if kind == "tensorboard":
         w = SummaryWriter(os.path.join(out_dir, "tensorboard"))
-        return Logger(lambda row: [w.add_scalar(k, v, row["step"]) for k, v in numbers_of(row).items()], w.close)
+        return Logger(lambda row: [w.add_scalar(k, v, row["step"]) for k, v in logged_scalars(row).items()],
+                      lambda exit_code: w.close())
     mode = os.environ.get("WANDB_MODE") or ("online" if network_reachable("api.wandb.ai") else "offline")
-    r = wandb.init(project="moe-rl", dir=out_dir, mode=mode)
-    return Logger(lambda row: r.log(numbers_of(row), step=row["step"]), r.finish)
+    try:
+        r = wandb.init(project=os.environ.get("WANDB_PROJECT", "moe-rl"), dir=out_dir, mode=mode, config=config)
+    except wandb.errors.Error as e:                                   # e.g. online without `wandb login`
+        raise ConfigError(f"--log_to=wandb: {e} (or WANDB_MODE=offline: the run is kept in {out_dir}/wandb "
+                          "for `wandb sync`)") from None
+    return Logger(lambda row: r.log(logged_scalars(row), step=row["step"]), lambda exit_code: r.finish(exit_code))
 
 
 def network_reachable(host: str) -> bool:
@@ -1108,15 +1126,18 @@ def summary(history: list[dict], seconds: float, out_dir: str) -> str:
 
 def cli(argv: list[str]) -> None:
     """main, with user mistakes and stopped runs as one line `error: ...` and exit status 1, no traceback;
-    under torchrun rank 0 alone prints it (every rank meets the same mistake) and every rank exits 1.
+    under torchrun rank 0 alone prints it (every rank meets the same mistake), every rank exits 1 and
+    tells torchrun why (`tell_launcher`).
     SIGINT / SIGTERM save the last whole step and exit 130 / 143 (128 + the signal's number)."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
     handlers = {sig: signal.signal(sig, StopRequest.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         main(argv)
     except (ConfigError, CheckpointError, RunError, TaskError) as e:
+        tell_launcher(f"error: {e}")
         sys.exit(f"error: {e}" if rank0 else 1)
     except Interrupted as e:
+        tell_launcher(f"interrupted at step {e.step}; resume with --resume=true")
         if rank0:
             print(f"interrupted at step {e.step}; resume with --resume=true", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
@@ -1129,6 +1150,15 @@ def cli(argv: list[str]) -> None:
         StopRequest.signum = 0
         for sig, h in handlers.items():
             signal.signal(sig, h)
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun, this rank's reason to exit in its error file (TORCHELASTIC_ERROR_FILE): torchrun's
+    failure report then shows it as the root cause, instead of a pointer to tracebacks there are none of."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
 
 
 if __name__ == "__main__":

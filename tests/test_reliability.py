@@ -554,14 +554,72 @@ def test_log_to_without_its_package_is_one_line(tmp_path, monkeypatch, kind, mod
     assert "--log_to='nope'" in cli_error(f"--out_dir={tmp_path}", "--log_to=nope")
 
 
-def test_torchrun_error_is_printed_once_by_rank_0(tmp_path):
-    """Every rank meets the mistake; rank 0 alone prints it, no rank prints a traceback (torchrun's own
-    launcher still reports the failed job)."""
+def expected_scalars(row: dict) -> dict:
+    """What --log_to keeps of a metrics.jsonl row: its numbers, a list's as key/i; nulls and the step not."""
+    out = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+    out.update({f"{k}/{i}": x for k, v in row.items() if isinstance(v, list) for i, x in enumerate(v)})
+    return out
+
+
+def test_log_to_tensorboard_holds_every_metrics_row(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    train.cli(FAST + [f"--out_dir={tmp_path}", "--steps=3", "--log_to=tensorboard"])
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep all
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert "route_flip_frac_layer/0" in tags and "reward_mean" in tags
+    assert tags == set().union(*(expected_scalars(r) for r in rows))
+    for tag in tags:                                   # tensorboard keeps float32
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        f32 = [torch.tensor(expected_scalars(r)[tag], dtype=torch.float32).item() for r in rows]
+        assert logged == list(zip([r["step"] for r in rows], f32)), tag
+
+
+def test_log_to_wandb_offline_holds_every_metrics_row_and_the_stop(tmp_path, monkeypatch):
+    """Offline, nothing reaches the network; a run stopped by SIGTERM ends its wandb run with exit code 143."""
+    pytest.importorskip("wandb")
+    import signal
+    for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_BASE_URL": "http://127.0.0.1:9",
+                 "WANDB_CONFIG_DIR": str(tmp_path / "cfg"), "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+                 "WANDB_DATA_DIR": str(tmp_path / "data")}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(train, "network_reachable", lambda host: pytest.fail("WANDB_MODE is set: no probe"))
+    calls = iter(range(100))
+    monkeypatch.setattr(train, "stop_requested", lambda d: signal.SIGTERM if next(calls) == 1 else 0)
+    with pytest.raises(SystemExit) as e:
+        train.cli(FAST + [f"--out_dir={tmp_path / 'out'}", "--steps=4", "--log_to=wandb"])
+    assert e.value.code == 143
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    run_dir = glob.glob(str(tmp_path / "out" / "wandb" / "offline-run-*"))
+    assert len(run_dir) == 1
+    # wandb's own reader of the run's .wandb file: one JSON record a line
+    cli = [sys.executable, "-m", "wandb", "leet", "inspect", run_dir[0]]
+    records = [json.loads(line) for line in subprocess.run(cli + ["--json"], capture_output=True, text=True,
+                                                            check=True, timeout=120).stdout.splitlines()]
+    history = [r["history"] for r in records if r["type"] == "history"]
+    assert [h["step"]["num"] for h in history] == [1, 2]
+    for h, row in zip(history, rows):                  # wandb keeps float64: the same values
+        assert {k: v for k, v in h["item"].items() if not k.startswith("_")} == expected_scalars(row)
+    summary = json.loads(subprocess.run(cli + ["--summary", "--json"], capture_output=True, text=True,
+                                        check=True, timeout=120).stdout)
+    assert summary["exit_code"] == 143 and summary["config"]["train"]["steps"] == 4, summary
+
+
+@pytest.mark.parametrize("option, message", [("--lr=-1", "--lr=-1: must be >= 0"),   # before the process group
+                                             ("--minibatch_size=6", "--minibatch_size=6 must divide the batch of 8")])
+def test_torchrun_error_is_printed_once_by_rank_0(tmp_path, option, message):
+    """Every rank meets the mistake; rank 0 alone prints it, no rank prints a traceback, and torchrun's own
+    failure report (its launcher's traceback) names it as the root cause."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "train.py", *FAST, "--prompts_per_step=4", "--device=cpu", "--minibatch_size=6",
+                        "train.py", *FAST, "--prompts_per_step=4", "--device=cpu", option,
                         f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert r.returncode != 0
     errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "--minibatch_size=6 must divide the batch of 8" in errors[0], r.stderr[-3000:]
+    assert len(errors) == 1 and message in errors[0], r.stderr[-3000:]
     assert 'train.py", line' not in r.stderr and r.stderr.count("Traceback") <= 1, r.stderr[-3000:]
+    root_cause = r.stderr[r.stderr.index("Root Cause"):]
+    assert f"traceback : {errors[0]}" in root_cause and "To enable traceback" not in r.stderr, r.stderr[-3000:]
