@@ -258,7 +258,7 @@ class MixedPrecision:
         return list(self.scorer.parameters()) if self.fsdp else list(self.master.parameters())
 
     def _shard(self) -> nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
         f32 = torch.float32
         # cast_forward_inputs off: the fp32 RoPE tables enter every block as they do in the full copy
         policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=f32, cast_forward_inputs=False)
