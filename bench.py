@@ -28,6 +28,11 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   --micro-batch-tokens tokens (model.pack); tokens/s of real tokens, and the share of computed
   positions that are padding.
 * moe: the invariant MoE layer (sort by expert, fixed tiles) vs a per-expert index_add_ loop.
+* ep: the MoE layer under expert parallelism against EP=1 over the same tokens: --ep-procs processes
+  (torchrun; gloo on the CPU, NCCL on GPUs), each with --moe-tokens / N of the tokens; EP=1 = every
+  rank holds all experts and runs its own tokens, EP=N = each holds E/N and the rows travel
+  (all_to_all_single, counts first). Forward and forward+backward, tokens/s per rank, interleaved;
+  the worker checks that both give the same bits.
 * decode: one decode step at 16 and at 256 sequences: the torch ops the host dispatches (the same
   count: host work does not grow with the batch) and its time under the profiler.
 * gpu (CUDA only; --cpu-smoke runs its code on the CPU): a 4-layer model of Qwen3-30B-A3B's layer
@@ -49,8 +54,12 @@ returns rows (label, value, note) for the table; note "ratio" prints the value a
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -329,6 +338,66 @@ def bench_moe(args) -> list[tuple[str, float, str]]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# ep: the MoE layer at EP=N vs EP=1 on torch.distributed (a torchrun job of --ep-procs processes)
+# ---------------------------------------------------------------------------------------------------
+def bench_ep(args) -> list[tuple[str, float, str]]:
+    n = args.ep_procs
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", os.path.abspath(__file__),
+           "--ep-worker", f"--preset={args.preset}", f"--moe-tokens={args.moe_tokens}", f"--warmup={args.warmup}",
+           f"--repeats={args.repeats}", f"--seed={args.seed}", f"--threads={args.threads}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)})
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    if r.returncode or not lines:
+        raise SystemExit(f"bench ep: the torchrun job failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+    res = json.loads(lines[-1])
+    what = f"{res['tokens']} tokens/rank, {res['experts']} experts, top-{res['k']}, {n} ranks, {res['backend']}"
+    return [(f"ep moe forward EP=1 ({what})", res["fwd1"], ""), (f"ep moe forward EP={n}", res["fwdN"], ""),
+            (f"ep moe forward EP={n} / EP=1", res["fwdN"] / res["fwd1"], "ratio"),
+            ("ep moe forward+backward EP=1", res["bwd1"], ""), (f"ep moe forward+backward EP={n}", res["bwdN"], ""),
+            (f"ep moe forward+backward EP={n} / EP=1", res["bwdN"] / res["bwd1"], "ratio")]
+
+
+def ep_worker(args) -> None:
+    """One rank of bench_ep's job: prints rank 0's tokens/s (median over ranks' medians) as one JSON line."""
+    import torch.distributed as dist
+    import expert_parallel
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), "cuda" if cuda else "cpu"
+    cfg = ModelConfig.preset(args.preset)
+    torch.manual_seed(args.seed)
+    moe = Transformer(cfg).layers[cfg.moe_layers[0]].mlp.to(dev)
+    M = args.moe_tokens // world
+    x = torch.randn(1, M, cfg.hidden_size, generator=torch.Generator().manual_seed(args.seed + rank)).to(dev)
+    sharded = expert_parallel.shard_experts(copy.deepcopy(moe), expert_parallel.init_expert_parallel(world, n_experts=cfg.num_experts))
+
+    def step(layer, backward):
+        def fn():
+            dist.barrier()                                  # the ranks start together: the exchange waits on the slowest
+            xi = x.clone().requires_grad_(backward)
+            out = layer(xi)[0]
+            if backward:
+                out.float().sum().backward()
+            if cuda:
+                torch.cuda.synchronize()
+            return out.detach()
+        return fn
+    res = interleaved({"fwd1": step(moe, False), "fwdN": step(sharded, False), "bwd1": step(moe, True),
+                       "bwdN": step(sharded, True)}, args.warmup, max(1, args.repeats))
+    if not torch.equal(res["fwd1"][1], res["fwdN"][1]):
+        raise SystemExit("bench ep: EP=N and EP=1 outputs differ")
+    times = torch.tensor([res[k][0] for k in ("fwd1", "fwdN", "bwd1", "bwdN")], dtype=torch.float64, device=dev)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)           # a step takes as long as its slowest rank
+    if rank == 0:
+        print(json.dumps({"tokens": M, "experts": cfg.num_experts, "k": cfg.num_experts_per_tok,
+                          "backend": dist.get_backend(), **{k: M / t for k, t in zip(("fwd1", "fwdN", "bwd1", "bwdN"),
+                                                                                     times.tolist())}}))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------
 # decode step: host work per step at a small and a large batch (any device; tiny model by default)
 # ---------------------------------------------------------------------------------------------------
 def decode_step_profile(sampler: Sampler, prompts, max_new: int, step: int = 3) -> tuple[int, float]:
@@ -603,6 +672,7 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "fp8+is": ["--recompute_old_logp=true", "--rollout_dtype=fp8_e4m3", "--correction=is"],
     "fp8+tis": ["--recompute_old_logp=true", "--rollout_dtype=fp8_e4m3", "--correction=tis"],
     "train capacity 1.25": ["--recompute_old_logp=true", "--train_capacity_factor=1.25"],
+    "expert map fault": ["--recompute_old_logp=true", "--rollout_router_fault=expert_map"],   # experts 0, E-1 swapped
     **{f"sigmoid fault {f}": ["--recompute_old_logp=true", "--init_from=tiny-sigmoid", "--expert_bias_update_rate=1e-3",
                               f"--rollout_router_fault={f}"]
        for f in ("no_bias", "bias_sign", "bias_in_weights", "no_renorm")},
@@ -669,8 +739,8 @@ def lab_figure(results: dict, out: str, seed: int) -> None:
 
 
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "packing": bench_packing, "moe": bench_moe,
-              "decode": bench_decode, "gpu": bench_gpu, "lab": bench_lab}
-DEFAULT = "rollout,forward,fast,packing,moe,decode"
+              "decode": bench_decode, "ep": bench_ep, "gpu": bench_gpu, "lab": bench_lab}
+DEFAULT = "rollout,forward,fast,packing,moe,ep,decode"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -698,6 +768,8 @@ def main(argv=None):
     p.add_argument("--pack-micro-batch", type=int, default=8, help="packing: sequences per padded micro-batch")
     p.add_argument("--micro-batch-tokens", type=int, default=1024, help="packing: token budget per packed micro-batch")
     p.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer in the moe section")
+    p.add_argument("--ep-procs", type=int, default=2, help="ep: processes (ranks) of the torchrun job, the EP degree")
+    p.add_argument("--ep-worker", action="store_true", help=argparse.SUPPRESS)   # one rank of the ep section's job
     p.add_argument("--gpu-layers", type=int, default=4, help="gpu: layers of the Qwen3-30B-A3B-shaped model")
     p.add_argument("--gpu-batches", default="256,64,1024",
                    help="gpu: sequences per rollout, comma-separated (the first is also profiled)")
@@ -714,6 +786,10 @@ def main(argv=None):
     p.add_argument("--lab-seeds", default="", help="comma-separated seeds, each lab run repeated per seed "
                    "(default: --seed alone); the table gives the reward's mean and sd over seeds")
     args = p.parse_args(argv)
+    if args.ep_worker:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return ep_worker(args)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in sections if s not in BENCHMARKS]
     if unknown:

@@ -26,3 +26,11 @@ def test_bench_silences_the_profiler_log():
     assert "profiler_start" in noisy or "Completed Stage" in noisy     # control: torch's profiler logs each run
     quiet = run("import bench\n" + PROFILE)
     assert "profiler_start" not in quiet and "Completed Stage" not in quiet and "USDT" not in quiet
+
+
+def test_bench_ep_runs_both_degrees_and_checks_their_bits():
+    """The ep section's torchrun job (2 ranks, gloo): rows for EP=1 and EP=2; the worker exits non-zero
+    if the two outputs differ in any bit."""
+    out = run("import bench\nbench.main(['--only', 'ep', '--moe-tokens=64', '--repeats=1', '--warmup=0'])")
+    for label in ("ep moe forward EP=1", "ep moe forward EP=2 / EP=1", "ep moe forward+backward EP=2"):
+        assert label in out, out
