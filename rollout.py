@@ -348,8 +348,13 @@ class ModelRunner:
 
     def _graphs_usable(self, mode: str) -> bool:
         """Whether decode steps can be CUDA graphs: not with the torch backend or the fast MoE's host-side
-        expert loop (kernels.grouped_mm_usable), which read the device inside a step."""
+        expert loop (kernels.grouped_mm_usable), which read the device inside a step. Under expert
+        parallelism the decode step reads nothing back either (fixed exchange buffers), but graphs that
+        capture NCCL collectives, replayed by ranks that captured different batch buckets, are not yet
+        tested on GPUs: off by default there (cuda_graphs=True turns them on)."""
         cfg = self.model.config
+        if expert_parallel.of(self.model) is not None:
+            return False
         return self.device.type == "cuda" and kernels.get_backend() != "torch" and (
             mode == "invariant" or not self.model.n_moe_layers
             or kernels.grouped_mm_usable(self.device, self.dtype, cfg.hidden_size, cfg.moe_intermediate_size))
