@@ -16,7 +16,8 @@ Formulas: docs/design.md, "RL losses" (A_i = (r_i - mean) / (std + 1e-6); ratio 
 The loop (`_train`) reads as one step's phases: rollout; rewards and advantages; the old policy's
 log-probs and corrections; the updates; metrics and log; checkpoint. The objectives are tables in
 losses.py, the mismatch measurement is audit.py, torchrun's wrappers and reductions live in
-distributed.py, checkpoints in checkpoint.py.
+distributed.py, checkpoints in checkpoint.py, what a run shows and writes (the banner, metrics rows,
+loggers, samples, signals) in runlog.py.
 
 Reliability: a non-numeric or non-finite reward, loss or gradient norm stops the run (or skips the
 optimizer step, up to --skip_nonfinite_steps) before it reaches the weights; a checkpoint is written
@@ -36,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -52,7 +52,6 @@ from tqdm.auto import tqdm
 
 import eval as evaluation
 import expert_parallel
-import hf
 import kernels
 import plan
 import audit
@@ -69,7 +68,9 @@ from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, 
 from hf import CheckpointError, eos_token_ids
 from model import CapacityLimit, MoE, Packing, RouteDetail, Transformer, capacity_limit, pack
 from rollout import Sampler
-from tasks import RewardError, TaskError, check_reward, example_text, generation_line, make_task, print_user_traceback
+from runlog import (Interrupted, Outputs, StopRequest, append_jsonl, banner, is_log_step, log_row, log_samples, open_logger,
+                    open_outputs, stop_requested, summary, tell_launcher)
+from tasks import RewardError, TaskError, check_reward, example_text, make_task, print_user_traceback
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,19 +163,6 @@ def update_expert_bias(model: Transformer, load: torch.Tensor, rate: float, d: D
     for j, i in enumerate(model.config.moe_layers):
         bias = model.layers[i].mlp.gate.e_score_correction_bias
         bias.add_(step[j].to(bias.dtype))
-
-
-def json_row(row: dict) -> dict:
-    """The metrics row with every non-finite float as None, so metrics.jsonl is strict JSON (null).
-
-    The quantities that matter (reward, loss, grad norm) stop the run before they get here; what can
-    still be NaN is a diagnostic of an empty selection (e.g. a mean over zero tokens).
-    """
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        return [clean(x) for x in v] if isinstance(v, list) else v
-    return {k: clean(v) for k, v in row.items()}
 
 
 def plan_resume(tcfg: TrainConfig, state: dict, d: "Dist") -> TrainConfig:
@@ -453,7 +441,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     step under way, then the run saves it and stops (Interrupted)."""
     run = setup(tcfg, rcfg, d)
     run.outputs = open_outputs(run)
-    d.print0(banner(run))
+    d.print0(banner(run, max_new_tokens(run)))
     history, saved = [], run.start
     bar = tqdm(range(run.start, run.tcfg.steps), desc="train", disable=not (run.tcfg.progress and d.master),
                initial=run.start, total=run.tcfg.steps)
@@ -491,75 +479,6 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     return history
 
 
-# ---- what a run shows and writes besides metrics.jsonl ---------------------------------------------
-@dataclasses.dataclass
-class Outputs:
-    """The run's other outputs: its exports' identity, the eval task, the optional logger (rank 0)."""
-    identity: hf.Identity
-    eval_task: object | None
-    logger: object | None
-
-    def close(self, exit_code: int) -> None:
-        if self.logger is not None:
-            self.logger.close(exit_code)
-
-
-def open_outputs(run: Run) -> Outputs:
-    tcfg = run.tcfg
-    eval_task = None
-    if tcfg.eval_data:                                                # the training task's tokenizer and reward
-        eval_task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.eval_data, tcfg.tokenizer, tcfg.reward_fn,
-                              run.rcfg.max_new_tokens)
-    config = {"train": dataclasses.asdict(tcfg), "rollout": dataclasses.asdict(run.rcfg)}
-    logger = open_logger(tcfg.log_to, tcfg.out_dir, config=config) if tcfg.log_to and run.d.master else None
-    samples = os.path.join(tcfg.out_dir, "samples.jsonl")
-    if run.start and run.d.master and os.path.exists(samples):      # a resume: drop the rows past its checkpoint
-        trim_metrics(samples, run.start)
-    return Outputs(export_identity(tcfg, run.task), eval_task, logger)
-
-
-def export_identity(tcfg: TrainConfig, task) -> hf.Identity:
-    """The token ids and tokenizer files every checkpoint carries: --init_from's own (a checkpoint folder),
-    else the task's stop ids as eos and --tokenizer's file."""
-    ident = hf.read_identity(tcfg.init_from) if os.path.isdir(tcfg.init_from) else hf.Identity()
-    if ident.token_ids.get("eos_token_id") is None and task.stop_token_ids:
-        stop = list(task.stop_token_ids)
-        ident.token_ids["eos_token_id"] = stop[0] if len(stop) == 1 else stop
-    if tcfg.tokenizer and "tokenizer.json" not in ident.files:
-        path = os.path.join(tcfg.tokenizer, "tokenizer.json") if os.path.isdir(tcfg.tokenizer) else tcfg.tokenizer
-        ident.files["tokenizer.json"] = path
-    return ident
-
-
-def banner(run: Run) -> str:
-    """The start of a run in two lines: what trains where, and what the rollout stops on."""
-    tcfg, cfg, d = run.tcfg, run.weights.full.config, run.d
-    n_params = sum(p.numel() for p in run.weights.full.parameters())
-    moe = f", {cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else ""
-    where = f"{d.device}" + (f" x {d.world} ranks ({tcfg.parallel})" if d.world > 1 else "")
-    start = (f"resume: continuing from step {run.start} ({latest_checkpoint(tcfg.out_dir)}) to step {tcfg.steps}"
-             if run.start else f"steps 1..{tcfg.steps}")
-    return (f"train: {tcfg.init_from} ({cfg.model_type}, {n_params / 1e6:.2f}M parameters{moe}) on {where}, "
-            f"{tcfg.dtype}; task {tcfg.task}; out_dir {tcfg.out_dir}; {start}\n"
-            f"{generation_line(run.task, max_new_tokens(run))}; temperature {run.rcfg.temperature}, "
-            f"{tcfg.prompts_per_step} prompts x {tcfg.group_size} responses")
-
-
-def log_samples(run: Run, step: int, examples, outs, rewards: torch.Tensor) -> None:
-    """--log_samples=N: this rank's first N responses to samples.jsonl (rank 0), the first on the console."""
-    n = run.tcfg.log_samples
-    if not n or not run.d.master:
-        return
-    G, task = run.tcfg.group_size, run.task
-    rows = [{"step": step + 1, "prompt": task.decode(examples[i // G].prompt), "response": task.decode(o.tokens),
-             "reward": rewards[i].item()} for i, o in enumerate(outs[:n])]
-    with open(os.path.join(run.tcfg.out_dir, "samples.jsonl"), "a") as f:
-        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
-    r = rows[0]
-    line = f"step {r['step']} sample: {r['prompt'][-60:]!r} -> {r['response'][:80]!r} (reward {r['reward']:.3f})"
-    tqdm.write(line) if run.tcfg.progress else print(line, flush=True)
-
-
 def maybe_evaluate(run: Run, step: int) -> dict:
     """--eval_data: eval.evaluate's keys every --eval_every steps and at the last step, else nothing."""
     tcfg = run.tcfg
@@ -572,102 +491,6 @@ def maybe_evaluate(run: Run, step: int) -> dict:
                                max_new_tokens=max_new_tokens(run), temperature=run.rcfg.temperature,
                                top_p=run.rcfg.top_p, top_k=run.rcfg.top_k,
                                stop_token_ids=run.task.stop_token_ids, step=step + 1, d=run.d)
-
-
-class Logger:
-    """A copy of each metrics row to tensorboard or wandb; metrics.jsonl stays the record.
-    log(row) takes a metrics row, close(exit_code) ends the run (0: it finished, else failed or stopped)."""
-
-    def __init__(self, log, close):
-        self.log, self.close = log, close
-
-
-def logged_scalars(row: dict) -> dict[str, float]:
-    """A metrics row as the loggers' scalars: each number by its key, a list's numbers as key/i (e.g. one
-    per layer); a null (a non-finite value in metrics.jsonl) and the step itself are left out."""
-    items = [(f"{k}/{i}", x) for k, v in row.items() if isinstance(v, list) for i, x in enumerate(v)]
-    items += [(k, v) for k, v in row.items() if not isinstance(v, list) and k != "step"]
-    return {k: float(x) for k, x in items if isinstance(x, (int, float))}
-
-
-def open_logger(kind: str, out_dir: str, probe: bool = False, config: dict | None = None) -> Logger | None:
-    """--log_to=tensorboard|wandb. probe: only check that the package is there (ConfigError if not).
-    config: the run's configs, which wandb keeps with the run."""
-    package = {"tensorboard": "tensorboard", "wandb": "wandb"}[kind]
-    try:
-        if kind == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-        else:
-            import wandb
-    except ImportError:
-        raise ConfigError(f"--log_to={kind} needs the {package} package: pip install {package} "
-                          "(or drop --log_to: metrics.jsonl has every row)") from None
-    if probe:
-        return None
-    if kind == "tensorboard":
-        w = SummaryWriter(os.path.join(out_dir, "tensorboard"))
-        return Logger(lambda row: [w.add_scalar(k, v, row["step"]) for k, v in logged_scalars(row).items()],
-                      lambda exit_code: w.close())
-    mode = os.environ.get("WANDB_MODE") or ("online" if network_reachable("api.wandb.ai") else "offline")
-    try:
-        r = wandb.init(project=os.environ.get("WANDB_PROJECT", "moe-rl"), dir=out_dir, mode=mode, config=config)
-    except wandb.errors.Error as e:                                   # e.g. online without `wandb login`
-        raise ConfigError(f"--log_to=wandb: {e} (or WANDB_MODE=offline: the run is kept in {out_dir}/wandb "
-                          "for `wandb sync`)") from None
-    return Logger(lambda row: r.log(logged_scalars(row), step=row["step"]), lambda exit_code: r.finish(exit_code))
-
-
-def network_reachable(host: str) -> bool:
-    import socket
-    try:
-        socket.create_connection((host, 443), timeout=3).close()
-        return True
-    except OSError:
-        return False
-
-
-def progress_line(run: Run, row: dict) -> str:
-    """--progress=false: one line every --log_every steps (a value that is null in the row shows as -)."""
-    def f(key, spec):
-        return "-" if row.get(key) is None else format(row[key], spec)
-    return (f"step {row['step']}/{run.tcfg.steps}: reward {f('reward_mean', '.3f')}, loss {f('loss', '.4g')}, "
-            f"train-rollout kl {f('train_rollout_kl', '.1e')}, route flips {f('route_flip_frac', '.3f')}, "
-            f"response len {f('response_len', '.1f')}, {f('step_time', '.2f')} s"
-            + "".join(f", {k} {f(k, '.3f')}" for k in row if k.startswith("eval_")))
-
-
-# ---- stopping on a signal ------------------------------------------------------------------------
-class Interrupted(Exception):
-    """A SIGINT / SIGTERM stopped the run after `step`, which is saved; exit status 128 + signum."""
-
-    def __init__(self, step: int, signum: int):
-        super().__init__(step, signum)
-        self.step, self.signum = step, signum
-
-
-class StopRequest:
-    """The signal handlers' flag. The first SIGINT / SIGTERM asks the loop to stop after the step under
-    way; a second one stops at once (KeyboardInterrupt), saving nothing more."""
-    signum = 0
-
-    @classmethod
-    def handler(cls, signum, frame):
-        if cls.signum:
-            raise KeyboardInterrupt
-        cls.signum = signum
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"\n{signal.Signals(signum).name}: stopping after this step and saving it "
-                  "(send it again to stop now without saving)", file=sys.stderr, flush=True)
-
-
-def stop_requested(d: Dist) -> int:
-    """The signal number if any rank was asked to stop, else 0: every rank stops after the same step."""
-    signum = StopRequest.signum
-    if d.world > 1:
-        t = torch.tensor([signum], device=d.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        signum = int(t.item())
-    return signum
 
 
 # ---- the phases of a step -------------------------------------------------------------------------
@@ -974,37 +797,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
     return reduce_metrics(row, run.d)
 
 
-def log_row(run: Run, step: int, row: dict) -> dict:
-    """Append the row to metrics.jsonl (strict JSON: a non-finite value becomes null); rank 0 writes."""
-    row = json_row(row)
-    if run.d.master and is_log_step(run, step):
-        with open(run.metrics_path, "a") as f:
-            f.write(json.dumps(row, allow_nan=False) + "\n")
-        if run.outputs is not None and run.outputs.logger is not None:
-            run.outputs.logger.log(row)
-        if not run.tcfg.progress:
-            print(progress_line(run, row), flush=True)
-    return row
-
-
 # ---- what the routes say: routes.jsonl, diagnostics.jsonl, the fixed probe ------------------------
-def is_log_step(run: Run, step: int) -> bool:
-    return (step + 1) % run.tcfg.log_every == 0 or step + 1 == run.tcfg.steps
-
-
-def append_jsonl(run: Run, step: int, name: str, rows: list[dict]) -> None:
-    """Rank 0 appends rows to out_dir/name (strict JSON); a resumed run first drops the rows past its
-    checkpoint, as metrics.jsonl's."""
-    if not run.d.master:
-        return
-    path = os.path.join(run.tcfg.out_dir, name)
-    if step == run.start and run.start > 0:
-        trim_metrics(path, run.start)
-    if rows:
-        with open(path, "a") as f:
-            f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
-
-
 def log_routes(run: Run, step: int, batch: Batch, outs, rewards, audited: Scored) -> None:
     """The per-expert load histograms of the step (routes.jsonl, at logged steps, summed over ranks)
     and, with --diagnostics=N, the step's most mismatched sequences (diagnostics.jsonl, audit.diagnostics)."""
@@ -1112,18 +905,6 @@ def main(argv: list[str]) -> None:
         print(summary(history, time.time() - t0, tcfg.out_dir))
 
 
-def summary(history: list[dict], seconds: float, out_dir: str) -> str:
-    """The last line of a run: reward at the start and the end, the worst train-rollout mismatch."""
-    n = max(1, len(history) // 10)
-    first = sum(h["reward_mean"] for h in history[:n]) / n
-    last = sum(h["reward_mean"] for h in history[-n:]) / n
-    kl = [abs(h["train_rollout_kl"]) for h in history if h["train_rollout_kl"] is not None]
-    flips = [h["route_flip_frac"] for h in history if h.get("route_flip_frac") is not None]
-    return (f"done: {len(history)} steps in {seconds:.0f}s; reward {first:.3f} (first tenth) -> "
-            f"{last:.3f} (last tenth); max |train-rollout KL| {max(kl, default=math.nan):.2e}; max route flips "
-            f"{max(flips, default=0.0):.2e}; metrics in {os.path.join(out_dir, 'metrics.jsonl')}")
-
-
 def cli(argv: list[str]) -> None:
     """main, with user mistakes and stopped runs as one line `error: ...` and exit status 1, no traceback;
     under torchrun rank 0 alone prints it (every rank meets the same mistake), every rank exits 1 and
@@ -1150,15 +931,6 @@ def cli(argv: list[str]) -> None:
         StopRequest.signum = 0
         for sig, h in handlers.items():
             signal.signal(sig, h)
-
-
-def tell_launcher(line: str) -> None:
-    """Under torchrun, this rank's reason to exit in its error file (TORCHELASTIC_ERROR_FILE): torchrun's
-    failure report then shows it as the root cause, instead of a pointer to tracebacks there are none of."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import tasks
+import runlog
 import train
 from config import RolloutConfig, TrainConfig, apply_overrides, parse_args
 from hf import CheckpointError
@@ -219,7 +220,7 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
 
 
 def test_metrics_are_strict_json(tmp_path):
-    row = train.json_row({"step": 1, "a": float("nan"), "b": [0.5, float("inf")], "c": 2.0})
+    row = runlog.json_row({"step": 1, "a": float("nan"), "b": [0.5, float("inf")], "c": 2.0})
     assert row == {"step": 1, "a": None, "b": [0.5, None], "c": 2.0}
     run(tmp_path, "--steps=2")
 
@@ -585,7 +586,7 @@ def test_log_to_wandb_offline_holds_every_metrics_row_and_the_stop(tmp_path, mon
                  "WANDB_CONFIG_DIR": str(tmp_path / "cfg"), "WANDB_CACHE_DIR": str(tmp_path / "cache"),
                  "WANDB_DATA_DIR": str(tmp_path / "data")}.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(train, "network_reachable", lambda host: pytest.fail("WANDB_MODE is set: no probe"))
+    monkeypatch.setattr(runlog, "network_reachable", lambda host: pytest.fail("WANDB_MODE is set: no probe"))
     calls = iter(range(100))
     monkeypatch.setattr(train, "stop_requested", lambda d: signal.SIGTERM if next(calls) == 1 else 0)
     with pytest.raises(SystemExit) as e:
