@@ -1,7 +1,7 @@
 """Shared helpers for the tests: tiny configs, random models, random Hugging Face checkpoints.
 
-Everything here is CPU-only and tiny (hidden 32, 3 layers, vocab 50) so the whole suite runs in
-about a minute on two cores. transformers is only needed by the tests that compare against it;
+Everything here is CPU-only and tiny (hidden 32, 3 layers, vocab 50). The suite runs as README
+says, `python -m pytest -q -n auto tests` (pytest-xdist: one worker per core, one torch thread each). transformers is only needed by the tests that compare against it;
 they call `pytest.importorskip("transformers")` (see `hf_classes`).
 """
 from __future__ import annotations
@@ -32,6 +32,12 @@ def pytest_configure(config):
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
 
+
+# Under pytest-xdist every worker (and what it launches: torchrun, train.py) runs one thread: more
+# threads than cores slow torch's CPU ops down by 50-200x.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # A deterministic CPU: no TF32 anywhere, fixed thread count for the whole run.
 torch.backends.cuda.matmul.allow_tf32 = False
