@@ -9,7 +9,7 @@ import torch
 
 import kernels
 from config import ConfigError, ModelConfig
-from expert_parallel import ExpertParallel, Placement, check_degree, shard_experts
+from expert_parallel import ExpertParallel, Placement, check_degree, placement_of, shard_experts
 from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +45,16 @@ def test_expert_parallel_degree_errors(n, experts, world, says):
     with pytest.raises(ConfigError, match=f"--expert_parallel={n}: .*{says}".replace("(", r"\(").replace(")", r"\)")):
         check_degree(n, experts, world)
     check_degree(2, 8, 4)                                            # a valid one passes
+
+
+@pytest.mark.parametrize("table, n, says", [([1, 0, 2, 3], 1, "needs --expert_parallel > 1"),
+                                            ([1, 0, 2], 2, "3 slots for 4 experts"),
+                                            ([0, 0, 2, 3], 2, "not a permutation")])
+def test_expert_placement_option_errors(table, n, says):
+    with pytest.raises(ConfigError, match=says):
+        placement_of(table, n, 4)
+    assert placement_of([], 2, 4) is None                           # the contiguous default
+    assert placement_of([3, 2, 1, 0], 2, 4).owner(torch.tensor([0, 3])).tolist() == [1, 0]
 
 
 def test_expert_parallel_flag_is_one_line_in_train(tmp_path):
