@@ -90,8 +90,11 @@ def test_requirements_cover_what_the_code_imports():
         assert "import numpy" not in code and ".numpy()" not in code, path
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert "venv" in ci and "--system-site-packages" not in ci
+    readme = open(os.path.join(ROOT, "README.md")).read().splitlines()
+    test_cmd = next(line.split("#")[0].strip() for line in readme if line.startswith("python -m pytest"))
+    ci_cmd = '"$py" ' + test_cmd.removeprefix("python ")                    # CI runs README's test command
     assert ci.index("-r requirements.txt") < ci.index("train.py --steps=52 --save_every=50") \
-        < ci.index("-r requirements-test.txt") < ci.index("pytest -q tests")
+        < ci.index("-r requirements-test.txt") < ci.index(ci_cmd), ci_cmd
 
 
 # ---------------------------------------------------------------------------------------------------
