@@ -192,6 +192,18 @@ def check_sampling(temperature, top_p, top_k) -> None:
              f"--top_k={top_k!r}: must be an integer >= 0 (0 turns it off)")
 
 
+# The mismatch lab's router faults (RolloutConfig.rollout_router_fault), set on the rollout copy's MoE
+# modules only (train.faulty_router_copy; model.MoE.forward applies them): what a conversion bug or a
+# second engine gets wrong.
+ROUTER_FAULTS = ("none",
+                 "no_bias",            # the score-correction bias lost: the choice on the raw scores
+                 "bias_sign",          # the bias subtracted instead of added
+                 "bias_in_weights",    # the combine weights taken from the biased scores
+                 "no_renorm",          # the top-k weights not renormalised (norm_topk_prob ignored)
+                 "expert_map")         # a wrong logical-to-physical expert table (expert_map_fault): the
+                                       # router is right, its ids reach the wrong experts, routes are logged as chosen
+
+
 @dataclass
 class RolloutConfig:
     """The sampler's settings (rollout.Sampler reads the engine's, train.py passes the sampling ones)."""
@@ -215,7 +227,7 @@ class RolloutConfig:
                                       # (absmax scales) and dequantized (distributed.quantized_copy)
     rollout_quant_router: bool = True   # int8 / fp8_e4m3: quantize the router gate too (false: full precision)
     rollout_router_fault: str = "none"  # none | no_bias | bias_sign | bias_in_weights | no_renorm | expert_map: the
-                                        # rollout's routing wrong in that one way (model.ROUTER_FAULTS), the trainer's right
+                                        # rollout's routing wrong in that one way (ROUTER_FAULTS), the trainer's right
     record_route_detail: bool = False  # the sampler also keeps each route's combine weights and margin (fp32)
 
     def __post_init__(self):
@@ -226,7 +238,6 @@ class RolloutConfig:
         _require(self.rollout_quant_router or self.rollout_dtype in QUANT_FORMATS,
                  f"--rollout_quant_router=false: only a quantized rollout (--rollout_dtype=int8 or fp8_e4m3) "
                  f"quantizes the router (this one's is {self.rollout_dtype or 'the trainer dtype'})")
-        from model import ROUTER_FAULTS
         _require(self.rollout_router_fault in ROUTER_FAULTS,
                  f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
         _require_range(self, "block_size max_batch_size max_num_batched_tokens", lambda v: v > 0, "> 0")

@@ -22,13 +22,18 @@ PASS_REWARD = 1.0             # a response with reward >= this counts as solved
 EVAL_SEED = 1_000_003         # the sampled responses' seed: the same draws at every evaluation
 
 
-def evaluate(sampler, task, score, *, samples: int, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: float, top_p: float = 1.0,
              top_k: int = 0, stop_token_ids=(), step: int = 0, d=None) -> dict:
     """Greedy and sampled reward and pass rates of sampler's model on every example of `task` (a JSONL
-    task, read from its start each time). score(task, examples, outs, n, step) -> (len(outs),) rewards
-    (train.compute_rewards: a bad reward stops with the example named). Under torchrun each rank answers
+    task, read from its start each time), rewarded by tasks.compute_rewards (a bad reward stops with the
+    example named). Under torchrun each rank answers
     a contiguous slice of the prompts and the sums are reduced, so every rank returns the same dict."""
+    import torch
     from distributed import all_sum
+    from tasks import compute_rewards
+
+    def score(examples, outs, n):
+        return torch.tensor(compute_rewards(task, examples, outs, n, step))
     task.load_state_dict({"epoch": 0, "pos": 0})
     examples = task.sample(len(task.rows))                     # every example once, in the task's first order
     rank, world = (d.rank, d.world) if d is not None else (0, 1)
@@ -39,10 +44,10 @@ def evaluate(sampler, task, score, *, samples: int, max_new_tokens: int, tempera
         kw = dict(max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
                   progress=False)
         prompts = [ex.prompt for ex in mine]
-        greedy = score(task, mine, sampler.generate(prompts, temperature=0.0, n=1, index_offset=lo, **kw), 1, step)
+        greedy = score(mine, sampler.generate(prompts, temperature=0.0, n=1, index_offset=lo, **kw), 1)
         outs = sampler.generate(prompts, temperature=temperature, n=samples, seed=EVAL_SEED,
                                 index_offset=lo * samples, **kw)
-        sampled = score(task, mine, outs, samples, step).view(len(mine), samples)   # (prompts, k)
+        sampled = score(mine, outs, samples).view(len(mine), samples)   # (prompts, k)
         sums.update(greedy_reward=greedy.sum().item(), greedy_pass=(greedy >= PASS_REWARD).sum().item(),
                     sampled_reward=sampled.mean(1).sum().item(),
                     pass_k=(sampled >= PASS_REWARD).any(1).sum().item())
@@ -109,14 +114,13 @@ def main(argv: list[str]) -> dict:
     from model import Transformer
     from rollout import Sampler
     from tasks import make_task
-    from train import compute_rewards                          # the trainer's reward check, one owner
     ckpt, o = parse(argv)
     task = make_task("jsonl", data=o["data"], tokenizer=o["tokenizer"], reward_fn=o["reward_fn"],
                      max_new_tokens=o["max_new_tokens"])
     eos = hf.read_identity(ckpt).token_ids.get("eos_token_id")
     stop = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else task.stop_token_ids
     model = Transformer.from_pretrained(ckpt, device=o["device"])
-    result = evaluate(Sampler(model), task, compute_rewards, samples=o["samples"],
+    result = evaluate(Sampler(model), task, samples=o["samples"],
                       max_new_tokens=o["max_new_tokens"] or task.max_new_tokens, temperature=o["temperature"],
                       stop_token_ids=stop)
     print(f"eval {ckpt} on {o['data']} ({len(task.rows)} prompts, stop ids {list(stop)}): {format_result(result)}")

@@ -384,17 +384,6 @@ class MLP(nn.Module):
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-# The mismatch lab's router faults (RolloutConfig.rollout_router_fault), set on the rollout copy's MoE
-# modules only (train.build_weights): what a conversion bug or a second engine gets wrong.
-ROUTER_FAULTS = ("none",
-                 "no_bias",            # the score-correction bias lost: the choice on the raw scores
-                 "bias_sign",          # the bias subtracted instead of added
-                 "bias_in_weights",    # the combine weights taken from the biased scores
-                 "no_renorm",          # the top-k weights not renormalised (norm_topk_prob ignored)
-                 "expert_map")         # a wrong logical-to-physical expert table (expert_map_fault): the
-                                       # router is right, its ids reach the wrong experts, routes are logged as chosen
-
-
 def expert_map_fault(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """The expert_map fault: ids read through a table that swaps the first and the last expert, as an
     engine whose placement table disagrees with where the weights are (across EP ranks at every

@@ -9,7 +9,7 @@ metrics.jsonl is the record of a run; --log_to=tensorboard|wandb gets a copy of 
 samples.jsonl; routes.jsonl and diagnostics.jsonl are appended through append_jsonl (train.log_routes).
 A SIGINT / SIGTERM asks the loop to stop after the step under way (StopRequest, stop_requested,
 Interrupted); under torchrun a rank's reason to exit goes to its error file (tell_launcher). The
-functions take train.py's Run (its configs, ranks, task and outputs).
+functions take train.py's Run as `run` (its configs, ranks, task and outputs).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,9 +30,6 @@ from checkpoint import latest_checkpoint, trim_metrics
 from config import ConfigError, TrainConfig
 from distributed import Dist
 from tasks import generation_line, make_task
-
-if TYPE_CHECKING:
-    from train import Run
 
 
 # ---- the run's outputs besides metrics.jsonl -------------------------------------------------------
@@ -49,7 +45,7 @@ class Outputs:
             self.logger.close(exit_code)
 
 
-def open_outputs(run: Run) -> Outputs:
+def open_outputs(run) -> Outputs:
     tcfg = run.tcfg
     eval_task = None
     if tcfg.eval_data:                                                # the training task's tokenizer and reward
@@ -76,7 +72,7 @@ def export_identity(tcfg: TrainConfig, task) -> hf.Identity:
     return ident
 
 
-def banner(run: Run, max_new: int) -> str:
+def banner(run, max_new: int) -> str:
     """The start of a run in two lines: what trains where, and what the rollout stops on (at most
     max_new tokens)."""
     tcfg, cfg, d = run.tcfg, run.weights.full.config, run.d
@@ -91,7 +87,7 @@ def banner(run: Run, max_new: int) -> str:
             f"{tcfg.prompts_per_step} prompts x {tcfg.group_size} responses")
 
 
-def log_samples(run: Run, step: int, examples, outs, rewards: torch.Tensor) -> None:
+def log_samples(run, step: int, examples, outs, rewards: torch.Tensor) -> None:
     """--log_samples=N: this rank's first N responses to samples.jsonl (rank 0), the first on the console."""
     n = run.tcfg.log_samples
     if not n or not run.d.master:
@@ -120,7 +116,7 @@ def json_row(row: dict) -> dict:
     return {k: clean(v) for k, v in row.items()}
 
 
-def log_row(run: Run, step: int, row: dict) -> dict:
+def log_row(run, step: int, row: dict) -> dict:
     """Append the row to metrics.jsonl (strict JSON: a non-finite value becomes null); rank 0 writes."""
     row = json_row(row)
     if run.d.master and is_log_step(run, step):
@@ -133,11 +129,11 @@ def log_row(run: Run, step: int, row: dict) -> dict:
     return row
 
 
-def is_log_step(run: Run, step: int) -> bool:
+def is_log_step(run, step: int) -> bool:
     return (step + 1) % run.tcfg.log_every == 0 or step + 1 == run.tcfg.steps
 
 
-def append_jsonl(run: Run, step: int, name: str, rows: list[dict]) -> None:
+def append_jsonl(run, step: int, name: str, rows: list[dict]) -> None:
     """Rank 0 appends rows to out_dir/name (strict JSON); a resumed run first drops the rows past its
     checkpoint, as metrics.jsonl's."""
     if not run.d.master:
@@ -202,7 +198,7 @@ def network_reachable(host: str) -> bool:
         return False
 
 
-def progress_line(run: Run, row: dict) -> str:
+def progress_line(run, row: dict) -> str:
     """--progress=false: one line every --log_every steps (a value that is null in the row shows as -)."""
     def f(key, spec):
         return "-" if row.get(key) is None else format(row[key], spec)

@@ -404,3 +404,20 @@ def make_task(name: str, seed: int = 0, n_digits: int = 4, data: str = "", token
         raise TaskError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     return TASKS[name](name=name, seed=seed, n_digits=n_digits, data=data, tokenizer=tokenizer,
                        reward_fn=reward_fn, max_new_tokens=max_new_tokens, **options)
+
+
+def compute_rewards(task, examples, outs, G: int, step: int) -> list[float]:
+    """The B rewards of the responses (example i // G for output i), each a finite number, else TaskError
+    naming the reward function, the step, the example and the value (after the function's own traceback)."""
+    values = []
+    for i, o in enumerate(outs):
+        ex = examples[i // G]
+        try:
+            values.append(check_reward(task.reward(ex, o.tokens)))
+        except RewardError as e:                                      # a value that is not a finite number
+            raise TaskError(f"step {step}: {task.reward_source} {e}; example: {example_text(task, ex, o.tokens)}") from None
+        except Exception as e:                                        # it raised: its traceback, then which call
+            print_user_traceback(e)
+            raise TaskError(f"step {step}: {task.reward_source} raised {type(e).__name__} (traceback above); "
+                           f"example: {example_text(task, ex, o.tokens)}") from None
+    return values

@@ -70,29 +70,13 @@ from model import CapacityLimit, MoE, Packing, RouteDetail, Transformer, capacit
 from rollout import Sampler
 from runlog import (Interrupted, Outputs, StopRequest, append_jsonl, banner, is_log_step, log_row, log_samples, open_logger,
                     open_outputs, stop_requested, summary, tell_launcher)
-from tasks import RewardError, TaskError, check_reward, example_text, make_task, print_user_traceback
+from tasks import TaskError, compute_rewards, make_task
 
 
 # ---------------------------------------------------------------------------------------------------
-# rewards and the finiteness checks (the loss formulas are in losses.py, the mismatch metrics in audit.py)
+# the finiteness checks (rewards: tasks.compute_rewards; the loss formulas are in losses.py, the
+# mismatch metrics in audit.py)
 # ---------------------------------------------------------------------------------------------------
-def compute_rewards(task, examples, outs, G: int, step: int) -> torch.Tensor:
-    """(B,) rewards of the responses (example i // G for output i), each a finite number, else RunError
-    naming the reward function, the example and the value."""
-    values = []
-    for i, o in enumerate(outs):
-        ex = examples[i // G]
-        try:
-            values.append(check_reward(task.reward(ex, o.tokens)))
-        except RewardError as e:                                      # a value that is not a finite number
-            raise RunError(f"step {step}: {task.reward_source} {e}; example: {example_text(task, ex, o.tokens)}") from None
-        except Exception as e:                                        # it raised: its traceback, then which call
-            print_user_traceback(e)
-            raise RunError(f"step {step}: {task.reward_source} raised {type(e).__name__} (traceback above); "
-                           f"example: {example_text(task, ex, o.tokens)}") from None
-    return torch.tensor(values)
-
-
 def update_is_finite(step: int, loss: float, grad_norm: float, skipped: int, tcfg: TrainConfig, d: "Dist") -> bool:
     """Before an optimizer step: True if the loss and the gradient norm are finite on every rank.
 
@@ -274,7 +258,7 @@ def build_weights(model: Transformer, tcfg: TrainConfig, rcfg: RolloutConfig, d:
 
 
 def faulty_router_copy(rollout_model: Transformer, full: Transformer, fault: str, refresh):
-    """The rollout's weights with their routers wrong in one way (model.ROUTER_FAULTS); a copy of its
+    """The rollout's weights with their routers wrong in one way (config.ROUTER_FAULTS); a copy of its
     own, so the trainer's model never carries the fault."""
     c = full.config
     if fault in ("no_bias", "bias_sign", "bias_in_weights") and not c.score_correction_bias:
@@ -451,7 +435,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             t0 = time.perf_counter()
             examples, outs = rollout(run, step)
             t_rollout = time.perf_counter() - t0
-            rewards = compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1)
+            rewards = torch.tensor(compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1))
             log_samples(run, step, examples, outs, rewards)
             batch = make_batch(outs, group_advantages(rewards, run.tcfg.group_size, run.tcfg.adv_std_norm))
             old = old_policy(run, batch)
@@ -487,7 +471,7 @@ def maybe_evaluate(run: Run, step: int) -> dict:
         return {}
     run.weights.sync()
     run.weights.trained.eval()
-    return evaluation.evaluate(run.sampler, run.outputs.eval_task, compute_rewards, samples=tcfg.eval_samples,
+    return evaluation.evaluate(run.sampler, run.outputs.eval_task, samples=tcfg.eval_samples,
                                max_new_tokens=max_new_tokens(run), temperature=run.rcfg.temperature,
                                top_p=run.rcfg.top_p, top_k=run.rcfg.top_k,
                                stop_token_ids=run.task.stop_token_ids, step=step + 1, d=run.d)

@@ -39,7 +39,12 @@ class StubSampler:
 
 
 class StubTask:
+    """Three examples; a response's reward is its token."""
     rows = [0, 1, 2]
+    reward_source = "the stub's reward"
+
+    def reward(self, example, tokens):
+        return float(tokens[0])
 
     def load_state_dict(self, state):
         assert state == {"epoch": 0, "pos": 0}
@@ -49,9 +54,8 @@ class StubTask:
 
 
 def test_evaluate_by_hand():
-    score = lambda task, examples, outs, n, step: torch.tensor([float(o.tokens[0]) for o in outs])  # noqa: E731
     sampler = StubSampler(greedy=[1, 0, 1], sampled=[[0, 0], [1, 0.5], [0, 0]])
-    r = evaluation.evaluate(sampler, StubTask(), score, samples=2, max_new_tokens=4, temperature=1.0)
+    r = evaluation.evaluate(sampler, StubTask(), samples=2, max_new_tokens=4, temperature=1.0)
     assert r == {"eval_greedy_reward": 2 / 3, "eval_greedy_pass": 2 / 3, "eval_sampled_reward": (1 + 0.5) / 2 / 3,
                  "eval_pass@2": 1 / 3}
     assert evaluation.format_result(r).endswith("pass@2 0.333")
