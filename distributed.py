@@ -207,11 +207,19 @@ def place_weights(model: Transformer, tcfg: TrainConfig, d: Dist):
     if tcfg.master_dtype == "bfloat16":
         d.print0("--master_dtype=bfloat16: the optimizer updates bf16 weights; an update smaller than half a bf16 "
                  "ulp of its weight (2e-3 to 4e-3 relative) is lost (float32 masters keep it)")
+    store_routers(model, tcfg)
+    return (*parallelize(model, tcfg, d), None)
+
+
+def store_routers(model: Transformer, tcfg: TrainConfig) -> None:
+    """One set of weights (no mixed precision): the gates stored in --router_dtype (in place). A resume
+    calls it before loading, so an fp32 gate is read back at its saved bits, not through --dtype."""
+    if tcfg.mixed_precision:
+        return
     router = router_dtype(tcfg, model.config.model_type)
-    for gate in routers(model):                                       # pure storage: the router's own dtype
+    for gate in routers(model):
         if gate.weight.dtype != router:
             gate.to(router)
-    return (*parallelize(model, tcfg, d), None)
 
 
 def _accumulate_into(master: torch.Tensor, p: torch.Tensor) -> None:

@@ -64,7 +64,8 @@ from checkpoint import (RunError, check_finite_weights, latest_checkpoint, load_
                         load_trainer_state, load_weights, optimizer_state, prepare_out_dir, save_checkpoint,
                         saved_configs, trim_metrics)
 from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, finish_grads, grad_sync,
-                         init_distributed, lower_precision_copy, place_weights, quantized_copy, reduce_metrics)
+                         init_distributed, lower_precision_copy, place_weights, quantized_copy, reduce_metrics,
+                         store_routers)
 from hf import CheckpointError, eos_token_ids
 from model import CapacityLimit, MoE, Packing, RouteDetail, Transformer, capacity_limit, pack
 from rollout import Sampler
@@ -390,7 +391,9 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         tcfg = plan_resume(tcfg, state, d)
         if ModelConfig(**state["model_config"]) != model.config:       # fields added since take their defaults
             raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
-        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in load_weights(ckpt, model).items()})
+        store_routers(model, tcfg)                                    # an fp32 router keeps its saved bits
+        want = model.state_dict()
+        model.load_state_dict({k: v.to(device=device, dtype=want[k].dtype) for k, v in load_weights(ckpt, model).items()})
         task.load_state_dict(state["task"])
         start, skipped = state["step"], state.get("skipped_steps", 0)
     ref_model = None
