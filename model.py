@@ -138,17 +138,18 @@ class Packing:
     def _token_index(self) -> torch.Tensor:
         L = torch.tensor(self.lengths)
         base = torch.tensor([r * self.shape[1] + s for r, s in zip(self.rows, self.starts)])
-        return torch.repeat_interleave(base, L) + _local_positions(L)
+        return torch.repeat_interleave(base, L, output_size=sum(self.lengths)) + _local_positions(self.lengths)
 
     def _padded_index(self, T: int) -> torch.Tensor:
         """(n,) flat index into a right-padded (S, T) tensor of every sequence token, in the same order."""
         L = torch.tensor(self.lengths)
-        return torch.repeat_interleave(torch.arange(len(self.lengths)) * T, L) + _local_positions(L)
+        return torch.repeat_interleave(torch.arange(len(self.lengths)) * T, L, output_size=sum(self.lengths)) \
+            + _local_positions(self.lengths)
 
     def positions(self, device=None) -> torch.Tensor:
         """(R, N) position of each token inside its sequence (0 on padding)."""
         pos = torch.zeros(self.shape[0] * self.shape[1], dtype=torch.long)
-        return pos.index_copy(0, self._token_index(), _local_positions(torch.tensor(self.lengths))).view(self.shape).to(device)
+        return pos.index_copy(0, self._token_index(), _local_positions(self.lengths)).view(self.shape).to(device)
 
     def from_padded(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """(S, T, ...) right-padded, sequence i in row i -> (R, N, ...) packed; padding gets `fill`."""
@@ -175,19 +176,20 @@ class Packing:
         L = torch.tensor(self.lengths)
         nb = (L + block - 1) // block                                  # (S,) blocks per sequence
         first = torch.cumsum(nb, 0) - nb                               # (S,) first block of each
-        seq = torch.repeat_interleave(torch.arange(len(self.lengths)), nb)    # (n_blocks,) its sequence
+        blocks = [-(-n // block) for n in self.lengths]
+        seq = torch.repeat_interleave(torch.arange(len(self.lengths)), nb, output_size=sum(blocks))   # (n_blocks,) its sequence
         j = torch.arange(seq.shape[0]) - first[seq]                    # block index inside its sequence
         # entries past a sequence's last block repeat it: never read (masked), but valid page ids
-        table = first[seq, None] + torch.minimum(torch.arange(int(nb.max()))[None], nb[seq, None] - 1)
+        table = first[seq, None] + torch.minimum(torch.arange(max(blocks))[None], nb[seq, None] - 1)
         positions = j[:, None] * block + torch.arange(block)[None]
-        slots = torch.repeat_interleave(first * block, L) + _local_positions(L)
+        slots = torch.repeat_interleave(first * block, L, output_size=sum(self.lengths)) + _local_positions(self.lengths)
         return PackedPages(*(t.to(device) for t in (self._token_index(), slots, table, positions)))
 
 
-def _local_positions(lengths: torch.Tensor) -> torch.Tensor:
-    """0..L_i-1 for each length, concatenated: (sum L,)."""
-    ends = torch.cumsum(lengths, 0)
-    return torch.arange(int(ends[-1]), device=lengths.device) - torch.repeat_interleave(ends - lengths, lengths)
+def _local_positions(lengths: tuple[int, ...]) -> torch.Tensor:
+    """0..L_i-1 for each length, concatenated: (sum L,). Sizes from the Python lengths: no tensor read."""
+    L, total = torch.tensor(lengths), sum(lengths)
+    return torch.arange(total) - torch.repeat_interleave(torch.cumsum(L, 0) - L, L, output_size=total)
 
 
 @dataclass

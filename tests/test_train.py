@@ -89,6 +89,16 @@ def test_trainers_forward_under_r3_reads_nothing_back():
         logp.sum().backward()
     ours = {f: n for f, n in trainer.by_file.items() if f != "kernels.py"}
     assert ours == {}, ours
+    # packed, as the trainer runs by default: the Packing's index tensors are built from its lengths on the
+    # host (no read), the forward and backward read nothing either
+    from model import Packing
+    pk = Packing.concat([len(o.prompt) + len(o.tokens) for o in outs])
+    packed_tokens, packed_routes = pk.from_padded(batch.tokens), pk.from_padded(batch.routes, fill=-1)
+    with HostReads() as packed:
+        out = scorer(packed_tokens, **{**kw, "routes": packed_routes}, packing=pk)
+        out[0].sum().backward()
+    ours = {f: n for f, n in packed.by_file.items() if f != "kernels.py"}
+    assert ours == {}, ours
     with HostReads() as checked:                                     # control: the public, checked score
         logp_checked, routes_checked, _ = model.score(batch.tokens, **kw)
     assert checked.by_file.get("model.py", 0) >= 7, checked.by_file  # aminmax + the route checks
