@@ -174,10 +174,10 @@ class Packing:
     def pages(self, block: int, device=None) -> "PackedPages":
         """The attention layout of the packed sequences with query blocks / pages of `block` positions."""
         L = torch.tensor(self.lengths)
-        nb = (L + block - 1) // block                                  # (S,) blocks per sequence
+        blocks = [-(-n // block) for n in self.lengths]                # blocks per sequence (sizes: no tensor read)
+        nb = torch.tensor(blocks)                                      # (S,)
         first = torch.cumsum(nb, 0) - nb                               # (S,) first block of each
-        blocks = [-(-n // block) for n in self.lengths]
-        seq = torch.repeat_interleave(torch.arange(len(self.lengths)), nb, output_size=sum(blocks))   # (n_blocks,) its sequence
+        seq = torch.repeat_interleave(torch.arange(len(blocks)), nb, output_size=sum(blocks))   # (n_blocks,) its sequence
         j = torch.arange(seq.shape[0]) - first[seq]                    # block index inside its sequence
         # entries past a sequence's last block repeat it: never read (masked), but valid page ids
         table = first[seq, None] + torch.minimum(torch.arange(max(blocks))[None], nb[seq, None] - 1)
