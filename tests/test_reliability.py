@@ -474,7 +474,7 @@ def test_process_group_destroyed_after_a_torchrun_style_run(tmp_path, monkeypatc
     run(tmp_path / "a", "--steps=1", "--device=cpu")
     assert not dist.is_initialized()
     monkeypatch.setattr(tasks.DigitTask, "reward", lambda self, ex, resp: None)
-    with pytest.raises(train.RunError):                               # and when the run stops on an error
+    with pytest.raises(tasks.TaskError):                             # and when the run stops on an error
         run(tmp_path / "b", "--steps=1", "--device=cpu")
     assert not dist.is_initialized()
 
