@@ -892,10 +892,15 @@ def main(argv: list[str]) -> None:
         print(summary(history, time.time() - t0, tcfg.out_dir))
 
 
+LAUNCHER_GRACE_S = 10.0     # a rank but 0, on a mistake, waits this long for rank 0 to print it first
+
+
 def cli(argv: list[str]) -> None:
     """main, with user mistakes and stopped runs as one line `error: ...` and exit status 1, no traceback;
     under torchrun rank 0 alone prints it (every rank meets the same mistake), every rank exits 1 and
-    tells torchrun why (`tell_launcher`).
+    tells torchrun why (`tell_launcher`). The other ranks first give rank 0 up to LAUNCHER_GRACE_S to
+    print and fail: torchrun stops every rank once one has failed, and a rank 0 still importing when a
+    faster rank failed would be stopped before its line.
     SIGINT / SIGTERM save the last whole step and exit 130 / 143 (128 + the signal's number)."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
     handlers = {sig: signal.signal(sig, StopRequest.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -903,6 +908,9 @@ def cli(argv: list[str]) -> None:
         main(argv)
     except (ConfigError, CheckpointError, RunError, TaskError) as e:
         tell_launcher(f"error: {e}")
+        if not rank0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)             # torchrun's stop ends the wait
+            time.sleep(LAUNCHER_GRACE_S)
         sys.exit(f"error: {e}" if rank0 else 1)
     except Interrupted as e:
         tell_launcher(f"interrupted at step {e.step}; resume with --resume=true")
