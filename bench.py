@@ -25,7 +25,7 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
 * packing: trainer forward+backward over 32 responses of a long-tailed length mix (lognormal
   quantiles, the longest 10x the median, up to the model's max_position_embeddings): padded micro-batches
   of --pack-micro-batch sequences (slices of one (B, T_max) tensor) vs packed micro-batches of at most
-  --micro-batch-tokens tokens (model.pack); tokens/s of real tokens, and the share of computed
+  --micro-batch-tokens tokens (packing.pack); tokens/s of real tokens, and the share of computed
   positions that are padding.
 * moe: the invariant MoE layer (sort by expert, fixed tiles) vs a per-expert index_add_ loop.
 * ep: the MoE layer under expert parallelism against EP=1 over the same tokens: --ep-procs processes
@@ -73,7 +73,8 @@ import torch  # noqa: E402
 import kernels
 from config import ModelConfig
 from hf import config_to_hf
-from model import Transformer, pack
+from model import Transformer
+from packing import pack
 from rollout import Sampler
 
 
@@ -269,7 +270,7 @@ def long_tail_lengths(n: int, longest: int, spread: float = 10.0) -> list[int]:
 
 def bench_packing(args) -> list[tuple[str, float, str]]:
     """Trainer fwd+bwd over one rollout batch, padded micro-batches (slices of one (B, T_max) tensor, as
-    train.make_batch) vs packed ones (model.pack by token budget); tokens/s counts real tokens only."""
+    train.make_batch) vs packed ones (packing.pack by token budget); tokens/s counts real tokens only."""
     model = build_model(args)
     model.train()
     g = torch.Generator().manual_seed(args.seed)

@@ -292,7 +292,7 @@ class TrainConfig:
     group_size: int = 8               # G responses per prompt
     epochs: int = 1                   # passes over each rollout batch
     minibatch_size: int = 128         # sequences per optimizer step
-    micro_batch_tokens: int = 4096    # tokens per forward/backward: sequences packed into one row (model.pack);
+    micro_batch_tokens: int = 4096    # tokens per forward/backward: sequences packed into one row (packing.pack);
                                       # 0: padded micro-batches of micro_batch_size sequences
     micro_batch_size: int = 0         # at most this many sequences per forward/backward (0: no cap; padded,
                                       # the whole minibatch)

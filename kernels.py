@@ -263,7 +263,7 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
 
 
 def packed_block(t: torch.Tensor) -> int:
-    """Positions per query block and page of a packed forward's attention (model.PackedPages): the
+    """Positions per query block and page of a packed forward's attention (packing.PackedPages): the
     torch kernel's key tile; on Triton the forward's query rows per program, so a query sits at the
     place of its program's tile it has in the padded forward."""
     if (kt := _triton_for(t)) is not None:

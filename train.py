@@ -67,7 +67,8 @@ from distributed import (Dist, MixedPrecision, all_cat, all_sum, check_in_sync, 
                          init_distributed, lower_precision_copy, place_weights, quantized_copy, reduce_metrics,
                          store_routers)
 from hf import CheckpointError, eos_token_ids
-from model import CapacityLimit, MoE, Packing, RouteDetail, Transformer, capacity_limit, pack
+from model import CapacityLimit, MoE, RouteDetail, Transformer, capacity_limit
+from packing import Packing, pack
 from rollout import Sampler
 from runlog import (Interrupted, Outputs, StopRequest, append_jsonl, banner, is_log_step, log_row, log_samples, open_logger,
                     open_outputs, stop_requested, summary, tell_launcher)
@@ -517,10 +518,10 @@ def trainer_capacity(run: Run):
     return capacity_limit(run.capacity)
 
 
-# ---- micro-batches: whole sequences packed by a token budget (model.pack), or padded slices ----------
+# ---- micro-batches: whole sequences packed by a token budget (packing.pack), or padded slices ----------
 # A packed micro-batch puts its sequences back to back in one row, each with its own positions and
 # attending only to itself, so no position is padding and every token gets the padded forward's bits
-# (model.Packing). Its results are laid back per sequence, right-padded to the batch's width, so the
+# (packing.Packing). Its results are laid back per sequence, right-padded to the batch's width, so the
 # loss math (losses.py, the global normalisers of minibatch_step) is the padded path's, unchanged.
 @dataclasses.dataclass
 class Micro:
@@ -532,7 +533,7 @@ class Micro:
 def micro_batches(run: Run, rows: torch.Tensor, lengths: torch.Tensor) -> list[Micro]:
     """rows (of the rollout batch, whose lengths (B,) are given) as micro-batches.
 
-    Packed (--micro_batch_tokens=N): model.pack's first fit decreasing, each micro-batch at most N
+    Packed (--micro_batch_tokens=N): packing.pack's first fit decreasing, each micro-batch at most N
     tokens (a longer sequence alone) and, with --micro_batch_size=S, at most S sequences. A function of
     the rows' lengths and the config alone: the same micro-batches on every run, rank and rank count
     (under torchrun, even_out then cuts a rank's to the count of the rank with the most).

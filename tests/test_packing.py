@@ -1,4 +1,4 @@
-"""Packed micro-batches (model.Packing, model.pack): a packed forward gives every sequence token the
+"""Packed micro-batches (packing.Packing, packing.pack): a packed forward gives every sequence token the
 padded forward's bits, and the sampler's; the packing rule is deterministic and keeps the budget.
 
     python -m pytest -q tests/test_packing.py
@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from conftest import ROOT, make_model, rel_err, tiny_config
-from model import Packing, pack
+from packing import Packing, pack
 from rollout import Sampler
 
 LENGTHS = [5, 17, 33, 1, 20, 16]       # across tiles, a one-token sequence, one exactly a tile
@@ -169,7 +169,7 @@ import sys, torch
 sys.path[:0] = [{root!r}, {tests!r}]
 import kernels
 from conftest import make_model, rel_err, tiny_config
-from model import Packing
+from packing import Packing
 from test_packing import padded_batch
 lengths = [5, 40, 1, 23]                        # 40: across the interpreter's 32-query tile (2 heads a KV head)
 model = make_model(tiny_config(num_hidden_layers=2, mlp_only_layers=[])).eval()

@@ -91,7 +91,7 @@ def test_trainers_forward_under_r3_reads_nothing_back():
     assert ours == {}, ours
     # packed, as the trainer runs by default: the Packing's index tensors are built from its lengths on the
     # host (no read), the forward and backward read nothing either
-    from model import Packing
+    from packing import Packing
     pk = Packing.concat([len(o.prompt) + len(o.tokens) for o in outs])
     packed_tokens, packed_routes = pk.from_padded(batch.tokens), pk.from_padded(batch.routes, fill=-1)
     with HostReads() as packed:
