@@ -219,12 +219,24 @@ def test_bad_precision_options_are_one_line(argv, key, tmp_path):
 # the router against transformers in bf16
 # ---------------------------------------------------------------------------------------------------
 # In bf16 our kernels and transformers' round at different places, so the logits agree to bf16
-# precision, not bit for bit: their distance must stay within 3x transformers' own bf16-vs-fp32 distance
-# (measured: glm4_moe 5.7e-2 vs 2.6e-2, qwen3_moe 1.9e-2 vs 1.6e-2). The router's logits, given the
-# same bf16 hidden states, agree to fp32 rounding (1e-5 relative) when both upcast. Routes are compared
-# where the k-th and (k+1)-th scores are apart by more than 1e-2 plus twice the row's largest score
-# difference between the two implementations (the rounding upstream): nothing can swap them there.
+# precision, not bit for bit. Over all tokens their distance stays within 3x transformers' own
+# bf16-vs-fp32 distance (measured: glm4_moe 5.7e-2 vs 2.6e-2, qwen3_moe 1.9e-2 vs 1.6e-2). GLM's
+# larger ratio is one route flip, not a different formula: at the first MoE layer one token's 3rd and
+# 4th biased scores are 5e-3 apart in fp32; bf16 hidden states move the scores by up to 8e-3 (ours
+# 7.6e-3, transformers' 8.5e-3), and our rounding swapped the two where transformers' did not. That
+# token's layer output is 47% off fp32, and it and the 7 positions after it carry 1.6e-1 into the
+# logits (ours vs fp32 6.2e-2 over all tokens). Without it both layer outputs are 1e-2 from fp32.
+# So the tight bound is on flip-free tokens (no MoE layer routed the token, or an earlier position of
+# its sequence, differently in ours, transformers' bf16 and transformers' fp32): there ours is within
+# 1.5x of transformers' bf16-vs-fp32 distance, from transformers' bf16 and from fp32 alike (measured
+# glm4_moe 8.9e-3 and 1.0e-2 vs 9.3e-3; over 3 checkpoint seeds x 4 token seeds of both families the
+# ratios stayed below 1.13 and 1.19).
+# The router's logits, given the same bf16 hidden states, agree to fp32 rounding (1e-5 relative) when
+# both upcast. Routes are compared where the k-th and (k+1)-th scores are apart by more than 1e-2 plus
+# twice the row's largest score difference between the two implementations (the rounding upstream):
+# nothing can swap them there.
 BF16_VS_HF = 3.0
+CLEAN_VS_HF = 1.5
 ROUTER_TOL = 1e-5
 MARGIN = 1e-2
 
@@ -260,13 +272,31 @@ def test_router_in_bf16_matches_transformers(mt, tmp_path):
         _, routes = ours.score(toks)
     for h in handles:
         h.remove()
+    hf32_scores = []
+    handles = [layer.mlp.gate.register_forward_hook(lambda m, i, out: hf32_scores.append(out))
+               for layer in hf32.model.layers if hasattr(layer.mlp, "experts")]
     with torch.no_grad():
         exact = hf32(toks).logits.float()
+    for h in handles:
+        h.remove()
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()               # noqa: E731
     err, hf_err = rel(got, want), rel(want, exact)
     print(f"\n[bf16 rel-err vs transformers bf16] {mt}: {err:.2e} (transformers bf16 vs fp32: {hf_err:.2e})")
     assert err < BF16_VS_HF * hf_err, (err, hf_err)
     k = ours.config.num_experts_per_tok
+    # flip-free tokens: no MoE layer routed the token or an earlier one of its sequence differently
+    def expert_sets(gate_outs):                                         # (B, T, n_moe, k), ids ascending
+        return torch.stack([out[-1].reshape(*toks.shape, k) for out in gate_outs], 2).sort(-1).values
+    ours_sets, hf_sets, hf32_sets = routes.sort(-1).values, expert_sets(hf_scores), expert_sets(hf32_scores)
+    flip = ((ours_sets != hf_sets) | (ours_sets != hf32_sets)).any(-1).any(-1)   # (B, T)
+    clean = flip.int().cumsum(1) == 0                                   # causal: a flip reaches later positions
+    assert clean.float().mean() > 0.25, (clean.float().mean(), "mostly flipped: pick another seed")
+    err_c, exact_err_c = rel(got[clean], want[clean]), rel(got[clean], exact[clean])
+    hf_err_c = rel(want[clean], exact[clean])
+    print(f"[flip-free {int(clean.sum())}/{clean.numel()} tokens] ours vs transformers bf16 {err_c:.2e}, "
+          f"ours vs fp32 {exact_err_c:.2e} (transformers bf16 vs fp32: {hf_err_c:.2e})")
+    assert err_c < CLEAN_VS_HF * hf_err_c, (err_c, hf_err_c)
+    assert exact_err_c < CLEAN_VS_HF * hf_err_c, (exact_err_c, hf_err_c)
     x = hf_inputs[0].reshape(-1, ours.config.hidden_size)               # bf16 hidden states at the first router
     assert x.dtype == torch.bfloat16
     gate = ours.layers[1].mlp.gate
