@@ -1,5 +1,6 @@
 """Expert parallelism: placement, the degree checks, the slot-order combine (with its control), and
-tests/ep_check.py under torchrun with 2 and 4 gloo processes (score and gradients against EP=1)."""
+tests/ep_check.py under torchrun with 2 and 4 gloo processes (score and gradients against EP=1, the
+memory plan against the bytes allocated)."""
 import os
 import subprocess
 import sys
@@ -111,10 +112,11 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     degrees = [n for n in (1, 2, 4) if nproc % n == 0]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == 2 * 2 * 2 * len(degrees) + 4, r.stdout        # score + grads, 2 dtypes, 2 placements; sampler
+    assert len(ok) == 2 * 2 * 2 * len(degrees) + 6, r.stdout        # score + grads, 2 dtypes, 2 placements; sampler, plan
     assert any(line.startswith("ok decode exchange: no host read") for line in ok)
     assert any(line.startswith("ok expert_map fault: EP=2 equals EP=1") for line in ok)
     assert sum(line.startswith("ok sampler EP=2") for line in ok) == 2
+    assert sum(line.startswith(("ok plan ddp EP=2", "ok plan fsdp EP=2")) for line in ok) == 2
     for n in degrees:
         assert sum(f"EP={n} " in line for line in ok if line.startswith(("ok score", "ok grads"))) == 8
 
