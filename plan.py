@@ -14,7 +14,8 @@ copy of its own in --dtype; the mismatch lab's rollout copy (--rollout_dtype oth
 fp8_e4m3 stored dequantized in --dtype; --rollout_router_fault) comes on top of either. The KV pool:
 --kv_tokens positions, or RolloutConfig's num_blocks pages, or (neither given) kv_memory_fraction of what
 is left, as the sampler sizes it on a GPU.
-Activations and temporaries are not counted: the headroom is theirs.
+Activations and temporaries are not counted: the headroom is theirs. The start-up is flagged apart:
+train.setup builds (or loads) the whole model on every rank in --master_dtype, then shards it.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class MemoryPlan:
     sampler_copy: int
     kv_pool: int
     kv_tokens: int
+    load_peak: int = 0             # train.setup builds the whole model on every rank, then keeps its shard
 
     @property
     def total(self) -> int:
@@ -80,7 +82,8 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     lab = sampler_apart or sampler_bytes != dtype_bytes
     sampler = (whole * dtype_bytes if fsdp else 0) + (whole * sampler_bytes if lab else 0)
     mb = master_bytes                                                    # AdamW's moments: the masters' dtype
-    plan = MemoryPlan(dense, expert, mine, mb * mine, mb * mine, 2 * mb * mine, compute, sampler, 0, kv_tokens)
+    plan = MemoryPlan(dense, expert, mine, mb * mine, mb * mine, 2 * mb * mine, compute, sampler, 0, kv_tokens,
+                      (dense + expert) * mb)
     if not kv_tokens and gpu_bytes and kv_bytes_per_token:
         room = max(0, gpu_bytes - plan.total) * kv_fraction
         plan.kv_tokens = min(int(room // kv_bytes_per_token), kv_cap_tokens or math.inf)
@@ -159,4 +162,7 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     lines += [f"  {name:<44} {b / GB:9.2f} GB" for name, b in rows]
     lines.append(f"{'fits' if fits else 'does not fit'} in {gpu_gb:g} GB per GPU "
                  f"({(gpu_gb * GB - plan.total) / GB:+.2f} GB left for activations and temporaries)")
+    if plan.load_peak > gpu_gb * GB:
+        lines.append(f"start-up: every rank first builds the whole model, {plan.load_peak / GB:.2f} GB in "
+                     f"--master_dtype (more than {gpu_gb:g} GB), then keeps its shard")
     return "\n".join(lines)

@@ -97,8 +97,11 @@ def test_qwen3_30b_a3b_on_eight_80gb_gpus_fits_only_with_expert_parallelism():
     common = ["--init_from=qwen3-30b-a3b", "--world_size=8", "--dtype=bfloat16", "--gpu_memory_gb=80",
               "--parallel=fsdp"]                # the KV pool: half of what the state leaves
     without, with_ep = plan.main(common), plan.main(common + ["--expert_parallel=8"])
-    assert without.splitlines()[-1].startswith("does not fit") and with_ep.splitlines()[-1].startswith("fits")
+    assert without.splitlines()[-2].startswith("does not fit") and with_ep.splitlines()[-2].startswith("fits")
     assert "KV pool (0 tokens)" in without and "KV pool (0 tokens)" not in with_ep
+    # train.setup builds the whole fp32 model on every rank before sharding it: 30.5B x 4 bytes > 80 GB
+    assert with_ep.splitlines()[-1].startswith("start-up: every rank first builds the whole model, 122.13 GB")
+    assert "start-up" not in plan.main(["--init_from=tiny", "--world_size=2", "--expert_parallel=2"])
 
 
 def test_train_plan_entry_prints_the_table():
