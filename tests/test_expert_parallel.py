@@ -58,12 +58,14 @@ def test_expert_placement_option_errors(table, n, says):
     assert placement_of([3, 2, 1, 0], 2, 4).owner(torch.tensor([0, 3])).tolist() == [1, 0]
 
 
-def test_expert_parallel_flag_is_one_line_in_train(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "--expert_parallel=3", "--steps=1", "--device=cpu",
-                        f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
-    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        "error: --expert_parallel=3: must divide the number of experts (8)"], r.stderr
+@pytest.mark.parametrize("flags, says", [(["--expert_parallel=3"], "--expert_parallel=3: must divide the number of experts (8)"),
+                                         (["--expert_parallel=2"], "--expert_parallel=2: must divide the number of ranks (1)"),
+                                         (["--expert_placement=1,0,2,3,4,5,6,7"],
+                                          "--expert_placement: needs --expert_parallel > 1 (one rank holds every expert)")])
+def test_expert_parallel_flags_are_one_line_in_train(tmp_path, flags, says):
+    r = subprocess.run([sys.executable, "train.py", *flags, "--steps=1", "--device=cpu", f"--out_dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [f"error: {says}"], r.stderr
 
 
 def test_shard_keeps_only_local_experts_in_placement_order():
