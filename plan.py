@@ -5,13 +5,17 @@
 
 The layout assumed (fp32-master mixed precision): fp32 masters (4 bytes a parameter), fp32 gradients (4),
 AdamW's two fp32 moments (8); with --dtype=bfloat16 a bf16 compute copy (2) cast from the masters (with
-float32 the masters are the compute weights). Dense parameters (attention, router, norms, embeddings,
+float32 the masters are the compute weights). --master_dtype=bfloat16 stores all four in bf16 (2 + 2 + 4,
+no compute copy: the masters compute). Dense parameters (attention, router, norms, embeddings,
 shared experts) are whole on every rank under DDP and sharded over the world under FSDP2; expert
 parameters are divided by --expert_parallel=N, and under FSDP2 also by world / N. The sampler reads whole
-dense weights and this rank's E/N experts in the rollout dtype: under DDP that is the compute copy (no
-more bytes), under FSDP2 a copy of its own. The KV pool: --kv_tokens positions, or RolloutConfig's
-num_blocks pages, or (neither given) kv_memory_fraction of what is left, as the sampler sizes it on a GPU.
-Activations and temporaries are not counted: the headroom is theirs.
+dense weights and this rank's E/N experts: under DDP the compute copy (no more bytes), under FSDP2 a
+copy of its own in --dtype; the mismatch lab's rollout copy (--rollout_dtype other than --dtype, int8 and
+fp8_e4m3 stored dequantized in --dtype; --rollout_router_fault) comes on top of either. The KV pool:
+--kv_tokens positions, or RolloutConfig's num_blocks pages, or (neither given) kv_memory_fraction of what
+is left, as the sampler sizes it on a GPU.
+Activations and temporaries are not counted: the headroom is theirs. The start-up is flagged apart:
+train.setup builds (or loads) the whole model on every rank in --master_dtype, then shards it.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import math
 import os
 
 import hf
-from config import MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
+from config import MODEL_PRESETS, QUANT_FORMATS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
 
 GB = 1e9
 PLAN_KEYS = {"world_size": int, "gpu_memory_gb": float, "kv_tokens": int}   # --plan's own keys
@@ -39,6 +43,7 @@ class MemoryPlan:
     sampler_copy: int
     kv_pool: int
     kv_tokens: int
+    load_peak: int = 0             # train.setup builds the whole model on every rank, then keeps its shard
 
     @property
     def total(self) -> int:
@@ -52,9 +57,11 @@ def shard_rows(rows: int, ways: int) -> int:
 
 def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel: str, expert_parallel: int,
                 dtype_bytes: int, sampler_bytes: int, kv_bytes_per_token: int, kv_tokens: int = 0,
-                gpu_bytes: int = 0, kv_fraction: float = 0.5, kv_cap_tokens: int = 0) -> MemoryPlan:
+                gpu_bytes: int = 0, kv_fraction: float = 0.5, kv_cap_tokens: int = 0, master_bytes: int = 4,
+                sampler_apart: bool = False) -> MemoryPlan:
     """The arithmetic. shapes: (shape, is_expert) of every parameter, experts stacked (E, ...).
-    dtype_bytes: the compute dtype's size (4: the masters compute); sampler_bytes: the rollout's.
+    dtype_bytes: the compute dtype's size (== master_bytes: the masters compute); sampler_bytes: the
+    rollout's; sampler_apart: the rollout has a copy of its own even in sampler_bytes == dtype_bytes.
     kv_tokens 0: kv_fraction of what gpu_bytes leaves, at most kv_cap_tokens."""
     N, fsdp = expert_parallel, parallel == "fsdp" and world > 1
     dense = sum(math.prod(s) for s, e in shapes if not e)
@@ -69,9 +76,14 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
             whole_dense += rows * rest
         ways = (world // N if is_expert else world) if fsdp else 1
         mine += shard_rows(rows, ways) * rest
-    compute = mine * dtype_bytes if dtype_bytes != 4 else 0
-    sampler = (whole_dense + local_experts) * sampler_bytes if fsdp or sampler_bytes != dtype_bytes else 0
-    plan = MemoryPlan(dense, expert, mine, 4 * mine, 4 * mine, 8 * mine, compute, sampler, 0, kv_tokens)
+    compute = mine * dtype_bytes if dtype_bytes != master_bytes else 0
+    # FSDP2's whole-weights copy in --dtype; the lab's rollout copy (another dtype, quantized) on top of it
+    whole = whole_dense + local_experts
+    lab = sampler_apart or sampler_bytes != dtype_bytes
+    sampler = (whole * dtype_bytes if fsdp else 0) + (whole * sampler_bytes if lab else 0)
+    mb = master_bytes                                                    # AdamW's moments: the masters' dtype
+    plan = MemoryPlan(dense, expert, mine, mb * mine, mb * mine, 2 * mb * mine, compute, sampler, 0, kv_tokens,
+                      (dense + expert) * mb)
     if not kv_tokens and gpu_bytes and kv_bytes_per_token:
         room = max(0, gpu_bytes - plan.total) * kv_fraction
         plan.kv_tokens = min(int(room // kv_bytes_per_token), kv_cap_tokens or math.inf)
@@ -102,7 +114,7 @@ def model_config(init_from: str) -> ModelConfig:
 def main(argv: list[str]) -> str:
     """`python train.py --plan ...`: the table for the command line's configs (plus --world_size,
     --gpu_memory_gb, --kv_tokens)."""
-    from expert_parallel import check_degree
+    from expert_parallel import check_degree, placement_of
     overrides = parse_args(argv)
     mine = {k: overrides.pop(k) for k in list(overrides) if k in PLAN_KEYS}
     try:
@@ -118,27 +130,39 @@ def main(argv: list[str]) -> str:
     apply_overrides(overrides, tcfg, rcfg)
     cfg = model_config(tcfg.init_from)
     check_degree(tcfg.expert_parallel, cfg.num_experts, world)
+    placement_of(tcfg.expert_placement, tcfg.expert_parallel, cfg.num_experts)   # the run's one-line errors
     nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
     dtype_bytes = nbytes[tcfg.dtype]
-    sampler_bytes = nbytes[rcfg.rollout_dtype or tcfg.dtype]
+    quantized = rcfg.rollout_dtype in QUANT_FORMATS                     # stored in --dtype, dequantized
+    sampler_dtype = tcfg.dtype if quantized else rcfg.rollout_dtype or tcfg.dtype
+    sampler_bytes = nbytes[sampler_dtype]
+    lab_copy = quantized or sampler_dtype != tcfg.dtype or rcfg.rollout_router_fault != "none"   # train.build_weights
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * sampler_bytes
     plan = memory_plan(parameter_shapes(cfg), world, tcfg.parallel, tcfg.expert_parallel, dtype_bytes,
                        sampler_bytes, kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size,
                        int(gpu_gb * GB), rcfg.kv_memory_fraction,
-                       rcfg.max_batch_size * cfg.max_position_embeddings)
-    return format_plan(plan, tcfg, world, gpu_gb, rcfg.rollout_dtype or tcfg.dtype)
+                       rcfg.max_batch_size * cfg.max_position_embeddings, nbytes[tcfg.master_dtype], lab_copy)
+    parts = [tcfg.dtype] if tcfg.parallel == "fsdp" and world > 1 else []        # FSDP2's whole copy
+    if lab_copy:
+        parts.append(f"{rcfg.rollout_dtype} as {tcfg.dtype}" if quantized else
+                     sampler_dtype if sampler_dtype != tcfg.dtype else f"{tcfg.dtype}, its router faulted")
+    return format_plan(plan, tcfg, world, gpu_gb, " + ".join(parts) or tcfg.dtype)
 
 
 def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, sampler_dtype: str) -> str:
     layout = "FSDP2" if tcfg.parallel == "fsdp" and world > 1 else "DDP" if world > 1 else "one process"
-    rows = [("masters (fp32)", plan.masters), ("gradients (fp32)", plan.grads), ("AdamW state (fp32 x 2)", plan.adamw),
+    m = {"float32": "fp32", "bfloat16": "bf16"}[tcfg.master_dtype]
+    rows = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads), (f"AdamW state ({m} x 2)", plan.adamw),
             (f"compute copy ({tcfg.dtype})", plan.compute_copy), (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
             (f"KV pool ({plan.kv_tokens:,} tokens)", plan.kv_pool), ("total", plan.total)]
     fits = plan.total <= gpu_gb * GB
     lines = [f"plan: {tcfg.init_from}, {plan.dense_params / 1e9:.2f}B dense + {plan.expert_params / 1e9:.2f}B expert "
              f"parameters; {world} rank(s), {layout}, --expert_parallel={tcfg.expert_parallel}, --dtype={tcfg.dtype}",
              f"per rank: {plan.params_per_rank / 1e9:.2f}B parameters"]
-    lines += [f"  {name:<34} {b / GB:9.2f} GB" for name, b in rows]
+    lines += [f"  {name:<44} {b / GB:9.2f} GB" for name, b in rows]
     lines.append(f"{'fits' if fits else 'does not fit'} in {gpu_gb:g} GB per GPU "
                  f"({(gpu_gb * GB - plan.total) / GB:+.2f} GB left for activations and temporaries)")
+    if plan.load_peak > gpu_gb * GB:
+        lines.append(f"start-up: every rank first builds the whole model, {plan.load_peak / GB:.2f} GB in "
+                     f"--master_dtype (more than {gpu_gb:g} GB), then keeps its shard")
     return "\n".join(lines)

@@ -4,7 +4,8 @@
 
 Every rank builds the same tiny model and the same tokens, computes the EP=1 reference itself, then runs
 each EP degree that divides the world (with the contiguous and a permuted placement) on its own slice of
-the tokens and compares. Prints one `ok ...` line per check on rank 0; any mismatch raises.
+the tokens and compares; and holds plan.memory_plan against the bytes an EP=2 run allocates. Prints one
+`ok ...` line per check on rank 0; any mismatch raises.
 tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
 import copy
@@ -182,12 +183,44 @@ def check_sampler(cfg, dtype):
     say(f"sampler EP=2 {dtype}: logp and routes equal score at EP=1 and EP={world}")
 
 
+def check_plan_bytes(cfg, parallel):
+    """plan.memory_plan against the bytes this run allocates at EP=2 (DDP or FSDP2 over every rank): the
+    parameters, their gradients after a backward, AdamW's two moments after a step. The plan counts the
+    most loaded rank (FSDP2's first shards): rank 0's bytes equal it, no rank's exceed it."""
+    import plan
+    from config import TrainConfig
+    from distributed import Dist, parallelize
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = shard_experts(Transformer(cfg), init_expert_parallel(2, n_experts=cfg.num_experts))
+    scorer, _, _ = parallelize(model, TrainConfig(parallel=parallel), Dist(rank, world, torch.device("cpu")))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
+    scorer(tokens, temperature=1.0)[0].sum().backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+
+    def local(t):
+        return getattr(t, "to_local", lambda: t)().nbytes
+    moments = sum(local(v) for st in opt.state.values() for v in st.values() if v.dim() > 0)   # not the step counts
+    got = torch.tensor([sum(local(p) for p in model.parameters()), sum(local(p.grad) for p in model.parameters()),
+                        moments])
+    want = plan.memory_plan(plan.parameter_shapes(cfg), world, parallel, 2, 4, 4, 0)
+    most = got.clone()
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    assert got.tolist() == [want.masters, want.grads, want.adamw] or rank != 0, (parallel, got.tolist(), want)
+    assert most.tolist() == [want.masters, want.grads, want.adamw], (parallel, most.tolist(), want)
+    say(f"plan {parallel} EP=2 on {world} ranks: masters, gradients, AdamW moments = the bytes allocated "
+        f"({want.masters} / {want.grads} / {want.adamw})")
+
+
 def main():
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     tiny = ModelConfig.preset("tiny")
     top4 = ModelConfig(**{**tiny.__dict__, "num_experts_per_tok": 4})   # k > 2: the slot order matters
     check_decode_reads_nothing_back(tiny)
+    for parallel in ("ddp", "fsdp"):
+        check_plan_bytes(tiny, parallel)
     check_expert_map_fault(tiny)
     for dtype in DTYPES.values():
         check_sampler(tiny, dtype)

@@ -1,5 +1,6 @@
 """Expert parallelism: placement, the degree checks, the slot-order combine (with its control), and
-tests/ep_check.py under torchrun with 2 and 4 gloo processes (score and gradients against EP=1)."""
+tests/ep_check.py under torchrun with 2 and 4 gloo processes (score and gradients against EP=1, the
+memory plan against the bytes allocated)."""
 import os
 import subprocess
 import sys
@@ -57,12 +58,14 @@ def test_expert_placement_option_errors(table, n, says):
     assert placement_of([3, 2, 1, 0], 2, 4).owner(torch.tensor([0, 3])).tolist() == [1, 0]
 
 
-def test_expert_parallel_flag_is_one_line_in_train(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "--expert_parallel=3", "--steps=1", "--device=cpu",
-                        f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
-    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        "error: --expert_parallel=3: must divide the number of experts (8)"], r.stderr
+@pytest.mark.parametrize("flags, says", [(["--expert_parallel=3"], "--expert_parallel=3: must divide the number of experts (8)"),
+                                         (["--expert_parallel=2"], "--expert_parallel=2: must divide the number of ranks (1)"),
+                                         (["--expert_placement=1,0,2,3,4,5,6,7"],
+                                          "--expert_placement: needs --expert_parallel > 1 (one rank holds every expert)")])
+def test_expert_parallel_flags_are_one_line_in_train(tmp_path, flags, says):
+    r = subprocess.run([sys.executable, "train.py", *flags, "--steps=1", "--device=cpu", f"--out_dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [f"error: {says}"], r.stderr
 
 
 def test_shard_keeps_only_local_experts_in_placement_order():
@@ -111,10 +114,11 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     degrees = [n for n in (1, 2, 4) if nproc % n == 0]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == 2 * 2 * 2 * len(degrees) + 4, r.stdout        # score + grads, 2 dtypes, 2 placements; sampler
+    assert len(ok) == 2 * 2 * 2 * len(degrees) + 6, r.stdout        # score + grads, 2 dtypes, 2 placements; sampler, plan
     assert any(line.startswith("ok decode exchange: no host read") for line in ok)
     assert any(line.startswith("ok expert_map fault: EP=2 equals EP=1") for line in ok)
     assert sum(line.startswith("ok sampler EP=2") for line in ok) == 2
+    assert sum(line.startswith(("ok plan ddp EP=2", "ok plan fsdp EP=2")) for line in ok) == 2
     for n in degrees:
         assert sum(f"EP={n} " in line for line in ok if line.startswith(("ok score", "ok grads"))) == 8
 

@@ -46,6 +46,46 @@ def test_plan_matches_the_bytes_of_sharded_parameters(world, n):
         assert fsdp.compute_copy == first_shards // 2
 
 
+def allocated(model):
+    """(parameters, gradients, AdamW moments) bytes after a real backward and AdamW step."""
+    tokens = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    model.score(tokens)[0].float().sum().backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    moments = sum(v.nbytes for s in opt.state.values() for v in s.values() if v.dim() > 0)   # not the step counts
+    return (sum(p.nbytes for p in model.parameters()), sum(p.grad.nbytes for p in model.parameters()), moments)
+
+
+@pytest.mark.parametrize("master", [torch.float32, torch.bfloat16])
+def test_plan_matches_a_real_optimizer_step(master):
+    """Masters, gradients and AdamW's moments in the --master_dtype (bf16: 2 + 2 + 4 bytes, no compute
+    copy), as one process allocates them."""
+    shapes = plan.parameter_shapes(ModelConfig.preset("tiny"))
+    masters, grads, moments = allocated(sharded_tiny(1, 0, master))
+    b = 4 if master == torch.float32 else 2
+    p = plan.memory_plan(shapes, 1, "ddp", 1, b, b, 0, master_bytes=b)
+    assert (p.masters, p.grads, p.adamw) == (masters, grads, moments) and p.compute_copy == 0
+
+
+def gb(table, row):
+    """The GB of a row of plan.main's table."""
+    return float(next(line for line in table.splitlines() if line.strip().startswith(row)).split()[-2])
+
+
+def test_plan_lab_copies_and_master_dtype_from_the_command_line():
+    common = ["--init_from=qwen3-30b-a3b", "--world_size=8", "--dtype=bfloat16", "--expert_parallel=8"]
+    ddp = plan.main(common)
+    assert gb(ddp, "sampler's copy") == 0                              # DDP: the sampler reads the compute copy
+    for lab in ("--rollout_dtype=int8", "--rollout_dtype=fp8_e4m3", "--rollout_router_fault=expert_map"):
+        assert gb(plan.main(common + [lab]), "sampler's copy") == gb(ddp, "compute copy"), lab   # a copy in bf16
+    fsdp = plan.main(common + ["--parallel=fsdp"])
+    assert gb(plan.main(common + ["--parallel=fsdp", "--rollout_dtype=float32"]), "sampler's copy") == \
+        pytest.approx(3 * gb(fsdp, "sampler's copy"), abs=0.02)       # FSDP2's bf16 copy + the lab's fp32 one
+    half = plan.main(common + ["--master_dtype=bfloat16"])
+    assert gb(half, "masters (bf16)") == gb(ddp, "masters (fp32)") / 2 == gb(ddp, "compute copy")
+    assert gb(half, "compute copy") == 0
+
+
 def test_kv_pool_from_tokens_or_the_room_left():
     shapes = [((10, 10), False), ((4, 5, 5), True)]
     assert plan.memory_plan(shapes, 1, "ddp", 1, 4, 4, 64, kv_tokens=100).kv_pool == 6400
@@ -57,8 +97,11 @@ def test_qwen3_30b_a3b_on_eight_80gb_gpus_fits_only_with_expert_parallelism():
     common = ["--init_from=qwen3-30b-a3b", "--world_size=8", "--dtype=bfloat16", "--gpu_memory_gb=80",
               "--parallel=fsdp"]                # the KV pool: half of what the state leaves
     without, with_ep = plan.main(common), plan.main(common + ["--expert_parallel=8"])
-    assert without.splitlines()[-1].startswith("does not fit") and with_ep.splitlines()[-1].startswith("fits")
+    assert without.splitlines()[-2].startswith("does not fit") and with_ep.splitlines()[-2].startswith("fits")
     assert "KV pool (0 tokens)" in without and "KV pool (0 tokens)" not in with_ep
+    # train.setup builds the whole fp32 model on every rank before sharding it: 30.5B x 4 bytes > 80 GB
+    assert with_ep.splitlines()[-1].startswith("start-up: every rank first builds the whole model, 122.13 GB")
+    assert "start-up" not in plan.main(["--init_from=tiny", "--world_size=2", "--expert_parallel=2"])
 
 
 def test_train_plan_entry_prints_the_table():
@@ -71,7 +114,10 @@ def test_train_plan_entry_prints_the_table():
 
 @pytest.mark.parametrize("bad, says", [(["--expert_parallel=3"], "number of experts (128)"),
                                        (["--expert_parallel=16", "--world_size=8"], "number of ranks (8)"),
-                                       (["--world_size=x"], "integers")])
+                                       (["--world_size=x"], "integers"),
+                                       (["--expert_parallel=8", "--world_size=8", "--expert_placement=1,0"],
+                                        "2 slots for 128 experts"),
+                                       (["--expert_placement=1,0"], "needs --expert_parallel > 1")])
 def test_plan_bad_values_are_config_errors(bad, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         plan.main(["--init_from=qwen3-30b-a3b"] + bad)
