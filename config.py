@@ -341,12 +341,13 @@ class TrainConfig:
     rejected_tokens: str = "zero_weight"   # zero_weight (still counted in the token mean, still carry KL) | drop
     replay: str = "none"              # none | r3 (the rollout's routes) | old (the recomputed old policy's routes,
                                       # "vanilla routing replay"; needs --recompute_old_logp)
-    route_filter: str = "none"        # none | mask | downweight: tokens whose rollout/trainer top-k overlap
-    route_filter_threshold: float = 0.9    # (mean over MoE layers) is below the threshold
+    route_filter: str = "none"        # none | mask | downweight: the loss of tokens whose rollout/trainer top-k
+                                      # overlap is below --route_filter_threshold (masked, or times the overlap)
+    route_filter_threshold: float = 0.9    # --route_filter: the overlap (mean over MoE layers) a token needs
+    route_filter_level: str = "token"      # token | sequence: filter whole responses by their mean overlap
     train_capacity_factor: float = 0.0    # > 0: in the trainer's forwards each expert takes at most
                                           # ceil(C * tokens * k / E) (token, slot) rows (model.capacity_limit);
                                           # 0: dropless. The rollout is always dropless
-    route_filter_level: str = "token"      # token | sequence: filter whole responses by their mean overlap
     expert_bias_update_rate: float = 0.0  # > 0: after each optimizer step, router bias += rate * sign(mean load - load)
     # logging
     log_every: int = 1                # write a metrics.jsonl row every N steps

@@ -69,6 +69,23 @@ def format_result(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------------
 OPTIONS = {"data": "", "reward_fn": "", "tokenizer": "", "samples": 4, "max_new_tokens": 0, "temperature": 1.0,
            "device": "cpu"}
+OPTION_DOCS = {   # --help's line per option; the run's own value is the default where its checkpoint says
+    "data": "the held-out JSONL, one {\"prompt\": ..., \"answer\": ...} a line, as train.py's --data (required)",
+    "reward_fn": "module:function or file.py:function, reward(prompt, response, answer); default: the run's",
+    "tokenizer": "an HF tokenizer.json; default: the checkpoint's own, else the run's",
+    "samples": "k sampled responses per prompt (pass@k)",
+    "max_new_tokens": "response length limit; 0: the run's, else the JSONL task's",
+    "temperature": "the sampled responses' temperature (the greedy ones use 0); default: the run's",
+    "device": "cpu or cuda",
+}
+USAGE = ("usage: python eval.py CKPT --data=FILE [--reward_fn=mod:fn] [--tokenizer=FILE] [--samples=k] "
+         "[--max_new_tokens=N] [--temperature=T] [--device=cpu|cuda]")
+
+
+def help_text() -> str:
+    width = max(len(f"--{k}={v!r}") for k, v in OPTIONS.items())
+    return "\n".join([__doc__.strip(), "", USAGE] + [f"  {f'--{k}={v!r}':<{width}}  {OPTION_DOCS[k]}"
+                                                      for k, v in OPTIONS.items()])
 
 
 def checkpoint_defaults(ckpt: str) -> dict:
@@ -85,16 +102,18 @@ def checkpoint_defaults(ckpt: str) -> dict:
 
 
 def parse(argv: list[str]) -> tuple[str, dict]:
+    import difflib
     from config import ConfigError, parse_args
     if not argv or argv[0].startswith("--"):
-        raise ConfigError("usage: python eval.py CKPT --data=FILE [--reward_fn=mod:fn] [--tokenizer=FILE] "
-                          "[--samples=k] [--max_new_tokens=N] [--temperature=T] [--device=cpu|cuda]")
+        raise ConfigError(USAGE + " (--help describes each)")
     ckpt, given = argv[0], parse_args(argv[1:])
     if not os.path.isdir(ckpt):
         raise ConfigError(f"{ckpt!r}: no such checkpoint folder")
     unknown = sorted(set(given) - set(OPTIONS))
     if unknown:
-        raise ConfigError(f"unknown option --{unknown[0]}; eval.py takes {', '.join('--' + k for k in OPTIONS)}")
+        near = difflib.get_close_matches(unknown[0], list(OPTIONS), n=1, cutoff=0.6)
+        raise ConfigError(f"unknown option --{unknown[0]}" + (f"; did you mean --{near[0]}?" if near else "")
+                          + f" (eval.py takes {', '.join('--' + k for k in OPTIONS)})")
     opts = {**OPTIONS, **{k: v for k, v in checkpoint_defaults(ckpt).items() if v}}
     for k, raw in given.items():
         try:
@@ -104,8 +123,10 @@ def parse(argv: list[str]) -> tuple[str, dict]:
     for k in ("data", "reward_fn", "tokenizer"):
         if not opts[k]:
             raise ConfigError(f"--{k}=... is needed (the checkpoint's run does not say)")
-    if opts["samples"] < 1 or opts["temperature"] < 0:
-        raise ConfigError(f"need --samples >= 1 and --temperature >= 0 (got {opts['samples']}, {opts['temperature']})")
+    if opts["samples"] < 1:
+        raise ConfigError(f"--samples={opts['samples']}: must be >= 1")
+    if not opts["temperature"] >= 0:
+        raise ConfigError(f"--temperature={opts['temperature']}: must be >= 0 (0: greedy)")
     return ckpt, opts
 
 
@@ -132,6 +153,8 @@ def cli(argv: list[str]) -> None:
     from config import ConfigError
     from hf import CheckpointError
     from tasks import TaskError
+    if "--help" in argv or "-h" in argv:
+        return print(help_text())
     try:
         main(argv)
     except (ConfigError, CheckpointError, RunError, TaskError) as e:

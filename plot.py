@@ -141,11 +141,11 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> st
     for ax in list(axes.flat)[len(PANELS):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    if handles:
-        list(axes.flat)[-1].legend(handles, labels, loc="center", fontsize=9, frameon=False)
+    if handles:                                                        # the runs' key, below every panel
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=9, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03 * -(-len(labels) // 4) if handles else 0, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     fig.savefig(out_path, dpi=110)
     plt.close(fig)

@@ -362,6 +362,15 @@ def check_run_configs(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
         open_logger(tcfg.log_to, tcfg.out_dir, probe=True)               # a missing package: one line, before work
 
 
+def check_moe_options(tcfg: TrainConfig, config: ModelConfig) -> None:
+    """The options that act on routes refuse a model without a router (they would do nothing)."""
+    if config.moe_layers:
+        return
+    for name, off in (("train_capacity_factor", 0.0), ("replay", "none"), ("route_filter", "none")):
+        if getattr(tcfg, name) != off:
+            raise ConfigError(f"--{name}={getattr(tcfg, name)}: the model has no MoE layer (no routes); drop it")
+
+
 def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     """Check the configs against each other, build (or resume) the model, optimizer and sampler."""
     check_run_configs(tcfg, rcfg, d)
@@ -379,6 +388,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     model = build_model(tcfg, device, dtype, preset)
     expert_parallel.check_degree(tcfg.expert_parallel, model.config.num_experts, d.world)
     placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, model.config.num_experts)
+    check_moe_options(tcfg, model.config)
     if tcfg.expert_bias_update_rate > 0 and not model.config.score_correction_bias:
         raise ConfigError("--expert_bias_update_rate needs a model with a score-correction bias "
                           "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")

@@ -107,7 +107,9 @@ def test_keep_checkpoints_keeps_the_newest_k(jsonl):
 
 @pytest.mark.parametrize("argv, needle", [([], "usage: python eval.py CKPT --data=FILE"),
                                           (["/nonexistent"], "'/nonexistent': no such checkpoint folder"),
-                                          (["{ck}", "--dta=x"], "unknown option --dta"),
+                                          (["{ck}", "--dta=x"], "unknown option --dta; did you mean --data?"),
+                                          (["{ck}", "--data=x", "--reward_fn=r:f", "--tokenizer=t", "--samples=0"], "--samples=0: must be >= 1"),
+                                          (["{ck}", "--data=x", "--reward_fn=r:f", "--tokenizer=t", "--temperature=-1"], "--temperature=-1.0: must be >= 0"),
                                           (["{ck}", "--samples=x"], "--samples expects int, got 'x'"),
                                           (["{ck}"], "--data=... is needed")])
 def test_eval_cli_mistakes_get_one_line(tmp_path, argv, needle):
@@ -117,6 +119,14 @@ def test_eval_cli_mistakes_get_one_line(tmp_path, argv, needle):
         evaluation.cli([a.format(ck=tmp_path / "ck") for a in argv])
     msg = str(e.value.code)
     assert msg.startswith("error: ") and "\n" not in msg and needle in msg, msg
+
+
+def test_eval_help_describes_every_option(capsys):
+    evaluation.cli(["--help"])                                       # returns: exit status 0
+    out = capsys.readouterr().out
+    for k in evaluation.OPTIONS:
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(f"--{k}="))
+        assert line.split(None, 1)[1] == evaluation.OPTION_DOCS[k]
 
 
 def test_eval_data_needs_the_jsonl_task(tmp_path):

@@ -118,6 +118,22 @@ def test_lab_command_runs_end_to_end(tmp_path):
         assert (tmp_path / "lab.png").is_file() and "figure:" in r.stdout
 
 
+def test_lab_docs_name_bench_rows_and_count_them():
+    """README's and docs/results.md's lab tables and commands speak of bench.LAB's rows: the names as the
+    table prints them, the counts the commands run."""
+    import re
+    import bench
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    results = open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8").read()
+    lab = results.split("## The mismatch lab\n", 1)[1].split("\n## ", 1)[0]
+    names = {line.split("|")[1].strip() for line in lab.splitlines() if line.startswith("| ") and "---" not in line}
+    assert names - {"run"} <= set(bench.LAB), f"rows not in bench.LAB: {names - {'run'} - set(bench.LAB)}"
+    assert len(names - {"run"}) == len(bench.LAB)                    # and every row of LAB is shown
+    rows = re.search(r"--lab-seeds=0,1,2 +# (\d+) rows x 3 seeds", readme)
+    runs = re.search(r"--lab-steps=150 +# (\d+) runs", lab)
+    assert rows and runs and int(rows.group(1)) == int(runs.group(1)) == len(bench.LAB)
+
+
 def test_route_filter_and_rejection_act_only_under_mismatch(tmp_path):
     """The route-consistency filter and dropping rejected tokens: exact no-ops with zero mismatch; under a
     deviating rollout the filter removes tokens (counted in route_filtered_frac) and changes the loss."""

@@ -110,3 +110,19 @@ def test_constant_panel_is_said_in_words(tmp_path, monkeypatch):
                           "route flips (token, layer decisions)": "0.01 at every step in every run"}
     assert not {t for t, _ in said} & set(drawn) and "reward (mean)" in drawn and "IS ratio pi_old / mu (min..max)" in drawn
     assert {"reward_std", "response_len", "loss", "clip_frac"} <= set(titles.values())
+
+
+def test_the_runs_key_covers_no_panel(tmp_path, monkeypatch):
+    """The runs' legend belongs to the figure: the last panel (the margin bins) keeps its own key."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    runs = {"inv": plot.read_metrics(write_run(tmp_path / "a")), "fast": plot.read_metrics(write_run(tmp_path / "b"))}
+    plot.plot_runs(runs, str(tmp_path / "x.png"))
+    (fig,) = figs
+    assert [[t.get_text() for t in lg.get_texts()] for lg in fig.legends] == [["inv", "fast"]]
+    last = fig.axes[len(plot.PANELS) - 1]
+    assert last.get_title() == "route flips by trainer margin"
+    assert [t.get_text() for t in last.get_legend().get_texts()][0] == "margin < 1e-4"
+    plt.close(fig)

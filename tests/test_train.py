@@ -281,6 +281,14 @@ def test_router_lr_scale_errors():
     train.plan_resume(cfg(steps=4, resume=True), state, d)           # control: the same layout resumes
 
 
+@pytest.mark.parametrize("option", [dict(train_capacity_factor=1.25), dict(replay="r3"), dict(route_filter="mask")])
+def test_route_options_refuse_a_dense_model(option):
+    with pytest.raises(ConfigError, match=f"--{next(iter(option))}=.*no MoE layer"):
+        train.check_moe_options(cfg(**option), ModelConfig.preset("tiny-dense"))
+    train.check_moe_options(cfg(**option), ModelConfig.preset("tiny"))           # control: an MoE takes it
+    train.check_moe_options(cfg(), ModelConfig.preset("tiny-dense"))              # and the defaults pass
+
+
 def test_a_run_with_a_frozen_router_keeps_its_gates(tmp_path):
     _run(tmp_path, SMALL + ["--steps=2", "--save_every=2", "--router_lr_scale=0", "--weight_decay=0.1"])
     trained = Transformer.from_pretrained(str(tmp_path / "ckpt-000002"))
