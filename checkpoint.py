@@ -28,7 +28,8 @@ import torch
 
 import expert_parallel
 from config import ConfigError, RolloutConfig, TrainConfig
-from hf import CheckpointError, Identity, hf_to_state, read_safetensors_dir, write_identity
+from hf import (CheckpointError, Identity, expert_rows, hf_to_state, read_safetensors_dir, read_safetensors_file,
+                write_identity)
 from model import Transformer
 
 MASTERS = "masters.safetensors"                                       # the exact weights, when the export rounds
@@ -158,24 +159,17 @@ def latest_checkpoint(out_dir) -> str:
     return os.path.join(out_dir, name)
 
 
-def load_weights(ckpt: str, model: Transformer) -> dict[str, torch.Tensor]:
+def load_weights(ckpt: str, model: Transformer, experts: list[int] | None = None) -> dict[str, torch.Tensor]:
     """The weights to resume from (model.state_dict keys): the saved masters if the export rounded
-    them, else the HF export."""
+    them, else the HF export. experts: the model holds only these (an expert-parallel shard); the
+    checkpoint's other experts are never read."""
     path = os.path.join(ckpt, MASTERS)
     if not os.path.isfile(path):
-        return hf_to_state(read_safetensors_dir(ckpt), model)
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    try:
-        state = load_file(path)
-    except SafetensorError as e:
-        raise CheckpointError(f"{path}: unreadable safetensors file ({e}); was it truncated?") from None
+        return hf_to_state(read_safetensors_dir(ckpt, expert_rows(model.config, experts)), model, experts)
+    state = read_safetensors_file(path, expert_rows(model.config, experts, hf_keys=False))
     want = model.state_dict()
     if set(state) != set(want) or any(tuple(state[k].shape) != tuple(v.shape) for k, v in want.items()):
         raise CheckpointError(f"{path}: its tensors do not match the model config (keys or shapes differ)")
-    bad = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if bad:
-        raise CheckpointError(f"{path}: tensor {bad[0]!r} holds non-finite values; load an earlier checkpoint")
     return state
 
 
@@ -186,7 +180,8 @@ def load_trainer_state(ckpt: str) -> dict:
         raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
     try:
         # on the CPU: every rank would otherwise put rank 0's optimizer tensors on rank 0's GPU
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # memory-mapped: under EP a rank reads only its experts' optimizer state (shard_optimizer_state)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path} holds objects other than tensors and plain data; refusing to unpickle it "
                               f"(it could run code): {str(e).splitlines()[0]}") from None

@@ -444,7 +444,7 @@ def reduce_metrics(row: dict, d: Dist) -> dict:
         if k in SHARED:
             out[k] = v
         elif isinstance(v, list):
-            out[k] = [sum(x) / d.world for x in zip(*vals)]
+            out[k] = _mean_lists(vals)
         elif k in SUMMED:
             out[k] = sum(vals)
         elif "max" in k:
@@ -454,6 +454,13 @@ def reduce_metrics(row: dict, d: Dist) -> dict:
         else:
             out[k] = sum(vals) / d.world
     return out
+
+
+def _mean_lists(vals: list) -> list:
+    """The elementwise mean of equal-shaped (nested) lists of numbers."""
+    if isinstance(vals[0], list):
+        return [_mean_lists(list(x)) for x in zip(*vals)]
+    return sum(vals) / len(vals)
 
 
 def _digest(tensors) -> str:

@@ -221,13 +221,13 @@ def clip_grad_norm(dense: list[nn.Parameter], experts: list[nn.Parameter], max_n
 @torch.no_grad()
 def device_load(routes: torch.Tensor, ep: ExpertParallel) -> dict:
     """Rows per rank per MoE layer for the EP group's tokens: routes (N, n_moe, k) logical ids of this
-    rank's tokens -> {"ep_load_layer": per layer, the busiest rank's rows over the mean rank's (1.0 =
-    balanced), "ep_load_max": the worst layer's}. A collective over the EP group (every rank adds the
-    rows its tokens send to each owner)."""
+    rank's tokens -> {"ep_rows": per layer, the rows each rank of the group computes; "ep_load_layer":
+    per layer, the busiest rank's rows over the mean rank's (1.0 = balanced); "ep_load_max": the worst
+    layer's}. A collective over the EP group (every rank adds the rows its tokens send to each owner)."""
     load = torch.stack([ep.placement.rows_per_rank(routes[:, j]) for j in range(routes.shape[1])])   # (n_moe, N)
     dist.all_reduce(load, group=ep.group)
     ratio = load.max(-1).values.double() / load.double().mean(-1).clamp(min=1e-12)
-    return {"ep_load_layer": ratio.tolist(), "ep_load_max": ratio.max().item()}
+    return {"ep_rows": load.tolist(), "ep_load_layer": ratio.tolist(), "ep_load_max": ratio.max().item()}
 
 
 def idle_step(model: nn.Module) -> None:
@@ -353,17 +353,28 @@ def _moe_layers(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "w13", None), nn.Parameter)]
 
 
-def shard_experts(model: nn.Module, ep: ExpertParallel) -> nn.Module:
-    """Keep only this rank's experts in every MoE layer (rows in the placement's local order) and route
-    the layer through the exchange. In place; returns the model."""
-    mine = torch.tensor(ep.placement.experts_of(ep.rank))
+def keep_experts(model: nn.Module, experts: list[int]) -> None:
+    """Keep only these experts' rows, in this order, of every MoE layer's w13 and w2 (in place)."""
     for _, m in _moe_layers(model):
-        if m.w13.shape[0] != ep.placement.n_experts:
-            raise ValueError(f"shard_experts: a layer holds {m.w13.shape[0]} experts, the placement "
-                             f"{ep.placement.n_experts} (already sharded?)")
+        ids = torch.tensor(experts, device=m.w13.device)
         with torch.no_grad():
-            m.w13 = nn.Parameter(m.w13[mine.to(m.w13.device)].clone(), requires_grad=m.w13.requires_grad)
-            m.w2 = nn.Parameter(m.w2[mine.to(m.w2.device)].clone(), requires_grad=m.w2.requires_grad)
+            m.w13 = nn.Parameter(m.w13[ids].clone(), requires_grad=m.w13.requires_grad)
+            m.w2 = nn.Parameter(m.w2[ids].clone(), requires_grad=m.w2.requires_grad)
+
+
+def shard_experts(model: nn.Module, ep: ExpertParallel, loaded: bool = False) -> nn.Module:
+    """Keep only this rank's experts in every MoE layer (rows in the placement's local order) and route
+    the layer through the exchange. loaded=True: the model holds those rows already, read so from the
+    checkpoint (Transformer.from_pretrained(experts=...)). In place; returns the model."""
+    mine = ep.placement.experts_of(ep.rank)
+    want = len(mine) if loaded else ep.placement.n_experts
+    for _, m in _moe_layers(model):
+        if m.w13.shape[0] != want:
+            raise ValueError(f"shard_experts: a layer holds {m.w13.shape[0]} experts, expected {want}"
+                             + ("" if loaded else " (already sharded?)"))
+    if not loaded:
+        keep_experts(model, mine)
+    for _, m in _moe_layers(model):
         m.w13.expert_shard = m.w2.expert_shard = True               # what the optimizer's state knows them by
         m.ep = ep
     return model

@@ -320,9 +320,11 @@ def our_key_to_hf(fam: Family, key: str) -> str:
     return key
 
 
-def hf_to_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def hf_to_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module,
+                experts: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Map a checkpoint's HF keys (spelled as model.config.model_type's family) onto the state_dict keys
-    of `model` (a model.Transformer), stacking per-expert weights.
+    of `model` (a model.Transformer), stacking per-expert weights. experts: the model holds only these
+    (an expert-parallel shard, read through expert_rows), stacked in this order.
 
     Raises CheckpointError naming the first missing, unexpected or mis-shaped tensor.
     """
@@ -358,9 +360,10 @@ def hf_to_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> dic
             state[f"layers.{i}.mlp.w2"] = take(f"{pre}.down_proj", want[f"layers.{i}.mlp.w2"])
         else:
             D, I = cfg.hidden_size, cfg.moe_intermediate_size
-            gate = [take(f"{pre}.{e}.gate_proj.weight", (I, D)) for e in range(cfg.num_experts)]
-            up = [take(f"{pre}.{e}.up_proj.weight", (I, D)) for e in range(cfg.num_experts)]
-            down = [take(f"{pre}.{e}.down_proj.weight", (D, I)) for e in range(cfg.num_experts)]
+            ids = range(cfg.num_experts) if experts is None else experts
+            gate = [take(f"{pre}.{e}.gate_proj.weight", (I, D)) for e in ids]
+            up = [take(f"{pre}.{e}.up_proj.weight", (I, D)) for e in ids]
+            down = [take(f"{pre}.{e}.down_proj.weight", (D, I)) for e in ids]
             state[f"layers.{i}.mlp.w13"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)   # (E, 2I, D)
             state[f"layers.{i}.mlp.w2"] = torch.stack(down)                                         # (E, D, I)
     if src:
@@ -395,14 +398,16 @@ def state_to_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------
 # safetensors directories
 # ---------------------------------------------------------------------------------------------------
-def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory under its HF key.
+Rows = Callable[[str], "list[int] | None"]   # a tensor's key -> the leading-dim rows to read (None: all; []: none)
+
+
+def read_safetensors_dir(path: str, rows: Rows | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory under its HF key; `rows` reads only part of some (the
+    experts of one rank: see expert_rows), and the rest of those files is never read.
 
     Raises CheckpointError naming the file for an unreadable (e.g. truncated) shard, and naming the key
     of the first tensor holding a NaN or an infinity: a poisoned checkpoint never loads silently.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
@@ -419,18 +424,56 @@ def read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: missing (named by model.safetensors.index.json)")
-        try:
-            tensors = load_file(file)
-        except SafetensorError as e:
-            raise CheckpointError(f"{file}: unreadable safetensors file ({e}); was it truncated by an interrupted "
-                                  "copy or download?") from None
-        for key, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                n = int((~torch.isfinite(t)).sum())
-                raise CheckpointError(f"{file}: tensor {key!r} holds {n} non-finite value(s) (NaN or inf); "
-                                      "the checkpoint is poisoned, load an earlier one")
-        out.update(tensors)
+        out.update(read_safetensors_file(file, rows))
     return out
+
+
+def read_safetensors_file(file: str, rows: Rows | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file (memory-mapped: only what is read leaves the disk), each
+    checked finite. rows: see read_safetensors_dir."""
+    from safetensors import SafetensorError, safe_open
+    out = {}
+    try:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                want = rows(key) if rows else None
+                if want is None:
+                    out[key] = f.get_tensor(key)
+                elif want:
+                    part = f.get_slice(key)
+                    out[key] = torch.stack([part[r] for r in want])          # (len(want), ...)
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({e}); was it truncated by an interrupted "
+                              "copy or download?") from None
+    for key, t in out.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            n = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"{file}: tensor {key!r} holds {n} non-finite value(s) (NaN or inf); "
+                                  "the checkpoint is poisoned, load an earlier one")
+    return out
+
+
+_PER_EXPERT = re.compile(r"layers\.\d+\.mlp\.experts\.(\d+)\.")              # ours: one expert's tensor
+_FUSED = re.compile(r"layers\.\d+\.mlp\.(experts\.gate_up_proj|experts\.down_proj|w13|w2)$")   # (E, ...) stacked
+
+
+def expert_rows(cfg: ModelConfig, experts: list[int] | None, hf_keys: bool = True) -> Rows | None:
+    """What to read of a checkpoint for a rank holding `experts` (logical ids, in its local order) of
+    every MoE layer: the other experts' per-expert tensors are skipped, stacked ones read at those rows.
+    hf_keys=False: the keys are ours (masters.safetensors). None: read everything."""
+    if experts is None:
+        return None
+    fam, keep = family(cfg.model_type), set(experts)
+
+    def rows(key: str):
+        ours = hf_key_to_ours(fam, key, cfg.num_hidden_layers) if hf_keys else key
+        if ours is None:
+            return None
+        if m := _PER_EXPERT.match(ours):
+            e = int(m.group(1))                   # an id out of range is read, and refused by hf_to_state
+            return None if e in keep or e >= cfg.num_experts else []
+        return list(experts) if _FUSED.match(ours) else None
+    return rows
 
 
 def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: dict,

@@ -562,17 +562,22 @@ class Transformer(nn.Module):
 
     # ---- Hugging Face checkpoints: the translation lives in hf.py ----
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype | None = None, device="cpu") -> "Transformer":
+    def from_pretrained(cls, path: str, dtype: torch.dtype | None = None, device="cpu",
+                        experts: list[int] | None = None) -> "Transformer":
         """Load a safetensors directory of a supported family (hf.FAMILIES; single file or sharded;
         per-expert or fused experts).
 
         dtype: None keeps the checkpoint's (that of its embedding); any other is converted to.
+        experts: keep only these logical experts of every MoE layer, in this order (an expert-parallel
+        rank's shard, expert_parallel.shard_experts): the others are never read from disk.
         Raises ConfigError for a config.json it cannot read, hf.CheckpointError for weights that do not fit.
         """
         config = hf.config_from_hf(path)
         with torch.device("meta"):
             model = cls(config)
-        state = hf.hf_to_state(hf.read_safetensors_dir(path), model)
+        if experts is not None:
+            expert_parallel.keep_experts(model, experts)   # on the meta device: nothing allocated
+        state = hf.hf_to_state(hf.read_safetensors_dir(path, hf.expert_rows(config, experts)), model, experts)
         dtype = dtype or state["embed_tokens.weight"].dtype   # the weights' dtype (norms are often fp32)
         model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True)
         return model

@@ -14,8 +14,10 @@ copy of its own in --dtype; the mismatch lab's rollout copy (--rollout_dtype oth
 fp8_e4m3 stored dequantized in --dtype; --rollout_router_fault) comes on top of either. The KV pool:
 --kv_tokens positions, or RolloutConfig's num_blocks pages, or (neither given) kv_memory_fraction of what
 is left, as the sampler sizes it on a GPU.
-Activations and temporaries are not counted: the headroom is theirs. The start-up is flagged apart:
-train.setup builds (or loads) the whole model on every rank in --master_dtype, then shards it.
+Activations and temporaries are not counted: the headroom is theirs. The start-up is flagged apart
+when it exceeds the GPU: from a checkpoint folder every rank reads its dense weights and its E/N experts
+in --master_dtype (the other experts never leave the disk), then FSDP2 shards them; a preset is drawn
+whole on every rank (the same random bits at every EP degree), then cut to its shard.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ class MemoryPlan:
     sampler_copy: int
     kv_pool: int
     kv_tokens: int
-    load_peak: int = 0             # train.setup builds the whole model on every rank, then keeps its shard
+    load_peak: int = 0             # what train.setup holds on a rank before it shards (see the docstring)
 
     @property
     def total(self) -> int:
@@ -58,11 +60,12 @@ def shard_rows(rows: int, ways: int) -> int:
 def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel: str, expert_parallel: int,
                 dtype_bytes: int, sampler_bytes: int, kv_bytes_per_token: int, kv_tokens: int = 0,
                 gpu_bytes: int = 0, kv_fraction: float = 0.5, kv_cap_tokens: int = 0, master_bytes: int = 4,
-                sampler_apart: bool = False) -> MemoryPlan:
+                sampler_apart: bool = False, from_checkpoint: bool = True) -> MemoryPlan:
     """The arithmetic. shapes: (shape, is_expert) of every parameter, experts stacked (E, ...).
     dtype_bytes: the compute dtype's size (== master_bytes: the masters compute); sampler_bytes: the
     rollout's; sampler_apart: the rollout has a copy of its own even in sampler_bytes == dtype_bytes.
-    kv_tokens 0: kv_fraction of what gpu_bytes leaves, at most kv_cap_tokens."""
+    kv_tokens 0: kv_fraction of what gpu_bytes leaves, at most kv_cap_tokens. from_checkpoint: read by
+    shard (else a preset, drawn whole)."""
     N, fsdp = expert_parallel, parallel == "fsdp" and world > 1
     dense = sum(math.prod(s) for s, e in shapes if not e)
     expert = sum(math.prod(s) for s, e in shapes if e)
@@ -82,8 +85,8 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     lab = sampler_apart or sampler_bytes != dtype_bytes
     sampler = (whole * dtype_bytes if fsdp else 0) + (whole * sampler_bytes if lab else 0)
     mb = master_bytes                                                    # AdamW's moments: the masters' dtype
-    plan = MemoryPlan(dense, expert, mine, mb * mine, mb * mine, 2 * mb * mine, compute, sampler, 0, kv_tokens,
-                      (dense + expert) * mb)
+    load = whole if from_checkpoint else dense + expert
+    plan = MemoryPlan(dense, expert, mine, mb * mine, mb * mine, 2 * mb * mine, compute, sampler, 0, kv_tokens, load * mb)
     if not kv_tokens and gpu_bytes and kv_bytes_per_token:
         room = max(0, gpu_bytes - plan.total) * kv_fraction
         plan.kv_tokens = min(int(room // kv_bytes_per_token), kv_cap_tokens or math.inf)
@@ -102,11 +105,15 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
 
 
 def model_config(init_from: str) -> ModelConfig:
-    """A preset's config, or a checkpoint folder's config.json (no weights read)."""
-    if init_from in MODEL_PRESETS:
-        return ModelConfig.preset(init_from)
+    """The config --init_from names, no weights read: a checkpoint folder's config.json, or a preset's."""
     if os.path.isdir(init_from):
         return hf.config_from_hf(init_from)
+    if init_from in MODEL_PRESETS:
+        return ModelConfig.preset(init_from)
+    if os.path.exists(init_from):
+        raise ConfigError(f"--init_from={init_from!r} is a file; pass the checkpoint's folder (config.json and *.safetensors)")
+    if os.sep in init_from or init_from.startswith((".", "~")):
+        raise ConfigError(f"--init_from={init_from!r}: no such checkpoint folder")
     raise ConfigError(f"--init_from={init_from!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) "
                       "nor a checkpoint folder")
 
@@ -141,7 +148,8 @@ def main(argv: list[str]) -> str:
     plan = memory_plan(parameter_shapes(cfg), world, tcfg.parallel, tcfg.expert_parallel, dtype_bytes,
                        sampler_bytes, kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size,
                        int(gpu_gb * GB), rcfg.kv_memory_fraction,
-                       rcfg.max_batch_size * cfg.max_position_embeddings, nbytes[tcfg.master_dtype], lab_copy)
+                       rcfg.max_batch_size * cfg.max_position_embeddings, nbytes[tcfg.master_dtype], lab_copy,
+                       os.path.isdir(tcfg.init_from))
     parts = [tcfg.dtype] if tcfg.parallel == "fsdp" and world > 1 else []        # FSDP2's whole copy
     if lab_copy:
         parts.append(f"{rcfg.rollout_dtype} as {tcfg.dtype}" if quantized else
@@ -162,7 +170,10 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     lines += [f"  {name:<44} {b / GB:9.2f} GB" for name, b in rows]
     lines.append(f"{'fits' if fits else 'does not fit'} in {gpu_gb:g} GB per GPU "
                  f"({(gpu_gb * GB - plan.total) / GB:+.2f} GB left for activations and temporaries)")
-    if plan.load_peak > gpu_gb * GB:
-        lines.append(f"start-up: every rank first builds the whole model, {plan.load_peak / GB:.2f} GB in "
-                     f"--master_dtype (more than {gpu_gb:g} GB), then keeps its shard")
+    if plan.load_peak > gpu_gb * GB and os.path.isdir(tcfg.init_from):
+        lines.append(f"start-up: every rank loads its dense weights and experts whole, {plan.load_peak / GB:.2f} GB "
+                     f"in --master_dtype (more than {gpu_gb:g} GB), before FSDP2 shards them")
+    elif plan.load_peak > gpu_gb * GB:
+        lines.append(f"start-up: a preset is drawn whole on every rank, {plan.load_peak / GB:.2f} GB in --master_dtype "
+                     f"(more than {gpu_gb:g} GB); a checkpoint folder of it is read by shard")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 import hf
+import plan
 from checkpoint import latest_checkpoint, trim_metrics
 from config import ConfigError, TrainConfig
 from distributed import Dist
@@ -76,7 +77,7 @@ def banner(run, max_new: int) -> str:
     """The start of a run in two lines: what trains where, and what the rollout stops on (at most
     max_new tokens)."""
     tcfg, cfg, d = run.tcfg, run.weights.full.config, run.d
-    n_params = sum(p.numel() for p in run.weights.full.parameters())
+    n_params = sum(math.prod(shape) for shape, _ in plan.parameter_shapes(cfg))   # the whole model, also under EP
     moe = f", {cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else ""
     where = f"{d.device}" + (f" x {d.world} ranks ({tcfg.parallel})" if d.world > 1 else "")
     start = (f"resume: continuing from step {run.start} ({latest_checkpoint(tcfg.out_dir)}) to step {tcfg.steps}"
@@ -156,9 +157,13 @@ class Logger:
 
 def logged_scalars(row: dict) -> dict[str, float]:
     """A metrics row as the loggers' scalars: each number by its key, a list's numbers as key/i (e.g. one
-    per layer); a null (a non-finite value in metrics.jsonl) and the step itself are left out."""
-    items = [(f"{k}/{i}", x) for k, v in row.items() if isinstance(v, list) for i, x in enumerate(v)]
-    items += [(k, v) for k, v in row.items() if not isinstance(v, list) and k != "step"]
+    per layer; key/i/j in a list of lists); a null (a non-finite value in metrics.jsonl) and the step
+    itself are left out."""
+    def flat(key, v):
+        if isinstance(v, list):
+            return [item for i, x in enumerate(v) for item in flat(f"{key}/{i}", x)]
+        return [(key, v)]
+    items = [item for k, v in row.items() if k != "step" for item in flat(k, v)]
     return {k: float(x) for k, x in items if isinstance(x, (int, float))}
 
 

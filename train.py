@@ -56,7 +56,7 @@ import kernels
 import plan
 import audit
 from audit import expert_load, mismatch_metrics, pack_routes, route_audit, token_overlap
-from config import (MODEL_PRESETS, QUANT_FORMATS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text,
+from config import (QUANT_FORMATS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text,
                     parse_args, parse_bool)
 from losses import (aggregate, correction_weights, group_advantages, kl_penalty, policy_loss, rejects,
                     route_filter_weights)
@@ -188,23 +188,26 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def build_model(tcfg: TrainConfig, device, dtype, preset: ModelConfig | None = None) -> Transformer:
-    """The same initial weights on every rank: from a checkpoint, or a preset (its config `preset`, with
-    --vocab_size applied: TrainConfig.model_preset) seeded by --seed."""
+def initial_config(tcfg: TrainConfig, preset: ModelConfig | None = None) -> ModelConfig:
+    """The model config --init_from names, read before any weight: a checkpoint's config.json, or a
+    preset (given: with --vocab_size applied, TrainConfig.model_preset)."""
+    if preset is not None and not os.path.isdir(tcfg.init_from):
+        return preset
+    return plan.model_config(tcfg.init_from)
+
+
+def build_model(tcfg: TrainConfig, device, dtype, preset: ModelConfig | None = None,
+                experts: list[int] | None = None) -> Transformer:
+    """The same initial weights on every rank: from a checkpoint, or a preset seeded by --seed.
+    experts: keep only these of every MoE layer (an expert-parallel rank's shard). A checkpoint then
+    reads only them from disk; a preset is drawn whole (the same bits at every EP degree), then cut."""
     if os.path.isdir(tcfg.init_from):
-        return Transformer.from_pretrained(tcfg.init_from, dtype=dtype, device=device)
-    if preset is None and tcfg.init_from in MODEL_PRESETS:
-        preset = ModelConfig.preset(tcfg.init_from)
-    if preset is None:
-        if os.path.exists(tcfg.init_from):
-            raise ConfigError(f"--init_from={tcfg.init_from!r} is a file; pass the checkpoint's folder "
-                              "(config.json and *.safetensors)")
-        if os.sep in tcfg.init_from or tcfg.init_from.startswith((".", "~")):
-            raise ConfigError(f"--init_from={tcfg.init_from!r}: no such checkpoint folder")
-        raise ConfigError(f"--init_from={tcfg.init_from!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) "
-                          "nor a checkpoint folder")
+        return Transformer.from_pretrained(tcfg.init_from, dtype=dtype, device=device, experts=experts)
     torch.manual_seed(tcfg.seed)
-    return Transformer(preset).to(device=device, dtype=dtype)
+    model = Transformer(initial_config(tcfg, preset))
+    if experts is not None:
+        expert_parallel.keep_experts(model, experts)
+    return model.to(device=device, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -385,16 +388,21 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
                      chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,
                      checkpoint=tcfg.init_from if from_dir else "")
     preset = tcfg.model_preset(task.vocab_size, tokenizer=tcfg.task == "jsonl")
-    model = build_model(tcfg, device, dtype, preset)
-    expert_parallel.check_degree(tcfg.expert_parallel, model.config.num_experts, d.world)
-    placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, model.config.num_experts)
-    check_moe_options(tcfg, model.config)
-    if tcfg.expert_bias_update_rate > 0 and not model.config.score_correction_bias:
+    config = initial_config(tcfg, preset)
+    expert_parallel.check_degree(tcfg.expert_parallel, config.num_experts, d.world)
+    placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, config.num_experts)
+    check_moe_options(tcfg, config)
+    if tcfg.expert_bias_update_rate > 0 and not config.score_correction_bias:
         raise ConfigError("--expert_bias_update_rate needs a model with a score-correction bias "
                           "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")
-    if task.vocab_size > model.config.vocab_size:
+    if task.vocab_size > config.vocab_size:
         raise ConfigError(f"task {tcfg.task!r} uses {task.vocab_size} token ids, the model has vocab_size="
-                          f"{model.config.vocab_size}")
+                          f"{config.vocab_size}")
+    ep = experts = None
+    if tcfg.expert_parallel > 1:          # each rank holds its E/N experts from the start: no rank reads them all
+        ep = expert_parallel.init_expert_parallel(tcfg.expert_parallel, placement, config.num_experts)
+        experts = ep.placement.experts_of(ep.rank)
+    model = build_model(tcfg, device, dtype, preset, experts)
     start, metrics_path, state, skipped = 0, os.path.join(tcfg.out_dir, "metrics.jsonl"), None, 0
     if tcfg.resume:
         ckpt = latest_checkpoint(tcfg.out_dir)
@@ -404,17 +412,17 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
             raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
         store_routers(model, tcfg)                                    # an fp32 router keeps its saved bits
         want = model.state_dict()
-        model.load_state_dict({k: v.to(device=device, dtype=want[k].dtype) for k, v in load_weights(ckpt, model).items()})
+        model.load_state_dict({k: v.to(device=device, dtype=want[k].dtype)
+                               for k, v in load_weights(ckpt, model, experts).items()})
         task.load_state_dict(state["task"])
         start, skipped = state["step"], state.get("skipped_steps", 0)
     ref_model = None
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
-        ref_model = (build_model(tcfg, device, dtype, preset) if tcfg.resume else copy.deepcopy(model)).requires_grad_(False)
-    if tcfg.expert_parallel > 1:          # each rank keeps its E/N experts (whole ones were loaded above)
-        ep = expert_parallel.init_expert_parallel(tcfg.expert_parallel, placement, model.config.num_experts)
-        for m in (model, ref_model):
-            if m is not None:
-                expert_parallel.shard_experts(m, ep)
+        ref_model = (build_model(tcfg, device, dtype, preset, experts) if tcfg.resume
+                     else copy.deepcopy(model)).requires_grad_(False)
+    for m in (model, ref_model) if ep else ():
+        if m is not None:
+            expert_parallel.shard_experts(m, ep, loaded=True)         # route its MoE layers through the exchange
     policy = build_weights(model, tcfg, rcfg, d)
     scorer, rollout_model, mp = policy.scorer, policy.rollout, policy.mp
     if mp is not None and ref_model is not None:                      # mixed precision: the reference computes in bf16

@@ -77,6 +77,32 @@ def check_fsdp_shards_experts_over_replicas():
     say(f"fsdp EP=2 on 4 ranks: {rows.pop()} of each rank's {cfg.num_experts // 2} experts' rows, the router over 4")
 
 
+def check_checkpoint_folder_is_read_by_shard(out):
+    """Training from a checkpoint folder at EP=2: each rank reads only its experts from disk (the
+    contiguous placement: rank r the r-th half), and trains as EP=1 does from the same folder."""
+    import safetensors
+    from config import ModelConfig
+    from disk_reads import ReadLog, experts_read
+    from model import Transformer
+    folder, cfg = f"{out}/init", ModelConfig.preset("tiny")
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        Transformer(cfg).save_pretrained(folder)
+    dist.barrier()
+    ref = run(f"{out}/ref", init_from=folder)
+    real, log = safetensors.safe_open, ReadLog(safetensors.safe_open)
+    safetensors.safe_open = log
+    try:
+        got = run(f"{out}/ep", init_from=folder, expert_parallel=2)
+    finally:
+        safetensors.safe_open = real
+    half = cfg.num_experts // 2
+    mine = set(range(dist.get_rank() * half, (dist.get_rank() + 1) * half))
+    assert experts_read(log.read, cfg) == mine, (dist.get_rank(), sorted(experts_read(log.read, cfg)))
+    compare(ref, got, "from a checkpoint folder EP=2")
+    say(f"checkpoint folder EP=2: each rank read {half} of {cfg.num_experts} experts from disk")
+
+
 def main(out):
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -97,6 +123,7 @@ def main(out):
     # the router bias under EP: aux-loss-free balancing sums each rank's load (routes are logical ids);
     # R3 replays logical ids; a permuted placement; the device load is logged
     if world == 2:
+        check_checkpoint_folder_is_read_by_shard(out)
         kw = dict(init_from="tiny-sigmoid", expert_bias_update_rate=1e-3)
         compare(run(f"{out}/ref", **kw), run(f"{out}/ep", expert_parallel=2, **kw), "expert bias EP=2")
         kw = dict(replay="r3", recompute_old_logp=True)
@@ -105,7 +132,12 @@ def main(out):
         got = run(f"{out}/ep", expert_parallel=2, expert_placement=[5, 2, 7, 0, 3, 6, 1, 4])
         compare(ref, got, "permuted placement EP=2")
         assert all(len(g["ep_load_layer"]) == len(g["route_flip_frac_layer"]) and 1.0 <= g["ep_load_max"] <= 2.0 for g in got), got[0]
-        assert "ep_load_max" not in ref[0]
+        for g in got:                     # each layer: every (token, slot) row of the group, on one of 2 ranks
+            rows = g["ep_rows"]
+            assert len(rows) == len(g["ep_load_layer"]) and all(len(r) == 2 for r in rows), rows
+            assert len({sum(r) for r in rows}) == 1 and sum(rows[0]) > 0, rows
+            assert [max(r) / (sum(r) / 2) for r in rows] == g["ep_load_layer"], (rows, g["ep_load_layer"])
+        assert "ep_load_max" not in ref[0] and "ep_rows" not in ref[0]
         say(f"device load EP=2: busiest rank / mean {got[0]['ep_load_max']:.3f}")
         # the expert_map fault: the rollout's table is wrong, the same at EP=1 and EP=2
         kw = dict(recompute_old_logp=True)

@@ -720,12 +720,16 @@ def test_sharded_checkpoint_readable_by_transformers(tmp_path):
 
 
 def test_fused_expert_layout_loads_qwen3_moe(tmp_path):
-    from safetensors.torch import load_file, save_file
     model = make_model()
-    src, dst = tmp_path / "per_expert", tmp_path / "fused"
-    model.save_pretrained(str(src))
+    model.save_pretrained(str(tmp_path / "per_expert"))
+    fuse_experts(tmp_path / "per_expert", tmp_path / "fused", model.config)
+    assert_same_weights(Transformer.from_pretrained(str(tmp_path / "fused")), model)
+
+
+def fuse_experts(src, dst, cfg):
+    """Rewrite a per-expert checkpoint in the fused layout (mlp.experts.gate_up_proj / down_proj)."""
+    from safetensors.torch import load_file, save_file
     t = load_file(str(src / "model.safetensors"))
-    cfg = model.config
     for i in cfg.moe_layers:
         pre = f"model.layers.{i}.mlp.experts"
         gate = [t.pop(f"{pre}.{e}.gate_proj.weight") for e in range(cfg.num_experts)]
@@ -733,11 +737,46 @@ def test_fused_expert_layout_loads_qwen3_moe(tmp_path):
         down = [t.pop(f"{pre}.{e}.down_proj.weight") for e in range(cfg.num_experts)]
         t[f"{pre}.gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1).contiguous()  # (E, 2I, D)
         t[f"{pre}.down_proj"] = torch.stack(down).contiguous()                                          # (E, D, I)
-        assert t[f"{pre}.gate_up_proj"].shape == (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
     os.makedirs(dst)
     save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text((src / "config.json").read_text())
-    assert_same_weights(Transformer.from_pretrained(str(dst)), model)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "sharded", "fused", "masters"])
+def test_an_expert_shard_reads_only_its_experts(tmp_path, monkeypatch, layout):
+    """An expert-parallel rank's load (Transformer.from_pretrained(experts=...), checkpoint.load_weights)
+    reads its experts' rows, in its order, and not one byte of the others; the rest is the whole load's."""
+    import safetensors
+    from checkpoint import load_weights
+    from disk_reads import ReadLog, experts_read
+    from expert_parallel import keep_experts
+    model = make_model()
+    cfg, ckpt = model.config, tmp_path / "ckpt"
+    model.save_pretrained(str(ckpt), **({"max_shard_bytes": 20_000} if layout == "sharded" else {}))
+    if layout == "fused":
+        fuse_experts(ckpt, tmp_path / "fused", cfg)
+        ckpt = tmp_path / "fused"
+    if layout == "masters":                          # a resume from the fp32 masters beside a rounded export
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "masters.safetensors"))
+    mine = [cfg.num_experts - 1, 2, 0]                # a permuted placement's order
+    log = ReadLog(safetensors.safe_open)
+    monkeypatch.setattr(safetensors, "safe_open", log)
+    if layout == "masters":
+        with torch.device("meta"):
+            shard = Transformer(cfg)
+        keep_experts(shard, mine)
+        shard.load_state_dict(load_weights(str(ckpt), shard, mine), assign=True)
+    else:
+        shard = Transformer.from_pretrained(str(ckpt), experts=mine)
+    assert log.read and experts_read(log.read, cfg) == set(mine), sorted(experts_read(log.read, cfg))
+    whole = model.state_dict()
+    for k, v in shard.state_dict().items():
+        want = whole[k][mine] if k.endswith((".mlp.w13", ".mlp.w2")) else whole[k]
+        assert torch.equal(v, want), k
+    log.read.clear()                                 # control: the whole load reads every expert
+    Transformer.from_pretrained(str(ckpt))
+    assert experts_read(log.read, cfg) == set(range(cfg.num_experts))
 
 
 def test_bf16_checkpoint(tmp_path):

@@ -1,5 +1,6 @@
 """`python train.py --plan`: the memory arithmetic held against the bytes of a tiny model's real, sharded
 parameters, and the plan's verdict for Qwen3-30B-A3B on 8 x 80 GB with and without expert parallelism."""
+import json
 import os
 import re
 import subprocess
@@ -93,14 +94,22 @@ def test_kv_pool_from_tokens_or_the_room_left():
     assert p.kv_tokens == int((10_000 - 16 * 200) * 0.5 // 64) and p.total <= 10_000
 
 
-def test_qwen3_30b_a3b_on_eight_80gb_gpus_fits_only_with_expert_parallelism():
-    common = ["--init_from=qwen3-30b-a3b", "--world_size=8", "--dtype=bfloat16", "--gpu_memory_gb=80",
+def test_qwen3_30b_a3b_on_eight_80gb_gpus_fits_only_with_expert_parallelism(tmp_path):
+    from hf import config_to_hf
+    folder = tmp_path / "qwen3-30b-a3b"                # a checkpoint folder's config.json: the plan reads no weight
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config_to_hf(ModelConfig.preset("qwen3-30b-a3b"))))
+    common = [f"--init_from={folder}", "--world_size=8", "--dtype=bfloat16", "--gpu_memory_gb=80",
               "--parallel=fsdp"]                # the KV pool: half of what the state leaves
     without, with_ep = plan.main(common), plan.main(common + ["--expert_parallel=8"])
-    assert without.splitlines()[-2].startswith("does not fit") and with_ep.splitlines()[-2].startswith("fits")
+    assert without.splitlines()[-2].startswith("does not fit") and with_ep.splitlines()[-1].startswith("fits")
     assert "KV pool (0 tokens)" in without and "KV pool (0 tokens)" not in with_ep
-    # train.setup builds the whole fp32 model on every rank before sharding it: 30.5B x 4 bytes > 80 GB
-    assert with_ep.splitlines()[-1].startswith("start-up: every rank first builds the whole model, 122.13 GB")
+    # the start-up: from the folder, each rank loads its dense weights and its 16 of 128 experts in fp32
+    # (20.6 GB) at EP=8, all 30.5B parameters (122 GB) at EP=1; a preset is drawn whole on every rank
+    assert without.splitlines()[-1].startswith("start-up: every rank loads its dense weights and experts whole, 122.13 GB")
+    preset = plan.main([a.replace(f"={folder}", "=qwen3-30b-a3b") for a in common] + ["--expert_parallel=8"])
+    assert preset.splitlines()[-1].startswith("start-up: a preset is drawn whole on every rank, 122.13 GB")
+    assert preset.splitlines()[:-1] == with_ep.replace(str(folder), "qwen3-30b-a3b").splitlines()
     assert "start-up" not in plan.main(["--init_from=tiny", "--world_size=2", "--expert_parallel=2"])
 
 

@@ -565,6 +565,14 @@ def expected_scalars(row: dict) -> dict:
     return out
 
 
+def test_logged_scalars_flatten_lists_of_lists():
+    """EP's device load (ep_rows: per layer, per rank) reaches the loggers as ep_rows/layer/rank."""
+    from runlog import logged_scalars
+    row = {"step": 3, "a": 1.5, "ep_rows": [[3, 5], [8, 0]], "b": None, "c": [0.5, None]}
+    assert logged_scalars(row) == {"a": 1.5, "ep_rows/0/0": 3.0, "ep_rows/0/1": 5.0, "ep_rows/1/0": 8.0,
+                                   "ep_rows/1/1": 0.0, "c/0": 0.5}
+
+
 def test_log_to_tensorboard_holds_every_metrics_row(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
