@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -125,6 +126,12 @@ def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, rout
     sums its EP group's tokens). A custom divide factor would need PREMUL_SUM, which gloo lacks.
     """
     from torch.distributed.fsdp import fully_shard
+    # FSDP2 warns when a wrapped module returns a view: an in-place op on it would skip the module's
+    # pre-backward all-gather. The router and the MoE layer return reshaped views, and every caller
+    # uses them out of place (x = x + mlp(...)); tests/ep_train_check.py holds these gradients against
+    # EP=1 and DDP. So the warning is silenced for exactly these modules.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(Router|MoE)\) returned a view tensor",
+                            category=UserWarning)
     ep = expert_parallel.of(model)
     kw = {} if policy is None else {"mp_policy": policy}
     router_kw = kw if router_policy is None else {"mp_policy": router_policy}
