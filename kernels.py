@@ -292,10 +292,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale)
     if (kt := _triton_for(q)) is not None:    # triton backend dispatch
         return kt.paged_attention(q, k_cache, v_cache, block_table, positions, scale)
-    B, T, H, D = q.shape
-    page_size, KVH = k_cache.shape[1], k_cache.shape[2]
-    G = H // KVH
-    assert page_size % KV_BLOCK == 0, "page_size must be a multiple of KV_BLOCK"
+    assert k_cache.shape[1] % KV_BLOCK == 0, "page_size must be a multiple of KV_BLOCK"
     # Each row walks its own tiles only: rows sorted by tile count (descending, stable), so at tile t
     # the rows still walking are a prefix; a row retires after its last tile (the tiles it skips were
     # exact no-ops for it). A packed batch's short sequences then cost their own length, not the
@@ -303,8 +300,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     row_tiles = positions.amax(1) // KV_BLOCK + 1                     # (B,)
     order = torch.argsort(row_tiles, descending=True, stable=True)
     tiles = row_tiles[order].tolist()                                 # host: the loop bounds
-    if tiles[0] != tiles[-1]:
-        q, block_table, positions = q[order], block_table[order], positions[order]
+    if tiles[0] == tiles[-1]:
+        return _attend_tiles(q, k_cache, v_cache, block_table, positions, scale, tiles)
+    out = _attend_tiles(q[order], k_cache, v_cache, block_table[order], positions[order], scale, tiles)
+    return torch.empty_like(out).index_copy(0, order, out)            # back to the callers' row order
+
+
+def _attend_tiles(q, k_cache, v_cache, block_table, positions, scale: float, tiles: list[int]) -> torch.Tensor:
+    """paged_attention's torch path for rows sorted by their tile counts `tiles` (descending)."""
+    B, T, H, D = q.shape
+    page_size, KVH = k_cache.shape[1], k_cache.shape[2]
+    G = H // KVH
     # The T * G query rows of each (sequence, KV head) go through fixed ATTN_ROWS-row bmm tiles, as in
     # linear(): a row's q.k and p.v never see a GEMM shape that depends on how many rows there are.
     # Only the two bmm's see the padding rows; the softmax state and its elementwise ops (row-local,
@@ -351,10 +357,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         acc = torch.cat([acc] + [a for a, _ in done[::-1]])
         l = torch.cat([l] + [x for _, x in done[::-1]])
     out = (acc / l[..., None]).reshape(B, KVH, T, G, D)             # (B, KVH, T, G, D)
-    out = out.permute(0, 2, 1, 3, 4).reshape(B, T, H, D).to(q.dtype)
-    if tiles[0] != tiles[-1]:
-        out = torch.empty_like(out).index_copy(0, order, out)       # back to the callers' row order
-    return out
+    return out.permute(0, 2, 1, 3, 4).reshape(B, T, H, D).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
