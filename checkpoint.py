@@ -3,6 +3,7 @@
     save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task)   # whole or not at all
     state = load_trainer_state(latest_checkpoint(out_dir))               # plain data: nothing is unpickled
     model.load_state_dict(load_weights(ckpt, model))                     # the exact weights to resume from
+    resumed = resume(tcfg, model, task, experts=None, print0=print)     # all a resume loads and checks
 
 Mixed precision: the HF export is written in --save_dtype (default the compute dtype: the compute copy
 itself, as the sampler ran it); when that loses bits of the fp32 masters, they are saved beside it
@@ -27,7 +28,7 @@ import shutil
 import torch
 
 import expert_parallel
-from config import ConfigError, RolloutConfig, TrainConfig
+from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig
 from hf import (CheckpointError, Identity, expert_rows, hf_to_state, read_safetensors_dir, read_safetensors_file,
                 write_identity)
 from model import Transformer
@@ -221,6 +222,59 @@ def trim_metrics(path: str, last_step: int) -> None:
                         kept.append(line)
     with open(path, "w") as f:
         f.writelines(kept)
+
+
+# ---------------------------------------------------------------------------------------------------
+# resuming a run: what it keeps, what it may change (docs/design.md, "Reliability", "The learning-rate horizon")
+# ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Resumed:
+    """What a resume hands the loop: the configs it continues with, where it continues, the saved state."""
+    tcfg: TrainConfig                # with the saved run's lr horizon
+    start: int                       # the first step to run
+    skipped: int                     # optimizer steps skipped so far (--skip_nonfinite_steps)
+    optimizer: dict                  # AdamW's saved state (checkpoint.optimizer_state's layout)
+
+
+def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | None, print0) -> Resumed:
+    """Continue the run in tcfg.out_dir from its latest checkpoint: the model's weights (this rank's
+    experts under EP) and the task's data order are loaded in place; the configs are checked against the
+    saved ones (resume_plan). The model's dtypes are kept (an fp32 router reads back its saved bits)."""
+    ckpt = latest_checkpoint(tcfg.out_dir)
+    state = load_trainer_state(ckpt)
+    tcfg = resume_plan(tcfg, state, print0)
+    if ModelConfig(**state["model_config"]) != model.config:       # fields added since take their defaults
+        raise ConfigError(f"{ckpt} was trained with a different model config than --init_from={tcfg.init_from!r}")
+    want = model.state_dict()
+    model.load_state_dict({k: v.to(device=want[k].device, dtype=want[k].dtype)
+                           for k, v in load_weights(ckpt, model, experts).items()})
+    task.load_state_dict(state["task"])
+    return Resumed(tcfg, state["step"], state.get("skipped_steps", 0), state["optimizer"])
+
+
+def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
+    """Check --steps against the checkpoint and keep the run's lr horizon (train.lr_at)."""
+    done = state["step"]
+    if tcfg.steps <= done:
+        raise ConfigError(f"--resume: the checkpoint in {tcfg.out_dir!r} is at step {done} and --steps={tcfg.steps}"
+                          + (": the run is finished" if tcfg.steps == done else "")
+                          + f"; pass --steps=N with N > {done} to train further")
+    ckpt_cfg = state["train_config"]
+    saved = ckpt_cfg.get("lr_decay_steps") or ckpt_cfg["steps"]
+    horizon = tcfg.lr_decay_steps or saved
+    if tcfg.lr_schedule == "cosine" and tcfg.steps > horizon:
+        print0(f"resume: --steps={tcfg.steps} extends the run past its lr horizon of {horizon} steps: lr follows "
+               f"the planned cosine to step {horizon}, then holds at {tcfg.lr * tcfg.min_lr_ratio:.3g} "
+               f"(pass --lr_decay_steps={tcfg.steps} to re-plan the schedule instead)")
+    was = (ckpt_cfg.get("lr_schedule", "cosine"), ckpt_cfg.get("lr_decay_period", 0))
+    if was != (tcfg.lr_schedule, tcfg.lr_decay_period):     # halving needs no horizon: its period is its plan
+        print0(f"resume: the lr schedule changes from {was[0]} (period {was[1]}) to {tcfg.lr_schedule} "
+               f"(period {tcfg.lr_decay_period}): lr is re-planned from step {done + 1}")
+    scale = ckpt_cfg.get("router_lr_scale", 1.0)
+    if (scale == 1) != (tcfg.router_lr_scale == 1):          # one param group or two: distributed.build_optimizer
+        raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the checkpoint's optimizer was built with "
+                          f"router_lr_scale={scale}; resume with 1 on both sides or != 1 on both sides")
+    return dataclasses.replace(tcfg, lr_decay_steps=horizon)
 
 
 def saved_configs(state: dict, ckpt: str) -> tuple[TrainConfig, RolloutConfig]:

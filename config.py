@@ -193,7 +193,7 @@ def check_sampling(temperature, top_p, top_k) -> None:
 
 
 # The mismatch lab's router faults (RolloutConfig.rollout_router_fault), set on the rollout copy's MoE
-# modules only (train.faulty_router_copy; model.MoE.forward applies them): what a conversion bug or a
+# modules only (lab.set_router_fault, lab.FaultyRouting applies them): what a conversion bug or a
 # second engine gets wrong.
 ROUTER_FAULTS = ("none",
                  "no_bias",            # the score-correction bias lost: the choice on the raw scores
@@ -224,7 +224,7 @@ class RolloutConfig:
     router_bf16: bool = False         # round the rollout's router logits to bf16
     rollout_dtype: str = ""           # "" (the trainer's) | bfloat16 | float16: a lower-precision weight copy |
                                       # int8 | fp8_e4m3: matmul weights rounded to that format per output channel
-                                      # (absmax scales) and dequantized (distributed.quantized_copy)
+                                      # (absmax scales) and dequantized (lab.quantized_copy)
     rollout_quant_router: bool = True   # int8 / fp8_e4m3: quantize the router gate too (false: full precision)
     rollout_router_fault: str = "none"  # none | no_bias | bias_sign | bias_in_weights | no_renorm | expert_map: the
                                         # rollout's routing wrong in that one way (ROUTER_FAULTS), the trainer's right
@@ -384,7 +384,7 @@ class TrainConfig:
         _require(self.dual_clip_c == 0 or (self.dual_clip_c > 1 and self.loss == "grpo"),
                  f"--dual_clip_c={self.dual_clip_c}: 0 (off) or > 1, with --loss=grpo")
         _require(self.rejected_tokens in ("zero_weight", "drop"), "--rejected_tokens: zero_weight or drop")
-        _require(self.route_filter in ("none", "mask", "downweight"), "--route_filter: none, mask or downweight")
+        self._check_replay()
         for name in ("keep_checkpoints", "eval_samples"):
             _require(getattr(self, name) >= 1, f"--{name}={getattr(self, name)}: must be >= 1")
         for name in ("log_samples", "eval_every"):
@@ -401,8 +401,6 @@ class TrainConfig:
         _require_range(self, "kl_coef eps_high gspo_eps_high weight_decay", lambda v: v >= 0, ">= 0")
         _require_range(self, "eps_low gspo_eps_low", lambda v: 0 <= v < 1, "in [0, 1)")
         _require_range(self, "beta1 beta2", lambda v: 0 <= v < 1, "in [0, 1)")
-        _require(self.route_filter_level in ("token", "sequence"),
-                 f"--route_filter_level={self.route_filter_level!r}: token or sequence")
         _require(self.probe_every >= 0 and self.diagnostics >= 0,
                  f"--probe_every={self.probe_every}, --diagnostics={self.diagnostics}: must be >= 0 (0: off)")
         _require(self.probe_prompts > 0, f"--probe_prompts={self.probe_prompts}: must be >= 1")
@@ -413,9 +411,13 @@ class TrainConfig:
         _require(self.seq_rho in SEQ_RHOS, f"--seq_rho={self.seq_rho!r}: choose one of {', '.join(SEQ_RHOS)}")
         _require(0 < self.gspo_log_ratio_max <= 20,
                  f"--gspo_log_ratio_max={self.gspo_log_ratio_max}: must be in (0, 20] (exp(20) stays finite in fp32)")
-        _require(self.replay in ("none", "r3", "old"), f"--replay={self.replay!r}: choose none, r3 or old")
-        _require(self.replay != "old" or self.recompute_old_logp,
-                 "--replay=old replays the routes of the recomputed old-policy forward: add --recompute_old_logp=true")
+        _require(self.correction == "none" or self.recompute_old_logp,   # else rho = pi_old / mu is 1 by definition
+                 f"--correction={self.correction} weighs the trainer's old log-probs against the rollout's; "
+                 "without --recompute_old_logp=true they are the rollout's own: add it")
+        batch = self.prompts_per_step * self.group_size
+        _require(self.minibatch_size >= batch or batch % self.minibatch_size == 0,
+                 f"--minibatch_size={self.minibatch_size} must divide the batch of {batch} (prompts_per_step "
+                 "x group_size): uneven minibatches would weigh their sequences unequally")
         _require(self.train_capacity_factor >= 0,
                  f"--train_capacity_factor={self.train_capacity_factor}: 0 (dropless) or > 0")
         _require(self.kl_estimator in KL_ESTIMATORS, f"--kl_estimator={self.kl_estimator!r}: {', '.join(KL_ESTIMATORS)}")
@@ -444,6 +446,29 @@ class TrainConfig:
         _require(self.chat_template or not self.system_prompt,
                  "--system_prompt goes into the checkpoint's chat template: add --chat_template=true")
         self._check_precision()
+
+    def _check_replay(self):
+        """--replay and --route_filter against replay.py's tables (the life of a route has one home)."""
+        from replay import REPLAY_MODES, ROUTE_FILTER_LEVELS, ROUTE_FILTERS
+        _require(self.replay in REPLAY_MODES, f"--replay={self.replay!r}: choose one of {', '.join(REPLAY_MODES)}")
+        _require(self.replay != "old" or self.recompute_old_logp,
+                 "--replay=old replays the routes of the recomputed old-policy forward: add --recompute_old_logp=true")
+        _require(self.route_filter in ROUTE_FILTERS, f"--route_filter: {', '.join(ROUTE_FILTERS)}")
+        _require(self.route_filter_level in ROUTE_FILTER_LEVELS,
+                 f"--route_filter_level={self.route_filter_level!r}: {' or '.join(ROUTE_FILTER_LEVELS)}")
+
+    def check_model(self, model: ModelConfig, task_vocab: int) -> None:
+        """The options that need the model: the route options refuse a model without a router (they
+        would do nothing), the bias update needs a bias, and the task's ids must fit the vocabulary."""
+        if not model.moe_layers:
+            for name, off in (("train_capacity_factor", 0.0), ("replay", "none"), ("route_filter", "none")):
+                _require(getattr(self, name) == off,
+                         f"--{name}={getattr(self, name)}: the model has no MoE layer (no routes); drop it")
+        _require(self.expert_bias_update_rate == 0 or model.score_correction_bias,
+                 "--expert_bias_update_rate needs a model with a score-correction bias "
+                 "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")
+        _require(task_vocab <= model.vocab_size,
+                 f"task {self.task!r} uses {task_vocab} token ids, the model has vocab_size={model.vocab_size}")
 
     def _check_precision(self):
         """--dtype / --master_dtype / --router_dtype / --save_dtype (docs/design.md, "Mixed precision")."""

@@ -1,14 +1,15 @@
 """Distributed training: one process, or one rank of a torchrun job (RANK, WORLD_SIZE, LOCAL_RANK set).
 
     d = init_distributed("auto")                              # NCCL per GPU, gloo on CPU, or one process
-    scorer, full_model, sync, mp = place_weights(model, tcfg, d)   # DDP or FSDP2; the sampler's full weights;
-                                                              # mp: bf16 compute over fp32 masters, or None
+    policy = Policy(model, tcfg, d)                           # the weights' copies, the optimizer, the step
+    policy.refresh()                                          # before a rollout: policy.sampler is up to date
 
 What train.py needs beyond one process: the parallel wrappers (DDP, FSDP2 with a full copy of the
 weights for the sampler), the weight syncs (parameters and buffers: a router's score-correction bias
 is state the rollout must see bit for bit), gradient-sync control, reductions of metrics over ranks,
-and the check that every rank holds the same bits; and mixed precision (MixedPrecision: fp32 masters
-for the optimizer, one compute copy that the trainer and the sampler both read, fp32 gradients).
+and the check that every rank holds the same bits; mixed precision (MixedPrecision: fp32 masters for
+the optimizer, one compute copy that the trainer and the sampler both read, fp32 gradients); and
+`Policy`, the one owner of the policy's copies and of the end of an optimizer step.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import expert_parallel
 import hf
-from config import TrainConfig
-from model import Transformer
+from config import ConfigError, TrainConfig
+from model import MoE, Transformer
 
 
 @dataclasses.dataclass
@@ -47,8 +48,20 @@ class Dist:
             print(*args, flush=True)
 
 
+def check_device(device: str) -> None:
+    """--device must name a device this torch build has (the syntax is checked by TrainConfig)."""
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device={device}: this machine has no usable CUDA GPU (torch {torch.__version__}, "
+                              f"CUDA build: {torch.version.cuda or 'no'}); use --device=cpu or --device=auto")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"--device={device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+
+
 def init_distributed(device: str) -> Dist:
     """NCCL with one GPU per local rank, or gloo on CPU; a single process when not under torchrun."""
+    check_device(device)
     use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ:
         return Dist(0, 1, torch.device(("cuda" if use_cuda else "cpu") if device == "auto" else device))
@@ -67,7 +80,7 @@ class Scorer(nn.Module):
     """model.score as a module call: DDP and FSDP2 hook __call__, so training goes through this.
 
     The trainer's hot path: score runs unchecked (its checks read tensors back, a sync on a GPU); the
-    trainer checks its batches where it builds them (train.make_batch, audit.pack_routes).
+    trainer checks its batches where it builds them (train.make_batch, replay.pack_routes).
     """
 
     def __init__(self, model: Transformer):
@@ -350,57 +363,106 @@ class MixedPrecision:
         return (1 if opt_has_state else 3) * local + extra
 
 
-def lower_precision_copy(source: Transformer, dtype: torch.dtype | None, sync_source):
-    """The mismatch lab's rollout weights: a copy of `source` in `dtype` (None: its own dtypes),
-    refreshed before each rollout."""
-    copy_ = copy.deepcopy(source).requires_grad_(False)
-    if dtype is not None:
-        copy_ = copy_.to(dtype)
-    pairs = list(zip(model_state(source), model_state(copy_)))       # the router bias is rounded too
+# ---------------------------------------------------------------------------------------------------
+# the policy's weights and the end of an optimizer step: one owner
+# ---------------------------------------------------------------------------------------------------
+class Policy:
+    """The policy's copies of the weights, which reads which, and the end of an optimizer step.
 
-    @torch.no_grad()
-    def sync():
-        sync_source()
-        for p, q in pairs:
-            q.copy_(p)
-    return copy_, sync
-
-
-QUANT_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}     # the largest magnitude of each format
-
-
-def fake_quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """w rounded to `fmt` with one absmax scale per output channel, dequantized back to w's dtype.
-
-    w (..., out, in): the scale of row o is max|w[..., o, :]| / QUANT_MAX[fmt] (1 for an all-zero row);
-    int8 rounds w / scale to the nearest integer in [-127, 127], fp8_e4m3 casts it to
-    torch.float8_e4m3fn (round to nearest even). Computed in fp32.
+    master    the weights the optimizer steps: fp32 masters (under --dtype=bfloat16 too), sharded
+              under FSDP2, this rank's E/N experts under EP
+    trainer   the module the training forward and backward run through: score as a module (Scorer),
+              wrapped by DDP / FSDP2, over the masters or (mixed precision) their compute copy
+    full      whole compute weights: the old policy's and the probe's forwards, checkpoints (the masters
+              themselves with one dtype and no FSDP2)
+    sampler   what the rollout runs: `full`, or the mismatch lab's copy of it (lab.rollout_copy)
+    mp        MixedPrecision when the compute weights are a copy of the masters, else None
+    optimizer AdamW over the masters (build_optimizer)
+    refresh() brings full and sampler up to date before anything reads them (a rollout, a checkpoint);
+    step() is the end of an optimizer step: the step, the router bias update, the compute copy recast.
     """
-    w32 = w.float()
-    absmax = w32.abs().amax(dim=-1, keepdim=True)                    # (..., out, 1)
-    scale = torch.where(absmax > 0, absmax / QUANT_MAX[fmt], torch.ones_like(absmax))
-    x = w32 / scale
-    q = x.round().clamp(-127, 127) if fmt == "int8" else x.to(torch.float8_e4m3fn).float()
-    return (q * scale).to(w.dtype)
+
+    def __init__(self, model: Transformer, tcfg: TrainConfig, d: Dist, sampler_copy=None):
+        """sampler_copy(full, refresh) -> (sampler model, its refresh): the lab's rollout copy, or None."""
+        self.master, self.tcfg, self.d = model, tcfg, d
+        self.trainer, self.full, self._refresh, self.mp = place_weights(model, tcfg, d)
+        self.sampler = self.full
+        if sampler_copy is not None:
+            self.sampler, self._refresh = sampler_copy(self.full, self._refresh)
+        self.optimizer = build_optimizer(model, tcfg)
+
+    def refresh(self) -> None:
+        self._refresh()
+
+    def compute_copy(self, model: Transformer) -> Transformer:
+        """Another model (the frozen reference) in the trainer's compute dtypes."""
+        return model if self.mp is None else self.mp.cast(model)
+
+    def start_minibatch(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finish_grads(self) -> float:
+        """After a minibatch's backward: the gradients reduced and clipped -> their norm before clipping."""
+        return finish_grads(self.master, self.mp, self.tcfg.grad_clip, self.d)
+
+    def step(self, load: torch.Tensor | None = None) -> None:
+        """The optimizer step; then, given the step's expert load (n_moe, E) on this rank, the router
+        bias update; then the compute copy recast from the masters."""
+        self.optimizer.step()
+        if load is not None:
+            update_expert_bias(self.master, load.to(self.d.device), self.tcfg.expert_bias_update_rate, self.d)
+        if self.mp is not None:
+            self.mp.refresh()
+
+    def reserve_bytes(self) -> int:
+        """What the optimizer will still allocate once the sampler has sized its KV pool: the gradients
+        (first backward) and AdamW's two moments (first step; already there on resume), this rank's
+        shard under FSDP2."""
+        has_state = bool(self.optimizer.state)
+        if self.mp is not None:
+            return self.mp.reserve_bytes(has_state)
+        param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in self.trainer.parameters())
+        return (1 if has_state else 3) * param_bytes
 
 
-def quantized_copy(source: Transformer, fmt: str, sync_source, quantize_router: bool = True):
-    """The mismatch lab's quantized rollout weights: a copy of `source` whose matmul weights (attention
-    and MLP projections, the stacked experts, the router gate unless quantize_router is False) are
-    fake_quantize'd, refreshed before each rollout; embeddings, the LM head, norms, biases and the
-    router's score-correction bias stay as they are (weight-only quantization as engines serve it)."""
-    copy_ = copy.deepcopy(source).requires_grad_(False)
-    skip = {id(source.embed_tokens.weight), id(source.lm_weight())}
-    if not quantize_router:
-        skip |= {id(g.weight) for g in routers(source)}
-    pairs = [(p, q, p.dim() >= 2 and id(p) not in skip) for p, q in zip(model_state(source), model_state(copy_))]
+def build_optimizer(model: Transformer, tcfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters, one param group. With --router_lr_scale=S != 1 the MoE router
+    gates get a second group whose lr is S times the first's, set just before each step (the loop sets
+    every group's lr); S = 0 also drops their weight decay, so frozen gates keep their bits."""
+    kw = dict(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
+    if tcfg.router_lr_scale == 1:
+        return torch.optim.AdamW(model.parameters(), **kw)
+    gates = {id(p) for m in model.modules() if isinstance(m, MoE) for p in m.gate.parameters()}
+    if not gates:
+        raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the model has no MoE layer (no router)")
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if id(p) not in gates]},
+                             {"params": [p for p in params if id(p) in gates]}], **kw)
 
-    @torch.no_grad()
-    def sync():
-        sync_source()
-        for p, q, quantize in pairs:
-            q.copy_(fake_quantize(p, fmt) if quantize else p)
-    return copy_, sync
+    def scale_router_lr(opt, args, kwargs):
+        main, router = opt.param_groups
+        router["lr"] = main["lr"] * tcfg.router_lr_scale
+        router["weight_decay"] = tcfg.weight_decay if tcfg.router_lr_scale > 0 else 0.0
+    opt.register_step_pre_hook(scale_router_lr)
+    return opt
+
+
+@torch.no_grad()
+def update_expert_bias(model: Transformer, load: torch.Tensor, rate: float, d: Dist) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
+
+    load (n_moe, E) is this rank's count (replay.expert_load); it is summed over ranks first, so every
+    rank applies the same update to its copy of the bias.
+    """
+    if d.world > 1:
+        dist.all_reduce(load)
+    load = load.double()
+    step = rate * torch.sign(load.mean(-1, keepdim=True) - load)    # (n_moe, E): underloaded experts go up
+    for j, i in enumerate(model.config.moe_layers):
+        bias = model.layers[i].mlp.gate.e_score_correction_bias
+        bias.add_(step[j].to(bias.dtype))
 
 
 def model_state(model: nn.Module) -> list[torch.Tensor]:

@@ -12,11 +12,19 @@ greedy response passes (pass@1), `eval_pass@k` the fraction with at least one pa
 train.py --eval_data=FILE --eval_every=N --eval_samples=k calls the same `evaluate` and logs its keys
 into metrics.jsonl. For a checkpoint train.py wrote, the defaults come from its trainer_state.pt; the
 tokenizer from the checkpoint folder itself (exports carry tokenizer.json).
+The probe (train.py --probe_every=N) is the other held-out measure: K fixed prompts rolled out greedily
+every N steps, audited as a step's batch, and the drift of their routes since the first probe.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:                                                     # annotations only: the CLI stays light
+    import torch
+    from packing import Batch
 
 PASS_REWARD = 1.0             # a response with reward >= this counts as solved
 EVAL_SEED = 1_000_003         # the sampled responses' seed: the same draws at every evaluation
@@ -56,6 +64,58 @@ def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: f
     n = sums["n"]
     return {"eval_greedy_reward": sums["greedy_reward"] / n, "eval_greedy_pass": sums["greedy_pass"] / n,
             "eval_sampled_reward": sums["sampled_reward"] / n, f"eval_pass@{samples}": sums["pass_k"] / n}
+
+
+# ---- the fixed probe (--probe_every): route drift on the same prompts ------------------------------
+@dataclasses.dataclass
+class Probe:
+    """The fixed probe set (--probe_every): K prompts drawn once, and the first probe's sequences with
+    the trainer's routes of them then (what route drift is measured against)."""
+    prompts: list[list[int]]
+    first: "Batch | None" = None
+    first_routes: "torch.Tensor | None" = None     # (K, T, n_moe, k)
+
+
+def probe(run, step: int) -> dict:
+    """--probe_every=N: every N steps the probe prompts are rolled out greedily by the current weights
+    and re-scored by the trainer: probe_* is the audit of that rollout (as the step's), and
+    probe_route_drift the share of (token, layer) of the first probe's sequences whose top-k set the
+    current weights change. Drawing the prompts leaves the task's own stream where it was.
+    run: train.Run (its configs, task, sampler, policy)."""
+    import torch
+    import replay
+    from packing import make_batch
+    tcfg = run.tcfg
+    if not tcfg.probe_every or (step + 1) % tcfg.probe_every:
+        return {}
+    if run.probe is None:
+        state = run.task.state_dict()
+        run.probe = Probe([ex.prompt for ex in run.task.sample(tcfg.probe_prompts)])
+        run.task.load_state_dict(state)
+    run.policy.refresh()
+    outs = run.sampler.generate(run.probe.prompts, max_new_tokens=run.rcfg.max_new_tokens or run.task.max_new_tokens,
+                                temperature=0.0,
+                                stop_token_ids=run.task.stop_token_ids, progress=False)
+    batch = make_batch(outs, torch.zeros(len(outs)))
+    logp, routes, detail = probe_score(run, batch.tokens)
+    E = run.policy.full.config.num_experts
+    row = {**replay.mismatch_metrics(logp, batch.rollout_logp, batch.mask),
+           **replay.route_audit(batch.routes, routes, batch.route_mask, E, detail)}
+    if run.probe.first is None:
+        run.probe.first, run.probe.first_routes = batch, routes
+    _, now, _ = probe_score(run, run.probe.first.tokens)
+    row["route_drift"] = replay.route_drift(run.probe.first_routes, now, run.probe.first.route_mask)
+    return {f"probe_{k}": v for k, v in row.items()}
+
+
+def probe_score(run, tokens):
+    """The trainer's own forward of the probe (no replay), at the greedy rollout's temperature 0."""
+    import torch
+    from model import RouteDetail
+    with torch.no_grad():
+        logp, routes, detail = run.policy.full.score(tokens.to(run.d.device), temperature=0.0, check=False,
+                                                     route_detail=True)
+    return logp.float().cpu(), routes.cpu(), RouteDetail(detail.weights.cpu(), detail.margin.cpu(), detail.entropy.cpu())
 
 
 def format_result(result: dict) -> str:

@@ -1,13 +1,14 @@
 """The RL objectives as tables: policy losses, aggregations, off-policy corrections, KL estimators.
 
-    from losses import LOSSES, policy_loss, aggregate, correction_weights
-    loss_tok, clipped = policy_loss(logp, old_logp, adv, mask, cfg)      # (B, T) each
-    loss = aggregate(loss_tok * weights, mask, cfg.aggregation, n_tokens, n_seqs, max_new_tokens)
+    from losses import Normalisers, correction_weights, token_objective
+    w = correction_weights(old_logp, rollout_logp, mask, cfg)            # (B, T), no gradient
+    loss, clipped = token_objective(logp, old_logp, adv, mask, cfg, Normalisers(n_tok, n_seq, T), weights=(w,))
 
 Every tensor is (B, T) (a sequence per row, a response token per column, `mask` 1 on response tokens)
 unless said otherwise; adv is (B,). The formulas are written out in docs/design.md ("RL losses"). A new
 loss, aggregation or correction is one function and one table entry: config validation, the training
-loop and the tests all read these tables.
+loop and the tests all read these tables. `token_objective` composes one micro-batch's loss from them
+(the route filter's weights come from replay.py).
 """
 from __future__ import annotations
 
@@ -102,11 +103,13 @@ class Loss:
     fn: Callable
     aggregation: str              # what --agg=auto resolves to (the paper's)
     per_sequence: bool = False    # defined with the per-sequence mean only: other --agg values are refused
+    weighted: Callable | None = None   # the form that carries per-token weights, if fn does not (GSPO: its
+                                       # token form, equal values; see token_objective)
 
 
 LOSSES: dict[str, Loss] = {
     "grpo": Loss(grpo_loss, "token_mean"),
-    "gspo": Loss(gspo_loss, "seq_mean_token_mean", per_sequence=True),
+    "gspo": Loss(gspo_loss, "seq_mean_token_mean", per_sequence=True, weighted=gspo_token_loss),
     "gspo_token": Loss(gspo_token_loss, "seq_mean_token_mean", per_sequence=True),
     "sapo": Loss(sapo_loss, "seq_mean_token_mean"),      # averaged per sequence, then over sequences
     "cispo": Loss(cispo_loss, "token_mean"),
@@ -132,6 +135,37 @@ AGGREGATIONS: dict[str, Callable] = {
 
 def aggregate(loss_tok, mask, agg: str, n_tokens: int, n_seqs: int, max_new_tokens: int) -> torch.Tensor:
     return AGGREGATIONS[agg](loss_tok, mask, n_tokens, n_seqs, max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the per-token objective, composed once
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Normalisers:
+    """What a micro-batch's loss is divided by: the global minibatch's counts, so micro-batches and ranks add up."""
+    tokens: float                 # loss tokens in the minibatch, over every rank
+    sequences: int                # sequences in the minibatch, over every rank
+    max_new_tokens: int           # drgrpo's constant
+
+
+def token_objective(logp, old_logp, adv, mask, cfg, norm: Normalisers, weights=(), ref_logp=None):
+    """The loss of one micro-batch, and its (B, T) bool of clipped tokens.
+
+    policy loss (cfg.loss) -> times each per-token weight in `weights` in turn (the correction's
+    importance weights, the route filter's; (B, T) each, no gradient) -> plus kl_coef times the KL to the
+    reference (ref_logp given) -> aggregated (cfg.aggregation) with the minibatch's normalisers.
+    A loss whose gradient reaches a token only through a shared sequence ratio (GSPO) cannot carry a
+    weight per token: multiplied afterwards, every token would get its sequence's mean weight (a token
+    IcePop zeroes would still get gradient). With weights it runs its `weighted` form (GSPO-token: the
+    same values, the gradient per token), so each token's gradient carries its own weight."""
+    loss = LOSSES[cfg.loss]
+    fn = loss.weighted if weights and loss.weighted is not None else loss.fn
+    loss_tok, clipped = fn(logp, old_logp, adv[:, None], mask, cfg)
+    for w in weights:
+        loss_tok = loss_tok * w
+    if ref_logp is not None:
+        loss_tok = loss_tok + cfg.kl_coef * kl_penalty(logp, ref_logp, cfg.kl_estimator)
+    return aggregate(loss_tok, mask, cfg.aggregation, norm.tokens, norm.sequences, norm.max_new_tokens), clipped
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,28 +209,6 @@ def correction_weights(old_logp, rollout_logp, mask, cfg) -> torch.Tensor:
 def rejects(cfg) -> bool:
     """Whether cfg.correction can give a token weight 0 (then --rejected_tokens decides what else it loses)."""
     return cfg.correction.removeprefix("seq_") in REJECTING
-
-
-# ---------------------------------------------------------------------------------------------------
-# route-consistency filter: the cheaper alternative to R3
-# ---------------------------------------------------------------------------------------------------
-def route_filter_weights(overlap: torch.Tensor, mode: str, threshold: float, level: str = "token",
-                         mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token loss weights (B, T) from each token's top-k overlap (B, T) (audit.token_overlap: the
-    rollout's experts against the trainer's, averaged over MoE layers). mask: 0 for tokens whose overlap
-    is below the threshold; downweight: their loss times the overlap.
-    level "sequence": the same rule on each response's mean overlap over its tokens (mask (B, T), the
-    response tokens), applied to all its tokens. Without a mismatch every overlap is 1: weights all 1."""
-    if level == "sequence":
-        m = mask.to(overlap.dtype)
-        mean = (overlap * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)   # (B, 1)
-        overlap = torch.where(m.sum(-1, keepdim=True) > 0, mean, 1.0).expand_as(overlap)
-    below = overlap < threshold
-    if mode == "mask":
-        return (~below).float()
-    if mode == "downweight":
-        return torch.where(below, overlap, 1.0)
-    return torch.ones_like(overlap)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts transformer (Qwen3-MoE semantics), its checkpoints (via hf.py), and route record/replay.
+"""The Mixture-of-Experts transformer (Qwen3-MoE semantics), its checkpoints (via hf.py), and forced routes.
 
     from config import ModelConfig
     from model import Transformer
@@ -223,39 +223,6 @@ class MLP(nn.Module):
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-def expert_map_fault(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """The expert_map fault: ids read through a table that swaps the first and the last expert, as an
-    engine whose placement table disagrees with where the weights are (across EP ranks at every
-    contiguous placement) would compute them. ids (M, k) -> (M, k), the same ids otherwise."""
-    first, last = ids == 0, ids == n_experts - 1
-    return torch.where(first, n_experts - 1, torch.where(last, 0, ids))
-
-
-def fault_inputs(fault: str, bias: torch.Tensor | None, norm_topk_prob: bool):
-    """The bias and norm_topk_prob that kernels.route gets under a router fault."""
-    if fault == "no_bias":
-        bias = None
-    elif fault == "bias_sign":
-        bias = -bias
-    elif fault == "no_renorm":
-        norm_topk_prob = False
-    return bias, norm_topk_prob
-
-
-def biased_weights(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor, norm_topk_prob: bool, *,
-                   scoring: str, scaling: float, **_) -> torch.Tensor:
-    """The bias_in_weights fault: kernels.route's combine weights, but of the biased scores.
-    logits (M, E), ids (M, k) -> weights (M, k) fp32."""
-    probs = torch.softmax(logits.float(), dim=-1) if scoring == "softmax" else kernels.sigmoid(logits)
-    weights = (probs + bias.float()).gather(-1, ids)
-    if norm_topk_prob:
-        total = weights[:, 0]
-        for j in range(1, weights.shape[1]):                          # k ascending, as route
-            total = total + weights[:, j]
-        weights = weights / (total[:, None] + (1e-20 if scoring == "sigmoid" else 0.0))
-    return weights * scaling if scaling != 1.0 else weights
-
-
 class CapacityLimit:
     """--train_capacity_factor: under `with capacity_limit(limit):` each MoE layer's forward lets every
     expert take at most ceil(factor * M * k / E) of its M tokens' (token, slot) rows, kept in slot order
@@ -298,13 +265,14 @@ class MoE(nn.Module):
 
     The router (`gate`) may hold `gate.e_score_correction_bias` (E,): a buffer, not a parameter, because
     the optimizer must not train it (it moves only by --expert_bias_update_rate's balancing rule); it is
-    state all the same, saved in checkpoints and copied wherever weights are synced (train.py).
+    state all the same, saved in checkpoints and copied wherever weights are synced (distributed.Policy).
 
     Output = routed + shared, added in this order in the model dtype: routed is moe_experts' fp32
     combine over k rounded to the model dtype; shared is the ungated MLP (GLM / DeepSeek, width
     n_shared_experts * moe_intermediate_size) or, for Qwen2-MoE, sigmoid(shared_expert_gate x) (fp32,
     row-invariant) times the shared MLP, multiplied in fp32 and rounded. transformers adds them in this
-    order too.
+    order too. The router (`route`) and the routed experts (`experts`) are methods of their own: the
+    mismatch lab's router faults (lab.py) override them on the rollout's copy, never here.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -327,42 +295,45 @@ class MoE(nn.Module):
         # expert_parallel.ExpertParallel when w13 / w2 hold only this rank's E/N experts (shard_experts)
         self.ep = None
         self.n_experts = E
-        self.router_fault = "none"     # ROUTER_FAULTS: set on the mismatch lab's rollout copy only
 
     def forward(self, x, forced_ids=None, detail: list | None = None):
         """x (B, T, D) -> (B, T, D) and the router's own top-k ids (B, T, k). detail: a list to append
         this layer's route detail to, (weights (B, T, k), margin (B, T), entropy (B, T)) (RouteDetail)."""
         B, T, D = x.shape
         x2 = x.reshape(B * T, D)                                # (M, D)
-        logits = self.gate(x2)                                  # (M, E) in the router's dtype (Router)
-        # the bias is applied in the logits' dtype
-        bias = getattr(self.gate, "e_score_correction_bias", None)
-        bias = None if bias is None else bias.to(logits.dtype)
-        norm = self.norm_topk_prob
-        if self.router_fault != "none":                         # the lab's wrong rollout router
-            bias, norm = fault_inputs(self.router_fault, bias, norm)
-        ids, weights, chosen, *extra = kernels.route(logits, self.top_k, norm,
-                                                     None if forced_ids is None else forced_ids.reshape(B * T, -1),
-                                                     bias=bias, detail=detail is not None, **self.route_kw)
-        if self.router_fault == "bias_in_weights":
-            weights = biased_weights(logits, ids, bias, norm, **self.route_kw)
+        forced = None if forced_ids is None else forced_ids.reshape(B * T, -1)
+        ids, weights, chosen, *extra = self.route(self.gate(x2), forced, detail is not None)
         if _capacity is not None:                               # trainer-side token dropping
             weights = _capacity.apply(ids, weights, self.n_experts)
         if detail is not None:                                  # the combine weights used, the margin, entropy
             margin, entropy = extra
             detail.append((weights.detach().view(B, T, -1), margin.view(B, T), entropy.view(B, T)))
-        if self.router_fault == "expert_map":                   # the lab's wrong expert table
-            ids = expert_map_fault(ids, self.n_experts)
-        if self.ep is None:
-            out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
-        else:                                                   # the same bits, experts on their owners
-            out = expert_parallel.moe_experts(x2, self.w13, self.w2, ids, weights, self.ep)
+        out = self.experts(x2, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         if self.shared_expert is not None:
             g = kernels.sigmoid(self.shared_expert_gate(x2))                 # (M, 1) fp32
             out = out + (g * self.shared_expert(x2).float()).to(x.dtype)
         return out.view(B, T, D), chosen.view(B, T, self.top_k)
+
+    def router_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
+        """The score-correction bias (in the logits' dtype, as it is applied) and norm_topk_prob."""
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        return (None if bias is None else bias.to(dtype)), self.norm_topk_prob
+
+    def route(self, logits: torch.Tensor, forced: torch.Tensor | None, detail: bool):
+        """The router over the gate's logits (M, E) in the router's dtype (Router): kernels.route's ids
+        used (M, k) (forced ones under replay), fp32 combine weights (M, k), the router's own choice
+        (M, k), and with detail the margin and entropy (M,) each."""
+        bias, norm = self.router_inputs(logits.dtype)
+        return kernels.route(logits, self.top_k, norm, forced, bias=bias, detail=detail, **self.route_kw)
+
+    def experts(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' fp32 combine over k of rows x2 (M, D), in x2's dtype: here, or on the
+        experts' owner ranks under EP (the same bits)."""
+        if self.ep is None:
+            return kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
+        return expert_parallel.moe_experts(x2, self.w13, self.w2, ids, weights, self.ep)
 
 
 class Block(nn.Module):
@@ -542,7 +513,7 @@ class Transformer(nn.Module):
         the bits of the padded forward. A log-prob at a sequence's last token is not one of its own.
         check: check tokens and routes first (ValueError / TypeError naming the problem). The checks
         read the inputs back to the host, a sync on a GPU: the trainer passes check=False for batches
-        it built and checked itself (train.make_batch, audit.pack_routes), keeping its forward pure.
+        it built and checked itself (train.make_batch, replay.pack_routes), keeping its forward pure.
         route_detail: also return the RouteDetail (B, T, ...) of the routes, last: (logp, routes,
         [entropy,] detail). The other outputs keep their bits.
         """

@@ -1,22 +1,26 @@
 """Packed micro-batches: several sequences in one row, each with positions from 0, attending only to itself.
 
-    from packing import Packing, pack
-    mbs = pack(lengths, micro_batch_tokens=4096)           # first fit decreasing: [MicroBatch(indices, packing)]
+    from packing import Packing, pack, micro_batches
+    mbs = pack(lengths, micro_batch_tokens=4096)           # first fit decreasing: [MicroBatch(rows, packing)]
     logp, routes = model.score(tokens, packing=mbs[0].packing)   # tokens (1, sum of its lengths)
     logp = mbs[0].packing.to_padded(logp)                  # back to (S, max length) right-padded
 
 Every kernel is row-invariant, so a packed forward gives each token the bits of the padded forward
 (tests/test_packing.py). Packing says where the sequences lie; PackedPages is the attention layout
 the forward builds from it (each sequence its own run of pages), packed_attention runs it through
-the same paged-attention kernel the sampler uses.
+the same paged-attention kernel the sampler uses. The trainer's batch is laid out here too: the
+rollout's sequences right-padded (`make_batch`, `Batch`), then cut into micro-batches (`micro_batches`:
+packed by a token budget, or padded slices; `even_out`, `unpack`), so the layout of a training forward
+has one home.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 import kernels
+from replay import pack_routes
 
 
 @dataclass(frozen=True)
@@ -144,11 +148,12 @@ def packed_attention(q, k, v, pages: PackedPages, scale: float) -> torch.Tensor:
     return o.new_zeros(B * T, H, D).index_copy(0, pages.tokens, o).view(B, T, H, D)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class MicroBatch:
-    """One packed micro-batch: which sequences (indices into the batch, in packed order) and where."""
-    indices: tuple[int, ...]
-    packing: Packing
+    """One forward/backward: rows of the batch, in the forward's order, and, packed, where their
+    sequences lie (Packing.concat of their lengths, in that order)."""
+    rows: torch.Tensor               # (k,) int64
+    packing: Packing | None          # None: the rows' right-padded (k, T) tokens
 
 
 def pack(lengths, micro_batch_tokens: int) -> list[MicroBatch]:
@@ -158,7 +163,7 @@ def pack(lengths, micro_batch_tokens: int) -> list[MicroBatch]:
     count): sequences by length descending, ties by index; each goes into the first micro-batch with
     room for it, else opens a new one (first fit decreasing). A sequence longer than the budget gets a
     micro-batch of its own. First fit leaves at most one micro-batch half full or less. Inside a
-    micro-batch the sequences keep ascending index order.
+    micro-batch the sequences keep ascending index order; rows are indices into `lengths`.
     """
     if micro_batch_tokens < 1:
         raise ValueError(f"micro_batch_tokens={micro_batch_tokens}: need at least 1")
@@ -175,8 +180,92 @@ def pack(lengths, micro_batch_tokens: int) -> list[MicroBatch]:
         else:
             bins.append([i])
             used.append(n)
+    return [MicroBatch(torch.tensor(sorted(b)), Packing.concat([lengths[i] for i in sorted(b)])) for b in bins]
+
+
+# ---- the trainer's batch: the rollout's sequences, right-padded ------------------------------------
+@dataclass
+class Batch:
+    """The trainer's batch: the rollout's sequences right-padded, one a row."""
+    tokens: torch.Tensor          # (B, T) prompt + response, right-padded
+    mask: torch.Tensor            # (B, T-1) 1 where logp[:, j] scores a response token
+    rollout_logp: torch.Tensor    # (B, T-1)
+    routes: torch.Tensor          # (B, T, n_moe, k), -1 where unrecorded
+    route_mask: torch.Tensor      # (B, T) positions whose routes the rollout recorded
+    adv: torch.Tensor             # (B,)
+    lengths: torch.Tensor         # (B,) prompt + response tokens of each sequence
+
+    def select(self, idx):
+        return Batch(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+
+def make_batch(outs, adv: torch.Tensor) -> Batch:
+    """The sampler's outputs (rollout.SequenceOutput) as one right-padded batch: where the trainer's data
+    enters. Its tokens are the sampler's (prompts checked there, ids drawn from the model's vocabulary)
+    and replay.pack_routes checks that the routes fit them, so the trainer's forwards run without checks
+    that read tensors back."""
+    lengths = [len(o.prompt) + len(o.tokens) for o in outs]
+    B, T = len(outs), max(lengths)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T - 1)
+    rollout_logp = torch.zeros(B, T - 1)
+    route_mask = torch.zeros(B, T, dtype=torch.bool)
+    for i, o in enumerate(outs):
+        P, N = len(o.prompt), len(o.tokens)
+        tokens[i, :P + N] = torch.tensor(o.prompt + o.tokens)
+        mask[i, P - 1:P - 1 + N] = 1                                  # logp[:, j] scores tokens[:, j + 1]
+        rollout_logp[i, P - 1:P - 1 + N] = torch.tensor(o.logprobs, dtype=torch.float32)   # the fp32 bits, exactly
+        route_mask[i, :P + N - 1] = True
+    routes = pack_routes([o.routes for o in outs], lengths, T)
+    return Batch(tokens, mask, rollout_logp, routes, route_mask, adv, torch.tensor(lengths))
+
+
+# ---- the trainer's micro-batches: whole sequences packed by a token budget, or padded slices ---------
+# A packed micro-batch puts its sequences back to back in one row, each with its own positions and
+# attending only to itself, so no position is padding and every token gets the padded forward's bits.
+# Its results are laid back per sequence, right-padded to the batch's width (unpack), so the loss math
+# (losses.token_objective with the minibatch's global normalisers) is the padded path's, unchanged.
+def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, micro_batch_tokens: int, micro_batch_size: int,
+                  padded_rows: int) -> list[MicroBatch]:
+    """rows (of a batch whose sequence lengths (B,) are given) as micro-batches.
+
+    Packed (micro_batch_tokens=N > 0): pack's first fit decreasing, each micro-batch at most N tokens (a
+    longer sequence alone) and, with micro_batch_size=S, at most S sequences. A function of the rows'
+    lengths and the config alone: the same micro-batches on every run, rank and rank count (under
+    torchrun, even_out then cuts a rank's to the count of the rank with the most).
+    Padded (micro_batch_tokens=0): consecutive slices of micro_batch_size rows, or of padded_rows if 0."""
+    if micro_batch_tokens == 0:
+        k = micro_batch_size or padded_rows
+        return [MicroBatch(rows[lo:lo + k], None) for lo in range(0, len(rows), k)]
+    n = lengths[rows].tolist()                                        # host tensors
     out = []
-    for b in bins:
-        b = sorted(b)
-        out.append(MicroBatch(tuple(b), Packing.concat([lengths[i] for i in b])))
+    for mb in pack(n, micro_batch_tokens):
+        ix = mb.rows.tolist()
+        cap = micro_batch_size or len(ix)                             # cut into pieces of at most S sequences
+        for lo in range(0, len(ix), cap):
+            part = ix[lo:lo + cap]
+            out.append(MicroBatch(rows[part], Packing.concat([n[i] for i in part])))
     return out
+
+
+def even_out(micros: list[MicroBatch], n: int) -> list[MicroBatch]:
+    """micros cut until there are n: the packed one with the most tokens (the first of equals) is halved,
+    again and again. Under torchrun every rank runs as many forwards (FSDP2 all-gathers the weights in
+    each); n is the most any rank packed, never more than a rank's sequences, so a cut always exists."""
+    micros = list(micros)
+    while len(micros) < n:
+        cuttable = [i for i, m in enumerate(micros) if len(m.rows) > 1]
+        j = max(cuttable, key=lambda i: (sum(micros[i].packing.lengths), -i))
+        m, h = micros[j], len(micros[j].rows) // 2
+        L = m.packing.lengths
+        micros[j:j + 1] = [MicroBatch(m.rows[:h], Packing.concat(L[:h])), MicroBatch(m.rows[h:], Packing.concat(L[h:]))]
+    return micros
+
+
+def unpack(packing: Packing, x: torch.Tensor, width: int, fill=0) -> torch.Tensor:
+    """A packed result (1, N - 1 or N, ...) laid out per sequence as the padded forward's: (k, width, ...),
+    `fill` past each sequence (a log-prob column a sequence does not own is masked, as padded)."""
+    y = packing.to_padded(x, fill)                                    # (k, longest, ...)
+    if y.shape[1] >= width:
+        return y[:, :width]
+    return torch.cat([y, y.new_full((y.shape[0], width - y.shape[1], *y.shape[2:]), fill)], dim=1)

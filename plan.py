@@ -143,7 +143,7 @@ def main(argv: list[str]) -> str:
     quantized = rcfg.rollout_dtype in QUANT_FORMATS                     # stored in --dtype, dequantized
     sampler_dtype = tcfg.dtype if quantized else rcfg.rollout_dtype or tcfg.dtype
     sampler_bytes = nbytes[sampler_dtype]
-    lab_copy = quantized or sampler_dtype != tcfg.dtype or rcfg.rollout_router_fault != "none"   # train.build_weights
+    lab_copy = quantized or sampler_dtype != tcfg.dtype or rcfg.rollout_router_fault != "none"   # lab.rollout_copy
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * sampler_bytes
     plan = memory_plan(parameter_shapes(cfg), world, tcfg.parallel, tcfg.expert_parallel, dtype_bytes,
                        sampler_bytes, kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size,

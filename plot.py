@@ -34,7 +34,7 @@ PANELS = [
     ("entropy", "entropy of softmax(logits / T)", "linear"),
     ("route_flip_frac_by_margin", "route flips by trainer margin", "symlog"),
 ]
-# a list metric: one line per bin, told apart by line style (audit.MARGIN_BINS)
+# a list metric: one line per bin, told apart by line style (replay.MARGIN_BINS)
 BIN_STYLES = {"route_flip_frac_by_margin": (("-", "< 1e-4"), ("--", "< 1e-3"), (":", "< 1e-2"), ("-.", ">= 1e-2"))}
 
 

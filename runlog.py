@@ -6,10 +6,11 @@
 
 metrics.jsonl is the record of a run; --log_to=tensorboard|wandb gets a copy of each row, and
 --progress=false prints a line every --log_every steps. --log_samples=N writes responses to
-samples.jsonl; routes.jsonl and diagnostics.jsonl are appended through append_jsonl (train.log_routes).
+samples.jsonl; routes.jsonl and diagnostics.jsonl are appended through append_jsonl (log_routes).
 A SIGINT / SIGTERM asks the loop to stop after the step under way (StopRequest, stop_requested,
-Interrupted); under torchrun a rank's reason to exit goes to its error file (tell_launcher). The
-functions take train.py's Run as `run` (its configs, ranks, task and outputs).
+Interrupted); under torchrun a rank's reason to exit goes to its error file (tell_launcher); `run_cli`
+is the command line's frame (one `error:` line per mistake, exit 1 / 130 / 143). The functions take
+train.py's Run as `run` (its configs, ranks, task and outputs).
 """
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ from tqdm.auto import tqdm
 
 import hf
 import plan
-from checkpoint import latest_checkpoint, trim_metrics
+import replay
+from checkpoint import RunError, latest_checkpoint, trim_metrics
 from config import ConfigError, TrainConfig
-from distributed import Dist
-from tasks import generation_line, make_task
+from distributed import Dist, all_cat
+from hf import CheckpointError
+from tasks import TaskError, generation_line, make_task
 
 
 # ---- the run's outputs besides metrics.jsonl -------------------------------------------------------
@@ -76,7 +79,7 @@ def export_identity(tcfg: TrainConfig, task) -> hf.Identity:
 def banner(run, max_new: int) -> str:
     """The start of a run in two lines: what trains where, and what the rollout stops on (at most
     max_new tokens)."""
-    tcfg, cfg, d = run.tcfg, run.weights.full.config, run.d
+    tcfg, cfg, d = run.tcfg, run.policy.full.config, run.d
     n_params = sum(math.prod(shape) for shape, _ in plan.parameter_shapes(cfg))   # the whole model, also under EP
     moe = f", {cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else ""
     where = f"{d.device}" + (f" x {d.world} ranks ({tcfg.parallel})" if d.world > 1 else "")
@@ -145,6 +148,28 @@ def append_jsonl(run, step: int, name: str, rows: list[dict]) -> None:
     if rows:
         with open(path, "a") as f:
             f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
+
+
+def log_routes(run, step: int, batch, outs, rewards, audited) -> None:
+    """The per-expert load histograms of the step (routes.jsonl, at logged steps, summed over ranks)
+    and, with --diagnostics=N, the step's most mismatched sequences (diagnostics.jsonl,
+    replay.diagnostics). batch: train.Batch; audited: the train.Scored forward the step's audit used."""
+    rows, E = audited.rows, run.policy.master.config.num_experts
+    if is_log_step(run, step):
+        m = batch.route_mask[rows]
+        loads = torch.stack([replay.expert_load(batch.routes[rows][m], E), replay.expert_load(audited.routes[m], E)])
+        loads = all_cat(loads[None], run.d).sum(0)                    # (2, n_moe, E) over every rank
+        append_jsonl(run, step, "routes.jsonl", [{"step": step + 1, "expert_load_rollout": loads[0].tolist(),
+                                                  "expert_load_train": loads[1].tolist()}])
+    if run.tcfg.diagnostics:
+        found = replay.diagnostics(step + 1, outs, rows, audited.logp, audited.routes, batch.routes[rows],
+                                   rewards, run.tcfg.diagnostics, decode=getattr(run.task, "decode", None),
+                                   train_margin=None if audited.detail is None else audited.detail.margin)
+        if run.d.world > 1:
+            every = [None] * run.d.world
+            dist.all_gather_object(every, found)
+            found = [r for part in every for r in part]
+        append_jsonl(run, step, "diagnostics.jsonl", found)
 
 
 class Logger:
@@ -266,3 +291,40 @@ def tell_launcher(line: str) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+
+
+# ---- the command line: one line per mistake, an exit status per outcome -----------------------------
+LAUNCHER_GRACE_S = 10.0     # a rank but 0, on a mistake, waits this long for rank 0 to print it first
+
+
+def run_cli(main, argv: list[str]) -> None:
+    """main(argv), with user mistakes and stopped runs as one line `error: ...` and exit status 1, no
+    traceback; under torchrun rank 0 alone prints it (every rank meets the same mistake), every rank exits 1
+    and tells torchrun why (`tell_launcher`). The other ranks first give rank 0 up to LAUNCHER_GRACE_S to
+    print and fail: torchrun stops every rank once one has failed, and a rank 0 still importing when a
+    faster rank failed would be stopped before its line.
+    SIGINT / SIGTERM save the last whole step and exit 130 / 143 (128 + the signal's number)."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    handlers = {sig: signal.signal(sig, StopRequest.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        main(argv)
+    except (ConfigError, CheckpointError, RunError, TaskError) as e:
+        tell_launcher(f"error: {e}")
+        if not rank0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)             # torchrun's stop ends the wait
+            time.sleep(LAUNCHER_GRACE_S)
+        sys.exit(f"error: {e}" if rank0 else 1)
+    except Interrupted as e:
+        tell_launcher(f"interrupted at step {e.step}; resume with --resume=true")
+        if rank0:
+            print(f"interrupted at step {e.step}; resume with --resume=true", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:                                         # a second signal, or one before the loop
+        if rank0:
+            print("interrupted; the step under way is not saved (the last checkpoint, if any, is kept)",
+                  file=sys.stderr, flush=True)
+        sys.exit(128 + (StopRequest.signum or signal.SIGINT))
+    finally:
+        StopRequest.signum = 0
+        for sig, h in handlers.items():
+            signal.signal(sig, h)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import ModelConfig                                    # noqa: E402
 import expert_parallel                                            # noqa: E402
+import lab                                                        # noqa: E402
 from expert_parallel import Placement, gather_experts, init_expert_parallel, shard_experts   # noqa: E402
 from model import Transformer                                     # noqa: E402
 
@@ -131,9 +132,7 @@ def check_expert_map_fault(cfg):
     whole = Transformer(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (4, 12), generator=torch.Generator().manual_seed(3))
     right = whole.score(tokens)
-    for layer in whole.layers:
-        if layer.is_moe:
-            layer.mlp.router_fault = "expert_map"
+    lab.set_router_fault(whole, "expert_map")
     wrong = whole.score(tokens)
     sharded = shard_experts(copy.deepcopy(whole), init_expert_parallel(2, n_experts=cfg.num_experts))
     b = slice(2 * (dist.get_rank() % 2), 2 * (dist.get_rank() % 2) + 2)

@@ -143,7 +143,7 @@ def test_train_config_names_the_bad_field(overrides, needle):
     assert needle in str(e.value)
     tcfg, rcfg = TrainConfig(), RolloutConfig()                       # control: good values pass
     apply_overrides({"steps": "1", "device": "cuda:1", "lr": "0.5", "task": "reverse", "lr_schedule": "halving",
-                     "lr_decay_period": "3", "router_lr_scale": "0", "correction": "seq_mis", "seq_rho": "product",
+                     "lr_decay_period": "3", "router_lr_scale": "0", "correction": "seq_mis", "recompute_old_logp": "true", "seq_rho": "product",
                      "gspo_log_ratio_max": "10", "kl_estimator": "k3_clamped"}, tcfg, rcfg)
 
 

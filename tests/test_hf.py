@@ -28,7 +28,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import distributed
 import kernels
+import lab
 import train
 from conftest import (FAMILY_HF, assert_contract, assert_same_weights, hf_classes, load_hf, load_hf_auto,
                       make_hf_family, make_model, rel_err, tiny_config)
@@ -915,7 +917,7 @@ def sigmoid_model():
 
 def test_lower_precision_copy_and_digest_carry_the_bias():
     model = sigmoid_model()
-    rollout, sync = train.lower_precision_copy(model, torch.bfloat16, lambda: None)
+    rollout, sync = lab.lower_precision_copy(model, torch.bfloat16, lambda: None)
     bias = model.layers[1].mlp.gate.e_score_correction_bias
     with torch.no_grad():
         bias.copy_(torch.tensor([0.3001, -0.1, 0, 0, 0, 0, 0, 0.7]))
@@ -933,14 +935,14 @@ def test_lower_precision_copy_and_digest_carry_the_bias():
 def test_expert_load_and_bias_update():
     routes = torch.tensor([[[[0, 1]], [[0, 2]], [[3, 0]], [[1, 2]]]])   # (B=1, T=4, n_moe=1, k=2)
     mask = torch.tensor([[1, 1, 0]])                                    # positions 0 and 1 score responses
-    from audit import expert_load
+    from replay import expert_load
     load = expert_load(routes[:, :-1][mask.bool()], 4)                 # the update's positions (train.update)
     assert load.tolist() == [[2, 1, 1, 0]]
     model = sigmoid_model()
     E = model.config.num_experts
     load = torch.zeros(len(model.config.moe_layers), E, dtype=torch.long)
     load[:, 0], load[:, 1], load[:, 2] = 10, 3, 1                      # mean 2: 0 and 1 busy, the rest idle
-    train.update_expert_bias(model, load, 0.01, train.Dist(0, 1, torch.device("cpu")))
+    distributed.update_expert_bias(model, load, 0.01, distributed.Dist(0, 1, torch.device("cpu")))
     for i in model.config.moe_layers:
         b = model.layers[i].mlp.gate.e_score_correction_bias
         assert torch.equal(b, torch.tensor([-0.01, -0.01] + [0.01] * (E - 2)))   # one step of rate each

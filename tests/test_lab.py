@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kernels
+import lab
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
 from model import Transformer
@@ -169,7 +170,7 @@ def test_true_entropy_is_logged_beside_the_sampled_logprob():
 
 # ---- quantized rollouts, router faults, trainer-side token dropping, the dense control --------------
 def test_fake_quantize_by_hand():
-    from distributed import fake_quantize
+    from lab import fake_quantize
     # scales chosen as powers of two, so every expected value is exact: int8 absmax 127/16, fp8 448/16
     w = torch.tensor([[127 / 16, 0.1, -3.03], [0.0, 0.0, 0.0]])
     assert torch.equal(fake_quantize(w, "int8"), torch.tensor([[127 / 16, 2 / 16, -48 / 16], [0.0, 0.0, 0.0]]))
@@ -185,7 +186,7 @@ def test_fake_quantize_by_hand():
 
 
 def test_quantized_rollout_has_a_mismatch_and_the_trainer_stays_exact():
-    from distributed import quantized_copy
+    from lab import quantized_copy
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     q, sync = quantized_copy(model, "int8", lambda: None)
@@ -209,7 +210,7 @@ def test_quantized_rollout_has_a_mismatch_and_the_trainer_stays_exact():
 
 
 def _fq(w):
-    from distributed import fake_quantize
+    from lab import fake_quantize
     return fake_quantize(w, "int8")
 
 
@@ -241,7 +242,7 @@ def _route_seen(moe, x):
 def test_router_fault_vs_hand_computed_routing(fault):
     moe = _sigmoid_moe()
     x = torch.randn(1, 6, 16)
-    moe.router_fault = fault
+    lab.set_layer_fault(moe, fault)
     ids, weights = _route_seen(moe, x)
     scores = 1 / (1 + torch.exp(-(x[0] @ moe.gate.weight.T)))                      # (6, 4) by hand
     bias = moe.gate.e_score_correction_bias
@@ -253,7 +254,7 @@ def test_router_fault_vs_hand_computed_routing(fault):
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, w, rtol=1e-6, atol=1e-7)
     if fault != "none":                                                           # each fault changes something
-        moe.router_fault = "none"
+        lab.set_layer_fault(moe, "none")
         right_ids, right_w = _route_seen(moe, x)
         assert not (torch.equal(right_ids, ids) and torch.equal(right_w, weights))
 
@@ -263,7 +264,7 @@ def test_expert_map_fault_sends_the_right_routes_to_the_wrong_experts():
     x = torch.randn(1, 6, 16)
     right_ids, right_w = _route_seen(moe, x)
     out, routes = moe(x)
-    moe.router_fault = "expert_map"
+    lab.set_layer_fault(moe, "expert_map")
     ids, weights = _route_seen(moe, x)
     swap = torch.tensor([3, 1, 2, 0])                                             # experts 0 and E-1 trade places
     assert torch.equal(ids, swap[right_ids]) and torch.equal(weights, right_w)
@@ -275,12 +276,12 @@ def test_expert_map_fault_sends_the_right_routes_to_the_wrong_experts():
 
 def test_router_fault_is_on_the_rollout_copy_only(tmp_path):
     model = Transformer(ModelConfig.preset("tiny-sigmoid"))
-    rollout, _ = train.faulty_router_copy(model, model, "bias_sign", lambda: None)
+    rollout, _ = lab.router_fault_copy(model, model, "bias_sign", lambda: None)
     assert rollout is not model
-    assert {l.mlp.router_fault for l in model.layers if l.is_moe} == {"none"}
-    assert {l.mlp.router_fault for l in rollout.layers if l.is_moe} == {"bias_sign"}
+    assert {lab.router_fault_of(l.mlp) for l in model.layers if l.is_moe} == {"none"}
+    assert {lab.router_fault_of(l.mlp) for l in rollout.layers if l.is_moe} == {"bias_sign"}
     with pytest.raises(ConfigError, match="score-correction bias"):
-        train.faulty_router_copy(_model(), _model(), "no_bias", lambda: None)
+        lab.router_fault_copy(_model(), _model(), "no_bias", lambda: None)
     hist = _run(tmp_path, ["--init_from=tiny-sigmoid", "--rollout_router_fault=no_renorm", "--recompute_old_logp=true"])
     assert hist[0]["logp_max_abs_diff"] > 0                                      # the rollout's weights were wrong
 

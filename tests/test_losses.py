@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import losses
+import replay
 from config import ConfigError, TrainConfig
 
 
 def cfg(**kw) -> TrainConfig:
-    return TrainConfig(**kw)
+    """A TrainConfig; the corrections need the recomputed old log-probs, so they are on."""
+    return TrainConfig(**{"recompute_old_logp": True, **kw})
 
 
 def test_tables_drive_config_validation():
@@ -163,7 +165,7 @@ def _grad(name, logp0, old, mask, adv):
 
 
 @pytest.mark.parametrize("scale", [3e-4, 0.05, 30.0])      # inside the clip, clipped, past the +-20 clamp
-def test_gspo_and_gspo_token_gradients_are_equal_everywhere(scale):
+def test_gspo_and_gspo_token_gradients_are_equal_without_token_weights(scale):
     g = torch.Generator().manual_seed(3)
     logp0 = -torch.rand(6, 5, generator=g) * 3
     old = logp0 + scale * torch.randn(6, 5, generator=g)
@@ -176,6 +178,39 @@ def test_gspo_and_gspo_token_gradients_are_equal_everywhere(scale):
     if scale == 30.0:
         m = losses.seq_mean(logp0 - old, mask)
         assert (m.abs() > 20).any() and torch.equal(ga[m.abs() > 20], torch.zeros_like(ga[m.abs() > 20]))
+
+
+def test_gspo_gives_each_token_its_own_weight_by_hand():
+    """--loss=gspo with per-token weights (a token correction, the route filter): each token's gradient
+    carries its own weight, so a token IcePop zeroes gets none. By hand, inside the clip, for
+    seq_mean_token_mean: d loss / d logp_t = -A_i s_i w_t / (|y_i| n_seq). The value is GSPO's."""
+    g = torch.Generator().manual_seed(7)
+    B, T = 3, 5
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.float32)
+    logp = (-torch.rand(B, T, generator=g)).requires_grad_()
+    old = logp.detach() + 1e-5 * torch.randn(B, T, generator=g)     # s_i within 1e-4 of 1: inside the clip
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    w = torch.rand(B, T, generator=g) + 0.5
+    w[0, 1] = w[1, 3] = 0.0                                          # tokens a band rejects
+    c, norm = cfg(loss="gspo"), losses.Normalisers(float(mask.sum()), B, T)
+    loss, _ = losses.token_objective(logp, old, adv, mask, c, norm, weights=(w,))
+    grad, = torch.autograd.grad(loss, logp)
+    s = torch.exp(losses.seq_mean(logp.detach() - old, mask))        # (B,)
+    want = -(adv * s)[:, None] * w * mask / (mask.sum(-1, keepdim=True) * B)
+    assert torch.allclose(grad, want, rtol=1e-6, atol=1e-9)
+    assert grad[0, 1] == 0 and grad[1, 3] == 0 and (grad[mask.bool() & (w > 0)] != 0).all()
+    seq_form = losses.gspo_loss(logp, old, adv[:, None], mask, c)[0] * w      # the sequence form's value ...
+    value = losses.aggregate(seq_form, mask, c.aggregation, norm.tokens, B, T)
+    assert torch.equal(loss.detach(), value.detach())                # ... is the objective's, bit for bit
+    # control: the sequence form with the weights multiplied after it gives each token its sequence's mean weight
+    bad, = torch.autograd.grad(value, logp)
+    mean_w = losses.seq_mean(w, mask)
+    assert bad[0, 1] != 0 and torch.allclose(bad, -(adv * s * mean_w)[:, None] * mask / (mask.sum(-1, keepdim=True) * B),
+                                             rtol=1e-6, atol=1e-9)
+    # without weights the objective is the sequence form itself (GSPO's own gradient)
+    plain, _ = losses.token_objective(logp, old, adv, mask, c, norm)
+    g_plain, = torch.autograd.grad(plain, logp)
+    assert torch.allclose(g_plain, -(adv * s)[:, None] * mask / (mask.sum(-1, keepdim=True) * B), rtol=1e-6, atol=1e-9)
 
 
 def test_each_correction_by_hand():
@@ -245,11 +280,11 @@ def test_gspo_log_ratio_max_and_k3_clamped_by_hand():
 
 
 def test_route_filter_by_hand():
-    ov = torch.tensor([[0.75, 0.5]])                               # each token's overlap (audit.token_overlap)
-    assert torch.equal(losses.route_filter_weights(ov, "mask", 0.6), torch.tensor([[1.0, 0.0]]))
-    assert torch.equal(losses.route_filter_weights(ov, "downweight", 0.6), torch.tensor([[1.0, 0.5]]))
-    assert torch.equal(losses.route_filter_weights(ov, "none", 0.6), torch.ones(1, 2))
-    assert torch.equal(losses.route_filter_weights(torch.ones(1, 2), "mask", 0.6), torch.ones(1, 2))   # no flips: 1
+    ov = torch.tensor([[0.75, 0.5]])                               # each token's overlap (replay.token_overlap)
+    assert torch.equal(replay.route_filter_weights(ov, "mask", 0.6), torch.tensor([[1.0, 0.0]]))
+    assert torch.equal(replay.route_filter_weights(ov, "downweight", 0.6), torch.tensor([[1.0, 0.5]]))
+    assert torch.equal(replay.route_filter_weights(ov, "none", 0.6), torch.ones(1, 2))
+    assert torch.equal(replay.route_filter_weights(torch.ones(1, 2), "mask", 0.6), torch.ones(1, 2))   # no flips: 1
 
 
 def test_sequence_route_filter_by_hand():
@@ -257,16 +292,16 @@ def test_sequence_route_filter_by_hand():
     tokens (1, 0.5, 1) -> mean 5/6; row 1: (0.25, 0.25) -> 1/4; the padding (mask 0) does not count."""
     ov = torch.tensor([[1.0, 0.5, 1.0, 0.0], [0.25, 0.25, 1.0, 1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
-    w = losses.route_filter_weights(ov, "mask", 0.6, "sequence", mask)
+    w = replay.route_filter_weights(ov, "mask", 0.6, "sequence", mask)
     assert torch.equal(w, torch.tensor([[1.0] * 4, [0.0] * 4]))
-    w = losses.route_filter_weights(ov, "downweight", 0.9, "sequence", mask)
+    w = replay.route_filter_weights(ov, "downweight", 0.9, "sequence", mask)
     assert torch.allclose(w[0], torch.full((4,), 5 / 6)) and torch.allclose(w[1], torch.full((4,), 0.25))
     # the token level on the same input masks row 0's second token: the two levels differ
-    assert losses.route_filter_weights(ov, "mask", 0.6)[0, 1] == 0
+    assert replay.route_filter_weights(ov, "mask", 0.6)[0, 1] == 0
     # no mismatch: exactly 1 everywhere, at any threshold, with a row without response tokens too
     ones, m = torch.ones(3, 5), torch.tensor([[1.0] * 5, [1, 1, 0, 0, 0], [0.0] * 5])
     for mode in ("mask", "downweight"):
-        assert torch.equal(losses.route_filter_weights(ones, mode, 1.0, "sequence", m), ones)
+        assert torch.equal(replay.route_filter_weights(ones, mode, 1.0, "sequence", m), ones)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -333,14 +368,14 @@ def _batch(seed=0, B=6, T=7):
 
 
 def _ours(c, logp0, old, mu, ref, adv, mask):
-    """The loss of train.py's update on one minibatch (weights, loss mask, KL, aggregation) and its gradient."""
+    """The loss of train.py's update on one minibatch (losses.token_objective: weights, loss mask, KL,
+    aggregation, as train.minibatch_step composes it) and its gradient."""
     logp = logp0.clone().requires_grad_(True)
-    w = losses.correction_weights(old, mu, mask, c)
+    w = losses.correction_weights(old, mu, mask, c) if c.correction != "none" else None
     m = mask * (w > 0) if c.rejected_tokens == "drop" and losses.rejects(c) else mask
-    L = losses.policy_loss(logp, old, adv, m, c)[0] * w
-    if c.kl_coef > 0:
-        L = L + c.kl_coef * losses.kl_penalty(logp, ref, c.kl_estimator)
-    loss = losses.aggregate(L, m, c.aggregation, int(m.sum()), mask.shape[0], mask.shape[1])
+    norm = losses.Normalisers(int(m.sum()), mask.shape[0], mask.shape[1])
+    loss, _ = losses.token_objective(logp, old, adv, m, c, norm, weights=() if w is None else (w,),
+                                     ref_logp=ref if c.kl_coef > 0 else None)
     loss.backward()
     return loss.detach(), logp.grad
 
@@ -382,6 +417,11 @@ VERL_CASES = {
                    ("vanilla", "token-mean", None, ("seq", 0.2, 2.0), None)),
     "gspo_reject": (dict(loss="gspo", gspo_log_ratio_max=10.0, correction="reject", rejected_tokens="drop"),
                     ("gspo", "seq-mean-token-mean", None, ("token", 0.2, 2.0), None)),
+    # GSPO with per-token weights: verl's token form carries each token's own weight, and so does ours
+    "gspo_tis": (dict(loss="gspo", gspo_log_ratio_max=10.0, correction="tis"),
+                 ("gspo", "seq-mean-token-mean", ("token", 2.0), None, None)),
+    "gspo_icepop": (dict(loss="gspo", gspo_log_ratio_max=10.0, correction="icepop"),
+                    ("gspo", "seq-mean-token-mean", ("token", 5.0, 0.5), None, None)),
 }
 
 

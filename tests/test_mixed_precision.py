@@ -144,12 +144,12 @@ def test_one_step_is_fp32_adamw_by_hand(preset):
 def test_trainer_and_sampler_read_one_copy(tmp_path):
     tcfg, rcfg = configs(f"--out_dir={tmp_path}", "--dtype=bfloat16", "--init_from=tiny-sigmoid")
     run = train.setup(tcfg, rcfg, Dist(0, 1, torch.device("cpu")))
-    assert run.sampler.model is run.weights.full and run.weights.scorer.model is run.weights.full
-    assert run.weights.rollout is run.weights.full                          # no second copy
-    assert all(p.dtype == torch.float32 for g in run.opt.param_groups for p in g["params"])
-    gate = run.weights.full.layers[1].mlp.gate
+    assert run.sampler.model is run.policy.full and run.policy.trainer.model is run.policy.full
+    assert run.policy.sampler is run.policy.full                          # no second copy
+    assert all(p.dtype == torch.float32 for g in run.policy.optimizer.param_groups for p in g["params"])
+    gate = run.policy.full.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32   # glm4_moe's fp32 router
-    assert run.weights.full.layers[1].mlp.w13.dtype == torch.bfloat16
+    assert run.policy.full.layers[1].mlp.w13.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-sigmoid"])

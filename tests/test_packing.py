@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from conftest import ROOT, make_model, rel_err, tiny_config
-from packing import Packing, pack
+from packing import Packing, even_out, micro_batches, pack
 from rollout import Sampler
 
 LENGTHS = [5, 17, 33, 1, 20, 16]       # across tiles, a one-token sequence, one exactly a tile
@@ -230,21 +230,21 @@ def lognormal_lengths(n, seed):
 def test_pack_is_deterministic_and_keeps_every_sequence_once():
     lengths = lognormal_lengths(64, seed=0)
     a, b = pack(lengths, 400), pack(list(lengths), 400)
-    assert a == b
-    assert sorted(i for mb in a for i in mb.indices) == list(range(64))
+    assert [(mb.rows.tolist(), mb.packing) for mb in a] == [(mb.rows.tolist(), mb.packing) for mb in b]
+    assert sorted(i for mb in a for i in mb.rows.tolist()) == list(range(64))
     for mb in a:
-        assert list(mb.indices) == sorted(mb.indices)
-        assert mb.packing.lengths == tuple(lengths[i] for i in mb.indices) and mb.packing.shape == (1, sum(mb.packing.lengths))
+        assert mb.rows.tolist() == sorted(mb.rows.tolist())
+        assert mb.packing.lengths == tuple(lengths[i] for i in mb.rows.tolist()) and mb.packing.shape == (1, sum(mb.packing.lengths))
 
 
 def test_pack_respects_the_budget_and_isolates_a_longer_sequence():
     lengths = [30, 500, 10, 90, 60, 40, 1]
     mbs = pack(lengths, 100)
     for mb in mbs:
-        assert sum(mb.packing.lengths) <= 100 or mb.indices == (1,)     # 500 > budget: alone
-    assert any(mb.indices == (1,) for mb in mbs)
+        assert sum(mb.packing.lengths) <= 100 or mb.rows.tolist() == [1]     # 500 > budget: alone
+    assert any(mb.rows.tolist() == [1] for mb in mbs)
     # by length 500, 90, 60, 40, 30, 10, 1: 500 alone; 90; 60 + 40; 30; 10 joins 90; 1 joins 30
-    assert [mb.indices for mb in mbs] == [(1,), (2, 3), (4, 5), (0, 6)]
+    assert [mb.rows.tolist() for mb in mbs] == [[1], [2, 3], [4, 5], [0, 6]]
 
 
 def test_pack_balances_and_ties_go_to_the_lower_index():
@@ -254,13 +254,13 @@ def test_pack_balances_and_ties_go_to_the_lower_index():
     fill = [sum(mb.packing.lengths) for mb in mbs]
     assert sum(f <= budget // 2 for f in fill) <= 1                  # first fit: at most one half-empty
     assert len(mbs) <= -(-sum(lengths) * 11 // (9 * budget)) + 1     # first fit decreasing: <= 11/9 OPT + 1
-    assert pack([7, 7, 7], 14)[0].indices == (0, 1) and pack([7, 7, 7], 14)[1].indices == (2,)
+    assert pack([7, 7, 7], 14)[0].rows.tolist() == [0, 1] and pack([7, 7, 7], 14)[1].rows.tolist() == [2]
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         pack([3], 0)
 
 
 # ---------------------------------------------------------------------------------------------------
-# the trainer packed (train.micro_batches, train.forward): the same loss math, the contract kept
+# the trainer packed (packing.micro_batches, train.forward): the same loss math, the contract kept
 # ---------------------------------------------------------------------------------------------------
 TRAIN = ["--device=cpu", "--task=copy", "--n_digits=2", "--prompts_per_step=8", "--group_size=4",
          "--minibatch_size=32", "--progress=false", "--lr=1e-2", "--warmup_steps=1"]
@@ -274,18 +274,15 @@ def train_configs(*argv):
 
 
 def plan(rows, lengths, world=1, **kw):
-    """train.micro_batches of rows under a config with kw, on `world` ranks, as comparable tuples."""
+    """train.trainer_micro_batches of rows under a config with kw, on `world` ranks, as comparable tuples."""
     from types import SimpleNamespace
     import train
     from config import TrainConfig
     run = SimpleNamespace(tcfg=TrainConfig(minibatch_size=32, **kw), d=train.Dist(0, world, torch.device("cpu")))
-    return [(tuple(m.rows.tolist()), m.packing) for m in train.micro_batches(run, rows, lengths)]
+    return [(tuple(m.rows.tolist()), m.packing) for m in train.trainer_micro_batches(run, rows, lengths)]
 
 
 def test_trainer_micro_batches_are_a_function_of_the_lengths_alone():
-    from types import SimpleNamespace
-    import train
-    from config import TrainConfig
     lengths = torch.tensor(lognormal_lengths(48, seed=2))
     rows = torch.randperm(48, generator=torch.Generator().manual_seed(0))[:32]    # a minibatch, shuffled
     a = plan(rows, lengths, micro_batch_tokens=300)
@@ -300,10 +297,10 @@ def test_trainer_micro_batches_are_a_function_of_the_lengths_alone():
     assert max(len(mb) for mb, _ in capped) == 3 and len(capped) > len(a)
     assert sorted(r for mb, _ in capped for r in mb) == sorted(rows.tolist())
     # under torchrun the ranks run as many forwards: the one with the most tokens halved, deterministically
-    micros = train.micro_batches(SimpleNamespace(tcfg=TrainConfig(micro_batch_tokens=300), d=None), rows, lengths)
-    even = train.even_out(micros, len(micros) + 3)
+    micros = micro_batches(rows, lengths, 300, 0, 0)
+    even = even_out(micros, len(micros) + 3)
     assert len(even) == len(micros) + 3 and [(m.rows.tolist(), m.packing) for m in even] == \
-        [(m.rows.tolist(), m.packing) for m in train.even_out(micros, len(micros) + 3)]
+        [(m.rows.tolist(), m.packing) for m in even_out(micros, len(micros) + 3)]
     assert sorted(r for m in even for r in m.rows.tolist()) == sorted(rows.tolist())
     assert all(m.packing.lengths == tuple(lengths[m.rows].tolist()) for m in even)
     pieces = lambda ms: sorted(sum(m.packing.lengths) for m in ms if len(m.rows) > 1)
@@ -336,8 +333,8 @@ def minibatch(run, batch, idx, **kw):
     run = dataclasses.replace(run, tcfg=dataclasses.replace(run.tcfg, **kw))
     old = train.old_policy(run, batch)
     r = train.minibatch_step(run, batch, old, idx, 0)
-    grads = {n: p.grad.clone() for n, p in run.weights.trained.named_parameters()}
-    return old, r, grads, train.micro_batches(run, idx, batch.lengths)
+    grads = {n: p.grad.clone() for n, p in run.policy.master.named_parameters()}
+    return old, r, grads, train.trainer_micro_batches(run, idx, batch.lengths)
 
 
 # A packed step sums the same per-token loss values, grouped in other micro-batches: the loss, clip
@@ -356,7 +353,7 @@ def test_packed_training_step_equals_the_padded_one(trainer_batch, loss, agg, ex
     run, batch = trainer_batch
     if "route_filter" in extra:                      # rollout routes the trainer does not take, on odd rows
         odd = (torch.arange(batch.tokens.shape[0]) % 2 == 1)[:, None, None, None] & (batch.routes >= 0)
-        E = run.weights.full.config.num_experts
+        E = run.policy.full.config.num_experts
         batch = dataclasses.replace(batch, routes=torch.where(odd, (batch.routes + 1) % E, batch.routes))
     idx = torch.randperm(batch.tokens.shape[0], generator=torch.Generator().manual_seed(5))[:24]
     kw = dict(loss=loss, agg=agg, **extra)

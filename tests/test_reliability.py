@@ -135,20 +135,21 @@ def test_nan_reward_after_a_checkpoint_keeps_the_good_one(tmp_path, monkeypatch)
     assert_all_finite(tmp_path / "ckpt-000001")
 
 
-POLICY_LOSS = train.policy_loss
+TOKEN_OBJECTIVE = train.token_objective
 
 
 def _poison_loss(monkeypatch, bad_calls, push=0.0):
-    """policy_loss returns NaN on the given (0-based) calls: one call per optimizer step here. push adds
-    -push * logp, a gradient whatever the advantages (a random policy's groups often have none)."""
+    """The objective is NaN on the given (0-based) calls: one call per optimizer step here. push adds
+    -push * the mean of logp over the loss tokens, a gradient whatever the advantages (a random policy's
+    groups often have none)."""
     n = [0]
 
-    def policy_loss(logp, *a, **k):
-        loss, clipped = POLICY_LOSS(logp, *a, **k)
-        loss = loss - push * logp
+    def token_objective(logp, old_logp, adv, mask, cfg, norm, *a, **k):
+        loss, clipped = TOKEN_OBJECTIVE(logp, old_logp, adv, mask, cfg, norm, *a, **k)
+        loss = loss - push * (logp * mask).sum() / norm.tokens
         n[0] += 1
         return (loss * float("nan") if n[0] - 1 in bad_calls else loss), clipped
-    monkeypatch.setattr(train, "policy_loss", policy_loss)
+    monkeypatch.setattr(train, "token_objective", token_objective)
 
 
 def test_nonfinite_loss_stops_before_the_weights_and_the_last_checkpoint_stays(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """train.py: routing replay in the trainer, the trainer's forward without host reads, an end-to-end run,
-and resume. The loss formulas are tested in test_losses.py, the mismatch measurement in test_audit.py.
+and resume. The loss formulas are tested in test_losses.py, the mismatch measurement in test_replay.py.
 """
 import dataclasses
 import json
@@ -11,11 +11,13 @@ import sys
 import pytest
 import torch
 
+import checkpoint
+import distributed
 import kernels
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
 from model import Transformer
-from audit import pack_routes, route_audit
+from replay import pack_routes, route_audit
 from rollout import Sampler
 from host_reads import HostReads
 
@@ -75,7 +77,7 @@ def test_r3_replays_recorded_routes_and_router_learns():
 def test_trainers_forward_under_r3_reads_nothing_back():
     """model.score's checks read the inputs back (a sync per micro-batch on a GPU); the trainer's
     forward (distributed.Scorer, as train.forward calls it, R3 replay, entropy, logits chunks,
-    backward) makes none of them: no read from model.py, distributed.py, train.py or audit.py. The
+    backward) makes none of them: no read from model.py, distributed.py, train.py or replay.py. The
     torch backend's own grouping of MoE rows by expert and its attention's tile count read on the
     host (kernels.py, the CPU backend); the Triton backend's do not."""
     from distributed import Scorer
@@ -232,7 +234,7 @@ def test_router_lr_scale_trains_the_gates_at_lr_times_s(scale):
     model, gates_only = _model(), _model()
     gates0 = _gate_weights(model)
     assert len(gates0) == len(model.config.moe_layers)
-    opt = train.build_optimizer(model, tcfg)
+    opt = distributed.build_optimizer(model, tcfg)
     ref = torch.optim.AdamW([p for n, p in gates_only.named_parameters() if n in gates0], lr=tcfg.lr * scale,
                             betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay if scale else 0.0)
     for step in range(3):
@@ -256,7 +258,7 @@ def test_router_lr_scale_trains_the_gates_at_lr_times_s(scale):
 
 def test_router_lr_scale_default_keeps_one_param_group_and_adamws_bits():
     model, plain = _model(), _model()
-    opt = train.build_optimizer(model, cfg(weight_decay=0.1))
+    opt = distributed.build_optimizer(model, cfg(weight_decay=0.1))
     assert len(opt.param_groups) == 1
     ref = torch.optim.AdamW(plain.parameters(), lr=cfg().lr, betas=(cfg().beta1, cfg().beta2), weight_decay=0.1)
     for step in range(2):
@@ -264,29 +266,28 @@ def test_router_lr_scale_default_keeps_one_param_group_and_adamws_bits():
         opt.step(), ref.step()
     for (n, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), n
-    frozen = train.build_optimizer(_model(), cfg(router_lr_scale=0.0))
+    frozen = distributed.build_optimizer(_model(), cfg(router_lr_scale=0.0))
     assert len(frozen.param_groups) == 2                             # control: S != 1 splits the gates off
 
 
 def test_router_lr_scale_errors():
     dense = Transformer(ModelConfig(num_experts=0))
     with pytest.raises(ConfigError, match="no MoE layer"):
-        train.build_optimizer(dense, cfg(router_lr_scale=0.0))
+        distributed.build_optimizer(dense, cfg(router_lr_scale=0.0))
     with pytest.raises(ConfigError, match="--router_lr_scale=-1.0"):
         cfg(router_lr_scale=-1.0)
-    d = train.Dist(rank=0, world=1, device=torch.device("cpu"))
     state = {"step": 2, "train_config": dataclasses.asdict(cfg(steps=2))}
     with pytest.raises(ConfigError, match="router_lr_scale=1.0; resume with 1"):
-        train.plan_resume(cfg(steps=4, router_lr_scale=0.0, resume=True), state, d)
-    train.plan_resume(cfg(steps=4, resume=True), state, d)           # control: the same layout resumes
+        checkpoint.resume_plan(cfg(steps=4, router_lr_scale=0.0, resume=True), state, print)
+    checkpoint.resume_plan(cfg(steps=4, resume=True), state, print)           # control: the same layout resumes
 
 
 @pytest.mark.parametrize("option", [dict(train_capacity_factor=1.25), dict(replay="r3"), dict(route_filter="mask")])
 def test_route_options_refuse_a_dense_model(option):
     with pytest.raises(ConfigError, match=f"--{next(iter(option))}=.*no MoE layer"):
-        train.check_moe_options(cfg(**option), ModelConfig.preset("tiny-dense"))
-    train.check_moe_options(cfg(**option), ModelConfig.preset("tiny"))           # control: an MoE takes it
-    train.check_moe_options(cfg(), ModelConfig.preset("tiny-dense"))              # and the defaults pass
+        cfg(**option).check_model(ModelConfig.preset("tiny-dense"), 13)
+    cfg(**option).check_model(ModelConfig.preset("tiny"), 13)           # control: an MoE takes it
+    cfg().check_model(ModelConfig.preset("tiny-dense"), 13)              # and the defaults pass
 
 
 def test_a_run_with_a_frozen_router_keeps_its_gates(tmp_path):
@@ -352,7 +353,7 @@ def test_replay_old_replays_the_old_policys_routes(tmp_path, monkeypatch):
 
     def spy(run, score, b, micro, **kw):
         if kw.get("grad"):
-            seen.append((kw.get("replay"), micro.rows))
+            seen.append((kw.get("routes"), micro.rows))
         else:
             seen.append(("old forward", None))
         return real(run, score, b, micro, **kw)

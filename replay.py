@@ -1,19 +1,32 @@
-"""The train-inference mismatch, measured: route packing, the route audit, top-k overlap, log-prob metrics, expert load.
+"""The life of a route: record -> pack -> replay -> audit -> filter.
 
-    from audit import pack_routes, route_audit, mismatch_metrics
-    routes = pack_routes([o.routes for o in outs], lengths, T)      # the rollout's routes, batch-shaped
-    row = {**mismatch_metrics(train_logp, rollout_logp, mask), **route_audit(routes, train_routes, route_mask, E)}
+    from replay import pack_routes, routes_to_replay, route_audit, route_filter_weights
+    routes = pack_routes([o.routes for o in outs], lengths, T)     # the rollout's routes, batch-shaped
+    forced = routes_to_replay("r3", routes, old_routes=None)       # what the trainer's forward replays
+    logp, used = model.score(tokens, routes=forced)                # used: the router's own choice
+    row = {**mismatch_metrics(logp, rollout_logp, mask), **route_audit(routes, used, route_mask, E)}
 
-Routes are top-k expert ids per token per MoE layer, int, shape (tokens, n_moe_layers, top_k).
-The sampler records them (rollout.SequenceOutput.routes); `pack_routes` lays them out like the
-trainer's padded token batch, with -1 where nothing was recorded (the last token of each sequence,
-whose output is never used, and the padding). `model.score(tokens, routes=packed)` then replays them (R3).
-`topk_overlap` and `expert_load` are the two measures everything else is built from: the route audit
-logs them, the route filter (losses.route_filter_weights) weighs tokens by the overlap, and the
-aux-loss-free bias update (train.update_expert_bias) balances the load.
-With the trainer's model.RouteDetail, route_audit also bins the flips by margin (margin_stats) and logs
-the router entropy; load_histogram, route_drift and diagnostics feed routes.jsonl, the probe and
-diagnostics.jsonl (train.log_routes, train.probe).
+A route is the top-k expert ids of one token at one MoE layer; a batch of them is int, shape
+(B, T, n_moe_layers, top_k), -1 where nothing was recorded.
+1. **Record.** The sampler writes the router's choice for every position it feeds (rollout.ModelRunner,
+   beside the KV), so SequenceOutput.routes has every position but the last token's, which no forward
+   fed (its output is never used).
+2. **Pack.** `pack_routes` lays them out like the trainer's padded token batch and checks that they fit
+   the tokens: the one place routes are checked on the host, so the trainer replays them unread.
+3. **Replay.** `routes_to_replay(mode, ...)`: R3 replays the rollout's routes, `old` the old-policy
+   forward's (vanilla routing replay), `none` nothing. The mechanism is the model's: `model.score(
+   routes=...)` hands each MoE layer its forced ids (kernels.route gathers the router's own scores at
+   them, so the router still gets gradients and replaying one's own routes is the free forward, bitwise).
+4. **Audit.** `route_audit` compares the rollout's routes with the trainer's (flips per layer, top-k
+   overlap, top-1 flips, expert load, margins and router entropy from model.RouteDetail);
+   `mismatch_metrics` does the same for log-probs; `load_histogram`, `route_drift` and `diagnostics`
+   feed routes.jsonl, the probe and diagnostics.jsonl.
+5. **Filter.** `route_filter_weights`: the loss weights of tokens by their top-k overlap (the cheaper
+   alternative to R3), composed into the objective by losses.token_objective.
+`topk_overlap` and `expert_load` are the two measures the rest is built from (the aux-loss-free bias
+update, distributed.Policy.step, balances the load).
+The replay options' names are the tables below (REPLAY_MODES, ROUTE_FILTERS, ROUTE_FILTER_LEVELS);
+config.TrainConfig validates --replay and --route_filter against them.
 """
 from __future__ import annotations
 
@@ -24,6 +37,10 @@ import torch
 
 if TYPE_CHECKING:                                                     # for the annotation only: no import circle
     from model import RouteDetail
+
+REPLAY_MODES = ("none", "r3", "old")          # --replay: nothing, the rollout's routes, the old policy's
+ROUTE_FILTERS = ("none", "mask", "downweight")   # --route_filter
+ROUTE_FILTER_LEVELS = ("token", "sequence")   # --route_filter_level
 
 
 def pack_routes(routes: list[torch.Tensor], lengths: list[int], T: int) -> torch.Tensor:
@@ -44,6 +61,17 @@ def pack_routes(routes: list[torch.Tensor], lengths: list[int], T: int) -> torch
     return out
 
 
+def routes_to_replay(mode: str, rollout_routes: torch.Tensor | None,
+                     old_routes: torch.Tensor | None) -> torch.Tensor | None:
+    """The routes a trainer forward replays under --replay=mode (REPLAY_MODES): the rollout's (r3), the
+    old-policy forward's (old: "vanilla routing replay"), or None (the router chooses). A mode whose
+    routes are missing is an error, never a silent free forward."""
+    routes = {"none": None, "r3": rollout_routes, "old": old_routes}[mode]
+    if mode != "none" and routes is None:
+        raise ValueError(f"--replay={mode}: no {'rollout' if mode == 'r3' else 'old-policy'} routes to replay")
+    return routes
+
+
 def topk_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|set a & set b| / k of each routing decision: routes (..., k) -> (...) float in [0, 1]."""
     k = a.shape[-1]
@@ -57,6 +85,35 @@ def token_overlap(rollout: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
     if rollout.shape[2] == 0:
         return torch.ones(rollout.shape[:2], device=rollout.device)
     return topk_overlap(rollout, train).mean(-1)
+
+
+def route_filter_weights(overlap: torch.Tensor, mode: str, threshold: float, level: str = "token",
+                         mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token loss weights (B, T) from each token's top-k overlap (B, T) (token_overlap: the
+    rollout's experts against the trainer's, averaged over MoE layers). mask: 0 for tokens whose overlap
+    is below the threshold; downweight: their loss times the overlap.
+    level "sequence": the same rule on each response's mean overlap over its tokens (mask (B, T), the
+    response tokens), applied to all its tokens. Without a mismatch every overlap is 1: weights all 1."""
+    if level == "sequence":
+        m = mask.to(overlap.dtype)
+        mean = (overlap * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)   # (B, 1)
+        overlap = torch.where(m.sum(-1, keepdim=True) > 0, mean, 1.0).expand_as(overlap)
+    below = overlap < threshold
+    if mode == "mask":
+        return (~below).float()
+    if mode == "downweight":
+        return torch.where(below, overlap, 1.0)
+    return torch.ones_like(overlap)
+
+
+def route_filter(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor | None:
+    """--route_filter's per-token loss weights (B, T-1) for a forward's routes (B, T, n_moe, k) against the
+    rollout's (position j's route scores token j + 1, as logp[:, j]); mask (B, T-1): the loss tokens.
+    None when the filter is off (cfg: a TrainConfig)."""
+    if cfg.route_filter == "none":
+        return None
+    overlap = token_overlap(rollout[:, :-1], train[:, :-1])
+    return route_filter_weights(overlap, cfg.route_filter, cfg.route_filter_threshold, cfg.route_filter_level, mask)
 
 
 def expert_load(routes: torch.Tensor, n_experts: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""audit.py: route packing, the top-k overlap, the expert load, the route audit and the log-prob
+"""replay.py: route packing, the top-k overlap, the expert load, the route audit and the log-prob
 mismatch metrics, each against a hand-computed value.
 
-    python -m pytest -q tests/test_audit.py
+    python -m pytest -q tests/test_replay.py
 """
 from __future__ import annotations
 
@@ -12,36 +12,36 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import audit
+import replay
 
 
 def test_pack_routes_lays_out_and_refuses_routes_that_do_not_fit():
     r0 = torch.tensor([[[0, 1]], [[2, 3]]])                        # 3 tokens: routes of the first 2
     r1 = torch.tensor([[[4, 5]], [[6, 7]], [[1, 2]]])              # 3 tokens: all 3 recorded
-    out = audit.pack_routes([r0, r1], [3, 3], 4)
+    out = replay.pack_routes([r0, r1], [3, 3], 4)
     assert out.shape == (2, 4, 1, 2) and out.dtype == torch.long
     assert torch.equal(out[0, :2], r0) and torch.equal(out[1, :3], r1)
     assert (out[0, 2:] == -1).all() and (out[1, 3:] == -1).all()   # unrecorded and padding: -1
     with pytest.raises(ValueError, match="do not fit"):
-        audit.pack_routes([r0[:1], r1], [3, 3], 4)                 # one row short: never a silent skip
+        replay.pack_routes([r0[:1], r1], [3, 3], 4)                 # one row short: never a silent skip
     with pytest.raises(ValueError, match="do not fit"):
-        audit.pack_routes([r0, r1[..., :1]], [3, 3], 4)            # a different top-k
+        replay.pack_routes([r0, r1[..., :1]], [3, 3], 4)            # a different top-k
 
 
 def test_topk_overlap_and_token_overlap_by_hand():
     rollout = torch.tensor([[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]])               # (B=1, T=2, n_moe=2, k=2)
     train = torch.tensor([[[[1, 0], [2, 9]], [[4, 5], [8, 9]]]])
-    assert torch.equal(audit.topk_overlap(rollout, train), torch.tensor([[[1.0, 0.5], [1.0, 0.0]]]))  # sets, not order
-    ov = audit.token_overlap(rollout, train)
+    assert torch.equal(replay.topk_overlap(rollout, train), torch.tensor([[[1.0, 0.5], [1.0, 0.0]]]))  # sets, not order
+    ov = replay.token_overlap(rollout, train)
     assert torch.allclose(ov, torch.tensor([[(1 + 0.5) / 2, (1 + 0) / 2]]))   # 0.75, 0.5
-    assert torch.equal(audit.token_overlap(rollout, rollout), torch.ones(1, 2))   # no flips: 1
+    assert torch.equal(replay.token_overlap(rollout, rollout), torch.ones(1, 2))   # no flips: 1
     none = torch.zeros(1, 2, 0, 2, dtype=torch.long)                             # a dense model: no MoE layer
-    assert torch.equal(audit.token_overlap(none, none), torch.ones(1, 2))
+    assert torch.equal(replay.token_overlap(none, none), torch.ones(1, 2))
 
 
 def test_expert_load_counts_per_layer():
     routes = torch.tensor([[[0, 1], [3, 2]], [[0, 2], [3, 0]], [[1, 2], [3, 1]]])   # (N=3, n_moe=2, k=2)
-    load = audit.expert_load(routes, 4)
+    load = replay.expert_load(routes, 4)
     assert load.dtype == torch.int64
     assert load.tolist() == [[2, 2, 2, 0], [1, 1, 1, 3]]
     assert torch.equal(load.sum(-1), torch.full((2,), 3 * 2))      # every routed slot counted once
@@ -51,7 +51,7 @@ def test_route_audit_counts_flips():
     a = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]]])      # (1, 2 tokens, 2 layers, k=2)
     b = torch.tensor([[[[1, 0], [2, 4]], [[0, 1], [2, 3]]]])
     m = torch.ones(1, 2, dtype=torch.bool)
-    r = audit.route_audit(a, b, m, 5)
+    r = replay.route_audit(a, b, m, 5)
     assert r["route_flip_frac"] == pytest.approx(1 / 4)           # only token 0, layer 1 changed its set
     assert r["top1_flip_frac"] == pytest.approx(1 / 4)            # token 0 layer 0 swapped order only
     assert r["token_any_flip_frac"] == pytest.approx(1 / 2)
@@ -59,14 +59,14 @@ def test_route_audit_counts_flips():
     assert r["route_flip_frac_layer"] == [0.0, 0.5]
     # trainer load per layer: layer 0 experts {0: 2, 1: 2} of 4 slots -> max share 2/4 * 5 = 2.5
     assert r["expert_load_max"] == pytest.approx(2.5)
-    assert audit.route_audit(a, b, torch.zeros(1, 2, dtype=torch.bool), 5) == {}   # nothing to compare
+    assert replay.route_audit(a, b, torch.zeros(1, 2, dtype=torch.bool), 5) == {}   # nothing to compare
 
 
 def test_mismatch_metrics_by_hand():
     rollout = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.9]]))
     train = torch.log(torch.tensor([[0.5, 0.75, 0.2, 0.1]]))      # rho = 1, 1.5, 0.4 (the last token is masked)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    r = audit.mismatch_metrics(train, rollout, mask)
+    r = replay.mismatch_metrics(train, rollout, mask)
     d = [0.0, math.log(1.5), math.log(0.4)]
     assert r["train_rollout_kl"] == pytest.approx(-sum(d) / 3, abs=1e-7)
     assert r["train_rollout_k3"] == pytest.approx(sum(math.exp(x) - x - 1 for x in d) / 3, abs=1e-7)
@@ -74,7 +74,7 @@ def test_mismatch_metrics_by_hand():
     assert r["extreme_token_frac"] == pytest.approx(1 / 3)       # only |log 0.4| > ln 2
     assert (r["is_ratio_min"], r["is_ratio_max"]) == (pytest.approx(0.4), pytest.approx(1.5))
     assert r["is_ratio_mean"] == pytest.approx((1 + 1.5 + 0.4) / 3)
-    same = audit.mismatch_metrics(rollout, rollout, mask)
+    same = replay.mismatch_metrics(rollout, rollout, mask)
     assert same["train_rollout_kl"] == 0 and same["logp_max_abs_diff"] == 0 and same["is_ratio_mean"] == 1
 
 
@@ -85,23 +85,23 @@ def test_margin_stats_and_router_stats_by_hand():
     margin = torch.tensor([[[5e-5, 5e-4], [5e-3, 0.5]]])
     entropy = torch.tensor([[[1.0, 2.0], [3.0, 0.5]]])
     detail = SimpleNamespace(weights=None, margin=margin, entropy=entropy)
-    r = audit.route_audit(a, b, torch.ones(1, 2, dtype=torch.bool), 5, detail)
+    r = replay.route_audit(a, b, torch.ones(1, 2, dtype=torch.bool), 5, detail)
     assert r["route_margin_frac"] == [0.25, 0.25, 0.25, 0.25]
     assert r["route_flip_frac_by_margin"] == [0.25, 0.25, 0.0, 0.0]
     assert sum(r["route_flip_frac_by_margin"]) == r["route_flip_frac"]
     assert r["router_entropy_layer"] == [2.0, 1.25]                # per layer, over the tokens
     # trainer load: layer 0 {0: 2, 1: 1, 2: 1} of 4 slots over 5 experts -> 2/4 * 5; layer 1 {2: 2, 3: 1, 4: 1}
     assert r["load_imbalance_layer"] == [2.5, 2.5]
-    assert audit.margin_bin(torch.tensor([0.0, 1e-4, 9.99e-4, 1e-2, float("inf")])).tolist() == [0, 1, 1, 3, 3]
+    assert replay.margin_bin(torch.tensor([0.0, 1e-4, 9.99e-4, 1e-2, float("inf")])).tolist() == [0, 1, 1, 3, 3]
 
 
 def test_route_drift_and_load_histogram():
     a = torch.tensor([[[[0, 1]], [[2, 3]], [[4, 5]]]])             # (1, 3 tokens, 1 layer, k=2)
     b = torch.tensor([[[[1, 0]], [[2, 4]], [[0, 0]]]])
     m = torch.tensor([[True, True, False]])
-    assert audit.route_drift(a, b, m) == 0.5                       # token 1 changed its set; 0 only its order
-    assert audit.route_drift(a, a, m) == 0.0
-    h = audit.load_histogram(a, b, m, 6)
+    assert replay.route_drift(a, b, m) == 0.5                       # token 1 changed its set; 0 only its order
+    assert replay.route_drift(a, a, m) == 0.0
+    h = replay.load_histogram(a, b, m, 6)
     assert h == {"rollout": [[1, 1, 1, 1, 0, 0]], "train": [[1, 1, 1, 0, 1, 0]]}
 
 
@@ -115,7 +115,7 @@ def test_diagnostics_pick_the_mismatched_sequences():
     train_routes[1, 2, 0] = torch.tensor([0, 3])                   # position 2 scores response token 2
     logp = torch.tensor([[0.0, -1.0, -2.0]]).repeat(3, 1)          # (B, T-1): response at positions 1, 2
     logp[2, 1] = -1.0 - 0.7                                        # |diff| 0.7 > ln 2
-    rows = audit.diagnostics(5, outs, torch.arange(3), logp, train_routes, routes, torch.tensor([0.0, 0.5, 1.0]),
+    rows = replay.diagnostics(5, outs, torch.arange(3), logp, train_routes, routes, torch.tensor([0.0, 0.5, 1.0]),
                              n=5, decode=lambda ids: "".join(map(str, ids)),
                              train_margin=torch.full((3, 4, 1), 0.25))
     assert [r["sequence"] for r in rows] == [1, 2]                 # lowest overlap first; 0 does not qualify
@@ -124,4 +124,4 @@ def test_diagnostics_pick_the_mismatched_sequences():
     assert r["topk_overlap"] == 0.75 and r["margin_rollout"] == [[0.2], [0.3]] and r["margin_train"] == [[0.25]] * 2
     assert r["prompt_text"] == "12" and r["response_text"] == "34"
     assert rows[1]["logp_max_abs_diff"] == pytest.approx(0.7) and "margin_rollout" not in rows[1]
-    assert len(audit.diagnostics(5, outs, torch.arange(3), logp, train_routes, routes, torch.zeros(3), n=1)) == 1
+    assert len(replay.diagnostics(5, outs, torch.arange(3), logp, train_routes, routes, torch.zeros(3), n=1)) == 1

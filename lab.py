@@ -1,0 +1,200 @@
+"""The mismatch lab's deliberate faults: the rollout's copy of the weights made to differ on purpose.
+
+    from lab import rollout_copy
+    sampler_model, refresh = rollout_copy(full, tcfg, rcfg, refresh)   # full itself when nothing differs
+
+In the default (invariant) run the sampler reads the trainer's own compute weights and the mismatch is
+exactly zero. The lab (`python bench.py --only lab`, README "The mismatch lab") makes the rollout side
+differ in one way at a time, while the trainer stays invariant, to measure the mismatch and the fixes:
+* precision: a bf16 / fp16 copy of the weights (--rollout_dtype=bfloat16), or matmul weights rounded
+  to int8 / fp8_e4m3 per output channel and dequantized (--rollout_dtype=int8|fp8_e4m3,
+  `fake_quantize`), the router kept exact with --rollout_quant_router=false;
+* routing: the sampler's router wrong in one way (--rollout_router_fault, config.ROUTER_FAULTS), by a
+  subclass of model.MoE that overrides its `route` / `experts` seams on the copy's MoE layers;
+* kernels: --rollout_mode=fast and --router_bf16 are kernels.variant's batch-variant ops, chosen by
+  the sampler (rollout.Sampler), not a copy of the weights.
+Every fault acts on a copy of its own, refreshed from the compute weights before each rollout, so the
+trainer's model never carries one. The trainer-side source, --train_capacity_factor, is the model's
+capacity limit (model.capacity_limit).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import kernels
+from config import QUANT_FORMATS, ConfigError, RolloutConfig, TrainConfig
+from distributed import model_state
+from model import Transformer
+
+
+# ---------------------------------------------------------------------------------------------------
+# the rollout's copy: which one, and how it is refreshed
+# ---------------------------------------------------------------------------------------------------
+def rollout_copy(full: Transformer, tcfg: TrainConfig, rcfg: RolloutConfig, refresh):
+    """-> (the model the sampler runs, the refresh that brings it up to date before a rollout).
+    full: the compute weights (the trainer's full copy), refresh: its own refresh (full <- masters)."""
+    model = full
+    if rcfg.rollout_dtype in QUANT_FORMATS:                          # the quantized copy
+        model, refresh = quantized_copy(full, rcfg.rollout_dtype, refresh, rcfg.rollout_quant_router)
+    elif rcfg.rollout_dtype and rcfg.rollout_dtype != tcfg.dtype:    # the lower-precision copy
+        model, refresh = lower_precision_copy(full, getattr(torch, rcfg.rollout_dtype), refresh)
+    if rcfg.rollout_router_fault != "none":
+        model, refresh = router_fault_copy(model, full, rcfg.rollout_router_fault, refresh)
+    return model, refresh
+
+
+def lower_precision_copy(source: Transformer, dtype: torch.dtype | None, sync_source):
+    """A copy of `source` in `dtype` (None: its own dtypes), refreshed before each rollout."""
+    copy_ = copy.deepcopy(source).requires_grad_(False)
+    if dtype is not None:
+        copy_ = copy_.to(dtype)
+    pairs = list(zip(model_state(source), model_state(copy_)))       # the router bias is rounded too
+
+    @torch.no_grad()
+    def sync():
+        sync_source()
+        for p, q in pairs:
+            q.copy_(p)
+    return copy_, sync
+
+
+QUANT_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}     # the largest magnitude of each format
+
+
+def fake_quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """w rounded to `fmt` with one absmax scale per output channel, dequantized back to w's dtype.
+
+    w (..., out, in): the scale of row o is max|w[..., o, :]| / QUANT_MAX[fmt] (1 for an all-zero row);
+    int8 rounds w / scale to the nearest integer in [-127, 127], fp8_e4m3 casts it to
+    torch.float8_e4m3fn (round to nearest even). Computed in fp32.
+    """
+    w32 = w.float()
+    absmax = w32.abs().amax(dim=-1, keepdim=True)                    # (..., out, 1)
+    scale = torch.where(absmax > 0, absmax / QUANT_MAX[fmt], torch.ones_like(absmax))
+    x = w32 / scale
+    q = x.round().clamp(-127, 127) if fmt == "int8" else x.to(torch.float8_e4m3fn).float()
+    return (q * scale).to(w.dtype)
+
+
+def quantized_copy(source: Transformer, fmt: str, sync_source, quantize_router: bool = True):
+    """A copy of `source` whose matmul weights (attention and MLP projections, the stacked experts, the
+    router gate unless quantize_router is False) are fake_quantize'd, refreshed before each rollout;
+    embeddings, the LM head, norms, biases and the router's score-correction bias stay as they are
+    (weight-only quantization as engines serve it)."""
+    copy_ = copy.deepcopy(source).requires_grad_(False)
+    skip = {id(source.embed_tokens.weight), id(source.lm_weight())}
+    if not quantize_router:
+        skip |= {id(layer.mlp.gate.weight) for layer in source.layers if layer.is_moe}
+    pairs = [(p, q, p.dim() >= 2 and id(p) not in skip) for p, q in zip(model_state(source), model_state(copy_))]
+
+    @torch.no_grad()
+    def sync():
+        sync_source()
+        for p, q, quantize in pairs:
+            q.copy_(fake_quantize(p, fmt) if quantize else p)
+    return copy_, sync
+
+
+# ---------------------------------------------------------------------------------------------------
+# router faults: what a conversion bug or a second engine gets wrong about routing
+# ---------------------------------------------------------------------------------------------------
+def expert_map_fault(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The expert_map fault: ids read through a table that swaps the first and the last expert, as an
+    engine whose placement table disagrees with where the weights are (across EP ranks at every
+    contiguous placement) would compute them. ids (M, k) -> (M, k), the same ids otherwise."""
+    first, last = ids == 0, ids == n_experts - 1
+    return torch.where(first, n_experts - 1, torch.where(last, 0, ids))
+
+
+def biased_weights(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor, norm_topk_prob: bool, *,
+                   scoring: str, scaling: float, **_) -> torch.Tensor:
+    """The bias_in_weights fault: kernels.route's combine weights, but of the biased scores.
+    logits (M, E), ids (M, k) -> weights (M, k) fp32."""
+    probs = torch.softmax(logits.float(), dim=-1) if scoring == "softmax" else kernels.sigmoid(logits)
+    weights = (probs + bias.float()).gather(-1, ids)
+    if norm_topk_prob:
+        total = weights[:, 0]
+        for j in range(1, weights.shape[1]):                          # k ascending, as route
+            total = total + weights[:, j]
+        weights = weights / (total[:, None] + (1e-20 if scoring == "sigmoid" else 0.0))
+    return weights * scaling if scaling != 1.0 else weights
+
+
+class FaultyRouting:
+    """Mixed into a MoE layer's class on the rollout's copy (set_router_fault): its router wrong in the
+    one way `self.fault` names, through model.MoE's seams (router_inputs, route, experts)."""
+    fault: str = "none"
+
+    def router_inputs(self, dtype):
+        bias, norm = super().router_inputs(dtype)
+        if self.fault == "no_bias":                                   # the choice on the raw scores
+            bias = None
+        elif self.fault == "bias_sign":                               # the bias subtracted, not added
+            bias = -bias
+        elif self.fault == "no_renorm":                               # norm_topk_prob ignored
+            norm = False
+        return bias, norm
+
+    def route(self, logits, forced, detail):
+        ids, weights, chosen, *extra = super().route(logits, forced, detail)
+        if self.fault == "bias_in_weights":                           # the combine weights of the biased scores
+            bias, norm = self.router_inputs(logits.dtype)
+            weights = biased_weights(logits, ids, bias, norm, **self.route_kw)
+        return (ids, weights, chosen, *extra)
+
+    def experts(self, x2, ids, weights):
+        if self.fault == "expert_map":                                # the right ids reach the wrong experts
+            ids = expert_map_fault(ids, self.n_experts)
+        return super().experts(x2, ids, weights)
+
+
+_FAULTY: dict[type, type] = {}
+
+
+def set_router_fault(model: Transformer, fault: str) -> None:
+    """Give every MoE layer of `model` (a copy of its own) the router fault `fault` (ROUTER_FAULTS;
+    "none" takes it off)."""
+    for layer in model.layers:
+        if layer.is_moe:
+            set_layer_fault(layer.mlp, fault)
+
+
+def set_layer_fault(moe, fault: str) -> None:
+    """One MoE layer's router fault: its class swapped for the FaultyRouting subclass of it (or back).
+    The layer keeps its parameters and buffers; only its routing changes."""
+    base = type(moe).__bases__[1] if isinstance(moe, FaultyRouting) else type(moe)   # (FaultyRouting, base)
+    if fault == "none":
+        moe.__class__ = base
+        return
+    if base not in _FAULTY:
+        _FAULTY[base] = type(f"Faulty{base.__name__}", (FaultyRouting, base), {})
+    moe.__class__ = _FAULTY[base]
+    moe.fault = fault
+
+
+def router_fault_of(moe) -> str:
+    return moe.fault if isinstance(moe, FaultyRouting) else "none"
+
+
+def check_router_fault(config, fault: str) -> None:
+    """The fault must be one this model can have (one line, before anything is built)."""
+    if fault in ("no_bias", "bias_sign", "bias_in_weights") and not config.score_correction_bias:
+        raise ConfigError(f"--rollout_router_fault={fault} needs a router with a score-correction bias "
+                          "(--init_from=tiny-sigmoid or a glm4_moe checkpoint)")
+    if fault == "no_renorm" and not config.norm_topk_prob:
+        raise ConfigError("--rollout_router_fault=no_renorm: this model does not renormalise its top-k weights")
+    if fault != "none" and not config.moe_layers:
+        raise ConfigError(f"--rollout_router_fault={fault}: the model has no MoE layer (no router)")
+
+
+def router_fault_copy(rollout_model: Transformer, full: Transformer, fault: str, refresh):
+    """The rollout's weights with their routers wrong in one way; a copy of its own (in the same dtype
+    if the rollout had none), so the trainer's model never carries the fault."""
+    check_router_fault(full.config, fault)
+    if rollout_model is full:
+        rollout_model, refresh = lower_precision_copy(full, None, refresh)
+    set_router_fault(rollout_model, fault)
+    return rollout_model, refresh
+
