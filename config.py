@@ -375,16 +375,7 @@ class TrainConfig:
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                  f"--device={self.device!r}: choose auto, cpu, cuda or cuda:N")
         _require(not (self.resume and self.overwrite), "--resume and --overwrite contradict each other: pick one")
-        from losses import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, LOSSES, SEQ_RHOS   # the tables the loop runs
-        _require(self.loss in LOSSES, f"--loss={self.loss!r}: choose one of {', '.join(LOSSES)}")
-        _require(self.agg == "auto" or self.agg in AGGREGATIONS,
-                 f"--agg={self.agg!r}: choose auto or one of {', '.join(AGGREGATIONS)}")
-        _require(not LOSSES[self.loss].per_sequence or self.agg in ("auto", "seq_mean_token_mean"),
-                 f"--loss={self.loss} is defined with per-sequence mean aggregation; drop --agg={self.agg}")
-        _require(self.dual_clip_c == 0 or (self.dual_clip_c > 1 and self.loss == "grpo"),
-                 f"--dual_clip_c={self.dual_clip_c}: 0 (off) or > 1, with --loss=grpo")
-        _require(self.rejected_tokens in ("zero_weight", "drop"), "--rejected_tokens: zero_weight or drop")
-        self._check_replay()
+        self._check_objective()
         for name in ("keep_checkpoints", "eval_samples"):
             _require(getattr(self, name) >= 1, f"--{name}={getattr(self, name)}: must be >= 1")
         for name in ("log_samples", "eval_every"):
@@ -404,23 +395,8 @@ class TrainConfig:
         _require(self.probe_every >= 0 and self.diagnostics >= 0,
                  f"--probe_every={self.probe_every}, --diagnostics={self.diagnostics}: must be >= 0 (0: off)")
         _require(self.probe_prompts > 0, f"--probe_prompts={self.probe_prompts}: must be >= 1")
-        _require(0 <= self.mis_low <= 1 <= self.mis_high,
-                 f"--mis_low={self.mis_low}, --mis_high={self.mis_high}: need 0 <= mis_low <= 1 <= mis_high "
-                 "(rho = 1, no mismatch, must keep its weight)")
-        _require(self.correction in CORRECTIONS, f"--correction={self.correction!r}: choose one of {', '.join(CORRECTIONS)}")
-        _require(self.seq_rho in SEQ_RHOS, f"--seq_rho={self.seq_rho!r}: choose one of {', '.join(SEQ_RHOS)}")
-        _require(0 < self.gspo_log_ratio_max <= 20,
-                 f"--gspo_log_ratio_max={self.gspo_log_ratio_max}: must be in (0, 20] (exp(20) stays finite in fp32)")
-        _require(self.correction == "none" or self.recompute_old_logp,   # else rho = pi_old / mu is 1 by definition
-                 f"--correction={self.correction} weighs the trainer's old log-probs against the rollout's; "
-                 "without --recompute_old_logp=true they are the rollout's own: add it")
-        batch = self.prompts_per_step * self.group_size
-        _require(self.minibatch_size >= batch or batch % self.minibatch_size == 0,
-                 f"--minibatch_size={self.minibatch_size} must divide the batch of {batch} (prompts_per_step "
-                 "x group_size): uneven minibatches would weigh their sequences unequally")
         _require(self.train_capacity_factor >= 0,
                  f"--train_capacity_factor={self.train_capacity_factor}: 0 (dropless) or > 0")
-        _require(self.kl_estimator in KL_ESTIMATORS, f"--kl_estimator={self.kl_estimator!r}: {', '.join(KL_ESTIMATORS)}")
         _require(self.lr_schedule in ("cosine", "constant", "halving"),
                  f"--lr_schedule={self.lr_schedule!r}: cosine, constant or halving")
         _require(self.lr_schedule != "halving" or self.lr_decay_period >= 1,
@@ -446,6 +422,35 @@ class TrainConfig:
         _require(self.chat_template or not self.system_prompt,
                  "--system_prompt goes into the checkpoint's chat template: add --chat_template=true")
         self._check_precision()
+
+    def _check_objective(self):
+        """The objective against losses.py's tables: the loss, its aggregation over minibatches, the corrections, the
+        KL; the replay options (replay.py's)."""
+        from losses import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, LOSSES, SEQ_RHOS   # the tables the loop runs
+        _require(self.loss in LOSSES, f"--loss={self.loss!r}: choose one of {', '.join(LOSSES)}")
+        _require(self.agg == "auto" or self.agg in AGGREGATIONS,
+                 f"--agg={self.agg!r}: choose auto or one of {', '.join(AGGREGATIONS)}")
+        _require(not LOSSES[self.loss].per_sequence or self.agg in ("auto", "seq_mean_token_mean"),
+                 f"--loss={self.loss} is defined with per-sequence mean aggregation; drop --agg={self.agg}")
+        _require(self.dual_clip_c == 0 or (self.dual_clip_c > 1 and self.loss == "grpo"),
+                 f"--dual_clip_c={self.dual_clip_c}: 0 (off) or > 1, with --loss=grpo")
+        _require(self.rejected_tokens in ("zero_weight", "drop"), "--rejected_tokens: zero_weight or drop")
+        self._check_replay()
+        _require(0 <= self.mis_low <= 1 <= self.mis_high,
+                 f"--mis_low={self.mis_low}, --mis_high={self.mis_high}: need 0 <= mis_low <= 1 <= mis_high "
+                 "(rho = 1, no mismatch, must keep its weight)")
+        _require(self.correction in CORRECTIONS, f"--correction={self.correction!r}: choose one of {', '.join(CORRECTIONS)}")
+        _require(self.seq_rho in SEQ_RHOS, f"--seq_rho={self.seq_rho!r}: choose one of {', '.join(SEQ_RHOS)}")
+        _require(0 < self.gspo_log_ratio_max <= 20,
+                 f"--gspo_log_ratio_max={self.gspo_log_ratio_max}: must be in (0, 20] (exp(20) stays finite in fp32)")
+        _require(self.correction == "none" or self.recompute_old_logp,   # else rho = pi_old / mu is 1 by definition
+                 f"--correction={self.correction} weighs the trainer's old log-probs against the rollout's; "
+                 "without --recompute_old_logp=true they are the rollout's own: add it")
+        batch = self.prompts_per_step * self.group_size
+        _require(self.minibatch_size >= batch or batch % self.minibatch_size == 0,
+                 f"--minibatch_size={self.minibatch_size} must divide the batch of {batch} (prompts_per_step "
+                 "x group_size): uneven minibatches would weigh their sequences unequally")
+        _require(self.kl_estimator in KL_ESTIMATORS, f"--kl_estimator={self.kl_estimator!r}: {', '.join(KL_ESTIMATORS)}")
 
     def _check_replay(self):
         """--replay and --route_filter against replay.py's tables (the life of a route has one home)."""

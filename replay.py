@@ -31,12 +31,8 @@ config.TrainConfig validates --replay and --route_filter against them.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:                                                     # for the annotation only: no import circle
-    from model import RouteDetail
 
 REPLAY_MODES = ("none", "r3", "old")          # --replay: nothing, the rollout's routes, the old policy's
 ROUTE_FILTERS = ("none", "mask", "downweight")   # --route_filter
@@ -124,7 +120,7 @@ def expert_load(routes: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def route_audit(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, n_experts: int,
-                detail: "RouteDetail | None" = None) -> dict:
+                detail=None) -> dict:
     """Compare rollout and trainer routes (B, T, n_moe, k) at the positions where mask (B, T) is True.
 
     route_flip_frac: fraction of (token, layer) decisions whose top-k *set* differs.

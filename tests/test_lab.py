@@ -331,3 +331,26 @@ def test_lab_options_refuse_bad_values():
                     (dict(rollout_quant_router=False), "rollout_quant_router")):
         with pytest.raises(ConfigError, match=msg):
             RolloutConfig(**kw)
+
+
+def test_the_core_carries_no_fault_branch():
+    """The lab's faults live in lab.py and act on the rollout's copy from outside: no name in model.py's
+    or distributed.py's code speaks of a fault or a quantized copy, and no branch of train.py tests a
+    lab option (it hands the copy's choice to lab.rollout_copy). Control: lab.py itself is full of them."""
+    import ast
+    import tokenize
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def names(path):
+        with open(os.path.join(root, path), "rb") as f:
+            return {t.string for t in tokenize.tokenize(f.readline) if t.type == tokenize.NAME}
+    import re
+    lab_word = re.compile(r"(^|_)(fault|quantiz|lower_precision|rollout_dtype|rollout_mode)", re.I)   # not setdefault
+    for core in ("model.py", "distributed.py"):
+        assert not [n for n in names(core) if lab_word.search(n)], core
+    assert len([n for n in names("lab.py") if lab_word.search(n)]) > 10
+    tree = ast.parse(open(os.path.join(root, "train.py")).read())
+    tests = [node.test for node in ast.walk(tree) if isinstance(node, (ast.If, ast.IfExp, ast.While))]
+    tested = {n.attr if isinstance(n, ast.Attribute) else n.id for t in tests for n in ast.walk(t)
+              if isinstance(n, (ast.Attribute, ast.Name))}
+    assert tests and not [n for n in tested if lab_word.search(n)], tested

@@ -66,3 +66,16 @@ def test_generate_draws_no_progress_bar_unless_asked(capfd):
     assert type(outs[0].tokens) is list and type(outs[0].logprobs) is list and len(outs[0].logprobs) == len(outs[0].tokens)
     sampler.generate([[1, 2, 3]], max_new_tokens=3, progress=True)
     assert "generate" in capfd.readouterr().err                      # control: the bar when asked for
+
+
+def test_reading_order_names_the_core_with_its_line_counts():
+    """"Read in this order" lists the core (config -> kernels -> model -> rollout -> replay -> losses ->
+    train) with line counts within 10% of the files' (a count far off misleads a reader's plan); README
+    stays under 300 lines (details go to docs/)."""
+    listed = re.findall(r"^\d\. `(\w+\.py)` \((\d+)\)", section("Read in this order"), flags=re.M)
+    assert [f for f, _ in listed] == ["config.py", "kernels.py", "model.py", "rollout.py", "replay.py", "losses.py",
+                                      "train.py"]
+    for name, n in listed:
+        actual = sum(1 for _ in open(os.path.join(ROOT, name), encoding="utf-8"))
+        assert abs(actual - int(n)) <= 0.1 * actual, f"{name}: README says {n} lines, it has {actual}"
+    assert README.count("\n") <= 300

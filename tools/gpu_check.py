@@ -190,71 +190,97 @@ def decode_inputs(B, ctx, H, KVH, D, dev):
 # ---------------------------------------------------------------------------------------------------
 # benchmarks
 # ---------------------------------------------------------------------------------------------------
-def bench(quick: bool, dev: str = "cuda") -> None:
-    """The timing table. dev="cpu": a smoke run of this code at tiny shapes, one call each, no timing."""
-    import torch
-    import torch.nn.functional as F
-    from triton.testing import do_bench
+class Timings:
+    """The timing table's rows, each a Triton call timed beside its baselines in the same run.
+    tiny (dev="cpu"): a smoke run at tiny shapes, one call each, no timing."""
 
-    tiny = dev == "cpu"
+    def __init__(self, tiny: bool):
+        self.tiny, self.rows = tiny, []
 
-    import kernels
-    import kernels_triton as kt
-    import kernels_triton_moe as ktm
-    import kernels_triton_vocab as ktv
-
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    torch.manual_seed(0)
-    bf16, fp32 = torch.bfloat16, torch.float32
-    try:
-        import flash_attn
-        from flash_attn import flash_attn_func, flash_attn_with_kvcache
-        fa = f"flash-attn {flash_attn.__version__}"
-    except Exception:                                                     # not installed or broken
-        flash_attn_func = flash_attn_with_kvcache = None
-        fa = None
-    rows: list[tuple] = []
-
-    def ms(fn):
-        if tiny:
+    def ms(self, fn) -> float:
+        if self.tiny:
             t0 = time.perf_counter()
             fn()
             return 1e3 * (time.perf_counter() - t0)
+        from triton.testing import do_bench
         return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
-    def row(op, shape, dtype, tri, baselines):
+    def row(self, op, shape, dtype, tri, baselines) -> None:
         """tri: the Triton callable; baselines: {name: callable or None}. Each timed here, same run."""
         try:
-            t = ms(tri)
+            t = self.ms(tri)
         except Exception as e:                                            # report, keep going
-            rows.append((op, shape, str(dtype).removeprefix("torch."), f"error: {type(e).__name__}", "", "", ""))
-            print("  " + "  ".join(rows[-1]), flush=True)
+            self.rows.append((op, shape, str(dtype).removeprefix("torch."), f"error: {type(e).__name__}", "", "", ""))
+            print("  " + "  ".join(self.rows[-1]), flush=True)
             return
         for name, fn in baselines.items():
             try:
-                b = ms(fn) if fn is not None else None
+                b = self.ms(fn) if fn is not None else None
             except Exception as e:
                 b, name = None, f"{name} (error: {type(e).__name__}: {str(e)[:60]})"
-            rows.append((op, shape, str(dtype).removeprefix("torch."), f"{t:.3f}", name,
-                         "n/a" if b is None else f"{b:.3f}", "n/a" if b is None else f"{t / b:.2f}"))
-            print("  " + "  ".join(rows[-1]), flush=True)         # now: a time limit may cut the table short
+            self.rows.append((op, shape, str(dtype).removeprefix("torch."), f"{t:.3f}", name,
+                              "n/a" if b is None else f"{b:.3f}", "n/a" if b is None else f"{t / b:.2f}"))
+            print("  " + "  ".join(self.rows[-1]), flush=True)    # now: a time limit may cut the table short
 
-    # --- matmul: the model's real shapes (Qwen3-30B-A3B), rows M of decode to prefill ----------------
+    def print(self) -> None:
+        head = ("op", "shape", "dtype", "triton ms", "baseline", "base ms", "triton/base")
+        widths = [max(len(str(r[i])) for r in self.rows + [head]) for i in range(len(head))]
+        print()
+        for r in [head, tuple("-" * w for w in widths)] + self.rows:
+            print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+def flash_attn_fns():
+    """(flash_attn_func, flash_attn_with_kvcache, its name) or Nones where flash-attn is not installed."""
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_func, flash_attn_with_kvcache
+        return flash_attn_func, flash_attn_with_kvcache, f"flash-attn {flash_attn.__version__}"
+    except Exception:                                                     # not installed or broken
+        return None, None, None
+
+
+def bench(quick: bool, dev: str = "cuda") -> None:
+    """The timing table. dev="cpu": a smoke run of this code at tiny shapes, one call each, no timing."""
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    t = Timings(dev == "cpu")
+    bench_matmul(t, dev)
+    bench_moe(t, quick, dev)
+    att = bench_attention(t, quick, dev)
+    bench_row_ops(t, quick, dev)
+    t.print()
+    flash_decode_check(att, dev)
+
+
+def bench_matmul(t: Timings, dev: str) -> None:
+    """matmul: the model's real shapes (Qwen3-30B-A3B), rows M of decode to prefill."""
+    import torch
+    import kernels_triton as kt
+    bf16, fp32 = torch.bfloat16, torch.float32
     for name, K, N in MM_SHAPES:
-        if tiny:
+        if t.tiny:
             K, N = min(K, 64), min(N, 96)
         w = torch.randn(N, K, device=dev, dtype=bf16)
-        for M in ((1, 16) if tiny else MM_ROWS):
+        for M in ((1, 16) if t.tiny else MM_ROWS):
             x = torch.randn(M, K, device=dev, dtype=bf16)
-            row("matmul " + name, f"M={M} K={K} N={N}", bf16, lambda: kt.linear(x, w), {"cuBLAS": lambda: x @ w.T})
-    K = N = 64 if tiny else 4096
+            t.row("matmul " + name, f"M={M} K={K} N={N}", bf16, lambda: kt.linear(x, w), {"cuBLAS": lambda: x @ w.T})
+    K = N = 64 if t.tiny else 4096
     w = torch.randn(N, K, device=dev)
-    for M in ((1,) if tiny else (1, 128, 4096)):
+    for M in ((1,) if t.tiny else (1, 128, 4096)):
         x = torch.randn(M, K, device=dev)
-        row("matmul", f"M={M} K={K} N={N}", fp32, lambda: kt.linear(x, w), {"cuBLAS": lambda: x @ w.T})
+        t.row("matmul", f"M={M} K={K} N={N}", fp32, lambda: kt.linear(x, w), {"cuBLAS": lambda: x @ w.T})
 
-    # --- fused MoE, forward and forward+backward, against torch._grouped_mm ---------------------------
-    M, E, k, D, I = (16, 4, 2, 32, 32) if tiny else (1024, 32, 4, 1024, 512) if quick else (4096, 128, 8, 2048, 768)
+
+def bench_moe(t: Timings, quick: bool, dev: str) -> None:
+    """The fused MoE, forward and forward+backward, against torch._grouped_mm."""
+    import torch
+    import torch.nn.functional as F
+    import kernels
+    import kernels_triton_moe as ktm
+    bf16 = torch.bfloat16
+    M, E, k, D, I = (16, 4, 2, 32, 32) if t.tiny else (1024, 32, 4, 1024, 512) if quick else (4096, 128, 8, 2048, 768)
     x = torch.randn(M, D, device=dev, dtype=bf16)
     w13 = (torch.randn(E, 2 * I, D, device=dev) * 0.02).to(bf16)
     w2 = (torch.randn(E, D, I, device=dev) * 0.02).to(bf16)
@@ -270,18 +296,27 @@ def bench(quick: bool, dev: str = "cuda") -> None:
         out = torch.zeros(M * k, D, device=x.device).index_copy(0, order, y)
         return out.view(M, k, D).sum(1).to(x.dtype)
     has_grouped = hasattr(torch, "_grouped_mm")
-    row("moe fwd", f"M={M} E={E} k={k} D={D} I={I}", bf16, lambda: ktm.moe_experts(x, w13, w2, ids, wts),
-        {"torch._grouped_mm": (lambda: grouped(x, w13, w2, ids, wts)) if has_grouped else None})
-    params = [t.clone().requires_grad_() for t in (x, w13, w2, wts)]
+    t.row("moe fwd", f"M={M} E={E} k={k} D={D} I={I}", bf16, lambda: ktm.moe_experts(x, w13, w2, ids, wts),
+          {"torch._grouped_mm": (lambda: grouped(x, w13, w2, ids, wts)) if has_grouped else None})
+    params = [p.clone().requires_grad_() for p in (x, w13, w2, wts)]
     gy = torch.randn(M, D, device=dev, dtype=bf16)
 
     def fwd_bwd(f):
         return lambda: torch.autograd.grad(f(*params[:3], ids, params[3]), params, gy)
-    row("moe fwd+bwd", f"M={M} E={E} k={k} D={D} I={I}", bf16, fwd_bwd(ktm.moe_experts),
-        {"torch._grouped_mm fwd+bwd": fwd_bwd(grouped) if has_grouped and not tiny else None})   # no CPU backward
+    t.row("moe fwd+bwd", f"M={M} E={E} k={k} D={D} I={I}", bf16, fwd_bwd(ktm.moe_experts),
+          {"torch._grouped_mm fwd+bwd": fwd_bwd(grouped) if has_grouped and not t.tiny else None})   # no CPU backward
 
-    # --- attention ------------------------------------------------------------------------------
-    B, T, H, KVH, Dh = (1, 80, 4, 2, 16) if tiny else (2, 1024, 32, 4, 128) if quick else (4, 2048, 32, 4, 128)
+
+def bench_attention(t: Timings, quick: bool, dev: str):
+    """Attention: prefill and forward+backward against SDPA (and flash-attn if installed), decode against
+    a long paged context. Returns the bf16 prefill inputs (for flash_decode_check)."""
+    import torch
+    import torch.nn.functional as F
+    import kernels_triton as kt
+    bf16, fp32 = torch.bfloat16, torch.float32
+    flash_attn_func, flash_attn_with_kvcache, fa = flash_attn_fns()
+    B, T, H, KVH, Dh = (1, 80, 4, 2, 16) if t.tiny else (2, 1024, 32, 4, 128) if quick else (4, 2048, 32, 4, 128)
+    shape = f"B={B} T={T} H={H} KVH={KVH} D={Dh}"
     for dtype in (bf16, fp32):
         att = attention_inputs(B, T, H, KVH, Dh, dtype, dev)
         q, kk, vv, kp, vp, bt, pos = att
@@ -289,70 +324,77 @@ def bench(quick: bool, dev: str = "cuda") -> None:
         base = {"torch SDPA": lambda: F.scaled_dot_product_attention(qt, kt_, vt, is_causal=True, enable_gqa=True)}
         if fa and dtype == bf16:
             base[fa] = lambda: flash_attn_func(q, kk, vv, causal=True)
-        row("attn prefill", f"B={B} T={T} H={H} KVH={KVH} D={Dh}", dtype,
-            lambda: kt.paged_attention(q, kp, vp, bt, pos, Dh ** -0.5), base)
+        t.row("attn prefill", shape, dtype, lambda: kt.paged_attention(q, kp, vp, bt, pos, Dh ** -0.5), base)
         if dtype == bf16:
+            prefill = att
             fb = {"torch SDPA": attention_fwd_bwd(att, "sdpa")}
             if fa:
                 fb[fa] = attention_fwd_bwd(att, flash_attn_func)
-            row("attn fwd+bwd", f"B={B} T={T} H={H} KVH={KVH} D={Dh}", dtype, attention_fwd_bwd(att, "triton"), fb)
-
+            t.row("attn fwd+bwd", shape, dtype, attention_fwd_bwd(att, "triton"), fb)
     # decode: one new query per sequence against a long paged context
-    Bd, ctx = (2, 256) if tiny else (32, 1024) if quick else (64, 2048)
-    dec = decode_inputs(Bd, ctx, H, KVH, Dh, dev)
-    qd, kc, vc, btd, posd, kd, vd = dec
+    Bd, ctx = (2, 256) if t.tiny else (32, 1024) if quick else (64, 2048)
+    qd, kc, vc, btd, posd, kd, vd = decode_inputs(Bd, ctx, H, KVH, Dh, dev)
     base = {"torch SDPA (dense KV)": lambda: F.scaled_dot_product_attention(qd.transpose(1, 2), kd, vd, enable_gqa=True)}
     if fa:
         seqlens = torch.full((Bd,), ctx, device=dev, dtype=torch.int32)
         base[f"{fa} paged"] = lambda: flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=seqlens, block_table=btd)
-    row("attn decode", f"B={Bd} ctx={ctx} H={H} KVH={KVH} D={Dh}", bf16,
-        lambda: kt.paged_attention(qd, kc, vc, btd, posd, Dh ** -0.5), base)
+    t.row("attn decode", f"B={Bd} ctx={ctx} H={H} KVH={KVH} D={Dh}", bf16,
+          lambda: kt.paged_attention(qd, kc, vc, btd, posd, Dh ** -0.5), base)
     # the tail of a rollout: a few long sequences (the key splits run in parallel, ATTN_SPLIT_BELOW)
-    Bl, ctxl = (1, 512) if tiny else (4, 16384)
-    qd, kc, vc, btd, posd, kd, vd = decode_inputs(Bl, ctxl, H, KVH, Dh, dev)
-    row("attn decode, few long", f"B={Bl} ctx={ctxl} H={H} KVH={KVH} D={Dh}", bf16,
-        lambda: kt.paged_attention(qd, kc, vc, btd, posd, Dh ** -0.5),
-        {"torch SDPA (dense KV)": lambda: F.scaled_dot_product_attention(qd.transpose(1, 2), kd, vd, enable_gqa=True)})
+    Bl, ctxl = (1, 512) if t.tiny else (4, 16384)
+    ql, kcl, vcl, btl, posl, kdl, vdl = decode_inputs(Bl, ctxl, H, KVH, Dh, dev)
+    t.row("attn decode, few long", f"B={Bl} ctx={ctxl} H={H} KVH={KVH} D={Dh}", bf16,
+          lambda: kt.paged_attention(ql, kcl, vcl, btl, posl, Dh ** -0.5),
+          {"torch SDPA (dense KV)": lambda: F.scaled_dot_product_attention(ql.transpose(1, 2), kdl, vdl, enable_gqa=True)})
+    return prefill
 
-    # --- row ops --------------------------------------------------------------------------------
-    Mr, Nr = (16, 64) if tiny else (8192, 4096)
+
+def bench_row_ops(t: Timings, quick: bool, dev: str) -> None:
+    """RMSNorm, the chosen-token log-prob (and entropy), and the sampler's draw at a decode step's rows."""
+    import torch
+    import torch.nn.functional as F
+    import kernels
+    import kernels_triton as kt
+    import kernels_triton_vocab as ktv
+    bf16 = torch.bfloat16
+    Mr, Nr = (16, 64) if t.tiny else (8192, 4096)
     xr, wr = torch.randn(Mr, Nr, device=dev, dtype=bf16), torch.ones(Nr, device=dev, dtype=bf16)
-    row("rms_norm", f"{Mr} x {Nr}", bf16, lambda: kt.rms_norm(xr, wr, 1e-6),
-        {"torch F.rms_norm": lambda: F.rms_norm(xr, (Nr,), wr, 1e-6)})
-    R, V = (4, 3000) if tiny else (1024, 151936) if quick else (4096, 151936)
+    t.row("rms_norm", f"{Mr} x {Nr}", bf16, lambda: kt.rms_norm(xr, wr, 1e-6),
+          {"torch F.rms_norm": lambda: F.rms_norm(xr, (Nr,), wr, 1e-6)})
+    R, V = (4, 3000) if t.tiny else (1024, 151936) if quick else (4096, 151936)
     z, tg = torch.randn(R, V, device=dev, dtype=bf16), torch.randint(0, V, (R,), device=dev)
-    row("token_logprobs", f"{R} x {V}, T=0.7", bf16, lambda: ktv.token_logprobs(z, tg, 0.7),
-        {"torch log_softmax+gather": lambda: torch.log_softmax(z.float() / 0.7, -1).gather(-1, tg[:, None])})
-    row("token_logprobs+entropy", f"{R} x {V}, T=0.7", bf16, lambda: ktv.token_logprobs(z, tg, 0.7, with_entropy=True),
-        {"triton token_logprobs alone": lambda: ktv.token_logprobs(z, tg, 0.7)})
-
-    # --- the sampler's draw at a decode step's row count -------------------------------------------
-    zs = z[:4 if tiny else 256]
+    t.row("token_logprobs", f"{R} x {V}, T=0.7", bf16, lambda: ktv.token_logprobs(z, tg, 0.7),
+          {"torch log_softmax+gather": lambda: torch.log_softmax(z.float() / 0.7, -1).gather(-1, tg[:, None])})
+    t.row("token_logprobs+entropy", f"{R} x {V}, T=0.7", bf16, lambda: ktv.token_logprobs(z, tg, 0.7, with_entropy=True),
+          {"triton token_logprobs alone": lambda: ktv.token_logprobs(z, tg, 0.7)})
+    zs = z[:4 if t.tiny else 256]
     u = torch.rand(zs.shape[0], device=dev, dtype=torch.float64)
 
     def torch_draw():
         with kernels.set_backend("torch"):
             return kernels.sample_tokens(zs, 1.0, 1.0, 0, u)
-    row("sample_tokens", f"{zs.shape[0]} x {V}, T=1", bf16, lambda: ktv.sample_tokens(zs, 1.0, u),
-        {"torch softmax + fp64 cumsum": torch_draw})
+    t.row("sample_tokens", f"{zs.shape[0]} x {V}, T=1", bf16, lambda: ktv.sample_tokens(zs, 1.0, u),
+          {"torch softmax + fp64 cumsum": torch_draw})
 
-    # --- print ------------------------------------------------------------------------------------
-    head = ("op", "shape", "dtype", "triton ms", "baseline", "base ms", "triton/base")
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-    print()
-    for r in [head, tuple("-" * w for w in widths)] + rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
 
-    if fa:   # may flash-attn serve the invariant path? Only if its decode equals its prefill bitwise.
-        qs, ks, vs = (t[:1, :300].contiguous() for t in (q.to(bf16), kk.to(bf16), vv.to(bf16)))
-        pre = flash_attn_func(qs, ks, vs, causal=True)
-        kcache = torch.zeros(1, 512, KVH, Dh, device=dev, dtype=bf16)
-        vcache = torch.zeros_like(kcache)
-        kcache[:, :300], vcache[:, :300] = ks, vs
-        same = all(torch.equal(flash_attn_with_kvcache(qs[:, p:p + 1], kcache, vcache,
-                                                       cache_seqlens=torch.tensor([p + 1], device=dev, dtype=torch.int32),
-                                                       causal=True), pre[:, p:p + 1]) for p in (0, 17, 150, 299))
-        print(f"\n{fa}: decode equals prefill bitwise: {same} (the invariant path does not use it either way)")
+def flash_decode_check(att, dev: str) -> None:
+    """May flash-attn serve the invariant path? Only if its decode equals its prefill bitwise."""
+    import torch
+    flash_attn_func, flash_attn_with_kvcache, fa = flash_attn_fns()
+    if not fa:
+        return
+    bf16 = torch.bfloat16
+    q, kk, vv = att[:3]
+    KVH, Dh = kk.shape[2], kk.shape[3]
+    qs, ks, vs = (x[:1, :300].contiguous() for x in (q.to(bf16), kk.to(bf16), vv.to(bf16)))
+    pre = flash_attn_func(qs, ks, vs, causal=True)
+    kcache = torch.zeros(1, 512, KVH, Dh, device=dev, dtype=bf16)
+    vcache = torch.zeros_like(kcache)
+    kcache[:, :300], vcache[:, :300] = ks, vs
+    same = all(torch.equal(flash_attn_with_kvcache(qs[:, p:p + 1], kcache, vcache,
+                                                   cache_seqlens=torch.tensor([p + 1], device=dev, dtype=torch.int32),
+                                                   causal=True), pre[:, p:p + 1]) for p in (0, 17, 150, 299))
+    print(f"\n{fa}: decode equals prefill bitwise: {same} (the invariant path does not use it either way)")
 
 
 # ---------------------------------------------------------------------------------------------------
