@@ -96,6 +96,12 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def route_dtype(num_experts: int) -> torch.dtype:
+    """Routes take n_moe * top_k ids per position (384 at 48 layers, top-8), so they are stored in the
+    smallest type that holds every expert id."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
 @dataclass
 class SamplingParams:
     """One request's sampling settings, checked where the request enters (Sampler.generate)."""
@@ -420,6 +426,9 @@ class Scheduler:
 
     # ---- prefill: chunks of admitted groups, then waiting groups ----
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
+        """The groups that hold rows and blocks first (the next chunk of a long prompt, a session's
+        observation), in order, then waiting groups (new, or preempted: the prefix cache may serve
+        their first blocks), while the budget, rows and blocks allow -> (batch, prefill ends)."""
         batch, ends, n, width = [], [], 0, 0           # n leaders so far, the longest chunk
         for group in list(self.prefilling):
             leader = group[0]
@@ -584,9 +593,7 @@ class ModelRunner:
         self.pool = None                                           # the captured graphs' shared memory pool
         self.capacity = 0
         self.stop_ids = torch.zeros(0)
-        # routes are most of a row's bytes (n_moe * top_k per position: 384 at 48 layers, top-8), so
-        # they take the smallest type that holds every expert id
-        self.route_dtype = torch.uint8 if cfg.num_experts <= 256 else torch.int16
+        self.route_dtype = route_dtype(cfg.num_experts)
         self.record_detail = config.record_route_detail            # route weights and margins beside them
         n_moe, k = model.n_moe_layers, cfg.num_experts_per_tok
         pages = (num_blocks + 1, block_size, n_moe)
@@ -873,7 +880,7 @@ class Sampler:
         p = next(self.model.parameters())
         n_moe, k = self.model.n_moe_layers, cfg.num_experts_per_tok
         per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
-        per_slot += n_moe * k * (1 if cfg.num_experts <= 256 else 2)
+        per_slot += n_moe * k * route_dtype(cfg.num_experts).itemsize
         per_slot += 4 * n_moe * (k + 1) if self.config.record_route_detail else 0
         block_bytes = bs * per_slot
         wanted = self.config.max_batch_size * -(-self.max_model_len // bs)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import assert_contract
-from test_rollout import fp32_model, make_model, make_prompts, seq
+from test_rollout import cuda, cuda_model, fp32_model, make_model, make_prompts, seq
 import rollout
 from rollout import OBSERVATION_LOGPROB, BlockManager, Sampler, Scheduler
 
@@ -60,7 +60,7 @@ def episodes(sampler: Sampler, prompts=None, env_seed: int = 0, **kw):
 def assert_episode_contract(model, outs, temperature: float = 1.0) -> None:
     """Every policy token's log-prob and every position's route are score's over prompt + tokens;
     observation ids carry the filler log-prob; the mask is the turns'."""
-    score_t = temperature or 1.0
+    score_t, dev = temperature or 1.0, next(model.parameters()).device
     for i, o in enumerate(outs):
         P, n = len(o.prompt), len(o.prompt) + len(o.tokens)
         mask = [0] * len(o.tokens)
@@ -69,11 +69,11 @@ def assert_episode_contract(model, outs, temperature: float = 1.0) -> None:
             mask[a:b] = [1] * (b - a)
         assert o.policy_mask == mask and o.num_turns == len(o.turns) and o.turns[0][0] == 0, i
         assert len(o.logprobs) == len(o.tokens) and o.routes.shape[0] == n - 1, i
-        logp, routes = model.score(torch.tensor([o.prompt + o.tokens]), temperature=score_t)
+        logp, routes = model.score(torch.tensor([o.prompt + o.tokens], device=dev), temperature=score_t)
         lp, policy = torch.tensor(o.logprobs), torch.tensor(mask, dtype=torch.bool)
-        assert torch.equal(lp[policy], logp[0, P - 1:][policy]), f"output {i}: policy log-probs differ from score"
+        assert torch.equal(lp[policy], logp[0, P - 1:].cpu()[policy]), f"output {i}: policy log-probs differ from score"
         assert (lp[~policy] == OBSERVATION_LOGPROB).all(), i
-        assert torch.equal(o.routes, routes[0, :n - 1]), f"output {i}: routes differ from score"
+        assert torch.equal(o.routes, routes[0, :n - 1].cpu()), f"output {i}: routes differ from score"
 
 
 def assert_same(ref, outs, what: str) -> None:
@@ -437,3 +437,19 @@ def test_released_after_sessions(monkeypatch):
     assert sched.is_finished() and not sched.offset and not any(sched.by_phase)
     assert bm.ref_counts == [0] * len(bm.ref_counts) and sorted(bm.free_block_ids) == list(range(len(bm.ref_counts)))
     assert sorted(sched.free_rows) == list(range(sched.max_batch_size))
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA: the same contract with the Triton kernels and CUDA graphs (skipped without a GPU)
+# ---------------------------------------------------------------------------------------------------
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_episodes_chunks_and_cache_hits_match_score(dtype):
+    """Episodes, chunks of a prefill at an offset (the attention kernel's queries start past 0) and
+    prefix-cache hits, decode steps replayed as graphs: score's bits on the GPU too."""
+    model = cuda_model(dtype)
+    for config in ("chunk7", "preempt_chunk5", "block32"):
+        sampler = Sampler(model, **CONFIGS[config])
+        for _ in range(2):                                   # cold; warm: cache hits, the graphs captured
+            assert_episode_contract(model, episodes(sampler))
+        assert sampler.num_cached_tokens > 0
