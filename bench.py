@@ -35,6 +35,15 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   the worker checks that both give the same bits.
 * decode: one decode step at 16 and at 256 sequences: the torch ops the host dispatches (the same
   count: host work does not grow with the batch) and its time under the profiler.
+* sessions (`--only sessions`): --prompts episodes of --turns turns of --turn-tokens tokens, --obs-tokens
+  environment ids between two turns, three ways, interleaved; policy tokens/s:
+    sessions                    one generate(on_turn_end=...): each observation prefilled into the live KV
+    re-prefill                  one generate per turn over each episode's whole history, no prefix cache
+    re-prefill + prefix cache   the same, the history's full blocks served by the prefix cache
+  then long prompts (half the context and up) prefilled whole vs in chunks of --chunk-tokens, prompt +
+  new tokens/s. Before each timed call the sampler's weights version is bumped (a new policy: nothing
+  cached from the previous repeat). Both comparisons check the contract: the same ids, log-probs and
+  routes (a row says DIFFER otherwise).
 * gpu (CUDA only; --cpu-smoke runs its code on the CPU): a 4-layer model of Qwen3-30B-A3B's layer
   shapes, bf16, made on the GPU; rollout tok/s at 256, 64, 1024 sequences x 128 new tokens, invariant
   (eager and CUDA graphs) and fast; each decode step's share of the bandwidth limit (every weight and
@@ -439,6 +448,100 @@ def bench_decode(args) -> list[tuple[str, float, str]]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# sessions: multi-turn episodes token in / token out vs re-prefilling each turn's history; chunked
+# prefill vs whole
+# ---------------------------------------------------------------------------------------------------
+class BenchEnv:
+    """--turns turns per episode; after each but the last, --obs-tokens ids drawn from (sequence, turn)."""
+
+    def __init__(self, args, vocab: int):
+        self.turns, self.n_obs, self.vocab, self.seed, self.calls = args.turns, args.obs_tokens, vocab, args.seed, {}
+
+    def __call__(self, index: int, turn: list[int]) -> list[int] | None:
+        k = self.calls[index] = self.calls.get(index, 0) + 1
+        if k >= self.turns:
+            return None
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index * 101 + k)
+        return torch.randint(0, self.vocab, (self.n_obs,), generator=g).tolist()
+
+
+def sessions_live(sampler: Sampler, prompts, args):
+    """One generate call: each observation is prefilled into the live sequence's KV."""
+    sampler.weights_updated()                 # a new policy each rollout: nothing cached from the last repeat
+    return sampler.generate(prompts, max_new_tokens=args.turn_tokens, temperature=1.0, seed=args.seed,
+                            on_turn_end=BenchEnv(args, sampler.model.config.vocab_size))
+
+
+def sessions_reprefill(sampler: Sampler, prompts, args):
+    """One generate call per turn over each episode's whole history so far (what a stateless engine
+    serves); with the prefix cache the history's full blocks are hits. -> (history, logprobs, routes)."""
+    sampler.weights_updated()
+    env, histories = BenchEnv(args, sampler.model.config.vocab_size), [list(p) for p in prompts]
+    logprobs = [[] for _ in prompts]
+    for _ in range(args.turns):
+        outs = sampler.generate(histories, max_new_tokens=args.turn_tokens, temperature=1.0, seed=args.seed)
+        for i, o in enumerate(outs):
+            obs = env(i, o.tokens) or []
+            histories[i] += o.tokens + obs
+            logprobs[i] += o.logprobs + [0.0] * len(obs)
+    return [(h, lp, o.routes) for h, lp, o in zip(histories, logprobs, outs)]
+
+
+def same_episodes(live, reprefill) -> bool:
+    """The contract across the two ways: the same ids, the policy's log-probs and every route."""
+    return all(o.prompt + o.tokens == h and o.logprobs == lp and torch.equal(o.routes, r)
+               for o, (h, lp, r) in zip(live, reprefill))
+
+
+def bench_sessions(args) -> list[tuple[str, float, str]]:
+    model = build_model(args)
+    prompts = make_prompts(args, model.config.vocab_size)
+    B = max(len(prompts), 1)
+    samplers = {"sessions": Sampler(model, max_batch_size=B),
+                "re-prefill": Sampler(model, max_batch_size=B, prefix_cache=False),
+                "re-prefill + prefix cache": Sampler(model, max_batch_size=B)}
+    fns = {name: (lambda s=s, f=(sessions_live if name == "sessions" else sessions_reprefill): f(s, prompts, args))
+           for name, s in samplers.items()}
+    res = interleaved(fns, args.warmup, args.repeats)
+    n_gen = len(prompts) * args.turns * args.turn_tokens
+    live = res["sessions"][1]
+    rows = []
+    for name, (t, out) in res.items():
+        ok = name == "sessions" or same_episodes(live, out)
+        rows.append((f"sessions: {name}", n_gen / t, "policy tok/s" + ("" if ok else ", outputs DIFFER from sessions")))
+    hit = samplers["re-prefill + prefix cache"].prefix_hit_rate
+    for name in ("re-prefill", "re-prefill + prefix cache"):
+        rows.append((f"sessions / {name}", res[name][0] / res["sessions"][0], "ratio"))
+    print(f"sessions: {len(prompts)} episodes of {args.turns} turns x {args.turn_tokens} tokens, {args.obs_tokens} "
+          f"observation ids between turns; re-prefill + cache: last turn's hit rate {hit:.0%}")
+    return rows + bench_chunked(model, args)
+
+
+def bench_chunked(model: Transformer, args) -> list[tuple[str, float, str]]:
+    """Long prompts prefilled whole vs in chunks of --chunk-tokens (a decode step between chunks)."""
+    ctx = model.config.max_position_embeddings
+    lo, hi = max(1, ctx // 2), ctx - args.turn_tokens
+    prompts = make_prompts(argparse.Namespace(**{**vars(args), "min_prompt_len": lo, "max_prompt_len": hi}),
+                           model.config.vocab_size)
+    B = max(len(prompts), 1)
+    samplers = {"whole": Sampler(model, max_batch_size=B, max_num_batched_tokens=B * hi),
+                f"chunks of {args.chunk_tokens}": Sampler(model, max_batch_size=B,
+                                                          max_num_batched_tokens=args.chunk_tokens)}
+
+    def run(s):
+        s.weights_updated()
+        return s.generate(prompts, max_new_tokens=args.turn_tokens, temperature=1.0, seed=args.seed)
+    res = interleaved({name: (lambda s=s: run(s)) for name, s in samplers.items()}, args.warmup, args.repeats)
+    n_tok = sum(len(p) for p in prompts) + len(prompts) * args.turn_tokens
+    (tw, whole), (tc, chunked) = res.values()
+    same = all(a.tokens == b.tokens and a.logprobs == b.logprobs and torch.equal(a.routes, b.routes)
+               for a, b in zip(whole, chunked))
+    print(f"chunked prefill: {len(prompts)} prompts of {lo}-{hi} tokens, {args.turn_tokens} new tokens each")
+    return [(f"prefill {name}", n_tok / t, "prompt + new tok/s" + ("" if same else ", outputs DIFFER"))
+            for name, (t, _) in res.items()] + [(f"chunks of {args.chunk_tokens} / whole", tw / tc, "ratio")]
+
+
+# ---------------------------------------------------------------------------------------------------
 # GPU: the rollout engine at Qwen3-30B-A3B layer shapes
 # ---------------------------------------------------------------------------------------------------
 def gpu_model(layers: int, tiny: bool) -> Transformer:
@@ -740,7 +843,7 @@ def lab_figure(results: dict, out: str, seed: int) -> None:
 
 
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "packing": bench_packing, "moe": bench_moe,
-              "decode": bench_decode, "ep": bench_ep, "gpu": bench_gpu, "lab": bench_lab}
+              "decode": bench_decode, "sessions": bench_sessions, "ep": bench_ep, "gpu": bench_gpu, "lab": bench_lab}
 DEFAULT = "rollout,forward,fast,packing,moe,ep,decode"
 
 
@@ -768,6 +871,10 @@ def main(argv=None):
     p.add_argument("--pack-seqs", type=int, default=32, help="packing: responses in the long-tailed mix")
     p.add_argument("--pack-micro-batch", type=int, default=8, help="packing: sequences per padded micro-batch")
     p.add_argument("--micro-batch-tokens", type=int, default=1024, help="packing: token budget per packed micro-batch")
+    p.add_argument("--turns", type=int, default=4, help="sessions: policy turns per episode")
+    p.add_argument("--turn-tokens", type=int, default=16, help="sessions: new tokens per turn (and per chunked prompt)")
+    p.add_argument("--obs-tokens", type=int, default=16, help="sessions: observation ids between two turns")
+    p.add_argument("--chunk-tokens", type=int, default=64, help="sessions: the chunked prefill's max_num_batched_tokens")
     p.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer in the moe section")
     p.add_argument("--ep-procs", type=int, default=2, help="ep: processes (ranks) of the torchrun job, the EP degree")
     p.add_argument("--ep-worker", action="store_true", help=argparse.SUPPRESS)   # one rank of the ep section's job

@@ -210,7 +210,9 @@ class RolloutConfig:
     block_size: int = 16              # KV positions per page
     num_blocks: int = 0               # 0: sized from the device (see rollout.Sampler)
     max_batch_size: int = 256         # running sequences at most
-    max_num_batched_tokens: int = 4096   # tokens per prefill forward (prompts right-padded to the longest)
+    max_num_batched_tokens: int = 4096   # tokens per prefill forward (prompts right-padded to the longest);
+                                         # a longer prompt or observation is prefilled in chunks of this many
+    prefix_cache: bool = True         # reuse computed full KV blocks (and routes) of a seen token prefix, same weights
     kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after grads + AdamW state) for the KV pool
     cuda_graphs: bool | None = None   # decode steps as CUDA graphs; None: where they run without host syncs
     temperature: float = 1.0          # sampling temperature (0: greedy); log-probs are of softmax(logits / T)

@@ -1,45 +1,81 @@
-"""The rollout sampler: paged KV cache, continuous batching, preemption, CUDA graphs, exact recording.
+"""The rollout sampler: paged KV cache, continuous batching, preemption, CUDA graphs, exact recording,
+multi-turn sessions (token in, token out), a prefix cache and chunked prefill.
 
     from rollout import Sampler
     sampler = Sampler(model)                    # or Sampler(model, RolloutConfig(...)), Sampler(model, num_blocks=64)
     outs = sampler.generate(prompts, max_new_tokens=64, temperature=1.0, n=8, seed=0)
     outs[i].tokens, outs[i].logprobs, outs[i].routes           # see SequenceOutput
 
+    # episodes: after each turn the environment appends token ids to the live sequence, or ends it (None)
+    outs = sampler.generate(prompts, max_new_tokens=32, on_turn_end=lambda i, turn: envs[i].step(turn),
+                            max_episode_tokens=512)
+    outs[i].policy_mask, outs[i].turns                          # which ids the policy sampled; its turns
+
 Output types: per-token values are Python lists (prompt and tokens: ids, logprobs: the fp32 log-probs
 exactly, as floats; torch.tensor(o.logprobs) gives back the fp32 bits); routes, 2-D per token, a tensor.
+In an episode `tokens` holds every id after the prompt, the policy's and the environment's;
+`policy_mask` tells them apart (1: sampled) and an observation id's log-prob is OBSERVATION_LOGPROB.
 
 Vocabulary from vLLM / nano-vllm, and its split: one object decides, one does. A `Sequence` owns a
 `block_table` of KV blocks (pages) of `block_size` positions. The `BlockManager` hands out blocks from
-a free list with reference counts, so a GRPO group shares its prompt's full blocks, and says how many
-members of a group the free blocks admit (`num_admissible`). The `Scheduler` owns the sequence
-lifecycle: `add()` queues requests, `schedule()` decides the next `Step`: a prefill (waiting
-sequences, admitted while batch rows, blocks and the token budget allow) or a decode (every running
-sequence, preempting the newest when blocks run out; the step lists the blocks it handed out),
-`postprocess()` retires finished sequences. The `ModelRunner` carries a Step out (`run`) and owns the
-tensors: the KV pages and, per batch row, the sequence's tokens, log-probs and routes, all on the
+a free list with reference counts, so a GRPO group shares its prompt's full blocks, says how many
+members of a group the free blocks admit (`num_admissible`), and keeps the prefix cache. The
+`Scheduler` owns the sequence lifecycle: `add()` queues requests, `schedule()` decides the next
+`Step`: a prefill (chunks of admitted sequences, then waiting sequences, admitted while batch rows,
+blocks and the token budget allow) or a decode (every running sequence, preempting the newest when
+blocks run out; the step lists the blocks it handed out), `postprocess()` ends turns and retires
+finished sequences. The `ModelRunner` carries a Step out (`run`) and owns the tensors: the KV pages,
+the route pages beside them, and per batch row the sequence's tokens and log-probs, all on the
 device; a decode step is a fixed set of tensor ops over those buffers (one small read comes back:
 which rows finished), replayed as a CUDA graph per batch-size bucket on a GPU. `Sampler` ties them
 together for one request at a time; its settings are a `config.RolloutConfig`, which validates them.
 
+One mechanism serves multi-turn episodes, the prefix cache and chunked prefill: a sequence's first
+`num_computed` tokens have their KV and routes in its blocks, and a prefill step feeds tokens
+[num_computed, end) over them. Attention reads keys by absolute position through the block table and
+every op is row-invariant, so a piece of a prefill has the bits of the whole prefill.
+* Routes live per KV slot: route pages (RolloutConfig.record_route_detail: also weights and margins)
+  beside the KV pages, written at the same slots, so the blocks a group shares or the prefix cache
+  serves carry their routes; a sequence's routes are gathered through its block table at its end.
+* Chunked prefill: a prompt or observation longer than max_num_batched_tokens is prefilled in chunks
+  of at most that many tokens, a decode step of the running sequences after each chunk; meanwhile
+  the sequence holds its row and blocks, and it samples after its last chunk.
+* The prefix cache (RolloutConfig.prefix_cache): a full block whose KV is computed and whose tokens
+  the host knows is registered under (the previous block's node, its token ids), a chain rooted at
+  the weights' version. An admitted sequence reuses its longest run of registered leading blocks
+  (never its last token: that one is fed, for the logits). Freed blocks stay registered in the free
+  list until allocation takes them, least recently freed first. A block is registered when the host
+  learns its tokens: after a prefill, at a turn's end and at a sequence's end (its generated ids are
+  read then, never per decode step). `Sampler.weights_version` keys the chain and a new version
+  forgets every block, so no block survives a weight update and a hit has a cold run's bits.
+* Sessions: with `on_turn_end`, a turn ends at a stop token or after max_new_tokens; the callback
+  gets (index, the turn's ids) and returns the observation's ids to append, or None to end the
+  episode. The observation and the turn's last token (sampled, never fed yet, so its route comes
+  from this real forward) are prefilled into the sequence's existing KV, and the next turn samples;
+  the history is never prefilled again, and other sequences keep decoding meanwhile.
+
 Host work per decode step does not grow with the batch: the scheduler knows every running
 sequence's length from one clock (they all advance together), finds the sequences that start a new
 block this step in a table keyed by length mod block_size, and touches Python objects only for
-those (1 / block_size of the batch on average) and for sequences that start or finish.
+those (1 / block_size of the batch on average) and for sequences that start, end a turn or finish.
 
 The contract: every step calls the same `Transformer.hidden_states`, `compute_logits` and
 `kernels.token_logprobs` as `model.score`, so `outs[i].logprobs` are bitwise equal to
-`model.score(prompt + tokens)` at the generated positions and `outs[i].routes` to score's routes,
-whatever the batch, the padding, the block layout, sharing, preemption or graph replay. The random
-draw of a token depends only on (seed, the sequence's index in the request, its position): a uniform
-from a counter-based hash of those three (`draw_keys`), turned into a token by inverse CDF
-(`kernels.sample_tokens`: a few batched torch ops, or on a GPU two Triton kernels).
+`model.score(prompt + tokens)` at the policy's positions and `outs[i].routes` to score's routes,
+whatever the batch, the padding, the block layout, sharing, preemption, chunking, cache hits or graph
+replay. The random draw of a token depends only on (seed, the sequence's index in the request, its
+position): a uniform from a counter-based hash of those three (`draw_keys`), turned into a token by
+inverse CDF (`kernels.sample_tokens`: a few batched torch ops, or on a GPU two Triton kernels).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import numbers
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -50,10 +86,20 @@ from config import RolloutConfig, check_sampling
 from model import PagedKV, Transformer
 
 CPU_KV_BYTES = 1 << 30            # the KV pool's cap on the CPU, where there is no free-memory query
+OBSERVATION_LOGPROB = 0.0         # SequenceOutput.logprobs at the environment's ids (the policy did not sample them)
+
+# on_turn_end(index in the request's outputs, the turn's ids) -> ids to append, or None: the episode ends
+TurnEnd = Callable[[int, list], "list[int] | None"]
 
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """Routes take n_moe * top_k ids per position (384 at 48 layers, top-8), so they are stored in the
+    smallest type that holds every expert id."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
 
 
 @dataclass
@@ -62,7 +108,7 @@ class SamplingParams:
     temperature: float = 1.0          # 0: greedy (log-probs then at temperature 1)
     top_p: float = 1.0
     top_k: int = 0                    # 0: off
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64          # per turn
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
 
@@ -82,26 +128,51 @@ class SamplingParams:
 @dataclass
 class SequenceOutput:
     prompt: list[int]
-    tokens: list[int]            # generated ids
-    logprobs: list[float]        # one per generated id: the fp32 log softmax(logits / temperature)[token], exactly
-    routes: torch.Tensor         # (len(prompt) + n_generated - 1, n_moe_layers, top_k) int64
-    finish_reason: str           # "stop" (a stop token), "length" (max_new_tokens or the context)
+    tokens: list[int]            # every id after the prompt: generated, and in an episode also the environment's
+    logprobs: list[float]        # one per id: the fp32 log softmax(logits / temperature)[token], exactly, where the
+                                 # policy sampled it; OBSERVATION_LOGPROB (0.0) where the environment appended it
+    routes: torch.Tensor         # (len(prompt) + len(tokens) - 1, n_moe_layers, top_k) int64: every fed position
+    finish_reason: str           # "stop": a stop token, or the environment ended the episode; "length": max_new_tokens
+                                 # (single turn), max_episode_tokens or the context
     # with RolloutConfig.record_route_detail (model.RouteDetail, at the positions of routes), else None
     route_weights: torch.Tensor | None = None    # (..., n_moe_layers, top_k) fp32 combine weights
     route_margins: torch.Tensor | None = None    # (..., n_moe_layers) fp32 k-th minus (k+1)-th score
+    policy_mask: list[int] = field(default_factory=list)   # one per id: 1 sampled by the policy, 0 the environment's
+    turns: list[tuple[int, int]] = field(default_factory=list)   # each policy turn's [start, end) in tokens
+    weights_version: int = 0     # the Sampler.weights_version that drew the tokens
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
 
 
 @dataclass(eq=False)             # compared and hashed by identity: the scheduler keys dicts by sequence
 class Sequence:
     seq_id: int                  # index in the request (plus the caller's offset): keys the sampling noise
     prompt: list[int]
-    max_len: int                 # finishes ("length") when it holds this many tokens
+    max_len: int                 # its turn ends ("length") when it holds this many tokens
     num_tokens: int = 0          # tokens in its row (prompt + generated); while running, see Scheduler.length
+    limit: int | None = None     # its episode ends at this many tokens (None: max_len, a single turn)
+    max_new_tokens: int = 0      # per turn: the next turn's max_len is num_tokens + this, at most limit
     row: int = -1                # its row of the ModelRunner's buffers; held from admission to finish
     block_table: list[int] = field(default_factory=list)
     parent: "Sequence | None" = None   # in a prefill batch: the group member whose forward it shares
     finish_reason: str | None = None
     output: SequenceOutput | None = None
+    # prefill and the prefix cache
+    num_computed: int = 0        # its first tokens whose KV and routes are in its blocks (set when it stops running)
+    token_ids: list[int] | None = None   # the host's copy of its tokens: the prompt, then each ended turn, observation
+    num_written: int = 0         # how many of token_ids its device row holds
+    num_hashed: int = 0          # its leading blocks entered in the prefix cache (or found there) ...
+    last_node: object = None     # ... and the last one's node (BlockManager.register)
+    # sessions: the policy's turns, [start, end) positions
+    turn_start: int = -1
+    turns: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.limit = self.max_len if self.limit is None else self.limit
+        self.token_ids = list(self.prompt) if self.token_ids is None else self.token_ids
+        self.turn_start = len(self.prompt) if self.turn_start < 0 else self.turn_start
 
 
 @dataclass
@@ -109,6 +180,9 @@ class Step:
     """One engine step as the Scheduler decided it; the ModelRunner carries it out."""
     batch: list[Sequence]        # prefill: each group's leader, then its members; decode: `running` itself
     is_prefill: bool
+    # prefill only, one per sequence of batch (a member: its leader's): the KV is computed up to there after
+    # the step, from seq.num_computed; a sequence whose end is its num_tokens samples its next token
+    prefill_ends: list[int] = field(default_factory=list)
     # decode only: the blocks handed out this step, (row, index in its block table, block id), and
     # whether the running set changed since the previous decode step (the runner then rewrites its rows)
     new_blocks: list[tuple[int, int, int]] = field(default_factory=list)
@@ -116,12 +190,26 @@ class Step:
 
 
 class BlockManager:
-    """Blocks (pages) of `block_size` KV positions, a free list, and reference counts for sharing."""
+    """Blocks (pages) of `block_size` KV positions, a free list, reference counts for sharing, and the
+    prefix cache.
 
-    def __init__(self, num_blocks: int, block_size: int):
+    `free_block_ids` holds the free blocks in the order they were freed; allocation takes the least
+    recently freed. With prefix_cache, `register` enters a sequence's computed full blocks under a key
+    (parent node, the block's token ids): the parent is the previous block's node, or for a first block
+    the root, which names the weights' version (`set_version`). A key is exact (the dict compares the
+    ids, and node ids are never reused), so a hit holds the KV and routes of exactly that token prefix.
+    A registered block stays registered while free, until allocation takes it (eviction, LRU).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False):
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # an ordered set
         self.ref_counts = [0] * num_blocks
+        self.prefix_cache = prefix_cache
+        self.root: tuple = ("version", None)
+        self.cached: dict[tuple, tuple[int, int]] = {}   # (parent node, token ids) -> (block, node)
+        self.key_of: list[tuple | None] = [None] * num_blocks
+        self.nodes = itertools.count()
 
     @property
     def num_free(self) -> int:
@@ -130,15 +218,16 @@ class BlockManager:
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
-    def num_admissible(self, num_tokens: int, group_size: int, num_running: int) -> int:
+    def num_admissible(self, num_tokens: int, group_size: int, num_running: int, shared: int = 0) -> int:
         """How many members of a group of num_tokens-token sequences the free blocks admit now.
 
-        The leader takes its blocks and each other member a copy of a partly filled last block. While
-        others run (num_running: running, or admitted earlier in this step), each of them and each new
-        member keeps one spare block, so that the next decode step need not preempt at once; with nothing
-        else running, the pool only has to hold this group.
+        The leader takes its blocks (less `shared`: prefix-cache hits that others hold already) and each
+        other member a copy of a partly filled last block. While others run (num_running: running,
+        admitted, or admitted earlier in this step), each of them and each new member keeps one spare
+        block, so that the next decode step need not preempt at once; with nothing else running, the
+        pool only has to hold this group.
         """
-        base, partial = -(-num_tokens // self.block_size), int(num_tokens % self.block_size != 0)
+        base, partial = -(-num_tokens // self.block_size) - shared, int(num_tokens % self.block_size != 0)
         spare = int(num_running > 0)
         avail = self.num_free - spare * num_running
         if partial + spare == 0:                                    # members share every block
@@ -146,58 +235,129 @@ class BlockManager:
         # m members need base + partial * (m - 1) + spare * m <= avail
         return max(0, min(group_size, (avail - base + partial) // (partial + spare)))
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow seq.block_table to hold positions [0, num_tokens)."""
-        n = self.blocks_needed(seq, num_tokens)
-        if n > self.num_free:
+    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> None:
+        """Grow seq.block_table to hold positions [0, num_tokens): first the `cached` blocks (prefix-cache
+        hits, shared), then fresh ones."""
+        n = self.blocks_needed(seq, num_tokens) - len(cached)
+        if n + sum(self.ref_counts[b] == 0 for b in cached) > self.num_free:
             raise RuntimeError(f"BlockManager: need {n} blocks, {self.num_free} free (caller must preempt first)")
-        for _ in range(n):
-            b = self.free_block_ids.popleft()
-            self.ref_counts[b] = 1
+        for b in cached:
+            if self.ref_counts[b] == 0:
+                del self.free_block_ids[b]
+            self.ref_counts[b] += 1
             seq.block_table.append(b)
+        for _ in range(n):
+            seq.block_table.append(self._take_free())
+
+    def _take_free(self) -> int:
+        """The least recently freed block, evicted from the prefix cache if it was registered."""
+        b, _ = self.free_block_ids.popitem(last=False)
+        if self.key_of[b] is not None:
+            del self.cached[self.key_of[b]]
+            self.key_of[b] = None
+        self.ref_counts[b] = 1
+        return b
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
         """Share the parent's full blocks of positions [0, num_tokens) with child.
 
         A partly filled last block is not shared (both would write into it): the child gets a fresh
-        block and the returned (src, dst) pair tells the caller to copy its KV contents.
+        block and the returned (src, dst) pair tells the caller to copy its contents (KV and routes).
         """
         n_full = num_tokens // self.block_size
         for b in parent.block_table[:n_full]:
             self.ref_counts[b] += 1
             child.block_table.append(b)
+        if parent.num_hashed <= n_full:                  # the child's chain in the prefix cache starts as the parent's
+            child.num_hashed, child.last_node = parent.num_hashed, parent.last_node
         if num_tokens % self.block_size:
             if self.num_free == 0:
                 raise RuntimeError("BlockManager: no free block for a forked partial block")
-            dst = self.free_block_ids.popleft()
-            self.ref_counts[dst] = 1
+            dst = self._take_free()
             child.block_table.append(dst)
             return parent.block_table[n_full], dst
         return None
 
     def free(self, seq: Sequence) -> None:
+        # last block first: a sequence's first blocks, which every longer prefix needs, are evicted last
         for b in reversed(seq.block_table):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_block_ids.append(b)
+                self.free_block_ids[b] = None
         seq.block_table = []
+
+    # ---- the prefix cache ----
+    def set_version(self, version) -> None:
+        """Root the cache at a new weights version: every registered block is forgotten (call it between
+        requests, when no block is in use)."""
+        if ("version", version) != self.root:
+            self.root = ("version", version)
+            self.cached.clear()
+            self.key_of = [None] * len(self.key_of)
+
+    def match(self, seq: Sequence) -> tuple[list[int], object]:
+        """The longest run of seq's leading full blocks registered in the cache, up to its next-to-last
+        token (the last one is always fed, for the logits) -> (their blocks, the last one's node)."""
+        hits, node, bs = [], self.root, self.block_size
+        if self.prefix_cache:
+            for b in range(min(len(seq.token_ids), seq.num_tokens - 1) // bs):
+                entry = self.cached.get((node, tuple(seq.token_ids[b * bs:(b + 1) * bs])))
+                if entry is None:
+                    break
+                hits.append(entry[0])
+                node = entry[1]
+        return hits, node
+
+    def register(self, seq: Sequence, num_computed: int) -> None:
+        """Enter seq's full blocks whose KV is computed (positions < num_computed) and whose tokens the
+        host knows. A block whose key another block holds already (the same tokens, computed twice)
+        stays out; the chain goes on through the registered one."""
+        if not self.prefix_cache:
+            return
+        bs, node = self.block_size, seq.last_node if seq.num_hashed else self.root
+        for b in range(seq.num_hashed, min(num_computed, len(seq.token_ids)) // bs):
+            key = (node, tuple(seq.token_ids[b * bs:(b + 1) * bs]))
+            if key not in self.cached:
+                block = seq.block_table[b]
+                if self.key_of[block] is not None:      # registered under another chain: stop here
+                    break
+                self.cached[key], self.key_of[block] = (block, next(self.nodes)), key
+            node = self.cached[key][1]
+            seq.num_hashed, seq.last_node = b + 1, node
+
+    def reset(self) -> None:
+        """Every block free and unregistered (after a request was cut short)."""
+        self.__init__(len(self.ref_counts), self.block_size, self.prefix_cache)
 
 
 class Scheduler:
-    """Owns the sequence lifecycle: waiting groups -> running -> finished (or preempted -> waiting)."""
+    """Owns the sequence lifecycle: waiting groups -> admitted (prefilled, in chunks if long) -> running ->
+    a turn ends -> finished, or (a session) its observation prefilled -> running again; preempted
+    sequences go back to waiting.
 
-    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int):
+    end_turn(seq), when given, is called when a sequence's turn has ended, before its blocks and row are
+    released: it brings seq.token_ids up to date (the turn's ids) and returns the ids to append (the
+    session goes on) or None (the sequence is finished; its output must be collected by then).
+    """
+
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
+                 end_turn: Callable[[Sequence], list[int] | None] | None = None):
         self.bm = block_manager
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[list[Sequence]] = deque()   # groups of sequences with identical tokens
+        self.end_turn = end_turn
+        self.waiting: deque[list[Sequence]] = deque()   # groups of sequences with identical tokens, no blocks
+        self.prefilling: deque[list[Sequence]] = deque()   # admitted groups whose leader has tokens to prefill
         self.running: list[Sequence] = []               # in admission order: the newest is preempted first
         self.free_rows = list(range(max_batch_size - 1, -1, -1))   # pop() hands out the lowest row
         self.clock = 0                                  # decode steps taken; length = offset + clock
         self.offset: dict[Sequence, int] = {}           # running sequence -> num_tokens - clock
         self.by_phase = [dict() for _ in range(block_manager.block_size)]   # offset % bs -> {seq: None}
         self.running_changed = True                     # since the last decode step was handed out
+        self.chunked = False                            # the last prefill left a sequence partly prefilled
         self.num_preemptions = 0
+        self.num_cached_tokens = 0                      # tokens served by the prefix cache at admission
+        self.num_prefilled_tokens = 0                   # tokens fed by prefill forwards (padding not counted)
 
     # ---- lifecycle ----
     def add(self, group: list[Sequence]) -> None:
@@ -205,71 +365,158 @@ class Scheduler:
         self.waiting.append(group)
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.prefilling and not self.running
 
     def length(self, seq: Sequence) -> int:
         """Tokens in a sequence's row: every running sequence gains one per decode step."""
         return self.offset[seq] + self.clock if seq in self.offset else seq.num_tokens
 
     def schedule(self) -> Step:
-        """The next step: a prefill of admitted waiting groups (each group's members after their leader,
-        member.parent = leader), else a decode step of every running sequence."""
-        batch = self._schedule_prefill()
-        if batch:
-            return Step(batch, is_prefill=True)
+        """The next step: a prefill (chunks of admitted groups, then admitted waiting groups; a group's
+        members after their leader, member.parent = leader), else a decode step of every running
+        sequence. A prefill that left a sequence partly prefilled is followed by a decode step, so the
+        running sequences go on between the chunks of a long prompt."""
+        if not (self.chunked and self.running):
+            batch, ends = self._schedule_prefill()
+            if batch:
+                self.chunked = any(end < s.num_tokens for s, end in zip(batch, ends))
+                return Step(batch, is_prefill=True, prefill_ends=ends)
+        self.chunked = False
         return self._schedule_decode()
 
     def postprocess(self, step: Step, finished: list[bool]) -> list[Sequence]:
-        """After a step: admitted sequences start running, the clock ticks, finished ones leave.
-        Returns the finished sequences (their rows still hold their data until the next schedule)."""
-        batch = step.batch
+        """After a step: fully prefilled sequences start running, the clock ticks, and the sequences whose
+        turn ended go on (a session's observation, queued for prefill) or leave. Returns the finished
+        sequences (their rows still hold their data until the next schedule)."""
         if step.is_prefill:
-            for s in batch:
-                s.num_tokens += 1                                    # the token the prefill sampled
-                self._start(s)
+            for s, end in zip(step.batch, step.prefill_ends):
+                s.num_computed = end
+                if s.parent is None:
+                    self.bm.register(s, end)
+                if end == s.num_tokens:
+                    s.num_tokens += 1                            # the token the prefill sampled
+                    self._start(s)
         else:
             self.clock += 1
-        done = [s for s, f in zip(batch, finished) if f]
-        for s in done:
+        done = []
+        for s in [s for s, f in zip(step.batch, finished) if f]:
             s.num_tokens = self.length(s)
             self._stop(s)
-            self.bm.free(s)
-            self.free_rows.append(s.row)
+            s.num_computed = s.num_tokens - 1                    # its last token is sampled, not fed yet
+            s.turns.append((s.turn_start, s.num_tokens))
+            ids = self.end_turn(s) if self.end_turn is not None else None
+            if ids is None:
+                self.bm.register(s, s.num_computed)
+                self.bm.free(s)
+                self.free_rows.append(s.row)
+                done.append(s)
+            else:
+                self._continue(s, ids)
         return done
 
-    # ---- prefill: admit waiting groups ----
-    def _schedule_prefill(self) -> list[Sequence]:
-        batch, n_leaders, longest = [], 0, 0
+    def _continue(self, seq: Sequence, ids: list[int]) -> None:
+        """A session goes on: the observation is appended and queued for prefill, together with the turn's
+        last token, over the KV the sequence holds; its next turn starts after it."""
+        self.bm.register(seq, seq.num_computed)
+        seq.token_ids += ids
+        seq.num_tokens += len(ids)
+        seq.max_len = min(seq.num_tokens + seq.max_new_tokens, seq.limit)
+        seq.turn_start, seq.parent = seq.num_tokens, None
+        self.prefilling.append([seq])
+
+    # ---- prefill: chunks of admitted groups, then waiting groups ----
+    def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
+        """The groups that hold rows and blocks first (the next chunk of a long prompt, a session's
+        observation), in order, then waiting groups (new, or preempted: the prefix cache may serve
+        their first blocks), while the budget, rows and blocks allow -> (batch, prefill ends)."""
+        batch, ends, n, width = [], [], 0, 0           # n leaders so far, the longest chunk
+        for group in list(self.prefilling):
+            leader = group[0]
+            chunk = self._chunk(leader.num_tokens - leader.num_computed, n, width)
+            if not chunk:
+                break
+            if not self._grow(group):                  # preempted: no blocks for its observation
+                continue
+            if self._add(batch, ends, group, chunk):
+                self.prefilling.remove(group)
+            n, width = n + 1, max(width, chunk)
         while self.waiting:
             group = self.waiting[0]
-            L = group[0].num_tokens
-            # the prefill forward runs every leader right-padded to the longest: that many tokens
-            if batch and (n_leaders + 1) * max(longest, L) > self.max_num_batched_tokens:
+            leader = group[0]
+            hits, node = self.bm.match(leader)
+            chunk = self._chunk(leader.num_tokens - len(hits) * self.bm.block_size, n, width)
+            if not chunk:
                 break
-            rows = len(group) if group[0].row >= 0 else len(self.free_rows)   # a preempted one kept its row
+            rows = len(group) if leader.row >= 0 else len(self.free_rows)   # a preempted one kept its row
             # (_admit has already taken the blocks of the sequences in this batch)
-            take = group[:min(rows, self.bm.num_admissible(L, len(group), len(self.running) + len(batch)))]
+            holding = len(self.running) + sum(map(len, self.prefilling)) + len(batch)
+            shared = sum(self.bm.ref_counts[b] > 0 for b in hits)
+            take = group[:min(rows, self.bm.num_admissible(leader.num_tokens, len(group), holding, shared))]
             if not take:
                 break
             if len(take) == len(group):
                 self.waiting.popleft()
             else:
                 self.waiting[0] = group[len(take):]
-            self._admit(take)
-            batch += take
-            n_leaders, longest = n_leaders + 1, max(longest, L)
-        return batch
+            self._admit(take, hits, node)
+            if not self._add(batch, ends, take, chunk):
+                self.prefilling.append(take)
+            n, width = n + 1, max(width, chunk)
+        return batch, ends
 
-    def _admit(self, group: list[Sequence]) -> None:
+    def _chunk(self, remaining: int, n_leaders: int, width: int) -> int:
+        """Tokens a leader with `remaining` left to prefill feeds this step. The forward runs every
+        leader right-padded to the longest chunk, n_leaders x width tokens, within max_num_batched_tokens:
+        the first leader feeds up to that many (a longer prefill goes in chunks), a later one all it has
+        left if the padded forward stays within the budget, else none (the step is full)."""
+        budget = self.max_num_batched_tokens
+        if n_leaders == 0:
+            return min(remaining, budget)
+        return remaining if (n_leaders + 1) * max(width, remaining) <= budget else 0
+
+    def _add(self, batch: list[Sequence], ends: list[int], group: list[Sequence], chunk: int) -> bool:
+        """Put a group's next chunk in the batch; its members join only their leader's last chunk.
+        -> whether this is the last one."""
+        leader = group[0]
+        end = leader.num_computed + chunk
+        last = end == leader.num_tokens
+        members = group if last else group[:1]
+        batch += members
+        ends += [end] * len(members)
+        self.num_prefilled_tokens += chunk
+        return last
+
+    def _grow(self, group: list[Sequence]) -> bool:
+        """Blocks for the new tokens of an admitted group (a session's observation), preempting the newest
+        running sequences while they do not fit; if they still do not, nothing runs and the session is
+        preempted itself (then False)."""
+        seq = group[0]
+        need = self.bm.blocks_needed(seq, seq.num_tokens)
+        while need > self.bm.num_free and self.running:
+            self._preempt(self.running[-1])
+        if need > self.bm.num_free:
+            self.prefilling.remove(group)
+            self._preempt(seq)
+            return False
+        self.bm.allocate(seq, seq.num_tokens)
+        return True
+
+    def _admit(self, group: list[Sequence], hits: list[int], node) -> None:
+        """Rows and blocks for a waiting group: the leader's prefix-cache hits, fresh blocks for the rest,
+        the members sharing the leader's full blocks."""
         leader = group[0]
         if leader.row < 0:
             for s in group:
                 s.row = self.free_rows.pop()
         leader.parent = None
-        self.bm.allocate(leader, leader.num_tokens)
-        for s in group[1:]:             # the runner copies the partial block's KV after the forward
+        self.bm.allocate(leader, leader.num_tokens, cached=hits)
+        leader.num_computed = len(hits) * self.bm.block_size
+        leader.num_hashed, leader.last_node = len(hits), node
+        self.num_cached_tokens += leader.num_computed
+        for s in group[1:]:             # the runner copies the partial block's KV after the last chunk
             s.parent = leader
             self.bm.fork(leader, s, leader.num_tokens)
+            s.num_computed = leader.num_computed
 
     # ---- decode: one more position for every running sequence ----
     def _schedule_decode(self) -> Step:
@@ -286,11 +533,14 @@ class Scheduler:
         return Step(self.running, is_prefill=False, new_blocks=new_blocks, rows_changed=changed)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free a sequence's blocks and queue it first for recompute (a prefill of all its tokens); it
-        keeps its row, which holds its tokens, log-probs and routes so far."""
-        seq.num_tokens = self.length(seq)
-        self._stop(seq)
+        """Free a sequence's blocks and queue it first for recompute (a prefill of all its tokens, of which
+        the prefix cache may still hold the first); it keeps its row, which holds its tokens and
+        log-probs so far."""
+        if seq in self.offset:
+            seq.num_tokens = self.length(seq)
+            self._stop(seq)
         self.bm.free(seq)
+        seq.num_computed = 0
         self.waiting.appendleft([seq])
         self.num_preemptions += 1
 
@@ -307,15 +557,17 @@ class Scheduler:
 
 
 class ModelRunner:
-    """The device side: carries out the Scheduler's Steps (`run`); KV pages, per-row buffers, the prefill
-    and decode steps, CUDA graphs.
+    """The device side: carries out the Scheduler's Steps (`run`); KV and route pages, per-row buffers,
+    the prefill and decode steps, CUDA graphs.
 
-    Rows 0..max_batch_size-1 hold sequences; one extra row (`pad_row`) feeds the padding of a batch
-    bucket: it reads and writes only the scratch page (the last page of each pool), so padding never
-    touches a real sequence's KV. Buffers per row (L = the request's longest sequence, sized by
-    `reserve`): token ids (L), log-probs of the generated tokens (L), routes of every fed position
-    (L, n_moe, top_k) uint8 (int16 past 256 experts), the block table, and length, prompt length, max
-    length, sequence index.
+    The pages: per layer K and V, and beside them the routes of every fed position (n_moe, top_k) uint8
+    (int16 past 256 experts; with record_route_detail also fp32 combine weights and margins), each
+    (num_blocks + 1, block_size, ...), written at the same slots. Rows 0..max_batch_size-1 hold
+    sequences; one extra row (`pad_row`) feeds the padding of a batch bucket: it reads and writes only
+    the scratch page (the last page of each pool), so padding never touches a real sequence's pages.
+    Buffers per row (L = the request's longest sequence, sized by `reserve`): token ids (L), the
+    log-probs of the sampled tokens at their positions (L), the block table, and length, max length
+    (its turn's end) and sequence index.
     """
 
     GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -341,10 +593,14 @@ class ModelRunner:
         self.pool = None                                           # the captured graphs' shared memory pool
         self.capacity = 0
         self.stop_ids = torch.zeros(0)
-        # routes are most of a row's bytes (n_moe * top_k per position: 384 at 48 layers, top-8), so
-        # they take the smallest type that holds every expert id
-        self.route_dtype = torch.uint8 if cfg.num_experts <= 256 else torch.int16
+        self.route_dtype = route_dtype(cfg.num_experts)
         self.record_detail = config.record_route_detail            # route weights and margins beside them
+        n_moe, k = model.n_moe_layers, cfg.num_experts_per_tok
+        pages = (num_blocks + 1, block_size, n_moe)
+        self.route_pages = torch.zeros(*pages, k, dtype=self.route_dtype, device=self.device)
+        detail = pages if self.record_detail else (0, block_size, n_moe)
+        self.weight_pages = torch.zeros(*detail, k, dtype=torch.float32, device=self.device)
+        self.margin_pages = torch.zeros(*detail, dtype=torch.float32, device=self.device)
 
     def _graphs_usable(self, mode: str) -> bool:
         """Whether decode steps can be CUDA graphs: not with the torch backend or the fast MoE's host-side
@@ -377,16 +633,13 @@ class ModelRunner:
         self.stop_ids.copy_(torch.tensor(stop))
 
     def _allocate(self, L: int, n_stop: int) -> None:
-        R, dev, n_moe, k = self.max_batch_size + 1, self.device, self.model.n_moe_layers, self.model.config.num_experts_per_tok
+        R, dev = self.max_batch_size + 1, self.device
         W = -(-L // self.block_size)
         self.capacity = L
         self.token_buf = torch.zeros(R, L + 1, dtype=torch.long, device=dev)      # +1: a finished row's last write
         self.logp_buf = torch.zeros(R, L + 1, dtype=torch.float32, device=dev)
-        self.route_buf = torch.zeros(R, L, n_moe, k, dtype=self.route_dtype, device=dev)
-        self._allocate_detail(R, L)
         self.block_tables = torch.full((R, W), self.scratch_page, dtype=torch.long, device=dev)
         self.num_tokens = torch.ones(R, dtype=torch.long, device=dev)             # pad row: 1 token, position 0
-        self.prompt_len = torch.zeros(R, dtype=torch.long, device=dev)
         self.max_len = torch.full((R,), L + 1, dtype=torch.long, device=dev)
         self.seq_id = torch.zeros(R, dtype=torch.long, device=dev)
         self.rows = torch.full((self.max_batch_size,), self.pad_row, dtype=torch.long, device=dev)
@@ -397,24 +650,27 @@ class ModelRunner:
         self.pool = None                                           # and their pool goes with them
 
     def start(self, seqs: list[Sequence]) -> None:
-        """Write admitted sequences' block tables, and new ones' prompts and per-row scalars, to their
-        rows (a recomputed sequence's row still holds its tokens)."""
+        """Write a prefill batch's block tables and per-row scalars (max length: its turn's end) to their
+        rows, and the tokens its rows do not hold yet: a new prompt, a session's observation (a
+        recomputed sequence's row still holds its tokens)."""
         dev = self.device
-        fresh = [s for s in seqs if s.num_tokens == len(s.prompt)]
-        if fresh:
-            P = max(len(s.prompt) for s in fresh)
-            prompts = torch.zeros(len(fresh), P, dtype=torch.long)
-            for i, s in enumerate(fresh):
-                prompts[i, :len(s.prompt)] = torch.tensor(s.prompt)
-            rows = torch.tensor([s.row for s in fresh], device=dev)
-            self.token_buf[rows, :P] = prompts.to(dev)
-            scalars = torch.tensor([[len(s.prompt), s.max_len, s.seq_id] for s in fresh], device=dev)
-            self.prompt_len[rows], self.max_len[rows], self.seq_id[rows] = scalars.unbind(1)
+        pending = [s for s in seqs if s.num_written < len(s.token_ids)]
+        if pending:                                                # one flat write: (row, position) <- id
+            rows = [s.row for s in pending for _ in range(s.num_written, len(s.token_ids))]
+            positions = [p for s in pending for p in range(s.num_written, len(s.token_ids))]
+            ids = [t for s in pending for t in s.token_ids[s.num_written:]]
+            self.token_buf[torch.tensor(rows, device=dev), torch.tensor(positions, device=dev)] = \
+                torch.tensor(ids, device=dev)
+            for s in pending:
+                s.num_written = len(s.token_ids)
+        rows = torch.tensor([s.row for s in seqs], device=dev)
+        scalars = torch.tensor([[s.max_len, s.seq_id] for s in seqs], device=dev)
+        self.max_len[rows], self.seq_id[rows] = scalars.unbind(1)
         width = max(len(s.block_table) for s in seqs)
         table = torch.full((len(seqs), width), self.scratch_page, dtype=torch.long)
         for i, s in enumerate(seqs):
             table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
-        self.block_tables[torch.tensor([s.row for s in seqs], device=dev), :width] = table.to(dev)
+        self.block_tables[rows, :width] = table.to(dev)
 
     def write_new_blocks(self, new_blocks: list[tuple[int, int, int]]) -> None:
         """Enter blocks handed out by a decode step, (row, index in its block table, block), in the tables."""
@@ -423,25 +679,36 @@ class ModelRunner:
             self.block_tables[r, i] = b
 
     def run(self, step: Step, sp: SamplingParams) -> list[bool]:
-        """Carry out a scheduled step; -> for each sequence of its batch, whether it finished."""
+        """Carry out a scheduled step; -> for each sequence of its batch, whether it finished its turn."""
         if step.is_prefill:
-            return self.prefill(step.batch, sp)
+            return self.prefill(step.batch, step.prefill_ends, sp)
         self.write_new_blocks(step.new_blocks)
         return self.decode(step.batch, step.rows_changed, sp)
 
     # ---- the forward, shared by prefill and decode ----
     def _forward(self, rows, tokens, positions, valid):
-        """Forward `tokens` (B, T) at `positions` of `rows`; KV of valid positions goes to the rows'
-        pages, the rest to the scratch page. -> hidden states (B, T, D), routes (B, T, n_moe, k)."""
+        """Forward `tokens` (B, T) at `positions` of `rows`; the KV and routes of valid positions go to
+        the rows' pages, the rest to the scratch page. -> hidden states (B, T, D)."""
         bs = self.block_size
         bt = self.block_tables[rows]                                           # (B, W)
         slots = bt.gather(1, positions // bs) * bs + positions % bs            # (B, T)
         slots = torch.where(valid, slots, self.scratch_page * bs)
         h, routes, *detail = self.model.hidden_states(tokens, kv=PagedKV(self.caches, bt, slots, positions),
                                                       route_detail=self.record_detail)
+        flat = slots.reshape(-1)                                               # (B*T,)
+        self.route_pages.flatten(0, 1)[flat] = routes.flatten(0, 1).to(self.route_dtype)
         if detail:
-            self._store_detail(rows, positions, detail[0])
-        return h, routes
+            self.weight_pages.flatten(0, 1)[flat] = detail[0].weights.flatten(0, 1)
+            self.margin_pages.flatten(0, 1)[flat] = detail[0].margin.flatten(0, 1)
+        return h
+
+    def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole pages (KV, routes, detail): a group member's own copy of a partly filled block."""
+        for k_pages, v_pages in self.caches:
+            k_pages[dst], v_pages[dst] = k_pages[src], v_pages[src]
+        self.route_pages[dst] = self.route_pages[src]
+        if self.record_detail:
+            self.weight_pages[dst], self.margin_pages[dst] = self.weight_pages[src], self.margin_pages[src]
 
     def _sample(self, logits, rows, positions, sp: SamplingParams):
         """Next tokens (B,) and their log-probs (B,) for logits (B, V) of `rows` at `positions`."""
@@ -453,46 +720,49 @@ class ModelRunner:
         return tokens, kernels.token_logprobs(logits, tokens, sp.temperature)
 
     def _record(self, rows, n_tok, tokens, logp) -> torch.Tensor:
-        """Append the sampled tokens to their rows; -> (B,) bool: finished (a stop token or max_len)."""
+        """Append the sampled tokens to their rows; -> (B,) bool: its turn ended (a stop token or max_len)."""
         real = rows != self.pad_row
         self.token_buf[rows, n_tok] = tokens
-        self.logp_buf[rows, n_tok - self.prompt_len[rows]] = logp
+        self.logp_buf[rows, n_tok] = logp
         self.num_tokens[rows] = n_tok + real.long()
         stop = (tokens[:, None] == self.stop_ids[None, :]).any(-1)
         return real & (stop | (n_tok + 1 >= self.max_len[rows]))
 
     # ---- prefill ----
-    def prefill(self, seqs: list[Sequence], sp: SamplingParams) -> list[bool]:
-        """One forward over each group leader's tokens, then every member samples its next token."""
+    def prefill(self, seqs: list[Sequence], ends: list[int], sp: SamplingParams) -> list[bool]:
+        """One forward over each group leader's chunk, tokens [num_computed, end); the sequences whose
+        chunk reaches their last token then sample their next one (members from their leader's logits)."""
         self.start(seqs)
-        dev, bs = self.device, self.block_size
-        leaders = [s for s in seqs if s.parent is None]
-        index = {id(s): i for i, s in enumerate(leaders)}
-        rows_l = torch.tensor([s.row for s in leaders], device=dev)
-        m = torch.tensor([s.num_tokens for s in leaders], device=dev)               # tokens to feed
-        T = max(s.num_tokens for s in leaders)
-        positions = torch.arange(T, device=dev).expand(len(leaders), T)            # (G, T)
-        tokens = self.token_buf[rows_l, :T]
-        h, routes = self._forward(rows_l, tokens, positions, positions < m[:, None])
-        self.route_buf[rows_l, :T] = routes.to(self.route_dtype)
-        logits = self.model.compute_logits(h[torch.arange(len(leaders), device=dev), m - 1])   # (G, V)
-        children = [s for s in seqs if s.parent is not None]
-        if children:                    # members share the leader's full blocks; copy the partial one
-            src = torch.tensor([s.parent.row for s in children], device=dev)
-            dst = torch.tensor([s.row for s in children], device=dev)
-            self.route_buf[dst, :T] = self.route_buf[src, :T]
-            self._copy_detail(src, dst, T)
-            pages = [(s.parent.block_table[s.num_tokens // bs], s.block_table[-1]) for s in children
-                     if s.num_tokens % bs]
-            if pages:
-                ps, pd = torch.tensor(pages, device=dev).unbind(1)
-                for k_pages, v_pages in self.caches:
-                    k_pages[pd], v_pages[pd] = k_pages[ps], v_pages[ps]
-        rows = torch.tensor([s.row for s in seqs], device=dev)
-        n_tok = torch.tensor([s.num_tokens for s in seqs], device=dev)
-        logits = logits[torch.tensor([index[id(s.parent or s)] for s in seqs], device=dev)]    # (B, V)
-        tokens, logp = self._sample(logits, rows, n_tok, sp)
-        return self._record(rows, n_tok, tokens, logp).tolist()
+        dev = self.device
+        leaders = [(s, end) for s, end in zip(seqs, ends) if s.parent is None]
+        h_last = self._prefill_forward(leaders)                                 # (G, D)
+        index = {id(s): i for i, (s, end) in enumerate(leaders)}
+        last = [s for s, end in zip(seqs, ends) if end == s.num_tokens]         # they sample
+        if not last:
+            return [False] * len(seqs)
+        pages = [(s.parent.block_table[s.num_tokens // self.block_size], s.block_table[-1]) for s in last
+                 if s.parent is not None and s.num_tokens % self.block_size]
+        if pages:                       # members share the leader's full blocks; copy the partial one
+            self._copy_pages(*torch.tensor(pages, device=dev).unbind(1))
+        rows = torch.tensor([s.row for s in last], device=dev)
+        n_tok = torch.tensor([s.num_tokens for s in last], device=dev)
+        logits = self.model.compute_logits(h_last[torch.tensor([index[id(s.parent or s)] for s in last], device=dev)])
+        tokens, logp = self._sample(logits, rows, n_tok, sp)                    # logits (B, V)
+        finished = dict(zip(map(id, last), self._record(rows, n_tok, tokens, logp).tolist()))
+        return [finished.get(id(s), False) for s in seqs]
+
+    def _prefill_forward(self, leaders: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """The leaders' chunks right-padded to the longest (padding repeats a chunk's last position and
+        writes to the scratch page) -> each chunk's last hidden state (G, D)."""
+        dev = self.device
+        rows = torch.tensor([s.row for s, end in leaders], device=dev)
+        first = torch.tensor([s.num_computed for s, end in leaders], device=dev)           # (G,)
+        n = torch.tensor([end - s.num_computed for s, end in leaders], device=dev)         # (G,) tokens to feed
+        t = torch.arange(max(end - s.num_computed for s, end in leaders), device=dev)      # (T,)
+        positions = first[:, None] + torch.minimum(t[None, :], n[:, None] - 1)            # (G, T)
+        tokens = self.token_buf[rows[:, None], positions]
+        h = self._forward(rows, tokens, positions, t[None, :] < n[:, None])
+        return h[torch.arange(len(leaders), device=dev), n - 1]
 
     # ---- decode ----
     def decode(self, seqs: list[Sequence], rows_changed: bool, sp: SamplingParams) -> list[bool]:
@@ -521,8 +791,7 @@ class ModelRunner:
         n_tok = self.num_tokens[rows]                                           # (n,)
         pos = (n_tok - 1)[:, None]                                              # (n, 1)
         tokens = self.token_buf[rows[:, None], pos]                             # (n, 1)
-        h, routes = self._forward(rows, tokens, pos, (rows != self.pad_row)[:, None])
-        self.route_buf[rows, pos[:, 0]] = routes[:, 0].to(self.route_dtype)
+        h = self._forward(rows, tokens, pos, (rows != self.pad_row)[:, None])
         tokens, logp = self._sample(self.model.compute_logits(h[:, 0]), rows, n_tok, sp)
         return self._record(rows, n_tok, tokens, logp)
 
@@ -534,42 +803,36 @@ class ModelRunner:
         return graph, finished
 
     # ---- results ----
-    def collect(self, seq: Sequence) -> SequenceOutput:
-        """Copy a finished sequence's tokens, log-probs and routes out of its row (one copy each)."""
-        n, P = seq.num_tokens, len(seq.prompt)
-        tokens = self.token_buf[seq.row, P:n].tolist()
-        logprobs = self.logp_buf[seq.row, :n - P].tolist()
-        routes = self.route_buf[seq.row, :n - 1].to("cpu", torch.long, copy=True)
-        return SequenceOutput(list(seq.prompt), tokens, logprobs, routes, seq.finish_reason,
-                              *self._collect_detail(seq.row, n - 1))
+    def read_tokens(self, row: int, start: int, end: int) -> list[int]:
+        """A row's token ids at positions [start, end) (one copy to the host: a turn's ids)."""
+        return self.token_buf[row, start:end].tolist()
 
-    # ---- route detail (RolloutConfig.record_route_detail): weights and margins beside the routes ----
-    def _allocate_detail(self, R: int, L: int) -> None:
-        """fp32 buffers, per row (L, n_moe, k) weights and (L, n_moe) margins: 4 (k + 1) bytes per
-        position and MoE layer on top of the routes' ids; none when not recorded."""
-        n_moe, k = self.model.n_moe_layers, self.model.config.num_experts_per_tok
-        shape = (R, L, n_moe) if self.record_detail else (0, 0, n_moe)
-        self.weight_buf = torch.zeros(*shape, k, dtype=torch.float32, device=self.device)
-        self.margin_buf = torch.zeros(*shape, dtype=torch.float32, device=self.device)
-
-    def _store_detail(self, rows, positions, detail) -> None:
-        """Write a forward's RouteDetail (B, T, ...) at (rows, positions), as the routes are written."""
-        self.weight_buf[rows[:, None], positions] = detail.weights
-        self.margin_buf[rows[:, None], positions] = detail.margin
-
-    def _copy_detail(self, src, dst, T: int) -> None:
-        if self.record_detail:
-            self.weight_buf[dst, :T] = self.weight_buf[src, :T]
-            self.margin_buf[dst, :T] = self.margin_buf[src, :T]
-
-    def _collect_detail(self, row: int, n: int) -> tuple:
+    def collect(self, seq: Sequence) -> tuple[list[float], torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A sequence's recorded values, one copy each: the log-probs at positions [len(prompt), n) (the
+        sampled ones; whatever the row held at an observation's), and the routes (route weights, margins
+        with record_route_detail) of the fed positions [0, n - 1), gathered through its block table."""
+        n, bs = seq.num_tokens, self.block_size
+        logprobs = self.logp_buf[seq.row, len(seq.prompt):n].tolist()
+        pos = torch.arange(n - 1, device=self.device)
+        slots = self.block_tables[seq.row, pos // bs] * bs + pos % bs                     # (n - 1,)
+        routes = self.route_pages.flatten(0, 1)[slots].to("cpu", torch.long)
         if not self.record_detail:
-            return None, None
-        return self.weight_buf[row, :n].to("cpu", copy=True), self.margin_buf[row, :n].to("cpu", copy=True)
+            return logprobs, routes, None, None
+        return (logprobs, routes, self.weight_pages.flatten(0, 1)[slots].cpu(),
+                self.margin_pages.flatten(0, 1)[slots].cpu())
 
     def weights_key(self) -> tuple:
         """Where the weights live: captured graphs read these addresses, so they must not move."""
         return tuple(p.data_ptr() for p in self.model.parameters())
+
+
+@dataclass
+class Request:
+    """What the turn-end hook needs of one generate() call."""
+    sp: SamplingParams
+    on_turn_end: TurnEnd | None
+    index_offset: int
+    bar: tqdm
 
 
 class Sampler:
@@ -580,10 +843,18 @@ class Sampler:
         config: a config.RolloutConfig (default: its defaults; its fields are described there), which
             validates them; overrides: any of its fields by name, replacing the config's, e.g.
             `Sampler(model, max_batch_size=8)`. The sampler reads the engine's fields (block_size,
-            num_blocks, max_batch_size, max_num_batched_tokens, kv_memory_fraction, cuda_graphs,
-            rollout_mode, router_bf16); the sampling ones are generate()'s arguments.
+            num_blocks, max_batch_size, max_num_batched_tokens, prefix_cache, kv_memory_fraction,
+            cuda_graphs, rollout_mode, router_bf16, record_route_detail); the sampling ones are
+            generate()'s arguments.
         reserve_bytes: on CUDA, what will be allocated after the sampler (e.g. the optimizer's state),
             set aside when the pool is sized from the free memory (num_blocks=0, see _pool_blocks).
+
+        The prefix cache is keyed by `weights_version`, which `weights_updated()` bumps; while
+        `track_weights` is True, generate() bumps it too when an in-place write changed a parameter or
+        buffer since the last request (torch's version counters: an optimizer step, a copy_ sync,
+        load_state_dict; not a write through .data, nor memory written outside torch: call
+        weights_updated() then). Counters of the last request: num_preemptions, num_cached_tokens,
+        num_prefilled_tokens, prefix_hit_rate.
         """
         if config is not None and not isinstance(config, RolloutConfig):
             raise TypeError(f"config must be a config.RolloutConfig, got {type(config).__name__}")
@@ -593,16 +864,25 @@ class Sampler:
         self.max_model_len = model.config.max_position_embeddings
         self.num_blocks = self.config.num_blocks or self._pool_blocks(reserve_bytes)
         self.runner = ModelRunner(model, self.config, self.num_blocks)
+        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.prefix_cache)
         self.weights_key = self.runner.weights_key()
-        self.num_preemptions = 0
+        self.weights_version = 0
+        self.track_weights = True
+        self._weights_seen = self._weights_counter()
+        self.num_preemptions = self.num_cached_tokens = self.num_prefilled_tokens = 0
 
     def _pool_blocks(self, reserve_bytes: int) -> int:
         """The KV pool's size where the config leaves it (num_blocks=0): on CUDA, kv_memory_fraction of
         the free memory left after reserve_bytes; on the CPU, at most CPU_KV_BYTES; never more than
-        max_batch_size full-context sequences need."""
+        max_batch_size full-context sequences need. A block's bytes: its K and V pages and its routes
+        (and their weights and margins where recorded)."""
         cfg, bs = self.model.config, self.config.block_size
         p = next(self.model.parameters())
-        block_bytes = 2 * cfg.num_hidden_layers * bs * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
+        n_moe, k = self.model.n_moe_layers, cfg.num_experts_per_tok
+        per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
+        per_slot += n_moe * k * route_dtype(cfg.num_experts).itemsize
+        per_slot += 4 * n_moe * (k + 1) if self.config.record_route_detail else 0
+        block_bytes = bs * per_slot
         wanted = self.config.max_batch_size * -(-self.max_model_len // bs)
         if p.device.type == "cuda":
             free = torch.cuda.mem_get_info(p.device)[0]
@@ -613,47 +893,95 @@ class Sampler:
     def caches(self):
         return self.runner.caches
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The last request's share of prefilled positions the prefix cache served (0 when none)."""
+        total = self.num_cached_tokens + self.num_prefilled_tokens
+        return self.num_cached_tokens / total if total else 0.0
+
+    def weights_updated(self) -> None:
+        """The model's weights changed: no prefix-cache block computed before may serve a request after."""
+        self.weights_version += 1
+
+    def _weights_counter(self) -> int:
+        """The sum of torch's version counters of the model's tensors: an in-place write raises it."""
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        return sum(t._version for t in tensors if not t.is_inference())
+
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, n: int = 1, stop_token_ids: tuple[int, ...] = (),
-                 seed: int = 0, progress: bool = False, index_offset: int = 0) -> list[SequenceOutput]:
+                 seed: int = 0, progress: bool = False, index_offset: int = 0,
+                 on_turn_end: TurnEnd | None = None, max_episode_tokens: int | None = None) -> list[SequenceOutput]:
         """Sample n continuations of each prompt; returns len(prompts) * n outputs, prompt-major.
 
         temperature 0 is greedy (log-probs then use temperature 1). Identical prompts (repeated, or
         through n) are prefilled once and share their KV blocks. index_offset: the index of this
         request's first sequence in a larger one (a data-parallel rank passes its global offset, so its
         draws equal those of a single process sampling the whole request). progress=True draws a bar.
+
+        on_turn_end: makes each sequence an episode. When a turn ends (a stop token, or max_new_tokens,
+            which then counts per turn) it is called with (the sequence's index in the returned list,
+            the turn's ids, a stop token included) and returns the environment's ids to append to the
+            live sequence (prefilled into its KV; then the next turn), or None to end the episode
+            ("stop"). A wrong answer (not a list, not int ids of the vocabulary) is a ValueError.
+        max_episode_tokens: the most ids an episode adds after its prompt, the policy's and the
+            environment's together (None: the context). There, or at the context, the episode ends
+            ("length"); an observation after which not one policy token fits is dropped.
         """
         sp = SamplingParams(temperature, top_p, top_k, max_new_tokens, tuple(stop_token_ids), seed)
         if not _is_int(n) or n < 1:
             raise ValueError(f"n={n!r}: need an integer >= 1 (samples per prompt)")
         if not _is_int(index_offset) or index_offset < 0:
             raise ValueError(f"index_offset={index_offset!r}: need an integer >= 0")
-        seqs = [Sequence(index_offset + i * n + j, prompt, min(len(prompt) + sp.max_new_tokens, self.max_model_len),
-                         num_tokens=len(prompt))
-                for i, prompt in enumerate(self._check_prompts(prompts, sp)) for j in range(n)]
+        if on_turn_end is not None and not callable(on_turn_end):
+            raise TypeError(f"on_turn_end must be a function (index, turn ids) -> ids or None, "
+                            f"got {type(on_turn_end).__name__}")
+        if max_episode_tokens is not None and (not _is_int(max_episode_tokens) or max_episode_tokens < 1):
+            raise ValueError(f"max_episode_tokens={max_episode_tokens!r}: need an integer >= 1, or None")
+        seqs = self._sequences(prompts, sp, n, index_offset, on_turn_end is not None, max_episode_tokens)
         if self.runner.weights_key() != self.weights_key:          # e.g. model.to(...) after building
             raise RuntimeError("the model's weights moved to new memory since this Sampler was built (e.g. "
                                "model.to() or load_state_dict(assign=True)); build a new Sampler")
-        cfg = self.config
-        sched = Scheduler(BlockManager(self.num_blocks, cfg.block_size), cfg.max_batch_size, cfg.max_num_batched_tokens)
+        if self.track_weights and self._weights_counter() != self._weights_seen:
+            self._weights_seen = self._weights_counter()
+            self.weights_updated()
+        self.block_manager.set_version((self.weights_version, kernels.get_backend()))
+        bar = tqdm(total=sum(s.limit - s.num_tokens for s in seqs), desc="generate", disable=not progress, leave=False)
+        cfg, req = self.config, Request(sp, on_turn_end, index_offset, bar)
+        sched = Scheduler(self.block_manager, cfg.max_batch_size, cfg.max_num_batched_tokens,
+                          end_turn=functools.partial(self._end_turn, req))
         groups: dict[tuple, list[Sequence]] = {}
         for s in seqs:
             groups.setdefault(tuple(s.prompt), []).append(s)
         for g in groups.values():
             sched.add(g)
-        self.runner.reserve(max(s.max_len for s in seqs), sp)
-        bar = tqdm(total=sum(s.max_len - s.num_tokens for s in seqs), desc="generate",
-                   disable=not progress, leave=False)
-        with kernels.variant(**self.variant):
-            self._run(sched, sp, bar)
-        bar.close()
-        self.num_preemptions = sched.num_preemptions
+        self.runner.reserve(max(s.limit for s in seqs), sp)
+        try:
+            with kernels.variant(**self.variant):
+                self._run(sched, sp, bar)
+        except BaseException:
+            self.block_manager.reset()          # a request cut short (the callback raised, ^C) holds no block
+            raise
+        finally:
+            bar.close()
+        self.num_preemptions, self.num_cached_tokens = sched.num_preemptions, sched.num_cached_tokens
+        self.num_prefilled_tokens = sched.num_prefilled_tokens
         return [s.output for s in seqs]
 
+    def _sequences(self, prompts, sp: SamplingParams, n: int, index_offset: int, episodes: bool,
+                   max_episode_tokens: int | None) -> list[Sequence]:
+        """The request's sequences, n per prompt: each turn ends at max_new_tokens, the whole at its limit."""
+        def limit(P: int) -> int:
+            end = min(P + max_episode_tokens, self.max_model_len) if max_episode_tokens else self.max_model_len
+            return end if episodes else min(end, P + sp.max_new_tokens)
+        return [Sequence(index_offset + i * n + j, prompt, min(len(prompt) + sp.max_new_tokens, limit(len(prompt))),
+                         num_tokens=len(prompt), limit=limit(len(prompt)), max_new_tokens=sp.max_new_tokens)
+                for i, prompt in enumerate(self._check_prompts(prompts, sp, limit)) for j in range(n)]
+
     def _run(self, sched: Scheduler, sp: SamplingParams, bar) -> None:
-        """The engine loop: schedule, run the step on the device, retire what finished."""
+        """The engine loop: schedule, run the step on the device, end turns, retire what finished."""
         runner, ep = self.runner, expert_parallel.of(self.model)
         while True:
             done = sched.is_finished()
@@ -677,13 +1005,62 @@ class Sampler:
                     ep.capacity = 0
             bar.update(len(step.batch))
             for s in sched.postprocess(step, finished):
-                s.output = runner.collect(s)
-                # a stop token ends a sequence as "stop" even when it is also the last allowed one
-                stopped = s.output.tokens[-1] in sp.stop_token_ids
-                s.finish_reason = s.output.finish_reason = "stop" if stopped else "length"
-                bar.update(s.max_len - s.num_tokens)                # credit the tokens it will not generate
+                bar.update(s.limit - s.num_tokens)                  # credit the tokens it will not generate
 
-    def _check_prompts(self, prompts, sp: SamplingParams) -> list[list[int]]:
+    # ---- turns: the host side of an episode ----
+    def _end_turn(self, req: Request, seq: Sequence) -> list[int] | None:
+        """Scheduler.end_turn: the turn's ids come to the host. Without a session, at the episode's
+        budget, or when the environment says so, the sequence finishes (its output collected here, while
+        it still holds its blocks) -> None; else -> the observation's ids."""
+        start, end = seq.turns[-1]
+        turn = self.runner.read_tokens(seq.row, start, end)
+        seq.token_ids += turn
+        seq.num_written = len(seq.token_ids)
+        stopped = turn[-1] in req.sp.stop_token_ids
+        if req.on_turn_end is None or (seq.num_tokens >= seq.limit and not stopped):
+            return self._finish(seq, "stop" if stopped else "length")
+        index = seq.seq_id - req.index_offset
+        ids = req.on_turn_end(index, turn)
+        if ids is None:
+            return self._finish(seq, "stop")
+        ids = self._check_observation(ids, index)
+        if seq.num_tokens + len(ids) >= seq.limit:                  # no room for one more policy token
+            return self._finish(seq, "length")
+        req.bar.update(len(ids))
+        return ids
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """The sequence is finished: its output (-> None, end_turn's word for it)."""
+        seq.finish_reason = reason
+        seq.output = self._output(seq)
+
+    def _output(self, seq: Sequence) -> SequenceOutput:
+        """A finished sequence's SequenceOutput: the runner's records, the policy's turns as a mask."""
+        logprobs, routes, weights, margins = self.runner.collect(seq)
+        P = len(seq.prompt)
+        mask = [0] * (seq.num_tokens - P)
+        for start, end in seq.turns:
+            mask[start - P:end - P] = [1] * (end - start)
+        logprobs = [lp if m else OBSERVATION_LOGPROB for lp, m in zip(logprobs, mask)]
+        return SequenceOutput(list(seq.prompt), seq.token_ids[P:], logprobs, routes, seq.finish_reason, weights,
+                              margins, policy_mask=mask, turns=[(a - P, b - P) for a, b in seq.turns],
+                              weights_version=self.weights_version)
+
+    def _check_observation(self, ids, index: int) -> list[int]:
+        """What on_turn_end returned, checked where it enters: a list of token ids of the vocabulary."""
+        where = f"on_turn_end for sequence {index}"
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"{where} returned a {type(ids).__name__}: need a list of token ids, or None "
+                             f"to end the episode")
+        vocab = self.model.config.vocab_size
+        for j, t in enumerate(ids):
+            if not _is_int(t):
+                raise ValueError(f"{where}: item {j} of the observation is {t!r}, not an integer token id")
+            if not 0 <= t < vocab:
+                raise ValueError(f"{where}: item {j} of the observation, id {t}, is outside [0, vocab_size={vocab})")
+        return [int(t) for t in ids]
+
+    def _check_prompts(self, prompts, sp: SamplingParams, limit: Callable[[int], int]) -> list[list[int]]:
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list of lists of token ids, got {type(prompts).__name__}")
         vocab, out = self.model.config.vocab_size, []
@@ -704,7 +1081,7 @@ class Sampler:
                                  f"(max_position_embeddings) with room for at least one new token; shorten it")
             if not all(0 <= t < vocab for t in prompt):
                 raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab})")
-            max_len = min(len(prompt) + sp.max_new_tokens, self.max_model_len)
+            max_len = limit(len(prompt))
             if -(-max_len // self.config.block_size) > self.num_blocks:
                 raise ValueError(f"prompt {i} may grow to {max_len} tokens = {-(-max_len // self.config.block_size)} "
                                  f"blocks, but the pool has {self.num_blocks}; raise num_blocks")
