@@ -31,7 +31,8 @@ from conftest import assert_contract, rel_err  # noqa: E402
 from config import ConfigError, ModelConfig, RolloutConfig  # noqa: E402
 from model import Transformer  # noqa: E402
 from kernels import sample_tokens  # noqa: E402
-from rollout import BlockManager, Sampler, SamplingParams, Scheduler, Sequence, draw_keys, kv_pool_blocks  # noqa: E402
+from rollout import Sampler, SamplingParams, draw_keys, kv_pool_blocks  # noqa
+from scheduler import BlockManager, Scheduler, Sequence  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------
 # helpers

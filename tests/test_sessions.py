@@ -20,7 +20,8 @@ import torch
 from conftest import assert_contract
 from test_rollout import cuda, cuda_model, fp32_model, make_model, make_prompts, seq
 import rollout
-from rollout import OBSERVATION_LOGPROB, BlockManager, Sampler, Scheduler
+from rollout import OBSERVATION_LOGPROB, Sampler
+from scheduler import BlockManager, Scheduler
 
 VOCAB = 48                      # test_rollout's tiny model
 MAX_NEW = 6                     # per turn

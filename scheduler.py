@@ -1,0 +1,432 @@
+"""The sampler's host side: sequences, KV blocks and the prefix cache, the scheduler.
+
+    from scheduler import BlockManager, Scheduler, Sequence
+    sched = Scheduler(BlockManager(num_blocks, block_size, prefix_cache=True), max_batch_size, max_num_batched_tokens)
+    sched.add(group)                        # sequences with identical tokens, prefilled once
+    step = sched.schedule()                 # a Step: a prefill (chunks of it) or a decode of every running one
+    done = sched.postprocess(step, finished)   # turns end, finished sequences leave
+
+One object decides, one does (nano-vllm's split): this file decides, rollout.ModelRunner carries a Step
+out on the device and rollout.Sampler ties the two together (rollout.py's docstring tells the whole
+engine: sessions, the prefix cache, chunked prefill). A `Sequence` owns a `block_table` of KV blocks
+(pages) of `block_size` positions; the `BlockManager` hands them out from a free list with reference
+counts (a GRPO group shares its prompt's full blocks) and keeps the prefix cache; the `Scheduler` owns
+the sequence lifecycle. Nothing here touches a tensor: host work per decode step does not grow with
+the batch (Scheduler's clock and phase table).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(eq=False)             # compared and hashed by identity: the scheduler keys dicts by sequence
+class Sequence:
+    seq_id: int                  # index in the request (plus the caller's offset): keys the sampling noise
+    prompt: list[int]
+    max_len: int                 # its turn ends ("length") when it holds this many tokens
+    num_tokens: int = 0          # tokens in its row (prompt + generated); while running, see Scheduler.length
+    limit: int | None = None     # its episode ends at this many tokens (None: max_len, a single turn)
+    max_new_tokens: int = 0      # per turn: the next turn's max_len is num_tokens + this, at most limit
+    row: int = -1                # its row of the ModelRunner's buffers; held from admission to finish
+    block_table: list[int] = field(default_factory=list)
+    parent: "Sequence | None" = None   # in a prefill batch: the group member whose forward it shares
+    finish_reason: str | None = None
+    output: object = None        # its rollout.SequenceOutput, once collected
+    # prefill and the prefix cache
+    num_computed: int = 0        # its first tokens whose KV and routes are in its blocks (set when it stops running)
+    token_ids: list[int] | None = None   # the host's copy of its tokens: the prompt, then each ended turn, observation
+    num_written: int = 0         # how many of token_ids its device row holds
+    num_hashed: int = 0          # its leading blocks entered in the prefix cache (or found there) ...
+    last_node: object = None     # ... and the last one's node (BlockManager.register)
+    # sessions: the policy's turns, [start, end) positions
+    turn_start: int = -1
+    turns: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.limit = self.max_len if self.limit is None else self.limit
+        self.token_ids = list(self.prompt) if self.token_ids is None else self.token_ids
+        self.turn_start = len(self.prompt) if self.turn_start < 0 else self.turn_start
+
+
+@dataclass
+class Step:
+    """One engine step as the Scheduler decided it; the ModelRunner carries it out."""
+    batch: list[Sequence]        # prefill: each group's leader, then its members; decode: `running` itself
+    is_prefill: bool
+    # prefill only, one per sequence of batch (a member: its leader's): the KV is computed up to there after
+    # the step, from seq.num_computed; a sequence whose end is its num_tokens samples its next token
+    prefill_ends: list[int] = field(default_factory=list)
+    # decode only: the blocks handed out this step, (row, index in its block table, block id), and
+    # whether the running set changed since the previous decode step (the runner then rewrites its rows)
+    new_blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    rows_changed: bool = False
+
+
+class BlockManager:
+    """Blocks (pages) of `block_size` KV positions, a free list, reference counts for sharing, and the
+    prefix cache.
+
+    `free_block_ids` holds the free blocks in the order they were freed; allocation takes the least
+    recently freed. With prefix_cache, `register` enters a sequence's computed full blocks under a key
+    (parent node, the block's token ids): the parent is the previous block's node, or for a first block
+    the root, which names the weights' version (`set_version`). A key is exact (the dict compares the
+    ids, and node ids are never reused), so a hit holds the KV and routes of exactly that token prefix.
+    A registered block stays registered while free, until allocation takes it (eviction, LRU).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False):
+        self.block_size = block_size
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # an ordered set
+        self.ref_counts = [0] * num_blocks
+        self.prefix_cache = prefix_cache
+        self.root: tuple = ("version", None)
+        self.cached: dict[tuple, tuple[int, int]] = {}   # (parent node, token ids) -> (block, node)
+        self.key_of: list[tuple | None] = [None] * num_blocks
+        self.nodes = itertools.count()
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_block_ids)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def num_admissible(self, num_tokens: int, group_size: int, num_running: int, shared: int = 0) -> int:
+        """How many members of a group of num_tokens-token sequences the free blocks admit now.
+
+        The leader takes its blocks (less `shared`: prefix-cache hits that others hold already) and each
+        other member a copy of a partly filled last block. While others run (num_running: running,
+        admitted, or admitted earlier in this step), each of them and each new member keeps one spare
+        block, so that the next decode step need not preempt at once; with nothing else running, the
+        pool only has to hold this group.
+        """
+        base, partial = -(-num_tokens // self.block_size) - shared, int(num_tokens % self.block_size != 0)
+        spare = int(num_running > 0)
+        avail = self.num_free - spare * num_running
+        if partial + spare == 0:                                    # members share every block
+            return group_size if base <= avail else 0
+        # m members need base + partial * (m - 1) + spare * m <= avail
+        return max(0, min(group_size, (avail - base + partial) // (partial + spare)))
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> None:
+        """Grow seq.block_table to hold positions [0, num_tokens): first the `cached` blocks (prefix-cache
+        hits, shared), then fresh ones."""
+        n = self.blocks_needed(seq, num_tokens) - len(cached)
+        if n + sum(self.ref_counts[b] == 0 for b in cached) > self.num_free:
+            raise RuntimeError(f"BlockManager: need {n} blocks, {self.num_free} free (caller must preempt first)")
+        for b in cached:
+            if self.ref_counts[b] == 0:
+                del self.free_block_ids[b]
+            self.ref_counts[b] += 1
+            seq.block_table.append(b)
+        for _ in range(n):
+            seq.block_table.append(self._take_free())
+
+    def _take_free(self) -> int:
+        """The least recently freed block, evicted from the prefix cache if it was registered."""
+        b, _ = self.free_block_ids.popitem(last=False)
+        if self.key_of[b] is not None:
+            del self.cached[self.key_of[b]]
+            self.key_of[b] = None
+        self.ref_counts[b] = 1
+        return b
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """Share the parent's full blocks of positions [0, num_tokens) with child.
+
+        A partly filled last block is not shared (both would write into it): the child gets a fresh
+        block and the returned (src, dst) pair tells the caller to copy its contents (KV and routes).
+        """
+        n_full = num_tokens // self.block_size
+        for b in parent.block_table[:n_full]:
+            self.ref_counts[b] += 1
+            child.block_table.append(b)
+        if parent.num_hashed <= n_full:                  # the child's chain in the prefix cache starts as the parent's
+            child.num_hashed, child.last_node = parent.num_hashed, parent.last_node
+        if num_tokens % self.block_size:
+            if self.num_free == 0:
+                raise RuntimeError("BlockManager: no free block for a forked partial block")
+            dst = self._take_free()
+            child.block_table.append(dst)
+            return parent.block_table[n_full], dst
+        return None
+
+    def free(self, seq: Sequence) -> None:
+        # last block first: a sequence's first blocks, which every longer prefix needs, are evicted last
+        for b in reversed(seq.block_table):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_block_ids[b] = None
+        seq.block_table = []
+
+    # ---- the prefix cache ----
+    def set_version(self, version) -> None:
+        """Root the cache at a new weights version: every registered block is forgotten (call it between
+        requests, when no block is in use)."""
+        if ("version", version) != self.root:
+            self.root = ("version", version)
+            self.cached.clear()
+            self.key_of = [None] * len(self.key_of)
+
+    def match(self, seq: Sequence) -> tuple[list[int], object]:
+        """The longest run of seq's leading full blocks registered in the cache, up to its next-to-last
+        token (the last one is always fed, for the logits) -> (their blocks, the last one's node)."""
+        hits, node, bs = [], self.root, self.block_size
+        if self.prefix_cache:
+            for b in range(min(len(seq.token_ids), seq.num_tokens - 1) // bs):
+                entry = self.cached.get((node, tuple(seq.token_ids[b * bs:(b + 1) * bs])))
+                if entry is None:
+                    break
+                hits.append(entry[0])
+                node = entry[1]
+        return hits, node
+
+    def register(self, seq: Sequence, num_computed: int) -> None:
+        """Enter seq's full blocks whose KV is computed (positions < num_computed) and whose tokens the
+        host knows. A block whose key another block holds already (the same tokens, computed twice)
+        stays out; the chain goes on through the registered one."""
+        if not self.prefix_cache:
+            return
+        bs, node = self.block_size, seq.last_node if seq.num_hashed else self.root
+        for b in range(seq.num_hashed, min(num_computed, len(seq.token_ids)) // bs):
+            key = (node, tuple(seq.token_ids[b * bs:(b + 1) * bs]))
+            if key not in self.cached:
+                block = seq.block_table[b]
+                if self.key_of[block] is not None:      # registered under another chain: stop here
+                    break
+                self.cached[key], self.key_of[block] = (block, next(self.nodes)), key
+            node = self.cached[key][1]
+            seq.num_hashed, seq.last_node = b + 1, node
+
+    def reset(self) -> None:
+        """Every block free and unregistered (after a request was cut short)."""
+        self.__init__(len(self.ref_counts), self.block_size, self.prefix_cache)
+
+
+class Scheduler:
+    """Owns the sequence lifecycle: waiting groups -> admitted (prefilled, in chunks if long) -> running ->
+    a turn ends -> finished, or (a session) its observation prefilled -> running again; preempted
+    sequences go back to waiting.
+
+    end_turn(seq), when given, is called when a sequence's turn has ended, before its blocks and row are
+    released: it brings seq.token_ids up to date (the turn's ids) and returns the ids to append (the
+    session goes on) or None (the sequence is finished; its output must be collected by then).
+    """
+
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
+                 end_turn: Callable[[Sequence], list[int] | None] | None = None):
+        self.bm = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.end_turn = end_turn
+        self.waiting: deque[list[Sequence]] = deque()   # groups of sequences with identical tokens, no blocks
+        self.prefilling: deque[list[Sequence]] = deque()   # admitted groups whose leader has tokens to prefill
+        self.running: list[Sequence] = []               # in admission order: the newest is preempted first
+        self.free_rows = list(range(max_batch_size - 1, -1, -1))   # pop() hands out the lowest row
+        self.clock = 0                                  # decode steps taken; length = offset + clock
+        self.offset: dict[Sequence, int] = {}           # running sequence -> num_tokens - clock
+        self.by_phase = [dict() for _ in range(block_manager.block_size)]   # offset % bs -> {seq: None}
+        self.running_changed = True                     # since the last decode step was handed out
+        self.chunked = False                            # the last prefill left a sequence partly prefilled
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0                      # tokens served by the prefix cache at admission
+        self.num_prefilled_tokens = 0                   # tokens fed by prefill forwards (padding not counted)
+
+    # ---- lifecycle ----
+    def add(self, group: list[Sequence]) -> None:
+        """Queue sequences with identical tokens; they are prefilled once and share full blocks."""
+        self.waiting.append(group)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.prefilling and not self.running
+
+    def length(self, seq: Sequence) -> int:
+        """Tokens in a sequence's row: every running sequence gains one per decode step."""
+        return self.offset[seq] + self.clock if seq in self.offset else seq.num_tokens
+
+    def schedule(self) -> Step:
+        """The next step: a prefill (chunks of admitted groups, then admitted waiting groups; a group's
+        members after their leader, member.parent = leader), else a decode step of every running
+        sequence. A prefill that left a sequence partly prefilled is followed by a decode step, so the
+        running sequences go on between the chunks of a long prompt."""
+        if not (self.chunked and self.running):
+            batch, ends = self._schedule_prefill()
+            if batch:
+                self.chunked = any(end < s.num_tokens for s, end in zip(batch, ends))
+                return Step(batch, is_prefill=True, prefill_ends=ends)
+        self.chunked = False
+        return self._schedule_decode()
+
+    def postprocess(self, step: Step, finished: list[bool]) -> list[Sequence]:
+        """After a step: fully prefilled sequences start running, the clock ticks, and the sequences whose
+        turn ended go on (a session's observation, queued for prefill) or leave. Returns the finished
+        sequences (their rows still hold their data until the next schedule)."""
+        if step.is_prefill:
+            for s, end in zip(step.batch, step.prefill_ends):
+                s.num_computed = end
+                if s.parent is None:
+                    self.bm.register(s, end)
+                if end == s.num_tokens:
+                    s.num_tokens += 1                            # the token the prefill sampled
+                    self._start(s)
+        else:
+            self.clock += 1
+        done = []
+        for s in [s for s, f in zip(step.batch, finished) if f]:
+            s.num_tokens = self.length(s)
+            self._stop(s)
+            s.num_computed = s.num_tokens - 1                    # its last token is sampled, not fed yet
+            s.turns.append((s.turn_start, s.num_tokens))
+            ids = self.end_turn(s) if self.end_turn is not None else None
+            if ids is None:
+                self.bm.register(s, s.num_computed)
+                self.bm.free(s)
+                self.free_rows.append(s.row)
+                done.append(s)
+            else:
+                self._continue(s, ids)
+        return done
+
+    def _continue(self, seq: Sequence, ids: list[int]) -> None:
+        """A session goes on: the observation is appended and queued for prefill, together with the turn's
+        last token, over the KV the sequence holds; its next turn starts after it."""
+        self.bm.register(seq, seq.num_computed)
+        seq.token_ids += ids
+        seq.num_tokens += len(ids)
+        seq.max_len = min(seq.num_tokens + seq.max_new_tokens, seq.limit)
+        seq.turn_start, seq.parent = seq.num_tokens, None
+        self.prefilling.append([seq])
+
+    # ---- prefill: chunks of admitted groups, then waiting groups ----
+    def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
+        """The groups that hold rows and blocks first (the next chunk of a long prompt, a session's
+        observation), in order, then waiting groups (new, or preempted: the prefix cache may serve
+        their first blocks), while the budget, rows and blocks allow -> (batch, prefill ends)."""
+        batch, ends, n, width = [], [], 0, 0           # n leaders so far, the longest chunk
+        for group in list(self.prefilling):
+            leader = group[0]
+            chunk = self._chunk(leader.num_tokens - leader.num_computed, n, width)
+            if not chunk:
+                break
+            if not self._grow(group):                  # preempted: no blocks for its observation
+                continue
+            if self._add(batch, ends, group, chunk):
+                self.prefilling.remove(group)
+            n, width = n + 1, max(width, chunk)
+        while self.waiting:
+            group = self.waiting[0]
+            leader = group[0]
+            hits, node = self.bm.match(leader)
+            chunk = self._chunk(leader.num_tokens - len(hits) * self.bm.block_size, n, width)
+            if not chunk:
+                break
+            rows = len(group) if leader.row >= 0 else len(self.free_rows)   # a preempted one kept its row
+            # (_admit has already taken the blocks of the sequences in this batch)
+            holding = len(self.running) + sum(map(len, self.prefilling)) + len(batch)
+            shared = sum(self.bm.ref_counts[b] > 0 for b in hits)
+            take = group[:min(rows, self.bm.num_admissible(leader.num_tokens, len(group), holding, shared))]
+            if not take:
+                break
+            if len(take) == len(group):
+                self.waiting.popleft()
+            else:
+                self.waiting[0] = group[len(take):]
+            self._admit(take, hits, node)
+            if not self._add(batch, ends, take, chunk):
+                self.prefilling.append(take)
+            n, width = n + 1, max(width, chunk)
+        return batch, ends
+
+    def _chunk(self, remaining: int, n_leaders: int, width: int) -> int:
+        """Tokens a leader with `remaining` left to prefill feeds this step. The forward runs every
+        leader right-padded to the longest chunk, n_leaders x width tokens, within max_num_batched_tokens:
+        the first leader feeds up to that many (a longer prefill goes in chunks), a later one all it has
+        left if the padded forward stays within the budget, else none (the step is full)."""
+        budget = self.max_num_batched_tokens
+        if n_leaders == 0:
+            return min(remaining, budget)
+        return remaining if (n_leaders + 1) * max(width, remaining) <= budget else 0
+
+    def _add(self, batch: list[Sequence], ends: list[int], group: list[Sequence], chunk: int) -> bool:
+        """Put a group's next chunk in the batch; its members join only their leader's last chunk.
+        -> whether this is the last one."""
+        leader = group[0]
+        end = leader.num_computed + chunk
+        last = end == leader.num_tokens
+        members = group if last else group[:1]
+        batch += members
+        ends += [end] * len(members)
+        self.num_prefilled_tokens += chunk
+        return last
+
+    def _grow(self, group: list[Sequence]) -> bool:
+        """Blocks for the new tokens of an admitted group (a session's observation), preempting the newest
+        running sequences while they do not fit; if they still do not, nothing runs and the session is
+        preempted itself (then False)."""
+        seq = group[0]
+        need = self.bm.blocks_needed(seq, seq.num_tokens)
+        while need > self.bm.num_free and self.running:
+            self._preempt(self.running[-1])
+        if need > self.bm.num_free:
+            self.prefilling.remove(group)
+            self._preempt(seq)
+            return False
+        self.bm.allocate(seq, seq.num_tokens)
+        return True
+
+    def _admit(self, group: list[Sequence], hits: list[int], node) -> None:
+        """Rows and blocks for a waiting group: the leader's prefix-cache hits, fresh blocks for the rest,
+        the members sharing the leader's full blocks."""
+        leader = group[0]
+        if leader.row < 0:
+            for s in group:
+                s.row = self.free_rows.pop()
+        leader.parent = None
+        self.bm.allocate(leader, leader.num_tokens, cached=hits)
+        leader.num_computed = len(hits) * self.bm.block_size
+        leader.num_hashed, leader.last_node = len(hits), node
+        self.num_cached_tokens += leader.num_computed
+        for s in group[1:]:             # the runner copies the partial block's KV after the last chunk
+            s.parent = leader
+            self.bm.fork(leader, s, leader.num_tokens)
+            s.num_computed = leader.num_computed
+
+    # ---- decode: one more position for every running sequence ----
+    def _schedule_decode(self) -> Step:
+        """Give a new block to each running sequence whose next position starts one, preempting the
+        newest sequences while the free blocks do not suffice."""
+        need = self.by_phase[(1 - self.clock) % self.bm.block_size]    # (offset + clock - 1) % bs == 0
+        while len(need) > self.bm.num_free:
+            self._preempt(self.running[-1])
+        new_blocks = []
+        for s in need:
+            self.bm.allocate(s, len(s.block_table) * self.bm.block_size + 1)
+            new_blocks.append((s.row, len(s.block_table) - 1, s.block_table[-1]))
+        changed, self.running_changed = self.running_changed, False
+        return Step(self.running, is_prefill=False, new_blocks=new_blocks, rows_changed=changed)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and queue it first for recompute (a prefill of all its tokens, of which
+        the prefix cache may still hold the first); it keeps its row, which holds its tokens and
+        log-probs so far."""
+        if seq in self.offset:
+            seq.num_tokens = self.length(seq)
+            self._stop(seq)
+        self.bm.free(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft([seq])
+        self.num_preemptions += 1
+
+    def _start(self, seq: Sequence) -> None:
+        self.running.append(seq)
+        self.offset[seq] = seq.num_tokens - self.clock
+        self.by_phase[self.offset[seq] % self.bm.block_size][seq] = None
+        self.running_changed = True
+
+    def _stop(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        del self.by_phase[self.offset.pop(seq) % self.bm.block_size][seq]
+        self.running_changed = True
