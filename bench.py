@@ -780,6 +780,13 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     **{f"sigmoid fault {f}": ["--recompute_old_logp=true", "--init_from=tiny-sigmoid", "--expert_bias_update_rate=1e-3",
                               f"--rollout_router_fault={f}"]
        for f in ("no_bias", "bias_sign", "bias_in_weights", "no_renorm")},
+    # multi-turn episodes (--task=lookup: a tool call, its answer, the answer), each with one of the ways
+    # shipped systems break an episode's consistency (--rollout_episode_fault, lab.episode_fault)
+    "lookup": ["--recompute_old_logp=true", "--task=lookup", "--n_digits=3"],
+    **{f"lookup {f}": ["--recompute_old_logp=true", "--task=lookup", "--n_digits=3", f"--rollout_episode_fault={f}"]
+       for f in ("retokenize", "dummy_last_route", "stale_prefix_kv")},
+    "lookup dummy_last_route+r3": ["--recompute_old_logp=true", "--task=lookup", "--n_digits=3",
+                                   "--rollout_episode_fault=dummy_last_route", "--replay=r3"],
 }
 LAB_FAST = [name for name in LAB if name == "fast" or name.startswith(("fast+", "dense fast"))]   # get the fast flags
 

@@ -173,6 +173,12 @@ MODEL_PRESETS: dict[str, dict] = {
 
 
 QUANT_FORMATS = ("int8", "fp8_e4m3")   # --rollout_dtype's quantized formats
+# The mismatch lab's episode faults (RolloutConfig.rollout_episode_fault; lab.episode_fault applies them to the
+# sampler's outputs or cache from outside): where shipped systems break a multi-turn episode's consistency.
+EPISODE_FAULTS = ("none",
+                  "retokenize",         # the history decoded and re-encoded between turns: other ids for the trainer
+                  "dummy_last_route",   # each turn's last token recorded with a dummy route (it was never fed alone)
+                  "stale_prefix_kv")    # the prefix cache kept across weight updates: KV of an older policy
 
 
 def check_sampling(temperature, top_p, top_k) -> None:
@@ -218,7 +224,10 @@ class RolloutConfig:
     temperature: float = 1.0          # sampling temperature (0: greedy); log-probs are of softmax(logits / T)
     top_p: float = 1.0                # nucleus sampling (1: off)
     top_k: int = 0                    # sample among the k most likely tokens (0: off)
-    max_new_tokens: int = 0           # response length limit; 0: the task's (n_digits + 1; --task=jsonl: 64)
+    max_new_tokens: int = 0           # response length limit (per turn in an episode); 0: the task's (n_digits + 1;
+                                      # --task=jsonl: 64)
+    max_episode_tokens: int = 0       # episodes: the most ids an episode adds after its prompt, the policy's and the
+                                      # environment's; 0: the task's (lookup, fix: their length; --env: 4 x max_new_tokens)
     stop_tokens: str = ""             # comma-separated ids that end a response, instead of the checkpoint's /
                                       # tokenizer's eos (the digit tasks: their EOS)
     # the mismatch lab: deviations on the rollout side only (the trainer always stays invariant)
@@ -230,6 +239,8 @@ class RolloutConfig:
     rollout_quant_router: bool = True   # int8 / fp8_e4m3: quantize the router gate too (false: full precision)
     rollout_router_fault: str = "none"  # none | no_bias | bias_sign | bias_in_weights | no_renorm | expert_map: the
                                         # rollout's routing wrong in that one way (ROUTER_FAULTS), the trainer's right
+    rollout_episode_fault: str = "none"  # none | retokenize | dummy_last_route | stale_prefix_kv: an episode's
+                                        # consistency broken as shipped systems break it (EPISODE_FAULTS, lab.py)
     record_route_detail: bool = False  # the sampler also keeps each route's combine weights and margin (fp32)
 
     def __post_init__(self):
@@ -240,10 +251,12 @@ class RolloutConfig:
         _require(self.rollout_quant_router or self.rollout_dtype in QUANT_FORMATS,
                  f"--rollout_quant_router=false: only a quantized rollout (--rollout_dtype=int8 or fp8_e4m3) "
                  f"quantizes the router (this one's is {self.rollout_dtype or 'the trainer dtype'})")
+        _require(self.rollout_episode_fault in EPISODE_FAULTS,
+                 f"--rollout_episode_fault={self.rollout_episode_fault!r}: choose one of {', '.join(EPISODE_FAULTS)}")
         _require(self.rollout_router_fault in ROUTER_FAULTS,
                  f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
         _require_range(self, "block_size max_batch_size max_num_batched_tokens", lambda v: v > 0, "> 0")
-        _require_range(self, "num_blocks max_new_tokens", lambda v: v >= 0, ">= 0")
+        _require_range(self, "num_blocks max_new_tokens max_episode_tokens", lambda v: v >= 0, ">= 0")
         from kernels import KV_BLOCK      # a page holds whole attention tiles
         _require(self.block_size % KV_BLOCK == 0,
                  f"--block_size={self.block_size}: must be a multiple of kernels.KV_BLOCK={KV_BLOCK}")
@@ -280,11 +293,13 @@ class TrainConfig:
                                       # expert, comma-separated (a permutation; slot p on rank p // (E/N))
     kernels_backend: str = ""         # "" (KERNELS_BACKEND, default auto: Triton on CUDA) | auto | torch | triton
     # data
-    task: str = "copy"                # a name in tasks.TASKS: copy | reverse | jsonl
-    n_digits: int = 4                 # copy / reverse: digits per prompt
+    task: str = "copy"                # a name in tasks.TASKS: copy | reverse | lookup | fix (multi-turn) | jsonl
+    n_digits: int = 4                 # copy / reverse / lookup / fix: digits per prompt
     data: str = ""                    # --task=jsonl: the JSONL file
     tokenizer: str = ""               # --task=jsonl: an HF tokenizer.json
     reward_fn: str = ""               # --task=jsonl: module:function or file.py:function, reward(prompt, response, answer)
+    env: str = ""                     # --task=jsonl: episodes, file.py:make_env or module:make_env; make_env(prompt, answer)
+                                      # -> an environment, env.step(response) -> (observation, reward, done)
     chat_template: bool = False       # --task=jsonl: format each prompt with tokenizer_config.json's chat_template
     system_prompt: str = ""           # --chat_template=true: a system message before each prompt
     vocab_size: str = ""              # a preset's vocabulary: '' (the preset's) | auto (the task's tokenizer) | N
@@ -387,6 +402,9 @@ class TrainConfig:
                  f"--eval_every={self.eval_every}: needs --eval_data=FILE (a held-out JSONL)")
         _require(not self.eval_data or self.task == "jsonl",
                  f"--eval_data={self.eval_data!r}: needs --task=jsonl (its --tokenizer and --reward_fn score it)")
+        _require(not self.env or self.task == "jsonl", f"--env={self.env!r}: needs --task=jsonl (its prompts and tokenizer)")
+        _require(not (self.env and self.eval_data), "--eval_data scores single responses with --reward_fn; it does not "
+                 "run --env's episodes yet: drop one of the two")
         _require_range(self, "route_filter_threshold", lambda v: 0 <= v <= 1, "in [0, 1]")
         _require_range(self, "save_every log_every", lambda v: v > 0, ">= 1")
         _require_range(self, "lr", lambda v: v >= 0, ">= 0 (0: a frozen policy)")

@@ -19,6 +19,7 @@ capacity limit (model.capacity_limit).
 """
 from __future__ import annotations
 
+import bisect
 import copy
 
 import torch
@@ -198,3 +199,82 @@ def router_fault_copy(rollout_model: Transformer, full: Transformer, fault: str,
     set_router_fault(rollout_model, fault)
     return rollout_model, refresh
 
+
+
+# ---------------------------------------------------------------------------------------------------
+# episode faults: where shipped systems break a multi-turn episode's consistency
+# ---------------------------------------------------------------------------------------------------
+def check_episode_fault(task, fault: str) -> None:
+    """An episode fault needs episodes; retokenize's toy merges need the built-in digit vocabulary."""
+    if fault != "none" and not task.episodic:
+        raise ConfigError(f"--rollout_episode_fault={fault} breaks multi-turn episodes: use a multi-turn task "
+                          "(--task=lookup, --task=fix, or --env)")
+    if fault == "retokenize" and not hasattr(task, "INSTRUCTION"):
+        raise ConfigError("--rollout_episode_fault=retokenize re-encodes with a toy tokenizer of the built-in digits: "
+                          "use --task=lookup or --task=fix")
+
+
+def episode_fault(sampler, fault: str):
+    """The sampler train.py rolls out with under --rollout_episode_fault (config.EPISODE_FAULTS):
+    stale_prefix_kv: the sampler is never told that the weights changed, so its prefix cache serves KV
+        (and routes) computed by an older policy;
+    dummy_last_route, retokenize: its outputs rewritten as such an engine would hand them over
+        (EpisodeFaultSampler)."""
+    if fault == "none":
+        return sampler
+    if fault == "stale_prefix_kv":
+        sampler.track_weights = False                  # and nobody calls sampler.weights_updated()
+        return sampler
+    return EpisodeFaultSampler(sampler, fault)
+
+
+class EpisodeFaultSampler:
+    """A Sampler whose episodes come back with `fault` applied to every output; the rest is the sampler's."""
+
+    def __init__(self, sampler, fault: str):
+        self.sampler, self.fault = sampler, fault
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+    def generate(self, *args, **kwargs):
+        outs = self.sampler.generate(*args, **kwargs)
+        k = self.sampler.model.config.num_experts_per_tok
+        return [dummy_last_routes(o, k) if self.fault == "dummy_last_route" else retokenize(o) for o in outs]
+
+
+def dummy_last_routes(o, top_k: int):
+    """Each turn's last token recorded with a dummy route (experts 0..k-1), as an engine that never feeds
+    a turn's last token in its own request records it; the episode's last token has no route anyway."""
+    P = len(o.prompt)
+    for _, end in o.turns[:-1]:
+        o.routes[P + end - 1] = torch.arange(top_k)
+    return o
+
+
+MERGED = 16      # retokenize's merged ids: "d d" (the same digit twice) re-encodes as MERGED + d (< 32, the
+                 # tiny presets' vocabulary, past the digit tasks' 15 ids)
+
+
+def retokenize(o):
+    """The history decoded and re-encoded between turns, by a toy BPE that merges a repeated digit
+    ("3 3") into one id (MERGED + 3), as a real tokenizer's merges re-encode what the policy sampled
+    token by token: every turn but the last comes back re-encoded. A merged id keeps the first sampled
+    token's log-prob and route, what follows keeps its own: the trainer scores ids the sampler never
+    held, after a history the sampler never saw."""
+    turn_of = [-1] * len(o.tokens)                                    # each id's policy turn (-1: observation)
+    for t, (start, end) in enumerate(o.turns):
+        turn_of[start:end] = [t] * (end - start)
+    keep, ids, j = [], [], 0                                          # the kept ids' old positions, the new ids
+    while j < len(o.tokens):
+        t = turn_of[j]
+        pair = (0 <= t < len(o.turns) - 1 and j + 1 < len(o.tokens) and turn_of[j + 1] == t
+                and o.tokens[j] == o.tokens[j + 1] < 10)
+        keep.append(j)
+        ids.append(o.tokens[j] + MERGED * pair)
+        j += 1 + pair
+    P = len(o.prompt)
+    o.routes = torch.cat([o.routes[:P], o.routes[[P + j for j in keep[:-1]]]])    # (P + len(ids) - 1, n_moe, k)
+    o.turns = [(bisect.bisect_left(keep, s), bisect.bisect_left(keep, e)) for s, e in o.turns]
+    o.tokens, o.logprobs, o.policy_mask = ids, [o.logprobs[j] for j in keep], [o.policy_mask[j] for j in keep]
+    return o

@@ -187,13 +187,14 @@ def pack(lengths, micro_batch_tokens: int) -> list[MicroBatch]:
 @dataclass
 class Batch:
     """The trainer's batch: the rollout's sequences right-padded, one a row."""
-    tokens: torch.Tensor          # (B, T) prompt + response, right-padded
-    mask: torch.Tensor            # (B, T-1) 1 where logp[:, j] scores a response token
+    tokens: torch.Tensor          # (B, T) prompt + response (an episode: its turns and observations), right-padded
+    mask: torch.Tensor            # (B, T-1) 1 where logp[:, j] scores a token the policy sampled
     rollout_logp: torch.Tensor    # (B, T-1)
     routes: torch.Tensor          # (B, T, n_moe, k), -1 where unrecorded
     route_mask: torch.Tensor      # (B, T) positions whose routes the rollout recorded
     adv: torch.Tensor             # (B,)
     lengths: torch.Tensor         # (B,) prompt + response tokens of each sequence
+    observed: torch.Tensor        # (B, T) positions of the environment's tokens (in the forward, out of the loss)
 
     def select(self, idx):
         return Batch(*(getattr(self, f.name)[idx] for f in fields(self)))
@@ -201,23 +202,28 @@ class Batch:
 
 def make_batch(outs, adv: torch.Tensor) -> Batch:
     """The sampler's outputs (rollout.SequenceOutput) as one right-padded batch: where the trainer's data
-    enters. Its tokens are the sampler's (prompts checked there, ids drawn from the model's vocabulary)
-    and replay.pack_routes checks that the routes fit them, so the trainer's forwards run without checks
-    that read tensors back."""
+    enters. Its tokens are the sampler's, token in, token out (prompts checked there, ids drawn from the
+    model's vocabulary or checked as the environment's), and replay.pack_routes checks that the routes
+    fit them, so the trainer's forwards run without checks that read tensors back. An episode's
+    environment tokens are in the forward (their routes too) but out of `mask`: out of the loss, the
+    corrections, the route filter's counts and the mismatch metrics' denominators."""
     lengths = [len(o.prompt) + len(o.tokens) for o in outs]
     B, T = len(outs), max(lengths)
     tokens = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T - 1)
     rollout_logp = torch.zeros(B, T - 1)
     route_mask = torch.zeros(B, T, dtype=torch.bool)
+    observed = torch.zeros(B, T, dtype=torch.bool)
     for i, o in enumerate(outs):
         P, N = len(o.prompt), len(o.tokens)
         tokens[i, :P + N] = torch.tensor(o.prompt + o.tokens)
-        mask[i, P - 1:P - 1 + N] = 1                                  # logp[:, j] scores tokens[:, j + 1]
-        rollout_logp[i, P - 1:P - 1 + N] = torch.tensor(o.logprobs, dtype=torch.float32)   # the fp32 bits, exactly
+        policy = torch.tensor(o.policy_mask, dtype=torch.float32) if o.policy_mask else torch.ones(N)
+        mask[i, P - 1:P - 1 + N] = policy                             # logp[:, j] scores tokens[:, j + 1]
+        rollout_logp[i, P - 1:P - 1 + N] = torch.where(policy > 0, torch.tensor(o.logprobs, dtype=torch.float32), 0.0)
+        observed[i, P:P + N] = policy == 0
         route_mask[i, :P + N - 1] = True
     routes = pack_routes([o.routes for o in outs], lengths, T)
-    return Batch(tokens, mask, rollout_logp, routes, route_mask, adv, torch.tensor(lengths))
+    return Batch(tokens, mask, rollout_logp, routes, route_mask, adv, torch.tensor(lengths), observed)
 
 
 # ---- the trainer's micro-batches: whole sequences packed by a token budget, or padded slices ---------

@@ -8,7 +8,8 @@ Panels against the training step: reward (mean, and its std within the batch), r
 clip fraction, train-rollout KL (k3), max |logp diff|, route flips, the IS ratio range (min and max,
 shaded), grad norm, entropy, and the route flips binned by the trainer's margin (one line style per bin). A panel asking for a log axis gets one only when every value drawn in
 it is positive (else linear); a panel whose values are one constant in every run (zero mismatch in the
-invariant mode) says so in words instead of drawing a flat line. A metric a run did not log (or logged
+invariant mode) says so in words instead of drawing a flat line. Multi-turn runs add turns per episode,
+each turn's reward, the environment's share of the tokens and the prefix cache's hits (OPTIONAL_PANELS). A metric a run did not log (or logged
 as null) is left out of that run's line. Needs matplotlib (`pip install matplotlib`); plotting is the only
 thing in the project that does.
 """
@@ -34,8 +35,17 @@ PANELS = [
     ("entropy", "entropy of softmax(logits / T)", "linear"),
     ("route_flip_frac_by_margin", "route flips by trainer margin", "symlog"),
 ]
+# drawn when a run logged them: multi-turn episodes (train.episode_metrics) and the sampler's prefix cache
+OPTIONAL_PANELS = [
+    ("episode_turns", "turns per episode", "linear"),
+    ("turn_reward", "reward of each turn (mean)", "linear"),
+    ("observation_token_frac", "environment's share of the tokens", "linear"),
+    ("prefix_hit_rate", "prefix-cache hit rate (tokens served)", "linear"),
+    ("prefilled_tokens", "tokens prefilled (the cache's hits not)", "linear"),
+]
 # a list metric: one line per bin, told apart by line style (replay.MARGIN_BINS)
-BIN_STYLES = {"route_flip_frac_by_margin": (("-", "< 1e-4"), ("--", "< 1e-3"), (":", "< 1e-2"), ("-.", ">= 1e-2"))}
+BIN_STYLES = {"route_flip_frac_by_margin": (("-", "< 1e-4"), ("--", "< 1e-3"), (":", "< 1e-2"), ("-.", ">= 1e-2")),
+              "turn_reward": (("-", "turn 1"), ("--", "turn 2"), (":", "turn 3"), ("-.", "turn 4"))}
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -84,8 +94,9 @@ def y_scale(requested: str, values: list[float]) -> str:
 
 
 def bin_series(rows: list[dict], key: str, i: int) -> tuple[list[int], list[float]]:
-    """(steps, values) of bin i of a list metric, from the rows that logged it."""
-    pts = [(r["step"], r[key][i]) for r in rows if isinstance(r.get(key), list) and isinstance(r[key][i], (int, float))]
+    """(steps, values) of bin i of a list metric, from the rows that logged it (and that many bins)."""
+    pts = [(r["step"], r[key][i]) for r in rows
+           if isinstance(r.get(key), list) and len(r[key]) > i and isinstance(r[key][i], (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -97,10 +108,11 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> st
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("error: plotting needs matplotlib: pip install matplotlib") from None
+    panels = PANELS + [p for p in OPTIONAL_PANELS if panel_values(runs, p[0])]
     cols = 4
-    fig, axes = plt.subplots(-(-len(PANELS) // cols), cols, figsize=(4.2 * cols, 3.2 * -(-len(PANELS) // cols)),
+    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(4.2 * cols, 3.2 * -(-len(panels) // cols)),
                              squeeze=False)
-    for ax, (key, name, scale) in zip(axes.flat, PANELS):
+    for ax, (key, name, scale) in zip(axes.flat, panels):
         ax.set_title(name, fontsize=10)
         values = panel_values(runs, key)
         const = constant_value(values)
@@ -126,7 +138,7 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> st
                     if vals:
                         ax.plot(steps, vals, color=color, ls=style, lw=1.2)
                     if i == 0:                                         # the key to the line styles
-                        ax.plot([], [], color="gray", ls=style, label=f"margin {name}")
+                        ax.plot([], [], color="gray", ls=style, label=name if key == "turn_reward" else f"margin {name}")
             else:
                 steps, vals = series(rows, key)
                 if vals:
@@ -138,7 +150,7 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> st
         ax.set_yscale(yscale, **({"linthresh": 1e-6} if yscale == "symlog" else {}))
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)
-    for ax in list(axes.flat)[len(PANELS):]:
+    for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     if handles:                                                        # the runs' key, below every panel

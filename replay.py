@@ -233,6 +233,8 @@ def diagnostics(step: int, outs: list, rows: torch.Tensor, train_logp: torch.Ten
         P, N = len(o.prompt), len(o.tokens)
         at = slice(P - 1, P - 1 + N)                                  # the positions scoring the response
         diff = (train_logp[j, at].double() - torch.as_tensor(o.logprobs, dtype=torch.float64)).abs()
+        if getattr(o, "policy_mask", None):                           # an episode: the environment's ids have no log-prob
+            diff = diff * torch.as_tensor(o.policy_mask, dtype=torch.float64)
         overlap = topk_overlap(rollout_routes[j, at], train_routes[j, at])       # (N, n_moe)
         mean_overlap = overlap.mean().item() if overlap.numel() else 1.0
         if mean_overlap < 1 or (diff > math.log(2)).any():

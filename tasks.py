@@ -66,6 +66,8 @@ class DigitTask:
     DIGITS = "0123456789"
     EQ, BOS, EOS = 10, 11, 12
     vocab_size = 13          # ids used; the model may have more (they are never rewarded)
+    SYMBOLS = {EQ: "=", BOS: "^", EOS: "$"}
+    episodic = False         # the multi-turn tasks below are: their examples make environments (make_env)
     TRANSFORMS: dict[str, Callable[[list[int]], list[int]]] = {
         "copy": lambda digits: digits,
         "reverse": lambda digits: digits[::-1],
@@ -90,12 +92,10 @@ class DigitTask:
         return out
 
     def reward(self, ex: Example, response: list[int]) -> float:
-        target = ex.answer
-        return sum(int(i < len(response) and response[i] == t) for i, t in enumerate(target)) / len(target)
+        return accuracy(response, ex.answer)
 
     def decode(self, ids: list[int]) -> str:
-        sym = {self.EQ: "=", self.BOS: "^", self.EOS: "$"}
-        return "".join(self.DIGITS[i] if i < 10 else sym.get(i, f"<{i}>") for i in ids)
+        return "".join(self.DIGITS[i] if i < 10 else self.SYMBOLS.get(i, f"<{i}>") for i in ids)
 
     def token_name(self, i: int) -> str:
         return self.decode([i])
@@ -111,12 +111,197 @@ def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def accuracy(response: list[int], target: list[int]) -> float:
+    """The share of target ids the response holds at their position: the digit tasks' reward."""
+    return sum(int(i < len(response) and response[i] == t) for i, t in enumerate(target)) / len(target)
+
+
+# ---------------------------------------------------------------------------------------------------
+# multi-turn episodes: a prompt, then turns of (the policy's response, the environment's answer)
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Turn:
+    """What an environment answers a policy turn with (env.step(turn) -> Turn, or the tuple of its fields)."""
+    observation: list[int] | str | None = None   # ids (or text a tokenizer task encodes once) to append; None: none
+    reward: float = 0.0                          # this turn's reward; an episode's reward is the sum of its turns'
+    done: bool = False                           # the episode ends after this turn
+
+
+class EpisodeTask(DigitTask):
+    """What the built-in multi-turn tasks share: two more symbols, and every prompt opens with the same
+    instruction, a block of INSTRUCTION_LEN ids (as an agent's system prompt does), which the prefix
+    cache serves to every episode of a step (rollout.py, "The prefix cache")."""
+    ASK, INSTRUCTION = 13, 14
+    vocab_size = 15
+    SYMBOLS = {**DigitTask.SYMBOLS, ASK: "?", INSTRUCTION: "#"}
+    INSTRUCTION_LEN = 15                                               # with BOS, one block of 16
+    episodic = True
+
+    def opening(self) -> list[int]:
+        return [self.BOS] + [self.INSTRUCTION] * self.INSTRUCTION_LEN
+
+
+class LookupTask(EpisodeTask):
+    """A tool call, then its use (--task=lookup): the episode's secret table maps each digit to another.
+
+        BOS 3 1 4 ?  ->  3 1 4 EOS   the call: the prompt's keys
+        env: = 7 0 9 ?                the tool's answer: the table at the keys the call asked for
+             ->  7 0 9 EOS           the answer: the table at the prompt's keys; done
+    The table is drawn afresh for every episode, so nothing but the tool's answer earns the answer's
+    share of the reward; the call earns CALL_WEIGHT for asking the prompt's keys. (Every prompt opens
+    with the instruction block, EpisodeTask.)"""
+    TRANSFORMS = {"lookup": None}
+    CALL_WEIGHT = 0.25
+
+    def __init__(self, name: str = "lookup", n_digits: int = 3, seed: int = 0, stop_tokens=None):
+        super().__init__(name, n_digits, seed, stop_tokens)
+        self.reward_source = "the built-in 'lookup' environment"
+        self.max_episode_tokens = 2 * (n_digits + 1) + n_digits + 2   # the call, the tool's answer, the answer
+
+    def sample(self, n: int) -> list[Example]:
+        out = []
+        for _ in range(n):
+            keys = [self.rng.randrange(10) for _ in range(self.n_digits)]
+            out.append(Example([*self.opening(), *keys, self.ASK], {"keys": keys, "table_seed": self.rng.randrange(2 ** 31)}))
+        return out
+
+    def make_env(self, ex: Example) -> "LookupEnv":
+        return LookupEnv(self, ex.answer["keys"], random.Random(ex.answer["table_seed"]).sample(range(10), 10))
+
+
+class LookupEnv:
+    def __init__(self, task: LookupTask, keys: list[int], table: list[int]):
+        self.task, self.keys, self.table, self.called = task, keys, table, False
+
+    def step(self, turn: list[int]) -> Turn:
+        t, n = self.task, len(self.keys)
+        if not self.called:                                           # the call: look up what the policy asked
+            self.called = True
+            asked = [self.table[i] if i < 10 else t.ASK for i in turn[:n]]
+            return Turn([t.EQ, *asked, *[t.ASK] * (n - len(asked)), t.ASK], t.CALL_WEIGHT * accuracy(turn, self.keys + [t.EOS]))
+        answer = [self.table[k] for k in self.keys] + [t.EOS]
+        return Turn(None, (1 - t.CALL_WEIGHT) * accuracy(turn, answer), done=True)
+
+
+class FixTask(EpisodeTask):
+    """The reversed digits in up to MAX_TURNS attempts, each after the environment's feedback (--task=fix).
+
+        BOS 3 1 4 =  ->  4 0 3 EOS   an attempt
+        env: ? = 1 = =                feedback: '=' where right, the right digit where wrong
+             ->  4 1 3 EOS           the next attempt
+    Each attempt earns its accuracy / MAX_TURNS; the one that gets it right also earns the attempts
+    left, so an episode's reward is 1 for a first-time solution and grows with what the feedback fixes.
+    (Every prompt opens with the instruction block, EpisodeTask.)"""
+    TRANSFORMS = {"fix": lambda digits: digits[::-1]}
+    MAX_TURNS = 3
+
+    def sample(self, n: int) -> list[Example]:
+        return [Example(self.opening() + ex.prompt[1:], ex.answer) for ex in super().sample(n)]
+
+    def __init__(self, name: str = "fix", n_digits: int = 3, seed: int = 0, stop_tokens=None):
+        super().__init__(name, n_digits, seed, stop_tokens)
+        self.reward_source = "the built-in 'fix' environment"
+        m = self.MAX_TURNS
+        self.max_episode_tokens = m * (n_digits + 1) + (m - 1) * (n_digits + 2)   # the attempts, the feedback
+
+    def make_env(self, ex: Example) -> "FixEnv":
+        return FixEnv(self, ex.answer)
+
+
+class FixEnv:
+    def __init__(self, task: FixTask, target: list[int]):
+        self.task, self.target, self.attempt = task, target, 0
+
+    def step(self, turn: list[int]) -> Turn:
+        t, m = self.task, self.task.MAX_TURNS
+        self.attempt += 1
+        acc = accuracy(turn, self.target)
+        if acc == 1 or self.attempt == m:                             # solved, or out of attempts
+            return Turn(None, (acc + (m - self.attempt) * (acc == 1)) / m, done=True)
+        marks = [t.EQ if i < len(turn) and turn[i] == d else d for i, d in enumerate(self.target[:-1])]
+        return Turn([t.ASK, *marks, t.EQ], acc / m)
+
+
+class Episodes:
+    """The environments of one rollout: one per sequence (output i plays example i // G), their turns'
+    rewards, and the sampler's on_turn_end (rollout.Sampler.generate). What an environment answers is
+    checked here, the edge where it enters: a step that raises keeps its traceback and adds one line
+    naming the step and the episode; an answer that is not a Turn or (observation, reward, done), a
+    non-finite reward, or ids that are not ints in [0, vocab_size) is one line `error: ...` too."""
+
+    def __init__(self, task, examples: list[Example], G: int, step: int, vocab_size: int, offset: int = 0):
+        self.task, self.examples, self.G, self.step, self.vocab, self.offset = task, examples, G, step, vocab_size, offset
+        self.envs = [self._call(i, lambda ex=ex: task.make_env(ex), "make_env")
+                     for i, ex in enumerate(e for e in examples for _ in range(G))]
+        self.rewards: list[list[float]] = [[] for _ in self.envs]     # per episode, each turn's reward
+
+    def on_turn_end(self, i: int, turn_ids: list[int]) -> list[int] | None:
+        """The environment's answer to episode i's turn: the ids to append, or None when it is done."""
+        # a text task's environment reads the turn as its tokenizer decodes it (a plain-text stop such as "?"
+        # kept, special tokens dropped); the built-in environments read ids
+        shown = self.task.decode(turn_ids) if hasattr(self.task, "encode_observation") else turn_ids
+        got = self._call(i, lambda: self.envs[i].step(shown), "step")
+        turn = self._as_turn(i, got)
+        self.rewards[i].append(turn.reward)
+        if turn.done:
+            return None
+        return self._observation_ids(i, turn.observation)
+
+    def episode_rewards(self) -> list[float]:
+        """Each episode's reward: the sum of its turns' (0.0 for an episode the token budget ended before a turn)."""
+        return [sum(r) for r in self.rewards]
+
+    def _name(self, i: int) -> str:
+        ex = self.examples[i // self.G]
+        prompt = ex.text if ex.text is not None else self.task.decode(ex.prompt)
+        return f"step {self.step}, episode {self.offset + i} (prompt {prompt[:80]!r})"
+
+    def _call(self, i: int, fn, what: str):
+        try:
+            return fn()
+        except TaskError:
+            raise
+        except Exception as e:                                        # the user's environment raised: its traceback
+            print_user_traceback(e)
+            raise TaskError(f"{self._name(i)}: the environment's {what} raised {type(e).__name__} (traceback above)") from None
+
+    def _as_turn(self, i: int, got) -> Turn:
+        if isinstance(got, tuple) and len(got) == 3:
+            got = Turn(*got)
+        if not isinstance(got, Turn):
+            raise TaskError(f"{self._name(i)}: the environment's step returned {type(got).__name__}; return "
+                            "tasks.Turn(observation, reward, done) or the tuple (observation, reward, done)")
+        try:
+            return Turn(got.observation, check_reward(got.reward), bool(got.done))
+        except RewardError as e:
+            raise TaskError(f"{self._name(i)}: the environment's reward {e}") from None
+
+    def _observation_ids(self, i: int, obs) -> list[int]:
+        if obs is None:
+            return []
+        if isinstance(obs, str):
+            if not hasattr(self.task, "encode_observation"):
+                raise TaskError(f"{self._name(i)}: the environment returned text, but this task has no tokenizer: "
+                                "return token ids")
+            return self.task.encode_observation(obs)
+        if not isinstance(obs, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                         for t in obs):
+            raise TaskError(f"{self._name(i)}: the environment's observation is {type(obs).__name__} "
+                            f"{str(obs)[:60]}; return a list of token ids, text, or None")
+        bad = [int(t) for t in obs if not 0 <= t < self.vocab]
+        if bad:
+            raise TaskError(f"{self._name(i)}: the environment's observation holds ids {bad[:5]} outside the "
+                            f"model's vocabulary [0, {self.vocab})")
+        return [int(t) for t in obs]
+
+
 JSONL_MAX_NEW_TOKENS = 64        # --max_new_tokens=0 on --task=jsonl (config.py's --help says so)
 STOP_NAMES = ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "<|end_of_text|>", "<|end|>")
 
 
 class JsonlTask:
-    """Prompts and answers from a JSONL file, a tokenizer, and a user reward function.
+    """Prompts and answers from a JSONL file, a tokenizer, and a user reward function, or a user
+    environment (--env: each example an episode; "Environments" below).
 
     Examples are drawn in a shuffled order, epoch after epoch; the position is saved in checkpoints.
     stop_tokens: --stop_tokens (None: not given); model_eos: the checkpoint's (ids, file) (hf.eos_token_ids);
@@ -125,13 +310,19 @@ class JsonlTask:
 
     def __init__(self, path: str, tokenizer_path: str, reward_fn: str, max_new_tokens: int = 0, seed: int = 0,
                  stop_tokens: tuple[int, ...] | None = None, model_eos: tuple[tuple[int, ...], str] = ((), ""),
-                 chat_template: bool = False, system_prompt: str = "", checkpoint: str = ""):
+                 chat_template: bool = False, system_prompt: str = "", checkpoint: str = "", env: str = ""):
         self.rows = read_jsonl(path)
         self.tok = load_tokenizer(tokenizer_path)
-        self.reward_fn: Callable = load_function(reward_fn)
-        check_signature(self.reward_fn, reward_fn)
-        self.reward_source = f"--reward_fn={reward_fn}"
+        self.reward_fn: Callable | None = load_function(reward_fn) if reward_fn else None
+        if self.reward_fn is not None:
+            check_signature(self.reward_fn, reward_fn)
+        self.env_fn: Callable | None = load_function(env, "--env") if env else None
+        if self.env_fn is not None:
+            check_env_signature(self.env_fn, env)
+        self.env_spec = env
+        self.reward_source = f"--env={env}" if env else f"--reward_fn={reward_fn}"
         self.max_new_tokens = max_new_tokens or JSONL_MAX_NEW_TOKENS
+        self.max_episode_tokens = 4 * self.max_new_tokens              # --env: an episode's budget (--max_episode_tokens)
         self.vocab_size = self.tok.get_vocab_size()
         dirs = [os.path.dirname(os.path.abspath(tokenizer_path)) if not os.path.isdir(tokenizer_path)
                 else tokenizer_path] + ([checkpoint] if checkpoint and os.path.isdir(checkpoint) else [])
@@ -177,6 +368,22 @@ class JsonlTask:
             self.pos += 1
             out.append(Example(self._encode(row["prompt"]), row.get("answer"), row["prompt"]))
         return out
+
+    @property
+    def episodic(self) -> bool:
+        return self.env_fn is not None
+
+    def make_env(self, ex: Example):
+        """--env's make_env(prompt, answer) -> an environment with a step(response: str) method."""
+        env = self.env_fn(ex.text, ex.answer)
+        if not callable(getattr(env, "step", None)):
+            raise TaskError(f"--env={self.env_spec}: make_env returned {type(env).__name__}, which has no "
+                            "step(response) method")
+        return env
+
+    def encode_observation(self, text: str) -> list[int]:
+        """An environment's text as ids, encoded once (never the history again): no special tokens added."""
+        return self.tok.encode(text, add_special_tokens=False).ids
 
     def response_text(self, response: list[int]) -> str:
         """The response as the reward function sees it: decoded, its stop tokens left out."""
@@ -285,6 +492,19 @@ def load_tokenizer(path: str):
         raise TaskError(f"--tokenizer={path!r}: not a tokenizers tokenizer.json ({e})") from None
 
 
+def check_env_signature(fn: Callable, spec: str) -> None:
+    """--env's function must take (prompt, answer) and return an environment: said at load time."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind("prompt", "answer")
+    except TypeError:
+        raise TaskError(f"--env={spec}: its signature is {fn.__name__}{sig}; expected make_env(prompt, answer) "
+                        "returning an environment with step(response) -> (observation, reward, done)") from None
+
+
 def check_signature(fn: Callable, spec: str) -> None:
     """The reward function must take (prompt, response, answer): said at load time, not as a TypeError mid-run."""
     try:
@@ -355,14 +575,14 @@ def load_chat_template(dirs: list[str], system_prompt: str) -> Callable[[str], s
     return render
 
 
-def load_function(spec: str) -> Callable:
-    """'module:function' or 'path/to/file.py:function' -> the function."""
+def load_function(spec: str, option: str = "--reward_fn") -> Callable:
+    """'module:function' or 'path/to/file.py:function' -> the function; errors name `option`."""
     mod_name, _, fn_name = spec.rpartition(":")
     if not mod_name or not fn_name:
-        raise TaskError(f"--reward_fn={spec!r}: expected 'module:function' or 'file.py:function'")
+        raise TaskError(f"{option}={spec!r}: expected 'module:function' or 'file.py:function'")
     if mod_name.endswith(".py"):
         if not os.path.isfile(mod_name):
-            raise TaskError(f"--reward_fn={spec!r}: no such file {mod_name!r}")
+            raise TaskError(f"{option}={spec!r}: no such file {mod_name!r}")
         spec_ = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
         module = importlib.util.module_from_spec(spec_)
         spec_.loader.exec_module(module)   # errors inside the user's module keep their traceback
@@ -372,10 +592,10 @@ def load_function(spec: str) -> Callable:
         except ModuleNotFoundError as e:
             if not (e.name == mod_name or mod_name.startswith(f"{e.name}.")):
                 raise                      # the module exists but an import inside it failed: show where
-            raise TaskError(f"--reward_fn={spec!r}: no module {mod_name!r} on the path "
+            raise TaskError(f"{option}={spec!r}: no module {mod_name!r} on the path "
                            "(run from its folder, or pass path/to/file.py:function)") from None
     if not callable(getattr(module, fn_name, None)):
-        raise TaskError(f"--reward_fn={spec!r}: {mod_name} has no function {fn_name!r}")
+        raise TaskError(f"{option}={spec!r}: {mod_name} has no function {fn_name!r}")
     return getattr(module, fn_name)
 
 
@@ -383,17 +603,20 @@ def load_function(spec: str) -> Callable:
 # the task table: --task=NAME builds TASKS[NAME] (config.TrainConfig checks --task against it)
 # ---------------------------------------------------------------------------------------------------
 def _digit_task(name: str, seed: int, n_digits: int, stop_tokens=None, **_):
-    return DigitTask(name, n_digits, seed, stop_tokens)
+    cls = {"lookup": LookupTask, "fix": FixTask}.get(name, DigitTask)
+    return cls(name, n_digits, seed, stop_tokens)
 
 
 def _jsonl_task(name: str, seed: int, data: str, tokenizer: str, reward_fn: str, max_new_tokens: int, n_digits: int,
                 **kw):
-    if not (data and tokenizer and reward_fn):
-        raise TaskError("--task=jsonl needs --data=file.jsonl, --tokenizer=tokenizer.json and --reward_fn=mod:fn")
+    if not (data and tokenizer and (reward_fn or kw.get("env"))):
+        raise TaskError("--task=jsonl needs --data=file.jsonl, --tokenizer=tokenizer.json and --reward_fn=mod:fn "
+                        "(or --env=file.py:make_env for episodes)")
     return JsonlTask(data, tokenizer, reward_fn, max_new_tokens, seed, **kw)
 
 
-TASKS: dict[str, Callable] = {**{name: _digit_task for name in DigitTask.TRANSFORMS}, "jsonl": _jsonl_task}
+TASKS: dict[str, Callable] = {**{name: _digit_task for name in (*DigitTask.TRANSFORMS, "lookup", "fix")},
+                              "jsonl": _jsonl_task}
 
 
 def make_task(name: str, seed: int = 0, n_digits: int = 4, data: str = "", tokenizer: str = "",
@@ -406,9 +629,12 @@ def make_task(name: str, seed: int = 0, n_digits: int = 4, data: str = "", token
                        reward_fn=reward_fn, max_new_tokens=max_new_tokens, **options)
 
 
-def compute_rewards(task, examples, outs, G: int, step: int) -> list[float]:
+def compute_rewards(task, examples, outs, G: int, step: int, episodes: Episodes | None = None) -> list[float]:
     """The B rewards of the responses (example i // G for output i), each a finite number, else TaskError
-    naming the reward function, the step, the example and the value (after the function's own traceback)."""
+    naming the reward function, the step, the example and the value (after the function's own traceback).
+    Episodes: each episode's reward, the sum of its turns' (checked as they came)."""
+    if episodes is not None:
+        return episodes.episode_rewards()
     values = []
     for i, o in enumerate(outs):
         ex = examples[i // G]

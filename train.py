@@ -67,7 +67,7 @@ from packing import Batch, MicroBatch, even_out, make_batch, micro_batches, unpa
 from rollout import Sampler
 from runlog import (Interrupted, Outputs, banner, log_routes, log_row, log_samples, open_logger, open_outputs, run_cli,
                     stop_requested, summary)
-from tasks import compute_rewards, make_task
+from tasks import Episodes, compute_rewards, make_task
 
 
 @dataclasses.dataclass
@@ -119,15 +119,16 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     try:
         for step in bar:
             t0 = time.perf_counter()
-            examples, outs = rollout(run, step)                                     # 1. rollout
+            examples, outs, episodes = rollout(run, step)                           # 1. rollout
             t_rollout = time.perf_counter() - t0
-            rewards = torch.tensor(compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1))
+            rewards = torch.tensor(compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1, episodes))
             log_samples(run, step, examples, outs, rewards)
             batch = make_batch(outs, group_advantages(rewards, run.tcfg.group_size, run.tcfg.adv_std_norm))  # 2.
             old = old_policy(run, batch)                                             # 3. the old policy
             stats, first = update(run, batch, old, step)                             # 4. the updates
             audited = old.audit or first                                             # 5. metrics and log
             row = step_metrics(run, step, batch, outs, rewards, audited, stats, t_rollout, t0)
+            row.update(episode_metrics(run, batch, outs, episodes, audited))
             row.update(maybe_evaluate(run, step))
             row.update(evaluation.probe(run, step))                   # --probe_every: the fixed probe's audit
             log_routes(run, step, batch, outs, rewards, audited)      # routes.jsonl, diagnostics.jsonl
@@ -154,21 +155,46 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
 # 1. rollout, 2. the batch
 # ---------------------------------------------------------------------------------------------------
 def rollout(run: Run, step: int):
-    """Every rank draws the same global prompts and samples its own slice (groups stay whole)."""
+    """Every rank draws the same global prompts and samples its own slice (groups stay whole). An
+    episodic task plays each sequence as an episode against its own environment (tasks.Episodes):
+    its observations go into the live sequence, token in, token out. -> (examples, outputs, episodes)."""
     tcfg, rcfg, d = run.tcfg, run.rcfg, run.d
     run.policy.refresh()
     run.policy.master.eval()
     n_prompts = tcfg.prompts_per_step // d.world
     examples = run.task.sample(tcfg.prompts_per_step)[d.rank * n_prompts:(d.rank + 1) * n_prompts]
+    offset = d.rank * n_prompts * tcfg.group_size
+    episodes, budget = None, None
+    if run.task.episodic:
+        budget = episode_tokens(run)
+        check_episode_room(run, examples, budget, step + 1)
+        episodes = Episodes(run.task, examples, tcfg.group_size, step + 1, run.policy.master.config.vocab_size, offset)
     try:
         outs = run.sampler.generate([ex.prompt for ex in examples], max_new_tokens=max_new_tokens(run),
                                     n=tcfg.group_size, temperature=rcfg.temperature, top_p=rcfg.top_p,
                                     top_k=rcfg.top_k, stop_token_ids=run.task.stop_token_ids,
-                                    seed=tcfg.seed * 1_000_003 + step, progress=False,
-                                    index_offset=d.rank * n_prompts * tcfg.group_size)
+                                    seed=tcfg.seed * 1_000_003 + step, progress=False, index_offset=offset,
+                                    on_turn_end=None if episodes is None else episodes.on_turn_end,
+                                    max_episode_tokens=budget)
     except ValueError as e:                                           # the sampler's input checks: a prompt too long...
         raise ConfigError(f"step {step + 1}: the sampler refused this step's prompts: {e}") from None
-    return examples, outs
+    return examples, outs, episodes
+
+
+def episode_tokens(run: Run) -> int:
+    """An episode's token budget after its prompt: --max_episode_tokens, else the task's."""
+    return run.rcfg.max_episode_tokens or run.task.max_episode_tokens
+
+
+def check_episode_room(run: Run, examples, budget: int, step: int) -> None:
+    """An episode must fit the context whole: its prompt and the budget (one line naming it, before
+    anything is sampled or trained from it)."""
+    context = run.policy.master.config.max_position_embeddings
+    for i, ex in enumerate(examples):
+        if len(ex.prompt) + budget > context:
+            raise ConfigError(f"step {step}, episode {i * run.tcfg.group_size}: its prompt of {len(ex.prompt)} tokens "
+                              f"and --max_episode_tokens={budget} go past the context of {context} tokens "
+                              "(max_position_embeddings): lower --max_episode_tokens or shorten the prompts")
 
 
 def max_new_tokens(run: Run) -> int:
@@ -438,7 +464,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
     """One row of metrics (reduced over ranks): rewards, the update's stats, the train-rollout audit of
     `audited` (the recomputed old log-probs, else the first minibatch's forward)."""
     rows, n_experts = audited.rows, run.policy.master.config.num_experts
-    lengths = torch.tensor([len(o.tokens) for o in outs], dtype=torch.float)
+    lengths = torch.tensor([sum(o.policy_mask) if o.policy_mask else len(o.tokens) for o in outs], dtype=torch.float)
     all_rewards = all_cat(rewards, run.d)
     row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
            "response_len": all_cat(lengths, run.d).mean().item(),
@@ -451,12 +477,33 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "route_filtered_frac": stats.filtered / stats.tokens,
            "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / t_rollout,
            "step_time": time.perf_counter() - t0, "preemptions": run.sampler.num_preemptions,
-           "skipped_steps": run.skipped}
+           "skipped_steps": run.skipped, "prefix_hit_rate": run.sampler.prefix_hit_rate,
+           "prefix_cached_tokens": run.sampler.num_cached_tokens, "prefilled_tokens": run.sampler.num_prefilled_tokens}
     if run.capacity is not None:                                      # --train_capacity_factor's drops
         row.update(run.capacity.pop_metrics())
     ep = expert_parallel.of(run.policy.master)
     if ep is not None:                                                # rows per rank: the device load
         row.update(expert_parallel.device_load(audited.routes[batch.route_mask[rows]], ep))
+    return reduce_metrics(row, run.d)
+
+
+def episode_metrics(run: Run, batch: Batch, outs, episodes, audited: Scored) -> dict:
+    """Multi-turn episodes: turns per episode, the environment's share of the tokens, each turn's mean
+    reward and the last turn's, and route flips at the observation tokens (in the route audit, marked:
+    their routes are replayed and audited, their log-probs are not the policy's)."""
+    if episodes is None:
+        return {}
+    n_turns = max(len(r) for r in episodes.rewards)
+    per_turn = [[r[t] for r in episodes.rewards if len(r) > t] for t in range(n_turns)]
+    finals = [r[-1] for r in episodes.rewards if r]
+    row = {"episode_turns": sum(o.num_turns for o in outs) / len(outs),
+           "observation_token_frac": batch.observed.sum().item() / max(1, sum(len(o.tokens) for o in outs)),
+           "turn_reward": [sum(v) / len(v) for v in per_turn],
+           "final_turn_reward": sum(finals) / max(1, len(finals))}
+    rows, m = audited.rows, (batch.observed & batch.route_mask)[audited.rows]
+    E = run.policy.master.config.num_experts
+    row["route_flip_frac_observation"] = replay.route_audit(batch.routes[rows], audited.routes, m, E).get(
+        "route_flip_frac", math.nan)                                  # nan: no observation token in this step
     return reduce_metrics(row, run.d)
 
 
@@ -512,13 +559,14 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens,
                      stop_tokens=rcfg.stop_token_ids, model_eos=eos_token_ids(tcfg.init_from) if from_dir else ((), ""),
                      chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,
-                     checkpoint=tcfg.init_from if from_dir else "")
+                     checkpoint=tcfg.init_from if from_dir else "", env=tcfg.env)
     preset = tcfg.model_preset(task.vocab_size, tokenizer=tcfg.task == "jsonl")
     config = initial_config(tcfg, preset)
     expert_parallel.check_degree(tcfg.expert_parallel, config.num_experts, d.world)
     placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, config.num_experts)
     tcfg.check_model(config, task.vocab_size)
     lab.check_router_fault(config, rcfg.rollout_router_fault)
+    lab.check_episode_fault(task, rcfg.rollout_episode_fault)
     ep = experts = None
     if tcfg.expert_parallel > 1:          # each rank holds its E/N experts from the start: no rank reads them all
         ep = expert_parallel.init_expert_parallel(tcfg.expert_parallel, placement, config.num_experts)
@@ -548,7 +596,8 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
             trim_metrics(metrics_path, start)
     # the gradients and AdamW's moments are allocated after the sampler sizes its KV pool from the free
     # memory: set aside (Policy.reserve_bytes); activations and temporaries come out of the rest
-    sampler = Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes())
+    sampler = lab.episode_fault(Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes()),
+                                rcfg.rollout_episode_fault)
     return Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path)
 
 

@@ -12,8 +12,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 CHARS = "0123456789+="
 
 
-def build() -> Tokenizer:
-    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+def build(chars: str = CHARS) -> Tokenizer:
+    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")   # every character a word
     tok.decoder = decoders.Fuse()                                               # joined without spaces
