@@ -250,3 +250,17 @@ def test_retokenize_merges_repeated_digits_of_earlier_turns_only():
     assert o.logprobs[:3] == [-1.0, -3.0, -4.0] and o.policy_mask == [1, 1, 1, 0, 0, 0, 0, 1, 1, 1]
     assert o.turns == [(0, 3), (7, 10)] and o.routes.shape[0] == len(prompt) + len(o.tokens) - 1
     assert o.routes[len(prompt) + 1, 0, 0] == len(prompt) + 2     # the route of 7 is 7's
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+def test_episodes_under_expert_parallelism_on_two_ranks(tmp_path):
+    """Two gloo ranks, EP=2 and FSDP2: each rank plays its episodes (their environments' turns arrive at
+    different steps of the EP group's lockstep), the trainer's forward over the whole trajectories keeps
+    KL 0 and no route flip, observation tokens included."""
+    from test_distributed import metrics, run
+    out = str(tmp_path / "ep")
+    run(out, 2, "--steps=2", "--task=lookup", "--expert_parallel=2", "--parallel=fsdp", "--recompute_old_logp=true",
+        "--replay=r3", "--max_num_batched_tokens=24")
+    for r in metrics(out):
+        assert r["train_rollout_kl"] == 0 and r["logp_max_abs_diff"] == 0 and r["route_flip_frac"] == 0, r
+        assert r["route_flip_frac_observation"] == 0 and r["observation_token_frac"] > 0
