@@ -234,6 +234,7 @@ class Resumed:
     start: int                       # the first step to run
     skipped: int                     # optimizer steps skipped so far (--skip_nonfinite_steps)
     optimizer: dict                  # AdamW's saved state (checkpoint.optimizer_state's layout)
+    rollouts: dict | None = None     # the batches generated ahead of the step (pipeline.Colocated.state_dict)
 
 
 def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | None, print0) -> Resumed:
@@ -249,7 +250,7 @@ def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | Non
     model.load_state_dict({k: v.to(device=want[k].device, dtype=want[k].dtype)
                            for k, v in load_weights(ckpt, model, experts).items()})
     task.load_state_dict(state["task"])
-    return Resumed(tcfg, state["step"], state.get("skipped_steps", 0), state["optimizer"])
+    return Resumed(tcfg, state["step"], state.get("skipped_steps", 0), state["optimizer"], state.get("rollouts"))
 
 
 def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
@@ -270,6 +271,11 @@ def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
     if was != (tcfg.lr_schedule, tcfg.lr_decay_period):     # halving needs no horizon: its period is its plan
         print0(f"resume: the lr schedule changes from {was[0]} (period {was[1]}) to {tcfg.lr_schedule} "
                f"(period {tcfg.lr_decay_period}): lr is re-planned from step {done + 1}")
+    for name, default in (("max_staleness", 0), ("inflight_update", "off")):   # the batches ahead were made so
+        if ckpt_cfg.get(name, default) != getattr(tcfg, name):
+            raise ConfigError(f"--{name}={getattr(tcfg, name)}: the run was saved with {name}="
+                              f"{ckpt_cfg.get(name, default)} and its batches generated ahead by that schedule; "
+                              "resume with the same value")
     scale = ckpt_cfg.get("router_lr_scale", 1.0)
     if (scale == 1) != (tcfg.router_lr_scale == 1):          # one param group or two: distributed.build_optimizer
         raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the checkpoint's optimizer was built with "

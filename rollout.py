@@ -141,6 +141,11 @@ class SequenceOutput:
     policy_mask: list[int] = field(default_factory=list)   # one per id: 1 sampled by the policy, 0 the environment's
     turns: list[tuple[int, int]] = field(default_factory=list)   # each policy turn's [start, end) in tokens
     weights_version: int = 0     # the Sampler.weights_version that drew the tokens
+    # provenance (asynchronous RL), one per id: the policy version that sampled it (generate's `version`,
+    # then each in-flight update's) and the oldest version whose KV it was sampled on (older than its own
+    # version when an in-flight update kept the KV); an observation's: the version when it was appended
+    token_versions: list[int] = field(default_factory=list)
+    kv_versions: list[int] = field(default_factory=list)
 
     @property
     def num_turns(self) -> int:
@@ -419,11 +424,13 @@ class ModelRunner:
 
 @dataclass
 class Request:
-    """What the turn-end hook needs of one generate() call."""
+    """What the turn-end and step hooks need of one generate() call."""
     sp: SamplingParams
     on_turn_end: TurnEnd | None
     index_offset: int
     bar: tqdm
+    on_step: Callable[[], int | None] | None = None
+    recompute_kv: bool = False
 
 
 class Sampler:
@@ -504,7 +511,8 @@ class Sampler:
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, n: int = 1, stop_token_ids: tuple[int, ...] = (),
                  seed: int = 0, progress: bool = False, index_offset: int = 0,
-                 on_turn_end: TurnEnd | None = None, max_episode_tokens: int | None = None) -> list[SequenceOutput]:
+                 on_turn_end: TurnEnd | None = None, max_episode_tokens: int | None = None, version: int = 0,
+                 on_step: Callable[[], int | None] | None = None, recompute_kv: bool = False) -> list[SequenceOutput]:
         """Sample n continuations of each prompt; returns len(prompts) * n outputs, prompt-major.
 
         temperature 0 is greedy (log-probs then use temperature 1). Identical prompts (repeated, or
@@ -520,6 +528,12 @@ class Sampler:
         max_episode_tokens: the most ids an episode adds after its prompt, the policy's and the
             environment's together (None: the context). There, or at the context, the episode ends
             ("length"); an observation after which not one policy token fits is dropped.
+        version: the policy version of the weights (the trainer's update count), recorded per token
+            (SequenceOutput.token_versions, kv_versions).
+        on_step: an in-flight weight update's hook, called after every engine step outside the
+            rollout's kernel variant: it may change the model's weights in place and then returns their
+            new version (else None). The sequences under way continue on their KV written by the old
+            weights, or with recompute_kv every one of them is prefilled again by the new ones.
         """
         sp = SamplingParams(temperature, top_p, top_k, max_new_tokens, tuple(stop_token_ids), seed)
         if not _is_int(n) or n < 1:
@@ -540,9 +554,12 @@ class Sampler:
             self.weights_updated()
         self.block_manager.set_version((self.weights_version, kernels.get_backend()))
         bar = tqdm(total=sum(s.limit - s.num_tokens for s in seqs), desc="generate", disable=not progress, leave=False)
-        cfg, req = self.config, Request(sp, on_turn_end, index_offset, bar)
+        cfg, req = self.config, Request(sp, on_turn_end, index_offset, bar, on_step, recompute_kv)
         sched = Scheduler(self.block_manager, cfg.max_batch_size, cfg.max_num_batched_tokens,
                           end_turn=functools.partial(self._end_turn, req))
+        sched.version = version
+        for s in seqs:
+            s.version_marks.append((s.num_tokens, version))
         groups: dict[tuple, list[Sequence]] = {}
         for s in seqs:
             groups.setdefault(tuple(s.prompt), []).append(s)
@@ -551,7 +568,7 @@ class Sampler:
         self.runner.reserve(max(s.limit for s in seqs), sp)
         try:
             with kernels.variant(**self.variant):
-                self._run(sched, sp, bar)
+                self._run(sched, req)
         except BaseException:
             self.block_manager.reset()          # a request cut short (the callback raised, ^C) holds no block
             raise
@@ -571,9 +588,9 @@ class Sampler:
                          num_tokens=len(prompt), limit=limit(len(prompt)), max_new_tokens=sp.max_new_tokens)
                 for i, prompt in enumerate(self._check_prompts(prompts, sp, limit)) for j in range(n)]
 
-    def _run(self, sched: Scheduler, sp: SamplingParams, bar) -> None:
+    def _run(self, sched: Scheduler, req: Request) -> None:
         """The engine loop: schedule, run the step on the device, end turns, retire what finished."""
-        runner, ep = self.runner, expert_parallel.of(self.model)
+        runner, ep, sp, bar = self.runner, expert_parallel.of(self.model), req.sp, req.bar
         while True:
             done = sched.is_finished()
             step = None if done else sched.schedule()
@@ -597,6 +614,21 @@ class Sampler:
             bar.update(len(step.batch))
             for s in sched.postprocess(step, finished):
                 bar.update(s.limit - s.num_tokens)                  # credit the tokens it will not generate
+            if req.on_step is not None:
+                self._step_hook(sched, req)
+
+    def _step_hook(self, sched: Scheduler, req: Request) -> None:
+        """Between two steps: the in-flight update's hook, outside the rollout's kernel variant (the
+        trainer computes invariantly); new weights are a new version for the prefix cache and the
+        sequences under way (Scheduler.new_version)."""
+        with kernels.variant():
+            version = req.on_step()
+        if version is None:
+            return
+        self.weights_updated()
+        self._weights_seen = self._weights_counter()
+        self.block_manager.set_version((self.weights_version, kernels.get_backend()))
+        sched.new_version(version, req.recompute_kv)
 
     # ---- turns: the host side of an episode ----
     def _end_turn(self, req: Request, seq: Sequence) -> list[int] | None:
@@ -633,9 +665,12 @@ class Sampler:
         for start, end in seq.turns:
             mask[start - P:end - P] = [1] * (end - start)
         logprobs = [lp if m else OBSERVATION_LOGPROB for lp, m in zip(logprobs, mask)]
+        positions = range(P, seq.num_tokens)
         return SequenceOutput(list(seq.prompt), seq.token_ids[P:], logprobs, routes, seq.finish_reason, weights,
                               margins, policy_mask=mask, turns=[(a - P, b - P) for a, b in seq.turns],
-                              weights_version=self.weights_version)
+                              weights_version=self.weights_version,
+                              token_versions=[marked(seq.version_marks, p) for p in positions],
+                              kv_versions=[marked(seq.kv_marks, p) for p in positions])
 
     def _check_observation(self, ids, index: int) -> list[int]:
         """What on_turn_end returned, checked where it enters: a list of token ids of the vocabulary."""
@@ -678,6 +713,11 @@ class Sampler:
                                  f"blocks, but the pool has {self.num_blocks}; raise num_blocks")
             out.append(prompt)
         return out
+
+
+def marked(marks: list[tuple[int, int]], position: int) -> int:
+    """The version of the last mark (first position, version) at or before `position`."""
+    return next(v for p, v in reversed(marks) if p <= position)
 
 
 def kv_pool_blocks(free_bytes: int, fraction: float, reserve_bytes: int, block_bytes: int, wanted: int) -> int:

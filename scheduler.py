@@ -44,6 +44,10 @@ class Sequence:
     # sessions: the policy's turns, [start, end) positions
     turn_start: int = -1
     turns: list[tuple[int, int]] = field(default_factory=list)
+    # provenance (asynchronous RL): (first position, policy version) from which its tokens are sampled by
+    # that version, and from which the oldest KV they read is that version's (a (re)prefill from position 0)
+    version_marks: list[tuple[int, int]] = field(default_factory=list)
+    kv_marks: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
         self.limit = self.max_len if self.limit is None else self.limit
@@ -234,6 +238,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_cached_tokens = 0                      # tokens served by the prefix cache at admission
         self.num_prefilled_tokens = 0                   # tokens fed by prefill forwards (padding not counted)
+        self.version = 0                                # the policy version of the weights (Sampler.generate)
 
     # ---- lifecycle ----
     def add(self, group: list[Sequence]) -> None:
@@ -389,6 +394,8 @@ class Scheduler:
         leader.num_computed = len(hits) * self.bm.block_size
         leader.num_hashed, leader.last_node = len(hits), node
         self.num_cached_tokens += leader.num_computed
+        for s in group:                  # its KV is (re)computed from position 0 by the current weights
+            s.kv_marks.append((s.num_tokens, self.version))
         for s in group[1:]:             # the runner copies the partial block's KV after the last chunk
             s.parent = leader
             self.bm.fork(leader, s, leader.num_tokens)
@@ -419,6 +426,26 @@ class Scheduler:
         seq.num_computed = 0
         self.waiting.appendleft([seq])
         self.num_preemptions += 1
+
+    def new_version(self, version: int, recompute_kv: bool) -> None:
+        """The weights changed between two steps (an in-flight update): every sequence's next tokens are
+        sampled by `version`; with recompute_kv every sequence holding KV goes back to waiting, to be
+        prefilled again by the new weights (the KV of the old ones is dropped), else it keeps its KV."""
+        self.version = version
+        alive = [s for group in (*self.waiting, *self.prefilling) for s in group] + self.running
+        for s in alive:
+            s.version_marks.append((self.length(s), version))
+        if not recompute_kv:
+            return
+        for s in list(reversed(self.running)):
+            self._preempt(s)
+        for group in list(reversed(self.prefilling)):
+            self.prefilling.remove(group)
+            for s in group:
+                self.bm.free(s)
+                s.num_computed = 0
+            self.waiting.appendleft(group)
+            self.num_preemptions += len(group)
 
     def _start(self, seq: Sequence) -> None:
         self.running.append(seq)

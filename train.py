@@ -64,6 +64,7 @@ from hf import eos_token_ids
 from losses import Normalisers, correction_weights, group_advantages, rejects, token_objective
 from model import CapacityLimit, RouteDetail, Transformer, capacity_limit
 from packing import Batch, MicroBatch, even_out, make_batch, micro_batches, unpack
+from pipeline import Colocated, Rollout, staleness_metrics, staleness_split
 from rollout import Sampler
 from runlog import (Interrupted, Outputs, banner, log_routes, log_row, log_samples, open_logger, open_outputs, run_cli,
                     stop_requested, summary)
@@ -85,6 +86,7 @@ class Run:
     metrics_path: str
     outputs: Outputs | None = None   # identity of the exports, eval task, logger (set by open_outputs)
     capacity: CapacityLimit | None = None   # --train_capacity_factor's drop counts (see trainer_capacity)
+    rollouts: Colocated | None = None       # where each step's batch comes from (pipeline.py; set by setup)
     probe: "evaluation.Probe | None" = None   # --probe_every: the fixed probe set, drawn at the first probe
 
     @property
@@ -119,15 +121,15 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     try:
         for step in bar:
             t0 = time.perf_counter()
-            examples, outs, episodes = rollout(run, step)                           # 1. rollout
-            t_rollout = time.perf_counter() - t0
+            ro = run.rollouts.take(step)               # 1. rollout: batch `step`, now or (--max_staleness) earlier
+            examples, outs, episodes = ro.examples, ro.outs, ro.episodes
             rewards = torch.tensor(compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1, episodes))
             log_samples(run, step, examples, outs, rewards)
             batch = make_batch(outs, group_advantages(rewards, run.tcfg.group_size, run.tcfg.adv_std_norm))  # 2.
             old = old_policy(run, batch)                                             # 3. the old policy
-            stats, first = update(run, batch, old, step)                             # 4. the updates
+            stats, first = run.rollouts.update(step, partial(update, run, batch, old, step))   # 4. the updates
             audited = old.audit or first                                             # 5. metrics and log
-            row = step_metrics(run, step, batch, outs, rewards, audited, stats, t_rollout, t0)
+            row = step_metrics(run, step, batch, outs, rewards, audited, stats, ro.seconds, t0)
             row.update(episode_metrics(run, batch, outs, episodes, audited))
             row.update(maybe_evaluate(run, step))
             row.update(evaluation.probe(run, step))                   # --probe_every: the fixed probe's audit
@@ -154,11 +156,13 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 # 1. rollout, 2. the batch
 # ---------------------------------------------------------------------------------------------------
-def rollout(run: Run, step: int):
-    """Every rank draws the same global prompts and samples its own slice (groups stay whole). An
-    episodic task plays each sequence as an episode against its own environment (tasks.Episodes):
-    its observations go into the live sequence, token in, token out. -> (examples, outputs, episodes)."""
+def rollout(run: Run, j: int, version: int, on_step=None, recompute_kv: bool = False) -> Rollout:
+    """Batch j by the weights now (policy version `version`): every rank draws the same global prompts and
+    samples its own slice (groups stay whole). An episodic task plays each sequence as an episode
+    against its own environment (tasks.Episodes), token in, token out. on_step, recompute_kv: an
+    in-flight update during the batch (pipeline.Colocated.update)."""
     tcfg, rcfg, d = run.tcfg, run.rcfg, run.d
+    t0 = time.perf_counter()
     run.policy.refresh()
     run.policy.master.eval()
     n_prompts = tcfg.prompts_per_step // d.world
@@ -167,18 +171,19 @@ def rollout(run: Run, step: int):
     episodes, budget = None, None
     if run.task.episodic:
         budget = episode_tokens(run)
-        check_episode_room(run, examples, budget, step + 1)
-        episodes = Episodes(run.task, examples, tcfg.group_size, step + 1, run.policy.master.config.vocab_size, offset)
+        check_episode_room(run, examples, budget, j + 1)
+        episodes = Episodes(run.task, examples, tcfg.group_size, j + 1, run.policy.master.config.vocab_size, offset)
     try:
         outs = run.sampler.generate([ex.prompt for ex in examples], max_new_tokens=max_new_tokens(run),
                                     n=tcfg.group_size, temperature=rcfg.temperature, top_p=rcfg.top_p,
                                     top_k=rcfg.top_k, stop_token_ids=run.task.stop_token_ids,
-                                    seed=tcfg.seed * 1_000_003 + step, progress=False, index_offset=offset,
+                                    seed=tcfg.seed * 1_000_003 + j, progress=False, index_offset=offset,
                                     on_turn_end=None if episodes is None else episodes.on_turn_end,
-                                    max_episode_tokens=budget)
+                                    max_episode_tokens=budget, version=version, on_step=on_step,
+                                    recompute_kv=recompute_kv)
     except ValueError as e:                                           # the sampler's input checks: a prompt too long...
-        raise ConfigError(f"step {step + 1}: the sampler refused this step's prompts: {e}") from None
-    return examples, outs, episodes
+        raise ConfigError(f"step {j + 1}: the sampler refused this step's prompts: {e}") from None
+    return Rollout(examples, outs, None if episodes is None else episodes.rewards, version, time.perf_counter() - t0)
 
 
 def episode_tokens(run: Run) -> int:
@@ -481,6 +486,10 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "prefix_cached_tokens": run.sampler.num_cached_tokens, "prefilled_tokens": run.sampler.num_prefilled_tokens}
     if run.capacity is not None:                                      # --train_capacity_factor's drops
         row.update(run.capacity.pop_metrics())
+    if run.tcfg.max_staleness:                                        # provenance: how old, and the gap by it
+        row.update(staleness_metrics(step, outs))
+        row.update(staleness_split(step, outs, rows, batch.rollout_logp[rows], audited.logp, batch.routes[rows],
+                                   audited.routes, n_experts))
     ep = expert_parallel.of(run.policy.master)
     if ep is not None:                                                # rows per rank: the device load
         row.update(expert_parallel.device_load(audited.routes[batch.route_mask[rows]], ep))
@@ -534,7 +543,8 @@ def checkpoint(run: Run, step: int) -> None:
     full = expert_parallel.whole_model(p.full)                        # EP: whole experts (collective)
     if run.d.master:
         path = save_checkpoint(run.tcfg.out_dir, step, full, opt_state, run.tcfg, run.rcfg, run.task,
-                               extra={"skipped_steps": run.skipped}, masters=masters,
+                               extra={"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict()},
+                               masters=masters,
                                save_dtype=run.tcfg.save_dtype or run.tcfg.dtype, keep=run.tcfg.keep_checkpoints,
                                identity=run.outputs.identity if run.outputs is not None else None)
         line = f"step {step}: saved {path}"
@@ -598,7 +608,12 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     # memory: set aside (Policy.reserve_bytes); activations and temporaries come out of the rest
     sampler = lab.episode_fault(Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes()),
                                 rcfg.rollout_episode_fault)
-    return Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path)
+    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path)
+    midpoint = max(1, max_new_tokens(run) // 2)                       # an in-flight update lands halfway
+    run.rollouts = Colocated(partial(rollout, run), tcfg.max_staleness, tcfg.inflight_update, midpoint)
+    if resumed is not None and resumed.rollouts is not None:        # the batches generated ahead of the step
+        run.rollouts.load_state_dict(resumed.rollouts)
+    return run
 
 
 def check_ranks(tcfg: TrainConfig, d: Dist) -> None:

@@ -1,0 +1,153 @@
+"""pipeline.py: bounded staleness and in-flight updates. The schedule (which version generates which
+batch), provenance per token under every --inflight_update mode, the contract across versions (the
+trainer's forward at the version that drew a token recomputes its log-prob bitwise; keep_kv's tokens
+are another function: the control), K = 0 as the synchronous loop, and resume at the same K.
+
+    python -m pytest -q tests/test_pipeline.py
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import train
+from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
+from model import Transformer
+from pipeline import Colocated, Rollout, rollout_from_state, rollout_state
+from rollout import Sampler
+
+
+# ---- the schedule ---------------------------------------------------------------------------------
+def _schedule(K, inflight, steps=5):
+    """(batch, version it started with, whether an update landed inside it) as Colocated runs them."""
+    made = []
+
+    def generate(j, version, on_step=None, recompute_kv=False):
+        inside = on_step is not None and any(on_step() is not None for _ in range(3))
+        made.append((j, version, inside))
+        return Rollout([], [], None, version, 0.0)
+    rollouts = Colocated(generate, K, inflight, midpoint=2)
+    for step in range(steps):
+        ro = rollouts.take(step)
+        assert ro.version == max(0, step - K)
+        rollouts.update(step, lambda: None)
+    return made
+
+
+def test_batch_j_is_generated_by_version_j_minus_k():
+    assert _schedule(0, "off") == [(j, j, False) for j in range(5)]                  # synchronous
+    assert _schedule(1, "off") == [(0, 0, False)] + [(j, j - 1, False) for j in range(1, 6)]
+    assert _schedule(2, "off")[:4] == [(0, 0, False), (1, 0, False), (2, 0, False), (3, 1, False)]
+    keep = _schedule(1, "keep_kv")                                  # batch step + 1 starts by version step ...
+    assert keep == [(0, 0, False)] + [(j, j - 1, True) for j in range(1, 6)]         # ... the update lands inside
+
+
+def test_rollout_state_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    outs = Sampler(model).generate([[11, 3, 10]], max_new_tokens=4, n=2, version=3)
+    import tasks
+    r = Rollout([tasks.Example([11, 3, 10], [3, 12])], outs, [[0.5], [0.25]], 3, 1.5)
+    torch.save(rollout_state(r), tmp_path / "r.pt")
+    back = rollout_from_state(torch.load(tmp_path / "r.pt", weights_only=True))
+    assert back.examples == r.examples and back.turn_rewards == r.turn_rewards and back.version == 3
+    for a, b in zip(back.outs, outs):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs and torch.equal(a.routes, b.routes)
+        assert a.token_versions == b.token_versions == [3] * len(b.tokens)
+
+
+# ---- provenance and the contract across versions --------------------------------------------------------
+def _inflight(recompute_kv, switch_after=3):
+    """Sample with version 5, then after `switch_after` engine steps the weights move in place to version 6.
+    -> the outputs and the two versions' weights."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    v5 = copy.deepcopy(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    steps = [0]
+
+    def on_step():
+        steps[0] += 1
+        if steps[0] != switch_after:
+            return None
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        return 6
+    outs = Sampler(model, max_batch_size=8).generate([[11, 3, 1, 4, 10], [11, 2, 7, 10]], max_new_tokens=8, n=3,
+                                                    seed=4, version=5, on_step=on_step, recompute_kv=recompute_kv)
+    return outs, v5, copy.deepcopy(model.state_dict())
+
+
+def _score_at(state, o):
+    model = Transformer(ModelConfig.preset("tiny"))
+    model.load_state_dict(state)
+    logp, _ = model.score(torch.tensor([o.prompt + o.tokens]))
+    return logp[0, len(o.prompt) - 1:]
+
+
+@pytest.mark.parametrize("mode", ["keep_kv", "recompute_kv"])
+def test_each_token_records_the_version_that_drew_it_and_the_oldest_kv(mode):
+    outs, v5, v6 = _inflight(recompute_kv=mode == "recompute_kv")
+    for o in outs:
+        n = len(o.tokens)
+        assert o.token_versions == [5] * 3 + [6] * (n - 3)           # the prefill's and two decode steps' tokens, then 6
+        assert o.kv_versions == ([5] * n if mode == "keep_kv" else [5] * 3 + [6] * (n - 3))
+    for o in outs:                                                   # the contract across versions
+        at5, at6 = _score_at(v5, o), _score_at(v6, o)
+        lp = torch.tensor(o.logprobs)
+        assert torch.equal(lp[:3], at5[:3])                          # version 5's tokens: version 5's bits
+        if mode == "recompute_kv":
+            assert torch.equal(lp[3:], at6[3:])                      # recomputed KV: version 6's bits
+        else:                                                        # control: old KV makes another function
+            assert not torch.equal(lp[3:], at6[3:]) and not torch.equal(lp[3:], at5[3:])
+    off = Sampler(Transformer(ModelConfig.preset("tiny"))).generate([[11, 3, 10]], max_new_tokens=4, version=2)
+    assert off[0].token_versions == off[0].kv_versions == [2] * len(off[0].tokens)   # off: one version
+
+
+# ---- in training ----------------------------------------------------------------------------------------
+def _run(tmp, argv):
+    tcfg, rcfg = TrainConfig(), RolloutConfig()
+    apply_overrides(parse_args(argv + [f"--out_dir={tmp}", "--progress=false"]), tcfg, rcfg)
+    return train.train(tcfg, rcfg)
+
+
+SMALL = ["--n_digits=2", "--prompts_per_step=8", "--group_size=4", "--minibatch_size=32", "--lr=1e-2",
+         "--warmup_steps=1", "--recompute_old_logp=true", "--save_every=100"]
+TIMING = {"step_time", "rollout_tokens_per_s"}
+
+
+def _same(a, b):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in a] == \
+        [{k: v for k, v in r.items() if k not in TIMING} for r in b]
+
+
+@pytest.mark.parametrize("extra", [["--max_staleness=2"], ["--max_staleness=1", "--inflight_update=keep_kv"],
+                                   ["--max_staleness=1", "--inflight_update=recompute_kv", "--task=lookup"]])
+def test_stale_runs_measure_staleness_alone(tmp_path, extra):
+    hist = _run(tmp_path, SMALL + ["--steps=3"] + extra)
+    K = int(extra[0].split("=")[1])
+    assert hist[0]["staleness_max"] == 0 and hist[0]["train_rollout_kl"] == 0      # version 0 trains on version 0
+    for h in hist[1:]:
+        assert 1 <= h["staleness_max"] <= K and h["kv_staleness_max"] >= h["staleness_max"]
+        assert sum(h["staleness_tokens"]) > 0 and h["kl_staleness"] is not None and h["kl_staleness"] != 0
+        assert h["kl_numerics"] in (None, 0.0) and h["route_flip_frac_numerics"] in (None, 0.0)   # numerics: exactly 0
+    if "recompute_kv" in extra:
+        assert hist[1]["kl_numerics"] == 0.0                          # the halfway tokens are the trainer's own
+
+
+def test_k0_is_the_synchronous_loop_and_resume_keeps_k(tmp_path):
+    sync = _run(tmp_path / "a", SMALL + ["--steps=3"])
+    assert all("staleness_max" not in h for h in sync)               # K = 0: the synchronous loop's row
+    straight = _run(tmp_path / "b", SMALL + ["--steps=4", "--max_staleness=2"])
+    _run(tmp_path / "c", SMALL + ["--steps=2", "--max_staleness=2", "--save_every=2", "--lr_decay_steps=4"])
+    resumed = _run(tmp_path / "c", SMALL + ["--steps=4", "--max_staleness=2", "--resume=true"])
+    rows = [json.loads(line) for line in open(tmp_path / "c" / "metrics.jsonl")]
+    assert _same(rows, straight) and len(resumed) == 2               # the batches ahead came back with the run
+    with pytest.raises(ConfigError, match="max_staleness=2 and its batches generated ahead"):
+        _run(tmp_path / "c", SMALL + ["--steps=5", "--max_staleness=1", "--resume=true"])
+    with pytest.raises(ConfigError, match="only with --max_staleness >= 1"):
+        TrainConfig(inflight_update="keep_kv")
