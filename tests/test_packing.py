@@ -321,7 +321,7 @@ def trainer_batch(tmp_path_factory):
     tcfg, rcfg = train_configs(f"--out_dir={tmp_path_factory.mktemp('packed')}", "--kl_coef=0.05",
                                "--recompute_old_logp=true", "--init_from=tiny-sigmoid")
     run = train.setup(tcfg, rcfg, train.Dist(0, 1, torch.device("cpu")))
-    _, outs = train.rollout(run, 0)
+    outs = train.rollout(run, 0, version=0).outs
     adv = torch.randn(len(outs), generator=torch.Generator().manual_seed(1))
     return run, train.make_batch(outs, adv)
 
