@@ -40,6 +40,7 @@ class Rollout:
     turn_rewards: list[list[float]] | None      # episodes: each one's turns' rewards (tasks.Episodes.rewards)
     version: int                                # the version that started it
     seconds: float                              # its generation, wall clock
+    counters: dict = dataclasses.field(default_factory=dict)   # the sampler's (preemptions, prefix cache), waits
 
     @property
     def episodes(self) -> "Recorded | None":
@@ -61,8 +62,12 @@ Generate = Callable[..., Rollout]     # generate(batch index, version, on_step=N
 class Colocated:
     """The rollout in the trainer's own process, K batches ahead at most; see the module docstring."""
 
-    def __init__(self, generate: Generate, max_staleness: int = 0, inflight: str = "off", midpoint: int = 1):
+    def __init__(self, generate: Generate, max_staleness: int = 0, inflight: str = "off", midpoint: int = 1,
+                 refresh: Callable[[], None] = lambda: None):
+        """refresh: brings the sampler's weights up to the trainer's after an in-flight update (the full copy
+        under FSDP2, the lab's rollout copy); the loop's own rollouts refresh before they start."""
         self.generate, self.K, self.inflight, self.midpoint = generate, max_staleness, inflight, midpoint
+        self.refresh = refresh
         self.ahead: dict[int, Rollout] = {}      # batches generated, not yet trained on
         self.next = 0                            # the next batch index to generate
 
@@ -88,12 +93,16 @@ class Colocated:
             calls[0] += 1
             if calls[0] == self.midpoint and not out:
                 out.append(_with_grad(fn))
+                self.refresh()
                 return step + 1
             return None
         j = step + self.K
         self.ahead[j] = self.generate(j, version=step, on_step=on_step, recompute_kv=self.inflight == "recompute_kv")
         self.next = j + 1
         return out[0] if out else fn()
+
+    def close(self) -> None:
+        pass
 
     def state_dict(self) -> dict:
         """The batches generated ahead, as plain data (checkpoint.py saves it with weights_only)."""
@@ -113,13 +122,13 @@ def rollout_state(r: Rollout) -> dict:
     outs = [dataclasses.asdict(o) for o in r.outs]
     examples = [dataclasses.asdict(ex) for ex in r.examples]
     return {"examples": examples, "outs": outs, "turn_rewards": r.turn_rewards, "version": r.version,
-            "seconds": r.seconds}
+            "seconds": r.seconds, "counters": r.counters}
 
 
 def rollout_from_state(state: dict) -> Rollout:
     from tasks import Example
     return Rollout([Example(**ex) for ex in state["examples"]], [SequenceOutput(**o) for o in state["outs"]],
-                   state["turn_rewards"], state["version"], state["seconds"])
+                   state["turn_rewards"], state["version"], state["seconds"], state.get("counters", {}))
 
 
 def staleness_metrics(step: int, outs: list[SequenceOutput]) -> dict:
@@ -169,3 +178,271 @@ def version_masks(step: int, outs: list[SequenceOutput], width: int) -> tuple[to
         fresh[i, P - 1:P - 1 + len(v)] = policy & now
         stale[i, P - 1:P - 1 + len(v)] = policy & ~now
     return fresh, stale
+
+
+# ---------------------------------------------------------------------------------------------------
+# disaggregated (--rollout_ranks=R): the last R ranks generate, the others train, over a Bridge
+# ---------------------------------------------------------------------------------------------------
+# The schedule is the colocated one (batch j by version j - K), so a disaggregated run is the colocated
+# run at the same K, bit for bit, whatever each side's speed: a rollout rank generates batch j as soon as
+# version j - K has arrived (versions that arrive earlier wait, at most K of them), and the trainers take
+# batch j when they need it (batches generated earlier wait in gloo's buffers). Neither side waits while
+# the other keeps up: with K >= 1 the rollout ranks generate batch step + K while the trainers train step.
+def flat_buffers(model) -> list[torch.Tensor]:
+    """The model's parameters and buffers (distributed.model_state's order) as one flat tensor per dtype:
+    what a weights broadcast carries (a few large messages, not one per tensor)."""
+    from distributed import model_state
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in model_state(model):
+        groups.setdefault(t.dtype, []).append(t.detach().reshape(-1).cpu())
+    return [torch.cat(ts) for _, ts in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+
+
+@torch.no_grad()
+def load_flat(model, buffers: list[torch.Tensor]) -> None:
+    """flat_buffers' inverse: each of the model's tensors copied from its place in its dtype's buffer."""
+    from distributed import model_state
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in model_state(model):
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for (_, tensors), flat in zip(sorted(by_dtype.items(), key=lambda kv: str(kv[0])), buffers):
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
+
+
+def to_bytes(state: dict) -> torch.Tensor:
+    """A plain-data dict as a uint8 tensor (torch.save), for a broadcast; from_bytes reads it back with
+    weights_only=True, so nothing but tensors and plain data crosses."""
+    import io
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def from_bytes(t: torch.Tensor) -> dict:
+    import io
+    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
+
+
+def wait(work, stop=None) -> float:
+    """Wait for a gloo Work, polling so that a stop request (SIGINT / SIGTERM: the launcher stops the job)
+    ends the wait: -> the seconds waited. Raises Stopped, or PeerLost when the other side is gone (its
+    connection reset: it died)."""
+    import time
+    t0 = time.perf_counter()
+    while not work.is_completed():
+        if stop is not None and stop():
+            raise Stopped
+        time.sleep(0.002)
+    try:
+        work.wait()
+    except RuntimeError as e:                                         # gloo: the peer's connection is gone
+        raise PeerLost(str(e).split("\n")[0][-200:]) from None
+    return time.perf_counter() - t0
+
+
+class Stopped(Exception):
+    """A wait on the other side ended by a stop request."""
+
+
+class PeerLost(Stopped):
+    """A wait on the other side ended because it is gone (the message: gloo's)."""
+
+
+class RolloutWeights:
+    """A rollout rank's weights (disaggregated): the compute copy the weights broadcasts update (`full`,
+    `master` for the loop's calls) and the sampler's, the lab's copy of it or itself (`sampler`)."""
+
+    def __init__(self, model, tcfg, rcfg):
+        import lab
+        from distributed import cast_for_compute, router_dtype, store_routers
+        if tcfg.mixed_precision:
+            model = cast_for_compute(model, getattr(torch, tcfg.dtype), router_dtype(tcfg, model.config.model_type))
+        else:
+            store_routers(model, tcfg)
+        self.master = self.full = model.requires_grad_(False)
+        self.sampler, self._refresh = lab.rollout_copy(model, tcfg, rcfg, lambda: None)
+
+    def refresh(self) -> None:
+        self._refresh()
+
+
+class Remote:
+    """The trainers' side: batch `step` from the rollout ranks (each rank's share, joined in rank order,
+    this trainer's slice of it), each new version's compute weights to them after the update."""
+
+    def __init__(self, run, stop=None):
+        self.run, self.bridge, self.stop = run, run.d.bridge, stop
+        self.ahead: dict[int, Rollout] = {}
+        self.sending = None                        # the last weights broadcast: (work, its buffers)
+        self.idle = 0.0                            # seconds waited for batches since the last read
+        self.lost = False                          # a rollout rank is gone (PeerLost)
+
+    def take(self, step: int) -> Rollout:
+        if step in self.ahead:
+            return self.ahead.pop(step)
+        try:
+            return self._receive(step)
+        except PeerLost:
+            self.lost = True
+            raise
+
+    def update(self, step: int, fn: Callable[[], object]):
+        out = fn()
+        self.send_weights()
+        return out
+
+    def send_weights(self) -> None:
+        """The new version to the rollout ranks: gathered (a collective of the trainers under FSDP2), then
+        broadcast by trainer 0 without waiting for the rollout ranks to take it."""
+        self.run.policy.refresh()
+        if self.bridge.weights is None:
+            return
+        if self.sending is not None:
+            wait(self.sending[0], self.stop)
+        buffers = flat_buffers(self.run.policy.full)
+        works = [self.bridge.weights.broadcast(b, 0) for b in buffers]
+        self.sending = (_All(works), buffers)
+
+    def prefetch(self, upto: int, first: int) -> None:
+        """Receive the batches [first, upto] ahead of the step (a checkpoint keeps them: an exact resume);
+        none once a rollout rank is gone."""
+        for j in range(first, upto + 1) if not self.lost else ():
+            if j not in self.ahead:
+                self.ahead[j] = self._receive(j)
+
+    def _receive(self, step: int) -> Rollout:
+        tcfg, d = self.run.tcfg, self.run.d
+        parts = []
+        for r, group in sorted(self.bridge.batches.items()):
+            root = self.bridge.n_train                            # the rollout rank's index in its group
+            size = torch.zeros(1, dtype=torch.long)
+            self.idle += wait(group.broadcast(size, root), self.stop)
+            payload = torch.empty(int(size), dtype=torch.uint8)
+            self.idle += wait(group.broadcast(payload, root), self.stop)
+            parts.append(rollout_from_state(from_bytes(payload)))
+        examples = [ex for p in parts for ex in p.examples]
+        outs = [o for p in parts for o in p.outs]
+        turns = None if parts[0].turn_rewards is None else [t for p in parts for t in p.turn_rewards]
+        n = len(examples) // d.world                              # this trainer's slice, as data-parallel rollout
+        G = tcfg.group_size
+        lo, hi = d.rank * n, (d.rank + 1) * n
+        counters = {k: sum(p.counters[k] for p in parts) / (d.world if k != "rollout_idle_s" else len(parts))
+                    for k in parts[0].counters if k != "prefix_hit_rate"}  # a trainer's share: reduce_metrics sums them
+        served, fed = counters["prefix_cached_tokens"], counters["prefilled_tokens"]
+        counters["prefix_hit_rate"] = served / (served + fed) if served + fed else 0.0
+        counters["trainer_idle_s"], self.idle = self.idle, 0.0
+        return Rollout(examples[lo:hi], outs[lo * G:hi * G], None if turns is None else turns[lo * G:hi * G],
+                       parts[0].version, max(p.seconds for p in parts), counters)
+
+    def close(self) -> None:
+        if self.sending is not None:
+            wait(self.sending[0], self.stop)
+
+    def state_dict(self) -> dict:
+        return {"next": 0, "ahead": {j: rollout_state(r) for j, r in self.ahead.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ahead = {int(j): rollout_from_state(r) for j, r in state["ahead"].items()}
+
+
+class _All:
+    """Several Works as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+class WeightsReceiver:
+    """A rollout rank's side of the weights: each version's broadcast is received as soon as trainer 0
+    sends it (one always posted), and applied to the sampler's weights when the schedule asks for it."""
+
+    def __init__(self, model, bridge, version: int, last: int, stop=None):
+        self.model, self.bridge, self.stop = model, bridge, stop
+        self.version, self.last = version, last      # applied; the last version the run will send
+        self.received: list[list[torch.Tensor]] = []   # versions version + 1, ... waiting to be applied
+        self.pending = None
+        self.idle = 0.0
+        self._post()
+
+    def _post(self) -> None:
+        if self.version + len(self.received) + (self.pending is not None) >= self.last:
+            return
+        buffers = [torch.empty_like(b) for b in flat_buffers(self.model)]
+        self.pending = (_All([self.bridge.weights.broadcast(b, 0) for b in buffers]), buffers)
+
+    def poll(self) -> None:
+        while self.pending is not None and self.pending[0].is_completed():
+            self.received.append(self.pending[1])
+            self.pending = None
+            self._post()
+
+    def advance(self, version: int) -> int:
+        """Apply the versions up to `version` (waiting for them if they have not come yet) -> the version now."""
+        while self.version < version:
+            self.poll()
+            if not self.received:
+                self.idle += wait(self.pending[0], self.stop)
+                continue
+            load_flat(self.model, self.received.pop(0))
+            self.version += 1
+        self.poll()
+        return self.version
+
+    def drain(self) -> None:
+        """Take every version still to come (trainer 0 waits for the last to be received before it exits)."""
+        while self.pending is not None:
+            wait(self.pending[0], self.stop)
+            self.poll()
+
+
+def serve(run, generate: Generate, first: int, stop=None) -> None:
+    """A rollout rank's loop: batch j by version j - K (in flight: from version j - K, taking j - K + 1
+    halfway), each broadcast to the trainers as soon as it is made. first: the first batch to make (a
+    resume's trainers hold the ones before); the task's stream is advanced to it."""
+    tcfg, bridge = run.tcfg, run.d.bridge
+    K, mode = tcfg.max_staleness, tcfg.inflight_update
+    for _ in range(first):                                     # the prompts the batches before `first` drew
+        run.task.sample(tcfg.prompts_per_step)
+    weights = WeightsReceiver(run.policy.full, bridge, run.start, tcfg.steps, stop)   # the weights of step `start`
+    group, root, sends = next(iter(bridge.batches.values())), bridge.n_train, []
+    midpoint = max(1, (run.rcfg.max_new_tokens or run.task.max_new_tokens) // 2)
+    for j in range(first, tcfg.steps):
+        version = weights.advance(max(0, j - K))
+        run.policy.refresh()                                    # the lab's rollout copy, from the new weights
+        on_step = None
+        if mode != "off" and j - K >= 0 and version + 1 <= tcfg.steps:
+            on_step = _halfway(weights, run.policy, version + 1, midpoint)
+        ro = generate(j, version=version, on_step=on_step, recompute_kv=mode == "recompute_kv")
+        ro.counters["rollout_idle_s"], weights.idle = weights.idle, 0.0
+        payload = to_bytes(rollout_state(ro))
+        size = torch.tensor([payload.numel()])
+        sends.append((group.broadcast(size, root), group.broadcast(payload, root), payload))
+        sends = [s for s in sends if not (s[0].is_completed() and s[1].is_completed())]
+    for s in sends:
+        wait(_All(s[:2]), stop)
+    weights.drain()
+
+
+def _halfway(weights: WeightsReceiver, policy, version: int, midpoint: int):
+    """An in-flight update's hook for a rollout rank: after `midpoint` engine steps, version `version`
+    (waiting for it if it is late: the schedule is the colocated one)."""
+    calls = [0]
+
+    def on_step():
+        calls[0] += 1
+        if calls[0] != midpoint:
+            return None
+        weights.advance(version)
+        policy.refresh()
+        return version
+    return on_step

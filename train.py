@@ -40,6 +40,7 @@ import copy
 import dataclasses
 import math
 import os
+import signal
 import sys
 import time
 from functools import partial
@@ -64,11 +65,12 @@ from hf import eos_token_ids
 from losses import Normalisers, correction_weights, group_advantages, rejects, token_objective
 from model import CapacityLimit, RouteDetail, Transformer, capacity_limit
 from packing import Batch, MicroBatch, even_out, make_batch, micro_batches, unpack
-from pipeline import Colocated, Rollout, staleness_metrics, staleness_split
+from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
+                      staleness_split)
 from rollout import Sampler
-from runlog import (Interrupted, Outputs, banner, log_routes, log_row, log_samples, open_logger, open_outputs, run_cli,
-                    stop_requested, summary)
-from tasks import Episodes, compute_rewards, make_task
+from runlog import (Interrupted, Outputs, StopRequest, banner, log_routes, log_row, log_samples, open_logger, open_outputs,
+                    run_cli, stop_requested, summary)
+from tasks import Episodes, TaskError, compute_rewards, make_task
 
 
 @dataclasses.dataclass
@@ -98,7 +100,7 @@ class Run:
 # the loop
 # ---------------------------------------------------------------------------------------------------
 def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
-    d = init_distributed(tcfg.device)
+    d = init_distributed(tcfg.device, tcfg.rollout_ranks)
     try:
         # one kernel backend for sampler and trainer: --kernels_backend, else KERNELS_BACKEND, else auto
         with kernels.set_backend(tcfg.kernels_backend or kernels.get_backend()):
@@ -111,6 +113,9 @@ def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
 def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     """The loop: each step reads top to bottom as its phases. A SIGINT / SIGTERM (runlog.run_cli) ends
     the step under way, then the run saves it and stops (Interrupted)."""
+    if d.role == "rollout":                                           # --rollout_ranks: this rank generates
+        serve_rollouts(tcfg, rcfg, d)
+        return []
     run = setup(tcfg, rcfg, d)
     run.outputs = open_outputs(run)
     d.print0(banner(run, max_new_tokens(run)))
@@ -121,7 +126,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     try:
         for step in bar:
             t0 = time.perf_counter()
-            ro = run.rollouts.take(step)               # 1. rollout: batch `step`, now or (--max_staleness) earlier
+            ro = take_or_stop(run, step, saved)        # 1. rollout: batch `step`, now or (--max_staleness) earlier
             examples, outs, episodes = ro.examples, ro.outs, ro.episodes
             rewards = torch.tensor(compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1, episodes))
             log_samples(run, step, examples, outs, rewards)
@@ -129,7 +134,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             old = old_policy(run, batch)                                             # 3. the old policy
             stats, first = run.rollouts.update(step, partial(update, run, batch, old, step))   # 4. the updates
             audited = old.audit or first                                             # 5. metrics and log
-            row = step_metrics(run, step, batch, outs, rewards, audited, stats, ro.seconds, t0)
+            row = step_metrics(run, step, batch, outs, rewards, audited, stats, ro, t0)
             row.update(episode_metrics(run, batch, outs, episodes, audited))
             row.update(maybe_evaluate(run, step))
             row.update(evaluation.probe(run, step))                   # --probe_every: the fixed probe's audit
@@ -146,11 +151,55 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
                     checkpoint(run, step + 1)
                 exit_code = 128 + signum
                 raise Interrupted(step + 1, signum)
+        run.rollouts.close()
         exit_code = 0
+    except Interrupted as e:
+        exit_code = 128 + e.signum
+        raise
     finally:
         bar.close()
         run.outputs.close(exit_code)
     return history
+
+
+def take_or_stop(run: Run, step: int, saved: int) -> Rollout:
+    """The step's batch; while it is awaited from the rollout ranks, a stop request (the launcher stopping
+    the job after a rank died, or ^C) saves the last whole step and stops the run (Interrupted)."""
+    try:
+        return run.rollouts.take(step)
+    except Stopped as e:
+        if saved != step and step > 0:
+            checkpoint(run, step)
+        if isinstance(e, PeerLost):
+            raise RunError(f"step {step + 1}: the rollout ranks stopped ({e}); step {step} is saved: resume with "
+                           "--resume=true") from None
+        raise Interrupted(step, StopRequest.signum or signal.SIGTERM) from None
+
+
+def serve_rollouts(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
+    """A rollout rank's whole run (--rollout_ranks): the model in its compute dtypes (a resume's weights
+    and its trainers' batches ahead), the sampler, then pipeline.serve's loop."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    task, preset, config = make_run_task(tcfg, rcfg)
+    model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset)
+    start, ahead = 0, 0
+    if tcfg.resume:
+        store_routers(model, tcfg)
+        resumed = resume(tcfg, model, task, None, d.print0)
+        start, tcfg = resumed.start, resumed.tcfg
+        ahead = len((resumed.rollouts or {}).get("ahead", {}))
+    weights = RolloutWeights(model, tcfg, rcfg)
+    sampler = lab.episode_fault(Sampler(weights.sampler, rcfg), rcfg.rollout_episode_fault)
+    run = Run(tcfg, rcfg, d, task, weights, None, sampler, start, 0, "")
+    try:
+        serve(run, partial(rollout, run), start + ahead, stop=lambda: StopRequest.signum != 0)
+    except PeerLost as e:
+        raise RunError(f"rollout rank {d.rank}: the trainers stopped ({e})") from None
+    except Stopped:
+        raise Interrupted(start, StopRequest.signum or signal.SIGTERM) from None
+    except (ConfigError, TaskError) as e:          # only this rank saw it: its line, then the launcher stops the job
+        print(f"error: rollout rank {d.rank}: {e}", file=sys.stderr, flush=True)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,9 +230,15 @@ def rollout(run: Run, j: int, version: int, on_step=None, recompute_kv: bool = F
                                     on_turn_end=None if episodes is None else episodes.on_turn_end,
                                     max_episode_tokens=budget, version=version, on_step=on_step,
                                     recompute_kv=recompute_kv)
+    except TaskError:                                                  # an environment's answer: its own line
+        raise
     except ValueError as e:                                           # the sampler's input checks: a prompt too long...
         raise ConfigError(f"step {j + 1}: the sampler refused this step's prompts: {e}") from None
-    return Rollout(examples, outs, None if episodes is None else episodes.rewards, version, time.perf_counter() - t0)
+    s = run.sampler
+    counters = {"preemptions": s.num_preemptions, "prefix_hit_rate": s.prefix_hit_rate,
+                "prefix_cached_tokens": s.num_cached_tokens, "prefilled_tokens": s.num_prefilled_tokens}
+    return Rollout(examples, outs, None if episodes is None else episodes.rewards, version, time.perf_counter() - t0,
+                   counters)
 
 
 def episode_tokens(run: Run) -> int:
@@ -465,7 +520,7 @@ def in_row_order(s: Scored) -> Scored:
 # 5. metrics, evaluation, the probe, checkpoints
 # ---------------------------------------------------------------------------------------------------
 def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scored, stats: UpdateStats,
-                 t_rollout: float, t0: float) -> dict:
+                 ro: Rollout, t0: float) -> dict:
     """One row of metrics (reduced over ranks): rewards, the update's stats, the train-rollout audit of
     `audited` (the recomputed old log-probs, else the first minibatch's forward)."""
     rows, n_experts = audited.rows, run.policy.master.config.num_experts
@@ -480,10 +535,8 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "entropy": stats.entropy_sum / stats.tokens,
            "neg_logp_mean": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
            "route_filtered_frac": stats.filtered / stats.tokens,
-           "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / t_rollout,
-           "step_time": time.perf_counter() - t0, "preemptions": run.sampler.num_preemptions,
-           "skipped_steps": run.skipped, "prefix_hit_rate": run.sampler.prefix_hit_rate,
-           "prefix_cached_tokens": run.sampler.num_cached_tokens, "prefilled_tokens": run.sampler.num_prefilled_tokens}
+           "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / ro.seconds,
+           "step_time": time.perf_counter() - t0, "skipped_steps": run.skipped, **ro.counters}
     if run.capacity is not None:                                      # --train_capacity_factor's drops
         row.update(run.capacity.pop_metrics())
     if run.tcfg.max_staleness:                                        # provenance: how old, and the gap by it
@@ -533,6 +586,8 @@ def maybe_evaluate(run: Run, step: int) -> dict:
 def checkpoint(run: Run, step: int) -> None:
     """Check the weights (finite, the same on every rank), then rank 0 writes the checkpoint."""
     p = run.policy
+    if isinstance(run.rollouts, Remote) and run.tcfg.max_staleness and not StopRequest.signum:
+        run.rollouts.prefetch(min(step + run.tcfg.max_staleness, run.tcfg.steps) - 1, step)   # an exact resume
     p.refresh()
     check_finite_weights(p.full, step)                                # on every rank: they stop together
     digest = check_in_sync(p.full, run.d)                             # mixed precision: the compute copy
@@ -565,13 +620,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     prepare_out_dir(tcfg, d.master)
     if not tcfg.resume:                                               # the lr horizon, saved with the run
         tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
-    from_dir = os.path.isdir(tcfg.init_from)
-    task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens,
-                     stop_tokens=rcfg.stop_token_ids, model_eos=eos_token_ids(tcfg.init_from) if from_dir else ((), ""),
-                     chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,
-                     checkpoint=tcfg.init_from if from_dir else "", env=tcfg.env)
-    preset = tcfg.model_preset(task.vocab_size, tokenizer=tcfg.task == "jsonl")
-    config = initial_config(tcfg, preset)
+    task, preset, config = make_run_task(tcfg, rcfg)
     expert_parallel.check_degree(tcfg.expert_parallel, config.num_experts, d.world)
     placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, config.num_experts)
     tcfg.check_model(config, task.vocab_size)
@@ -610,17 +659,33 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
                                 rcfg.rollout_episode_fault)
     run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path)
     midpoint = max(1, max_new_tokens(run) // 2)                       # an in-flight update lands halfway
-    run.rollouts = Colocated(partial(rollout, run), tcfg.max_staleness, tcfg.inflight_update, midpoint)
+    run.rollouts = (Remote(run, stop=lambda: StopRequest.signum != 0) if d.bridge is not None else
+                    Colocated(partial(rollout, run), tcfg.max_staleness, tcfg.inflight_update, midpoint,
+                              refresh=policy.refresh))
     if resumed is not None and resumed.rollouts is not None:        # the batches generated ahead of the step
         run.rollouts.load_state_dict(resumed.rollouts)
     return run
+
+
+def make_run_task(tcfg: TrainConfig, rcfg: RolloutConfig):
+    """The task, the preset (None for a checkpoint folder) and the model config --init_from names."""
+    from_dir = os.path.isdir(tcfg.init_from)
+    task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens,
+                     stop_tokens=rcfg.stop_token_ids, model_eos=eos_token_ids(tcfg.init_from) if from_dir else ((), ""),
+                     chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,
+                     checkpoint=tcfg.init_from if from_dir else "", env=tcfg.env)
+    preset = tcfg.model_preset(task.vocab_size, tokenizer=tcfg.task == "jsonl")
+    return task, preset, initial_config(tcfg, preset)
 
 
 def check_ranks(tcfg: TrainConfig, d: Dist) -> None:
     """The checks that need the number of ranks (each config checks itself), and the logger's package."""
     if tcfg.prompts_per_step % d.world or tcfg.minibatch_size % d.world:
         raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) and minibatch_size ({tcfg.minibatch_size}) "
-                          f"must be divisible by the number of ranks ({d.world})")
+                          f"must be divisible by the number of {'training ' if d.bridge else ''}ranks ({d.world})")
+    if d.bridge is not None and tcfg.prompts_per_step % d.bridge.n_rollout:
+        raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) must be divisible by --rollout_ranks="
+                          f"{d.bridge.n_rollout}: each rollout rank samples an equal share")
     batch = tcfg.prompts_per_step * tcfg.group_size
     if tcfg.minibatch_size > batch:
         d.print0(f"--minibatch_size={tcfg.minibatch_size} is more than the batch of {batch} (prompts_per_step x "

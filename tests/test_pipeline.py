@@ -151,3 +151,67 @@ def test_k0_is_the_synchronous_loop_and_resume_keeps_k(tmp_path):
         _run(tmp_path / "c", SMALL + ["--steps=5", "--max_staleness=1", "--resume=true"])
     with pytest.raises(ConfigError, match="only with --max_staleness >= 1"):
         TrainConfig(inflight_update="keep_kv")
+
+
+# ---- disaggregated: --rollout_ranks under torchrun (gloo) ---------------------------------------------
+def _torchrun(tmp, nproc, *argv, check=True):
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py",
+           "--device=cpu", *SMALL, f"--out_dir={tmp}", "--progress=false", *argv]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       timeout=300)
+    assert not check or r.returncode == 0, r.stderr[-3000:]
+    return r, [json.loads(line) for line in open(tmp / "metrics.jsonl")] if (tmp / "metrics.jsonl").exists() else []
+
+
+WAITS = {"rollout_idle_s", "trainer_idle_s"}                          # the disaggregated run's own keys
+
+
+def _same_but_waits(a, b):
+    drop = TIMING | WAITS
+    return [{k: v for k, v in r.items() if k not in drop} for r in a] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in b]
+
+
+@pytest.mark.parametrize("nproc, extra", [(2, ["--max_staleness=1", "--inflight_update=recompute_kv"]),
+                                          (3, ["--max_staleness=2", "--inflight_update=keep_kv", "--parallel=fsdp"])])
+def test_rollout_ranks_run_the_colocated_schedule_bit_for_bit(tmp_path, nproc, extra):
+    """The last rank generates, the others train: the run equals the colocated run of the same trainers
+    at the same K, every metric (the waits aside), and each side logs how long it waited."""
+    if nproc == 2:
+        colocated = _run(tmp_path / "c", SMALL + ["--steps=4"] + extra)
+    else:
+        _, colocated = _torchrun(tmp_path / "c", nproc - 1, "--steps=4", *extra)
+    _, split = _torchrun(tmp_path / "s", nproc, "--steps=4", "--rollout_ranks=1", *extra)
+    assert _same_but_waits(colocated, split) and len(split) == 4
+    assert all(r["trainer_idle_s"] >= 0 and r["rollout_idle_s"] >= 0 for r in split)
+
+
+def test_a_rollout_rank_that_dies_leaves_a_resumable_run(tmp_path):
+    """An environment that raises on the rollout rank at the third batch: its one line, the trainer saves
+    the last whole step and stops, and a resume (the environment mended) continues from it."""
+    env = tmp_path / "env.py"
+    env.write_text("import os\nMADE = [0]\n"
+                   "def make_env(prompt, answer):\n    MADE[0] += 1\n    return Env(MADE[0] > 64 and not os.path.exists(%r))\n"
+                   "class Env:\n    def __init__(self, broken):\n        self.broken = broken\n"
+                   "    def step(self, response):\n        if self.broken:\n            raise RuntimeError('tool down')\n"
+                   "        return None, float(len(response) > 0), True\n" % str(tmp_path / "mended"))
+    pytest.importorskip("tokenizers")
+    import subprocess
+    import sys
+    import os
+    from conftest import ROOT
+    subprocess.run([sys.executable, "examples/calculator/build_tokenizer.py"], cwd=ROOT, check=True, capture_output=True)
+    tok = os.path.join(ROOT, "examples", "calculator", "tokenizer.json")
+    jsonl = ["--task=jsonl", "--data=examples/arithmetic/train.jsonl", f"--tokenizer={tok}", f"--env={env}:make_env",
+             "--stop_tokens=0,13", "--vocab_size=auto", "--max_new_tokens=4"]
+    r, rows = _torchrun(tmp_path / "o", 2, "--steps=4", "--rollout_ranks=1", "--max_staleness=1", *jsonl, check=False)
+    assert r.returncode != 0 and "error: rollout rank 0: step 3, episode" in r.stderr and "tool down" in r.stderr
+    assert "error: step 3: the rollout ranks stopped" in r.stderr and "step 2 is saved" in r.stderr
+    assert [row["step"] for row in rows] == [1, 2] and (tmp_path / "o" / "ckpt-000002").is_dir()
+    (tmp_path / "mended").write_text("")
+    r, rows = _torchrun(tmp_path / "o", 2, "--steps=4", "--rollout_ranks=1", "--max_staleness=1", "--resume=true", *jsonl)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
