@@ -82,6 +82,26 @@ class ModelConfig:
     attention_out_bias: bool = False     # a bias on o_proj (OLMoE, Qwen3 attention_bias)
     qk_norm: str = "head"                # RMSNorm on q and k: per head | full (the whole projection) | none
     partial_rotary_factor: float = 1.0   # RoPE on the first head_dim * factor dims of each head
+    # gpt-oss: attention sinks, sliding windows, YaRN RoPE, a biased router, biased clamped-SwiGLU experts
+    attention_sinks: bool = False        # a learned logit per head in each attention softmax's denominator
+    sliding_window: int = 0              # keys a query of a sliding layer sees, itself included (0: none)
+    layer_types: list[str] = field(default_factory=list)   # per layer full_attention | sliding_attention,
+                                         # comma-separated; empty: every layer full
+    rope_type: str = "default"           # default | yarn (the yarn_* fields below)
+    yarn_factor: float = 1.0             # YaRN: the context extension factor
+    yarn_original_max_position_embeddings: int = 0   # YaRN: the pretraining context
+    yarn_beta_fast: float = 32.0         # YaRN: rotations where the ramp to interpolation starts ...
+    yarn_beta_slow: float = 1.0          # ... and where it ends
+    yarn_truncate: bool = True           # YaRN: round the ramp's ends to whole dims
+    yarn_mscale: float = 0.0             # YaRN: cos/sin scale mscale(factor, this) / mscale(factor, all_dim);
+    yarn_mscale_all_dim: float = 0.0     # both 0: mscale(factor, 1); MLA's softmax scale * mscale(factor, all_dim)^2
+    yarn_attention_factor: float = 0.0   # YaRN: the cos/sin scale given outright (0: from the mscales)
+    router_bias: bool = False            # a bias on the router gate (gpt-oss)
+    expert_bias: bool = False            # biases on each expert's gate/up and down projections (gpt-oss)
+    moe_act: str = "silu"                # the experts' GLU: silu (silu(gate) * up) | clamped_swiglu (gpt-oss:
+                                         # gate, up clamped at swiglu_limit, (up + 1) * gate * sigmoid(alpha gate))
+    swiglu_alpha: float = 1.702          # clamped_swiglu's alpha
+    swiglu_limit: float = 7.0            # clamped_swiglu's clamp
 
     def __post_init__(self):
         _require_finite(self)
@@ -106,8 +126,13 @@ class ModelConfig:
         self._check_family_knobs()
 
     def _check_family_knobs(self):
-        _require(self.router_scoring in ("softmax", "sigmoid"),
-                 f"router_scoring={self.router_scoring!r}: softmax or sigmoid")
+        _require(self.router_scoring in ("softmax", "sigmoid", "topk_softmax"),
+                 f"router_scoring={self.router_scoring!r}: softmax, sigmoid or topk_softmax")
+        _require(self.router_scoring != "topk_softmax" or (self.norm_topk_prob and not self.score_correction_bias
+                                                           and self.n_group == 1),
+                 "router_scoring=topk_softmax (a softmax over the chosen k logits) needs norm_topk_prob=true, "
+                 "no score_correction_bias and n_group=1")
+        self._check_gpt_oss_knobs()
         _require(self.qk_norm in ("head", "full", "none"), f"qk_norm={self.qk_norm!r}: head, full or none")
         _require_range(self, "first_k_dense_replace n_shared_experts shared_expert_intermediate_size",
                        lambda v: v >= 0, ">= 0")
@@ -129,6 +154,40 @@ class ModelConfig:
             _require(self.num_experts_per_tok <= self.topk_group * per,
                      f"num_experts_per_tok={self.num_experts_per_tok} is more than the {self.topk_group * per} "
                      f"experts in topk_group={self.topk_group} groups")
+
+    def _check_gpt_oss_knobs(self):
+        _require(self.sliding_window >= 0, f"sliding_window={self.sliding_window}: must be >= 0 (0: none)")
+        kinds = ("full_attention", "sliding_attention")
+        _require(all(t in kinds for t in self.layer_types),
+                 f"layer_types={self.layer_types}: each entry full_attention or sliding_attention")
+        _require(not self.layer_types or len(self.layer_types) == self.num_hidden_layers,
+                 f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}")
+        _require(("sliding_attention" in self.layer_types) == (self.sliding_window > 0),
+                 f"sliding_window={self.sliding_window} with layer_types={self.layer_types or '[]'}: a window "
+                 "needs sliding_attention layers, and sliding_attention layers need a window > 0")
+        _require(self.rope_type in ("default", "yarn"), f"rope_type={self.rope_type!r}: default or yarn")
+        if self.rope_type == "yarn":
+            _require(self.yarn_factor >= 1 and self.yarn_original_max_position_embeddings > 0,
+                     f"rope_type=yarn needs yarn_factor >= 1 and yarn_original_max_position_embeddings > 0, got "
+                     f"{self.yarn_factor:g} and {self.yarn_original_max_position_embeddings}")
+        _require_range(self, "yarn_beta_fast yarn_beta_slow", lambda v: v > 0, "> 0")
+        _require_range(self, "yarn_mscale yarn_mscale_all_dim yarn_attention_factor", lambda v: v >= 0, ">= 0")
+        _require(self.moe_act in ("silu", "clamped_swiglu"), f"moe_act={self.moe_act!r}: silu or clamped_swiglu")
+        _require_range(self, "swiglu_alpha swiglu_limit", lambda v: v > 0, "> 0")
+
+    def yarn(self) -> dict | None:
+        """YaRN's parameters as kernels.rope_tables takes them; None for default RoPE."""
+        if self.rope_type != "yarn":
+            return None
+        return dict(factor=self.yarn_factor, original_max_position_embeddings=self.yarn_original_max_position_embeddings,
+                    beta_fast=self.yarn_beta_fast, beta_slow=self.yarn_beta_slow, truncate=self.yarn_truncate,
+                    mscale=self.yarn_mscale, mscale_all_dim=self.yarn_mscale_all_dim,
+                    attention_factor=self.yarn_attention_factor)
+
+    def window(self, layer_idx: int) -> int:
+        """Keys a query of this layer sees, itself included; 0: every earlier key (full attention)."""
+        sliding = self.layer_types and self.layer_types[layer_idx] == "sliding_attention"
+        return self.sliding_window if sliding else 0
 
     @property
     def rotary_dim(self) -> int:

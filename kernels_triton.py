@@ -605,7 +605,9 @@ def _pages_grad(dk_seq, dv_seq, k_cache, block_table):
     return dk, dv
 
 
-def paged_attention(q, k_cache, v_cache, block_table, positions, scale):
+def paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks=None, window=0):
+    if sinks is not None or window:
+        raise NotImplementedError("attention sinks and sliding windows are not in the Triton kernel yet")
     # one index dtype for every caller (the trainer's arange and the sampler's tables are int64)
     block_table, positions = (_aligned(t.to(device=q.device, dtype=torch.long)) for t in (block_table, positions))
     return _PagedAttention.apply(_aligned(q), _aligned(k_cache), _aligned(v_cache), block_table, positions, float(scale))

@@ -135,10 +135,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.rotary_dim, self.qk_norm = cfg.rotary_dim, cfg.qk_norm
+        self.window = cfg.window(layer_idx)                 # gpt-oss's sliding layers: keys [p - window + 1, p]
+        # gpt-oss's sinks: one logit per head in the softmax's denominator (kernels.paged_attention)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.attention_sinks else None
         qd, kd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = Linear(cfg.hidden_size, qd, cfg.attention_bias)
         self.k_proj = Linear(cfg.hidden_size, kd, cfg.attention_bias)
@@ -162,7 +165,7 @@ class Attention(nn.Module):
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if isinstance(kv, PackedPages):
             # Trainer path, packed: each sequence's queries and keys in blocks of their own
-            o = packed_attention(q, k, v, kv, self.head_dim ** -0.5)
+            o = packed_attention(q, k, v, kv, self.head_dim ** -0.5, sinks=self.sinks, window=self.window)
             return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim))
         if kv is None:
             # Trainer path: this call's own keys, laid out as pages of KV_BLOCK positions, sequence b
@@ -177,7 +180,8 @@ class Attention(nn.Module):
             slots = kv.slot_mapping.reshape(-1)                                        # (B*T,)
             k_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = k.reshape(-1, self.n_kv_heads, self.head_dim)
             v_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = v.reshape(-1, self.n_kv_heads, self.head_dim)
-        o = kernels.paged_attention(q, k_pages, v_pages, block_table, positions, self.head_dim ** -0.5)
+        o = kernels.paged_attention(q, k_pages, v_pages, block_table, positions, self.head_dim ** -0.5,
+                                    sinks=self.sinks, window=self.window)
         return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim))
 
     def rope(self, x, cos, sin):
@@ -311,11 +315,15 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Router(D, E)
+        self.gate = Router(D, E, cfg.router_bias)
         if cfg.score_correction_bias:
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))      # gate_proj rows then up_proj rows
         self.w2 = nn.Parameter(torch.empty(E, D, I))           # down_proj
+        # gpt-oss's experts: biases after each matmul (b13 like w13, gate entries then up) and the clamped SwiGLU
+        self.b13 = nn.Parameter(torch.zeros(E, 2 * I)) if cfg.expert_bias else None
+        self.b2 = nn.Parameter(torch.zeros(E, D)) if cfg.expert_bias else None
+        self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.moe_act == "clamped_swiglu" else None
         self.shared_experts = MLP(D, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -328,6 +336,12 @@ class MoE(nn.Module):
         self.ep = None
         self.n_experts = E
         self.router_fault = "none"     # ROUTER_FAULTS: set on the mismatch lab's rollout copy only
+
+    def expert_extras(self) -> dict:
+        """kernels.moe_experts' gpt-oss arguments (expert biases, clamped SwiGLU); none for other families."""
+        if self.b13 is None and self.swiglu is None:
+            return {}
+        return dict(b13=self.b13, b2=self.b2, swiglu=self.swiglu)
 
     def forward(self, x, forced_ids=None, detail: list | None = None):
         """x (B, T, D) -> (B, T, D) and the router's own top-k ids (B, T, k). detail: a list to append
@@ -354,7 +368,7 @@ class MoE(nn.Module):
         if self.router_fault == "expert_map":                   # the lab's wrong expert table
             ids = expert_map_fault(ids, self.n_experts)
         if self.ep is None:
-            out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
+            out = kernels.moe_experts(x2, self.w13, self.w2, ids, weights, **self.expert_extras())
         else:                                                   # the same bits, experts on their owners
             out = expert_parallel.moe_experts(x2, self.w13, self.w2, ids, weights, self.ep)
         if self.shared_experts is not None:
@@ -370,7 +384,7 @@ class Block(nn.Module):
         super().__init__()
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.layer_idx = layer_idx
@@ -406,7 +420,7 @@ class Transformer(nn.Module):
             with torch.no_grad():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
-                elif name.endswith(".bias"):
+                elif name.endswith((".bias", ".b13", ".b2")):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
@@ -417,7 +431,8 @@ class Transformer(nn.Module):
     def rope(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._rope:
             c = self.config
-            self._rope[device] = kernels.rope_tables(c.rotary_dim, c.rope_theta, c.max_position_embeddings, device)
+            self._rope[device] = kernels.rope_tables(c.rotary_dim, c.rope_theta, c.max_position_embeddings, device,
+                                                     yarn=c.yarn())
         return self._rope[device]
 
     # ---- the one forward ----

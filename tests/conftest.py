@@ -201,6 +201,12 @@ FAMILY_HF = {
                                  n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                                  first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True,
                                  attention_bias=True, partial_rotary_factor=0.5)),
+    # sinks (random, non-zero), a window of 12 on layers 0 and 2 (shorter than most prompts, not a whole
+    # key tile), YaRN, biased router and experts, the clamped SwiGLU at a limit the activations reach
+    "gpt_oss": ("GptOss", dict(head_dim=16, num_local_experts=8, intermediate_size=24, sliding_window=12,
+                               swiglu_limit=1.0, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                               "original_max_position_embeddings": 64})),
 }
 
 
@@ -211,7 +217,7 @@ def make_hf_family(model_type: str, seed: int = 0, std: float = 0.15, **override
     prefix, kw = FAMILY_HF[model_type]
     kw = {**FAMILY_DIMS, **kw, **overrides}
     theta = kw.pop("rope_theta", 10000.0)
-    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    kw["rope_parameters"] = {"rope_type": "default", **kw.pop("rope_parameters", {}), "rope_theta": theta}
     if "partial_rotary_factor" in kw:
         kw["rope_parameters"]["partial_rotary_factor"] = kw.pop("partial_rotary_factor")
     cfg = getattr(transformers, prefix + "Config")(**kw, attn_implementation="eager", experts_implementation="eager")

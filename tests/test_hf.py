@@ -66,8 +66,9 @@ def hf_routes(hf, toks):
     """transformers' logits and, per MoE layer, its router's top-k ids (M, k) (a hook on mlp.gate)."""
     ids, handles = [], []
     for layer in hf.model.layers:
-        if hasattr(layer.mlp, "experts"):
-            handles.append(layer.mlp.gate.register_forward_hook(lambda m, i, out: ids.append(out[2])))
+        if hasattr(layer.mlp, "experts"):                  # gpt-oss calls its gate the router
+            gate = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
+            handles.append(gate.register_forward_hook(lambda m, i, out: ids.append(out[2])))
     try:
         with torch.no_grad():
             logits = hf(toks).logits
@@ -483,6 +484,164 @@ def test_r3_replay_with_sigmoid_routing(family, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
+# gpt-oss: each knob is used, the contract through preemption and packing, MXFP4 checkpoints
+# ---------------------------------------------------------------------------------------------------
+def test_gpt_oss_each_knob_is_used(family):
+    """The controls of test_logits_and_routes_match_transformers for gpt-oss: our model with one of its
+    knobs switched off no longer matches transformers (each knob is on in the checkpoint and matters)."""
+    hf, _, model = family("gpt_oss")
+    toks = tokens()
+    with torch.no_grad():
+        ref = hf(toks).logits
+    sliding = [i for i in range(3) if model.config.window(i)]
+
+    def no_sinks(m):
+        for layer in m.layers:
+            layer.self_attn.sinks = None
+
+    def no_window(m):
+        for i in sliding:
+            m.layers[i].self_attn.window = 0
+
+    def no_yarn(m):
+        m.config = dataclasses.replace(m.config, rope_type="default")
+        m._rope.clear()
+
+    def no_clamp(m):
+        for layer in m.layers:
+            layer.mlp.swiglu = (layer.mlp.swiglu[0], 1e4)
+
+    def no_router_bias(m):
+        for layer in m.layers:
+            layer.mlp.gate.bias = None
+    assert sliding == [0, 2] and max(len(q) for q in toks) > model.config.sliding_window
+    for off in (no_sinks, no_window, no_yarn, no_clamp, no_router_bias):
+        m = copy.deepcopy(model)
+        off(m)
+        with torch.no_grad():
+            err = rel_err(m(toks), ref)
+        assert err > 1e-3, f"{off.__name__}: still matches transformers ({err:.1e})"
+
+
+GPT_OSS_CONFIGS = {"preempt": dict(num_blocks=4, max_batch_size=16), "batch2": dict(max_batch_size=2),
+                   "block32": dict(block_size=32), "small_prefill": dict(max_num_batched_tokens=40)}
+
+
+@pytest.mark.parametrize("config", list(GPT_OSS_CONFIGS))
+def test_gpt_oss_sampler_contract(family, config):
+    """Sinks, a window (12) shorter than every prompt but one, decode steps that skip the key tiles below
+    their window: log-probs and routes bitwise score's, through preemption and every batch layout."""
+    model = family("gpt_oss")[2]
+    prompts = [s.tolist() for s in seqs_(seed=6, lengths=[3, 17, 29, 40, 16])]
+    sampler = Sampler(model, **GPT_OSS_CONFIGS[config])
+    outs = sampler.generate(prompts, max_new_tokens=12, temperature=1.0, n=2, seed=3, progress=False)
+    assert (sampler.num_preemptions > 0) == (config == "preempt")
+    assert_contract(model, outs, 1.0)
+
+
+def test_gpt_oss_packed_score_is_the_padded_bits(family):
+    """Packed sequences (each its own positions, sinks and window) get the padded forward's bits."""
+    from packing import Packing
+    model = family("gpt_oss")[2]
+    seqs = seqs_(seed=8, lengths=[30, 5, 19, 40])
+    batch = torch.zeros(len(seqs), 40, dtype=torch.long)
+    for i, q in enumerate(seqs):
+        batch[i, :len(q)] = q
+    packing = Packing.concat([len(q) for q in seqs])
+    with torch.no_grad():
+        logp, routes = model.score(batch)
+        plogp, proutes = model.score(torch.cat(seqs)[None], packing=packing)
+    plogp, proutes = packing.to_padded(plogp), packing.to_padded(proutes)
+    for i, q in enumerate(seqs):
+        assert torch.equal(plogp[i, :len(q) - 1], logp[i, :len(q) - 1]), i
+        assert torch.equal(proutes[i, :len(q)], routes[i, :len(q)]), i
+
+
+def test_gpt_oss_refuses_expert_parallelism(family):
+    import expert_parallel
+    with pytest.raises(ValueError, match="expert biases"):
+        expert_parallel.keep_experts(copy.deepcopy(family("gpt_oss")[2]), [0, 1, 2, 3])
+
+
+def _mxfp4_checkpoint(src: str, dst: str, seed: int = 0) -> dict:
+    """src's checkpoint with its experts replaced by random MXFP4 blocks and scales (the layout of
+    gpt-oss's published checkpoints) and a quantization_config; returns the blocks and scales."""
+    from safetensors.torch import load_file, save_file
+    t, g, packed = load_file(os.path.join(src, "model.safetensors")), torch.Generator().manual_seed(seed), {}
+    for key in [k for k in t if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, K, N = t.pop(key).shape                                        # x @ W: (E, in, out)
+        packed[key + "_blocks"] = torch.randint(0, 256, (E, N, K // 32, 16), generator=g, dtype=torch.uint8)
+        packed[key + "_scales"] = torch.randint(118, 132, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    os.makedirs(dst, exist_ok=True)
+    save_file({**t, **packed}, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return packed
+
+
+def test_mxfp4_dequantize_is_transformers_bits():
+    """hf.mxfp4_dequantize against transformers' own dequantizer, every code and scales from the
+    subnormal range to near overflow, in bf16 and fp32."""
+    from hf import mxfp4_dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 253, (3, 40, 4), generator=g, dtype=torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = mxfp4_dequantize(blocks, scales, dtype)
+        assert ours.shape == (3, 128, 40) and ours.dtype == dtype
+        assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype)), dtype
+    nibbles = torch.cat([blocks & 15, blocks >> 4]).unique()
+    assert len(nibbles) == 16                                             # every E2M1 code was seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path, dtype):
+    """A gpt-oss checkpoint with MXFP4 experts: our weights are bitwise those transformers dequantizes
+    (Mxfp4Config(dequantize=True)), our save is the dequantized checkpoint that transformers reads back."""
+    hf = make_hf_family("gpt_oss", seed=2, intermediate_size=32).to(dtype)   # MXFP4 groups: dims of 32
+    hf.save_pretrained(str(tmp_path / "src"))
+    _mxfp4_checkpoint(str(tmp_path / "src"), str(tmp_path / "mx"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "mx"), dtype=dtype, attn_implementation="eager", experts_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    ours = Transformer.from_pretrained(str(tmp_path / "mx"))
+    assert ours.layers[0].mlp.w13.dtype == dtype
+    want = hf_state_as_ours(ref, ours)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert not torch.equal(want["layers.0.mlp.w13"], hf_state_as_ours(hf, ours)["layers.0.mlp.w13"])   # dequantized
+    ours.save_pretrained(str(tmp_path / "out"))
+    assert "quantization_config" not in json.load(open(tmp_path / "out" / "config.json"))
+    back = load_hf_auto(str(tmp_path / "out"), dtype)
+    toks = tokens(2, 20, seed=4)
+    with torch.no_grad():
+        assert torch.equal(back(toks).logits, ref(toks).logits)
+
+
+def test_mxfp4_errors(tmp_path, family):
+    from hf import dequantize_mxfp4, mxfp4_dequantize
+    with pytest.raises(CheckpointError, match="no .*_scales"):
+        dequantize_mxfp4({"a_blocks": torch.zeros(1, 2, 1, 16, dtype=torch.uint8)})
+    with pytest.raises(CheckpointError, match="do not match"):
+        mxfp4_dequantize(torch.zeros(1, 2, 1, 16, dtype=torch.uint8), torch.zeros(1, 2, 2, dtype=torch.uint8), torch.float32)
+    with pytest.raises(CheckpointError, match="non-finite"):               # 6 * 2^128 overflows
+        dequantize_mxfp4({"a_blocks": torch.full((1, 1, 1, 16), 0x77, dtype=torch.uint8),
+                          "a_scales": torch.full((1, 1, 1), 255, dtype=torch.uint8)})
+    d = config_to_hf(family("gpt_oss")[2].config)
+    with pytest.raises(ConfigError, match="quant_method='fp8'"):
+        config_from_hf({**d, "quantization_config": {"quant_method": "fp8"}})
+    d = config_to_hf(family("qwen3_moe")[2].config)
+    with pytest.raises(ConfigError, match="load a dequantized checkpoint"):
+        config_from_hf({**d, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported for qwen3_moe"):
+        config_from_hf({**d, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
+                                                 "original_max_position_embeddings": 64}})
+
+
+# ---------------------------------------------------------------------------------------------------
 # DeepSeek-V3's MoE block (MLA attention is out of scope)
 # ---------------------------------------------------------------------------------------------------
 def test_deepseek_v3_moe_block_matches_transformers():
@@ -529,7 +688,14 @@ def test_family_config_fields():
                          routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
                          attention_bias=True, attention_out_bias=False, qk_norm="head", partial_rotary_factor=0.5,
                          moe_layers=[1, 2], rotary_dim=8),
+        "gpt_oss": dict(attention_sinks=True, sliding_window=12, rope_type="yarn", yarn_factor=4.0,
+                        yarn_original_max_position_embeddings=64, yarn_truncate=False, router_bias=True,
+                        router_scoring="topk_softmax", norm_topk_prob=True, expert_bias=True, moe_act="clamped_swiglu",
+                        swiglu_alpha=1.702, swiglu_limit=1.0, attention_bias=True, attention_out_bias=True,
+                        qk_norm="none", moe_intermediate_size=24, moe_layers=[0, 1, 2],
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     }
+    assert set(expect) == set(FAMILY_HF)
     for mt, want in expect.items():
         cfg = config_from_hf(make_hf_family(mt).config.to_dict())
         for k, v in want.items():
