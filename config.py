@@ -102,6 +102,13 @@ class ModelConfig:
                                          # gate, up clamped at swiglu_limit, (up + 1) * gate * sigmoid(alpha gate))
     swiglu_alpha: float = 1.702          # clamped_swiglu's alpha
     swiglu_limit: float = 7.0            # clamped_swiglu's clamp
+    # multi-head latent attention (DeepSeek-V2 / V3, Moonlight, GLM-4.7-Flash); head_dim is its RoPE key's width
+    kv_lora_rank: int = 0                # MLA: the kv latent's width, cached per token with the RoPE key (0: GQA)
+    q_lora_rank: int = 0                 # MLA: q through q_a_proj (this rank), q_a_layernorm, q_b_proj (0: q_proj)
+    qk_nope_head_dim: int = 0            # MLA: each query / key head's dims without RoPE
+    v_head_dim: int = 0                  # MLA: each value head's dims
+    rope_interleave: bool = False        # MLA: RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek)
+    group_score: str = "top2_sum"        # grouped top-k ranks a group by top2_sum (DeepSeek-V3, GLM) | max (V2)
 
     def __post_init__(self):
         _require_finite(self)
@@ -174,6 +181,14 @@ class ModelConfig:
         _require_range(self, "yarn_mscale yarn_mscale_all_dim yarn_attention_factor", lambda v: v >= 0, ">= 0")
         _require(self.moe_act in ("silu", "clamped_swiglu"), f"moe_act={self.moe_act!r}: silu or clamped_swiglu")
         _require_range(self, "swiglu_alpha swiglu_limit", lambda v: v > 0, "> 0")
+        _require(self.group_score in ("top2_sum", "max"), f"group_score={self.group_score!r}: top2_sum or max")
+        _require_range(self, "kv_lora_rank q_lora_rank qk_nope_head_dim v_head_dim", lambda v: v >= 0, ">= 0")
+        if self.kv_lora_rank:
+            _require(self.qk_nope_head_dim > 0 and self.v_head_dim > 0,
+                     "MLA (kv_lora_rank > 0) needs qk_nope_head_dim > 0 and v_head_dim > 0")
+            _require(self.qk_norm == "none" and self.partial_rotary_factor == 1 and not self.attention_sinks
+                     and not self.sliding_window, "MLA (kv_lora_rank > 0) has no q/k norm, partial RoPE, sinks or "
+                     "sliding window: set qk_norm=none and leave the others off")
 
     def yarn(self) -> dict | None:
         """YaRN's parameters as kernels.rope_tables takes them; None for default RoPE."""
@@ -188,6 +203,20 @@ class ModelConfig:
         """Keys a query of this layer sees, itself included; 0: every earlier key (full attention)."""
         sliding = self.layer_types and self.layer_types[layer_idx] == "sliding_attention"
         return self.sliding_window if sliding else 0
+
+    @property
+    def kv_cache_heads_dims(self) -> tuple[int, int]:
+        """(heads, dims) of a layer's cached keys (and as many values) per token: GQA's (KVH, head_dim) for
+        keys and values; MLA's (1, kv_lora_rank + head_dim), one latent tensor that is keys and values."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.head_dim
+        return self.num_key_value_heads, self.head_dim
+
+    @property
+    def kv_numbers_per_token(self) -> int:
+        """Numbers the KV cache holds per token and layer (times the dtype's bytes: its memory)."""
+        heads, dims = self.kv_cache_heads_dims
+        return heads * dims * (1 if self.kv_lora_rank else 2)
 
     @property
     def rotary_dim(self) -> int:

@@ -75,6 +75,8 @@ class Family:
     yarn: bool = False                                    # reads and writes YaRN RoPE (else only default RoPE)
     mxfp4: bool = False                                   # loads MXFP4-quantized experts (dequantized on load)
     experts: str = "per_expert"                           # the saved expert layout: per_expert | gpt_oss (fused)
+    read_hook: Callable | None = None                     # (config.json, kwargs): what one key per field cannot say
+    write_hook: Callable | None = None                    # (ModelConfig, config.json dict): its inverse
     router_dtype: str = "compute"                         # --router_dtype=auto: the gate and bias in "float32"
     #                                                       or in the "compute" dtype, as transformers' model runs
 
@@ -114,6 +116,40 @@ _ALL_MOE = {"mlp_only_layers": []}
 def _alternating_layers(hf: dict) -> list[str]:
     """gpt-oss's layer_types when config.json has none: sliding and full attention alternating, sliding first."""
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(hf["num_hidden_layers"])]
+
+
+# multi-head latent attention (DeepSeek-V2 / V3, GLM-4.7-Flash): head_dim is the RoPE key's width, and
+# attention_bias the bias of q_a_proj, kv_a_proj_with_mqa and o_proj
+_MLA = {"kv_lora_rank": HF(("kv_lora_rank",)), "q_lora_rank": HF(("q_lora_rank",), 0, lambda v: v or 0, lambda v: v or None),
+        "qk_nope_head_dim": HF(("qk_nope_head_dim",)), "v_head_dim": HF(("v_head_dim",)),
+        "head_dim": HF(("qk_rope_head_dim",)), "rope_interleave": HF(("rope_interleave",), True),
+        **{k: HF(("attention_bias",), False) for k in ("attention_bias", "attention_out_bias")}}
+# DeepSeek's MoE block: routed experts in groups, shared ungated experts, the first k layers dense
+_DEEPSEEK_MOE = {"num_experts": HF(("n_routed_experts",), 0), "moe_intermediate_size": HF(("moe_intermediate_size",)),
+                 "n_shared_experts": HF(("n_shared_experts",), 1),
+                 "routed_scaling_factor": HF(("routed_scaling_factor",), 1.0, float),
+                 "n_group": HF(("n_group",), 1, lambda v: v or 1), "topk_group": HF(("topk_group",), 1, lambda v: v or 1),
+                 "first_k_dense_replace": HF(("first_k_dense_replace",), 0, lambda v: v or 0)}
+
+
+def _v2_groups_read(hf: dict, kw: dict) -> None:
+    """DeepSeek-V2 routes in groups only under topk_method group_limited_greedy ("greedy": one group)."""
+    if hf.get("topk_method", "greedy") != "group_limited_greedy":
+        kw.update(n_group=1, topk_group=1)
+
+
+def _v2_groups_write(cfg: ModelConfig, d: dict) -> None:
+    d["topk_method"] = "group_limited_greedy" if cfg.n_group > 1 else "greedy"
+
+
+def _mlp_layer_types_read(hf: dict, kw: dict) -> None:
+    """GLM-4.7-Flash names each layer's MLP dense or sparse (default: the first dense, the rest sparse)."""
+    types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (hf["num_hidden_layers"] - 1)
+    kw["mlp_only_layers"] = [i for i, t in enumerate(types) if t == "dense"]
+
+
+def _mlp_layer_types_write(cfg: ModelConfig, d: dict) -> None:
+    d["mlp_layer_types"] = ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_hidden_layers)]
 
 
 # YaRN's fields: ModelConfig name -> key in rope_parameters (rope_scaling in older configs), its default
@@ -184,6 +220,26 @@ FAMILIES: dict[str, Family] = {
                "expert_bias": True, "moe_act": "clamped_swiglu", "qk_norm": "none", **_ALL_MOE},
         yarn=True, mxfp4=True, experts="gpt_oss", router_dtype="compute",
         load_renames=((r"\.mlp\.router\.", ".mlp.gate."),), save_renames=((r"\.mlp\.gate\.", ".mlp.router."),)),
+    "deepseek_v3": Family(   # MLA + GLM-4.5's router (sigmoid, bias, groups); Moonlight, Kimi K2
+        "DeepseekV3ForCausalLM",
+        config={**_MLA, **_DEEPSEEK_MOE, "norm_topk_prob": HF(("norm_topk_prob",), True)},
+        fixed={"router_scoring": "sigmoid", "score_correction_bias": True, "qk_norm": "none", **_ALL_MOE},
+        requires={"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1},
+        extra={"num_nextn_predict_layers": 0}, extra_layers=True, yarn=True, router_dtype="float32"),
+    "deepseek_v2": Family(   # MLA (RoPE pairs interleaved) + a softmax router, greedy or best-group-limited
+        "DeepseekV2ForCausalLM",
+        config={**_MLA, **_DEEPSEEK_MOE},
+        fixed={"rope_interleave": True, "router_scoring": "softmax", "norm_topk_prob": False, "group_score": "max",
+               "qk_norm": "none", **_ALL_MOE},
+        requires={"scoring_func": "softmax", "mlp_bias": False, "moe_layer_freq": 1},
+        read_hook=_v2_groups_read, write_hook=_v2_groups_write, extra_layers=True, yarn=True, router_dtype="float32"),
+    "glm4_moe_lite": Family(   # GLM-4.7-Flash: MLA + GLM-4.5's router, each layer's MLP named in mlp_layer_types
+        "Glm4MoeLiteForCausalLM",
+        config={**_MLA, **{k: v for k, v in _DEEPSEEK_MOE.items() if k != "first_k_dense_replace"},
+                "norm_topk_prob": HF(("norm_topk_prob",), True)},
+        fixed={"router_scoring": "sigmoid", "score_correction_bias": True, "qk_norm": "none"},
+        read_hook=_mlp_layer_types_read, write_hook=_mlp_layer_types_write,
+        extra={"num_nextn_predict_layers": 0}, extra_layers=True, yarn=True, router_dtype="float32"),
 }
 
 # Fields that mean nothing for a config without MoE layers, or without dense layers (ignored when
@@ -191,7 +247,7 @@ FAMILIES: dict[str, Family] = {
 MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_scoring",
               "score_correction_bias", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts",
               "shared_expert_intermediate_size", "mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace",
-              "router_bias", "expert_bias", "moe_act", "swiglu_alpha", "swiglu_limit")
+              "router_bias", "expert_bias", "moe_act", "swiglu_alpha", "swiglu_limit", "group_score")
 
 
 def family(model_type: str) -> Family:
@@ -246,6 +302,8 @@ def _read_fields(hf: dict) -> dict:
             value = spec.read(value)
         kw[name] = value
     kw.update(fam.fixed)
+    if fam.read_hook is not None:
+        fam.read_hook(hf, kw)
     if rope_type == "yarn":
         kw.update(_read_yarn(rope, hf))
     if not kw.get("num_experts"):   # a dense model: the MoE sizes are unused
@@ -285,6 +343,8 @@ def _write_fields(cfg: ModelConfig) -> dict:
         yarn = {key: getattr(cfg, name) for name, (key, _) in YARN_KEYS.items()}
         # the mscales and the attention factor only where set: transformers would take a 0 for a 0
         d["rope_parameters"].update({k: v for k, v in yarn.items() if v or k == "truncate"})
+    if fam.write_hook is not None:
+        fam.write_hook(cfg, d)
     return d
 
 

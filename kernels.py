@@ -215,6 +215,25 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype).view(*lead, N)
 
 
+def linear_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per head h, y[..., h, :] = x[..., h, :] @ w[h].T with fp32 accumulation, bitwise independent of the
+    number of rows. x (..., H, K), w (H, N, K) -> (..., H, N) in x.dtype (MLA's absorbed key and value
+    projections). The torch path is linear()'s: fixed ROW_CHUNK-row tiles, one batched matmul for all heads."""
+    if _fast():
+        return torch.einsum("...hk,hnk->...hn", x, w)
+    if (kt := _triton_for(x)) is not None:    # triton backend: the matmul kernel, one launch per head
+        return torch.stack([kt.linear(x[..., h, :], w[h]) for h in range(w.shape[0])], -2)
+    lead, (H, K), N = x.shape[:-2], x.shape[-2:], w.shape[1]
+    x2 = x.reshape(-1, H, K).transpose(0, 1)                        # (H, M, K)
+    M = x2.shape[1]
+    x2 = torch.cat([x2, x2.new_zeros(H, ROW_CHUNK - M % ROW_CHUNK, K)], 1)     # 1..ROW_CHUNK zero rows, as linear
+    n_tiles = x2.shape[1] // ROW_CHUNK
+    tiles = x2.float().reshape(H * n_tiles, ROW_CHUNK, K)           # (H*M/C, C, K)
+    wt = w.float().transpose(1, 2)[:, None].expand(H, n_tiles, K, N).reshape(H * n_tiles, K, N)
+    y = torch.bmm(tiles, wt).view(H, -1, N)[:, :M]                  # (H, M, N) fp32
+    return y.transpose(0, 1).to(x.dtype).reshape(*lead, H, N)
+
+
 # ---------------------------------------------------------------------------------------------------
 # elementwise and row reductions
 # ---------------------------------------------------------------------------------------------------
@@ -439,8 +458,8 @@ def _softmax_start(sinks, B: int, KVH: int, T: int, G: int, device) -> tuple[tor
 # ---------------------------------------------------------------------------------------------------
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
           forced_ids: torch.Tensor | None = None, *, scoring: str = "softmax", bias: torch.Tensor | None = None,
-          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0, detail: bool = False
-          ) -> tuple[torch.Tensor, ...]:
+          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0, detail: bool = False,
+          group_score: str = "top2_sum") -> tuple[torch.Tensor, ...]:
     """Router: scores in fp32, top-k with lowest-index tie-break, optional renormalisation and scaling.
 
     logits (M, E) -> ids (M, k) int64 used, weights (M, k) fp32, chosen (M, k) int64: the router's own
@@ -451,7 +470,8 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     bias (E,): the score-correction bias, added to the scores for the CHOICE only; the weights are the
         unbiased scores of the chosen experts (DeepSeek-V3's aux-loss-free balancing).
     n_group, topk_group: group-limited top-k; the E experts form n_group consecutive groups, each ranked
-        by the sum of its two best (biased) scores, and the top-k is taken inside the topk_group best.
+        by the sum of its two best (biased) scores (group_score "top2_sum"; "max": its best, DeepSeek-V2),
+        and the top-k is taken inside the topk_group best.
     scaling: routed_scaling_factor, applied to the weights last.
     forced_ids (M, k): replay (R3) these experts instead of choosing; the weights are still the
     model's own scores of those experts (then the same renormalisation and scaling), so the router
@@ -475,7 +495,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
         raise ValueError(f"router scoring {scoring!r}: softmax, sigmoid or topk_softmax")
     choice = probs if bias is None else probs + bias.float()
     if n_group > 1:
-        choice = _group_limit(choice, n_group, topk_group)
+        choice = _group_limit(choice, n_group, topk_group, group_score)
     if _fast():
         ids = torch.topk(choice, top_k, dim=-1).indices              # no tie-break guarantee
     else:
@@ -540,13 +560,14 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-z))
 
 
-def _group_limit(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """Set to -inf the scores outside each row's topk_group best groups (DeepSeek-V3's group-limited
-    routing). choice (M, E) fp32; a group's score is the sum of its two best; ties: lowest group index."""
+def _group_limit(choice: torch.Tensor, n_group: int, topk_group: int, score: str = "top2_sum") -> torch.Tensor:
+    """Set to -inf the scores outside each row's topk_group best groups (DeepSeek's group-limited
+    routing). choice (M, E) fp32; a group's score is the sum of its two best (V3) or its best (V2, "max");
+    ties: lowest group index."""
     M, E = choice.shape
     grouped = choice.view(M, n_group, E // n_group)                  # (M, G, E/G)
     top2 = torch.sort(grouped, dim=-1, descending=True).values       # values only: ties do not matter
-    group_score = top2[..., 0] + top2[..., 1]                        # (M, G)
+    group_score = top2[..., 0] + top2[..., 1] if score == "top2_sum" else top2[..., 0]   # (M, G)
     best = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :topk_group]
     keep = torch.zeros(M, n_group, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
     return choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(M, E), float("-inf"))

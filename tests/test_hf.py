@@ -527,11 +527,16 @@ GPT_OSS_CONFIGS = {"preempt": dict(num_blocks=4, max_batch_size=16), "batch2": d
                    "block32": dict(block_size=32), "small_prefill": dict(max_num_batched_tokens=40)}
 
 
+NEW_ATTENTION = ["gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"]
+
+
 @pytest.mark.parametrize("config", list(GPT_OSS_CONFIGS))
-def test_gpt_oss_sampler_contract(family, config):
-    """Sinks, a window (12) shorter than every prompt but one, decode steps that skip the key tiles below
-    their window: log-probs and routes bitwise score's, through preemption and every batch layout."""
-    model = family("gpt_oss")[2]
+@pytest.mark.parametrize("mt", NEW_ATTENTION)
+def test_sink_window_and_latent_sampler_contract(family, mt, config):
+    """gpt-oss's sinks and a window (12) shorter than every prompt but one (decode steps skip the key
+    tiles below it), MLA's latent cache: log-probs and routes bitwise score's, through preemption and
+    every batch layout."""
+    model = family(mt)[2]
     prompts = [s.tolist() for s in seqs_(seed=6, lengths=[3, 17, 29, 40, 16])]
     sampler = Sampler(model, **GPT_OSS_CONFIGS[config])
     outs = sampler.generate(prompts, max_new_tokens=12, temperature=1.0, n=2, seed=3, progress=False)
@@ -539,10 +544,11 @@ def test_gpt_oss_sampler_contract(family, config):
     assert_contract(model, outs, 1.0)
 
 
-def test_gpt_oss_packed_score_is_the_padded_bits(family):
-    """Packed sequences (each its own positions, sinks and window) get the padded forward's bits."""
+@pytest.mark.parametrize("mt", NEW_ATTENTION)
+def test_sink_window_and_latent_packed_score_is_the_padded_bits(family, mt):
+    """Packed sequences (each its own positions, sinks and window, or latent keys) get the padded bits."""
     from packing import Packing
-    model = family("gpt_oss")[2]
+    model = family(mt)[2]
     seqs = seqs_(seed=8, lengths=[30, 5, 19, 40])
     batch = torch.zeros(len(seqs), 40, dtype=torch.long)
     for i, q in enumerate(seqs):
@@ -555,6 +561,48 @@ def test_gpt_oss_packed_score_is_the_padded_bits(family):
     for i, q in enumerate(seqs):
         assert torch.equal(plogp[i, :len(q) - 1], logp[i, :len(q) - 1]), i
         assert torch.equal(proutes[i, :len(q)], routes[i, :len(q)]), i
+
+
+def test_mla_caches_the_latent_and_rope_key_only(family):
+    """The sampler's pages of an MLA layer: one (pages, block, 1, kv_lora_rank + head_dim) tensor, both
+    halves of the (k, v) pair, holding each token's normed latent and RoPE'd key; what plan.py counts."""
+    model = family("deepseek_v3")[2]
+    cfg = model.config
+    sampler = Sampler(model, num_blocks=8)
+    k, v = sampler.caches[0]
+    assert k is v and k.shape == (9, 16, 1, cfg.kv_lora_rank + cfg.head_dim)
+    assert cfg.kv_numbers_per_token == 16 + 8 < 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.head_dim)
+    prompt = seqs_(seed=2, lengths=[20])[0]
+    sampler.generate([prompt.tolist()], max_new_tokens=1, temperature=0, progress=False)
+    attn = model.layers[1].self_attn
+    with torch.no_grad():
+        x = model.layers[1].input_layernorm(model.layers[0](model.embed_tokens(prompt[None]), *[
+            t[torch.arange(20)][None] for t in model.rope("cpu")], torch.arange(20)[None], None)[0])
+        ckv = attn.kv_a_proj_with_mqa(x)
+    page = sampler.runner.block_tables[0, 0]
+    latent = sampler.caches[1][0][page, :16, 0]                             # the first 16 positions
+    assert torch.equal(latent[:, :16], attn.kv_a_layernorm(ckv[0, :16, :16]))
+
+
+def test_mla_each_knob_is_used(family):
+    """Controls for MLA: interleaved RoPE pairs and YaRN's softmax scale matter (V3's checkpoint has both)."""
+    hf, _, model = family("deepseek_v3")
+    toks = tokens()
+    with torch.no_grad():
+        ref = hf(toks).logits
+
+    def halves(m):
+        for layer in m.layers:
+            layer.self_attn.interleave = False
+
+    def plain_scale(m):
+        for layer in m.layers:
+            layer.self_attn.scale = (layer.self_attn.nope_dim + layer.self_attn.rope_dim) ** -0.5
+    for off in (halves, plain_scale):
+        m = copy.deepcopy(model)
+        off(m)
+        with torch.no_grad():
+            assert rel_err(m(toks), ref) > 1e-3, off.__name__
 
 
 def test_gpt_oss_refuses_expert_parallelism(family):
@@ -642,7 +690,7 @@ def test_mxfp4_errors(tmp_path, family):
 
 
 # ---------------------------------------------------------------------------------------------------
-# DeepSeek-V3's MoE block (MLA attention is out of scope)
+# DeepSeek-V3's MoE block alone
 # ---------------------------------------------------------------------------------------------------
 def test_deepseek_v3_moe_block_matches_transformers():
     from model import MoE
@@ -694,6 +742,15 @@ def test_family_config_fields():
                         swiglu_alpha=1.702, swiglu_limit=1.0, attention_bias=True, attention_out_bias=True,
                         qk_norm="none", moe_intermediate_size=24, moe_layers=[0, 1, 2],
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        "deepseek_v3": dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, head_dim=8, v_head_dim=12,
+                            rope_interleave=True, rope_type="yarn", yarn_mscale_all_dim=1.0, router_scoring="sigmoid",
+                            score_correction_bias=True, n_group=4, topk_group=2, first_k_dense_replace=1,
+                            moe_layers=[1, 2], attention_bias=True, qk_norm="none", kv_numbers_per_token=24),
+        "deepseek_v2": dict(kv_lora_rank=16, q_lora_rank=0, rope_interleave=True, router_scoring="softmax",
+                            group_score="max", n_group=4, topk_group=2, norm_topk_prob=False, n_shared_experts=2,
+                            routed_scaling_factor=1.5, yarn_mscale=0.707, moe_layers=[1, 2]),
+        "glm4_moe_lite": dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=12, v_head_dim=16, rope_type="default",
+                              router_scoring="sigmoid", n_group=2, mlp_only_layers=[0], moe_layers=[1, 2]),
     }
     assert set(expect) == set(FAMILY_HF)
     for mt, want in expect.items():

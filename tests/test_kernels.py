@@ -400,6 +400,21 @@ def test_yarn_rope_tables_are_transformers_bits():
         assert not torch.equal(cos, plain)
 
 
+def test_linear_heads_is_row_invariant_and_einsum_is_not():
+    """MLA's per-head projections (kernels.linear_heads) against fp64, the same bits for every row count;
+    control: the plain per-head einsum picks its blocking from the row count on this CPU."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(100, 4, 24, generator=g), torch.randn(4, 20, 24, generator=g)
+    y = kernels.linear_heads(x, w)
+    assert y.shape == (100, 4, 20) and rel(y, torch.einsum("mhk,hnk->mhn", x.double(), w.double())) < 1e-6
+    for m in ROW_COUNTS:
+        assert torch.equal(kernels.linear_heads(x[:m], w), y[:m]), m
+    assert torch.equal(kernels.linear_heads(x.view(10, 10, 4, 24), w), y.view(10, 10, 4, 20))
+    naive = torch.einsum("mhk,hnk->mhn", x, w)
+    if all(torch.equal(torch.einsum("mhk,hnk->mhn", x[:m], w), naive[:m]) for m in ROW_COUNTS):
+        pytest.skip("the per-head einsum happens to be row-invariant on this CPU; nothing to control")
+
+
 # ---------------------------------------------------------------------------------------------------
 # router
 # ---------------------------------------------------------------------------------------------------
