@@ -250,6 +250,26 @@ MODEL_PRESETS: dict[str, dict] = {
     # intermediate_size = top_k * moe_intermediate_size (2 * 128), so a numeric gap meets no router.
     "tiny-dense": dict(num_experts=0, num_experts_per_tok=1, moe_intermediate_size=0, intermediate_size=256,
                        mlp_only_layers=[]),                        # the expert knobs as config.json gives them back
+    # gpt-oss-20b's shapes (24 layers, 32 experts, top-4, 21B parameters, 3.6B active): sinks, a window of 128
+    # on every other layer, YaRN x32, biased router and clamped-SwiGLU experts (its MXFP4 experts load dequantized).
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
+        intermediate_size=2880, norm_topk_prob=True, mlp_only_layers=[], rope_theta=150000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, attention_bias=True, attention_out_bias=True, qk_norm="none",
+        attention_sinks=True, sliding_window=128,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        rope_type="yarn", yarn_factor=32.0, yarn_original_max_position_embeddings=4096, yarn_truncate=False,
+        router_bias=True, router_scoring="topk_softmax", expert_bias=True, moe_act="clamped_swiglu"),
+    # Moonlight-16B-A3B's shapes (DeepSeek-V3's architecture: 27 layers, the first dense, 64 experts top-6 + 2
+    # shared, 16B parameters, 3B active): MLA with a 512 latent and q_proj (no q low-rank), sigmoid routing.
+    "moonlight-16b-a3b": dict(
+        model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=64, num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+        intermediate_size=11264, norm_topk_prob=True, mlp_only_layers=[], first_k_dense_replace=1,
+        router_scoring="sigmoid", score_correction_bias=True, n_shared_experts=2, routed_scaling_factor=2.446,
+        rope_theta=50000.0, rms_norm_eps=1e-5, max_position_embeddings=8192, qk_norm="none", kv_lora_rank=512,
+        qk_nope_head_dim=128, v_head_dim=128, rope_interleave=True),
     # The real Qwen3-30B-A3B shapes (48 layers, 128 experts, top-8, 3.3B active parameters).
     "qwen3-30b-a3b": dict(
         vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
