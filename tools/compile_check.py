@@ -88,6 +88,22 @@ def make_model(dtype: torch.dtype) -> Transformer:
     return Transformer(ModelConfig(**kw)).to(dtype)
 
 
+def new_attention(dtype: torch.dtype, H: int, KVH: int, D: int, sinks: bool, window: int) -> None:
+    """paged_attention's launches for another attention geometry: the trainer's forward and backward
+    (T = 40) and a decode step of two 4096-key sequences (its key splits in parallel). gpt-oss-20b's
+    sliding layers: 64 query heads over 8 KV heads of 64 dims, sinks, a window of 128."""
+    s = torch.zeros(H, requires_grad=True) if sinks else None
+    q = torch.randn(2, 40, H, D, dtype=dtype, requires_grad=True)
+    kv = torch.randn(6, 16, KVH, D, dtype=dtype, requires_grad=True)
+    out = kernels.paged_attention(q, kv, kv, torch.arange(6).view(2, 3), torch.arange(40).expand(2, 40), D ** -0.5,
+                                  sinks=s, window=window)
+    out.float().sum().backward()
+    with torch.no_grad():
+        kernels.paged_attention(torch.randn(2, 1, H, D, dtype=dtype), *[torch.randn(512, 16, KVH, D, dtype=dtype)] * 2,
+                                torch.arange(512).view(2, 256), torch.full((2, 1), 4095), D ** -0.5,
+                                sinks=None if s is None else s.detach(), window=window)
+
+
 def trainer_forward(model, B, T):
     """model.score on (B, T) tokens: the trainer's forward (and the reference log-probs)."""
     model.score(torch.randint(0, model.config.vocab_size, (B, T)), temperature=0.7)
@@ -219,6 +235,7 @@ def main() -> int:
                 kernels.paged_attention(torch.randn(2, 1, cfg.num_attention_heads, cfg.head_dim, dtype=dtype),
                                         *[torch.randn(512, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)] * 2,
                                         torch.arange(512).view(2, 256), torch.full((2, 1), 4095), cfg.head_dim ** -0.5)
+            new_attention(dtype, 64, 8, 64, sinks=True, window=128)                # gpt-oss-20b's sliding layers
         for launch in recorded:
             launches.setdefault(spec_key(*launch), launch)
     for (name, _, _), (fn, a, kw) in launches.items():
