@@ -118,6 +118,37 @@ def _alternating_layers(hf: dict) -> list[str]:
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(hf["num_hidden_layers"])]
 
 
+# Mixtral's spelling of the MoE block and its experts (also MiniMax-M2's)
+_MIXTRAL_LOAD = ((r"\.block_sparse_moe\.", ".mlp."), (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
+                 (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."), (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."))
+_MIXTRAL_SAVE = ((r"\.mlp\.", ".block_sparse_moe."), (r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1."),
+                 (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."), (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."))
+
+
+def _windows_default(hf: dict) -> list[str]:
+    """dots.llm1's layer_types when config.json has none: sliding from layer max_window_layers on."""
+    window, L = hf.get("sliding_window"), hf["num_hidden_layers"]
+    return ["sliding_attention" if window is not None and i >= hf.get("max_window_layers", L) else "full_attention"
+            for i in range(L)]
+
+
+def _windows_read(hf: dict, kw: dict) -> None:
+    """A config whose layers all attend fully has no window (its sliding_window is unused)."""
+    if "sliding_attention" not in kw["layer_types"]:
+        kw.update(sliding_window=0, layer_types=[])
+
+
+def _windows_write(cfg: ModelConfig, d: dict) -> None:
+    d["layer_types"] = cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers
+    d["sliding_window"] = cfg.sliding_window or None
+
+
+def _rotary_fraction(hf: dict) -> float:
+    """MiniMax-M2 gives partial RoPE as rotary_dim (dims of each head) in older configs."""
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return (hf.get("rotary_dim") or head_dim) / head_dim
+
+
 # multi-head latent attention (DeepSeek-V2 / V3, GLM-4.7-Flash): head_dim is the RoPE key's width, and
 # attention_bias the bias of q_a_proj, kv_a_proj_with_mqa and o_proj
 _MLA = {"kv_lora_rank": HF(("kv_lora_rank",)), "q_lora_rank": HF(("q_lora_rank",), 0, lambda v: v or 0, lambda v: v or None),
@@ -186,13 +217,7 @@ FAMILIES: dict[str, Family] = {
         "MixtralForCausalLM",
         config={"num_experts": HF(("num_local_experts",), 0), "moe_intermediate_size": HF(("intermediate_size",))},
         fixed={"norm_topk_prob": True, "qk_norm": "none", **_ALL_MOE}, requires={"sliding_window": None},
-        router_dtype="compute",
-        load_renames=((r"\.block_sparse_moe\.", ".mlp."), (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
-                      (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
-                      (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj.")),
-        save_renames=((r"\.mlp\.", ".block_sparse_moe."), (r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1."),
-                      (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
-                      (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."))),
+        router_dtype="compute", load_renames=_MIXTRAL_LOAD, save_renames=_MIXTRAL_SAVE),
     "glm4_moe": Family(   # DeepSeek-V3 routing (sigmoid + bias + groups), shared experts, partial RoPE
         "Glm4MoeForCausalLM",
         config={"num_experts": HF(("n_routed_experts",), 0),
@@ -220,6 +245,23 @@ FAMILIES: dict[str, Family] = {
                "expert_bias": True, "moe_act": "clamped_swiglu", "qk_norm": "none", **_ALL_MOE},
         yarn=True, mxfp4=True, experts="gpt_oss", router_dtype="compute",
         load_renames=((r"\.mlp\.router\.", ".mlp.gate."),), save_renames=((r"\.mlp\.gate\.", ".mlp.router."),)),
+    "dots1": Family(   # dots.llm1: GLM-4.5's router and shared experts, per-head q/k norm, q/k/v/o biases, windows
+        "Dots1ForCausalLM",
+        config={**_DEEPSEEK_MOE, "norm_topk_prob": HF(("norm_topk_prob",), False), **_BIAS_QKVO,
+                "sliding_window": HF(("sliding_window",), 0), "layer_types": HF(("layer_types",), _windows_default, list)},
+        fixed={"router_scoring": "sigmoid", "score_correction_bias": True, "qk_norm": "head", **_ALL_MOE},
+        read_hook=_windows_read, write_hook=_windows_write, router_dtype="float32"),
+    "minimax_m2": Family(   # sigmoid scores + correction bias (top-k renormalised), q/k norm over the whole projection
+        "MiniMaxM2ForCausalLM",
+        config={"num_experts": HF(("num_local_experts",), 0), "moe_intermediate_size": HF(("intermediate_size",)),
+                "partial_rotary_factor": HF(("partial_rotary_factor",), _rotary_fraction, float)},
+        fixed={"router_scoring": "sigmoid", "score_correction_bias": True, "norm_topk_prob": True, "qk_norm": "full",
+               **_ALL_MOE},
+        router_dtype="compute",   # the gate in the model dtype, the sigmoid in fp32
+        load_renames=((r"\.(block_sparse_moe|mlp)\.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+                      *_MIXTRAL_LOAD),   # the bias sits beside the gate (mlp. in transformers' memory)
+        save_renames=((r"\.mlp\.gate\.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias"),
+                      *_MIXTRAL_SAVE)),
     "deepseek_v3": Family(   # MLA + GLM-4.5's router (sigmoid, bias, groups); Moonlight, Kimi K2
         "DeepseekV3ForCausalLM",
         config={**_MLA, **_DEEPSEEK_MOE, "norm_topk_prob": HF(("norm_topk_prob",), True)},

@@ -207,6 +207,12 @@ FAMILY_HF = {
                                swiglu_limit=1.0, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                "original_max_position_embeddings": 64})),
+    # dots.llm1: a window of 10 (no sinks) from layer 1 on; MiniMax-M2: half the head's dims rotated
+    "dots1": ("Dots1", dict(head_dim=16, n_routed_experts=8, moe_intermediate_size=24, num_experts_per_tok=3,
+                            n_shared_experts=2, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+                            first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True, sliding_window=10,
+                            max_window_layers=1)),
+    "minimax_m2": ("MiniMaxM2", dict(head_dim=16, num_local_experts=8, intermediate_size=24, partial_rotary_factor=0.5)),
     # MLA: q through its low-rank path (V3, GLM) or q_proj (V2), RoPE pairs interleaved, YaRN's softmax
     # scale (V3, V2); V3's router as GLM's, V2's softmax with best-group-limited top-k, GLM-4.7-Flash's
     # mlp_layer_types

@@ -98,9 +98,10 @@ def test_logits_and_routes_match_transformers(family, mt):
         assert torch.equal(routes[:, :, j].reshape(r.shape).sort(-1).values, r.sort(-1).values), (mt, j)
 
 
-def test_glm_bias_is_used_for_the_choice(family):
+@pytest.mark.parametrize("mt", ["glm4_moe", "minimax_m2", "dots1"])
+def test_glm_bias_is_used_for_the_choice(family, mt):
     """Control for the test above: zeroing our copy of the score-correction bias changes the routes."""
-    hf, _, model = family("glm4_moe")
+    hf, _, model = family(mt)
     model = copy.deepcopy(model)
     toks = tokens()
     _, ref_ids = hf_routes(hf, toks)
@@ -527,7 +528,7 @@ GPT_OSS_CONFIGS = {"preempt": dict(num_blocks=4, max_batch_size=16), "batch2": d
                    "block32": dict(block_size=32), "small_prefill": dict(max_num_batched_tokens=40)}
 
 
-NEW_ATTENTION = ["gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"]
+NEW_ATTENTION = ["gpt_oss", "dots1", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"]   # dots1: a window, no sinks
 
 
 @pytest.mark.parametrize("config", list(GPT_OSS_CONFIGS))
@@ -582,6 +583,17 @@ def test_mla_caches_the_latent_and_rope_key_only(family):
     page = sampler.runner.block_tables[0, 0]
     latent = sampler.caches[1][0][page, :16, 0]                             # the first 16 positions
     assert torch.equal(latent[:, :16], attn.kv_a_layernorm(ckv[0, :16, :16]))
+
+
+def test_dots1_window_is_used(family):
+    """Control: dots.llm1's window (10, no sinks) matters for its prompts; without it transformers disagrees."""
+    hf, _, model = family("dots1")
+    toks = tokens()
+    m = copy.deepcopy(model)
+    for layer in m.layers:
+        layer.self_attn.window = 0
+    with torch.no_grad():
+        assert rel_err(m(toks), hf(toks).logits) > 1e-3
 
 
 def test_mla_each_knob_is_used(family):
@@ -742,6 +754,11 @@ def test_family_config_fields():
                         swiglu_alpha=1.702, swiglu_limit=1.0, attention_bias=True, attention_out_bias=True,
                         qk_norm="none", moe_intermediate_size=24, moe_layers=[0, 1, 2],
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        "dots1": dict(router_scoring="sigmoid", score_correction_bias=True, n_group=2, n_shared_experts=2,
+                      first_k_dense_replace=1, attention_bias=True, attention_out_bias=True, qk_norm="head",
+                      sliding_window=10, layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+        "minimax_m2": dict(router_scoring="sigmoid", score_correction_bias=True, norm_topk_prob=True, qk_norm="full",
+                           partial_rotary_factor=0.5, rotary_dim=8, moe_intermediate_size=24, mlp_only_layers=[]),
         "deepseek_v3": dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, head_dim=8, v_head_dim=12,
                             rope_interleave=True, rope_type="yarn", yarn_mscale_all_dim=1.0, router_scoring="sigmoid",
                             score_correction_bias=True, n_group=4, topk_group=2, first_k_dense_replace=1,
