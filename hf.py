@@ -1,7 +1,7 @@
 """Everything Hugging Face: the family table, config.json <-> ModelConfig, weight keys, safetensors.
 
     import hf
-    cfg = hf.config_from_hf("path/to/config.json")     # qwen3_moe, qwen3, qwen2_moe, olmoe, mixtral, glm4_moe
+    cfg = hf.config_from_hf("path/to/config.json")     # a model_type of FAMILIES (qwen3_moe, gpt_oss, deepseek_v3, ...)
     hf.config_to_hf(cfg)                               # the config.json dict transformers reads
     state = hf.hf_to_state(hf.read_safetensors_dir(path), model)   # HF tensors -> model.state_dict() keys
     hf.write_safetensors_dir(path, hf.state_to_hf(model), hf.config_to_hf(model.config))
@@ -28,6 +28,10 @@ what transformers saves and vLLM reads; Mixtral spells it `block_sparse_moe.expe
 (`...mlp.experts.gate_up_proj` / `...mlp.experts.down_proj`, transformers 5's in-memory layout, which
 newer tools write). Both load; the family's per-expert spelling is saved. A family's `load_renames`
 are regex substitutions from its spelling to ours, `save_renames` the way back.
+
+gpt-oss saves its experts fused (`mlp.experts.gate_up_proj` (E, D, 2I) with gate and up in alternate
+columns, `down_proj` (E, I, D), and their biases), and may ship them as MXFP4 blocks and scales, which
+load dequantized exactly as transformers dequantizes them (dequantize_mxfp4).
 
 Safetensors. A checkpoint directory holds config.json and model.safetensors, or shards named by
 model.safetensors.index.json. Reading refuses, naming the file and key, an unreadable shard and any

@@ -15,6 +15,8 @@ How each op keeps the contract on the CPU (torch backend; each rule is checked b
              online softmax; a fully masked tile is an exact no-op, so prefill (many queries), decode
              (one query) and any padding give the same bits. q.k and p.v are bmm's over fixed
              ATTN_ROWS-row tiles of query rows (never a GEMM whose shape depends on the number of queries).
+             Sinks start the softmax; a sliding window lets a row skip the tiles below it (exact).
+             MLA's per-head projections (linear_heads) take linear()'s fixed row tiles.
 * MoE:       a stable sort of (token, k) slots by expert, each expert's rows through the chunked linear,
              the router weight applied in fp32, then a fixed-order fp32 sum over k. No index_add_, no atomics.
 * router:    softmax, or sigmoid as 1 / (1 + exp(-x)), in fp32; top-k by a stable descending sort (ties go

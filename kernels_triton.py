@@ -13,7 +13,8 @@ Ops (one section each: kernel(s), then the autograd Function):
 * linear            tile config by M bucket (MM_TABLE), whole K loop in order, fp32 accumulator
 * rms_norm          one program per row, fp32
 * paged_attention   one kernel for trainer prefill, rollout prefill and decode (key splits merged in
-                    order, run in parallel when there are few programs); recompute backward
+                    order, run in parallel when there are few programs); recompute backward; attention
+                    sinks and sliding windows (gpt-oss) as constexpr variants
 Two more files hold the rest, each importing only kernels_triton_base.py (interpreter switch, launch
 options), never kernels.py: kernels_triton_moe.py (the fused MoE) and kernels_triton_vocab.py (the
 ops over the vocabulary: token log-probs and the sampler's draw).

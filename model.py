@@ -20,8 +20,11 @@ before NeoX RoPE, scale head_dim^-0.5, no biases. Router: softmax(gate(x)) in fp
 optional renormalisation. Experts are stacked: w13 (E, 2I, D) with gate rows first, w2 (E, D, I).
 That is Qwen3-MoE; the other families (hf.py) switch on config knobs, each off by default:
 q/k/v and o biases (added after the matmul, in the model dtype), q/k norm over the whole projection or
-none, partial RoPE (the first rotary_dim dims of each head), sigmoid routing with a score-correction
-bias and grouped top-k (kernels.route), routed_scaling_factor, and shared experts (see MoE).
+none, partial RoPE (the first rotary_dim dims of each head), YaRN RoPE tables, sigmoid routing with a
+score-correction bias and grouped top-k (kernels.route), routed_scaling_factor, shared experts (see MoE);
+gpt-oss's attention sinks and sliding windows (kernels.paged_attention), its biased router with a softmax
+over the top-k and its biased clamped-SwiGLU experts; DeepSeek's multi-head latent attention (MLA, in
+its absorbed form: the sampler caches one latent per token, kv_caches).
 """
 from __future__ import annotations
 

@@ -4,10 +4,12 @@ as state.
 
     python -m pytest -q tests/test_hf.py
 
-Per family (qwen3_moe, qwen2_moe, olmoe, mixtral, glm4_moe; tiny random checkpoints that transformers
-makes here, conftest.FAMILY_HF): logits within 1e-5 relative in fp32, gradients, save -> transformers
-reads back the same bits, batch-invariant score (fp32, bf16), the sampler contract, greedy ==
-transformers' generate. Then: the router's new ops (sigmoid, bias, groups, scaling) against brute force
+Per family (every model_type of hf.FAMILIES; tiny random checkpoints that transformers makes here,
+conftest.FAMILY_HF): logits within 1e-5 relative in fp32, gradients, save -> transformers reads back
+the same bits, batch-invariant score (fp32, bf16), the sampler contract, greedy == transformers'
+generate. For the new attention kinds (gpt-oss's sinks and windows, dots.llm1's windows, MLA): each
+knob's control, the sampler contract through preemption and batch layouts, packing, MLA's latent cache,
+and gpt-oss's MXFP4 checkpoints bitwise as transformers dequantizes them. Then: the router's new ops (sigmoid, bias, groups, scaling) against brute force
 and for row invariance with their controls, R3 replay under sigmoid routing, DeepSeek-V3's MoE block
 against transformers' DeepseekV3MoE, Qwen3-MoE unchanged (the old ops, bit for bit), the bias in
 checkpoints, syncs and the balancing update, and a CUDA test of the router ops' row invariance. For
