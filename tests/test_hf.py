@@ -619,6 +619,19 @@ def test_mla_each_knob_is_used(family):
             assert rel_err(m(toks), ref) > 1e-3, off.__name__
 
 
+@pytest.mark.parametrize("mt", ["gpt_oss", "deepseek_v3"])
+def test_fast_rollout_of_sinks_windows_and_mla(family, mt):
+    """The mismatch lab's fast path (SDPA, or transformers' eager softmax with the sink as a last logit;
+    einsum for MLA's projections) runs these models and lands near score's log-probs, not on them."""
+    model = family(mt)[2]
+    prompts = [s.tolist() for s in seqs_(seed=9, lengths=[17, 30])]
+    outs = Sampler(model, rollout_mode="fast").generate(prompts, max_new_tokens=6, temperature=1.0, seed=1,
+                                                        progress=False)
+    for o in outs:
+        logp, _ = model.score(torch.tensor([o.prompt + o.tokens]))
+        assert (torch.tensor(o.logprobs) - logp[0, len(o.prompt) - 1:]).abs().max() < 1e-4
+
+
 def test_gpt_oss_refuses_expert_parallelism(family):
     import expert_parallel
     with pytest.raises(ValueError, match="expert biases"):

@@ -6,7 +6,7 @@
 The interpreter tests (tests/test_triton.py) check what the kernels compute; they cannot show that the
 kernels compile, since the interpreter runs the Python body. This script drives the trainer (score
 forward + backward) and the real Sampler (prefill + decode, two page sizes) at Qwen3-30B-A3B layer
-shapes with every kernel launch intercepted, then compiles each distinct launch through Triton's own
+shapes, and gpt-oss-20b's sliding-window attention with sinks, with every kernel launch intercepted, then compiles each distinct launch through Triton's own
 argument specialization (the signature, constexprs and alignment attributes a CUDA launch would get)
 down to a cubin with the ptxas that ships with Triton. It prints registers, shared memory and local
 memory (spills) per kernel and exits 1 when a kernel fails to compile, needs more shared memory than
