@@ -590,11 +590,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if _fast():
         return _fast_moe_experts(x, w13, w2, ids, weights, **extras)
     if _triton_for(x) is not None:            # triton backend dispatch (the fused MoE has its own file)
-        if b13 is not None or b2 is not None or swiglu is not None:
-            raise NotImplementedError("the Triton MoE kernel has no expert biases or clamped SwiGLU yet "
-                                      "(gpt_oss); run KERNELS_BACKEND=torch")
         import kernels_triton_moe
-        return kernels_triton_moe.moe_experts(x, w13, w2, ids, weights)
+        return kernels_triton_moe.moe_experts(x, w13, w2, ids, weights, **extras)
     M, k = ids.shape
     order, counts = sort_slots(ids, w13.shape[0])                   # slot s = token s // k
     per_slot = grouped_experts(x, k, order, counts, w13, w2, weights.reshape(-1), **extras)   # (M*k, D) fp32

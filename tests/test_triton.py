@@ -663,6 +663,59 @@ def test_moe_frozen_experts():
     assert rel(xa.grad, xr.grad) < TOL
 
 
+@runnable
+def test_moe_gpt_oss_experts():
+    """gpt-oss's experts in the fused MoE: biases after each matmul and the clamped SwiGLU at a limit the
+    activations reach; the torch backend's values, a row's bits kept with other tokens after it, and the
+    gradients of x, the weights, the biases and the router weights against the torch backend (run to run
+    equal)."""
+    x, w13, w2, ids, wt = _moe_inputs(40, k=3)
+    g = torch.Generator().manual_seed(7)
+    b13, b2 = (torch.randn(4, 48, generator=g) * 0.5).to(DEV), (torch.randn(4, 32, generator=g) * 0.5).to(DEV)
+    extras = dict(b13=b13, b2=b2, swiglu=(1.702, 1.0))
+    y = ktm.moe_experts(x, w13, w2, ids, wt, **extras)
+    cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in extras.items()}
+    assert rel(y, kernels.moe_experts(*(t.cpu() for t in (x, w13, w2, ids, wt)), **cpu)) < TOL
+    assert rel(y, ktm.moe_experts(x, w13, w2, ids, wt)) > 1e-2                  # the extras matter
+    xe, _, _, ide, we = _moe_inputs(30, k=3, seed=9)
+    y_after = ktm.moe_experts(torch.cat([x, xe]), w13, w2, torch.cat([ids, ide]), torch.cat([wt, we]), **extras)
+    assert torch.equal(y_after[:40], y)
+    grads = []
+    for f in (ktm.moe_experts, ktm.moe_experts, kernels.moe_experts):
+        dev = DEV if f is ktm.moe_experts else "cpu"
+        a = [t.detach().to(dev).clone().requires_grad_() for t in (x, w13, w2, b13, b2, wt)]
+        out = f(a[0], a[1], a[2], ids.to(dev), a[5], b13=a[3], b2=a[4], swiglu=(1.702, 1.0))
+        (out * torch.arange(32.0, device=dev)).sum().backward()
+        grads.append([t.grad for t in a])
+    for tri, tri2, cpu_grad in zip(*grads):
+        assert rel(tri, cpu_grad) < TOL and torch.equal(tri, tri2)
+
+
+@runnable
+@torch.no_grad()
+def test_gpt_oss_model_score_and_sampler_with_triton():
+    """A gpt-oss model (sinks, a window of 12 on alternate layers, YaRN, biased router and experts) on the
+    Triton backend: the torch backend's log-probs and routes; the sampler's log-probs the score's."""
+    layer_types = ["sliding_attention", "full_attention"]
+    model = _model(model_type="gpt_oss", attention_sinks=True, sliding_window=12, layer_types=layer_types,
+                   rope_type="yarn", yarn_factor=4.0, yarn_original_max_position_embeddings=16, router_bias=True,
+                   router_scoring="topk_softmax", expert_bias=True, moe_act="clamped_swiglu", swiglu_limit=1.0,
+                   attention_bias=True, attention_out_bias=True, qk_norm="none", mlp_only_layers=[])
+    tokens = torch.randint(0, 32, (2, 30), generator=torch.Generator().manual_seed(1)).to(DEV)
+    ref, ref_routes = model.to("cpu").score(tokens.cpu())
+    model.to(DEV)
+    with kernels.set_backend("triton"):
+        lp, routes = model.score(tokens)
+        assert rel(lp, ref) < TOL and torch.equal(routes.cpu(), ref_routes)
+        outs = Sampler(model, max_batch_size=4).generate([list(range(3, 28)), [5, 1, 7]], max_new_tokens=4,
+                                                         progress=False)
+        for o in outs:
+            P = len(o.prompt)
+            lp, routes = model.score(torch.tensor([o.prompt + o.tokens], device=DEV))
+            assert same_bits(torch.tensor(o.logprobs, device=lp.device), lp[0, P - 1:])
+            assert torch.equal(o.routes, routes[0, :P + len(o.tokens) - 1].cpu())
+
+
 # ---------------------------------------------------------------------------------------------------
 # the whole model: score() and the sampler, bitwise, with the Triton backend
 # ---------------------------------------------------------------------------------------------------
