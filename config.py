@@ -5,8 +5,8 @@
 
 Field names follow Hugging Face's Qwen3-MoE config; the knobs of other families (sigmoid routing, a
 score-correction bias, grouped top-k, shared experts, biases, partial RoPE; gpt-oss's sinks, windows,
-YaRN and experts; DeepSeek's MLA) are extra fields that are off by default. hf.py translates each family's config.json onto them (hf.config_from_hf) and checks
-model_type; this file imports nothing of it.
+YaRN and experts; DeepSeek's MLA) are extra fields that are off by default. hf.py translates each
+family's config.json onto them (hf.config_from_hf) and checks model_type; this file imports nothing of it.
 Every dataclass validates itself in `__post_init__`; `apply_overrides` turns command-line
 `--key=value` strings into typed fields and rejects unknown keys and bad values by name.
 """

@@ -124,9 +124,11 @@ def _alternating_layers(hf: dict) -> list[str]:
 
 # Mixtral's spelling of the MoE block and its experts (also MiniMax-M2's)
 _MIXTRAL_LOAD = ((r"\.block_sparse_moe\.", ".mlp."), (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
-                 (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."), (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."))
+                 (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+                 (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."))
 _MIXTRAL_SAVE = ((r"\.mlp\.", ".block_sparse_moe."), (r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1."),
-                 (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."), (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."))
+                 (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
+                 (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."))
 
 
 def _windows_default(hf: dict) -> list[str]:
@@ -155,7 +157,8 @@ def _rotary_fraction(hf: dict) -> float:
 
 # multi-head latent attention (DeepSeek-V2 / V3, GLM-4.7-Flash): head_dim is the RoPE key's width, and
 # attention_bias the bias of q_a_proj, kv_a_proj_with_mqa and o_proj
-_MLA = {"kv_lora_rank": HF(("kv_lora_rank",)), "q_lora_rank": HF(("q_lora_rank",), 0, lambda v: v or 0, lambda v: v or None),
+_MLA = {"kv_lora_rank": HF(("kv_lora_rank",)),
+        "q_lora_rank": HF(("q_lora_rank",), 0, lambda v: v or 0, lambda v: v or None),
         "qk_nope_head_dim": HF(("qk_nope_head_dim",)), "v_head_dim": HF(("v_head_dim",)),
         "head_dim": HF(("qk_rope_head_dim",)), "rope_interleave": HF(("rope_interleave",), True),
         **{k: HF(("attention_bias",), False) for k in ("attention_bias", "attention_out_bias")}}
@@ -163,7 +166,8 @@ _MLA = {"kv_lora_rank": HF(("kv_lora_rank",)), "q_lora_rank": HF(("q_lora_rank",
 _DEEPSEEK_MOE = {"num_experts": HF(("n_routed_experts",), 0), "moe_intermediate_size": HF(("moe_intermediate_size",)),
                  "n_shared_experts": HF(("n_shared_experts",), 1),
                  "routed_scaling_factor": HF(("routed_scaling_factor",), 1.0, float),
-                 "n_group": HF(("n_group",), 1, lambda v: v or 1), "topk_group": HF(("topk_group",), 1, lambda v: v or 1),
+                 "n_group": HF(("n_group",), 1, lambda v: v or 1),
+                 "topk_group": HF(("topk_group",), 1, lambda v: v or 1),
                  "first_k_dense_replace": HF(("first_k_dense_replace",), 0, lambda v: v or 0)}
 
 
@@ -188,7 +192,8 @@ def _mlp_layer_types_write(cfg: ModelConfig, d: dict) -> None:
 
 
 # YaRN's fields: ModelConfig name -> key in rope_parameters (rope_scaling in older configs), its default
-YARN_KEYS = {"yarn_factor": ("factor", None), "yarn_original_max_position_embeddings": ("original_max_position_embeddings", None),
+YARN_KEYS = {"yarn_factor": ("factor", None),
+             "yarn_original_max_position_embeddings": ("original_max_position_embeddings", None),
              "yarn_beta_fast": ("beta_fast", 32.0), "yarn_beta_slow": ("beta_slow", 1.0),
              "yarn_truncate": ("truncate", True), "yarn_mscale": ("mscale", 0.0),
              "yarn_mscale_all_dim": ("mscale_all_dim", 0.0), "yarn_attention_factor": ("attention_factor", 0.0)}
@@ -252,7 +257,8 @@ FAMILIES: dict[str, Family] = {
     "dots1": Family(   # dots.llm1: GLM-4.5's router and shared experts, per-head q/k norm, q/k/v/o biases, windows
         "Dots1ForCausalLM",
         config={**_DEEPSEEK_MOE, "norm_topk_prob": HF(("norm_topk_prob",), False), **_BIAS_QKVO,
-                "sliding_window": HF(("sliding_window",), 0), "layer_types": HF(("layer_types",), _windows_default, list)},
+                "sliding_window": HF(("sliding_window",), 0),
+                "layer_types": HF(("layer_types",), _windows_default, list)},
         fixed={"router_scoring": "sigmoid", "score_correction_bias": True, "qk_norm": "head", **_ALL_MOE},
         read_hook=_windows_read, write_hook=_windows_write, router_dtype="float32"),
     "minimax_m2": Family(   # sigmoid scores + correction bias (top-k renormalised), q/k norm over the whole projection

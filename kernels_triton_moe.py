@@ -22,8 +22,8 @@ MOE_TILES = {torch.float32: (32, 32, 32, 4, 3), torch.bfloat16: (64, 64, 64, 4, 
 # Rows: the (token, k) slots sorted stably by expert (slot = token * TOPK + j); a tile is up to BM
 # sorted rows of ONE expert. Forward: up (gate/up GEMM, SiLU * up fused; gpt-oss: + bias, clamped
 # SwiGLU) -> down (GEMM, gpt-oss: + bias, router weight in fp32, stored per slot) -> fixed-order fp32
-# sum over k. The biases' gradients are sums over each expert's rows in order (_bias_grads). Backward, all deterministic (every output
-# element is written by one program, reductions run in index order, no atomics):
+# sum over k. Backward, all deterministic (every output element is written by one program, reductions
+# run in index order, no atomics; the biases' gradients are sums over an expert's rows, _bias_grads):
 #   gw  = dL/dout[token] @ W2[e]                 (S, I) per sorted row       _moe_gemm_kernel
 #   act, dh = d(SiLU(g) * u), dwt partial sums    recomputes gate/up          _moe_up_kernel(BWD)
 #   dx  = dh @ W13[e] per slot, then sum over k   (S, D)                      _moe_gemm_kernel
@@ -280,7 +280,7 @@ class _MoE(torch.autograd.Function):
         x = x.contiguous()
         no_bias = (None, None)
         if not M:
-            biases = (torch.zeros_like(b13), torch.zeros(E, D, dtype=b13.dtype, device=x.device)) if ctx.bias else no_bias
+            biases = (torch.zeros_like(b13), torch.zeros_like(b2)) if ctx.bias else no_bias
             return (torch.zeros_like(x), torch.zeros_like(w13), torch.zeros_like(w2), None,
                     torch.zeros(0, k, dtype=ctx.wt_dtype, device=x.device), None, *biases, None)
         n_tiles, n_blocks = plan[0].numel(), triton.cdiv(I, BN)
@@ -315,7 +315,9 @@ class _MoE(torch.autograd.Function):
         if ctx.bias:     # the slot's output also holds its expert's down bias: d/dwt gains b2[e] . dL/dout
             dwt = dwt + (b2[ids].float() * gout.float()[:, None, :]).sum(-1)
         dwt = dwt.to(ctx.wt_dtype)
-        biases = [g.to(b13.dtype) for g in _bias_grads(gout, dh, wt, offsets, order, k, E, opts)] if ctx.bias else no_bias
+        biases = no_bias
+        if ctx.bias:
+            biases = [g.to(b13.dtype) for g in _bias_grads(gout, dh, wt, offsets, order, k, E, opts)]
         return (dx, None if dw13 is None else dw13.to(w13.dtype), None if dw2 is None else dw2.to(w2.dtype), None, dwt,
                 None, *biases, None)
 

@@ -162,7 +162,8 @@ def attend(q, k, v, positions, kv: PagedKV | PackedPages | None, layer_idx: int,
     return kernels.paged_attention(q, k_pages, v_pages, block_table, positions, scale, **attn)
 
 
-def kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+              device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The sampler's KV pages: per layer a (k_pages, v_pages) pair (PagedKV.caches), zeroed. GQA: keys and
     values, each (num_pages, page_size, KVH, head_dim); MLA: one latent tensor (num_pages, page_size, 1,
     kv_lora_rank + head_dim) as both halves of the pair (its keys are its values, MLA.forward)."""

@@ -160,7 +160,8 @@ def main(argv: list[str]) -> str:
 def kv_line(cfg: ModelConfig, nbytes: int) -> str:
     """What the KV pool holds per token: the layers' numbers, and for MLA what per-head keys and values would."""
     per_token = cfg.num_hidden_layers * cfg.kv_numbers_per_token * nbytes
-    line = f"KV cache: {per_token:,} bytes per token ({cfg.num_hidden_layers} layers x {cfg.kv_numbers_per_token:,} numbers"
+    line = (f"KV cache: {per_token:,} bytes per token ({cfg.num_hidden_layers} layers x "
+            f"{cfg.kv_numbers_per_token:,} numbers")
     if not cfg.kv_lora_rank:
         return line + f": keys and values of {cfg.num_key_value_heads} heads x {cfg.head_dim})"
     expanded = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.head_dim + cfg.v_head_dim)
@@ -168,7 +169,8 @@ def kv_line(cfg: ModelConfig, nbytes: int) -> str:
             f"keys and values would be {expanded:,}, {expanded / cfg.kv_numbers_per_token:.1f}x as many)")
 
 
-def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, sampler_dtype: str, kv: str = "") -> str:
+def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, sampler_dtype: str,
+                kv: str = "") -> str:
     layout = "FSDP2" if tcfg.parallel == "fsdp" and world > 1 else "DDP" if world > 1 else "one process"
     m = {"float32": "fp32", "bfloat16": "bf16"}[tcfg.master_dtype]
     rows = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads), (f"AdamW state ({m} x 2)", plan.adamw),

@@ -6,7 +6,8 @@
 The interpreter tests (tests/test_triton.py) check what the kernels compute; they cannot show that the
 kernels compile, since the interpreter runs the Python body. This script drives the trainer (score
 forward + backward) and the real Sampler (prefill + decode, two page sizes) at Qwen3-30B-A3B layer
-shapes, and gpt-oss-20b's sliding-window attention with sinks and its experts, with every kernel launch intercepted, then compiles each distinct launch through Triton's own
+shapes, and gpt-oss-20b's sliding-window attention with sinks and its experts, with every kernel launch
+intercepted, then compiles each distinct launch through Triton's own
 argument specialization (the signature, constexprs and alignment attributes a CUDA launch would get)
 down to a cubin with the ptxas that ships with Triton. It prints registers, shared memory and local
 memory (spills) per kernel and exits 1 when a kernel fails to compile, needs more shared memory than
@@ -108,7 +109,8 @@ def gpt_oss_experts(dtype: torch.dtype) -> None:
     """The fused MoE's launches with gpt-oss-20b's experts (2880 wide, biases, the clamped SwiGLU), forward
     and backward."""
     E, D, I = 4, 2880, 2880
-    w13, w2 = (torch.randn(E, 2 * I, D, dtype=dtype, requires_grad=True), torch.randn(E, D, I, dtype=dtype, requires_grad=True))
+    w13 = torch.randn(E, 2 * I, D, dtype=dtype, requires_grad=True)
+    w2 = torch.randn(E, D, I, dtype=dtype, requires_grad=True)
     b13, b2 = torch.zeros(E, 2 * I, dtype=dtype, requires_grad=True), torch.zeros(E, D, dtype=dtype, requires_grad=True)
     x = torch.randn(40, D, dtype=dtype, requires_grad=True)
     weights = torch.rand(40, 4, requires_grad=True)
