@@ -4,9 +4,9 @@
     cfg = ModelConfig.preset("tiny")                  # the CPU default of `python train.py`
 
 Field names follow Hugging Face's Qwen3-MoE config; the knobs of other families (sigmoid routing, a
-score-correction bias, grouped top-k, shared experts, biases, partial RoPE) are extra fields that are
-off by default. hf.py translates each family's config.json onto them (hf.config_from_hf) and checks
-model_type; this file imports nothing of it.
+score-correction bias, grouped top-k, shared experts, biases, partial RoPE; gpt-oss's sinks, windows,
+YaRN and experts; DeepSeek's MLA) are extra fields that are off by default. hf.py translates each
+family's config.json onto them (hf.config_from_hf) and checks model_type; this file imports nothing of it.
 Every dataclass validates itself in `__post_init__`; `apply_overrides` turns command-line
 `--key=value` strings into typed fields and rejects unknown keys and bad values by name.
 """
@@ -82,6 +82,33 @@ class ModelConfig:
     attention_out_bias: bool = False     # a bias on o_proj (OLMoE, Qwen3 attention_bias)
     qk_norm: str = "head"                # RMSNorm on q and k: per head | full (the whole projection) | none
     partial_rotary_factor: float = 1.0   # RoPE on the first head_dim * factor dims of each head
+    # gpt-oss: attention sinks, sliding windows, YaRN RoPE, a biased router, biased clamped-SwiGLU experts
+    attention_sinks: bool = False        # a learned logit per head in each attention softmax's denominator
+    sliding_window: int = 0              # keys a query of a sliding layer sees, itself included (0: none)
+    layer_types: list[str] = field(default_factory=list)   # per layer full_attention | sliding_attention,
+                                         # comma-separated; empty: every layer full
+    rope_type: str = "default"           # default | yarn (the yarn_* fields below)
+    yarn_factor: float = 1.0             # YaRN: the context extension factor
+    yarn_original_max_position_embeddings: int = 0   # YaRN: the pretraining context
+    yarn_beta_fast: float = 32.0         # YaRN: rotations where the ramp to interpolation starts ...
+    yarn_beta_slow: float = 1.0          # ... and where it ends
+    yarn_truncate: bool = True           # YaRN: round the ramp's ends to whole dims
+    yarn_mscale: float = 0.0             # YaRN: cos/sin scale mscale(factor, this) / mscale(factor, all_dim);
+    yarn_mscale_all_dim: float = 0.0     # both 0: mscale(factor, 1); MLA's softmax scale * mscale(factor, all_dim)^2
+    yarn_attention_factor: float = 0.0   # YaRN: the cos/sin scale given outright (0: from the mscales)
+    router_bias: bool = False            # a bias on the router gate (gpt-oss)
+    expert_bias: bool = False            # biases on each expert's gate/up and down projections (gpt-oss)
+    moe_act: str = "silu"                # the experts' GLU: silu (silu(gate) * up) | clamped_swiglu (gpt-oss:
+                                         # gate, up clamped at swiglu_limit, (up + 1) * gate * sigmoid(alpha gate))
+    swiglu_alpha: float = 1.702          # clamped_swiglu's alpha
+    swiglu_limit: float = 7.0            # clamped_swiglu's clamp
+    # multi-head latent attention (DeepSeek-V2 / V3, Moonlight, GLM-4.7-Flash); head_dim is its RoPE key's width
+    kv_lora_rank: int = 0                # MLA: the kv latent's width, cached per token with the RoPE key (0: GQA)
+    q_lora_rank: int = 0                 # MLA: q through q_a_proj (this rank), q_a_layernorm, q_b_proj (0: q_proj)
+    qk_nope_head_dim: int = 0            # MLA: each query / key head's dims without RoPE
+    v_head_dim: int = 0                  # MLA: each value head's dims
+    rope_interleave: bool = False        # MLA: RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek)
+    group_score: str = "top2_sum"        # grouped top-k ranks a group by top2_sum (DeepSeek-V3, GLM) | max (V2)
 
     def __post_init__(self):
         _require_finite(self)
@@ -106,8 +133,13 @@ class ModelConfig:
         self._check_family_knobs()
 
     def _check_family_knobs(self):
-        _require(self.router_scoring in ("softmax", "sigmoid"),
-                 f"router_scoring={self.router_scoring!r}: softmax or sigmoid")
+        _require(self.router_scoring in ("softmax", "sigmoid", "topk_softmax"),
+                 f"router_scoring={self.router_scoring!r}: softmax, sigmoid or topk_softmax")
+        _require(self.router_scoring != "topk_softmax" or (self.norm_topk_prob and not self.score_correction_bias
+                                                           and self.n_group == 1),
+                 "router_scoring=topk_softmax (a softmax over the chosen k logits) needs norm_topk_prob=true, "
+                 "no score_correction_bias and n_group=1")
+        self._check_gpt_oss_knobs()
         _require(self.qk_norm in ("head", "full", "none"), f"qk_norm={self.qk_norm!r}: head, full or none")
         _require_range(self, "first_k_dense_replace n_shared_experts shared_expert_intermediate_size",
                        lambda v: v >= 0, ">= 0")
@@ -129,6 +161,62 @@ class ModelConfig:
             _require(self.num_experts_per_tok <= self.topk_group * per,
                      f"num_experts_per_tok={self.num_experts_per_tok} is more than the {self.topk_group * per} "
                      f"experts in topk_group={self.topk_group} groups")
+
+    def _check_gpt_oss_knobs(self):
+        _require(self.sliding_window >= 0, f"sliding_window={self.sliding_window}: must be >= 0 (0: none)")
+        kinds = ("full_attention", "sliding_attention")
+        _require(all(t in kinds for t in self.layer_types),
+                 f"layer_types={self.layer_types}: each entry full_attention or sliding_attention")
+        _require(not self.layer_types or len(self.layer_types) == self.num_hidden_layers,
+                 f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}")
+        _require(("sliding_attention" in self.layer_types) == (self.sliding_window > 0),
+                 f"sliding_window={self.sliding_window} with layer_types={self.layer_types or '[]'}: a window "
+                 "needs sliding_attention layers, and sliding_attention layers need a window > 0")
+        _require(self.rope_type in ("default", "yarn"), f"rope_type={self.rope_type!r}: default or yarn")
+        if self.rope_type == "yarn":
+            _require(self.yarn_factor >= 1 and self.yarn_original_max_position_embeddings > 0,
+                     f"rope_type=yarn needs yarn_factor >= 1 and yarn_original_max_position_embeddings > 0, got "
+                     f"{self.yarn_factor:g} and {self.yarn_original_max_position_embeddings}")
+        _require_range(self, "yarn_beta_fast yarn_beta_slow", lambda v: v > 0, "> 0")
+        _require_range(self, "yarn_mscale yarn_mscale_all_dim yarn_attention_factor", lambda v: v >= 0, ">= 0")
+        _require(self.moe_act in ("silu", "clamped_swiglu"), f"moe_act={self.moe_act!r}: silu or clamped_swiglu")
+        _require_range(self, "swiglu_alpha swiglu_limit", lambda v: v > 0, "> 0")
+        _require(self.group_score in ("top2_sum", "max"), f"group_score={self.group_score!r}: top2_sum or max")
+        _require_range(self, "kv_lora_rank q_lora_rank qk_nope_head_dim v_head_dim", lambda v: v >= 0, ">= 0")
+        if self.kv_lora_rank:
+            _require(self.qk_nope_head_dim > 0 and self.v_head_dim > 0,
+                     "MLA (kv_lora_rank > 0) needs qk_nope_head_dim > 0 and v_head_dim > 0")
+            _require(self.qk_norm == "none" and self.partial_rotary_factor == 1 and not self.attention_sinks
+                     and not self.sliding_window, "MLA (kv_lora_rank > 0) has no q/k norm, partial RoPE, sinks or "
+                     "sliding window: set qk_norm=none and leave the others off")
+
+    def yarn(self) -> dict | None:
+        """YaRN's parameters as kernels.rope_tables takes them; None for default RoPE."""
+        if self.rope_type != "yarn":
+            return None
+        return dict(factor=self.yarn_factor, original_max_position_embeddings=self.yarn_original_max_position_embeddings,
+                    beta_fast=self.yarn_beta_fast, beta_slow=self.yarn_beta_slow, truncate=self.yarn_truncate,
+                    mscale=self.yarn_mscale, mscale_all_dim=self.yarn_mscale_all_dim,
+                    attention_factor=self.yarn_attention_factor)
+
+    def window(self, layer_idx: int) -> int:
+        """Keys a query of this layer sees, itself included; 0: every earlier key (full attention)."""
+        sliding = self.layer_types and self.layer_types[layer_idx] == "sliding_attention"
+        return self.sliding_window if sliding else 0
+
+    @property
+    def kv_cache_heads_dims(self) -> tuple[int, int]:
+        """(heads, dims) of a layer's cached keys (and as many values) per token: GQA's (KVH, head_dim) for
+        keys and values; MLA's (1, kv_lora_rank + head_dim), one latent tensor that is keys and values."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank + self.head_dim
+        return self.num_key_value_heads, self.head_dim
+
+    @property
+    def kv_numbers_per_token(self) -> int:
+        """Numbers the KV cache holds per token and layer (times the dtype's bytes: its memory)."""
+        heads, dims = self.kv_cache_heads_dims
+        return heads * dims * (1 if self.kv_lora_rank else 2)
 
     @property
     def rotary_dim(self) -> int:
@@ -162,6 +250,26 @@ MODEL_PRESETS: dict[str, dict] = {
     # intermediate_size = top_k * moe_intermediate_size (2 * 128), so a numeric gap meets no router.
     "tiny-dense": dict(num_experts=0, num_experts_per_tok=1, moe_intermediate_size=0, intermediate_size=256,
                        mlp_only_layers=[]),                        # the expert knobs as config.json gives them back
+    # gpt-oss-20b's shapes (24 layers, 32 experts, top-4, 21B parameters, 3.6B active): sinks, a window of 128
+    # on every other layer, YaRN x32, biased router and clamped-SwiGLU experts (its MXFP4 experts load dequantized).
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
+        intermediate_size=2880, norm_topk_prob=True, mlp_only_layers=[], rope_theta=150000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, attention_bias=True, attention_out_bias=True, qk_norm="none",
+        attention_sinks=True, sliding_window=128,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        rope_type="yarn", yarn_factor=32.0, yarn_original_max_position_embeddings=4096, yarn_truncate=False,
+        router_bias=True, router_scoring="topk_softmax", expert_bias=True, moe_act="clamped_swiglu"),
+    # Moonlight-16B-A3B's shapes (DeepSeek-V3's architecture: 27 layers, the first dense, 64 experts top-6 + 2
+    # shared, 16B parameters, 3B active): MLA with a 512 latent and q_proj (no q low-rank), sigmoid routing.
+    "moonlight-16b-a3b": dict(
+        model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=64, num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+        intermediate_size=11264, norm_topk_prob=True, mlp_only_layers=[], first_k_dense_replace=1,
+        router_scoring="sigmoid", score_correction_bias=True, n_shared_experts=2, routed_scaling_factor=2.446,
+        rope_theta=50000.0, rms_norm_eps=1e-5, max_position_embeddings=8192, qk_norm="none", kv_lora_rank=512,
+        qk_nope_head_dim=128, v_head_dim=128, rope_interleave=True),
     # The real Qwen3-30B-A3B shapes (48 layers, 128 experts, top-8, 3.3B active parameters).
     "qwen3-30b-a3b": dict(
         vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,

@@ -353,8 +353,15 @@ def _moe_layers(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "w13", None), nn.Parameter)]
 
 
+def _refuse_expert_biases(model: nn.Module) -> None:
+    """Expert shards are cut from w13 and w2 only: a model whose experts have biases cannot be sharded yet."""
+    if any(getattr(m, "b13", None) is not None for _, m in _moe_layers(model)):
+        raise ValueError("expert parallelism does not shard expert biases yet (gpt_oss): use --expert_parallel=1")
+
+
 def keep_experts(model: nn.Module, experts: list[int]) -> None:
     """Keep only these experts' rows, in this order, of every MoE layer's w13 and w2 (in place)."""
+    _refuse_expert_biases(model)
     for _, m in _moe_layers(model):
         ids = torch.tensor(experts, device=m.w13.device)
         with torch.no_grad():
@@ -366,6 +373,7 @@ def shard_experts(model: nn.Module, ep: ExpertParallel, loaded: bool = False) ->
     """Keep only this rank's experts in every MoE layer (rows in the placement's local order) and route
     the layer through the exchange. loaded=True: the model holds those rows already, read so from the
     checkpoint (Transformer.from_pretrained(experts=...)). In place; returns the model."""
+    _refuse_expert_biases(model)
     mine = ep.placement.experts_of(ep.rank)
     want = len(mine) if loaded else ep.placement.n_experts
     for _, m in _moe_layers(model):

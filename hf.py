@@ -1,7 +1,7 @@
 """Everything Hugging Face: the family table, config.json <-> ModelConfig, weight keys, safetensors.
 
     import hf
-    cfg = hf.config_from_hf("path/to/config.json")     # qwen3_moe, qwen3, qwen2_moe, olmoe, mixtral, glm4_moe
+    cfg = hf.config_from_hf("path/to/config.json")     # a model_type of FAMILIES (qwen3_moe, gpt_oss, deepseek_v3, ...)
     hf.config_to_hf(cfg)                               # the config.json dict transformers reads
     state = hf.hf_to_state(hf.read_safetensors_dir(path), model)   # HF tensors -> model.state_dict() keys
     hf.write_safetensors_dir(path, hf.state_to_hf(model), hf.config_to_hf(model.config))
@@ -28,6 +28,10 @@ what transformers saves and vLLM reads; Mixtral spells it `block_sparse_moe.expe
 (`...mlp.experts.gate_up_proj` / `...mlp.experts.down_proj`, transformers 5's in-memory layout, which
 newer tools write). Both load; the family's per-expert spelling is saved. A family's `load_renames`
 are regex substitutions from its spelling to ours, `save_renames` the way back.
+
+gpt-oss saves its experts fused (`mlp.experts.gate_up_proj` (E, D, 2I) with gate and up in alternate
+columns, `down_proj` (E, I, D), and their biases), and may ship them as MXFP4 blocks and scales, which
+load dequantized exactly as transformers dequantizes them (dequantize_mxfp4).
 
 Safetensors. A checkpoint directory holds config.json and model.safetensors, or shards named by
 model.safetensors.index.json. Reading refuses, naming the file and key, an unreadable shard and any
@@ -72,6 +76,11 @@ class Family:
     load_renames: tuple[tuple[str, str], ...] = ()        # (regex on an HF key, replacement) -> our spelling
     save_renames: tuple[tuple[str, str], ...] = ()        # (regex on our spelling, replacement) -> HF key
     extra_layers: bool = False                            # layers >= num_hidden_layers (MTP) are dropped
+    yarn: bool = False                                    # reads and writes YaRN RoPE (else only default RoPE)
+    mxfp4: bool = False                                   # loads MXFP4-quantized experts (dequantized on load)
+    experts: str = "per_expert"                           # the saved expert layout: per_expert | gpt_oss (fused)
+    read_hook: Callable | None = None                     # (config.json, kwargs): what one key per field cannot say
+    write_hook: Callable | None = None                    # (ModelConfig, config.json dict): its inverse
     router_dtype: str = "compute"                         # --router_dtype=auto: the gate and bias in "float32"
     #                                                       or in the "compute" dtype, as transformers' model runs
 
@@ -107,6 +116,88 @@ _BIAS_QKVO = {     # one flag for the biases of q, k, v and o (Qwen3, OLMoE)
 }
 _ALL_MOE = {"mlp_only_layers": []}
 
+
+def _alternating_layers(hf: dict) -> list[str]:
+    """gpt-oss's layer_types when config.json has none: sliding and full attention alternating, sliding first."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(hf["num_hidden_layers"])]
+
+
+# Mixtral's spelling of the MoE block and its experts (also MiniMax-M2's)
+_MIXTRAL_LOAD = ((r"\.block_sparse_moe\.", ".mlp."), (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
+                 (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+                 (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."))
+_MIXTRAL_SAVE = ((r"\.mlp\.", ".block_sparse_moe."), (r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1."),
+                 (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
+                 (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."))
+
+
+def _windows_default(hf: dict) -> list[str]:
+    """dots.llm1's layer_types when config.json has none: sliding from layer max_window_layers on."""
+    window, L = hf.get("sliding_window"), hf["num_hidden_layers"]
+    return ["sliding_attention" if window is not None and i >= hf.get("max_window_layers", L) else "full_attention"
+            for i in range(L)]
+
+
+def _windows_read(hf: dict, kw: dict) -> None:
+    """A config whose layers all attend fully has no window (its sliding_window is unused)."""
+    if "sliding_attention" not in kw["layer_types"]:
+        kw.update(sliding_window=0, layer_types=[])
+
+
+def _windows_write(cfg: ModelConfig, d: dict) -> None:
+    d["layer_types"] = cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers
+    d["sliding_window"] = cfg.sliding_window or None
+
+
+def _rotary_fraction(hf: dict) -> float:
+    """MiniMax-M2 gives partial RoPE as rotary_dim (dims of each head) in older configs."""
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return (hf.get("rotary_dim") or head_dim) / head_dim
+
+
+# multi-head latent attention (DeepSeek-V2 / V3, GLM-4.7-Flash): head_dim is the RoPE key's width, and
+# attention_bias the bias of q_a_proj, kv_a_proj_with_mqa and o_proj
+_MLA = {"kv_lora_rank": HF(("kv_lora_rank",)),
+        "q_lora_rank": HF(("q_lora_rank",), 0, lambda v: v or 0, lambda v: v or None),
+        "qk_nope_head_dim": HF(("qk_nope_head_dim",)), "v_head_dim": HF(("v_head_dim",)),
+        "head_dim": HF(("qk_rope_head_dim",)), "rope_interleave": HF(("rope_interleave",), True),
+        **{k: HF(("attention_bias",), False) for k in ("attention_bias", "attention_out_bias")}}
+# DeepSeek's MoE block: routed experts in groups, shared ungated experts, the first k layers dense
+_DEEPSEEK_MOE = {"num_experts": HF(("n_routed_experts",), 0), "moe_intermediate_size": HF(("moe_intermediate_size",)),
+                 "n_shared_experts": HF(("n_shared_experts",), 1),
+                 "routed_scaling_factor": HF(("routed_scaling_factor",), 1.0, float),
+                 "n_group": HF(("n_group",), 1, lambda v: v or 1),
+                 "topk_group": HF(("topk_group",), 1, lambda v: v or 1),
+                 "first_k_dense_replace": HF(("first_k_dense_replace",), 0, lambda v: v or 0)}
+
+
+def _v2_groups_read(hf: dict, kw: dict) -> None:
+    """DeepSeek-V2 routes in groups only under topk_method group_limited_greedy ("greedy": one group)."""
+    if hf.get("topk_method", "greedy") != "group_limited_greedy":
+        kw.update(n_group=1, topk_group=1)
+
+
+def _v2_groups_write(cfg: ModelConfig, d: dict) -> None:
+    d["topk_method"] = "group_limited_greedy" if cfg.n_group > 1 else "greedy"
+
+
+def _mlp_layer_types_read(hf: dict, kw: dict) -> None:
+    """GLM-4.7-Flash names each layer's MLP dense or sparse (default: the first dense, the rest sparse)."""
+    types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (hf["num_hidden_layers"] - 1)
+    kw["mlp_only_layers"] = [i for i, t in enumerate(types) if t == "dense"]
+
+
+def _mlp_layer_types_write(cfg: ModelConfig, d: dict) -> None:
+    d["mlp_layer_types"] = ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_hidden_layers)]
+
+
+# YaRN's fields: ModelConfig name -> key in rope_parameters (rope_scaling in older configs), its default
+YARN_KEYS = {"yarn_factor": ("factor", None),
+             "yarn_original_max_position_embeddings": ("original_max_position_embeddings", None),
+             "yarn_beta_fast": ("beta_fast", 32.0), "yarn_beta_slow": ("beta_slow", 1.0),
+             "yarn_truncate": ("truncate", True), "yarn_mscale": ("mscale", 0.0),
+             "yarn_mscale_all_dim": ("mscale_all_dim", 0.0), "yarn_attention_factor": ("attention_factor", 0.0)}
+
 FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family(
         "Qwen3MoeForCausalLM",
@@ -135,13 +226,7 @@ FAMILIES: dict[str, Family] = {
         "MixtralForCausalLM",
         config={"num_experts": HF(("num_local_experts",), 0), "moe_intermediate_size": HF(("intermediate_size",))},
         fixed={"norm_topk_prob": True, "qk_norm": "none", **_ALL_MOE}, requires={"sliding_window": None},
-        router_dtype="compute",
-        load_renames=((r"\.block_sparse_moe\.", ".mlp."), (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
-                      (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
-                      (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj.")),
-        save_renames=((r"\.mlp\.", ".block_sparse_moe."), (r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1."),
-                      (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
-                      (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."))),
+        router_dtype="compute", load_renames=_MIXTRAL_LOAD, save_renames=_MIXTRAL_SAVE),
     "glm4_moe": Family(   # DeepSeek-V3 routing (sigmoid + bias + groups), shared experts, partial RoPE
         "Glm4MoeForCausalLM",
         config={"num_experts": HF(("n_routed_experts",), 0),
@@ -158,13 +243,63 @@ FAMILIES: dict[str, Family] = {
         extra={"num_nextn_predict_layers": 0},   # we keep no multi-token-prediction layer
         extra_layers=True,                       # GLM-4.5 ships its MTP layer as layer num_hidden_layers
         router_dtype="float32"),   # as DeepSeek-V3: gate weight and bias kept in fp32, x upcast for the gate
+    "gpt_oss": Family(   # sinks, sliding windows, YaRN, biased router (softmax over its top-k) and experts
+        "GptOssForCausalLM",
+        config={"num_experts": HF(("num_local_experts",), 0), "moe_intermediate_size": HF(("intermediate_size",)),
+                "sliding_window": HF(("sliding_window",), 0),
+                "layer_types": HF(("layer_types",), _alternating_layers, list),
+                "swiglu_alpha": HF(("swiglu_alpha",), 1.702, float), "swiglu_limit": HF(("swiglu_limit",), 7.0, float),
+                "attention_bias": HF(("attention_bias",), True), "attention_out_bias": HF(("attention_bias",), True)},
+        fixed={"attention_sinks": True, "router_bias": True, "router_scoring": "topk_softmax", "norm_topk_prob": True,
+               "expert_bias": True, "moe_act": "clamped_swiglu", "qk_norm": "none", **_ALL_MOE},
+        yarn=True, mxfp4=True, experts="gpt_oss", router_dtype="compute",
+        load_renames=((r"\.mlp\.router\.", ".mlp.gate."),), save_renames=((r"\.mlp\.gate\.", ".mlp.router."),)),
+    "dots1": Family(   # dots.llm1: GLM-4.5's router and shared experts, per-head q/k norm, q/k/v/o biases, windows
+        "Dots1ForCausalLM",
+        config={**_DEEPSEEK_MOE, "norm_topk_prob": HF(("norm_topk_prob",), False), **_BIAS_QKVO,
+                "sliding_window": HF(("sliding_window",), 0),
+                "layer_types": HF(("layer_types",), _windows_default, list)},
+        fixed={"router_scoring": "sigmoid", "score_correction_bias": True, "qk_norm": "head", **_ALL_MOE},
+        read_hook=_windows_read, write_hook=_windows_write, router_dtype="float32"),
+    "minimax_m2": Family(   # sigmoid scores + correction bias (top-k renormalised), q/k norm over the whole projection
+        "MiniMaxM2ForCausalLM",
+        config={"num_experts": HF(("num_local_experts",), 0), "moe_intermediate_size": HF(("intermediate_size",)),
+                "partial_rotary_factor": HF(("partial_rotary_factor",), _rotary_fraction, float)},
+        fixed={"router_scoring": "sigmoid", "score_correction_bias": True, "norm_topk_prob": True, "qk_norm": "full",
+               **_ALL_MOE},
+        router_dtype="compute",   # the gate in the model dtype, the sigmoid in fp32
+        load_renames=((r"\.(block_sparse_moe|mlp)\.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+                      *_MIXTRAL_LOAD),   # the bias sits beside the gate (mlp. in transformers' memory)
+        save_renames=((r"\.mlp\.gate\.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias"),
+                      *_MIXTRAL_SAVE)),
+    "deepseek_v3": Family(   # MLA + GLM-4.5's router (sigmoid, bias, groups); Moonlight, Kimi K2
+        "DeepseekV3ForCausalLM",
+        config={**_MLA, **_DEEPSEEK_MOE, "norm_topk_prob": HF(("norm_topk_prob",), True)},
+        fixed={"router_scoring": "sigmoid", "score_correction_bias": True, "qk_norm": "none", **_ALL_MOE},
+        requires={"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1},
+        extra={"num_nextn_predict_layers": 0}, extra_layers=True, yarn=True, router_dtype="float32"),
+    "deepseek_v2": Family(   # MLA (RoPE pairs interleaved) + a softmax router, greedy or best-group-limited
+        "DeepseekV2ForCausalLM",
+        config={**_MLA, **_DEEPSEEK_MOE},
+        fixed={"rope_interleave": True, "router_scoring": "softmax", "norm_topk_prob": False, "group_score": "max",
+               "qk_norm": "none", **_ALL_MOE},
+        requires={"scoring_func": "softmax", "mlp_bias": False, "moe_layer_freq": 1},
+        read_hook=_v2_groups_read, write_hook=_v2_groups_write, extra_layers=True, yarn=True, router_dtype="float32"),
+    "glm4_moe_lite": Family(   # GLM-4.7-Flash: MLA + GLM-4.5's router, each layer's MLP named in mlp_layer_types
+        "Glm4MoeLiteForCausalLM",
+        config={**_MLA, **{k: v for k, v in _DEEPSEEK_MOE.items() if k != "first_k_dense_replace"},
+                "norm_topk_prob": HF(("norm_topk_prob",), True)},
+        fixed={"router_scoring": "sigmoid", "score_correction_bias": True, "qk_norm": "none"},
+        read_hook=_mlp_layer_types_read, write_hook=_mlp_layer_types_write,
+        extra={"num_nextn_predict_layers": 0}, extra_layers=True, yarn=True, router_dtype="float32"),
 }
 
 # Fields that mean nothing for a config without MoE layers, or without dense layers (ignored when
 # checking that a config survives config_to_hf -> config_from_hf).
 MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_scoring",
               "score_correction_bias", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts",
-              "shared_expert_intermediate_size", "mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace")
+              "shared_expert_intermediate_size", "mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace",
+              "router_bias", "expert_bias", "moe_act", "swiglu_alpha", "swiglu_limit", "group_score")
 
 
 def family(model_type: str) -> Family:
@@ -191,11 +326,16 @@ def _read_fields(hf: dict) -> dict:
     fam = family(mt)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"rope type {rope_type!r} is not supported, only 'default' RoPE")
+    if rope_type not in (("default", "yarn") if fam.yarn else ("default",)):
+        raise ConfigError(f"rope type {rope_type!r} is not supported for {mt}, only "
+                          + ("'default' and 'yarn'" if fam.yarn else "'default'") + " RoPE")
     for key, want in {**COMMON_REQUIRES, **fam.requires}.items():
         if hf.get(key, want) != want:
             raise ConfigError(f"{key}={hf[key]!r} is not supported for {mt} (this model implements {key}={want!r})")
+    quant = (hf.get("quantization_config") or {}).get("quant_method")
+    if quant is not None and not (quant == "mxfp4" and fam.mxfp4):
+        raise ConfigError(f"quantization_config with quant_method={quant!r} is not supported for {mt}"
+                          + (" (only mxfp4, dequantized on load)" if fam.mxfp4 else " (load a dequantized checkpoint)"))
 
     def lookup(names):   # top-level keys first, then those newer transformers keep in rope_parameters
         for src in (hf, rope):
@@ -214,8 +354,27 @@ def _read_fields(hf: dict) -> dict:
             value = spec.read(value)
         kw[name] = value
     kw.update(fam.fixed)
+    if fam.read_hook is not None:
+        fam.read_hook(hf, kw)
+    if rope_type == "yarn":
+        kw.update(_read_yarn(rope, hf))
     if not kw.get("num_experts"):   # a dense model: the MoE sizes are unused
         kw.update(num_experts=0, num_experts_per_tok=1, moe_intermediate_size=0)
+    return kw
+
+
+def _read_yarn(rope: dict, hf: dict) -> dict:
+    """YaRN's ModelConfig fields from rope_parameters; a missing factor is the context's extension
+    max_position_embeddings / original_max_position_embeddings, as transformers derives it."""
+    original = rope.get("original_max_position_embeddings")
+    if original is None:
+        raise ConfigError("rope type 'yarn' needs original_max_position_embeddings in rope_parameters")
+    kw = {"rope_type": "yarn", "yarn_original_max_position_embeddings": int(original),
+          "yarn_factor": float(rope.get("factor") or hf.get("max_position_embeddings", 32768) / original),
+          "yarn_truncate": bool(rope.get("truncate", True))}
+    for name in ("yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor"):
+        key, default = YARN_KEYS[name]
+        kw[name] = float(rope.get(key) or default)   # None or 0: the default, as transformers reads them
     return kw
 
 
@@ -229,9 +388,15 @@ def _write_fields(cfg: ModelConfig) -> dict:
         value = spec.write(value) if spec.write is not None else value
         for key in spec.names:
             d[key] = list(value) if isinstance(value, list) else value
-    d["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    d["rope_parameters"] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
     if "partial_rotary_factor" in fam.config:
         d["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+    if cfg.rope_type == "yarn":
+        yarn = {key: getattr(cfg, name) for name, (key, _) in YARN_KEYS.items()}
+        # the mscales and the attention factor only where set: transformers would take a 0 for a 0
+        d["rope_parameters"].update({k: v for k, v in yarn.items() if v or k == "truncate"})
+    if fam.write_hook is not None:
+        fam.write_hook(cfg, d)
     return d
 
 
@@ -331,6 +496,8 @@ def hf_to_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module,
     cfg = model.config
     fam = family(cfg.model_type)
     want = {k: v.shape for k, v in model.state_dict().items()}
+    if fam.mxfp4:
+        tensors = dequantize_mxfp4(tensors)
     src, hf_name = {}, {}                        # our spelling -> tensor, and -> the checkpoint's key
     for key, t in tensors.items():
         ours = hf_key_to_ours(fam, key, cfg.num_hidden_layers)
@@ -348,14 +515,16 @@ def hf_to_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module,
         return t
 
     for name in want:
-        if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
+        if name.endswith(_STACKED):
             continue
         state[name] = take(name, want[name])
     if cfg.tie_word_embeddings:
         src.pop("lm_head.weight", None)   # some tools write the tied copy too
     for i in cfg.moe_layers:
         pre = f"layers.{i}.mlp.experts"
-        if f"{pre}.gate_up_proj" in src:   # fused layout of newer transformers: (E, 2I, D), (E, D, I)
+        if fam.experts == "gpt_oss":
+            state.update(_gpt_oss_experts(take, i, want))
+        elif f"{pre}.gate_up_proj" in src:   # fused layout of newer transformers: (E, 2I, D), (E, D, I)
             state[f"layers.{i}.mlp.w13"] = take(f"{pre}.gate_up_proj", want[f"layers.{i}.mlp.w13"])
             state[f"layers.{i}.mlp.w2"] = take(f"{pre}.down_proj", want[f"layers.{i}.mlp.w2"])
         else:
@@ -373,16 +542,46 @@ def hf_to_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module,
     return state
 
 
+_STACKED = (".mlp.w13", ".mlp.w2", ".mlp.b13", ".mlp.b2")     # our stacked experts and their biases
+
+
+def _gpt_oss_experts(take, i: int, want: dict) -> dict[str, torch.Tensor]:
+    """gpt-oss's fused experts of layer i -> ours. Its gate_up_proj (E, D, 2I) holds gate and up in
+    alternate columns (2j gate, 2j + 1 up) and multiplies as x @ W; down_proj is (E, I, D); each has a
+    bias. Ours: w13 (E, 2I, D) gate rows first, b13 (E, 2I) the same order, w2 (E, D, I), b2 (E, D)."""
+    pre = f"layers.{i}.mlp"
+    E, I2, D = want[f"{pre}.w13"]
+    gate_up = take(f"{pre}.experts.gate_up_proj", (E, D, I2))
+    bias = take(f"{pre}.experts.gate_up_proj_bias", (E, I2))
+    return {f"{pre}.w13": torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], -1).transpose(1, 2).contiguous(),
+            f"{pre}.b13": torch.cat([bias[:, 0::2], bias[:, 1::2]], -1),
+            f"{pre}.w2": take(f"{pre}.experts.down_proj", (E, I2 // 2, D)).transpose(1, 2).contiguous(),
+            f"{pre}.b2": take(f"{pre}.experts.down_proj_bias", (E, D))}
+
+
+def _gpt_oss_layout(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """One of our stacked expert tensors -> (gpt-oss's key suffix, tensor): the inverse of _gpt_oss_experts."""
+    kind = name.rsplit(".", 1)[1]
+    if kind in ("w13", "b13"):                       # gate half and up half -> alternating
+        half = t.shape[1] // 2
+        both = torch.stack([t[:, :half], t[:, half:]], 2).reshape(t.shape)   # (E, 2I, ...) interleaved rows
+        return ("gate_up_proj", both.transpose(1, 2)) if kind == "w13" else ("gate_up_proj_bias", both)
+    return ("down_proj", t.transpose(1, 2)) if kind == "w2" else ("down_proj_bias", t)
+
+
 def state_to_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state of `model` (a model.Transformer: weights and the router bias buffers) under its family's
-    HF keys, experts split per expert (what transformers and vLLM read)."""
+    HF keys, experts split per expert (what transformers and vLLM read; gpt-oss: its own fused layout)."""
     cfg = model.config
     fam = family(cfg.model_type)
     I = cfg.moe_intermediate_size
     out = {}
     for name, t in model.state_dict().items():
         t = t.detach().contiguous()
-        if name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
+        if fam.experts == "gpt_oss" and name.endswith(_STACKED):
+            key, t = _gpt_oss_layout(name, t)
+            out[our_key_to_hf(fam, name.rsplit(".", 1)[0] + ".experts." + key)] = t.contiguous()
+        elif name.endswith(".mlp.w13") or name.endswith(".mlp.w2"):
             pre = name.rsplit(".", 1)[0] + ".experts"
             for e in range(t.shape[0]):
                 if name.endswith("w13"):
@@ -392,6 +591,48 @@ def state_to_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                     out[our_key_to_hf(fam, f"{pre}.{e}.down_proj.weight")] = t[e].clone()
         else:
             out[our_key_to_hf(fam, name)] = t
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# MXFP4 (the OCP microscaling format gpt-oss ships its experts in), dequantized on load
+# ---------------------------------------------------------------------------------------------------
+# The 16 values of an E2M1 code (bit 3 the sign, then 2 exponent bits and 1 mantissa bit)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks (E, R, G, 16) uint8, two E2M1 codes a byte (the low nibble first), and scales (E, R, G) uint8,
+    one E8M0 exponent (biased by 127) per group of 32 values -> (E, G * 32, R) in dtype: value * 2^(scale - 127),
+    transposed as transformers lays the dequantized experts out (x @ W). Each product is made in fp32
+    (exact: a power-of-two scaling) and rounded to dtype once: transformers' bits."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise CheckpointError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
+                              "((..., G, 16) and (..., G))")
+    table = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
+    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype, device=blocks.device)   # (E, R, G*32)
+    for e in range(blocks.shape[0]):                      # an expert at a time: the codes are 4 bytes each
+        codes = torch.stack([blocks[e] & 0x0F, blocks[e] >> 4], -1).int()         # (R, G, 16, 2)
+        values = table[codes].flatten(-2)                                          # (R, G, 32)
+        out[e] = torch.ldexp(values, scales[e].to(torch.int32)[..., None] - 127).flatten(-2).to(dtype)
+    return out.transpose(1, 2)                                                     # (E, G*32, R)
+
+
+def dequantize_mxfp4(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every `X_blocks` / `X_scales` pair replaced by X dequantized (mxfp4_dequantize), in the dtype of the
+    checkpoint's other weights (its embedding's, as transformers dequantizes to the model dtype). A value
+    that overflows (a scale near 255) is refused by name, like any non-finite weight."""
+    pairs = [k.removesuffix("_blocks") for k in tensors if k.endswith("_blocks")]
+    if not pairs:
+        return tensors
+    dtype = next((t.dtype for k, t in tensors.items() if k.endswith("embed_tokens.weight")), torch.bfloat16)
+    out = {k: t for k, t in tensors.items() if not k.endswith(("_blocks", "_scales"))}
+    for key in pairs:
+        if key + "_scales" not in tensors:
+            raise CheckpointError(f"checkpoint has {key}_blocks but no {key}_scales (an MXFP4 tensor needs both)")
+        out[key] = mxfp4_dequantize(tensors[key + "_blocks"], tensors[key + "_scales"], dtype)
+        if not bool(torch.isfinite(out[key]).all()):
+            raise CheckpointError(f"MXFP4 tensor {key!r} dequantizes to non-finite values (a scale too large)")
     return out
 
 

@@ -15,6 +15,8 @@ How each op keeps the contract on the CPU (torch backend; each rule is checked b
              online softmax; a fully masked tile is an exact no-op, so prefill (many queries), decode
              (one query) and any padding give the same bits. q.k and p.v are bmm's over fixed
              ATTN_ROWS-row tiles of query rows (never a GEMM whose shape depends on the number of queries).
+             Sinks start the softmax; a sliding window lets a row skip the tiles below it (exact).
+             MLA's per-head projections (linear_heads) take linear()'s fixed row tiles.
 * MoE:       a stable sort of (token, k) slots by expert, each expert's rows through the chunked linear,
              the router weight applied in fp32, then a fixed-order fp32 sum over k. No index_add_, no atomics.
 * router:    softmax, or sigmoid as 1 / (1 + exp(-x)), in fp32; top-k by a stable descending sort (ties go
@@ -32,6 +34,7 @@ manager. Triton is imported only when the triton backend is first used.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -214,6 +217,25 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype).view(*lead, N)
 
 
+def linear_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per head h, y[..., h, :] = x[..., h, :] @ w[h].T with fp32 accumulation, bitwise independent of the
+    number of rows. x (..., H, K), w (H, N, K) -> (..., H, N) in x.dtype (MLA's absorbed key and value
+    projections). The torch path is linear()'s: fixed ROW_CHUNK-row tiles, one batched matmul for all heads."""
+    if _fast():
+        return torch.einsum("...hk,hnk->...hn", x, w)
+    if (kt := _triton_for(x)) is not None:    # triton backend: the matmul kernel, one launch per head
+        return torch.stack([kt.linear(x[..., h, :], w[h]) for h in range(w.shape[0])], -2)
+    lead, (H, K), N = x.shape[:-2], x.shape[-2:], w.shape[1]
+    x2 = x.reshape(-1, H, K).transpose(0, 1)                        # (H, M, K)
+    M = x2.shape[1]
+    x2 = torch.cat([x2, x2.new_zeros(H, ROW_CHUNK - M % ROW_CHUNK, K)], 1)     # 1..ROW_CHUNK zero rows, as linear
+    n_tiles = x2.shape[1] // ROW_CHUNK
+    tiles = x2.float().reshape(H * n_tiles, ROW_CHUNK, K)           # (H*M/C, C, K)
+    wt = w.float().transpose(1, 2)[:, None].expand(H, n_tiles, K, N).reshape(H * n_tiles, K, N)
+    y = torch.bmm(tiles, wt).view(H, -1, N)[:, :M]                  # (H, M, N) fp32
+    return y.transpose(0, 1).to(x.dtype).reshape(*lead, H, N)
+
+
 # ---------------------------------------------------------------------------------------------------
 # elementwise and row reductions
 # ---------------------------------------------------------------------------------------------------
@@ -237,11 +259,56 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
 
 
-def rope_tables(head_dim: int, theta: float, max_pos: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables (max_pos, head_dim // 2) in fp32, computed once (same formula as transformers)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's GLU: gate clamped to <= limit, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha *
+    gate), in fp32 with the row-invariant sigmoid, rounded to gate.dtype."""
+    g = gate.float().clamp(max=limit)
+    u = up.float().clamp(min=-limit, max=limit)
+    return ((u + 1) * (g * sigmoid(g * alpha))).to(gate.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, max_pos: int, device=None,
+                yarn: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables (max_pos, head_dim // 2) in fp32, computed once (same formulas as transformers).
+
+    yarn: YaRN's parameters (ModelConfig.yarn()): each frequency is a blend of itself (extrapolation)
+    and itself / factor (interpolation) along a linear ramp over the dims, and cos and sin are scaled
+    by the attention factor."""
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)   # (head_dim/2,)
+    inv_freq, factor = 1.0 / base, 1.0
+    if yarn is not None:
+        inv_freq, factor = _yarn_inv_freq(base, head_dim, theta, **yarn)
     freqs = torch.arange(max_pos, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
-    return freqs.cos(), freqs.sin()
+    if factor == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * factor, freqs.sin() * factor
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(base: torch.Tensor, dim: int, theta: float, *, factor: float, original_max_position_embeddings: int,
+                   beta_fast: float, beta_slow: float, truncate: bool, mscale: float, mscale_all_dim: float,
+                   attention_factor: float) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: base (dim/2,) = theta^(2i/dim) -> the blended
+    inverse frequencies (dim/2,) fp32 and the cos/sin scale."""
+    def dim_of(rotations):            # the dim whose wavelength makes `rotations` turns over the original context
+        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001                 # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=base.device) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp            # 1: keep the frequency (high ones), 0: divide it by factor (low ones)
+    inv_freq = 1.0 / (factor * base) * (1 - extrapolate) + 1.0 / base * extrapolate
+    if not attention_factor:
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
+    return inv_freq, float(attention_factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -272,7 +339,8 @@ def packed_block(t: torch.Tensor) -> int:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_table: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+                    block_table: torch.Tensor, positions: torch.Tensor, scale: float,
+                    sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of queries against their sequence's keys in a paged cache.
 
     q (B, T, H, D): queries of B sequences, T per sequence (prefill) or 1 (decode).
@@ -281,33 +349,44 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_table (B, n_blocks) int: page ids per sequence; entries past the sequence's end may be any
         valid page (they are masked).
     positions (B, T) int: absolute position of each query; query at p sees keys 0..p.
+    sinks (H,) or None: a learned logit per head, one more term exp(sink) in each softmax's denominator
+        and none in its numerator (gpt-oss): the online softmax starts from it (m = sink, l = 1).
+    window: if > 0, a query at p sees only keys p - window + 1 .. p (sliding-window attention).
     Returns (B, T, H, D) in q.dtype.
 
-    The keys are visited in KV_BLOCK tiles from position 0 upward with an online softmax in fp32;
-    a row (sequence) walks the tiles up to its own largest position, and tiles past a query's
-    position are exact no-ops for it (max unchanged, alpha = exp(0) = 1, p = 0), so where a row
-    stops does not change its bits.
+    The keys are visited in KV_BLOCK tiles at absolute positions with an online softmax in fp32; a row
+    (sequence) walks the tiles from the first one its queries' windows reach (0 without a window) up
+    to its own largest position. A tile masked for a query is an exact no-op for it (max unchanged,
+    alpha = exp(0) = 1, p = 0; from the empty state, l and acc stay exactly 0), so where a row starts
+    and stops does not change its bits: a decode step skips the tiles below its window, and gives the
+    bits of the prefill that walked them.
     """
     if _fast():
-        return _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale)
+        return _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks, window)
     if (kt := _triton_for(q)) is not None:    # triton backend dispatch
-        return kt.paged_attention(q, k_cache, v_cache, block_table, positions, scale)
+        return kt.paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks, window)
     assert k_cache.shape[1] % KV_BLOCK == 0, "page_size must be a multiple of KV_BLOCK"
-    # Each row walks its own tiles only: rows sorted by tile count (descending, stable), so at tile t
+    # Each row walks its own tiles only: rows sorted by tile count (descending, stable), so at step i
     # the rows still walking are a prefix; a row retires after its last tile (the tiles it skips were
     # exact no-ops for it). A packed batch's short sequences then cost their own length, not the
     # longest one's; rows of equal length (the padded trainer batch) keep their order.
-    row_tiles = positions.amax(1) // KV_BLOCK + 1                     # (B,)
-    order = torch.argsort(row_tiles, descending=True, stable=True)
-    tiles = row_tiles[order].tolist()                                 # host: the loop bounds
+    first = torch.zeros_like(positions[:, 0])                         # (B,) the row's first tile
+    if window:
+        first = (positions.amin(1) - window + 1).clamp(min=0) // KV_BLOCK
+    counts = positions.amax(1) // KV_BLOCK + 1 - first                # (B,) tiles to walk
+    order = torch.argsort(counts, descending=True, stable=True)
+    tiles = counts[order].tolist()                                    # host: the loop bounds
     if tiles[0] == tiles[-1]:
-        return _attend_tiles(q, k_cache, v_cache, block_table, positions, scale, tiles)
-    out = _attend_tiles(q[order], k_cache, v_cache, block_table[order], positions[order], scale, tiles)
+        return _attend_tiles(q, k_cache, v_cache, block_table, positions, scale, tiles, first, sinks, window)
+    out = _attend_tiles(q[order], k_cache, v_cache, block_table[order], positions[order], scale, tiles,
+                        first[order], sinks, window)
     return torch.empty_like(out).index_copy(0, order, out)            # back to the callers' row order
 
 
-def _attend_tiles(q, k_cache, v_cache, block_table, positions, scale: float, tiles: list[int]) -> torch.Tensor:
-    """paged_attention's torch path for rows sorted by their tile counts `tiles` (descending)."""
+def _attend_tiles(q, k_cache, v_cache, block_table, positions, scale: float, tiles: list[int],
+                  first: torch.Tensor, sinks, window: int) -> torch.Tensor:
+    """paged_attention's torch path for rows sorted by their tile counts `tiles` (descending), row b
+    walking tiles first[b], first[b] + 1, ..."""
     B, T, H, D = q.shape
     page_size, KVH = k_cache.shape[1], k_cache.shape[2]
     G = H // KVH
@@ -322,8 +401,7 @@ def _attend_tiles(q, k_cache, v_cache, block_table, positions, scale: float, til
     qr = (q.float() * scale).view(B, T, KVH, G, D).permute(0, 2, 1, 3, 4).reshape(B, KVH, R, D)
     qr = F.pad(qr, (0, 0, 0, pad)).view(B * KVH * n_chunks, ATTN_ROWS, D)      # (B*KVH*nC, C, D)
     row_pos = positions[:, None, :, None].expand(B, 1, T, G).reshape(B, 1, R)
-    m = torch.full((B, KVH, R), float("-inf"), dtype=torch.float32, device=q.device)
-    l = torch.zeros((B, KVH, R), dtype=torch.float32, device=q.device)
+    m, l = _softmax_start(sinks, B, KVH, T, G, q.device)              # (B, KVH, R) each
     acc = torch.zeros((B, KVH, R, D), dtype=torch.float32, device=q.device)
     offs = torch.arange(KV_BLOCK, device=q.device)
     k_slots, v_slots = k_cache.view(-1, KVH, D), v_cache.view(-1, KVH, D)     # (pages * page_size, KVH, D)
@@ -332,22 +410,29 @@ def _attend_tiles(q, k_cache, v_cache, block_table, positions, scale: float, til
     def per_chunk(t):                                                # (n, KVH, ...) -> (n*KVH*nC, ...)
         return t[:, :, None].expand(t.shape[0], KVH, n_chunks, *t.shape[2:]).reshape(-1, *t.shape[2:])
     n = B
-    for t in range(tiles[0]):
-        lo = t * KV_BLOCK
-        while tiles[n - 1] <= t:                                      # rows whose last tile has passed
+    for i in range(tiles[0]):
+        while tiles[n - 1] <= i:                                      # rows whose last tile has passed
             n -= 1
         if n < acc.shape[0]:
             done.append((acc[n:], l[n:]))
             acc, l, m = acc[:n], l[:n], m[:n]
-        slots = (block_table[:n, lo // page_size] * page_size + lo % page_size)[:, None] + offs   # (n, KB)
+        lo = (first[:n] + i) * KV_BLOCK                               # (n,) each row's tile
+        page = block_table[:n].gather(1, (lo // page_size)[:, None])[:, 0]
+        slots = (page * page_size + lo % page_size)[:, None] + offs   # (n, KB)
         k = k_slots.index_select(0, slots.view(-1)).view(n, KV_BLOCK, KVH, D).float().permute(0, 2, 3, 1)  # (n, KVH, D, KB)
         v = v_slots.index_select(0, slots.view(-1)).view(n, KV_BLOCK, KVH, D).float().permute(0, 2, 1, 3)  # (n, KVH, KB, D)
         s = torch.bmm(qr[:n * KVH * n_chunks], per_chunk(k)).view(n, KVH, R + pad, KV_BLOCK)[:, :, :R].contiguous()
-        visible = (lo + offs)[None, None, None, :] <= row_pos[:n, ..., None]  # (n, 1, R, KB)
+        key = (lo[:, None] + offs)[:, None, None, :]                  # (n, 1, 1, KB)
+        visible = key <= row_pos[:n, ..., None]                       # (n, 1, R, KB)
+        if window:
+            visible = visible & (key > row_pos[:n, ..., None] - window)
         s = s.masked_fill(~visible, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[..., None])                         # (n, KVH, R, KB)
+        # a query whose window starts past this tile has seen no key yet (m = -inf without sinks): its
+        # state stays exactly empty (p = 0, alpha = 0) rather than exp(-inf + inf) = nan
+        m_ref = torch.where(m_new > float("-inf"), m_new, 0.0) if window else m_new
+        alpha = torch.exp(m - m_ref)
+        p = torch.exp(s - m_ref[..., None])                          # (n, KVH, R, KB)
         l = l * alpha + p.sum(-1)
         p = (F.pad(p, (0, 0, 0, pad)) if pad else p).view(-1, ATTN_ROWS, KV_BLOCK)   # (n*KVH*nC, C, KB)
         pv = torch.bmm(p, per_chunk(v)).view(n, KVH, R + pad, D)[:, :, :R]
@@ -360,23 +445,35 @@ def _attend_tiles(q, k_cache, v_cache, block_table, positions, scale: float, til
     return out.permute(0, 2, 1, 3, 4).reshape(B, T, H, D).to(q.dtype)
 
 
+def _softmax_start(sinks, B: int, KVH: int, T: int, G: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online softmax's (m, l) before the first key, (B, KVH, T*G) fp32 each (row t*G + g is head
+    kvh*G + g): empty (-inf, 0), or with sinks the sink's own term (m = sink, l = exp(0) = 1)."""
+    if sinks is None:
+        return (torch.full((B, KVH, T * G), float("-inf"), dtype=torch.float32, device=device),
+                torch.zeros((B, KVH, T * G), dtype=torch.float32, device=device))
+    m = sinks.float().view(1, KVH, 1, G).expand(B, KVH, T, G).reshape(B, KVH, T * G)
+    return m, torch.ones_like(m)
+
+
 # ---------------------------------------------------------------------------------------------------
 # MoE: router and experts
 # ---------------------------------------------------------------------------------------------------
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
           forced_ids: torch.Tensor | None = None, *, scoring: str = "softmax", bias: torch.Tensor | None = None,
-          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0, detail: bool = False
-          ) -> tuple[torch.Tensor, ...]:
+          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0, detail: bool = False,
+          group_score: str = "top2_sum") -> tuple[torch.Tensor, ...]:
     """Router: scores in fp32, top-k with lowest-index tie-break, optional renormalisation and scaling.
 
     logits (M, E) -> ids (M, k) int64 used, weights (M, k) fp32, chosen (M, k) int64: the router's own
     top-k (equal to ids unless forced).
-    scoring: "softmax" (Qwen, Mixtral, OLMoE) or "sigmoid" (DeepSeek-V3, GLM-4.5; written 1 / (1 + exp(-z)),
-        which is row-invariant where torch.sigmoid is not).
+    scoring: "softmax" (Qwen, Mixtral, OLMoE), "sigmoid" (DeepSeek-V3, GLM-4.5; written 1 / (1 + exp(-z)),
+        which is row-invariant where torch.sigmoid is not) or "topk_softmax" (gpt-oss: the top-k of the fp32
+        logits, weighted by a softmax over those k, exp(z - max) / sum in k order; norm_topk_prob must be set).
     bias (E,): the score-correction bias, added to the scores for the CHOICE only; the weights are the
         unbiased scores of the chosen experts (DeepSeek-V3's aux-loss-free balancing).
     n_group, topk_group: group-limited top-k; the E experts form n_group consecutive groups, each ranked
-        by the sum of its two best (biased) scores, and the top-k is taken inside the topk_group best.
+        by the sum of its two best (biased) scores (group_score "top2_sum"; "max": its best, DeepSeek-V2),
+        and the top-k is taken inside the topk_group best.
     scaling: routed_scaling_factor, applied to the weights last.
     forced_ids (M, k): replay (R3) these experts instead of choosing; the weights are still the
     model's own scores of those experts (then the same renormalisation and scaling), so the router
@@ -394,23 +491,28 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
         probs = torch.softmax(logits.float(), dim=-1)
     elif scoring == "sigmoid":
         probs = sigmoid(logits)
+    elif scoring == "topk_softmax":                                  # gpt-oss: chosen on the logits themselves
+        probs = logits.float()
     else:
-        raise ValueError(f"router scoring {scoring!r}: softmax or sigmoid")
+        raise ValueError(f"router scoring {scoring!r}: softmax, sigmoid or topk_softmax")
     choice = probs if bias is None else probs + bias.float()
     if n_group > 1:
-        choice = _group_limit(choice, n_group, topk_group)
+        choice = _group_limit(choice, n_group, topk_group, group_score)
     if _fast():
         ids = torch.topk(choice, top_k, dim=-1).indices              # no tie-break guarantee
     else:
         ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
     chosen = ids
     if detail:
-        margin, entropy = route_margin(choice, top_k), router_entropy(probs)
+        margin = route_margin(choice, top_k)
+        entropy = router_entropy(torch.softmax(probs, -1) if scoring == "topk_softmax" else probs)
     if forced_ids is not None:
         forced_ids = forced_ids.long()
         free = (forced_ids < 0).all(-1, keepdim=True)               # (M, 1) unrecorded rows
         ids = torch.where(free, ids, forced_ids)
     weights = probs.gather(-1, ids)
+    if scoring == "topk_softmax":     # softmax over the k chosen logits: exp(z - max), normalised below
+        weights = torch.exp(weights - weights.amax(-1, keepdim=True))
     if norm_topk_prob:
         total = weights[:, 0]
         for j in range(1, top_k):                                    # fixed order, k ascending
@@ -460,34 +562,39 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-z))
 
 
-def _group_limit(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """Set to -inf the scores outside each row's topk_group best groups (DeepSeek-V3's group-limited
-    routing). choice (M, E) fp32; a group's score is the sum of its two best; ties: lowest group index."""
+def _group_limit(choice: torch.Tensor, n_group: int, topk_group: int, score: str = "top2_sum") -> torch.Tensor:
+    """Set to -inf the scores outside each row's topk_group best groups (DeepSeek's group-limited
+    routing). choice (M, E) fp32; a group's score is the sum of its two best (V3) or its best (V2, "max");
+    ties: lowest group index."""
     M, E = choice.shape
     grouped = choice.view(M, n_group, E // n_group)                  # (M, G, E/G)
     top2 = torch.sort(grouped, dim=-1, descending=True).values       # values only: ties do not matter
-    group_score = top2[..., 0] + top2[..., 1]                        # (M, G)
+    group_score = top2[..., 0] + top2[..., 1] if score == "top2_sum" else top2[..., 0]   # (M, G)
     best = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :topk_group]
     keep = torch.zeros(M, n_group, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
     return choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(M, E), float("-inf"))
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                ids: torch.Tensor, weights: torch.Tensor, b13: torch.Tensor | None = None,
+                b2: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """Sum over k of weight_k * down(silu(gate x) * up x) for each token's chosen experts.
 
     x (M, D); w13 (E, 2I, D) gate rows first; w2 (E, D, I); ids (M, k); weights (M, k) fp32.
+    gpt-oss's experts: b13 (E, 2I) and b2 (E, D) biases after each matmul (in x.dtype, as Linear's), and
+    swiglu = (alpha, limit), its clamped SwiGLU (clamped_swiglu) in place of silu(gate) * up.
     The torch path is the three steps below; expert_parallel.py runs the same three with an exchange
     between them (sort_slots and grouped_experts on the expert's owner, combine_slots on the token's rank).
     """
+    extras = dict(b13=b13, b2=b2, swiglu=swiglu)
     if _fast():
-        return _fast_moe_experts(x, w13, w2, ids, weights)
+        return _fast_moe_experts(x, w13, w2, ids, weights, **extras)
     if _triton_for(x) is not None:            # triton backend dispatch (the fused MoE has its own file)
         import kernels_triton_moe
-        return kernels_triton_moe.moe_experts(x, w13, w2, ids, weights)
+        return kernels_triton_moe.moe_experts(x, w13, w2, ids, weights, **extras)
     M, k = ids.shape
     order, counts = sort_slots(ids, w13.shape[0])                   # slot s = token s // k
-    per_slot = grouped_experts(x, k, order, counts, w13, w2, weights.reshape(-1))   # (M*k, D) fp32
+    per_slot = grouped_experts(x, k, order, counts, w13, w2, weights.reshape(-1), **extras)   # (M*k, D) fp32
     return combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
 
 
@@ -531,12 +638,14 @@ def capacity_keep(ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Ten
 
 
 def grouped_experts(x: torch.Tensor, k: int, order: torch.Tensor, counts: list[int], w13: torch.Tensor,
-                    w2: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                    w2: torch.Tensor, weights: torch.Tensor, b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """weight * down(silu(gate x) * up x) in fp32 for each slot s, which reads row s // k of x.
 
     x (R, D); order, counts from sort_slots; w13 (E, 2I, D); w2 (E, D, I); weights (R*k,) fp32
     -> (R*k, D) fp32 in slot order. Each expert's rows go through the row-chunked linear, so a slot's
-    bits depend neither on the other slots of its expert nor on its position among them.
+    bits depend neither on the other slots of its expert nor on its position among them (the biases
+    and the GLU are elementwise). b13, b2, swiglu: see moe_experts.
     """
     I = w2.shape[2]
     outs, start = [], 0
@@ -544,9 +653,16 @@ def grouped_experts(x: torch.Tensor, k: int, order: torch.Tensor, counts: list[i
         slots = order[start:start + n]                               # whichever experts the batch hits
         start += n
         h = linear(x[slots // k], w13[e])                           # (n, 2I)
-        a = silu_mul(h[:, :I], h[:, I:])                            # (n, I)
-        y = linear(a, w2[e]).float()                                # (n, D)
-        outs.append(y * weights[slots, None])
+        if b13 is not None:
+            h = h + b13[e]
+        if swiglu is None:
+            a = silu_mul(h[:, :I], h[:, I:])                        # (n, I)
+        else:
+            a = clamped_swiglu(h[:, :I], h[:, I:], *swiglu)
+        y = linear(a, w2[e])                                        # (n, D)
+        if b2 is not None:
+            y = y + b2[e]
+        outs.append(y.float() * weights[slots, None])
     sorted_out = torch.cat(outs)                                    # (R*k, D) in expert order
     return sorted_out[torch.argsort(order)]                         # back to slot order
 
@@ -638,7 +754,7 @@ def _truncate(p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 # the batch-variant fast path of `variant(batch_variant=True)`: what a rollout engine typically runs
 # ---------------------------------------------------------------------------------------------------
-def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale):
+def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks=None, window=0):
     """Gather the sequences' pages, then one SDPA call (its kernel and split choices depend on the
     shapes). Every page of the block table is gathered (its width, not positions.max(): no host sync,
     so a decode step can be a CUDA graph); the mask hides what lies past each query. The G query heads
@@ -651,24 +767,40 @@ def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale):
     G = H // KVH
     keys = gather_pages(k_cache, block_table).transpose(1, 2)        # (B, KVH, L, D)
     vals = gather_pages(v_cache, block_table).transpose(1, 2)
-    visible = torch.arange(keys.shape[2], device=q.device)[None, None, :] <= positions[:, :, None]  # (B, T, L)
+    key = torch.arange(keys.shape[2], device=q.device)[None, None, :]
+    visible = key <= positions[:, :, None]                            # (B, T, L)
+    if window:
+        visible = visible & (key > positions[:, :, None] - window)
     rows = q.reshape(B, T, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * T, D)  # head kvh*G+g, query t
     mask = visible[:, None, None].expand(B, 1, G, T, keys.shape[2]).reshape(B, 1, G * T, -1)   # (B, 1, G*T, L)
-    out = F.scaled_dot_product_attention(rows, keys, vals, attn_mask=mask, scale=scale)     # (B, KVH, G*T, D)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(rows, keys, vals, attn_mask=mask, scale=scale)     # (B, KVH, G*T, D)
+    else:   # SDPA has no sinks: transformers' eager gpt-oss attention (the sink a last logit, then dropped)
+        s = (rows @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))         # (B, KVH, G*T, L)
+        sink = sinks.to(s.dtype).view(1, KVH, G, 1, 1).expand(B, KVH, G, T, 1).reshape(B, KVH, G * T, 1)
+        out = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1] @ vals
     return out.view(B, KVH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def _fast_moe_experts(x, w13, w2, ids, weights):
+def _fast_moe_experts(x, w13, w2, ids, weights, b13=None, b2=None, swiglu=None):
     """What a fast engine runs: torch._grouped_mm over expert-sorted rows (bf16 on a GPU; no host
-    sync), else a per-expert loop accumulating with index_add_ in the model dtype (as transformers)."""
-    if grouped_mm_usable(x.device, x.dtype, x.shape[1], w2.shape[2]):
+    sync), else a per-expert loop accumulating with index_add_ in the model dtype (as transformers;
+    gpt-oss's biased, clamped experts always take the loop)."""
+    plain = b13 is None and b2 is None and swiglu is None
+    if plain and grouped_mm_usable(x.device, x.dtype, x.shape[1], w2.shape[2]):
         return _grouped_mm_moe(x, w13, w2, ids, weights)
     I = w2.shape[2]
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         token, slot = torch.where(ids == e)
-        h = F.linear(x[token], w13[e])
-        y = F.linear(F.silu(h[:, :I]) * h[:, I:], w2[e])
+        h = F.linear(x[token], w13[e], None if b13 is None else b13[e])
+        if swiglu is None:
+            a = F.silu(h[:, :I]) * h[:, I:]
+        else:
+            alpha, limit = swiglu
+            g, u = h[:, :I].clamp(max=limit), h[:, I:].clamp(-limit, limit)
+            a = (u + 1) * g * torch.sigmoid(g * alpha)
+        y = F.linear(a, w2[e], None if b2 is None else b2[e])
         out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
     return out
 

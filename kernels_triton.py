@@ -13,7 +13,8 @@ Ops (one section each: kernel(s), then the autograd Function):
 * linear            tile config by M bucket (MM_TABLE), whole K loop in order, fp32 accumulator
 * rms_norm          one program per row, fp32
 * paged_attention   one kernel for trainer prefill, rollout prefill and decode (key splits merged in
-                    order, run in parallel when there are few programs); recompute backward
+                    order, run in parallel when there are few programs); recompute backward; attention
+                    sinks and sliding windows (gpt-oss) as constexpr variants
 Two more files hold the rest, each importing only kernels_triton_base.py (interpreter switch, launch
 options), never kernels.py: kernels_triton_moe.py (the fused MoE) and kernels_triton_vocab.py (the
 ops over the vocabulary: token log-probs and the sampler's draw).
@@ -273,14 +274,53 @@ def _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, 
 
 
 @triton.jit
-def _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, MASK: tl.constexpr, KB: tl.constexpr):
+def _visible(kpos, pos, WIN, WINDOW: tl.constexpr):
+    # (R, KB): key at kpos visible to the query at pos: causal, and inside a sliding window of WIN keys
+    seen = kpos[None, :] <= pos[:, None]
+    if WINDOW:
+        seen = seen & (kpos[None, :] > pos[:, None] - WIN)
+    return seen
+
+
+@triton.jit
+def _attn_span(pos, ok, WIN, KB: tl.constexpr, WINDOW: tl.constexpr):
+    # a program's key tiles: it walks [j_lo, n_tiles), and tiles below n_full need no mask (every row
+    # sees them whole). A window masks every tile, and tiles below j_lo are masked for every row (the
+    # window of its smallest position starts past them): skipped, which is exact (see _attn_fwd_step).
+    lo = tl.min(tl.where(ok, pos, 2**30), 0)
+    n_tiles = tl.max(pos, 0) // KB + 1
+    n_full = (lo + 1) // KB
+    j_lo = lo * 0
+    if WINDOW:
+        n_full = lo * 0
+        j_lo = tl.maximum(lo - WIN + 1, 0) // KB
+    return n_full, n_tiles, j_lo
+
+
+@triton.jit
+def _attn_start(sink_ptr, h, ok, R: tl.constexpr, SINKS: tl.constexpr):
+    # the online softmax before the first key: empty (m = -inf, l = 0), or the head's sink logit as its
+    # first term (m = sink in base 2, l = exp2(0) = 1; the sink adds nothing to acc)
+    if SINKS:
+        m = tl.load(sink_ptr + h, mask=ok, other=0.0)
+        l = tl.full((R,), 1.0, tl.float32)
+    else:
+        m = tl.full((R,), float("-inf"), tl.float32)
+        l = tl.zeros((R,), tl.float32)
+    return m, l
+
+
+@triton.jit
+def _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, WIN, MASK: tl.constexpr, KB: tl.constexpr,
+                   WINDOW: tl.constexpr):
     # one key tile of the online softmax, base 2: s2 = q.k * scale * log2(e); MASK on the tiles that
-    # hold a row's causal edge. A key past a row's position gets -inf, and a whole tile of them is an
-    # exact no-op for the row (m unchanged, alpha = exp2(0) = 1, p = 0); unmasked and masked tiles
-    # give a visible key the same value, so where the split falls cannot change a row's bits.
+    # hold a row's causal edge (or its window's). A masked key gets -inf, and a whole tile of them is an
+    # exact no-op for the row (m unchanged, alpha = exp2(0) = 1, p = 0; from the empty state m_ref = 0,
+    # so l and acc stay exactly 0); unmasked and masked tiles give a visible key the same value, so
+    # where the split falls, or where a program starts, cannot change a row's bits.
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale                     # (R, KB)
     if MASK:
-        s = tl.where(j * KB + tl.arange(0, KB)[None, :] <= pos[:, None], s, float("-inf"))
+        s = tl.where(_visible(j * KB + tl.arange(0, KB), pos, WIN, WINDOW), s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)       # a row with no key yet in its split: p = 0
     alpha = tl.exp2(m - m_ref)
@@ -291,22 +331,22 @@ def _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, MASK: tl.constexpr, KB:
 
 
 @triton.jit
-def _attn_split(q, pos, sp, n_full, n_tiles, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd,
-                PAGE, d, D, qk_scale, R: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr, SPLIT: tl.constexpr,
-                UPCAST: tl.constexpr):
-    # split sp: a fresh online softmax over key tiles [sp * SPLIT, (sp + 1) * SPLIT) below n_tiles,
+def _attn_split(q, pos, sp, n_full, n_tiles, j_lo, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh,
+                s_kd, PAGE, d, D, qk_scale, WIN, R: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
+                SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr):
+    # split sp: a fresh online softmax over key tiles [sp * SPLIT, (sp + 1) * SPLIT) in [j_lo, n_tiles),
     # without masks below n_full -> its (acc, m, l)
     m = tl.full((R,), float("-inf"), tl.float32)
     l = tl.zeros((R,), tl.float32)
     acc = tl.zeros((R, BD), tl.float32)
-    j0 = sp * SPLIT
-    j1 = tl.minimum(j0 + SPLIT, n_tiles)
+    j0 = tl.maximum(sp * SPLIT, j_lo)
+    j1 = tl.minimum(sp * SPLIT + SPLIT, n_tiles)
     for j in range(j0, tl.minimum(j1, n_full)):
         k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
-        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, False, KB)
+        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, WIN, False, KB, WINDOW)
     for j in range(tl.maximum(j0, n_full), j1):
         k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
-        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, True, KB)
+        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, WIN, True, KB, WINDOW)
     return acc, m, l
 
 
@@ -320,16 +360,17 @@ def _attn_merge(acc, m, l, acc_s, m_s, l_s):
     return acc * a[:, None] + acc_s * c[:, None], m_new, l * a + l_s * c
 
 
-@triton.jit(do_not_specialize=ATTN_GEOMETRY + ["s_ob"])
-def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
+@triton.jit(do_not_specialize=ATTN_GEOMETRY + ["s_ob", "WIN"])
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr, sink_ptr,
                      s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
-                     s_ob, s_ot, s_oh, s_od, T, H, KVH, G, D, PAGE, NB, qk_scale,
+                     s_ob, s_ot, s_oh, s_od, T, H, KVH, G, D, PAGE, NB, qk_scale, WIN,
                      BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
-                     SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                     SPLIT: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr, WINDOW: tl.constexpr):
     # Invariance: key tiles at absolute positions 0, KB, 2KB, ... visited upward with an fp32 online
-    # softmax per split of SPLIT tiles, the splits merged in order, in one fixed layout
-    # (ATTN_TABLE["fwd"]). The loop bound (this program's largest position) and the masked/unmasked
-    # boundary (its smallest) cannot change a row's bits (see _attn_fwd_step and _attn_merge): decode
+    # softmax per split of SPLIT tiles, the splits merged in order into the running state (which starts
+    # at the sink, SINKS), in one fixed layout (ATTN_TABLE["fwd"]). The loop bounds (this program's
+    # largest position; under a WINDOW, the first tile its smallest position's window reaches) and the
+    # masked/unmasked boundary cannot change a row's bits (see _attn_fwd_step and _attn_merge): decode
     # (T = 1) equals prefill, and the batch and page layout do not matter.
     pid_bh = tl.program_id(0)
     blk = tl.num_programs(1) - 1 - tl.program_id(1)             # the longest causal rows start first
@@ -339,14 +380,13 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr,
     q = tl.load(q_ptr + q_off, mask=mask, other=0.0)                                  # (R, BD)
     if UPCAST:
         q = q.to(tl.float32)
-    m = tl.full((BT * GP,), float("-inf"), tl.float32)
-    l = tl.zeros((BT * GP,), tl.float32)
+    m, l = _attn_start(sink_ptr, h, ok, BT * GP, SINKS)
     acc = tl.zeros((BT * GP, BD), tl.float32)
-    n_full = (tl.min(tl.where(ok, pos, 2**30), 0) + 1) // KB    # tiles every row sees whole: no mask
-    n_tiles = tl.max(pos, 0) // KB + 1
-    for sp in range(0, tl.cdiv(n_tiles, SPLIT)):
-        acc_s, m_s, l_s = _attn_split(q, pos, sp, n_full, n_tiles, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr,
-                                      s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, BT * GP, BD, KB, SPLIT, UPCAST)
+    n_full, n_tiles, j_lo = _attn_span(pos, ok, WIN, KB, WINDOW)
+    for sp in range(j_lo // SPLIT, tl.cdiv(n_tiles, SPLIT)):
+        acc_s, m_s, l_s = _attn_split(q, pos, sp, n_full, n_tiles, j_lo, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr,
+                                      v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, WIN, BT * GP, BD, KB,
+                                      SPLIT, UPCAST, WINDOW)
         acc, m, l = _attn_merge(acc, m, l, acc_s, m_s, l_s)
     _attn_store(acc, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, ok, mask)
 
@@ -359,28 +399,28 @@ def _attn_store(acc, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T
     tl.store(lse_ptr + (b * T + t) * H + h, m + tl.log2(l), mask=ok)          # base 2
 
 
-@triton.jit(do_not_specialize=ATTN_GEOMETRY + ["RS"])
+@triton.jit(do_not_specialize=ATTN_GEOMETRY + ["RS", "WIN"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, acc_ptr, ml_ptr,
                        s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
-                       T, H, KVH, G, D, PAGE, NB, qk_scale, RS,
+                       T, H, KVH, G, D, PAGE, NB, qk_scale, WIN, RS,
                        BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
-                       SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                       SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr):
     # program (sequence x KV head, query block, split): _attn_fwd_kernel's split sp, on its own; its
     # (acc, m, l) go to scratch for _attn_merge_kernel, the first RS rows of the block (min(T, BT)
-    # queries x GP heads: a decode step's block has one query). A split past the block's keys stores nothing.
+    # queries x GP heads: a decode step's block has one query). A split past the block's keys, or
+    # wholly below its window, stores nothing (the merge skips it too).
     pid_bh, blk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
     t, h, ok, d, q_off, mask, pos = _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                pos_ptr, s_pb, s_pt, BT, GP, BD, D)
-    n_tiles = tl.max(pos, 0) // KB + 1
-    if sp * SPLIT >= n_tiles:
+    n_full, n_tiles, j_lo = _attn_span(pos, ok, WIN, KB, WINDOW)
+    if sp * SPLIT >= n_tiles or sp < j_lo // SPLIT:
         return
     q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    n_full = (tl.min(tl.where(ok, pos, 2**30), 0) + 1) // KB
-    acc, m, l = _attn_split(q, pos, sp, n_full, n_tiles, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr,
-                            s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, BT * GP, BD, KB, SPLIT, UPCAST)
+    acc, m, l = _attn_split(q, pos, sp, n_full, n_tiles, j_lo, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr,
+                            s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, WIN, BT * GP, BD, KB, SPLIT, UPCAST, WINDOW)
     part = ((pid_bh * tl.num_programs(1) + blk) * tl.num_programs(2) + sp).to(tl.int64)
     r = tl.arange(0, BT * GP)
     tl.store(acc_ptr + (part * RS + r[:, None]) * BD + d[None, :], acc, mask=r[:, None] < RS)
@@ -388,22 +428,22 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, acc_ptr, ml_ptr,
     tl.store(ml_ptr + (part * 2 + 1) * RS + r, l, mask=r < RS)
 
 
-@triton.jit(do_not_specialize=["T", "s_pb", "s_pt", "s_ob", "NS", "RS"])
-def _attn_merge_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, lse_ptr, s_pb, s_pt, s_ob, s_ot, s_oh, s_od,
-                       T, H, KVH, G, D, NS, RS, BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr,
-                       KB: tl.constexpr, SPLIT: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "s_pb", "s_pt", "s_ob", "NS", "RS", "WIN"])
+def _attn_merge_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, lse_ptr, sink_ptr, s_pb, s_pt, s_ob, s_ot, s_oh, s_od,
+                       T, H, KVH, G, D, NS, RS, WIN, BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr,
+                       KB: tl.constexpr, SPLIT: tl.constexpr, SINKS: tl.constexpr, WINDOW: tl.constexpr):
     # program (sequence x KV head, query block): the splits _attn_split_kernel wrote, merged in order
-    # from the empty state exactly as _attn_fwd_kernel merges them (the same splits: those below the
-    # block's last key tile), then the same output and log-sum-exp
+    # from the start state exactly as _attn_fwd_kernel merges them (the same splits: those from the
+    # block's first to its last key tile), then the same output and log-sum-exp
     pid_bh, blk = tl.program_id(0), tl.program_id(1)
     b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
     t, h, ok, d, _, mask, pos = _attn_rows(blk, b, kvh, T, G, o_ptr, s_ob, s_ot, s_oh, s_od,
                                            pos_ptr, s_pb, s_pt, BT, GP, BD, D)
     r = tl.arange(0, BT * GP)
-    m = tl.full((BT * GP,), float("-inf"), tl.float32)
-    l = tl.zeros((BT * GP,), tl.float32)
+    m, l = _attn_start(sink_ptr, h, ok, BT * GP, SINKS)
     acc = tl.zeros((BT * GP, BD), tl.float32)
-    for sp in range(0, tl.cdiv(tl.max(pos, 0) // KB + 1, SPLIT)):
+    _, n_tiles, j_lo = _attn_span(pos, ok, WIN, KB, WINDOW)
+    for sp in range(j_lo // SPLIT, tl.cdiv(n_tiles, SPLIT)):
         part = ((pid_bh * tl.num_programs(1) + blk) * NS + sp).to(tl.int64)
         acc_s = tl.load(acc_ptr + (part * RS + r[:, None]) * BD + d[None, :], mask=r[:, None] < RS, other=0.0)
         m_s = tl.load(ml_ptr + (part * 2) * RS + r, mask=r < RS, other=0.0)      # rows past RS (never
@@ -425,22 +465,24 @@ def _attn_bwd_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, q_off, mask, ok, b, t, h, 
 
 
 @triton.jit
-def _attn_bwd_p_ds(q, do, k, v, lse2, delta, kpos, pos, ok, qk_scale, MASK: tl.constexpr):
-    # the backward's recomputed probabilities p (R, KB) and ds = p * (dO.v - delta)
+def _attn_bwd_p_ds(q, do, k, v, lse2, delta, kpos, pos, ok, qk_scale, WIN, MASK: tl.constexpr,
+                   WINDOW: tl.constexpr):
+    # the backward's recomputed probabilities p (R, KB) and ds = p * (dO.v - delta); the log-sum-exp
+    # holds the sink's term, so p is the forward's
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     p = tl.exp2(s - lse2[:, None])
     if MASK:
-        p = tl.where((kpos[None, :] <= pos[:, None]) & ok[:, None], p, 0.0)
+        p = tl.where(_visible(kpos, pos, WIN, WINDOW) & ok[:, None], p, 0.0)
     ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
     return p, ds
 
 
-@triton.jit(do_not_specialize=ATTN_GEOMETRY)
+@triton.jit(do_not_specialize=ATTN_GEOMETRY + ["WIN"])
 def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                         s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
-                        T, H, KVH, G, D, PAGE, NB, qk_scale, scale,
+                        T, H, KVH, G, D, PAGE, NB, qk_scale, scale, WIN,
                         BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, WINDOW: tl.constexpr):
     # Deterministic: one program per query block recomputes p from the saved log-sum-exp and
     # accumulates dq over the key tiles in order. q, do, dq share q's (B, T, H, D) strides (the
     # caller makes them contiguous). Dots take operands in the input dtype (p, ds rounded to it, as
@@ -452,28 +494,30 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, d
                                                pos_ptr, s_pb, s_pt, BT, GP, BD, D)
     q, do, lse2, delta = _attn_bwd_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, q_off, mask, ok, b, t, h, T, H, UPCAST)
     dq = tl.zeros((BT * GP, BD), tl.float32)
-    n_full = (tl.min(tl.where(ok, pos, 2**30), 0) + 1) // KB
-    n_tiles = tl.max(pos, 0) // KB + 1
-    for j in range(0, n_full):
+    n_full, n_tiles, j_lo = _attn_span(pos, ok, WIN, KB, WINDOW)
+    for j in range(j_lo, n_full):
         k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
-        p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, j * KB + tl.arange(0, KB), pos, ok, qk_scale, False)
+        p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, j * KB + tl.arange(0, KB), pos, ok, qk_scale, WIN, False,
+                               WINDOW)
         dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
-    for j in range(n_full, n_tiles):
+    for j in range(tl.maximum(j_lo, n_full), n_tiles):
         k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
-        p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, j * KB + tl.arange(0, KB), pos, ok, qk_scale, True)
+        p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, j * KB + tl.arange(0, KB), pos, ok, qk_scale, WIN, True,
+                               WINDOW)
         dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
     tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=ATTN_GEOMETRY)
+@triton.jit(do_not_specialize=ATTN_GEOMETRY + ["WIN"])
 def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                          s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
-                         T, H, KVH, G, D, PAGE, NB, NKEYS, qk_scale, scale,
+                         T, H, KVH, G, D, PAGE, NB, NKEYS, qk_scale, scale, WIN,
                          BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, WINDOW: tl.constexpr):
     # Deterministic, atomic-free: one program per (key tile, sequence, KV head) owns its dk/dv tile
     # and loops over the query blocks in index order, skipping the blocks that see none of its keys
-    # (causal). Output: per-sequence (B, NKEYS, KVH, D) fp32.
+    # (causal, and under a WINDOW the blocks whose smallest position's window starts past the tile).
+    # Output: per-sequence (B, NKEYS, KVH, D) fp32.
     pid_bh, j = tl.program_id(0), tl.program_id(1)               # key tile 0 has the most work: first
     b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
     d = tl.arange(0, BD)
@@ -484,10 +528,13 @@ def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, 
     for i in range(0, tl.cdiv(T, BT)):
         t, h, ok, d, q_off, mask, pos = _attn_rows(i, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                    pos_ptr, s_pb, s_pt, BT, GP, BD, D)
-        if tl.max(tl.where(ok, pos, -1), 0) >= j * KB:           # else this block adds exact zeros
+        sees = tl.max(tl.where(ok, pos, -1), 0) >= j * KB
+        if WINDOW:
+            sees = sees & (tl.min(tl.where(ok, pos, 2**30), 0) - WIN < (j + 1) * KB - 1)
+        if sees:                                                 # else this block adds exact zeros
             q, do, lse2, delta = _attn_bwd_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, q_off, mask, ok, b, t, h, T, H,
                                                 UPCAST)
-            p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, kpos, pos, ok, qk_scale, True)
+            p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, kpos, pos, ok, qk_scale, WIN, True, WINDOW)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")             # (KB, BD)
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
     off = ((b * NKEYS + kpos[:, None]) * KVH + kvh) * D + d[None, :]
@@ -510,17 +557,18 @@ def _strides(*ts):
 
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_cache, v_cache, block_table, positions, scale):
+    def forward(ctx, q, k_cache, v_cache, block_table, positions, scale, sinks, window):
         rows, warps, stages = ATTN_TABLE["fwd"]
         B, T, H, D, PAGE, KVH, G, GP, BT, BD = _attn_meta(q, k_cache, rows)
         assert k_cache.stride() == v_cache.stride()
         out = torch.empty_like(q)
-        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)     # base 2
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)     # base 2, the sink's term included
+        sink2 = lse if sinks is None else (sinks.float() * LOG2E).contiguous()   # the sink logits in base 2
         grid = (B * KVH, triton.cdiv(T, BT))
         NB = block_table.shape[1]
         NS = triton.cdiv(triton.cdiv(NB * PAGE, ATTN_KEYS), ATTN_SPLIT)      # splits the table can hold
-        geometry = (T, H, KVH, G, D, PAGE, NB, scale * LOG2E)
-        opts = dict(BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, SPLIT=ATTN_SPLIT, **LAUNCH)
+        geometry = (T, H, KVH, G, D, PAGE, NB, scale * LOG2E, window or 1 << 30)
+        opts = dict(BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, SPLIT=ATTN_SPLIT, WINDOW=bool(window), **LAUNCH)
         parts, RS = grid[0] * grid[1] * NS, min(T, BT) * GP     # RS: rows a block stores per split
         # few programs and scratch to spare: the splits in parallel
         if NS > 1 and grid[0] * grid[1] < ATTN_SPLIT_BELOW and parts * RS * (BD + 2) * 4 <= ATTN_SPLIT_SCRATCH:
@@ -529,30 +577,32 @@ class _PagedAttention(torch.autograd.Function):
             _attn_split_kernel[(*grid, NS)](
                 q, k_cache, v_cache, block_table, positions, acc, ml, *_strides(q, k_cache, block_table, positions),
                 *geometry, RS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **opts)
-            _attn_merge_kernel[grid](acc, ml, positions, out, lse, *_strides(positions, out), T, H, KVH, G, D, NS, RS,
-                                     num_warps=warps, **opts)
+            _attn_merge_kernel[grid](acc, ml, positions, out, lse, sink2, *_strides(positions, out), T, H, KVH, G, D,
+                                     NS, RS, geometry[-1], SINKS=sinks is not None, num_warps=warps, **opts)
         else:
             _attn_fwd_kernel[grid](
-                q, k_cache, v_cache, block_table, positions, out, lse, *_strides(q, k_cache, block_table, positions, out),
-                *geometry, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **opts)
-        ctx.save_for_backward(q, k_cache, v_cache, block_table, positions, out, lse)
-        ctx.scale = scale
+                q, k_cache, v_cache, block_table, positions, out, lse, sink2,
+                *_strides(q, k_cache, block_table, positions, out), *geometry, UPCAST=UPCAST, SINKS=sinks is not None,
+                num_warps=warps, num_stages=stages, **opts)
+        ctx.save_for_backward(q, k_cache, v_cache, block_table, positions, out, lse, sink2)
+        ctx.scale, ctx.window, ctx.sinks = scale, window, sinks is not None
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k_cache, v_cache, block_table, positions, out, lse = ctx.saved_tensors
+        q, k_cache, v_cache, block_table, positions, out, lse, sink2 = ctx.saved_tensors
         B, T, H, D, PAGE, KVH, G, GP, _, BD = _attn_meta(q, k_cache, 1)
         q, dout = q.contiguous(), dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1).contiguous()        # (B, T, H)
         common = (*_strides(q, k_cache, block_table, positions), T, H, KVH, G, D, PAGE, block_table.shape[1])
-        scales = (ctx.scale * LOG2E, ctx.scale)
+        scales = (ctx.scale * LOG2E, ctx.scale, ctx.window or 1 << 30)
+        win = dict(WINDOW=bool(ctx.window))
         dq = torch.empty_like(q)
         rows, warps, stages = ATTN_TABLE["bwd_dq"]
         BT = max(1, rows // GP)
         _attn_bwd_dq_kernel[(B * KVH, triton.cdiv(T, BT))](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dq, *common, *scales,
-            BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **LAUNCH)
+            BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **win, **LAUNCH)
         # dK, dV per sequence over every key tile the block table spans (its width, not the largest
         # position: no host sync; a tile no query sees gets zeros), then summed into the pages
         NB = block_table.shape[1]
@@ -563,8 +613,12 @@ class _PagedAttention(torch.autograd.Function):
         BT = max(1, rows // GP)
         _attn_bwd_dkv_kernel[(B * KVH, nkeys // ATTN_KEYS)](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dk_seq, dv_seq, *common, nkeys,
-            *scales, BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **LAUNCH)
-        return (dq, *_pages_grad(dk_seq, dv_seq, k_cache, block_table), None, None, None)
+            *scales, BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **win,
+            **LAUNCH)
+        # a sink's gradient: d out / d sink = -p_sink * out, so -sum over queries of p_sink * (dO . out),
+        # p_sink = exp2(sink2 - lse2) (deterministic torch ops)
+        dsinks = -(torch.exp2(sink2 - lse) * delta).sum((0, 1)) if ctx.sinks else None
+        return (dq, *_pages_grad(dk_seq, dv_seq, k_cache, block_table), None, None, None, dsinks, None)
 
 
 @triton.jit
@@ -605,7 +659,8 @@ def _pages_grad(dk_seq, dv_seq, k_cache, block_table):
     return dk, dv
 
 
-def paged_attention(q, k_cache, v_cache, block_table, positions, scale):
+def paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks=None, window=0):
     # one index dtype for every caller (the trainer's arange and the sampler's tables are int64)
     block_table, positions = (_aligned(t.to(device=q.device, dtype=torch.long)) for t in (block_table, positions))
-    return _PagedAttention.apply(_aligned(q), _aligned(k_cache), _aligned(v_cache), block_table, positions, float(scale))
+    return _PagedAttention.apply(_aligned(q), _aligned(k_cache), _aligned(v_cache), block_table, positions, float(scale),
+                                 sinks, int(window))

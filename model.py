@@ -20,8 +20,11 @@ before NeoX RoPE, scale head_dim^-0.5, no biases. Router: softmax(gate(x)) in fp
 optional renormalisation. Experts are stacked: w13 (E, 2I, D) with gate rows first, w2 (E, D, I).
 That is Qwen3-MoE; the other families (hf.py) switch on config knobs, each off by default:
 q/k/v and o biases (added after the matmul, in the model dtype), q/k norm over the whole projection or
-none, partial RoPE (the first rotary_dim dims of each head), sigmoid routing with a score-correction
-bias and grouped top-k (kernels.route), routed_scaling_factor, and shared experts (see MoE).
+none, partial RoPE (the first rotary_dim dims of each head), YaRN RoPE tables, sigmoid routing with a
+score-correction bias and grouped top-k (kernels.route), routed_scaling_factor, shared experts (see MoE);
+gpt-oss's attention sinks and sliding windows (kernels.paged_attention), its biased router with a softmax
+over the top-k and its biased clamped-SwiGLU experts; DeepSeek's multi-head latent attention (MLA, in
+its absorbed form: the sampler caches one latent per token, kv_caches).
 """
 from __future__ import annotations
 
@@ -134,11 +137,52 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
+def attend(q, k, v, positions, kv: PagedKV | PackedPages | None, layer_idx: int, scale: float, **attn):
+    """Attention of this call's queries q (B, T, H, D) over its own keys and values k, v (B, T, KVH, D)
+    and, in the sampler, those of earlier steps in the pages of kv. v None: the values are the keys (MLA's
+    latent cache is one tensor). attn: kernels.paged_attention's sinks and window. -> (B, T, H, D)."""
+    B, T, KVH, D = k.shape
+    if isinstance(kv, PackedPages):
+        # Trainer path, packed: each sequence's queries and keys in blocks of their own
+        return packed_attention(q, k, k if v is None else v, kv, scale, **attn)
+    if kv is None:
+        # Trainer path: this call's own keys, laid out as pages of KV_BLOCK positions, sequence b
+        # owning pages [b * n_blocks, (b + 1) * n_blocks).
+        pad = (-T) % kernels.KV_BLOCK
+        k_pages = F.pad(k, (0, 0, 0, 0, 0, pad)).reshape(-1, kernels.KV_BLOCK, KVH, D)
+        v_pages = k_pages if v is None else F.pad(v, (0, 0, 0, 0, 0, pad)).reshape(-1, kernels.KV_BLOCK, KVH, D)
+        block_table = torch.arange(k_pages.shape[0], device=q.device).view(B, -1)
+    else:
+        # Sampler path: write the new keys into the persistent pages, then attend over them.
+        (k_pages, v_pages), block_table = kv.caches[layer_idx], kv.block_table
+        slots = kv.slot_mapping.reshape(-1)                                            # (B*T,)
+        k_pages.view(-1, KVH, D)[slots] = k.reshape(-1, KVH, D)
+        if v is not None:
+            v_pages.view(-1, KVH, D)[slots] = v.reshape(-1, KVH, D)
+    return kernels.paged_attention(q, k_pages, v_pages, block_table, positions, scale, **attn)
+
+
+def kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+              device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The sampler's KV pages: per layer a (k_pages, v_pages) pair (PagedKV.caches), zeroed. GQA: keys and
+    values, each (num_pages, page_size, KVH, head_dim); MLA: one latent tensor (num_pages, page_size, 1,
+    kv_lora_rank + head_dim) as both halves of the pair (its keys are its values, MLA.forward)."""
+    heads, dim = cfg.kv_cache_heads_dims
+    caches = []
+    for _ in range(cfg.num_hidden_layers):
+        k = torch.zeros(num_pages, page_size, heads, dim, dtype=dtype, device=device)
+        caches.append((k, k) if cfg.kv_lora_rank else (k, torch.zeros_like(k)))
+    return caches
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.rotary_dim, self.qk_norm = cfg.rotary_dim, cfg.qk_norm
+        self.window = cfg.window(layer_idx)                 # gpt-oss's sliding layers: keys [p - window + 1, p]
+        # gpt-oss's sinks: one logit per head in the softmax's denominator (kernels.paged_attention)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.attention_sinks else None
         qd, kd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = Linear(cfg.hidden_size, qd, cfg.attention_bias)
         self.k_proj = Linear(cfg.hidden_size, kd, cfg.attention_bias)
@@ -160,24 +204,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-        if isinstance(kv, PackedPages):
-            # Trainer path, packed: each sequence's queries and keys in blocks of their own
-            o = packed_attention(q, k, v, kv, self.head_dim ** -0.5)
-            return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim))
-        if kv is None:
-            # Trainer path: this call's own keys, laid out as pages of KV_BLOCK positions, sequence b
-            # owning pages [b * n_blocks, (b + 1) * n_blocks).
-            pad = (-T) % kernels.KV_BLOCK
-            k_pages = F.pad(k, (0, 0, 0, 0, 0, pad)).reshape(-1, kernels.KV_BLOCK, self.n_kv_heads, self.head_dim)
-            v_pages = F.pad(v, (0, 0, 0, 0, 0, pad)).reshape(-1, kernels.KV_BLOCK, self.n_kv_heads, self.head_dim)
-            block_table = torch.arange(k_pages.shape[0], device=x.device).view(B, -1)
-        else:
-            # Sampler path: write the new keys into the persistent pages, then attend over them.
-            (k_pages, v_pages), block_table = kv.caches[layer_idx], kv.block_table
-            slots = kv.slot_mapping.reshape(-1)                                        # (B*T,)
-            k_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = k.reshape(-1, self.n_kv_heads, self.head_dim)
-            v_pages.view(-1, self.n_kv_heads, self.head_dim)[slots] = v.reshape(-1, self.n_kv_heads, self.head_dim)
-        o = kernels.paged_attention(q, k_pages, v_pages, block_table, positions, self.head_dim ** -0.5)
+        o = attend(q, k, v, positions, kv, layer_idx, self.head_dim ** -0.5, sinks=self.sinks, window=self.window)
         return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim))
 
     def rope(self, x, cos, sin):
@@ -186,6 +213,67 @@ class Attention(nn.Module):
             return kernels.apply_rope(x, cos, sin)
         r = self.rotary_dim
         return torch.cat([kernels.apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 / V3, Moonlight, GLM-4.7-Flash), in its absorbed form.
+
+    Per token the keys and values of all H heads come from one latent c = norm(kv_a(x)) of kv_lora_rank
+    dims and one RoPE key k_rot of head_dim dims shared by the heads; kv_b_proj holds per head W_UK (the
+    non-RoPE key, qk_nope_head_dim x kv_lora_rank) and W_UV (the value, v_head_dim x kv_lora_rank):
+
+        score_h(i, j) = q_nope_h(i) . W_UK_h c_j + q_rot_h(i) . k_rot_j = [q_nope_h W_UK_h, q_rot_h](i) . [c, k_rot]_j
+        out_h(i) = W_UV_h sum_j p_h(i, j) c_j
+
+    That is attention of H query heads over ONE key head [c, k_rot] whose first kv_lora_rank dims are
+    also its value; each head's W_UV is applied after. The cache holds [c, k_rot] per token (576
+    numbers for DeepSeek-V3, not 2 * 128 heads * 192) and decode reads nothing else. The trainer's
+    forward runs the same absorbed form, so the sampler's bits are the trainer's (docs/design.md, "MLA").
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        H, D = cfg.num_attention_heads, cfg.hidden_size
+        self.n_heads, self.rank, self.rope_dim = H, cfg.kv_lora_rank, cfg.head_dim
+        self.nope_dim, self.v_dim, self.interleave = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.rope_interleave
+        q_dim = H * (self.nope_dim + self.rope_dim)
+        if cfg.q_lora_rank:     # q through a low-rank bottleneck, normed in the middle (DeepSeek-V3)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)   # transformers' default eps, not rms_norm_eps
+            self.q_b_proj = Linear(cfg.q_lora_rank, q_dim)
+        else:
+            self.q_proj = Linear(D, q_dim)
+        self.kv_a_proj_with_mqa = Linear(D, self.rank + self.rope_dim, cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = Linear(self.rank, H * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(H * self.v_dim, D, cfg.attention_bias)
+        self.scale = (self.nope_dim + self.rope_dim) ** -0.5
+        yarn = cfg.yarn()
+        if yarn and yarn["mscale_all_dim"]:           # YaRN's softmax scale (DeepSeek's yarn_apply_mscale)
+            self.scale *= kernels.yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+
+    def forward(self, x, cos, sin, positions, kv: PagedKV | PackedPages | None, layer_idx: int):
+        B, T, _ = x.shape
+        H, r = self.n_heads, self.rank
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, H, self.nope_dim + self.rope_dim)                          # (B, T, H, dn + dr)
+        ckv = self.kv_a_proj_with_mqa(x)                                            # (B, T, r + dr)
+        latent = self.kv_a_layernorm(ckv[..., :r]).view(B, T, 1, r)                 # (B, T, 1, r)
+        k_rot = self.rope(ckv[..., r:].reshape(B, T, 1, self.rope_dim), cos, sin)   # (B, T, 1, dr)
+        w_uk, w_uv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, r).split([self.nope_dim, self.v_dim], 1)
+        q_lat = kernels.linear_heads(q[..., :self.nope_dim], w_uk.transpose(1, 2))  # (B, T, H, r): q_nope W_UK
+        q = torch.cat([q_lat, self.rope(q[..., self.nope_dim:], cos, sin)], -1)     # (B, T, H, r + dr)
+        keys = torch.cat([latent, k_rot], -1)                                       # (B, T, 1, r + dr)
+        o = attend(q, keys, None, positions, kv, layer_idx, self.scale)            # (B, T, H, r + dr)
+        out = kernels.linear_heads(o[..., :r], w_uv)                                # (B, T, H, dv): W_UV p.c
+        return self.o_proj(out.reshape(B, T, H * self.v_dim))
+
+    def rope(self, x, cos, sin):
+        """RoPE on x (B, T, heads, dr): DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...; they are
+        gathered into halves first (both q and k, so their dot products are the interleaved ones)."""
+        if self.interleave:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+        return kernels.apply_rope(x, cos, sin)
 
 
 @dataclass
@@ -279,11 +367,15 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Router(D, E)
+        self.gate = Router(D, E, cfg.router_bias)
         if cfg.score_correction_bias:
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))      # gate_proj rows then up_proj rows
         self.w2 = nn.Parameter(torch.empty(E, D, I))           # down_proj
+        # gpt-oss's experts: biases after each matmul (b13 like w13, gate entries then up) and the clamped SwiGLU
+        self.b13 = nn.Parameter(torch.zeros(E, 2 * I)) if cfg.expert_bias else None
+        self.b2 = nn.Parameter(torch.zeros(E, D)) if cfg.expert_bias else None
+        self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.moe_act == "clamped_swiglu" else None
         self.shared_experts = MLP(D, I * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -292,9 +384,17 @@ class MoE(nn.Module):
         # the router's knobs; at their defaults kernels.route runs exactly the softmax path
         self.route_kw = dict(scoring=cfg.router_scoring, n_group=cfg.n_group, topk_group=cfg.topk_group,
                              scaling=cfg.routed_scaling_factor)
+        if cfg.group_score != "top2_sum":                      # DeepSeek-V2 ranks a group by its best score
+            self.route_kw["group_score"] = cfg.group_score
         # expert_parallel.ExpertParallel when w13 / w2 hold only this rank's E/N experts (shard_experts)
         self.ep = None
         self.n_experts = E
+
+    def expert_extras(self) -> dict:
+        """kernels.moe_experts' gpt-oss arguments (expert biases, clamped SwiGLU); none for other families."""
+        if self.b13 is None and self.swiglu is None:
+            return {}
+        return dict(b13=self.b13, b2=self.b2, swiglu=self.swiglu)
 
     def forward(self, x, forced_ids=None, detail: list | None = None):
         """x (B, T, D) -> (B, T, D) and the router's own top-k ids (B, T, k). detail: a list to append
@@ -332,7 +432,7 @@ class MoE(nn.Module):
         """The routed experts' fp32 combine over k of rows x2 (M, D), in x2's dtype: here, or on the
         experts' owner ranks under EP (the same bits)."""
         if self.ep is None:
-            return kernels.moe_experts(x2, self.w13, self.w2, ids, weights)
+            return kernels.moe_experts(x2, self.w13, self.w2, ids, weights, **self.expert_extras())
         return expert_parallel.moe_experts(x2, self.w13, self.w2, ids, weights, self.ep)
 
 
@@ -341,7 +441,7 @@ class Block(nn.Module):
         super().__init__()
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLA(cfg, layer_idx) if cfg.kv_lora_rank else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.layer_idx = layer_idx
@@ -377,7 +477,7 @@ class Transformer(nn.Module):
             with torch.no_grad():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
-                elif name.endswith(".bias"):
+                elif name.endswith((".bias", ".b13", ".b2")):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
@@ -388,7 +488,8 @@ class Transformer(nn.Module):
     def rope(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._rope:
             c = self.config
-            self._rope[device] = kernels.rope_tables(c.rotary_dim, c.rope_theta, c.max_position_embeddings, device)
+            self._rope[device] = kernels.rope_tables(c.rotary_dim, c.rope_theta, c.max_position_embeddings, device,
+                                                     yarn=c.yarn())
         return self._rope[device]
 
     # ---- the one forward ----

@@ -135,15 +135,17 @@ class PackedPages:
     positions: torch.Tensor
 
 
-def packed_attention(q, k, v, pages: PackedPages, scale: float) -> torch.Tensor:
-    """Attention of packed (B, T, H, D) queries over their own sequence's keys: (B, T, H, D), 0 on padding."""
+def packed_attention(q, k, v, pages: PackedPages, scale: float, **attn) -> torch.Tensor:
+    """Attention of packed (B, T, H, D) queries over their own sequence's keys: (B, T, H, D), 0 on padding.
+    attn: kernels.paged_attention's sinks and window."""
     B, T, H, D = q.shape
     n_blocks, block = pages.positions.shape
 
     def to_blocks(x):                                              # (B, T, h, D) -> (n_blocks, block, h, D)
         flat = x.reshape(B * T, *x.shape[2:])[pages.tokens]
         return flat.new_zeros(n_blocks * block, *x.shape[2:]).index_copy(0, pages.slots, flat).view(n_blocks, block, *x.shape[2:])
-    o = kernels.paged_attention(to_blocks(q), to_blocks(k), to_blocks(v), pages.block_table, pages.positions, scale)
+    o = kernels.paged_attention(to_blocks(q), to_blocks(k), to_blocks(v), pages.block_table, pages.positions, scale,
+                                **attn)
     o = o.reshape(n_blocks * block, H, D)[pages.slots]              # (n, H, D)
     return o.new_zeros(B * T, H, D).index_copy(0, pages.tokens, o).view(B, T, H, D)
 

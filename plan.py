@@ -144,7 +144,7 @@ def main(argv: list[str]) -> str:
     sampler_dtype = tcfg.dtype if quantized else rcfg.rollout_dtype or tcfg.dtype
     sampler_bytes = nbytes[sampler_dtype]
     lab_copy = quantized or sampler_dtype != tcfg.dtype or rcfg.rollout_router_fault != "none"   # lab.rollout_copy
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * sampler_bytes
+    kv_per_token = cfg.num_hidden_layers * cfg.kv_numbers_per_token * sampler_bytes
     plan = memory_plan(parameter_shapes(cfg), world, tcfg.parallel, tcfg.expert_parallel, dtype_bytes,
                        sampler_bytes, kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size,
                        int(gpu_gb * GB), rcfg.kv_memory_fraction,
@@ -154,10 +154,23 @@ def main(argv: list[str]) -> str:
     if lab_copy:
         parts.append(f"{rcfg.rollout_dtype} as {tcfg.dtype}" if quantized else
                      sampler_dtype if sampler_dtype != tcfg.dtype else f"{tcfg.dtype}, its router faulted")
-    return format_plan(plan, tcfg, world, gpu_gb, " + ".join(parts) or tcfg.dtype)
+    return format_plan(plan, tcfg, world, gpu_gb, " + ".join(parts) or tcfg.dtype, kv_line(cfg, sampler_bytes))
 
 
-def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, sampler_dtype: str) -> str:
+def kv_line(cfg: ModelConfig, nbytes: int) -> str:
+    """What the KV pool holds per token: the layers' numbers, and for MLA what per-head keys and values would."""
+    per_token = cfg.num_hidden_layers * cfg.kv_numbers_per_token * nbytes
+    line = (f"KV cache: {per_token:,} bytes per token ({cfg.num_hidden_layers} layers x "
+            f"{cfg.kv_numbers_per_token:,} numbers")
+    if not cfg.kv_lora_rank:
+        return line + f": keys and values of {cfg.num_key_value_heads} heads x {cfg.head_dim})"
+    expanded = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.head_dim + cfg.v_head_dim)
+    return (line + f": MLA's latent {cfg.kv_lora_rank} + RoPE key {cfg.head_dim}; its {cfg.num_attention_heads} heads' "
+            f"keys and values would be {expanded:,}, {expanded / cfg.kv_numbers_per_token:.1f}x as many)")
+
+
+def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, sampler_dtype: str,
+                kv: str = "") -> str:
     layout = "FSDP2" if tcfg.parallel == "fsdp" and world > 1 else "DDP" if world > 1 else "one process"
     m = {"float32": "fp32", "bfloat16": "bf16"}[tcfg.master_dtype]
     rows = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads), (f"AdamW state ({m} x 2)", plan.adamw),
@@ -168,6 +181,7 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
              f"parameters; {world} rank(s), {layout}, --expert_parallel={tcfg.expert_parallel}, --dtype={tcfg.dtype}",
              f"per rank: {plan.params_per_rank / 1e9:.2f}B parameters"]
     lines += [f"  {name:<44} {b / GB:9.2f} GB" for name, b in rows]
+    lines += [kv] if kv else []
     lines.append(f"{'fits' if fits else 'does not fit'} in {gpu_gb:g} GB per GPU "
                  f"({(gpu_gb * GB - plan.total) / GB:+.2f} GB left for activations and temporaries)")
     if plan.load_peak > gpu_gb * GB and os.path.isdir(tcfg.init_from):

@@ -83,7 +83,7 @@ from tqdm.auto import tqdm
 import expert_parallel
 import kernels
 from config import RolloutConfig, check_sampling
-from model import PagedKV, Transformer
+from model import PagedKV, Transformer, kv_caches
 from scheduler import BlockManager, Scheduler, Sequence, Step
 
 CPU_KV_BYTES = 1 << 30            # the KV pool's cap on the CPU, where there is no free-memory query
@@ -174,10 +174,7 @@ class ModelRunner:
         self.model, self.device, self.dtype = model, p.device, p.dtype
         self.block_size, self.num_blocks, self.max_batch_size = block_size, num_blocks, max_batch_size
         self.pad_row, self.scratch_page = max_batch_size, num_blocks
-        kv_shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.caches = [(torch.zeros(kv_shape, dtype=self.dtype, device=self.device),
-                        torch.zeros(kv_shape, dtype=self.dtype, device=self.device))
-                       for _ in range(cfg.num_hidden_layers)]
+        self.caches = kv_caches(cfg, num_blocks + 1, block_size, self.dtype, self.device)   # + the scratch page
         self.cuda_graphs = config.cuda_graphs
         if self.cuda_graphs is None:
             self.cuda_graphs = self._graphs_usable(config.rollout_mode)
@@ -477,7 +474,7 @@ class Sampler:
         cfg, bs = self.model.config, self.config.block_size
         p = next(self.model.parameters())
         n_moe, k = self.model.n_moe_layers, cfg.num_experts_per_tok
-        per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
+        per_slot = cfg.num_hidden_layers * cfg.kv_numbers_per_token * p.element_size()      # K and V (MLA: the latent)
         per_slot += n_moe * k * route_dtype(cfg.num_experts).itemsize
         per_slot += 4 * n_moe * (k + 1) if self.config.record_route_detail else 0
         block_bytes = bs * per_slot

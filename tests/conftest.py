@@ -201,6 +201,40 @@ FAMILY_HF = {
                                  n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                                  first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True,
                                  attention_bias=True, partial_rotary_factor=0.5)),
+    # sinks (random, non-zero), a window of 12 on layers 0 and 2 (shorter than most prompts, not a whole
+    # key tile), YaRN, biased router and experts, the clamped SwiGLU at a limit the activations reach
+    "gpt_oss": ("GptOss", dict(head_dim=16, num_local_experts=8, intermediate_size=24, sliding_window=12,
+                               swiglu_limit=1.0, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                               "original_max_position_embeddings": 64})),
+    # dots.llm1: a window of 10 (no sinks) from layer 1 on; MiniMax-M2: half the head's dims rotated
+    "dots1": ("Dots1", dict(head_dim=16, n_routed_experts=8, moe_intermediate_size=24, num_experts_per_tok=3,
+                            n_shared_experts=2, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+                            first_k_dense_replace=1, norm_topk_prob=True, attention_bias=True, sliding_window=10,
+                            max_window_layers=1)),
+    "minimax_m2": ("MiniMaxM2", dict(head_dim=16, num_local_experts=8, intermediate_size=24, partial_rotary_factor=0.5)),
+    # MLA: q through its low-rank path (V3, GLM) or q_proj (V2), RoPE pairs interleaved, YaRN's softmax
+    # scale (V3, V2); V3's router as GLM's, V2's softmax with best-group-limited top-k, GLM-4.7-Flash's
+    # mlp_layer_types
+    "deepseek_v3": ("DeepseekV3", dict(num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=24,
+                                       num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2,
+                                       routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+                                       kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                       v_head_dim=12, rope_interleave=True, attention_bias=True,
+                                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 64})),
+    "deepseek_v2": ("DeepseekV2", dict(num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=24,
+                                       num_experts_per_tok=2, n_shared_experts=2, n_group=4, topk_group=2,
+                                       topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+                                       first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+                                       qk_rope_head_dim=8, v_head_dim=12,
+                                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
+                                                        "mscale_all_dim": 0.707, "original_max_position_embeddings": 64})),
+    "glm4_moe_lite": ("Glm4MoeLite", dict(num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=24,
+                                          num_experts_per_tok=3, n_shared_experts=1, n_group=2, topk_group=1,
+                                          routed_scaling_factor=1.8, kv_lora_rank=16, q_lora_rank=12,
+                                          qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
+                                          mlp_layer_types=["dense", "sparse", "sparse"])),
 }
 
 
@@ -211,7 +245,7 @@ def make_hf_family(model_type: str, seed: int = 0, std: float = 0.15, **override
     prefix, kw = FAMILY_HF[model_type]
     kw = {**FAMILY_DIMS, **kw, **overrides}
     theta = kw.pop("rope_theta", 10000.0)
-    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    kw["rope_parameters"] = {"rope_type": "default", **kw.pop("rope_parameters", {}), "rope_theta": theta}
     if "partial_rotary_factor" in kw:
         kw["rope_parameters"]["partial_rotary_factor"] = kw.pop("partial_rotary_factor")
     cfg = getattr(transformers, prefix + "Config")(**kw, attn_implementation="eager", experts_implementation="eager")

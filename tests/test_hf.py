@@ -4,10 +4,12 @@ as state.
 
     python -m pytest -q tests/test_hf.py
 
-Per family (qwen3_moe, qwen2_moe, olmoe, mixtral, glm4_moe; tiny random checkpoints that transformers
-makes here, conftest.FAMILY_HF): logits within 1e-5 relative in fp32, gradients, save -> transformers
-reads back the same bits, batch-invariant score (fp32, bf16), the sampler contract, greedy ==
-transformers' generate. Then: the router's new ops (sigmoid, bias, groups, scaling) against brute force
+Per family (every model_type of hf.FAMILIES; tiny random checkpoints that transformers makes here,
+conftest.FAMILY_HF): logits within 1e-5 relative in fp32, gradients, save -> transformers reads back
+the same bits, batch-invariant score (fp32, bf16), the sampler contract, greedy == transformers'
+generate. For the new attention kinds (gpt-oss's sinks and windows, dots.llm1's windows, MLA): each
+knob's control, the sampler contract through preemption and batch layouts, packing, MLA's latent cache,
+and gpt-oss's MXFP4 checkpoints bitwise as transformers dequantizes them. Then: the router's new ops (sigmoid, bias, groups, scaling) against brute force
 and for row invariance with their controls, R3 replay under sigmoid routing, DeepSeek-V3's MoE block
 against transformers' DeepseekV3MoE, Qwen3-MoE unchanged (the old ops, bit for bit), the bias in
 checkpoints, syncs and the balancing update, and a CUDA test of the router ops' row invariance. For
@@ -68,8 +70,9 @@ def hf_routes(hf, toks):
     """transformers' logits and, per MoE layer, its router's top-k ids (M, k) (a hook on mlp.gate)."""
     ids, handles = [], []
     for layer in hf.model.layers:
-        if hasattr(layer.mlp, "experts"):
-            handles.append(layer.mlp.gate.register_forward_hook(lambda m, i, out: ids.append(out[2])))
+        if hasattr(layer.mlp, "experts"):                  # gpt-oss calls its gate the router
+            gate = layer.mlp.router if hasattr(layer.mlp, "router") else layer.mlp.gate
+            handles.append(gate.register_forward_hook(lambda m, i, out: ids.append(out[2])))
     try:
         with torch.no_grad():
             logits = hf(toks).logits
@@ -99,9 +102,10 @@ def test_logits_and_routes_match_transformers(family, mt):
         assert torch.equal(routes[:, :, j].reshape(r.shape).sort(-1).values, r.sort(-1).values), (mt, j)
 
 
-def test_glm_bias_is_used_for_the_choice(family):
+@pytest.mark.parametrize("mt", ["glm4_moe", "minimax_m2", "dots1"])
+def test_glm_bias_is_used_for_the_choice(family, mt):
     """Control for the test above: zeroing our copy of the score-correction bias changes the routes."""
-    hf, _, model = family("glm4_moe")
+    hf, _, model = family(mt)
     model = copy.deepcopy(model)
     toks = tokens()
     _, ref_ids = hf_routes(hf, toks)
@@ -485,7 +489,237 @@ def test_r3_replay_with_sigmoid_routing(family, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
-# DeepSeek-V3's MoE block (MLA attention is out of scope)
+# gpt-oss: each knob is used, the contract through preemption and packing, MXFP4 checkpoints
+# ---------------------------------------------------------------------------------------------------
+def test_gpt_oss_each_knob_is_used(family):
+    """The controls of test_logits_and_routes_match_transformers for gpt-oss: our model with one of its
+    knobs switched off no longer matches transformers (each knob is on in the checkpoint and matters)."""
+    hf, _, model = family("gpt_oss")
+    toks = tokens()
+    with torch.no_grad():
+        ref = hf(toks).logits
+    sliding = [i for i in range(3) if model.config.window(i)]
+
+    def no_sinks(m):
+        for layer in m.layers:
+            layer.self_attn.sinks = None
+
+    def no_window(m):
+        for i in sliding:
+            m.layers[i].self_attn.window = 0
+
+    def no_yarn(m):
+        m.config = dataclasses.replace(m.config, rope_type="default")
+        m._rope.clear()
+
+    def no_clamp(m):
+        for layer in m.layers:
+            layer.mlp.swiglu = (layer.mlp.swiglu[0], 1e4)
+
+    def no_router_bias(m):
+        for layer in m.layers:
+            layer.mlp.gate.bias = None
+    assert sliding == [0, 2] and max(len(q) for q in toks) > model.config.sliding_window
+    for off in (no_sinks, no_window, no_yarn, no_clamp, no_router_bias):
+        m = copy.deepcopy(model)
+        off(m)
+        with torch.no_grad():
+            err = rel_err(m(toks), ref)
+        assert err > 1e-3, f"{off.__name__}: still matches transformers ({err:.1e})"
+
+
+GPT_OSS_CONFIGS = {"preempt": dict(num_blocks=4, max_batch_size=16), "batch2": dict(max_batch_size=2),
+                   "block32": dict(block_size=32), "small_prefill": dict(max_num_batched_tokens=40)}
+
+
+NEW_ATTENTION = ["gpt_oss", "dots1", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"]   # dots1: a window, no sinks
+
+
+@pytest.mark.parametrize("config", list(GPT_OSS_CONFIGS))
+@pytest.mark.parametrize("mt", NEW_ATTENTION)
+def test_sink_window_and_latent_sampler_contract(family, mt, config):
+    """gpt-oss's sinks and a window (12) shorter than every prompt but one (decode steps skip the key
+    tiles below it), MLA's latent cache: log-probs and routes bitwise score's, through preemption and
+    every batch layout."""
+    model = family(mt)[2]
+    prompts = [s.tolist() for s in seqs_(seed=6, lengths=[3, 17, 29, 40, 16])]
+    sampler = Sampler(model, **GPT_OSS_CONFIGS[config])
+    outs = sampler.generate(prompts, max_new_tokens=12, temperature=1.0, n=2, seed=3, progress=False)
+    assert (sampler.num_preemptions > 0) == (config == "preempt")
+    assert_contract(model, outs, 1.0)
+
+
+@pytest.mark.parametrize("mt", NEW_ATTENTION)
+def test_sink_window_and_latent_packed_score_is_the_padded_bits(family, mt):
+    """Packed sequences (each its own positions, sinks and window, or latent keys) get the padded bits."""
+    from packing import Packing
+    model = family(mt)[2]
+    seqs = seqs_(seed=8, lengths=[30, 5, 19, 40])
+    batch = torch.zeros(len(seqs), 40, dtype=torch.long)
+    for i, q in enumerate(seqs):
+        batch[i, :len(q)] = q
+    packing = Packing.concat([len(q) for q in seqs])
+    with torch.no_grad():
+        logp, routes = model.score(batch)
+        plogp, proutes = model.score(torch.cat(seqs)[None], packing=packing)
+    plogp, proutes = packing.to_padded(plogp), packing.to_padded(proutes)
+    for i, q in enumerate(seqs):
+        assert torch.equal(plogp[i, :len(q) - 1], logp[i, :len(q) - 1]), i
+        assert torch.equal(proutes[i, :len(q)], routes[i, :len(q)]), i
+
+
+def test_mla_caches_the_latent_and_rope_key_only(family):
+    """The sampler's pages of an MLA layer: one (pages, block, 1, kv_lora_rank + head_dim) tensor, both
+    halves of the (k, v) pair, holding each token's normed latent and RoPE'd key; what plan.py counts."""
+    model = family("deepseek_v3")[2]
+    cfg = model.config
+    sampler = Sampler(model, num_blocks=8)
+    k, v = sampler.caches[0]
+    assert k is v and k.shape == (9, 16, 1, cfg.kv_lora_rank + cfg.head_dim)
+    assert cfg.kv_numbers_per_token == 16 + 8 < 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.head_dim)
+    prompt = seqs_(seed=2, lengths=[20])[0]
+    sampler.generate([prompt.tolist()], max_new_tokens=1, temperature=0, progress=False)
+    attn = model.layers[1].self_attn
+    with torch.no_grad():
+        x = model.layers[1].input_layernorm(model.layers[0](model.embed_tokens(prompt[None]), *[
+            t[torch.arange(20)][None] for t in model.rope("cpu")], torch.arange(20)[None], None)[0])
+        ckv = attn.kv_a_proj_with_mqa(x)
+    page = sampler.runner.block_tables[0, 0]
+    latent = sampler.caches[1][0][page, :16, 0]                             # the first 16 positions
+    assert torch.equal(latent[:, :16], attn.kv_a_layernorm(ckv[0, :16, :16]))
+
+
+def test_dots1_window_is_used(family):
+    """Control: dots.llm1's window (10, no sinks) matters for its prompts; without it transformers disagrees."""
+    hf, _, model = family("dots1")
+    toks = tokens()
+    m = copy.deepcopy(model)
+    for layer in m.layers:
+        layer.self_attn.window = 0
+    with torch.no_grad():
+        assert rel_err(m(toks), hf(toks).logits) > 1e-3
+
+
+def test_mla_each_knob_is_used(family):
+    """Controls for MLA: interleaved RoPE pairs and YaRN's softmax scale matter (V3's checkpoint has both)."""
+    hf, _, model = family("deepseek_v3")
+    toks = tokens()
+    with torch.no_grad():
+        ref = hf(toks).logits
+
+    def halves(m):
+        for layer in m.layers:
+            layer.self_attn.interleave = False
+
+    def plain_scale(m):
+        for layer in m.layers:
+            layer.self_attn.scale = (layer.self_attn.nope_dim + layer.self_attn.rope_dim) ** -0.5
+    for off in (halves, plain_scale):
+        m = copy.deepcopy(model)
+        off(m)
+        with torch.no_grad():
+            assert rel_err(m(toks), ref) > 1e-3, off.__name__
+
+
+@pytest.mark.parametrize("mt", ["gpt_oss", "deepseek_v3"])
+def test_fast_rollout_of_sinks_windows_and_mla(family, mt):
+    """The mismatch lab's fast path (SDPA, or transformers' eager softmax with the sink as a last logit;
+    einsum for MLA's projections) runs these models and lands near score's log-probs, not on them."""
+    model = family(mt)[2]
+    prompts = [s.tolist() for s in seqs_(seed=9, lengths=[17, 30])]
+    outs = Sampler(model, rollout_mode="fast").generate(prompts, max_new_tokens=6, temperature=1.0, seed=1,
+                                                        progress=False)
+    for o in outs:
+        logp, _ = model.score(torch.tensor([o.prompt + o.tokens]))
+        assert (torch.tensor(o.logprobs) - logp[0, len(o.prompt) - 1:]).abs().max() < 1e-4
+
+
+def test_gpt_oss_refuses_expert_parallelism(family):
+    import expert_parallel
+    with pytest.raises(ValueError, match="expert biases"):
+        expert_parallel.keep_experts(copy.deepcopy(family("gpt_oss")[2]), [0, 1, 2, 3])
+
+
+def _mxfp4_checkpoint(src: str, dst: str, seed: int = 0) -> dict:
+    """src's checkpoint with its experts replaced by random MXFP4 blocks and scales (the layout of
+    gpt-oss's published checkpoints) and a quantization_config; returns the blocks and scales."""
+    from safetensors.torch import load_file, save_file
+    t, g, packed = load_file(os.path.join(src, "model.safetensors")), torch.Generator().manual_seed(seed), {}
+    for key in [k for k in t if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, K, N = t.pop(key).shape                                        # x @ W: (E, in, out)
+        packed[key + "_blocks"] = torch.randint(0, 256, (E, N, K // 32, 16), generator=g, dtype=torch.uint8)
+        packed[key + "_scales"] = torch.randint(118, 132, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    os.makedirs(dst, exist_ok=True)
+    save_file({**t, **packed}, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return packed
+
+
+def test_mxfp4_dequantize_is_transformers_bits():
+    """hf.mxfp4_dequantize against transformers' own dequantizer, every code and scales from the
+    subnormal range to near overflow, in bf16 and fp32."""
+    from hf import mxfp4_dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 253, (3, 40, 4), generator=g, dtype=torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = mxfp4_dequantize(blocks, scales, dtype)
+        assert ours.shape == (3, 128, 40) and ours.dtype == dtype
+        assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype)), dtype
+    nibbles = torch.cat([blocks & 15, blocks >> 4]).unique()
+    assert len(nibbles) == 16                                             # every E2M1 code was seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path, dtype):
+    """A gpt-oss checkpoint with MXFP4 experts: our weights are bitwise those transformers dequantizes
+    (Mxfp4Config(dequantize=True)), our save is the dequantized checkpoint that transformers reads back."""
+    hf = make_hf_family("gpt_oss", seed=2, intermediate_size=32).to(dtype)   # MXFP4 groups: dims of 32
+    hf.save_pretrained(str(tmp_path / "src"))
+    _mxfp4_checkpoint(str(tmp_path / "src"), str(tmp_path / "mx"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "mx"), dtype=dtype, attn_implementation="eager", experts_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    ours = Transformer.from_pretrained(str(tmp_path / "mx"))
+    assert ours.layers[0].mlp.w13.dtype == dtype
+    want = hf_state_as_ours(ref, ours)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert not torch.equal(want["layers.0.mlp.w13"], hf_state_as_ours(hf, ours)["layers.0.mlp.w13"])   # dequantized
+    ours.save_pretrained(str(tmp_path / "out"))
+    assert "quantization_config" not in json.load(open(tmp_path / "out" / "config.json"))
+    back = load_hf_auto(str(tmp_path / "out"), dtype)
+    toks = tokens(2, 20, seed=4)
+    with torch.no_grad():
+        assert torch.equal(back(toks).logits, ref(toks).logits)
+
+
+def test_mxfp4_errors(tmp_path, family):
+    from hf import dequantize_mxfp4, mxfp4_dequantize
+    with pytest.raises(CheckpointError, match="no .*_scales"):
+        dequantize_mxfp4({"a_blocks": torch.zeros(1, 2, 1, 16, dtype=torch.uint8)})
+    with pytest.raises(CheckpointError, match="do not match"):
+        mxfp4_dequantize(torch.zeros(1, 2, 1, 16, dtype=torch.uint8), torch.zeros(1, 2, 2, dtype=torch.uint8), torch.float32)
+    with pytest.raises(CheckpointError, match="non-finite"):               # 6 * 2^128 overflows
+        dequantize_mxfp4({"a_blocks": torch.full((1, 1, 1, 16), 0x77, dtype=torch.uint8),
+                          "a_scales": torch.full((1, 1, 1), 255, dtype=torch.uint8)})
+    d = config_to_hf(family("gpt_oss")[2].config)
+    with pytest.raises(ConfigError, match="quant_method='fp8'"):
+        config_from_hf({**d, "quantization_config": {"quant_method": "fp8"}})
+    d = config_to_hf(family("qwen3_moe")[2].config)
+    with pytest.raises(ConfigError, match="load a dequantized checkpoint"):
+        config_from_hf({**d, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported for qwen3_moe"):
+        config_from_hf({**d, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
+                                                 "original_max_position_embeddings": 64}})
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSeek-V3's MoE block alone
 # ---------------------------------------------------------------------------------------------------
 def test_deepseek_v3_moe_block_matches_transformers():
     from model import MoE
@@ -531,7 +765,28 @@ def test_family_config_fields():
                          routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
                          attention_bias=True, attention_out_bias=False, qk_norm="head", partial_rotary_factor=0.5,
                          moe_layers=[1, 2], rotary_dim=8),
+        "gpt_oss": dict(attention_sinks=True, sliding_window=12, rope_type="yarn", yarn_factor=4.0,
+                        yarn_original_max_position_embeddings=64, yarn_truncate=False, router_bias=True,
+                        router_scoring="topk_softmax", norm_topk_prob=True, expert_bias=True, moe_act="clamped_swiglu",
+                        swiglu_alpha=1.702, swiglu_limit=1.0, attention_bias=True, attention_out_bias=True,
+                        qk_norm="none", moe_intermediate_size=24, moe_layers=[0, 1, 2],
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        "dots1": dict(router_scoring="sigmoid", score_correction_bias=True, n_group=2, n_shared_experts=2,
+                      first_k_dense_replace=1, attention_bias=True, attention_out_bias=True, qk_norm="head",
+                      sliding_window=10, layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+        "minimax_m2": dict(router_scoring="sigmoid", score_correction_bias=True, norm_topk_prob=True, qk_norm="full",
+                           partial_rotary_factor=0.5, rotary_dim=8, moe_intermediate_size=24, mlp_only_layers=[]),
+        "deepseek_v3": dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, head_dim=8, v_head_dim=12,
+                            rope_interleave=True, rope_type="yarn", yarn_mscale_all_dim=1.0, router_scoring="sigmoid",
+                            score_correction_bias=True, n_group=4, topk_group=2, first_k_dense_replace=1,
+                            moe_layers=[1, 2], attention_bias=True, qk_norm="none", kv_numbers_per_token=24),
+        "deepseek_v2": dict(kv_lora_rank=16, q_lora_rank=0, rope_interleave=True, router_scoring="softmax",
+                            group_score="max", n_group=4, topk_group=2, norm_topk_prob=False, n_shared_experts=2,
+                            routed_scaling_factor=1.5, yarn_mscale=0.707, moe_layers=[1, 2]),
+        "glm4_moe_lite": dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=12, v_head_dim=16, rope_type="default",
+                              router_scoring="sigmoid", n_group=2, mlp_only_layers=[0], moe_layers=[1, 2]),
     }
+    assert set(expect) == set(FAMILY_HF)
     for mt, want in expect.items():
         cfg = config_from_hf(make_hf_family(mt).config.to_dict())
         for k, v in want.items():

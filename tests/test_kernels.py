@@ -229,6 +229,193 @@ def test_paged_attention_bf16():
 
 
 # ---------------------------------------------------------------------------------------------------
+# attention sinks and sliding windows (gpt-oss)
+# ---------------------------------------------------------------------------------------------------
+def naive_sink_window_attention(q, k, v, scale, sinks=None, window=0):
+    """fp64, as transformers' eager gpt-oss attention: keys past the causal edge or before the window
+    masked, the head's sink one more logit of each softmax, then dropped."""
+    B, T, H, D = q.shape
+    G = H // k.shape[2]
+    k, v = k.double().repeat_interleave(G, dim=2), v.double().repeat_interleave(G, dim=2)
+    s = torch.einsum("bthd,bshd->bhts", q.double(), k) * scale
+    i, j = torch.arange(T)[:, None], torch.arange(k.shape[1])[None, :]
+    s = s.masked_fill(~((j <= i) & ((j > i - window) if window else True)), float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(1, H, 1, 1).expand(B, H, T, 1)], -1)
+    return torch.einsum("bhts,bshd->bthd", s.softmax(-1)[..., :k.shape[1]], v)
+
+
+def _sink_window_inputs(B, T, H, KVH, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g) * 2
+    k, v = torch.randn(B, T, KVH, D, generator=g) * 2, torch.randn(B, T, KVH, D, generator=g)
+    return q, k, v, torch.randn(H, generator=g) * 2
+
+
+@pytest.mark.parametrize("with_sinks, window", [(True, 0), (False, 20), (True, 20), (True, 5)])
+@pytest.mark.parametrize("H, KVH", [(4, 2), (8, 2)])
+def test_paged_attention_sinks_and_window(with_sinks, window, H, KVH):
+    """Against transformers' formula in fp64; then the contract: page order, decode (which skips the
+    tiles below its window: a decode at 69 with a window of 20 starts at tile 3) bitwise the prefill's
+    rows, a batch of rows starting at different tiles, a prefix, a row alone."""
+    B, T, D = 2, 70, 16
+    q, k, v, sinks = _sink_window_inputs(B, T, H, KVH, D)
+    sinks = sinks if with_sinks else None
+    attn = dict(sinks=sinks, window=window)
+    kc, bt = lay_out(k, KV_BLOCK, 12, perm_seed=1)
+    vc, _ = lay_out(v, KV_BLOCK, 12, perm_seed=1)
+    pos = torch.arange(T).expand(B, T)
+    out = kernels.paged_attention(q, kc, vc, bt, pos, D ** -0.5, **attn)
+    assert rel(out, naive_sink_window_attention(q, k, v, D ** -0.5, sinks, window)) < 1e-5
+    kc2, bt2 = lay_out(k, KV_BLOCK, 20, perm_seed=2)
+    vc2, _ = lay_out(v, KV_BLOCK, 20, perm_seed=2)
+    assert torch.equal(kernels.paged_attention(q, kc2, vc2, bt2, pos, D ** -0.5, **attn), out)
+    for p in [0, 4, 5, 15, 16, 19, 20, 31, 47, 52, T - 1]:
+        one = kernels.paged_attention(q[:, p:p + 1], kc, vc, bt, torch.full((B, 1), p), D ** -0.5, **attn)
+        assert torch.equal(one, out[:, p:p + 1]), p
+    steps = torch.tensor([[69], [6]])                              # rows at different first tiles, one batch
+    mixed = kernels.paged_attention(q[torch.arange(B), steps[:, 0]][:, None], kc, vc, bt, steps, D ** -0.5, **attn)
+    assert torch.equal(mixed[0], out[0, 69:70]) and torch.equal(mixed[1], out[1, 6:7])
+    assert torch.equal(kernels.paged_attention(q[:, 30:45], kc, vc, bt, pos[:, 30:45], D ** -0.5, **attn), out[:, 30:45])
+    assert torch.equal(kernels.paged_attention(q[1:], kc, vc, bt[1:], pos[1:], D ** -0.5, **attn), out[1:])
+
+
+def test_paged_attention_sinks_and_window_gradients():
+    B, T, H, KVH, D = 2, 40, 4, 2, 16
+    q, k, v, sinks = _sink_window_inputs(B, T, H, KVH, D, seed=3)
+    kc, bt = lay_out(k, KV_BLOCK, 6, perm_seed=1)
+    vc, _ = lay_out(v, KV_BLOCK, 6, perm_seed=1)
+    ours = [t.clone().requires_grad_(True) for t in (q, kc, vc, sinks)]
+    out = kernels.paged_attention(ours[0], ours[1], ours[2], bt, torch.arange(T).expand(B, T), D ** -0.5,
+                                  sinks=ours[3], window=9)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    (out * w).sum().backward()
+    ref = [t.clone().double().requires_grad_(True) for t in (q, k, v, sinks)]
+    (naive_sink_window_attention(ref[0], ref[1], ref[2], D ** -0.5, ref[3], 9) * w.double()).sum().backward()
+    assert rel(ours[0].grad, ref[0].grad) < 1e-5 and rel(ours[3].grad, ref[3].grad) < 1e-5
+    dk = torch.stack([ours[1].grad[bt[b]].reshape(-1, KVH, D)[:T] for b in range(B)])   # the pages, in order
+    assert rel(dk, ref[1].grad) < 1e-5
+
+
+def test_control_window_tiles_must_stay_absolute():
+    """Why a window keeps the tiles at absolute positions: the same keys walked in tiles that start at
+    the window's first key (what a kernel gathering just the window would do) give other bits than the
+    prefill. (The exact skip of whole tiles below the window is test_paged_attention_sinks_and_window.)"""
+    B, T, H, KVH, D, W = 1, 70, 4, 2, 16, 20
+    q, k, v, sinks = _sink_window_inputs(B, T, H, KVH, D, seed=5)
+    kc, bt = lay_out(k, KV_BLOCK, 6, perm_seed=1)
+    vc, _ = lay_out(v, KV_BLOCK, 6, perm_seed=1)
+    out = kernels.paged_attention(q, kc, vc, bt, torch.arange(T)[None], D ** -0.5, sinks=sinks, window=W)
+    differ = 0
+    for p in range(W + 3, T):
+        lo = p - W + 1                                               # the window's keys from position 0
+        kw, btw = lay_out(k[:, lo:p + 1], KV_BLOCK, 4, perm_seed=2)
+        vw, _ = lay_out(v[:, lo:p + 1], KV_BLOCK, 4, perm_seed=2)
+        cut = kernels.paged_attention(q[:, p:p + 1], kw, vw, btw, torch.tensor([[W - 1]]), D ** -0.5, sinks=sinks)
+        assert rel(cut, out[:, p:p + 1]) < 1e-5
+        differ += not torch.equal(cut, out[:, p:p + 1])
+    if differ == 0:
+        pytest.skip("relative tiles happened to round like absolute ones here; nothing to control")
+
+
+def test_clamped_swiglu_and_expert_biases():
+    """gpt-oss's experts (biases, clamped SwiGLU at a limit the activations reach) against an fp64 loop,
+    row-invariant (permutations, neighbours, alone), gradients against fp64 autograd."""
+    x, w13, w2, ids, weights = _moe_inputs(70, k=3)
+    g = torch.Generator().manual_seed(8)
+    b13, b2 = torch.randn(6, 48, generator=g) * 0.5, torch.randn(6, 32, generator=g) * 0.5
+    extras = dict(b13=b13, b2=b2, swiglu=(1.702, 1.0))
+    I = 24
+
+    def naive(x, w13, w2, b13, b2, weights):
+        rows = []
+        for t in range(x.shape[0]):
+            acc = 0
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j])
+                h = w13[e] @ x[t] + b13[e]
+                gate, up = h[:I].clamp(max=1.0), h[I:].clamp(-1.0, 1.0)
+                acc = acc + weights[t, j] * (w2[e] @ ((up + 1) * gate * torch.sigmoid(1.702 * gate)) + b2[e])
+            rows.append(acc)
+        return torch.stack(rows)
+    y = kernels.moe_experts(x, w13, w2, ids, weights, **extras)
+    ref = naive(*(t.double() for t in (x, w13, w2, b13, b2, weights)))
+    assert rel(y, ref) < 1e-5 and rel(y, naive_moe(x, w13, w2, ids, weights)) > 1e-2   # the extras matter
+    assert ((x @ w13[0].T + b13[0]).abs() > 1.0).any(), "the clamp is not reached"
+    perm = torch.randperm(70, generator=g)
+    assert torch.equal(kernels.moe_experts(x[perm], w13, w2, ids[perm], weights[perm], **extras), y[perm])
+    for t in [0, 33, 69]:
+        assert torch.equal(kernels.moe_experts(x[t:t + 1], w13, w2, ids[t:t + 1], weights[t:t + 1], **extras), y[t:t + 1])
+    params = [t.clone().requires_grad_(True) for t in (x[:12], w13, w2, b13, b2, weights[:12])]
+    ids = ids[:12]
+    kernels.moe_experts(params[0], params[1], params[2], ids, params[5], b13=params[3], b2=params[4],
+                        swiglu=(1.702, 1.0)).pow(2).sum().backward()
+    refs = [p.detach().double().requires_grad_(True) for p in params]
+    naive(*refs).pow(2).sum().backward()
+    for p, r in zip(params, refs):
+        assert rel(p.grad, r.grad) < 1e-5
+
+
+def test_topk_softmax_route():
+    """gpt-oss's router: the top-k of the logits (lowest index on ties), weighted by a softmax over those
+    k; row-invariant; replay (R3) weights the replayed experts by the same softmax over theirs."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(90, 8, generator=g) * 2
+    logits[::9, 5] = logits[::9, 2]                                  # ties
+    ids, w, chosen = kernels.route(logits, 3, True, scoring="topk_softmax")
+    ref_ids = torch.tensor([sorted(range(8), key=lambda e: (-row[e], e))[:3] for row in logits.tolist()])
+    assert torch.equal(ids, ref_ids) and torch.equal(chosen, ids)
+    assert rel(w, torch.softmax(logits.double().gather(-1, ids), -1)) < 1e-6
+    full = kernels.route(logits, 3, True, scoring="topk_softmax", detail=True)
+    for m in (1, 7, 31, 32, 33, 89):
+        part = kernels.route(logits[:m], 3, True, scoring="topk_softmax", detail=True)
+        assert all(torch.equal(a, b[:m]) for a, b in zip(part, full)), m
+    assert torch.equal(full[3], torch.sort(logits, -1, descending=True).values[:, 2] - torch.sort(logits, -1, descending=True).values[:, 3])
+    forced = (ids + 1) % 8
+    f_ids, f_w, f_chosen = kernels.route(logits, 3, True, forced, scoring="topk_softmax")
+    assert torch.equal(f_ids, forced) and torch.equal(f_chosen, ids)
+    assert rel(f_w, torch.softmax(logits.double().gather(-1, forced), -1)) < 1e-6
+    again = kernels.route(logits, 3, True, ids, scoring="topk_softmax")
+    assert torch.equal(again[1], w)                                  # replaying one's own routes: the same bits
+
+
+def test_yarn_rope_tables_are_transformers_bits():
+    """kernels.rope_tables with YaRN against transformers' own rotary embedding (gpt-oss's settings, and
+    DeepSeek's mscale pair): the same cos and sin bits."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+    cases = [dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
+             dict(factor=40.0, beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707,
+                  original_max_position_embeddings=4096)]
+    for rope in cases:
+        cfg = GptOssConfig(hidden_size=64, num_attention_heads=4, head_dim=32, num_hidden_layers=2,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **rope})
+        cos_ref, sin_ref = GptOssRotaryEmbedding(cfg)(torch.zeros(1), torch.arange(300)[None])
+        yarn = dict(factor=rope["factor"], original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                    truncate=rope.get("truncate", True), mscale=rope.get("mscale", 0.0),
+                    mscale_all_dim=rope.get("mscale_all_dim", 0.0), attention_factor=0.0)
+        cos, sin = kernels.rope_tables(32, 150000.0, 300, yarn=yarn)
+        plain, _ = kernels.rope_tables(32, 150000.0, 300)
+        assert torch.equal(cos, cos_ref[0]) and torch.equal(sin, sin_ref[0]), rope
+        assert not torch.equal(cos, plain)
+
+
+def test_linear_heads_is_row_invariant_and_einsum_is_not():
+    """MLA's per-head projections (kernels.linear_heads) against fp64, the same bits for every row count;
+    control: the plain per-head einsum picks its blocking from the row count on this CPU."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(100, 4, 24, generator=g), torch.randn(4, 20, 24, generator=g)
+    y = kernels.linear_heads(x, w)
+    assert y.shape == (100, 4, 20) and rel(y, torch.einsum("mhk,hnk->mhn", x.double(), w.double())) < 1e-6
+    for m in ROW_COUNTS:
+        assert torch.equal(kernels.linear_heads(x[:m], w), y[:m]), m
+    assert torch.equal(kernels.linear_heads(x.view(10, 10, 4, 24), w), y.view(10, 10, 4, 20))
+    naive = torch.einsum("mhk,hnk->mhn", x, w)
+    if all(torch.equal(torch.einsum("mhk,hnk->mhn", x[:m], w), naive[:m]) for m in ROW_COUNTS):
+        pytest.skip("the per-head einsum happens to be row-invariant on this CPU; nothing to control")
+
+
+# ---------------------------------------------------------------------------------------------------
 # router
 # ---------------------------------------------------------------------------------------------------
 def test_route_tie_break_lowest_index():

@@ -130,3 +130,21 @@ def test_train_plan_entry_prints_the_table():
 def test_plan_bad_values_are_config_errors(bad, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         plan.main(["--init_from=qwen3-30b-a3b"] + bad)
+
+
+def test_kv_bytes_per_token_of_gqa_and_mla():
+    """The plan's KV line: gpt-oss-20b caches 8 heads x 64 keys and values a layer, Moonlight its 576-number
+    latent (8.9x fewer than its 16 heads' keys and values); the sampler sizes and allocates its pool by the
+    same count (ModelConfig.kv_numbers_per_token)."""
+    from rollout import Sampler
+    gpt = plan.main(["--init_from=gpt-oss-20b", "--dtype=bfloat16"])
+    assert "KV cache: 49,152 bytes per token (24 layers x 1,024 numbers: keys and values of 8 heads x 64)" in gpt
+    moon = plan.main(["--init_from=moonlight-16b-a3b", "--dtype=bfloat16"])
+    assert ("KV cache: 31,104 bytes per token (27 layers x 576 numbers: MLA's latent 512 + RoPE key 64; its 16 "
+            "heads' keys and values would be 5,120, 8.9x as many)") in moon
+    for cfg in (ModelConfig(), ModelConfig(model_type="deepseek_v3", kv_lora_rank=16, qk_nope_head_dim=8, head_dim=8,
+                                           v_head_dim=8, qk_norm="none")):
+        sampler = Sampler(Transformer(cfg), num_blocks=5)
+        pages = {id(t): t for pair in sampler.caches for t in pair}.values()     # MLA: one tensor per layer
+        per_token = sum(t.nbytes for t in pages) // (6 * 16)                     # 5 blocks + the scratch page
+        assert per_token == cfg.num_hidden_layers * cfg.kv_numbers_per_token * 4

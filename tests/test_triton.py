@@ -490,6 +490,71 @@ def test_paged_attention_gradients_shared_pages():
     assert torch.equal(grads[0][1][1], torch.zeros_like(grads[0][1][1]))   # page 1 unused
 
 
+@runnable
+@pytest.mark.parametrize("with_sinks, window", [(True, 0), (False, 40), (True, 40)])
+def test_paged_attention_sinks_and_window(monkeypatch, with_sinks, window):
+    """gpt-oss's sinks and sliding window in the Triton kernel: the torch backend's values; decode (which
+    starts at the first key tile its window reaches: tile 1 for a query at 139 with a window of 40) the
+    prefill's bits, also through splits of one tile run in parallel (the splits below a window are
+    skipped in both); gradients of q, k, v and the sinks against the torch backend, run to run equal."""
+    monkeypatch.setattr(kt, "ATTN_SPLIT", 1)
+    B, T, H, KVH, D = 2, 140, 4, 2, 16
+    q, k, v = randn(B, T, H, D, scale=2, seed=0), randn(B, T, KVH, D, scale=2, seed=1), randn(B, T, KVH, D, seed=2)
+    sinks = randn(H, scale=2, seed=4) if with_sinks else None
+    attn = dict(sinks=sinks, window=window)
+    pos = torch.arange(T, device=DEV).expand(B, T)
+    kc, bt = lay_out(k, 16, 24, seed=3)
+    vc, _ = lay_out(v, 16, 24, seed=3)
+
+    def run(parallel, q, pos):
+        monkeypatch.setattr(kt, "ATTN_SPLIT_BELOW", 10**9 if parallel else 0)
+        return kt.paged_attention(q, kc, vc, bt, pos, D ** -0.5, **attn)
+    out = run(False, q, pos)
+    ref = kernels.paged_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), pos.cpu(), D ** -0.5,
+                                  sinks=None if sinks is None else sinks.cpu(), window=window)
+    assert rel(out, ref) < TOL
+    assert torch.equal(run(True, q, pos), out)
+    BT = kt.ATTN_TABLE["fwd"][0] // triton_next_pow2(H // KVH)
+    for p in (0, BT, 2 * BT, 4 * BT - 1 - (4 * BT - 1) % BT):      # first rows of their programs: bitwise
+        for parallel in (False, True):
+            assert torch.equal(run(parallel, q[:, p:p + 1], torch.full((B, 1), p, device=DEV)), out[:, p:p + 1]), p
+    for p in (39, 40, 70, 139):
+        assert same_bits(run(True, q[:, p:p + 1], torch.full((B, 1), p, device=DEV)), out[:, p:p + 1]), p
+    grads = []
+    for f in (kt.paged_attention, kt.paged_attention, kernels.paged_attention):
+        a = [t.clone().requires_grad_() for t in (q, k, v) + ((sinks,) if with_sinks else ())]
+        s_ = a[3] if with_sinks else None
+        o = _trainer_attention(lambda *x: f(*x, sinks=s_, window=window), *a[:3])
+        (o * pos[..., None, None].float()).sum().backward()
+        grads.append([t.grad for t in a])
+    for tri, tri2, cpu in zip(*grads):
+        assert rel(tri, cpu) < TOL and torch.equal(tri, tri2)
+
+
+@runnable
+@torch.no_grad()
+def test_mla_model_score_and_sampler_with_triton():
+    """MLA (DeepSeek-V3's absorbed form) on the Triton backend: the attention kernel over one latent KV
+    head (values = keys) and the per-head projections through the matmul kernel; the torch backend's
+    values, and the sampler's log-probs the score's."""
+    model = _model(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, head_dim=8,
+                   v_head_dim=12, rope_interleave=True, qk_norm="none", router_scoring="sigmoid",
+                   score_correction_bias=True)
+    tokens = torch.randint(0, 32, (2, 19), generator=torch.Generator().manual_seed(1)).to(DEV)
+    ref, ref_routes = model.to("cpu").score(tokens.cpu())
+    model.to(DEV)
+    with kernels.set_backend("triton"):
+        lp, routes = model.score(tokens)
+        assert rel(lp, ref) < TOL and torch.equal(routes.cpu(), ref_routes)
+        outs = Sampler(model, max_batch_size=4).generate([[3, 1, 4, 1, 5], list(range(2, 19))], max_new_tokens=3,
+                                                         progress=False)
+        for o in outs:
+            P = len(o.prompt)
+            lp, routes = model.score(torch.tensor([o.prompt + o.tokens], device=DEV))
+            assert same_bits(torch.tensor(o.logprobs, device=lp.device), lp[0, P - 1:])
+            assert torch.equal(o.routes, routes[0, :P + len(o.tokens) - 1].cpu())
+
+
 # ---------------------------------------------------------------------------------------------------
 # MoE experts
 # ---------------------------------------------------------------------------------------------------
@@ -596,6 +661,59 @@ def test_moe_frozen_experts():
     ktm.moe_experts(xa, w13, w2, ids, wt).sum().backward()
     kernels.moe_experts(xr, w13, w2, ids, wt).sum().backward()
     assert rel(xa.grad, xr.grad) < TOL
+
+
+@runnable
+def test_moe_gpt_oss_experts():
+    """gpt-oss's experts in the fused MoE: biases after each matmul and the clamped SwiGLU at a limit the
+    activations reach; the torch backend's values, a row's bits kept with other tokens after it, and the
+    gradients of x, the weights, the biases and the router weights against the torch backend (run to run
+    equal)."""
+    x, w13, w2, ids, wt = _moe_inputs(40, k=3)
+    g = torch.Generator().manual_seed(7)
+    b13, b2 = (torch.randn(4, 48, generator=g) * 0.5).to(DEV), (torch.randn(4, 32, generator=g) * 0.5).to(DEV)
+    extras = dict(b13=b13, b2=b2, swiglu=(1.702, 1.0))
+    y = ktm.moe_experts(x, w13, w2, ids, wt, **extras)
+    cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in extras.items()}
+    assert rel(y, kernels.moe_experts(*(t.cpu() for t in (x, w13, w2, ids, wt)), **cpu)) < TOL
+    assert rel(y, ktm.moe_experts(x, w13, w2, ids, wt)) > 1e-2                  # the extras matter
+    xe, _, _, ide, we = _moe_inputs(30, k=3, seed=9)
+    y_after = ktm.moe_experts(torch.cat([x, xe]), w13, w2, torch.cat([ids, ide]), torch.cat([wt, we]), **extras)
+    assert torch.equal(y_after[:40], y)
+    grads = []
+    for f in (ktm.moe_experts, ktm.moe_experts, kernels.moe_experts):
+        dev = DEV if f is ktm.moe_experts else "cpu"
+        a = [t.detach().to(dev).clone().requires_grad_() for t in (x, w13, w2, b13, b2, wt)]
+        out = f(a[0], a[1], a[2], ids.to(dev), a[5], b13=a[3], b2=a[4], swiglu=(1.702, 1.0))
+        (out * torch.arange(32.0, device=dev)).sum().backward()
+        grads.append([t.grad for t in a])
+    for tri, tri2, cpu_grad in zip(*grads):
+        assert rel(tri, cpu_grad) < TOL and torch.equal(tri, tri2)
+
+
+@runnable
+@torch.no_grad()
+def test_gpt_oss_model_score_and_sampler_with_triton():
+    """A gpt-oss model (sinks, a window of 12 on alternate layers, YaRN, biased router and experts) on the
+    Triton backend: the torch backend's log-probs and routes; the sampler's log-probs the score's."""
+    layer_types = ["sliding_attention", "full_attention"]
+    model = _model(model_type="gpt_oss", attention_sinks=True, sliding_window=12, layer_types=layer_types,
+                   rope_type="yarn", yarn_factor=4.0, yarn_original_max_position_embeddings=16, router_bias=True,
+                   router_scoring="topk_softmax", expert_bias=True, moe_act="clamped_swiglu", swiglu_limit=1.0,
+                   attention_bias=True, attention_out_bias=True, qk_norm="none", mlp_only_layers=[])
+    tokens = torch.randint(0, 32, (2, 30), generator=torch.Generator().manual_seed(1)).to(DEV)
+    ref, ref_routes = model.to("cpu").score(tokens.cpu())
+    model.to(DEV)
+    with kernels.set_backend("triton"):
+        lp, routes = model.score(tokens)
+        assert rel(lp, ref) < TOL and torch.equal(routes.cpu(), ref_routes)
+        outs = Sampler(model, max_batch_size=4).generate([list(range(3, 28)), [5, 1, 7]], max_new_tokens=4,
+                                                         progress=False)
+        for o in outs:
+            P = len(o.prompt)
+            lp, routes = model.score(torch.tensor([o.prompt + o.tokens], device=DEV))
+            assert same_bits(torch.tensor(o.logprobs, device=lp.device), lp[0, P - 1:])
+            assert torch.equal(o.routes, routes[0, :P + len(o.tokens) - 1].cpu())
 
 
 # ---------------------------------------------------------------------------------------------------

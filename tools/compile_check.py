@@ -6,7 +6,8 @@
 The interpreter tests (tests/test_triton.py) check what the kernels compute; they cannot show that the
 kernels compile, since the interpreter runs the Python body. This script drives the trainer (score
 forward + backward) and the real Sampler (prefill + decode, two page sizes) at Qwen3-30B-A3B layer
-shapes with every kernel launch intercepted, then compiles each distinct launch through Triton's own
+shapes, and gpt-oss-20b's sliding-window attention with sinks and its experts, with every kernel launch
+intercepted, then compiles each distinct launch through Triton's own
 argument specialization (the signature, constexprs and alignment attributes a CUDA launch would get)
 down to a cubin with the ptxas that ships with Triton. It prints registers, shared memory and local
 memory (spills) per kernel and exits 1 when a kernel fails to compile, needs more shared memory than
@@ -86,6 +87,35 @@ def make_model(dtype: torch.dtype) -> Transformer:
         num_hidden_layers=2, mlp_only_layers=[0], num_experts=4, num_experts_per_tok=2,
         vocab_size=4096, intermediate_size=1024)
     return Transformer(ModelConfig(**kw)).to(dtype)
+
+
+def new_attention(dtype: torch.dtype, H: int, KVH: int, D: int, sinks: bool, window: int) -> None:
+    """paged_attention's launches for another attention geometry: the trainer's forward and backward
+    (T = 40) and a decode step of two 4096-key sequences (its key splits in parallel). gpt-oss-20b's
+    sliding layers: 64 query heads over 8 KV heads of 64 dims, sinks, a window of 128."""
+    s = torch.zeros(H, requires_grad=True) if sinks else None
+    q = torch.randn(2, 40, H, D, dtype=dtype, requires_grad=True)
+    kv = torch.randn(6, 16, KVH, D, dtype=dtype, requires_grad=True)
+    out = kernels.paged_attention(q, kv, kv, torch.arange(6).view(2, 3), torch.arange(40).expand(2, 40), D ** -0.5,
+                                  sinks=s, window=window)
+    out.float().sum().backward()
+    with torch.no_grad():
+        kernels.paged_attention(torch.randn(2, 1, H, D, dtype=dtype), *[torch.randn(512, 16, KVH, D, dtype=dtype)] * 2,
+                                torch.arange(512).view(2, 256), torch.full((2, 1), 4095), D ** -0.5,
+                                sinks=None if s is None else s.detach(), window=window)
+
+
+def gpt_oss_experts(dtype: torch.dtype) -> None:
+    """The fused MoE's launches with gpt-oss-20b's experts (2880 wide, biases, the clamped SwiGLU), forward
+    and backward."""
+    E, D, I = 4, 2880, 2880
+    w13 = torch.randn(E, 2 * I, D, dtype=dtype, requires_grad=True)
+    w2 = torch.randn(E, D, I, dtype=dtype, requires_grad=True)
+    b13, b2 = torch.zeros(E, 2 * I, dtype=dtype, requires_grad=True), torch.zeros(E, D, dtype=dtype, requires_grad=True)
+    x = torch.randn(40, D, dtype=dtype, requires_grad=True)
+    weights = torch.rand(40, 4, requires_grad=True)
+    ids = torch.stack([torch.randperm(E)[:4] for _ in range(40)])
+    kernels.moe_experts(x, w13, w2, ids, weights, b13=b13, b2=b2, swiglu=(1.702, 7.0)).float().sum().backward()
 
 
 def trainer_forward(model, B, T):
@@ -219,6 +249,8 @@ def main() -> int:
                 kernels.paged_attention(torch.randn(2, 1, cfg.num_attention_heads, cfg.head_dim, dtype=dtype),
                                         *[torch.randn(512, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)] * 2,
                                         torch.arange(512).view(2, 256), torch.full((2, 1), 4095), cfg.head_dim ** -0.5)
+            new_attention(dtype, 64, 8, 64, sinks=True, window=128)                # gpt-oss-20b's sliding layers
+            gpt_oss_experts(dtype)
         for launch in recorded:
             launches.setdefault(spec_key(*launch), launch)
     for (name, _, _), (fn, a, kw) in launches.items():
