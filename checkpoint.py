@@ -28,6 +28,7 @@ import shutil
 import torch
 
 import expert_parallel
+import plan
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig
 from hf import (CheckpointError, Identity, expert_rows, hf_to_state, read_safetensors_dir, read_safetensors_file,
                 write_identity)
@@ -222,6 +223,31 @@ def trim_metrics(path: str, last_step: int) -> None:
                         kept.append(line)
     with open(path, "w") as f:
         f.writelines(kept)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the model --init_from names: a checkpoint folder or a preset
+# ---------------------------------------------------------------------------------------------------
+def initial_config(tcfg: TrainConfig, preset: ModelConfig | None = None) -> ModelConfig:
+    """The model config --init_from names, read before any weight: a checkpoint's config.json, or a
+    preset (given: with --vocab_size applied, TrainConfig.model_preset)."""
+    if preset is not None and not os.path.isdir(tcfg.init_from):
+        return preset
+    return plan.model_config(tcfg.init_from)
+
+
+def build_model(tcfg: TrainConfig, device, dtype, preset: ModelConfig | None = None,
+                experts: list[int] | None = None) -> Transformer:
+    """The same initial weights on every rank: from a checkpoint, or a preset seeded by --seed.
+    experts: keep only these of every MoE layer (an expert-parallel rank's shard). A checkpoint then
+    reads only them from disk; a preset is drawn whole (the same bits at every EP degree), then cut."""
+    if os.path.isdir(tcfg.init_from):
+        return Transformer.from_pretrained(tcfg.init_from, dtype=dtype, device=device, experts=experts)
+    torch.manual_seed(tcfg.seed)
+    model = Transformer(initial_config(tcfg, preset))
+    if experts is not None:
+        expert_parallel.keep_experts(model, experts)
+    return model.to(device=device, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -608,6 +608,15 @@ class TrainConfig:
         _require(self.route_filter_level in ROUTE_FILTER_LEVELS,
                  f"--route_filter_level={self.route_filter_level!r}: {' or '.join(ROUTE_FILTER_LEVELS)}")
 
+    def check_ranks(self, n_train: int, n_rollout: int = 0) -> None:
+        """The batch must split evenly over the training ranks (and --rollout_ranks' ranks)."""
+        _require(self.prompts_per_step % n_train == 0 and self.minibatch_size % n_train == 0,
+                 f"prompts_per_step ({self.prompts_per_step}) and minibatch_size ({self.minibatch_size}) must be "
+                 f"divisible by the number of {'training ' if n_rollout else ''}ranks ({n_train})")
+        _require(not n_rollout or self.prompts_per_step % n_rollout == 0,
+                 f"prompts_per_step ({self.prompts_per_step}) must be divisible by --rollout_ranks={n_rollout}: "
+                 "each rollout rank samples an equal share")
+
     def check_model(self, model: ModelConfig, task_vocab: int) -> None:
         """The options that need the model: the route options refuse a model without a router (they
         would do nothing), the bias update needs a bias, and the task's ids must fit the vocabulary."""

@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import warnings
 
@@ -29,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import expert_parallel
 import hf
+from checkpoint import RunError
 from config import ConfigError, TrainConfig
 from model import MoE, Transformer
 
@@ -496,6 +498,39 @@ def build_optimizer(model: Transformer, tcfg: TrainConfig) -> torch.optim.Optimi
         router["weight_decay"] = tcfg.weight_decay if tcfg.router_lr_scale > 0 else 0.0
     opt.register_step_pre_hook(scale_router_lr)
     return opt
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The learning rate of optimizer step `step` (0-based): warmup, then --lr_schedule (docs/design.md,
+    "The learning-rate horizon")."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if cfg.lr_schedule == "halving":                                 # halved every period, down to the floor
+        return cfg.lr * max(cfg.min_lr_ratio, 0.5 ** ((step - cfg.warmup_steps) // cfg.lr_decay_period))
+    horizon = cfg.lr_decay_steps or cfg.steps                        # past it, lr stays at its minimum
+    progress = 1.0 if step >= horizon else (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def update_is_finite(step: int, loss: float, grad_norm: float, skipped: int, tcfg: TrainConfig, d: Dist) -> bool:
+    """Before an optimizer step: True if the loss and the gradient norm are finite on every rank.
+
+    Otherwise the step is skipped (False) while fewer than --skip_nonfinite_steps were, else RunError:
+    a NaN never reaches the weights, so nothing non-finite is ever saved.
+    """
+    loss = all_sum(loss, d)                                           # the global loss (the norm already is)
+    bad = [f"{name} is {v}" for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
+    if not bad:
+        return True
+    if skipped < tcfg.skip_nonfinite_steps:
+        d.print0(f"step {step}: {' and '.join(bad)}; skipping this optimizer step "
+                 f"({skipped + 1} of --skip_nonfinite_steps={tcfg.skip_nonfinite_steps})")
+        return False
+    raise RunError(f"step {step}: the {' and the '.join(bad)} before the optimizer step; stopped before it reached "
+                   "the weights (the last checkpoint is good). Lower --lr or check the rewards, then --resume; "
+                   f"--skip_nonfinite_steps=N skips up to N such steps ({skipped} skipped so far)")
 
 
 @torch.no_grad()

@@ -66,6 +66,20 @@ def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: f
             "eval_sampled_reward": sums["sampled_reward"] / n, f"eval_pass@{samples}": sums["pass_k"] / n}
 
 
+def maybe_evaluate(run, step: int) -> dict:
+    """--eval_data: eval.evaluate's keys every --eval_every steps and at the last step, else nothing."""
+    tcfg = run.tcfg
+    every = tcfg.eval_every or tcfg.steps
+    if run.outputs.eval_task is None or not ((step + 1) % every == 0 or step + 1 == tcfg.steps):
+        return {}
+    run.policy.refresh()
+    run.policy.master.eval()
+    return evaluate(run.sampler, run.outputs.eval_task, samples=tcfg.eval_samples,
+                               max_new_tokens=run.rcfg.max_new_tokens or run.task.max_new_tokens, temperature=run.rcfg.temperature,
+                               top_p=run.rcfg.top_p, top_k=run.rcfg.top_k,
+                               stop_token_ids=run.task.stop_token_ids, step=step + 1, d=run.d)
+
+
 # ---- the fixed probe (--probe_every): route drift on the same prompts ------------------------------
 @dataclasses.dataclass
 class Probe:

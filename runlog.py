@@ -31,7 +31,7 @@ import plan
 import replay
 from checkpoint import RunError, latest_checkpoint, trim_metrics
 from config import ConfigError, TrainConfig
-from distributed import Dist, all_cat
+from distributed import Dist, all_cat, reduce_metrics
 from hf import CheckpointError
 from tasks import TaskError, generation_line, make_task
 
@@ -170,6 +170,27 @@ def log_routes(run, step: int, batch, outs, rewards, audited) -> None:
             dist.all_gather_object(every, found)
             found = [r for part in every for r in part]
         append_jsonl(run, step, "diagnostics.jsonl", found)
+
+
+def episode_metrics(run, batch, outs, episodes, audited) -> dict:
+    """Multi-turn episodes: turns per episode, the environment's share of the tokens, each turn's mean
+    reward and the last turn's, and route flips at the observation tokens (in the route audit, marked:
+    their routes are replayed and audited, their log-probs are not the policy's). batch: train.Batch;
+    audited: the train.Scored forward of the step's audit; episodes: tasks.Episodes (or the batch's record)."""
+    if episodes is None:
+        return {}
+    n_turns = max(len(r) for r in episodes.rewards)
+    per_turn = [[r[t] for r in episodes.rewards if len(r) > t] for t in range(n_turns)]
+    finals = [r[-1] for r in episodes.rewards if r]
+    row = {"episode_turns": sum(o.num_turns for o in outs) / len(outs),
+           "observation_token_frac": batch.observed.sum().item() / max(1, sum(len(o.tokens) for o in outs)),
+           "turn_reward": [sum(v) / len(v) for v in per_turn],
+           "final_turn_reward": sum(finals) / max(1, len(finals))}
+    rows, m = audited.rows, (batch.observed & batch.route_mask)[audited.rows]
+    E = run.policy.master.config.num_experts
+    row["route_flip_frac_observation"] = replay.route_audit(batch.routes[rows], audited.routes, m, E).get(
+        "route_flip_frac", math.nan)                                  # nan: no observation token in this step
+    return reduce_metrics(row, run.d)
 
 
 class Logger:

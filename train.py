@@ -18,20 +18,16 @@ In the default invariant mode the rollout log-probs ARE the old policy's log-pro
 train-rollout KL, max |logp diff| and route flip fraction are exactly 0 (replay.route_audit).
 Formulas: docs/design.md, "RL losses" (ratio r_t = exp(logp_t - old_logp_t)).
 
-Where the rest lives: the objectives are tables in losses.py; the life of a route (pack, replay, audit,
-filter) is replay.py; micro-batches and their layout packing.py; the policy's weight copies and the end
-of an optimizer step distributed.Policy (with torchrun's wrappers and reductions); the mismatch lab's
-rollout-side faults lab.py; checkpoints and resume checkpoint.py; what a run shows and writes (banner,
-metrics rows, loggers, samples, signals, the command-line frame) runlog.py.
+Where the rest lives: the objectives' tables, losses.py; a route's life, replay.py; the batch and its
+micro-batches, packing.py; where a batch comes from (bounded staleness, in-flight updates, rollout
+ranks), pipeline.py; the weights' copies and the end of an optimizer step, distributed.Policy; the
+lab's faults, lab.py; checkpoints and resume, checkpoint.py; what a run shows and writes, runlog.py.
 
-Reliability: a non-numeric or non-finite reward, loss or gradient norm stops the run (or skips the
-optimizer step, up to --skip_nonfinite_steps) before it reaches the weights; a checkpoint is written
-only from finite weights, to a temporary folder renamed into place. An out_dir that holds a run is
-continued with --resume=true or started over with --overwrite=true, never overwritten silently; what a
-resume keeps (the lr horizon among it) is in docs/design.md ("Reliability", "The learning-rate horizon").
-Every user mistake ends in one line `error: ...` and a non-zero exit (under torchrun printed by rank 0
-alone). A SIGINT or SIGTERM ends the step under way, saves it and exits 130 / 143 ("interrupted at step
-N; resume with --resume=true").
+Reliability (docs/design.md, "Reliability"): a non-finite reward, loss or gradient norm stops the run
+(or skips the step, --skip_nonfinite_steps) before it reaches the weights; checkpoints are written only
+from finite weights, whole or not at all; an out_dir that holds a run is continued (--resume=true) or
+started over (--overwrite=true), never overwritten silently; every user mistake is one line `error:`;
+SIGINT / SIGTERM save the step under way and exit 130 / 143.
 """
 from __future__ import annotations
 
@@ -56,11 +52,12 @@ import kernels
 import lab
 import plan
 import replay
-from checkpoint import (RunError, check_finite_weights, load_optimizer_state, optimizer_state, prepare_out_dir,
-                        resume, save_checkpoint, saved_configs, latest_checkpoint, load_trainer_state, trim_metrics)
-from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text, parse_args, parse_bool
-from distributed import (Dist, Policy, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, reduce_metrics,
-                         store_routers)
+from checkpoint import (RunError, build_model, check_finite_weights, initial_config, latest_checkpoint,
+                        load_optimizer_state, load_trainer_state, optimizer_state, prepare_out_dir, resume, save_checkpoint,
+                        saved_configs, trim_metrics)
+from config import ConfigError, RolloutConfig, TrainConfig, apply_overrides, help_text, parse_args, parse_bool
+from distributed import (Dist, Policy, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lr_at,
+                         reduce_metrics, store_routers, update_is_finite)
 from hf import eos_token_ids
 from losses import Normalisers, correction_weights, group_advantages, rejects, token_objective
 from model import CapacityLimit, RouteDetail, Transformer, capacity_limit
@@ -68,8 +65,8 @@ from packing import Batch, MicroBatch, even_out, make_batch, micro_batches, unpa
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
                       staleness_split)
 from rollout import Sampler
-from runlog import (Interrupted, Outputs, StopRequest, banner, log_routes, log_row, log_samples, open_logger, open_outputs,
-                    run_cli, stop_requested, summary)
+from runlog import (Interrupted, Outputs, StopRequest, banner, episode_metrics, log_routes, log_row, log_samples,
+                    open_logger, open_outputs, run_cli, stop_requested, summary)
 from tasks import Episodes, TaskError, compute_rewards, make_task
 
 
@@ -136,7 +133,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             audited = old.audit or first                                             # 5. metrics and log
             row = step_metrics(run, step, batch, outs, rewards, audited, stats, ro, t0)
             row.update(episode_metrics(run, batch, outs, episodes, audited))
-            row.update(maybe_evaluate(run, step))
+            row.update(evaluation.maybe_evaluate(run, step))
             row.update(evaluation.probe(run, step))                   # --probe_every: the fixed probe's audit
             log_routes(run, step, batch, outs, rewards, audited)      # routes.jsonl, diagnostics.jsonl
             history.append(log_row(run, step, row))
@@ -282,8 +279,8 @@ def old_policy(run: Run, batch: Batch) -> OldPolicy:
     own = "r3" if tcfg.replay == "r3" else "none"     # R3 here too; under `old` these are the routes replayed later
 
     def scored(model):                                                # (B, ...) in the batch's row order
-        parts = [forward(run, unchecked(model), c, m, grad=False, routes=replay.routes_to_replay(own, c.routes, None))
-                 for c, m in chunks]
+        score = partial(model.score, check=False)                     # no input checks (they read tensors back)
+        parts = [forward(run, score, c, m, grad=False, routes=replay.routes_to_replay(own, c.routes, None)) for c, m in chunks]
         return in_row_order(on_host(parts))
     logp, audit, ref_logp = batch.rollout_logp, None, None
     if tcfg.recompute_old_logp:
@@ -402,37 +399,6 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     return MinibatchResult(total, clipped_tok, gn, on_host(parts), entropy_sum, filtered, tokens)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    if cfg.lr_schedule == "halving":                                 # halved every period, down to the floor
-        return cfg.lr * max(cfg.min_lr_ratio, 0.5 ** ((step - cfg.warmup_steps) // cfg.lr_decay_period))
-    horizon = cfg.lr_decay_steps or cfg.steps                        # past it, lr stays at its minimum
-    progress = 1.0 if step >= horizon else (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def update_is_finite(step: int, loss: float, grad_norm: float, skipped: int, tcfg: TrainConfig, d: Dist) -> bool:
-    """Before an optimizer step: True if the loss and the gradient norm are finite on every rank.
-
-    Otherwise the step is skipped (False) while fewer than --skip_nonfinite_steps were, else RunError:
-    a NaN never reaches the weights, so nothing non-finite is ever saved.
-    """
-    loss = all_sum(loss, d)                                           # the global loss (the norm already is)
-    bad = [f"{name} is {v}" for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
-    if not bad:
-        return True
-    if skipped < tcfg.skip_nonfinite_steps:
-        d.print0(f"step {step}: {' and '.join(bad)}; skipping this optimizer step "
-                 f"({skipped + 1} of --skip_nonfinite_steps={tcfg.skip_nonfinite_steps})")
-        return False
-    raise RunError(f"step {step}: the {' and the '.join(bad)} before the optimizer step; stopped before it reached "
-                   "the weights (the last checkpoint is good). Lower --lr or check the rewards, then --resume; "
-                   f"--skip_nonfinite_steps=N skips up to N such steps ({skipped} skipped so far)")
-
-
 def chosen_load(run: Run, batch: Batch, scored: Scored) -> torch.Tensor:
     """(n_moe, E) this rank's expert load at the response-scoring positions of a forward's rows: what the
     aux-loss-free bias update balances."""
@@ -464,7 +430,7 @@ def trainer_micro_batches(run: Run, rows: torch.Tensor, lengths: torch.Tensor) -
 def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bool, with_entropy: bool = False,
             routes: torch.Tensor | None = None) -> Scored:
     """One forward of the micro-batch mb (rows micro.rows of the rollout batch) through score: the
-    trainer's module (DDP / FSDP2 hook its call) or unchecked(model) (the old and reference policies),
+    trainer's module (DDP / FSDP2 hook its call) or model.score unchecked (the old and reference policies),
     replaying `routes` (replay.routes_to_replay; -1 where unrecorded), packed or not.
     Returns logp (k, T-1), routes (k, T, n_moe, k) and the route detail per sequence. Nothing here reads
     a tensor back from the device: make_batch and pack_routes checked the batch on the host."""
@@ -483,11 +449,6 @@ def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bo
             entropy = None if entropy is None else unpack(pk, entropy, T - 1)
             detail = RouteDetail(*(unpack(pk, x, T) for x in (detail.weights, detail.margin, detail.entropy)))
     return Scored(logp, used, entropy, micro.rows, detail)
-
-
-def unchecked(model: Transformer) -> Callable:
-    """model.score without its input checks (they read tensors back): for batches make_batch built."""
-    return partial(model.score, check=False)
 
 
 def trainer_capacity(run: Run):
@@ -547,40 +508,6 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
     if ep is not None:                                                # rows per rank: the device load
         row.update(expert_parallel.device_load(audited.routes[batch.route_mask[rows]], ep))
     return reduce_metrics(row, run.d)
-
-
-def episode_metrics(run: Run, batch: Batch, outs, episodes, audited: Scored) -> dict:
-    """Multi-turn episodes: turns per episode, the environment's share of the tokens, each turn's mean
-    reward and the last turn's, and route flips at the observation tokens (in the route audit, marked:
-    their routes are replayed and audited, their log-probs are not the policy's)."""
-    if episodes is None:
-        return {}
-    n_turns = max(len(r) for r in episodes.rewards)
-    per_turn = [[r[t] for r in episodes.rewards if len(r) > t] for t in range(n_turns)]
-    finals = [r[-1] for r in episodes.rewards if r]
-    row = {"episode_turns": sum(o.num_turns for o in outs) / len(outs),
-           "observation_token_frac": batch.observed.sum().item() / max(1, sum(len(o.tokens) for o in outs)),
-           "turn_reward": [sum(v) / len(v) for v in per_turn],
-           "final_turn_reward": sum(finals) / max(1, len(finals))}
-    rows, m = audited.rows, (batch.observed & batch.route_mask)[audited.rows]
-    E = run.policy.master.config.num_experts
-    row["route_flip_frac_observation"] = replay.route_audit(batch.routes[rows], audited.routes, m, E).get(
-        "route_flip_frac", math.nan)                                  # nan: no observation token in this step
-    return reduce_metrics(row, run.d)
-
-
-def maybe_evaluate(run: Run, step: int) -> dict:
-    """--eval_data: eval.evaluate's keys every --eval_every steps and at the last step, else nothing."""
-    tcfg = run.tcfg
-    every = tcfg.eval_every or tcfg.steps
-    if run.outputs.eval_task is None or not ((step + 1) % every == 0 or step + 1 == tcfg.steps):
-        return {}
-    run.policy.refresh()
-    run.policy.master.eval()
-    return evaluation.evaluate(run.sampler, run.outputs.eval_task, samples=tcfg.eval_samples,
-                               max_new_tokens=max_new_tokens(run), temperature=run.rcfg.temperature,
-                               top_p=run.rcfg.top_p, top_k=run.rcfg.top_k,
-                               stop_token_ids=run.task.stop_token_ids, step=step + 1, d=run.d)
 
 
 def checkpoint(run: Run, step: int) -> None:
@@ -679,41 +606,13 @@ def make_run_task(tcfg: TrainConfig, rcfg: RolloutConfig):
 
 
 def check_ranks(tcfg: TrainConfig, d: Dist) -> None:
-    """The checks that need the number of ranks (each config checks itself), and the logger's package."""
-    if tcfg.prompts_per_step % d.world or tcfg.minibatch_size % d.world:
-        raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) and minibatch_size ({tcfg.minibatch_size}) "
-                          f"must be divisible by the number of {'training ' if d.bridge else ''}ranks ({d.world})")
-    if d.bridge is not None and tcfg.prompts_per_step % d.bridge.n_rollout:
-        raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) must be divisible by --rollout_ranks="
-                          f"{d.bridge.n_rollout}: each rollout rank samples an equal share")
-    batch = tcfg.prompts_per_step * tcfg.group_size
-    if tcfg.minibatch_size > batch:
-        d.print0(f"--minibatch_size={tcfg.minibatch_size} is more than the batch of {batch} (prompts_per_step x "
-                 f"group_size): one optimizer step of {batch} per epoch")
+    """The checks that need the ranks (TrainConfig.check_ranks), the batch notice, the logger's package."""
+    tcfg.check_ranks(d.world, d.bridge.n_rollout if d.bridge is not None else 0)
+    if tcfg.minibatch_size > tcfg.prompts_per_step * tcfg.group_size:
+        d.print0(f"--minibatch_size={tcfg.minibatch_size} is more than the batch of {tcfg.prompts_per_step * tcfg.group_size}"
+                 " (prompts_per_step x group_size): one optimizer step of the whole batch per epoch")
     if tcfg.log_to:
         open_logger(tcfg.log_to, tcfg.out_dir, probe=True)               # a missing package: one line, before work
-
-
-def initial_config(tcfg: TrainConfig, preset: ModelConfig | None = None) -> ModelConfig:
-    """The model config --init_from names, read before any weight: a checkpoint's config.json, or a
-    preset (given: with --vocab_size applied, TrainConfig.model_preset)."""
-    if preset is not None and not os.path.isdir(tcfg.init_from):
-        return preset
-    return plan.model_config(tcfg.init_from)
-
-
-def build_model(tcfg: TrainConfig, device, dtype, preset: ModelConfig | None = None,
-                experts: list[int] | None = None) -> Transformer:
-    """The same initial weights on every rank: from a checkpoint, or a preset seeded by --seed.
-    experts: keep only these of every MoE layer (an expert-parallel rank's shard). A checkpoint then
-    reads only them from disk; a preset is drawn whole (the same bits at every EP degree), then cut."""
-    if os.path.isdir(tcfg.init_from):
-        return Transformer.from_pretrained(tcfg.init_from, dtype=dtype, device=device, experts=experts)
-    torch.manual_seed(tcfg.seed)
-    model = Transformer(initial_config(tcfg, preset))
-    if experts is not None:
-        expert_parallel.keep_experts(model, experts)
-    return model.to(device=device, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
