@@ -849,8 +849,50 @@ def lab_figure(results: dict, out: str, seed: int) -> None:
         print(f"no figure: {e}")
 
 
+# ---------------------------------------------------------------------------------------------------
+# asynchronous RL: the synchronous loop against rollout ranks, 2 gloo processes each
+# ---------------------------------------------------------------------------------------------------
+ASYNC_RUNS = {"synchronous, 2 ranks": [], "rollout_ranks=1, K=1": ["--rollout_ranks=1", "--max_staleness=1"]}
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def bench_async(args) -> list[tuple[str, float, str]]:
+    """Tokens/s of `train.py` on 2 processes: both ranks rolling out then training in turn (DDP), against
+    one rank generating while the other trains (--rollout_ranks=1, K=1). A long-tailed response mix: the
+    tiny model at its start stops at its rare EOS, so lengths run from 1 to --async-max-new; --lr=0 keeps
+    that mix over the steps. The runs take turns (A B A B); a run's rate is its policy tokens over the
+    trainer's step times, its first step (start-up) left out."""
+    import subprocess
+    import tempfile
+    common = ["--device=cpu", "--task=copy", "--n_digits=4", f"--max_new_tokens={args.async_max_new}",
+              "--prompts_per_step=16", "--group_size=4", "--minibatch_size=64", "--lr=0", f"--steps={args.async_steps}",
+              "--save_every=1000000", "--progress=false", "--overwrite=true"]
+    rates = {name: [] for name in ASYNC_RUNS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.repeats):
+            for name, extra in ASYNC_RUNS.items():
+                out = os.path.join(tmp, f"run{len(rates[name])}")
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       os.path.join(HERE, "train.py"), *common, f"--out_dir={out}", *extra]
+                r = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                if r.returncode:
+                    raise SystemExit(f"bench async: {name} failed:\n{r.stderr[-2000:]}")
+                rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
+                tokens = sum(row["response_len"] * 16 * 4 for row in rows)
+                rates[name].append(tokens / sum(row["step_time"] for row in rows))
+    med = {name: sorted(v)[len(v) // 2] for name, v in rates.items()}
+    sync, split = med.values()
+    print(f"async: {args.async_steps} steps of 16 prompts x 4, responses of 1..{args.async_max_new} tokens (EOS "
+          f"at random), 2 gloo processes, {args.repeats} runs each, medians")
+    return [(f"async: {name}", v, "policy tok/s") for name, v in med.items()] + \
+        [("async: rollout_ranks=1 K=1 / synchronous", split / sync, "ratio")]
+
+
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "packing": bench_packing, "moe": bench_moe,
-              "decode": bench_decode, "sessions": bench_sessions, "ep": bench_ep, "gpu": bench_gpu, "lab": bench_lab}
+              "decode": bench_decode, "sessions": bench_sessions, "async": bench_async, "ep": bench_ep, "gpu": bench_gpu,
+              "lab": bench_lab}
 DEFAULT = "rollout,forward,fast,packing,moe,ep,decode"
 
 
@@ -892,6 +934,8 @@ def main(argv=None):
     p.add_argument("--cpu-smoke", action="store_true", help="gpu: run its code once on the CPU at tiny sizes")
     p.add_argument("--tuning", default="", help="Triton tile configs from this file (tools/gpu_check.py "
                    "--tuning-out writes it; kernels.load_tuning)")
+    p.add_argument("--async-steps", type=int, default=6, help="train.py steps per async run (the first is start-up)")
+    p.add_argument("--async-max-new", type=int, default=48, help="async: the longest response (most end at random EOS)")
     p.add_argument("--lab-steps", type=int, default=150, help="train.py steps per mismatch-lab run")
     p.add_argument("--lab-rollout-dtype", default="bfloat16", help="the fast rollout's weight dtype")
     p.add_argument("--lab-router-bf16", action="store_true", help="also round the fast rollout's router logits to bf16")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import tasks
 import runlog
 import train
-from config import RolloutConfig, TrainConfig, apply_overrides, parse_args
+from config import ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
 from hf import CheckpointError
 from model import Transformer
 
@@ -66,7 +66,7 @@ def assert_all_finite(ckpt):
 # ---------------------------------------------------------------------------------------------------
 def test_check_in_sync_hashes_the_weights_without_numpy(monkeypatch):
     torch.manual_seed(0)
-    model = Transformer(train.ModelConfig.preset("tiny")).to(torch.bfloat16)
+    model = Transformer(ModelConfig.preset("tiny")).to(torch.bfloat16)
     want = hashlib.sha256()
     for p in model.parameters():
         want.update(p.detach().view(torch.uint8).numpy().tobytes())   # numpy here only as the reference
@@ -185,7 +185,7 @@ def test_a_skipped_step_leaves_the_weights_alone(tmp_path, monkeypatch):
     hist = run(tmp_path / "b", "--steps=1", "--skip_nonfinite_steps=1")
     assert hist[0]["skipped_steps"] == 1
     torch.manual_seed(0)
-    init = Transformer(train.ModelConfig.preset("tiny")).state_dict()     # build_model's weights, seed 0
+    init = Transformer(ModelConfig.preset("tiny")).state_dict()     # build_model's weights, seed 0
     skipped = Transformer.from_pretrained(str(tmp_path / "b" / "ckpt-000001")).state_dict()
     trained = Transformer.from_pretrained(str(tmp_path / "a" / "ckpt-000001")).state_dict()
     assert all(torch.equal(skipped[k], init[k]) for k in init)
@@ -194,7 +194,7 @@ def test_a_skipped_step_leaves_the_weights_alone(tmp_path, monkeypatch):
 
 def _nan_checkpoint(tmp_path):
     torch.manual_seed(0)
-    model = Transformer(train.ModelConfig.preset("tiny"))
+    model = Transformer(ModelConfig.preset("tiny"))
     with torch.no_grad():
         model.layers[1].mlp.gate.weight[3, 5] = float("nan")
     model.save_pretrained(str(tmp_path / "poisoned"))
@@ -212,7 +212,7 @@ def test_nan_weight_in_init_from_is_refused_by_key(tmp_path):
 
 def test_nonfinite_weights_are_never_saved(tmp_path):
     torch.manual_seed(0)
-    model = Transformer(train.ModelConfig.preset("tiny"))
+    model = Transformer(ModelConfig.preset("tiny"))
     tcfg, rcfg = configs(tmp_path)
     task = tasks.DigitTask("copy", 2)
     train.save_checkpoint(str(tmp_path), 1, model, {}, tcfg, rcfg, task)
@@ -388,7 +388,7 @@ def test_jsonl_bad_line_names_file_and_line(jsonl_task, line, needle):
 
 def _hf_dir(tmp_path, drop=None, truncate=False):
     torch.manual_seed(0)
-    Transformer(train.ModelConfig.preset("tiny")).save_pretrained(str(tmp_path / "ck"))
+    Transformer(ModelConfig.preset("tiny")).save_pretrained(str(tmp_path / "ck"))
     if drop:
         cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
         del cfg[drop]
