@@ -176,18 +176,23 @@ def _same_but_waits(a, b):
         [{k: v for k, v in r.items() if k not in drop} for r in b]
 
 
-@pytest.mark.parametrize("nproc, extra", [(2, ["--max_staleness=1", "--inflight_update=recompute_kv"]),
-                                          (3, ["--max_staleness=2", "--inflight_update=keep_kv", "--parallel=fsdp"])])
-def test_rollout_ranks_run_the_colocated_schedule_bit_for_bit(tmp_path, nproc, extra):
-    """The last rank generates, the others train: the run equals the colocated run of the same trainers
+@pytest.mark.parametrize("trainers, rollout_ranks, extra", [
+    (1, 1, ["--max_staleness=1", "--inflight_update=recompute_kv"]),
+    (2, 1, ["--max_staleness=2", "--inflight_update=keep_kv", "--parallel=fsdp"]),
+    (2, 2, ["--max_staleness=0"]),                                     # 4 processes, synchronous: KL 0
+])
+def test_rollout_ranks_run_the_colocated_schedule_bit_for_bit(tmp_path, trainers, rollout_ranks, extra):
+    """The last ranks generate, the others train: the run equals the colocated run of the same trainers
     at the same K, every metric (the waits aside), and each side logs how long it waited."""
-    if nproc == 2:
+    if trainers == 1:
         colocated = _run(tmp_path / "c", SMALL + ["--steps=4"] + extra)
     else:
-        _, colocated = _torchrun(tmp_path / "c", nproc - 1, "--steps=4", *extra)
-    _, split = _torchrun(tmp_path / "s", nproc, "--steps=4", "--rollout_ranks=1", *extra)
+        _, colocated = _torchrun(tmp_path / "c", trainers, "--steps=4", *extra)
+    _, split = _torchrun(tmp_path / "s", trainers + rollout_ranks, "--steps=4", f"--rollout_ranks={rollout_ranks}", *extra)
     assert _same_but_waits(colocated, split) and len(split) == 4
     assert all(r["trainer_idle_s"] >= 0 and r["rollout_idle_s"] >= 0 for r in split)
+    if extra == ["--max_staleness=0"]:
+        assert all(r["train_rollout_kl"] == 0 and r["route_flip_frac"] == 0 for r in split)
 
 
 def test_a_rollout_rank_that_dies_leaves_a_resumable_run(tmp_path):
