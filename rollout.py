@@ -74,6 +74,7 @@ import dataclasses
 import functools
 import itertools
 import numbers
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -141,6 +142,7 @@ class SequenceOutput:
     policy_mask: list[int] = field(default_factory=list)   # one per id: 1 sampled by the policy, 0 the environment's
     turns: list[tuple[int, int]] = field(default_factory=list)   # each policy turn's [start, end) in tokens
     weights_version: int = 0     # the Sampler.weights_version that drew the tokens
+    finish_time: float = 0.0     # seconds from the generate() call's start until the host saw it finish (its latency)
 
     @property
     def num_turns(self) -> int:
@@ -549,6 +551,7 @@ class Sampler:
         for g in groups.values():
             sched.add(g)
         self.runner.reserve(max(s.limit for s in seqs), sp)
+        self._start = time.perf_counter()       # finish_time's origin: read when a step's finished flags come back
         try:
             with kernels.variant(**self.variant):
                 self._run(sched, sp, bar)
@@ -635,7 +638,7 @@ class Sampler:
         logprobs = [lp if m else OBSERVATION_LOGPROB for lp, m in zip(logprobs, mask)]
         return SequenceOutput(list(seq.prompt), seq.token_ids[P:], logprobs, routes, seq.finish_reason, weights,
                               margins, policy_mask=mask, turns=[(a - P, b - P) for a, b in seq.turns],
-                              weights_version=self.weights_version)
+                              weights_version=self.weights_version, finish_time=time.perf_counter() - self._start)
 
     def _check_observation(self, ids, index: int) -> list[int]:
         """What on_turn_end returned, checked where it enters: a list of token ids of the vocabulary."""

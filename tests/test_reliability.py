@@ -499,7 +499,7 @@ def test_code_cites_only_the_repository():
 def test_a_signal_saves_the_last_whole_step_and_the_resume_continues_it(tmp_path, sig, status):
     import signal
     import time
-    timing = {"step_time", "rollout_tokens_per_s"}
+    timing = set(runlog.TIMINGS)
     argv = FAST + ["--save_every=1000", "--lr_decay_steps=1000"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.Popen([sys.executable, "train.py", *argv, "--steps=1000", f"--out_dir={tmp_path / 'a'}"], cwd=ROOT,

@@ -13,6 +13,7 @@ import torch
 
 import checkpoint
 import distributed
+import runlog
 import kernels
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
@@ -150,7 +151,7 @@ def test_variants_run_with_zero_mismatch(tmp_path, extra):
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
-    timing = {"step_time", "rollout_tokens_per_s"}
+    timing = set(runlog.TIMINGS)
     full = _run(tmp_path / "a", SMALL + ["--steps=6", "--save_every=3"])
     _run(tmp_path / "b", SMALL + ["--steps=3", "--save_every=3", "--lr_decay_steps=6"])   # a 6-step plan, cut at 3
     tcfg, rcfg = TrainConfig(), RolloutConfig()
@@ -205,7 +206,7 @@ def test_halving_lr_by_hand():
 
 
 def test_halving_resume_continues_the_same_lr_sequence(tmp_path, capsys):
-    timing = {"step_time", "rollout_tokens_per_s"}
+    timing = set(runlog.TIMINGS)
     halving = ["--lr_schedule=halving", "--lr_decay_period=2", "--warmup_steps=1"]
     full = _run(tmp_path / "a", SMALL + halving + ["--steps=6", "--save_every=3"])
     assert [h["lr"] for h in full] == [1e-2 * f for f in (1, 1, 1, 0.5, 0.5, 0.25)]   # warmup 1, then halvings
@@ -331,7 +332,7 @@ def test_banner_checkpoint_lines_samples_and_progress_lines(tmp_path, capsys):
 
 
 def test_log_samples_changes_no_metric(tmp_path):
-    timing = {"step_time", "rollout_tokens_per_s"}
+    timing = set(runlog.TIMINGS)
     a = _run(tmp_path / "a", SMALL + ["--steps=2"])
     b = _run(tmp_path / "b", SMALL + ["--steps=2", "--log_samples=4", "--keep_checkpoints=3"])
     assert [{k: v for k, v in r.items() if k not in timing} for r in a] == \
@@ -343,7 +344,7 @@ def test_replay_old_replays_the_old_policys_routes(tmp_path, monkeypatch):
     forward. With an invariant rollout and one update per step (the policy has not moved yet) those
     are the routes the free forward takes, so the run is the no-replay run bit for bit; under a fast rollout the updates get the old forward's routes, not the
     rollout's (R3's)."""
-    timing = {"step_time", "rollout_tokens_per_s"}
+    timing = set(runlog.TIMINGS)
     one = ["--steps=2", "--recompute_old_logp=true", "--minibatch_size=128"]
     base = _run(tmp_path / "a", SMALL + one)
     old = _run(tmp_path / "b", SMALL + one + ["--replay=old"])
@@ -377,7 +378,7 @@ def test_replay_old_replays_the_old_policys_routes(tmp_path, monkeypatch):
 
 
 # ---- what the routes say: the probe, routes.jsonl, diagnostics.jsonl, the sequence-level filter -------
-TIMING = {"step_time", "rollout_tokens_per_s"}
+TIMING = set(runlog.TIMINGS)
 
 
 def test_probe_drift_is_zero_at_lr_0_and_grows_with_training(tmp_path):
