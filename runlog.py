@@ -4,8 +4,9 @@
     print(banner(run, max_new))          # two lines: what trains where, what the rollout stops on
     history.append(log_row(run, step, row))   # metrics.jsonl (strict JSON), the logger, a progress line
 
-metrics.jsonl is the record of a run; --log_to=tensorboard|wandb gets a copy of each row, and
---progress=false prints a line every --log_every steps. --log_samples=N writes responses to
+metrics.jsonl is the record of a run; --log_to=tensorboard|wandb gets a copy of each row; without a
+progress bar (--progress: a bar only on a terminal) a line every --log_every steps is printed. run.json
+holds the settings in force (checkpoint.write_run_json). --log_samples=N writes responses to
 samples.jsonl; routes.jsonl and diagnostics.jsonl are appended through append_jsonl (log_routes).
 A SIGINT / SIGTERM asks the loop to stop after the step under way (StopRequest, stop_requested,
 Interrupted); under torchrun a rank's reason to exit goes to its error file (tell_launcher); `run_cli`
@@ -258,7 +259,7 @@ def network_reachable(host: str) -> bool:
 
 
 def progress_line(run, row: dict) -> str:
-    """--progress=false: one line every --log_every steps (a value that is null in the row shows as -)."""
+    """Without a bar: one line every --log_every steps (a value that is null in the row shows as -)."""
     def f(key, spec):
         return "-" if row.get(key) is None else format(row[key], spec)
     return (f"step {row['step']}/{run.tcfg.steps}: reward {f('reward_mean', '.3f')}, loss {f('loss', '.4g')}, "
