@@ -534,8 +534,9 @@ class Transformer(nn.Module):
             logp, entropy = logp.view(B, T1), entropy.view(B, T1) if with_entropy else None
         else:
             logits = self.compute_logits(h[:, :-1])                       # (B, T-1, V)
-            out = kernels.token_logprobs(logits, tokens[:, 1:], temperature, with_entropy)
-            logp, entropy = out if with_entropy else (out, None)
+            detached = with_entropy and not entropy_grad                  # from the log-probs' own pass
+            out = kernels.token_logprobs(logits, tokens[:, 1:], temperature, detached)
+            logp, entropy = out if detached else (out, None)
             if with_entropy and entropy_grad:
                 entropy = kernels.softmax_entropy(logits, temperature)
         return (logp, used) + ((entropy,) if with_entropy else ()) + tuple(detail)
