@@ -168,7 +168,9 @@ def parse(argv: list[str]) -> tuple[str, dict]:
         raise ConfigError(USAGE + " (--help describes each)")
     ckpt, given = argv[0], parse_args(argv[1:])
     if not os.path.isdir(ckpt):
-        raise ConfigError(f"{ckpt!r}: no such checkpoint folder")
+        from plan import hub_id
+        raise ConfigError(f"{ckpt!r}: no such checkpoint folder" + (f"; nothing is downloaded: fetch it first "
+                          f"(`hf download {ckpt} --local-dir DIR`), then pass DIR" if hub_id(ckpt) else ""))
     unknown = sorted(set(given) - set(OPTIONS))
     if unknown:
         near = difflib.get_close_matches(unknown[0], list(OPTIONS), n=1, cutoff=0.6)

@@ -320,7 +320,7 @@ def _attend_tiles(q, k_cache, v_cache, block_table, positions, scale: float, til
     n_chunks = -(-R // ATTN_ROWS)
     pad = n_chunks * ATTN_ROWS - R
     qr = (q.float() * scale).view(B, T, KVH, G, D).permute(0, 2, 1, 3, 4).reshape(B, KVH, R, D)
-    qr = F.pad(qr, (0, 0, 0, pad)).view(B * KVH * n_chunks, ATTN_ROWS, D)      # (B*KVH*nC, C, D)
+    qr = F.pad(qr, (0, 0, 0, pad)).reshape(B * KVH * n_chunks, ATTN_ROWS, D)   # (B*KVH*nC, C, D); MHA: a view
     row_pos = positions[:, None, :, None].expand(B, 1, T, G).reshape(B, 1, R)
     m = torch.full((B, KVH, R), float("-inf"), dtype=torch.float32, device=q.device)
     l = torch.zeros((B, KVH, R), dtype=torch.float32, device=q.device)

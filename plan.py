@@ -46,8 +46,9 @@ intermediate size of the layer's experts (dense MLP: intermediate_size), V = voc
 * the sampler, with no gradient, holds one layer's temporaries at a time: P tokens of a prefill (P =
   min(max_num_batched_tokens, S x the longest prompt)) or R = min(max_batch_size, S) decode rows, 4 bytes
   x (k (3I + 2D) + 6D + 2 (Q + 2K)) a token, plus 16 V bytes of logits for each of its rows.
-The real peak also holds allocator slack and, on the CPU, the interpreter and libraries: tests/test_plan.py
-holds this against a training run's peak RSS at two sizes. On a GPU the sampler then takes
+The real peak also holds allocator slack and the runtime's own (on the CPU, about 50 MB): tests/test_plan.py
+holds the formula against the bytes autograd saves (both backends) and the whole plan against a training
+run's peak memory at two sizes (docs/results.md, "Memory plan"). On a GPU the sampler then takes
 --kv_memory_fraction of the memory it finds free for its pool (at least what is counted here).
 
 The start-up: every rank holds its dense weights and its E/N experts in --master_dtype on the GPU before

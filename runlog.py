@@ -368,6 +368,9 @@ def run_cli(main, argv: list[str]) -> None:
         if rank0:
             print(f"interrupted at step {e.step}; resume with --resume=true", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
+    except BrokenPipeError:                                           # stdout's reader is gone (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the exit's flush cannot fail again
+        sys.exit(128 + signal.SIGPIPE)
     except KeyboardInterrupt:                                         # a second signal, or one before the loop
         if rank0:
             print("interrupted; the step under way is not saved (the last checkpoint, if any, is kept)",

@@ -108,6 +108,7 @@ def test_keep_checkpoints_keeps_the_newest_k(jsonl):
 
 @pytest.mark.parametrize("argv, needle", [([], "usage: python eval.py CKPT --data=FILE"),
                                           (["/nonexistent"], "'/nonexistent': no such checkpoint folder"),
+                                          (["Qwen/Qwen3-30B-A3B"], "fetch it first (`hf download Qwen/Qwen3-30B-A3B --local-dir DIR`)"),
                                           (["{ck}", "--dta=x"], "unknown option --dta; did you mean --data?"),
                                           (["{ck}", "--data=x", "--reward_fn=r:f", "--tokenizer=t", "--samples=0"], "--samples=0: must be >= 1"),
                                           (["{ck}", "--data=x", "--reward_fn=r:f", "--tokenizer=t", "--temperature=-1"], "--temperature=-1.0: must be >= 0"),

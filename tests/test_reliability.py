@@ -693,3 +693,13 @@ def test_a_virtual_environment_in_the_clone_is_ignored():
         pytest.skip("not a git checkout")
     ignored = subprocess.run(["git", "check-ignore", "-q", ".venv/bin/python"], cwd=ROOT).returncode
     assert ignored == 0 and subprocess.run(["git", "check-ignore", "-q", "train.py"], cwd=ROOT).returncode == 1
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    """`python train.py | head -1`: the run stops when its stdout closes, quietly (141: 128 + SIGPIPE)."""
+    p = subprocess.Popen([sys.executable, "train.py", *FAST, "--steps=50", f"--out_dir={tmp_path}"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.stdout.readline().startswith(b"train: tiny")
+    p.stdout.close()                                                  # as head does after its line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
