@@ -8,7 +8,9 @@ score-correction bias, grouped top-k, shared experts, biases, partial RoPE) are 
 off by default. hf.py translates each family's config.json onto them (hf.config_from_hf) and checks
 model_type; this file imports nothing of it.
 Every dataclass validates itself in `__post_init__`; `apply_overrides` turns command-line
-`--key=value` strings into typed fields and rejects unknown keys and bad values by name.
+`--key=value` strings into typed fields and rejects unknown keys and bad values by name (with the
+nearest name, or the one another codebase means: --n_layer -> --num_hidden_layers); `apply_command_line`
+also takes a preset's ModelConfig fields (--num_hidden_layers=2) into TrainConfig.model_overrides.
 """
 from __future__ import annotations
 
