@@ -4,6 +4,12 @@
     state = load_trainer_state(latest_checkpoint(out_dir))               # plain data: nothing is unpickled
     model.load_state_dict(load_weights(ckpt, model))                     # the exact weights to resume from
     resumed = resume(tcfg, model, task, experts=None, print0=print)     # all a resume loads and checks
+    python -m checkpoint export out/ckpt-000200 DIR [--save_dtype=bfloat16]   # a clean HF folder to share
+
+A checkpoint folder is an HF folder plus what a resume needs (trainer_state.pt: AdamW's state, twice the
+weights; masters.safetensors). `export` writes a folder with only what transformers, vLLM or the Hub
+need: the weights in --save_dtype (default: the run's), config.json, generation_config.json and the
+tokenizer files (export()).
 
 Mixed precision: the HF export is written in --save_dtype (default the compute dtype: the compute copy
 itself, as the sampler ran it); when that loses bits of the fp32 masters, they are saved beside it
@@ -24,12 +30,13 @@ import os
 import pickle
 import re
 import shutil
+import sys
 
 import torch
 
 import expert_parallel
 import plan
-from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig
+from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args, parse_bool
 from hf import (CheckpointError, Identity, expert_rows, hf_to_state, read_safetensors_dir, read_safetensors_file,
                 write_identity)
 from model import Transformer
@@ -66,8 +73,9 @@ def load_optimizer_state(scorer, opt, state, full: bool):
 
 
 CKPT_NAME = re.compile(r"ckpt-\d{6}")                               # the only names `latest` may hold
+RUN_JSON = "run.json"                                                 # the configs in force, readable
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "routes.jsonl", "diagnostics.jsonl", "latest",
-             "latest.tmp")                                            # with ckpt-*: what makes a folder a run
+             "latest.tmp", RUN_JSON)                                  # with ckpt-*: what makes a folder a run
 
 
 def check_finite_weights(model: Transformer, step: int) -> None:
@@ -212,6 +220,20 @@ def prepare_out_dir(tcfg: TrainConfig, master: bool) -> None:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
+def write_run_json(out_dir: str, tcfg: TrainConfig, rcfg: RolloutConfig, model_cfg: ModelConfig, start: int) -> str:
+    """out_dir/run.json: every field of the configs this leg trains with (strict JSON, one field a line),
+    written at its start; a resume rewrites it after printing what changed (resume_changes). The
+    checkpoints' trainer_state.pt holds the same dicts: a resume reads those."""
+    path = os.path.join(out_dir, RUN_JSON)
+    run = {"start_step": start, "train": dataclasses.asdict(tcfg), "rollout": dataclasses.asdict(rcfg),
+           "model": dataclasses.asdict(model_cfg)}
+    with open(path + ".tmp", "w") as f:
+        json.dump(run, f, indent=1, allow_nan=False)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def trim_metrics(path: str, last_step: int) -> None:
     """On resume: keep the rows up to the checkpoint's step (and drop a line cut short by a kill)."""
     kept = []
@@ -309,6 +331,58 @@ def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
     return dataclasses.replace(tcfg, lr_decay_steps=horizon)
 
 
+# What a resume may change without changing the run's numbers (docs/design.md, "Reliability"); any other
+# setting that differs is refused unless --resume_changes=allow. Every difference is printed either way.
+FREE_ON_RESUME = frozenset((
+    "steps", "lr_decay_steps",            # the run's length and its lr plan: resume_plan keeps and explains them
+    "out_dir", "save_every", "keep_checkpoints", "save_dtype", "log_every", "progress", "log_samples", "log_to",
+    "diagnostics", "probe_every", "probe_prompts", "eval_data", "eval_every", "eval_samples", "entropy_warn",
+    "entropy_warn_steps", "skip_nonfinite_steps", "resume_changes",   # what it writes, shows and evaluates
+    "parallel", "expert_parallel", "expert_placement",                # the layout, like the world size
+    "block_size", "num_blocks", "max_batch_size", "max_num_batched_tokens", "prefix_cache", "kv_memory_fraction",
+    "cuda_graphs", "record_route_detail",  # the sampler's engine: the contract keeps its bits at any of these
+))
+ACTS = ("resume", "overwrite")           # the command itself, not a setting of the run
+
+
+def config_changes(saved: tuple, now: tuple) -> list[tuple[str, object, object]]:
+    """(field, saved value, new value) of every setting of (TrainConfig, RolloutConfig) that differs."""
+    out = []
+    for a, b in zip(saved, now):
+        out += [(f.name, getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+                if f.name not in ACTS and getattr(a, f.name) != getattr(b, f.name)]
+    return out
+
+
+def check_resume_changes(saved: tuple, now: tuple, print0) -> None:
+    """Print each setting the resume changes; refuse (ConfigError, one line) those that would change the
+    run's numbers, unless --resume_changes=allow."""
+    changes = config_changes(saved, now)
+    for name, was, new in changes:
+        print0(f"resume: --{name}={new!r} (the saved run's: {was!r})"
+               + ("" if name in FREE_ON_RESUME else ": changes the run's numbers"))
+    breaking = [name for name, _, _ in changes if name not in FREE_ON_RESUME]
+    if breaking and now[0].resume_changes != "allow":
+        raise ConfigError(f"--resume: {', '.join('--' + n for n in breaking)} differ from the saved run and would change "
+                          "its numbers; drop them to continue it exactly, or pass --resume_changes=allow to continue "
+                          "with them (docs/design.md, \"Reliability\")")
+
+
+def command_line_configs(overrides: dict[str, str], print0) -> tuple[TrainConfig, RolloutConfig]:
+    """The configs a command line runs: the defaults with its options; with --resume=true the saved
+    run's (out_dir/latest's) with its options on top, checked by check_resume_changes."""
+    if not parse_bool("resume", overrides.get("resume", "false")):
+        tcfg, rcfg = TrainConfig(), RolloutConfig()
+        apply_command_line(overrides, tcfg, rcfg)
+        return tcfg, rcfg
+    ckpt = latest_checkpoint(overrides.get("out_dir", TrainConfig.out_dir))
+    state = load_trainer_state(ckpt)
+    tcfg, rcfg = saved_configs(state, ckpt)
+    apply_command_line(overrides, tcfg, rcfg)
+    check_resume_changes(saved_configs(state, ckpt), (tcfg, rcfg), print0)
+    return tcfg, rcfg
+
+
 def saved_configs(state: dict, ckpt: str) -> tuple[TrainConfig, RolloutConfig]:
     """The configs a checkpoint was trained with (plain dicts in trainer_state.pt), ready to resume."""
     try:
@@ -317,3 +391,64 @@ def saved_configs(state: dict, ckpt: str) -> tuple[TrainConfig, RolloutConfig]:
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{ckpt}/trainer_state.pt: its configs do not fit this train.py ({e}); "
                               "was it written by another version?") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# python -m checkpoint export CKPT DIR: a clean HF folder
+# ---------------------------------------------------------------------------------------------------
+EXPORT_USAGE = "usage: python -m checkpoint export CKPT DIR [--save_dtype=float32|bfloat16]"
+
+
+def export(ckpt: str, out: str, save_dtype: str = "") -> str:
+    """Write out/ from checkpoint folder ckpt: the exact weights (the masters where the checkpoint's export
+    rounded them) cast to save_dtype (default: the run's --save_dtype, else its --dtype, else the
+    checkpoint's), config.json, generation_config.json and the tokenizer files; no optimizer state, no
+    masters. Written to out.tmp and renamed; an out that holds files is refused."""
+    from hf import config_from_hf, read_identity
+    if not os.path.isfile(os.path.join(ckpt, "config.json")):
+        raise ConfigError(f"export: {ckpt!r} is not a checkpoint folder (no config.json); pass out_dir/ckpt-NNNNNN")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError(f"export: {out!r} exists and is not an empty folder; pass a new one (nothing is overwritten)")
+    _require_dtype(save_dtype)
+    if not save_dtype and os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):
+        run = load_trainer_state(ckpt)["train_config"]
+        save_dtype = run.get("save_dtype") or run.get("dtype", "")
+    with torch.device("meta"):
+        model = Transformer(config_from_hf(ckpt))
+    model.load_state_dict(load_weights(ckpt, model), assign=True)     # the exact bits, masters first
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_model(model, None, save_dtype).save_pretrained(tmp)
+    write_identity(tmp, read_identity(ckpt))
+    if os.path.isdir(out):
+        os.rmdir(out)                                                 # empty (checked above)
+    os.replace(tmp, out)
+    return out
+
+
+def _require_dtype(save_dtype: str) -> None:
+    if save_dtype not in ("", "float32", "bfloat16"):
+        raise ConfigError(f"export: --save_dtype={save_dtype!r}: float32 or bfloat16 (default: the run's)")
+
+
+def export_cli(argv: list[str]) -> None:
+    """`python -m checkpoint export CKPT DIR [--save_dtype=...]`: one `error:` line per mistake, exit 1."""
+    if not argv or argv[0] in ("-h", "--help"):
+        return print(EXPORT_USAGE + "\n\n" + __doc__)
+    try:
+        opts = [a for a in argv[1:] if a.startswith("--")]
+        paths = [a for a in argv[1:] if not a.startswith("--")]
+        if argv[0] != "export" or len(paths) != 2:
+            raise ConfigError(EXPORT_USAGE)
+        given = parse_args(opts)
+        unknown = sorted(set(given) - {"save_dtype"})
+        if unknown:
+            raise ConfigError(f"export: unknown option --{unknown[0]} ({EXPORT_USAGE})")
+        path = export(*paths, save_dtype=given.get("save_dtype", ""))
+        print(f"exported {paths[0]} to {path}")
+    except (ConfigError, CheckpointError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    export_cli(sys.argv[1:])

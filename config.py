@@ -8,7 +8,9 @@ score-correction bias, grouped top-k, shared experts, biases, partial RoPE; gpt-
 YaRN and experts; DeepSeek's MLA) are extra fields that are off by default. hf.py translates each
 family's config.json onto them (hf.config_from_hf) and checks model_type; this file imports nothing of it.
 Every dataclass validates itself in `__post_init__`; `apply_overrides` turns command-line
-`--key=value` strings into typed fields and rejects unknown keys and bad values by name.
+`--key=value` strings into typed fields and rejects unknown keys and bad values by name (with the
+nearest name, or the one another codebase means: --n_layer -> --num_hidden_layers); `apply_command_line`
+also takes a preset's ModelConfig fields (--num_hidden_layers=2) into TrainConfig.model_overrides.
 """
 from __future__ import annotations
 
@@ -280,6 +282,29 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 
+# The ModelConfig fields a preset takes from the command line (--num_hidden_layers=2): all but vocab_size
+# (TrainConfig's --vocab_size, which can also follow the tokenizer) and model_type (a family's knobs come with
+# it: pick the preset, or a checkpoint, of that family).
+MODEL_OPTIONS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("vocab_size", "model_type"))
+# Names from other codebases that mean a field here: the nearest-name hint for an unknown key.
+ALIASES = {"n_layer": "num_hidden_layers", "n_layers": "num_hidden_layers", "n_head": "num_attention_heads",
+           "n_heads": "num_attention_heads", "n_kv_head": "num_key_value_heads", "n_kv_heads": "num_key_value_heads",
+           "n_embd": "hidden_size", "d_model": "hidden_size", "dim": "hidden_size", "n_experts": "num_experts",
+           "num_local_experts": "num_experts", "n_expert": "num_experts", "top_k_experts": "num_experts_per_tok",
+           "n_experts_per_tok": "num_experts_per_tok", "moe_topk": "num_experts_per_tok",
+           "expert_intermediate_size": "moe_intermediate_size", "ffn_dim": "intermediate_size",
+           "max_seq_len": "max_position_embeddings", "learning_rate": "lr"}
+
+
+def preset_summary(name: str) -> str:
+    """A preset in a few words, from its config (the one source): layers, width, experts, vocabulary."""
+    c = ModelConfig.preset(name)
+    moe = (f"{len(c.moe_layers)} MoE layers of {c.num_experts} experts top-{c.num_experts_per_tok}"
+           if c.moe_layers else "dense")
+    return (f"{c.model_type}, {c.num_hidden_layers} layers ({moe}), hidden {c.hidden_size}, "
+            f"{c.num_attention_heads} heads, vocab {c.vocab_size}")
+
+
 QUANT_FORMATS = ("int8", "fp8_e4m3")   # --rollout_dtype's quantized formats
 INFLIGHT_UPDATES = ("off", "keep_kv", "recompute_kv")   # --inflight_update (pipeline.py)
 # The mismatch lab's episode faults (RolloutConfig.rollout_episode_fault; lab.episode_fault applies them to the
@@ -454,6 +479,8 @@ class TrainConfig:
     sapo_tau_neg: float = 1.05        # ... for A < 0
     kl_coef: float = 0.0              # KL to the frozen initial policy
     kl_estimator: str = "k3"          # k1 | k2 | k3 | k3_clamped (k3 at most 10, as verl's low_var_kl)
+    entropy_coef: float = 0.0         # an entropy bonus: minus this times the entropy of softmax(logits / T) at each
+                                      # response token, aggregated as the loss (0: off; e.g. 1e-3 against a collapse)
     # train-inference mismatch
     recompute_old_logp: bool = False  # recompute old log-probs with the trainer (default: use the rollout's)
     correction: str = "none"          # none | is (rho) | tis (min(rho, tis_cap)) | mis (rho up to mis_high, else 0) |
@@ -487,19 +514,28 @@ class TrainConfig:
     log_every: int = 1                # write a metrics.jsonl row every N steps
     save_every: int = 50              # checkpoint every N steps (and at the end)
     keep_checkpoints: int = 1         # the newest K checkpoints are kept, older ones deleted
-    progress: bool = True             # a progress bar; false: one line every --log_every steps
+    progress: str = "auto"            # auto: a progress bar when stdout and stderr are a terminal, else a line
+                                      # every --log_every steps (a log file gets lines, not bar frames) | true | false
     probe_every: int = 0              # > 0: every N steps, roll out a fixed probe set greedily and audit it
     probe_prompts: int = 8            # the probe set's size (drawn once from the task)
     diagnostics: int = 0              # > 0: each step, the N most mismatched sequences to diagnostics.jsonl
     log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
     log_to: str = ""                  # "" (metrics.jsonl only) | tensorboard | wandb: a copy of each row
+    entropy_warn: float = 0.05        # one warning line when the mean entropy stays below this for
+                                      # --entropy_warn_steps steps in a row (0: never)
+    entropy_warn_steps: int = 10      # ... that many consecutive steps
+    resume_changes: str = "refuse"    # --resume with settings that change the run's numbers (lr, the loss, the
+                                      # task, ...): refuse | allow; either way each changed setting is printed
+                                      # (docs/design.md, "Reliability")
     # evaluation (eval.py): greedy and sampled reward and pass@k on a held-out JSONL
     eval_data: str = ""               # a JSONL file in --data's format, scored with --reward_fn
     eval_every: int = 0               # evaluate every N steps and at the last (0: at the last step only)
     eval_samples: int = 4             # k sampled responses per eval prompt (pass@k)
+    model_overrides: dict = field(default_factory=dict, metadata={"cli": False})  # the preset's fields set by --name=value
 
     def __post_init__(self):
         _require_finite(self)
+        self.progress = _progress_value(self.progress)
         for name in ("steps", "prompts_per_step", "epochs", "minibatch_size", "n_digits"):
             _require(getattr(self, name) > 0, f"--{name}={getattr(self, name)}: must be >= 1")
         for name in ("micro_batch_tokens", "micro_batch_size", "logits_chunk", "lr_decay_steps", "skip_nonfinite_steps",
@@ -515,6 +551,15 @@ class TrainConfig:
         for name in ("log_samples", "eval_every"):
             _require(getattr(self, name) >= 0, f"--{name}={getattr(self, name)}: must be >= 0")
         _require(self.log_to in ("", "tensorboard", "wandb"), f"--log_to={self.log_to!r}: '', tensorboard or wandb")
+        for name in ("data", "tokenizer", "reward_fn"):                 # else the digit task runs, ignoring them
+            _require(self.task == "jsonl" or not getattr(self, name),
+                     f"--{name}={getattr(self, name)!r} is for your own task: add --task=jsonl (--task={self.task} "
+                     "is a built-in digit task and would ignore it)")
+        _require_range(self, "entropy_coef entropy_warn", lambda v: v >= 0, ">= 0 (0: off)")
+        _require_range(self, "entropy_warn_steps", lambda v: v >= 1, ">= 1")
+        _require(self.resume_changes in ("refuse", "allow"), f"--resume_changes={self.resume_changes!r}: refuse or allow")
+        bad = sorted(set(self.model_overrides) - set(MODEL_OPTIONS))
+        _require(not bad, f"model_overrides {bad}: not ModelConfig fields the command line can set")
         _require(not self.eval_every or self.eval_data,
                  f"--eval_every={self.eval_every}: needs --eval_data=FILE (a held-out JSONL)")
         _require(not self.eval_data or self.task == "jsonl",
@@ -650,19 +695,32 @@ class TrainConfig:
         """Compute in --dtype on a copy cast from float32 masters (the optimizer's weights)."""
         return self.dtype != self.master_dtype
 
+    def preset_config(self) -> ModelConfig | None:
+        """--init_from's preset with the fields the command line set on it (model_overrides), validated
+        whole; None for a checkpoint folder, which has its own config.json (setting a field is refused)."""
+        if self.init_from in MODEL_PRESETS and not os.path.isdir(self.init_from):
+            return dataclasses.replace(ModelConfig.preset(self.init_from), **self.model_overrides)
+        if self.model_overrides:
+            key, value = next(iter(self.model_overrides.items()))
+            what = ("a checkpoint folder with its own config.json (edit that, or start from a preset)"
+                    if os.path.isdir(self.init_from) else f"not a preset ({', '.join(MODEL_PRESETS)})")
+            raise ConfigError(f"--{key}={_shown(value)} sets a preset's field; --init_from={self.init_from!r} is {what}")
+        return None
+
     def model_preset(self, task_vocab: int, tokenizer: bool) -> ModelConfig | None:
-        """The ModelConfig of --init_from when it names a preset (None for a checkpoint folder), its vocabulary
-        set by --vocab_size: '' keeps the preset's, auto takes the task's, N is N.
+        """The ModelConfig of --init_from when it names a preset (None for a checkpoint folder), with the
+        command line's fields (preset_config) and its vocabulary set by --vocab_size: '' keeps the
+        preset's, auto takes the task's, N is N.
 
         The task's ids must fit; with a tokenizer, a larger vocabulary is refused too: the ids past the
         tokenizer's decode to nothing, yet the policy would sample them. Each refusal says what to pass.
         """
-        if self.init_from not in MODEL_PRESETS or os.path.isdir(self.init_from):
+        cfg = self.preset_config()
+        if cfg is None:
             _require(not (self.vocab_size and os.path.isdir(self.init_from)),
                      f"--vocab_size={self.vocab_size}: only a preset's vocabulary can be changed; "
                      f"--init_from={self.init_from!r} is a checkpoint folder with its own")
             return None
-        cfg = ModelConfig.preset(self.init_from)
         vocab = task_vocab if self.vocab_size == "auto" else int(self.vocab_size or cfg.vocab_size)
         source = "the tokenizer" if tokenizer else f"task {self.task!r}"
         _require(vocab >= task_vocab, f"{source} uses {task_vocab} token ids, the model has vocab_size={vocab} "
@@ -734,22 +792,62 @@ def parse_args(argv: list[str]) -> dict[str, str]:
     return out
 
 
-def apply_overrides(overrides: dict[str, str], *configs) -> None:
+def _cli_fields(cls) -> list[str]:
+    """The fields of a config dataclass that are command-line options (all but metadata cli=False)."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+
+
+def unknown_key(key: str, known) -> ConfigError:
+    """`unknown config key --key`, with the nearest known name (or the one another codebase means by it)."""
+    near = [ALIASES[key]] if ALIASES.get(key) in known else difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return ConfigError(f"unknown config key --{key}" + (f"; did you mean --{near[0]}?" if near else "")
+                       + " (--help lists every option)")
+
+
+def apply_overrides(overrides: dict[str, str], *configs, also_known=()) -> None:
     """Set each key on the one config dataclass that has it, converting by the field's type.
 
-    Unknown keys and wrong types raise ConfigError naming the key; each config is re-validated.
+    Unknown keys and wrong types raise ConfigError naming the key (also_known: more names for its
+    hint); each config is re-validated.
     """
-    hints = [(c, typing.get_type_hints(type(c))) for c in configs]
+    hints = [(c, {k: t for k, t in typing.get_type_hints(type(c)).items() if k in _cli_fields(type(c))})
+             for c in configs]
     for key, raw in overrides.items():
         owners = [(c, h[key]) for c, h in hints if key in h]
         if not owners:
-            near = difflib.get_close_matches(key, [k for _, h in hints for k in h], n=1, cutoff=0.6)
-            raise ConfigError(f"unknown config key --{key}" + (f"; did you mean --{near[0]}?" if near else "")
-                              + " (--help lists every option)")
+            raise unknown_key(key, [k for _, h in hints for k in h] + list(also_known))
         for c, tp in owners:
             setattr(c, key, _convert(key, raw, tp))
     for c in configs:
         c.__post_init__()
+
+
+def apply_command_line(overrides: dict[str, str], tcfg: TrainConfig, rcfg: RolloutConfig) -> None:
+    """train.py's and --plan's options onto the configs: a ModelConfig field (--num_hidden_layers=2) goes
+    into tcfg.model_overrides, typed, for --init_from's preset (a checkpoint folder refuses it, one line);
+    every other key is apply_overrides'."""
+    types_ = typing.get_type_hints(ModelConfig)
+    model = {k: _convert(k, raw, types_[k]) for k, raw in overrides.items() if k in MODEL_OPTIONS}
+    apply_overrides({k: v for k, v in overrides.items() if k not in model}, tcfg, rcfg, also_known=MODEL_OPTIONS)
+    if model:
+        tcfg.model_overrides = {**tcfg.model_overrides, **model}
+        tcfg.__post_init__()
+    tcfg.preset_config()                                              # the preset with them, checked whole
+
+
+def _progress_value(v) -> str:
+    """--progress as auto | true | false (any bool spelling; a bool from a checkpoint of an older run)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    low = str(v).lower()
+    if low in _TRUE | _FALSE:
+        return "true" if low in _TRUE else "false"
+    _require(low == "auto", f"--progress={v!r}: auto (a bar on a terminal, lines otherwise), true or false")
+    return low
+
+
+def _shown(v) -> str:
+    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -777,7 +875,20 @@ def help_text(*configs) -> str:
     for c in configs:
         lines.append(f"{type(c).__name__}:")
         docs = field_docs(type(c))
-        opts = [(f"--{f.name}={getattr(c, f.name)!r}", docs.get(f.name, "")) for f in dataclasses.fields(c)]
+        opts = [(f"--{name}={getattr(c, name)!r}", docs.get(name, "")) for name in _cli_fields(type(c))]
         width = max(len(o) for o, _ in opts)
         lines += [f"  {o:<{width}}  {d}".rstrip() for o, d in opts]
     return "\n".join(lines)
+
+
+def model_help() -> str:
+    """The presets, and the ModelConfig fields a preset takes from the command line (tiny's values shown)."""
+    width = max(map(len, MODEL_PRESETS))
+    lines = ["presets (--init_from=NAME; or a checkpoint folder):"]
+    lines += [f"  {name:<{width}}  {preset_summary(name)}" for name in MODEL_PRESETS]
+    lines.append("ModelConfig (a preset is a starting point: --num_hidden_layers=2 --num_experts=4 ... set its "
+                 "fields; not with a checkpoint folder; --vocab_size is TrainConfig's):")
+    docs, tiny = field_docs(ModelConfig), ModelConfig.preset("tiny")
+    opts = [(f"--{name}={getattr(tiny, name)!r}", docs.get(name, "")) for name in MODEL_OPTIONS]
+    width = max(len(o) for o, _ in opts)
+    return "\n".join(lines + [f"  {o:<{width}}  {d}".rstrip() for o, d in opts])

@@ -182,7 +182,9 @@ def parse(argv: list[str]) -> tuple[str, dict]:
         raise ConfigError(USAGE + " (--help describes each)")
     ckpt, given = argv[0], parse_args(argv[1:])
     if not os.path.isdir(ckpt):
-        raise ConfigError(f"{ckpt!r}: no such checkpoint folder")
+        from plan import hub_id
+        raise ConfigError(f"{ckpt!r}: no such checkpoint folder" + (f"; nothing is downloaded: fetch it first "
+                          f"(`hf download {ckpt} --local-dir DIR`), then pass DIR" if hub_id(ckpt) else ""))
     unknown = sorted(set(given) - set(OPTIONS))
     if unknown:
         near = difflib.get_close_matches(unknown[0], list(OPTIONS), n=1, cutoff=0.6)
@@ -209,9 +211,14 @@ def main(argv: list[str]) -> dict:
     from model import Transformer
     from rollout import Sampler
     from tasks import make_task
+    from config import ConfigError
     ckpt, o = parse(argv)
     task = make_task("jsonl", data=o["data"], tokenizer=o["tokenizer"], reward_fn=o["reward_fn"],
-                     max_new_tokens=o["max_new_tokens"])
+                     max_new_tokens=o["max_new_tokens"], model_eos=hf.eos_token_ids(ckpt))
+    vocab = hf.config_from_hf(ckpt).vocab_size                        # before any weight is read
+    if task.vocab_size > vocab:                                       # its ids would index past the embedding
+        raise ConfigError(f"--tokenizer={o['tokenizer']} has {task.vocab_size} tokens, {ckpt} has vocab_size={vocab}: "
+                          "pass the tokenizer the checkpoint was trained with (its own tokenizer.json, or the run's)")
     eos = hf.read_identity(ckpt).token_ids.get("eos_token_id")
     stop = tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else task.stop_token_ids
     model = Transformer.from_pretrained(ckpt, device=o["device"])

@@ -399,7 +399,7 @@ def _attend_tiles(q, k_cache, v_cache, block_table, positions, scale: float, til
     n_chunks = -(-R // ATTN_ROWS)
     pad = n_chunks * ATTN_ROWS - R
     qr = (q.float() * scale).view(B, T, KVH, G, D).permute(0, 2, 1, 3, 4).reshape(B, KVH, R, D)
-    qr = F.pad(qr, (0, 0, 0, pad)).view(B * KVH * n_chunks, ATTN_ROWS, D)      # (B*KVH*nC, C, D)
+    qr = F.pad(qr, (0, 0, 0, pad)).reshape(B * KVH * n_chunks, ATTN_ROWS, D)   # (B*KVH*nC, C, D); MHA: a view
     row_pos = positions[:, None, :, None].expand(B, 1, T, G).reshape(B, 1, R)
     m, l = _softmax_start(sinks, B, KVH, T, G, q.device)              # (B, KVH, R) each
     acc = torch.zeros((B, KVH, R, D), dtype=torch.float32, device=q.device)
@@ -691,17 +691,31 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     if _triton_for(logits) is not None:       # triton backend dispatch (the vocabulary ops have their own file)
         import kernels_triton_vocab
         return kernels_triton_vocab.token_logprobs(logits, targets, temperature, with_entropy)
-    z = logits.float()
-    if temperature not in (0.0, 1.0):
-        z = z / temperature
-    logp_all = torch.log_softmax(z, dim=-1)
+    logp_all = torch.log_softmax(_scaled(logits, temperature), dim=-1)
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp
     with torch.no_grad():
-        p = logp_all.exp()
-        entropy = -torch.where(p > 0, p * logp_all, 0.0).sum(-1)      # 0 log 0 = 0
+        entropy = _entropy(logp_all)
     return logp, entropy
+
+
+def softmax_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The entropy of softmax(logits / temperature) in fp32, (..., V) -> (...), with its gradient (the
+    entropy bonus, --entropy_coef). Torch ops on every backend (the backward need not be batch-invariant);
+    on the torch backend the values are token_logprobs(with_entropy=True)'s detached ones, bit for bit."""
+    return _entropy(torch.log_softmax(_scaled(logits, temperature), dim=-1))
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in fp32 (0, greedy, scores the unscaled distribution)."""
+    z = logits.float()
+    return z / temperature if temperature not in (0.0, 1.0) else z
+
+
+def _entropy(logp_all: torch.Tensor) -> torch.Tensor:
+    p = logp_all.exp()
+    return -torch.where(p > 0, p * logp_all, 0.0).sum(-1)            # 0 log 0 = 0
 
 
 # ---------------------------------------------------------------------------------------------------

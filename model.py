@@ -54,7 +54,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     ones bit for bit; the weight gradient is the chunks' partials summed in fp32, in chunk order."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, temperature, with_entropy, chunk):
+    def forward(ctx, h, w, targets, temperature, with_entropy, chunk, entropy_grad=False):
         logp = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         for lo in range(0, h.shape[0], chunk):
@@ -65,12 +65,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
             else:
                 logp[rows] = out
         ctx.save_for_backward(h, w, targets)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(entropy)
+        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, g, _g_entropy):
+    def backward(ctx, g, g_entropy):
         h, w, targets = ctx.saved_tensors
         dh = torch.empty_like(h)
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
@@ -78,10 +79,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             rows = slice(lo, lo + ctx.chunk)
             with torch.enable_grad():
                 hc, wc = h[rows].detach().requires_grad_(), w.detach().requires_grad_()
-                lp = kernels.token_logprobs(lm_head(hc, wc), targets[rows], ctx.temperature)
-                dh[rows], dwc = torch.autograd.grad(lp, (hc, wc), g[rows])
+                logits = lm_head(hc, wc)
+                outs, grads = [kernels.token_logprobs(logits, targets[rows], ctx.temperature)], [g[rows]]
+                if ctx.entropy_grad and g_entropy is not None:        # the entropy bonus's gradient too
+                    outs.append(kernels.softmax_entropy(logits, ctx.temperature))
+                    grads.append(g_entropy[rows])
+                dh[rows], dwc = torch.autograd.grad(outs, (hc, wc), grads)
             dw += dwc.float()
-        return dh, dw.to(w.dtype), None, None, None, None
+        return dh, dw.to(w.dtype), None, None, None, None, None
 
 
 @dataclass
@@ -597,7 +602,7 @@ class Transformer(nn.Module):
 
     def score(self, tokens: torch.Tensor, temperature: float = 1.0, routes: torch.Tensor | None = None,
               with_entropy: bool = False, logits_chunk: int = 0, packing: Packing | None = None,
-              check: bool = True, route_detail: bool = False):
+              check: bool = True, route_detail: bool = False, entropy_grad: bool = False):
         """Log-probs of tokens[:, 1:] under softmax(logits / temperature), and the routes used.
 
         tokens (B, T) int, right padding allowed (padded positions get values the caller masks out).
@@ -617,6 +622,8 @@ class Transformer(nn.Module):
         it built and checked itself (train.make_batch, replay.pack_routes), keeping its forward pure.
         route_detail: also return the RouteDetail (B, T, ...) of the routes, last: (logp, routes,
         [entropy,] detail). The other outputs keep their bits.
+        entropy_grad: with with_entropy, the entropy carries its gradient (kernels.softmax_entropy: the
+        entropy bonus, --entropy_coef); logp's bits and gradient do not change.
         """
         if check:
             self.check_inputs(tokens, routes)
@@ -624,12 +631,15 @@ class Transformer(nn.Module):
         B, T1, D = h.shape[0], h.shape[1] - 1, h.shape[2]
         if logits_chunk and B * T1 > logits_chunk:      # at most logits_chunk rows of logits at a time
             logp, entropy = _ChunkedLogprobs.apply(h[:, :-1].reshape(-1, D), self.lm_weight(), tokens[:, 1:].reshape(-1),
-                                                   temperature, with_entropy, logits_chunk)
+                                                   temperature, with_entropy, logits_chunk, entropy_grad)
             logp, entropy = logp.view(B, T1), entropy.view(B, T1) if with_entropy else None
         else:
             logits = self.compute_logits(h[:, :-1])                       # (B, T-1, V)
-            out = kernels.token_logprobs(logits, tokens[:, 1:], temperature, with_entropy)
-            logp, entropy = out if with_entropy else (out, None)
+            detached = with_entropy and not entropy_grad                  # from the log-probs' own pass
+            out = kernels.token_logprobs(logits, tokens[:, 1:], temperature, detached)
+            logp, entropy = out if detached else (out, None)
+            if with_entropy and entropy_grad:
+                entropy = kernels.softmax_entropy(logits, temperature)
         return (logp, used) + ((entropy,) if with_entropy else ()) + tuple(detail)
 
     # ---- Hugging Face checkpoints: the translation lives in hf.py ----

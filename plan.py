@@ -1,9 +1,11 @@
-"""The memory plan: bytes per rank of a training run's state, before anything is loaded.
+"""The memory plan: bytes per rank of a training run, before anything is loaded.
 
     python train.py --plan --init_from=qwen3-30b-a3b --world_size=8 --parallel=fsdp --expert_parallel=8 \
         --dtype=bfloat16 --gpu_memory_gb=80
 
-The layout assumed (fp32-master mixed precision): fp32 masters (4 bytes a parameter), fp32 gradients (4),
+It prints the table and a verdict; a run that does not fit ends in one `error:` line (exit status 1).
+
+The weights' state (fp32-master mixed precision): fp32 masters (4 bytes a parameter), fp32 gradients (4),
 AdamW's two fp32 moments (8); with --dtype=bfloat16 a bf16 compute copy (2) cast from the masters (with
 float32 the masters are the compute weights). --master_dtype=bfloat16 stores all four in bf16 (2 + 2 + 4,
 no compute copy: the masters compute). Dense parameters (attention, router, norms, embeddings,
@@ -11,13 +13,48 @@ shared experts) are whole on every rank under DDP and sharded over the world und
 parameters are divided by --expert_parallel=N, and under FSDP2 also by world / N. The sampler reads whole
 dense weights and this rank's E/N experts: under DDP the compute copy (no more bytes), under FSDP2 a
 copy of its own in --dtype; the mismatch lab's rollout copy (--rollout_dtype other than --dtype, int8 and
-fp8_e4m3 stored dequantized in --dtype; --rollout_router_fault) comes on top of either. The KV pool:
---kv_tokens positions, or RolloutConfig's num_blocks pages, or (neither given) kv_memory_fraction of what
-is left, as the sampler sizes it on a GPU.
-Activations and temporaries are not counted: the headroom is theirs. The start-up is flagged apart
-when it exceeds the GPU: from a checkpoint folder every rank reads its dense weights and its E/N experts
-in --master_dtype (the other experts never leave the disk), then FSDP2 shards them; a preset is drawn
-whole on every rank (the same random bits at every EP degree), then cut to its shard.
+fp8_e4m3 stored dequantized in --dtype; --rollout_router_fault) comes on top of either. --kl_coef > 0
+adds the reference policy: whole dense weights and E/N experts in --dtype.
+
+The rollout: the KV pool holds --kv_tokens positions, else --num_blocks pages, else what this rank's
+rollout needs: its S = prompts_per_step / world x group_size sequences at the run's longest, L = the
+longest prompt + the response limit (each rounded up to whole pages), so no sequence is preempted. A
+position costs 2 x layers x KV heads x head_dim in the rollout's dtype, plus its routes (n_moe x top_k
+ids, 1 byte each, 2 past 256 experts; --record_route_detail: 4 (top_k + 1) more). Beside the pool the
+sampler keeps (max_batch_size + 1) rows x (L + 1) positions of token ids and log-probs (12 bytes each).
+
+Activations: the larger of the trainer's and the sampler's (the phases of a step run one after the
+other), with D = hidden_size, Q = heads x head_dim, K = KV heads x head_dim, k = top_k, I the
+intermediate size of the layer's experts (dense MLP: intermediate_size), V = vocab_size, E = experts:
+* the trainer keeps, for the backward, A bytes per token of its largest micro-batch of M tokens (packed:
+  min(--micro_batch_tokens, a minibatch's sequences x L), at least one whole sequence, at most
+  --micro_batch_size sequences; padded: --micro_batch_size (else the rank's minibatch) rows x L), plus
+  the logits of min(M, --logits_chunk) positions: on the torch backend 4 fp32 copies (logits, log-softmax,
+  its exp and the entropy's product: 16 V bytes a position), on Triton 2 in --dtype (logits, their grad);
+  A sums over the layers, in bytes per token (b: --dtype's bytes):
+    torch (every op computes in fp32, so the counts are 4-byte values at either --dtype; each matmul
+    keeps an fp32 copy of its input, each RMSNorm its input and output, SwiGLU its five fp32 temporaries):
+      attention 8D + 6Q + 5K (norms, q/k/v/o inputs, q/k norms, RoPE, the block layout) + the key tiles
+        (below); MoE layer k (2D + 6I) + 4E + D (router); dense layer 2D + 6I; then 3D + head_dim.
+      key tiles (packed attention walks each 16-position query block over the 16-key tiles up to its
+        own, keeping every tile's scores): per token ((H (48 head_dim + 592) + 64 H / K-heads) n (n + 1) / 2
+        + 32 H head_dim n) / L, n = ceil(L / 16) blocks of a sequence.
+    triton (the kernels keep their inputs and recompute inside the backward; RoPE, the router's fp32
+    softmax and a dense SwiGLU are torch ops): b (4D + 4Q + 3K + p (2Q + 2K)) + 4 (Q + K) a layer, p the
+    padding of a sequence to whole 64-position query blocks; MoE + 12E + 16 + 8k (the routing plan);
+    dense + 3bI + 4I (3 in fp32, 5 in bf16: SwiGLU's fp32 temporaries); then 2bD;
+* the sampler, with no gradient, holds one layer's temporaries at a time: P tokens of a prefill (P =
+  min(max_num_batched_tokens, S x the longest prompt)) or R = min(max_batch_size, S) decode rows, 4 bytes
+  x (k (3I + 2D) + 6D + 2 (Q + 2K)) a token, plus 16 V bytes of logits for each of its rows.
+The real peak also holds allocator slack and the runtime's own (on the CPU, about 50 MB): tests/test_plan.py
+holds the formula against the bytes autograd saves (both backends) and the whole plan against a training
+run's peak memory at two sizes (docs/results.md, "Memory plan"). On a GPU the sampler then takes
+--kv_memory_fraction of the memory it finds free for its pool (at least what is counted here).
+
+The start-up: every rank holds its dense weights and its E/N experts in --master_dtype on the GPU before
+FSDP2 shards them (from a checkpoint folder only those are read from disk); that peak must fit too. A
+preset is drawn whole on every rank's host (CPU) memory first, then cut to its experts: said on a line of
+its own.
 """
 from __future__ import annotations
 
@@ -26,10 +63,18 @@ import math
 import os
 
 import hf
-from config import MODEL_PRESETS, QUANT_FORMATS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
+from config import (MODEL_PRESETS, QUANT_FORMATS, ConfigError, ModelConfig, RolloutConfig, TrainConfig,
+                    apply_command_line, parse_args)
 
 GB = 1e9
-PLAN_KEYS = {"world_size": int, "gpu_memory_gb": float, "kv_tokens": int}   # --plan's own keys
+# --plan's own keys: type, default, what it says
+PLAN_KEYS = {
+    "world_size": (int, None, "ranks of the planned run (default: $WORLD_SIZE, else 1)"),
+    "gpu_memory_gb": (float, 80.0, "memory per GPU, in GB of 1e9 bytes"),
+    "kv_tokens": (int, 0, "KV-pool positions per rank; 0: --num_blocks pages, else the rollout's own need "
+                          "(its sequences x the longest prompt + the response limit)"),
+}
+TILE = 16                       # kernels.KV_BLOCK and ATTN_ROWS: the torch attention's key and query tiles
 
 
 @dataclasses.dataclass
@@ -45,11 +90,29 @@ class MemoryPlan:
     sampler_copy: int
     kv_pool: int
     kv_tokens: int
-    load_peak: int = 0             # what train.setup holds on a rank before it shards (see the docstring)
+    load_peak: int = 0             # the start-up on a rank before FSDP2 shards: dense + E/N experts, --master_dtype
+    host_peak: int = 0             # a preset drawn whole on the host before it is cut (0: a checkpoint folder)
+    reference: int = 0             # --kl_coef's frozen reference policy
+    buffers: int = 0               # the sampler's per-row token ids and log-probs
+    activations: "Activations | None" = None
 
     @property
     def total(self) -> int:
-        return self.masters + self.grads + self.adamw + self.compute_copy + self.sampler_copy + self.kv_pool
+        return (self.masters + self.grads + self.adamw + self.compute_copy + self.sampler_copy + self.reference
+                + self.kv_pool + self.buffers + (self.activations.peak if self.activations else 0))
+
+
+@dataclasses.dataclass
+class Activations:
+    """What the forwards hold besides the weights and the KV pool: the trainer's, the sampler's."""
+    train_tokens: int              # M: the largest micro-batch
+    train: int                     # its bytes kept for the backward, logits included
+    sampler_tokens: int            # P or R: the largest prefill or decode step
+    sampler: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.train, self.sampler)
 
 
 def shard_rows(rows: int, ways: int) -> int:
@@ -61,11 +124,11 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
                 dtype_bytes: int, sampler_bytes: int, kv_bytes_per_token: int, kv_tokens: int = 0,
                 gpu_bytes: int = 0, kv_fraction: float = 0.5, kv_cap_tokens: int = 0, master_bytes: int = 4,
                 sampler_apart: bool = False, from_checkpoint: bool = True) -> MemoryPlan:
-    """The arithmetic. shapes: (shape, is_expert) of every parameter, experts stacked (E, ...).
+    """The weights' arithmetic. shapes: (shape, is_expert) of every parameter, experts stacked (E, ...).
     dtype_bytes: the compute dtype's size (== master_bytes: the masters compute); sampler_bytes: the
     rollout's; sampler_apart: the rollout has a copy of its own even in sampler_bytes == dtype_bytes.
-    kv_tokens 0: kv_fraction of what gpu_bytes leaves, at most kv_cap_tokens. from_checkpoint: read by
-    shard (else a preset, drawn whole)."""
+    kv_tokens 0: kv_fraction of what gpu_bytes leaves, at most kv_cap_tokens (how the sampler sizes its
+    pool on a GPU). from_checkpoint: read by shard (else a preset, drawn whole on the host)."""
     N, fsdp = expert_parallel, parallel == "fsdp" and world > 1
     dense = sum(math.prod(s) for s, e in shapes if not e)
     expert = sum(math.prod(s) for s, e in shapes if e)
@@ -85,8 +148,8 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     lab = sampler_apart or sampler_bytes != dtype_bytes
     sampler = (whole * dtype_bytes if fsdp else 0) + (whole * sampler_bytes if lab else 0)
     mb = master_bytes                                                    # AdamW's moments: the masters' dtype
-    load = whole if from_checkpoint else dense + expert
-    plan = MemoryPlan(dense, expert, mine, mb * mine, mb * mine, 2 * mb * mine, compute, sampler, 0, kv_tokens, load * mb)
+    plan = MemoryPlan(dense, expert, mine, mb * mine, mb * mine, 2 * mb * mine, compute, sampler, 0, kv_tokens,
+                      whole * mb, 0 if from_checkpoint else (dense + expert) * mb)
     if not kv_tokens and gpu_bytes and kv_bytes_per_token:
         room = max(0, gpu_bytes - plan.total) * kv_fraction
         plan.kv_tokens = min(int(room // kv_bytes_per_token), kv_cap_tokens or math.inf)
@@ -94,6 +157,112 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     return plan
 
 
+# ---------------------------------------------------------------------------------------------------
+# activations (the docstring's formula)
+# ---------------------------------------------------------------------------------------------------
+def layer_widths(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(D, Q, K): the hidden size, the query heads' and the KV heads' widths."""
+    return cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+
+
+def mlp_terms(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """(routed slots, their I, the dense width) of a layer's MLP: top_k experts of moe_intermediate_size
+    and the shared experts' width (MoE), or none and intermediate_size (dense)."""
+    if not cfg.is_moe_layer(layer):
+        return 0, 0, cfg.intermediate_size
+    shared = cfg.n_shared_experts * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
+    return cfg.num_experts_per_tok, cfg.moe_intermediate_size, shared
+
+
+def train_bytes_per_token(cfg: ModelConfig, backend: str, dtype_bytes: int, seq_len: int) -> float:
+    """A: what the trainer's forward keeps for the backward per token, over every layer (the docstring)."""
+    D, Q, K = layer_widths(cfg)
+    total = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        slots, I, dense = mlp_terms(cfg, layer)
+        router = cfg.is_moe_layer(layer)
+        if backend == "torch":                                       # 4-byte values
+            total += 4 * (8 * D + 6 * Q + 5 * K + key_tiles(cfg, seq_len) + slots * (2 * D + 6 * I)
+                          + (4 * cfg.num_experts + D if router else 0) + (2 * D + 6 * dense if dense else 0))
+        else:
+            total += triton_layer_bytes(cfg, dtype_bytes, seq_len, slots, dense, router)
+    return total + (4 * (3 * D + cfg.head_dim) if backend == "torch" else 2 * dtype_bytes * D)
+
+
+def triton_layer_bytes(cfg: ModelConfig, b: int, seq_len: int, slots: int, dense: int, router: bool) -> float:
+    """One layer on the Triton backend, per token: the kernels keep their inputs (the norms' and the
+    projections', the attention's q, k, v and output in its query-block layout, padded to whole blocks of
+    triton_query_block() positions), the fused MoE its routing plan (16 + 8 k bytes) and recomputes the
+    experts; RoPE (fp32 input), the router's fp32 softmax (12 E) and a dense SwiGLU (fp32 temporaries)
+    are torch ops."""
+    D, Q, K = layer_widths(cfg)
+    blk = triton_query_block()
+    pad = -(-seq_len // blk) * blk / seq_len
+    out = b * (4 * D + 4 * Q + 3 * K + pad * (2 * Q + 2 * K)) + 4 * (Q + K)
+    if router:
+        out += 12 * cfg.num_experts + 16 + 8 * slots
+    if dense:
+        out += b * 3 * dense + 4 * dense * (5 if b < 4 else 3)      # bf16: fp32 copies of gate and up too
+    return out
+
+
+def triton_query_block() -> int:
+    """The Triton forward's query rows per program, the packed layout's block (kernels.packed_block)."""
+    try:
+        import kernels_triton
+    except ImportError:                                              # no triton here: its table's value
+        return 64
+    return max(16, kernels_triton.ATTN_TABLE["fwd"][0])
+
+
+def key_tiles(cfg: ModelConfig, seq_len: int) -> float:
+    """The torch attention's tiles per token (4-byte values): query block j of a sequence walks key tiles
+    0..j, keeping per tile and head 16 x 16 scores and their exp, the key and value chunks and the running
+    output (16 (48 head_dim + 592) values, with the mask and row statistics); per block and head its
+    scaled queries and output (32 head_dim)."""
+    n = -(-seq_len // TILE)                                          # query blocks of the sequence
+    H, G, hd = cfg.num_attention_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+    walks = n * (n + 1) / 2                                          # (block, tile) pairs
+    return ((H * (48 * hd + 592) + 64 * G) * walks + 32 * H * hd * n) / seq_len
+
+
+def logits_bytes(cfg: ModelConfig, backend: str, dtype_bytes: int, rows: int) -> int:
+    return rows * cfg.vocab_size * (16 if backend == "torch" else 2 * dtype_bytes)
+
+
+def sampler_bytes_per_token(cfg: ModelConfig) -> int:
+    """One layer's temporaries per token of a no-grad forward (the largest layer's)."""
+    D, Q, K = layer_widths(cfg)
+    worst = max(slots * (3 * I + 2 * D) + 3 * dense for slots, I, dense in
+                (mlp_terms(cfg, i) for i in range(cfg.num_hidden_layers)))
+    return 4 * (worst + 6 * D + 2 * (Q + 2 * K))
+
+
+def activations(cfg: ModelConfig, tcfg: TrainConfig, rcfg: RolloutConfig, backend: str, world: int,
+                prompt_len: int, max_new: int) -> Activations:
+    """The trainer's largest micro-batch and the sampler's largest step, in bytes (the docstring's formula)."""
+    L = prompt_len + max_new
+    seqs = tcfg.prompts_per_step // world * tcfg.group_size          # this rank's rollout batch
+    mb_seqs = min(tcfg.minibatch_size // world, seqs)
+    if tcfg.micro_batch_tokens:                                      # packed: whole sequences up to the budget
+        cap = tcfg.micro_batch_size or mb_seqs
+        M = min(mb_seqs * L, cap * L, max(tcfg.micro_batch_tokens, L))
+    else:                                                            # padded: rows x the longest
+        M = (tcfg.micro_batch_size or mb_seqs) * L
+    b = {"float32": 4, "bfloat16": 2}[tcfg.dtype]
+    train = M * train_bytes_per_token(cfg, backend, b, L)
+    train += logits_bytes(cfg, backend, b, min(M, tcfg.logits_chunk or M))
+    prefill = min(rcfg.max_num_batched_tokens, seqs * prompt_len)
+    decode = min(rcfg.max_batch_size, seqs)
+    per = sampler_bytes_per_token(cfg)
+    sampler = max(prefill * per + logits_bytes(cfg, "torch", b, min(prefill, seqs)),
+                  decode * per + logits_bytes(cfg, "torch", b, decode))
+    return Activations(M, int(train), max(prefill, decode), int(sampler))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the run's shapes: the model, the rollout's lengths
+# ---------------------------------------------------------------------------------------------------
 def parameter_shapes(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
     """(shape, is_expert) of every parameter of the model, from a meta-device build (no memory)."""
     import torch
@@ -112,49 +281,119 @@ def model_config(init_from: str) -> ModelConfig:
         return ModelConfig.preset(init_from)
     if os.path.exists(init_from):
         raise ConfigError(f"--init_from={init_from!r} is a file; pass the checkpoint's folder (config.json and *.safetensors)")
+    if hub_id(init_from):
+        raise ConfigError(f"--init_from={init_from!r}: no such folder; nothing is downloaded at run time: fetch the "
+                          f"checkpoint first (`hf download {init_from} --local-dir DIR`, huggingface_hub's command "
+                          "line), then pass --init_from=DIR")
     if os.sep in init_from or init_from.startswith((".", "~")):
         raise ConfigError(f"--init_from={init_from!r}: no such checkpoint folder")
     raise ConfigError(f"--init_from={init_from!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) "
                       "nor a checkpoint folder")
 
 
-def main(argv: list[str]) -> str:
-    """`python train.py --plan ...`: the table for the command line's configs (plus --world_size,
-    --gpu_memory_gb, --kv_tokens)."""
-    from expert_parallel import check_degree, placement_of
-    overrides = parse_args(argv)
-    mine = {k: overrides.pop(k) for k in list(overrides) if k in PLAN_KEYS}
+def hub_id(name: str) -> bool:
+    """Whether name reads as a Hugging Face Hub id (owner/model), not a local path."""
+    owner, slash, model = name.partition("/")
+    return bool(slash and owner and model and "/" not in model and not name.startswith((".", "~", "/")))
+
+
+def run_lengths(tcfg: TrainConfig, rcfg: RolloutConfig) -> tuple[int, int]:
+    """(the longest prompt, the response limit) of the run: a digit task's are fixed; --task=jsonl's
+    prompts are tokenized (as the run formats them), which needs --data and --tokenizer."""
+    from tasks import JSONL_MAX_NEW_TOKENS, load_chat_template, load_tokenizer, read_jsonl
+    if tcfg.task != "jsonl":
+        return tcfg.n_digits + 2, rcfg.max_new_tokens or tcfg.n_digits + 1
+    if not (tcfg.data and tcfg.tokenizer):
+        raise ConfigError("--plan with --task=jsonl sizes the rollout from the prompts: pass --data and --tokenizer "
+                          "(or --kv_tokens=N and --max_new_tokens)")
+    tok = load_tokenizer(tcfg.tokenizer)
+    render = (load_chat_template([os.path.dirname(os.path.abspath(tcfg.tokenizer))], tcfg.system_prompt)
+              if tcfg.chat_template else None)
+    texts = [render(r["prompt"]) if render else r["prompt"] for r in read_jsonl(tcfg.data)]
+    longest = max(len(tok.encode(t, add_special_tokens=render is None).ids) for t in texts)
+    return longest, rcfg.max_new_tokens or JSONL_MAX_NEW_TOKENS
+
+
+def preset_or_folder(tcfg: TrainConfig) -> ModelConfig:
+    """The model the run would build: the preset with its command-line fields and --vocab_size=N, or the folder's."""
+    cfg = tcfg.preset_config()
+    if cfg is None:
+        return model_config(tcfg.init_from)
+    return dataclasses.replace(cfg, vocab_size=int(tcfg.vocab_size)) if tcfg.vocab_size.isdigit() else cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# python train.py --plan ...
+# ---------------------------------------------------------------------------------------------------
+def plan_options(overrides: dict[str, str]) -> tuple[int, float, int]:
+    """--plan's own keys out of the command line (popped): world_size, gpu_memory_gb, kv_tokens."""
+    raw = {k: overrides.pop(k) for k in list(overrides) if k in PLAN_KEYS}
+    raw.setdefault("world_size", os.environ.get("WORLD_SIZE", "1"))
     try:
-        world, gpu_gb, kv_tokens = (PLAN_KEYS[k](mine.get(k, d)) for k, d in
-                                    (("world_size", os.environ.get("WORLD_SIZE", "1")), ("gpu_memory_gb", "80"),
-                                     ("kv_tokens", "0")))
+        world, gpu_gb, kv_tokens = (PLAN_KEYS[k][0](raw.get(k, PLAN_KEYS[k][1])) for k in PLAN_KEYS)
     except ValueError:
         raise ConfigError(f"--plan: --world_size and --kv_tokens take integers, --gpu_memory_gb a number "
-                          f"(got {mine})") from None
+                          f"(got {raw})") from None
     if world < 1 or gpu_gb <= 0 or kv_tokens < 0:
         raise ConfigError("--plan: need --world_size >= 1, --gpu_memory_gb > 0, --kv_tokens >= 0")
+    return world, gpu_gb, kv_tokens
+
+
+def backend_of(tcfg: TrainConfig) -> str:
+    """The kernels the run would use: --kernels_backend (or KERNELS_BACKEND), else Triton on a GPU and torch
+    with --device=cpu."""
+    chosen = tcfg.kernels_backend or os.environ.get("KERNELS_BACKEND", "auto")
+    if chosen != "auto":
+        return chosen
+    return "torch" if tcfg.device == "cpu" else "triton"
+
+
+def main(argv: list[str]) -> tuple[str, bool]:
+    """The table for the command line's configs (plus PLAN_KEYS), and whether the run fits."""
+    from expert_parallel import check_degree, placement_of
+    overrides = parse_args(argv)
+    world, gpu_gb, kv_tokens = plan_options(overrides)
     tcfg, rcfg = TrainConfig(), RolloutConfig()
-    apply_overrides(overrides, tcfg, rcfg)
-    cfg = model_config(tcfg.init_from)
+    apply_command_line(overrides, tcfg, rcfg)
+    cfg = preset_or_folder(tcfg)
     check_degree(tcfg.expert_parallel, cfg.num_experts, world)
     placement_of(tcfg.expert_placement, tcfg.expert_parallel, cfg.num_experts)   # the run's one-line errors
+    if tcfg.prompts_per_step % world:
+        raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) must be divisible by --world_size ({world})")
     nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
-    dtype_bytes = nbytes[tcfg.dtype]
     quantized = rcfg.rollout_dtype in QUANT_FORMATS                     # stored in --dtype, dequantized
     sampler_dtype = tcfg.dtype if quantized else rcfg.rollout_dtype or tcfg.dtype
-    sampler_bytes = nbytes[sampler_dtype]
     lab_copy = quantized or sampler_dtype != tcfg.dtype or rcfg.rollout_router_fault != "none"   # lab.rollout_copy
-    kv_per_token = cfg.num_hidden_layers * cfg.kv_numbers_per_token * sampler_bytes
-    plan = memory_plan(parameter_shapes(cfg), world, tcfg.parallel, tcfg.expert_parallel, dtype_bytes,
-                       sampler_bytes, kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size,
-                       int(gpu_gb * GB), rcfg.kv_memory_fraction,
-                       rcfg.max_batch_size * cfg.max_position_embeddings, nbytes[tcfg.master_dtype], lab_copy,
-                       os.path.isdir(tcfg.init_from))
+    prompt_len, max_new = run_lengths(tcfg, rcfg)
+    kv_per_token = kv_bytes_per_token(cfg, nbytes[sampler_dtype], rcfg.record_route_detail)
+    need = rollout_positions(tcfg, rcfg, world, prompt_len + max_new)
+    plan = memory_plan(parameter_shapes(cfg), world, tcfg.parallel, tcfg.expert_parallel, nbytes[tcfg.dtype],
+                       nbytes[sampler_dtype], kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size or need,
+                       master_bytes=nbytes[tcfg.master_dtype], sampler_apart=lab_copy,
+                       from_checkpoint=os.path.isdir(tcfg.init_from))
+    whole = plan.load_peak // nbytes[tcfg.master_dtype]                 # dense + this rank's experts
+    plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
+    plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
+    plan.activations = activations(cfg, tcfg, rcfg, backend_of(tcfg), world, prompt_len, max_new)
     parts = [tcfg.dtype] if tcfg.parallel == "fsdp" and world > 1 else []        # FSDP2's whole copy
     if lab_copy:
         parts.append(f"{rcfg.rollout_dtype} as {tcfg.dtype}" if quantized else
                      sampler_dtype if sampler_dtype != tcfg.dtype else f"{tcfg.dtype}, its router faulted")
-    return format_plan(plan, tcfg, world, gpu_gb, " + ".join(parts) or tcfg.dtype, kv_line(cfg, sampler_bytes))
+    return format_plan(plan, tcfg, world, gpu_gb, " + ".join(parts) or tcfg.dtype, backend_of(tcfg),
+                       kv_line(cfg, nbytes[sampler_dtype]))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, detail: bool) -> int:
+    """A KV-pool position: K and V of every layer, and its routes (their weights and margins: detail)."""
+    n_moe, k = len(cfg.moe_layers), cfg.num_experts_per_tok
+    routes = n_moe * k * (1 if cfg.num_experts <= 256 else 2) + (4 * n_moe * (k + 1) if detail else 0)
+    return cfg.num_hidden_layers * cfg.kv_numbers_per_token * dtype_bytes + routes     # MLA: its latent per layer
+
+
+def rollout_positions(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, longest: int) -> int:
+    """KV positions this rank's rollout needs: its sequences, each at the longest in whole pages."""
+    pages = -(-longest // rcfg.block_size)
+    return tcfg.prompts_per_step // world * tcfg.group_size * pages * rcfg.block_size
 
 
 def kv_line(cfg: ModelConfig, nbytes: int) -> str:
@@ -170,24 +409,57 @@ def kv_line(cfg: ModelConfig, nbytes: int) -> str:
 
 
 def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, sampler_dtype: str,
-                kv: str = "") -> str:
+                backend: str = "triton", kv: str = "") -> tuple[str, bool]:
+    """The table, the start-up and the verdict (one line that says fits or does not fit, and by how much)."""
     layout = "FSDP2" if tcfg.parallel == "fsdp" and world > 1 else "DDP" if world > 1 else "one process"
     m = {"float32": "fp32", "bfloat16": "bf16"}[tcfg.master_dtype]
+    act = plan.activations
     rows = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads), (f"AdamW state ({m} x 2)", plan.adamw),
             (f"compute copy ({tcfg.dtype})", plan.compute_copy), (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
-            (f"KV pool ({plan.kv_tokens:,} tokens)", plan.kv_pool), ("total", plan.total)]
-    fits = plan.total <= gpu_gb * GB
+            ("reference policy (--kl_coef)", plan.reference),
+            (f"KV pool ({plan.kv_tokens:,} tokens)", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
+    if act is not None:
+        rows += [(f"activations, trainer ({act.train_tokens:,}-token micro-batch, {backend})", act.train),
+                 (f"activations, sampler ({act.sampler_tokens:,}-token step, apart from the trainer's)", act.sampler)]
+    rows.append(("total (with the larger activations)", plan.total))
+    gpu = gpu_gb * GB
     lines = [f"plan: {tcfg.init_from}, {plan.dense_params / 1e9:.2f}B dense + {plan.expert_params / 1e9:.2f}B expert "
              f"parameters; {world} rank(s), {layout}, --expert_parallel={tcfg.expert_parallel}, --dtype={tcfg.dtype}",
              f"per rank: {plan.params_per_rank / 1e9:.2f}B parameters"]
-    lines += [f"  {name:<44} {b / GB:9.2f} GB" for name, b in rows]
+    fsdp = tcfg.parallel == "fsdp" and world > 1
+    startup = plan.load_peak if fsdp else 0                           # before FSDP2 shards (DDP: the masters)
+    if fsdp:
+        rows.append((f"start-up, before FSDP2 shards: dense weights and this rank's experts ({m})", startup))
+    width = max(len(name) for name, _ in rows)
+    lines += [f"  {name:<{width}} {b / GB:9.2f} GB" for name, b in rows]
     lines += [kv] if kv else []
-    lines.append(f"{'fits' if fits else 'does not fit'} in {gpu_gb:g} GB per GPU "
-                 f"({(gpu_gb * GB - plan.total) / GB:+.2f} GB left for activations and temporaries)")
-    if plan.load_peak > gpu_gb * GB and os.path.isdir(tcfg.init_from):
-        lines.append(f"start-up: every rank loads its dense weights and experts whole, {plan.load_peak / GB:.2f} GB "
-                     f"in --master_dtype (more than {gpu_gb:g} GB), before FSDP2 shards them")
-    elif plan.load_peak > gpu_gb * GB:
-        lines.append(f"start-up: a preset is drawn whole on every rank, {plan.load_peak / GB:.2f} GB in --master_dtype "
-                     f"(more than {gpu_gb:g} GB); a checkpoint folder of it is read by shard")
-    return "\n".join(lines)
+    peak = max(plan.total, startup)
+    fits = peak <= gpu
+    what = "the start-up" if startup > plan.total else "the run"
+    lines.append(f"fits: {what} needs {peak / GB:.2f} GB of the {gpu_gb:g} GB per GPU ({(gpu - peak) / GB:.2f} GB spare)"
+                 if fits else
+                 f"does not fit: {what} needs {peak / GB:.2f} GB per GPU, {(peak - gpu) / GB:.2f} GB more than "
+                 f"{gpu_gb:g} GB")
+    if plan.host_peak > plan.load_peak:                               # cut to this rank's experts
+        lines.append(f"host memory: a preset is drawn whole on each rank's CPU first ({plan.host_peak / GB:.2f} GB a rank "
+                     f"in {m}), then cut to its experts; a checkpoint folder of it is read by shard")
+    return "\n".join(lines), fits
+
+
+def help_text() -> str:
+    """--plan and its own keys, for train.py --help."""
+    lines = ["--plan (python train.py --plan [options]): the memory per rank of the run these options describe, "
+             "nothing loaded (plan.py);", "  exits 1 when it does not fit. Its own keys:"]
+    opts = [(f"--{k}={'$WORLD_SIZE or 1' if d is None else repr(d)}", doc) for k, (_, d, doc) in PLAN_KEYS.items()]
+    width = max(len(o) for o, _ in opts)
+    return "\n".join(lines + [f"  {o:<{width}}  {doc}" for o, doc in opts])
+
+
+def cli(argv: list[str]) -> None:
+    """`train.py --plan`: print the table; a plan that does not fit is a ConfigError (one line, exit 1)."""
+    table, fits = main(argv)
+    print(table, flush=True)
+    if not fits:
+        raise ConfigError("--plan: this run does not fit (the table above); lower --micro_batch_tokens or "
+                          "--logits_chunk, shard more (--parallel=fsdp, --expert_parallel, more ranks), or pass "
+                          "--kv_tokens / --gpu_memory_gb for another pool or GPU")

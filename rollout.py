@@ -74,6 +74,7 @@ import dataclasses
 import functools
 import itertools
 import numbers
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -146,6 +147,7 @@ class SequenceOutput:
     # version when an in-flight update kept the KV); an observation's: the version when it was appended
     token_versions: list[int] = field(default_factory=list)
     kv_versions: list[int] = field(default_factory=list)
+    finish_time: float = 0.0     # seconds from the generate() call's start until the host saw it finish (its latency)
 
     @property
     def num_turns(self) -> int:
@@ -563,6 +565,7 @@ class Sampler:
         for g in groups.values():
             sched.add(g)
         self.runner.reserve(max(s.limit for s in seqs), sp)
+        self._start = time.perf_counter()       # finish_time's origin: read when a step's finished flags come back
         try:
             with kernels.variant(**self.variant):
                 self._run(sched, req)
@@ -665,7 +668,7 @@ class Sampler:
         positions = range(P, seq.num_tokens)
         return SequenceOutput(list(seq.prompt), seq.token_ids[P:], logprobs, routes, seq.finish_reason, weights,
                               margins, policy_mask=mask, turns=[(a - P, b - P) for a, b in seq.turns],
-                              weights_version=self.weights_version,
+                              weights_version=self.weights_version, finish_time=time.perf_counter() - self._start,
                               token_versions=[marked(seq.version_marks, p) for p in positions],
                               kv_versions=[marked(seq.kv_marks, p) for p in positions])
 

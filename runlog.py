@@ -4,8 +4,9 @@
     print(banner(run, max_new))          # two lines: what trains where, what the rollout stops on
     history.append(log_row(run, step, row))   # metrics.jsonl (strict JSON), the logger, a progress line
 
-metrics.jsonl is the record of a run; --log_to=tensorboard|wandb gets a copy of each row, and
---progress=false prints a line every --log_every steps. --log_samples=N writes responses to
+metrics.jsonl is the record of a run; --log_to=tensorboard|wandb gets a copy of each row; without a
+progress bar (--progress: a bar only on a terminal) a line every --log_every steps is printed. run.json
+holds the settings in force (checkpoint.write_run_json). --log_samples=N writes responses to
 samples.jsonl; routes.jsonl and diagnostics.jsonl are appended through append_jsonl (log_routes).
 A SIGINT / SIGTERM asks the loop to stop after the step under way (StopRequest, stop_requested,
 Interrupted); under torchrun a rank's reason to exit goes to its error file (tell_launcher); `run_cli`
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 import hf
 import plan
 import replay
-from checkpoint import RunError, latest_checkpoint, trim_metrics
+from checkpoint import RunError, latest_checkpoint, trim_metrics, write_run_json
 from config import ConfigError, TrainConfig
 from distributed import Dist, all_cat, reduce_metrics
 from hf import CheckpointError
@@ -39,10 +40,12 @@ from tasks import TaskError, generation_line, make_task
 # ---- the run's outputs besides metrics.jsonl -------------------------------------------------------
 @dataclasses.dataclass
 class Outputs:
-    """The run's other outputs: its exports' identity, the eval task, the optional logger (rank 0)."""
+    """The run's other outputs: its exports' identity, the eval task, the optional logger (rank 0), and
+    whether this process draws a progress bar (else progress lines: progress_bar)."""
     identity: hf.Identity
     eval_task: object | None
     logger: object | None
+    bar: bool = False
 
     def close(self, exit_code: int) -> None:
         if self.logger is not None:
@@ -54,13 +57,28 @@ def open_outputs(run) -> Outputs:
     eval_task = None
     if tcfg.eval_data:                                                # the training task's tokenizer and reward
         eval_task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.eval_data, tcfg.tokenizer, tcfg.reward_fn,
-                              run.rcfg.max_new_tokens)
+                              run.rcfg.max_new_tokens, stop_tokens=tuple(run.task.stop_token_ids) or None)
     config = {"train": dataclasses.asdict(tcfg), "rollout": dataclasses.asdict(run.rcfg)}
     logger = open_logger(tcfg.log_to, tcfg.out_dir, config=config) if tcfg.log_to and run.d.master else None
     samples = os.path.join(tcfg.out_dir, "samples.jsonl")
     if run.start and run.d.master and os.path.exists(samples):      # a resume: drop the rows past its checkpoint
         trim_metrics(samples, run.start)
-    return Outputs(export_identity(tcfg, run.task), eval_task, logger)
+    if run.d.master:                                                  # the configs in force, readable
+        write_run_json(tcfg.out_dir, tcfg, run.rcfg, run.policy.full.config, run.start)
+    return Outputs(export_identity(tcfg, run.task), eval_task, logger, bar=run.d.master and progress_bar(tcfg))
+
+
+def progress_bar(tcfg: TrainConfig) -> bool:
+    """--progress: true / false, or auto: a bar only when stdout and stderr are both a terminal (a bar
+    redrawn into a log file is kilobytes of frames; the lines say the same, once)."""
+    if tcfg.progress != "auto":
+        return tcfg.progress == "true"
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def say(run, line: str) -> None:
+    """A line on the console that does not tear the progress bar (rank 0 calls it)."""
+    tqdm.write(line) if run.outputs is not None and run.outputs.bar else print(line, flush=True)
 
 
 def export_identity(tcfg: TrainConfig, task) -> hf.Identity:
@@ -85,7 +103,8 @@ def banner(run, max_new: int) -> str:
     where = f"{d.device}" + (f" x {d.world} ranks ({tcfg.parallel})" if d.world > 1 else "")
     start = (f"resume: continuing from step {run.start} ({latest_checkpoint(tcfg.out_dir)}) to step {tcfg.steps}"
              if run.start else f"steps 1..{tcfg.steps}")
-    return (f"train: {tcfg.init_from} ({cfg.model_type}, {n_params / 1e6:.2f}M parameters{moe}) on {where}, "
+    name = tcfg.init_from + "".join(f" --{k}={v}" for k, v in tcfg.model_overrides.items())   # a preset, resized
+    return (f"train: {name} ({cfg.model_type}, {n_params / 1e6:.2f}M parameters{moe}) on {where}, "
             f"{tcfg.dtype}; task {tcfg.task}; out_dir {tcfg.out_dir}; {start}\n"
             f"{generation_line(run.task, max_new)}; temperature {run.rcfg.temperature}, "
             f"{tcfg.prompts_per_step} prompts x {tcfg.group_size} responses")
@@ -98,15 +117,26 @@ def log_samples(run, step: int, examples, outs, rewards: torch.Tensor) -> None:
         return
     G, task = run.tcfg.group_size, run.task
     rows = [{"step": step + 1, "prompt": task.decode(examples[i // G].prompt), "response": task.decode(o.tokens),
-             "reward": rewards[i].item()} for i, o in enumerate(outs[:n])]
+             "answer": examples[i // G].answer, "reward": rewards[i].item()} for i, o in enumerate(outs[:n])]
     with open(os.path.join(run.tcfg.out_dir, "samples.jsonl"), "a") as f:
         f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
     r = rows[0]
     line = f"step {r['step']} sample: {r['prompt'][-60:]!r} -> {r['response'][:80]!r} (reward {r['reward']:.3f})"
-    tqdm.write(line) if run.tcfg.progress else print(line, flush=True)
+    say(run, line)
 
 
 # ---- metrics rows: metrics.jsonl, the loggers, progress lines ----------------------------------
+LATENCY_QUANTILES = (50, 95, 99)            # rollout_latency_pNN
+# the metrics that measure time, not the run: the only keys two runs of the same commit may differ in
+TIMINGS = ("step_time", "rollout_tokens_per_s") + tuple(f"rollout_latency_p{q}" for q in LATENCY_QUANTILES)
+
+
+def latency_metrics(outs, d: Dist) -> dict:
+    """rollout_latency_pNN: quantiles, over every rank's sequences, of the seconds from the step's generate
+    call to each sequence's end (SequenceOutput.finish_time): the long tail that holds a step back."""
+    t = all_cat(torch.tensor([o.finish_time for o in outs], dtype=torch.float32), d).double()
+    return {f"rollout_latency_p{q}": torch.quantile(t, q / 100).item() for q in LATENCY_QUANTILES}
+
 def json_row(row: dict) -> dict:
     """The metrics row with every non-finite float as None, so metrics.jsonl is strict JSON (null).
 
@@ -128,7 +158,7 @@ def log_row(run, step: int, row: dict) -> dict:
             f.write(json.dumps(row, allow_nan=False) + "\n")
         if run.outputs is not None and run.outputs.logger is not None:
             run.outputs.logger.log(row)
-        if not run.tcfg.progress:
+        if run.outputs is None or not run.outputs.bar:
             print(progress_line(run, row), flush=True)
     return row
 
@@ -250,13 +280,32 @@ def network_reachable(host: str) -> bool:
 
 
 def progress_line(run, row: dict) -> str:
-    """--progress=false: one line every --log_every steps (a value that is null in the row shows as -)."""
+    """Without a bar: one line every --log_every steps (a value that is null in the row shows as -)."""
     def f(key, spec):
         return "-" if row.get(key) is None else format(row[key], spec)
     return (f"step {row['step']}/{run.tcfg.steps}: reward {f('reward_mean', '.3f')}, loss {f('loss', '.4g')}, "
             f"train-rollout kl {f('train_rollout_kl', '.1e')}, route flips {f('route_flip_frac', '.3f')}, "
             f"response len {f('response_len', '.1f')}, {f('step_time', '.2f')} s"
             + "".join(f", {k} {f(k, '.3f')}" for k in row if k.startswith("eval_")))
+
+
+def warn_low_entropy(run, history: list[dict]) -> None:
+    """--entropy_warn: one line when the mean entropy has stayed below it for --entropy_warn_steps steps
+    in a row (once a stretch): a collapsed policy samples near-identical responses, so groups carry
+    little advantage and clipping and gradients fade."""
+    limit, n = run.tcfg.entropy_warn, run.tcfg.entropy_warn_steps
+    if not limit or not run.d.master or len(history) < n:
+        return
+    low = [h.get("entropy") is not None and h["entropy"] < limit for h in history[-n - 1:]]
+    if all(low[-n:]) and (len(low) == n or not low[0]):              # the stretch just reached n steps
+        h = history[-1]
+        say(run, f"warning: step {h['step']}: entropy below {limit:g} for {n} steps ({h['entropy']:.3g} now, reward "
+                 f"{h['reward_mean']:.3f}): responses barely differ, so groups give little signal; an entropy bonus "
+                 "(--entropy_coef=1e-3) or a higher --temperature keeps exploring (--entropy_warn=0: no warning)")
+
+
+def count_steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 def summary(history: list[dict], seconds: float, out_dir: str) -> str:
@@ -266,7 +315,7 @@ def summary(history: list[dict], seconds: float, out_dir: str) -> str:
     last = sum(h["reward_mean"] for h in history[-n:]) / n
     kl = [abs(h["train_rollout_kl"]) for h in history if h["train_rollout_kl"] is not None]
     flips = [h["route_flip_frac"] for h in history if h.get("route_flip_frac") is not None]
-    return (f"done: {len(history)} steps in {seconds:.0f}s; reward {first:.3f} (first tenth) -> "
+    return (f"done: {count_steps(len(history))} in {seconds:.0f}s; reward {first:.3f} (first tenth) -> "
             f"{last:.3f} (last tenth); max |train-rollout KL| {max(kl, default=math.nan):.2e}; max route flips "
             f"{max(flips, default=0.0):.2e}; metrics in {os.path.join(out_dir, 'metrics.jsonl')}")
 
@@ -340,6 +389,9 @@ def run_cli(main, argv: list[str]) -> None:
         if rank0:
             print(f"interrupted at step {e.step}; resume with --resume=true", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
+    except BrokenPipeError:                                           # stdout's reader is gone (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the exit's flush cannot fail again
+        sys.exit(128 + signal.SIGPIPE)
     except KeyboardInterrupt:                                         # a second signal, or one before the loop
         if rank0:
             print("interrupted; the step under way is not saved (the last checkpoint, if any, is kept)",

@@ -323,6 +323,7 @@ class JsonlTask:
         self.reward_source = f"--env={env}" if env else f"--reward_fn={reward_fn}"
         self.max_new_tokens = max_new_tokens or JSONL_MAX_NEW_TOKENS
         self.max_episode_tokens = 4 * self.max_new_tokens              # --env: an episode's budget (--max_episode_tokens)
+        self.max_new_tokens_given = max_new_tokens > 0                  # --max_new_tokens on the command line
         self.vocab_size = self.tok.get_vocab_size()
         dirs = [os.path.dirname(os.path.abspath(tokenizer_path)) if not os.path.isdir(tokenizer_path)
                 else tokenizer_path] + ([checkpoint] if checkpoint and os.path.isdir(checkpoint) else [])
@@ -346,6 +347,11 @@ class JsonlTask:
         names = ([eos] if isinstance(eos, str) else []) + [n for n in STOP_NAMES if n != eos]
         ids = [self.tok.token_to_id(n) for n in names]
         ids = tuple(dict.fromkeys(i for i in ids if i is not None))    # id 0 is a valid stop token
+        if not ids and not self.max_new_tokens_given:                   # every response would run to the limit
+            raise TaskError(f"no stop token: the tokenizer has no eos token ({', '.join(STOP_NAMES[:3])}, ...; nor "
+                            "tokenizer_config.json's eos_token) and the checkpoint names none, so every response would "
+                            f"run to {self.max_new_tokens} tokens; pass --stop_tokens=ID[,ID] (the ids that end a "
+                            "response), or --max_new_tokens=N to train on fixed-length responses")
         return ids, "the tokenizer's eos tokens" if ids else "none found (only --max_new_tokens ends a response)"
 
     def _encode(self, text: str) -> list[int]:
@@ -585,18 +591,48 @@ def load_function(spec: str, option: str = "--reward_fn") -> Callable:
             raise TaskError(f"{option}={spec!r}: no such file {mod_name!r}")
         spec_ = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
         module = importlib.util.module_from_spec(spec_)
-        spec_.loader.exec_module(module)   # errors inside the user's module keep their traceback
+        import_user_module(spec, lambda: spec_.loader.exec_module(module), option)
     else:
+        if os.getcwd() not in sys.path:    # a module in the folder train.py runs from (after the project's)
+            sys.path.append(os.getcwd())
         try:
-            module = importlib.import_module(mod_name)
-        except ModuleNotFoundError as e:
-            if not (e.name == mod_name or mod_name.startswith(f"{e.name}.")):
-                raise                      # the module exists but an import inside it failed: show where
+            module = import_user_module(spec, lambda: importlib.import_module(mod_name), option)
+        except ModuleNotFoundError:        # the module itself is missing (one inside it: import_user_module)
             raise TaskError(f"{option}={spec!r}: no module {mod_name!r} on the path "
                            "(run from its folder, or pass path/to/file.py:function)") from None
     if not callable(getattr(module, fn_name, None)):
         raise TaskError(f"{option}={spec!r}: {mod_name} has no function {fn_name!r}")
     return getattr(module, fn_name)
+
+
+def import_user_module(spec: str, load: Callable, option: str = "--reward_fn"):
+    """load() the user function's module (option: --reward_fn or --env). Whatever its own code raises (an import inside it that fails,
+    a SyntaxError, an exception at import) is one TaskError naming the error, the file and the line (the
+    innermost of the user's frames). A ModuleNotFoundError of the module itself passes through
+    (load_function says where it looked)."""
+    mod_name = spec.rpartition(":")[0]
+    try:
+        return load()
+    except ModuleNotFoundError as e:
+        if e.name == mod_name or mod_name.startswith(f"{e.name}."):
+            raise
+        where, err = user_frame(e), e
+    except Exception as e:                                            # noqa: BLE001 (user code: anything)
+        where, err = user_frame(e), e
+    msg = err.msg if isinstance(err, SyntaxError) else str(err).splitlines()[0] if str(err) else ""
+    raise TaskError(f"{option}={spec}: importing it raised {type(err).__name__}: {msg} ({where}); fix the module "
+                    "(or pip install what it imports)") from None
+
+
+def user_frame(e: BaseException) -> str:
+    """'file, line N' of the innermost frame outside this project and Python's import machinery (a
+    SyntaxError: its own file and line)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{e.filename}, line {e.lineno}"
+    skip = (os.path.dirname(os.path.abspath(__file__)), sys.prefix, sys.base_prefix)   # ours, the stdlib, packages
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(skip)]
+    return f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else "at import"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -609,9 +645,13 @@ def _digit_task(name: str, seed: int, n_digits: int, stop_tokens=None, **_):
 
 def _jsonl_task(name: str, seed: int, data: str, tokenizer: str, reward_fn: str, max_new_tokens: int, n_digits: int,
                 **kw):
-    if not (data and tokenizer and (reward_fn or kw.get("env"))):
-        raise TaskError("--task=jsonl needs --data=file.jsonl, --tokenizer=tokenizer.json and --reward_fn=mod:fn "
-                        "(or --env=file.py:make_env for episodes)")
+    given = {"data": data, "tokenizer": tokenizer, "reward_fn": reward_fn or kw.get("env")}
+    wanted = {"data": "--data=file.jsonl", "tokenizer": "--tokenizer=tokenizer.json",
+              "reward_fn": "--reward_fn=mod:fn (or --env=file.py:make_env)"}
+    missing = [form for name, form in wanted.items() if not given[name]]
+    if missing:
+        raise TaskError(f"--task=jsonl needs {' and '.join(missing)} too (your prompts, their tokenizer and the "
+                        "reward function: README, \"Your own task\")")
     return JsonlTask(data, tokenizer, reward_fn, max_new_tokens, seed, **kw)
 
 

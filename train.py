@@ -52,10 +52,9 @@ import kernels
 import lab
 import plan
 import replay
-from checkpoint import (RunError, build_model, check_finite_weights, initial_config, latest_checkpoint,
-                        load_optimizer_state, load_trainer_state, optimizer_state, prepare_out_dir, resume, save_checkpoint,
-                        saved_configs, trim_metrics)
-from config import ConfigError, RolloutConfig, TrainConfig, apply_overrides, help_text, parse_args, parse_bool
+from checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, initial_config,
+                        load_optimizer_state, optimizer_state, prepare_out_dir, resume, save_checkpoint, trim_metrics)
+from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
 from distributed import (Dist, Policy, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lr_at,
                          reduce_metrics, store_routers, update_is_finite)
 from hf import eos_token_ids
@@ -65,8 +64,8 @@ from packing import Batch, MicroBatch, even_out, make_batch, micro_batches, unpa
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
                       staleness_split)
 from rollout import Sampler
-from runlog import (Interrupted, Outputs, StopRequest, banner, episode_metrics, log_routes, log_row, log_samples,
-                    open_logger, open_outputs, run_cli, stop_requested, summary)
+from runlog import (Interrupted, Outputs, StopRequest, banner, episode_metrics, latency_metrics, log_routes, log_row,
+                    log_samples, open_logger, open_outputs, run_cli, say, stop_requested, summary, warn_low_entropy)
 from tasks import Episodes, TaskError, compute_rewards, make_task
 
 
@@ -117,11 +116,10 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     run.outputs = open_outputs(run)
     d.print0(banner(run, max_new_tokens(run)))
     history, saved = [], run.start
-    bar = tqdm(range(run.start, run.tcfg.steps), desc="train", disable=not (run.tcfg.progress and d.master),
-               initial=run.start, total=run.tcfg.steps)
+    bar = tqdm(desc="train", disable=not run.outputs.bar, initial=run.start, total=run.tcfg.steps)
     exit_code = 1                                                     # what the logger is told, unless set below
     try:
-        for step in bar:
+        for step in range(run.start, run.tcfg.steps):
             t0 = time.perf_counter()
             ro = take_or_stop(run, step, saved)        # 1. rollout: batch `step`, now or (--max_staleness) earlier
             examples, outs, episodes = ro.examples, ro.outs, ro.episodes
@@ -137,8 +135,10 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             row.update(evaluation.probe(run, step))                   # --probe_every: the fixed probe's audit
             log_routes(run, step, batch, outs, rewards, audited)      # routes.jsonl, diagnostics.jsonl
             history.append(log_row(run, step, row))
+            warn_low_entropy(run, history)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
-                            flip=f"{row.get('route_flip_frac', 0):.3f}")
+                            flip=f"{row.get('route_flip_frac', 0):.3f}", refresh=False)
+            bar.update()                                              # the step is done before its save line
             if (step + 1) % run.tcfg.save_every == 0 or step + 1 == run.tcfg.steps:
                 checkpoint(run, step + 1)
                 saved = step + 1
@@ -379,7 +379,7 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
         mb = batch.select(sub)
         old_routes = None if old.audit is None else old.audit.routes[sub]
         with grad_sync(trainer, enabled=n == len(micros) - 1):        # the gradients reduce once
-            out = forward(run, trainer, mb, micro, grad=True, with_entropy=True,
+            out = forward(run, trainer, mb, micro, grad=True, with_entropy=True, entropy_grad=tcfg.entropy_coef > 0,
                           routes=replay.routes_to_replay(tcfg.replay, mb.routes, old_routes))
             logp = out.logp.float()
             mask, response = old.loss_mask[sub].to(device), mb.mask.to(device)
@@ -387,11 +387,12 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
             weights = tuple(w for w in (None if old.weights is None else old.weights[sub].to(device), keep)
                             if w is not None)
             loss, clipped = token_objective(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg, norm,
-                                            weights, None if old.ref_logp is None else old.ref_logp[sub].to(device))
+                                            weights, None if old.ref_logp is None else old.ref_logp[sub].to(device),
+                                            entropy=out.entropy if tcfg.entropy_coef > 0 else None)
             (loss * d.world).backward()                               # DDP / FSDP average over ranks
         total += loss.item()
         clipped_tok += (clipped.float() * mask).sum().item() / norm.tokens
-        entropy_sum += (out.entropy * response).sum().item()
+        entropy_sum += (out.entropy.detach() * response).sum().item()
         filtered += 0.0 if keep is None else ((keep < 1) * response).sum().item()
         tokens += mb.mask.sum().item()
         parts.append(dataclasses.replace(out, logp=logp))
@@ -414,7 +415,7 @@ class Scored:
     """A trainer forward over some rows of the rollout batch."""
     logp: torch.Tensor               # (N, T-1) log-probs of tokens[:, 1:]
     routes: torch.Tensor             # (N, T, n_moe, k) the router's own choice (also under R3 replay)
-    entropy: torch.Tensor | None     # (N, T-1) when asked for (detached)
+    entropy: torch.Tensor | None     # (N, T-1) when asked for (detached, unless --entropy_coef > 0)
     rows: torch.Tensor               # (N,) which rows of the rollout batch
     detail: RouteDetail | None = None   # (N, T, ...) the routes' weights, margins, router entropy
 
@@ -428,7 +429,7 @@ def trainer_micro_batches(run: Run, rows: torch.Tensor, lengths: torch.Tensor) -
 
 
 def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bool, with_entropy: bool = False,
-            routes: torch.Tensor | None = None) -> Scored:
+            routes: torch.Tensor | None = None, entropy_grad: bool = False) -> Scored:
     """One forward of the micro-batch mb (rows micro.rows of the rollout batch) through score: the
     trainer's module (DDP / FSDP2 hook its call) or model.score unchecked (the old and reference policies),
     replaying `routes` (replay.routes_to_replay; -1 where unrecorded), packed or not.
@@ -442,7 +443,8 @@ def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bo
     with torch.set_grad_enabled(grad), trainer_capacity(run):
         out = score(tokens.to(dev), temperature=run.rcfg.temperature,
                     routes=None if routes is None else routes.to(dev),
-                    with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk, packing=pk, route_detail=True)
+                    with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk, packing=pk, route_detail=True,
+                    entropy_grad=entropy_grad)
         logp, used, entropy, detail = out[0], out[1], out[2] if with_entropy else None, out[-1]
         if pk is not None:
             logp, used = unpack(pk, logp, T - 1), unpack(pk, used, T, fill=-1)
@@ -497,6 +499,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "neg_logp_mean": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
            "route_filtered_frac": stats.filtered / stats.tokens,
            "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / ro.seconds,
+           **latency_metrics(outs, run.d),
            "step_time": time.perf_counter() - t0, "skipped_steps": run.skipped, **ro.counters}
     if run.capacity is not None:                                      # --train_capacity_factor's drops
         row.update(run.capacity.pop_metrics())
@@ -529,8 +532,7 @@ def checkpoint(run: Run, step: int) -> None:
                                masters=masters,
                                save_dtype=run.tcfg.save_dtype or run.tcfg.dtype, keep=run.tcfg.keep_checkpoints,
                                identity=run.outputs.identity if run.outputs is not None else None)
-        line = f"step {step}: saved {path}"
-        tqdm.write(line) if run.tcfg.progress else print(line, flush=True)
+        say(run, f"step {step}: saved {path}")
     if run.d.world > 1:
         dist.barrier()
         run.d.print0(f"step {step}: weights identical on {run.d.world} ranks (sha256 {digest[:16]})")
@@ -619,19 +621,14 @@ def check_ranks(tcfg: TrainConfig, d: Dist) -> None:
 # the command line
 # ---------------------------------------------------------------------------------------------------
 def main(argv: list[str]) -> None:
-    tcfg, rcfg = TrainConfig(), RolloutConfig()
     if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        print(help_text(tcfg, rcfg))
+        print("\n".join([__doc__, help_text(TrainConfig(), RolloutConfig()), model_help(), plan.help_text()]))
         return
     if "--plan" in argv:                        # bytes per rank, nothing loaded (plan.py)
-        return print(plan.main([a for a in argv if a != "--plan"]))
-    overrides = parse_args(argv)
-    if parse_bool("resume", overrides.get("resume", "false")):
-        # continue the saved run: its configs, with this command line's overrides on top
-        ckpt = latest_checkpoint(overrides.get("out_dir", tcfg.out_dir))
-        tcfg, rcfg = saved_configs(load_trainer_state(ckpt), ckpt)
-    apply_overrides(overrides, tcfg, rcfg)
+        return plan.cli([a for a in argv if a != "--plan"])
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    # the defaults, or on --resume the saved run's configs, with this command line's options on top
+    tcfg, rcfg = command_line_configs(parse_args(argv), print if rank0 else lambda *a: None)
     t0 = time.time()
     history = train(tcfg, rcfg)
     if history and int(os.environ.get("RANK", "0")) == 0:

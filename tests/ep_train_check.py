@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import runlog                                                      # noqa: E402
 import train                                                       # noqa: E402
 from config import RolloutConfig, TrainConfig                      # noqa: E402
 from distributed import Dist                                       # noqa: E402
@@ -26,7 +27,7 @@ BASE = dict(device="cpu", task="copy", n_digits=2, prompts_per_step=8, group_siz
 # 1e-5 relative in fp32, 1e-2 with bf16 compute (one step later the weights differ in their last bits,
 # and a bf16 forward rounds that to a visible difference).
 RTOL = {"float32": 1e-5, "bfloat16": 1e-2}
-IGNORED = ("step_time", "rollout_tokens_per_s")
+IGNORED = runlog.TIMINGS
 
 
 def say(msg):

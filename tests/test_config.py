@@ -1,4 +1,6 @@
 """config.py: presets, validation, overrides. Hugging Face config.json: tests/test_hf.py."""
+import re
+
 import pytest
 
 import config
@@ -161,3 +163,22 @@ def test_help_text_lists_fields():
     text = config.help_text(tiny_config())
     for name in TINY:
         assert f"--{name}=" in text
+
+
+def test_the_command_line_sets_a_presets_fields_typed_and_checked():
+    from config import RolloutConfig, TrainConfig, apply_command_line
+    tcfg, rcfg = TrainConfig(), RolloutConfig()
+    apply_command_line({"num_hidden_layers": "2", "mlp_only_layers": "1", "rope_theta": "5e5", "lr": "0.01"}, tcfg, rcfg)
+    assert tcfg.model_overrides == {"num_hidden_layers": 2, "mlp_only_layers": [1], "rope_theta": 5e5} and tcfg.lr == 0.01
+    cfg = tcfg.preset_config()
+    assert (cfg.num_hidden_layers, cfg.mlp_only_layers, cfg.moe_layers) == (2, [1], [0])
+    assert ModelConfig.preset("tiny").num_hidden_layers == 4                     # the preset itself is untouched
+    for bad, needle in (({"num_hidden_layers": "x"}, "--num_hidden_layers expects int"),
+                        ({"head_dim": "7"}, "head_dim must be even"),
+                        ({"n_experts": "4"}, "did you mean --num_experts?"),
+                        ({"model_type": "mixtral"}, "unknown config key --model_type"),
+                        ({"model_overrides": "{}"}, "unknown config key --model_overrides")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            apply_command_line(bad, TrainConfig(), RolloutConfig())
+    with pytest.raises(ConfigError, match=r"--num_experts=4 sets a preset's field; --init_from='nope' is not a preset"):
+        apply_command_line({"num_experts": "4", "init_from": "nope"}, TrainConfig(), RolloutConfig())

@@ -90,7 +90,8 @@ def test_trainers_eval_is_eval_py_on_the_saved_checkpoint(jsonl, capsys):
     rows = [json.loads(line) for line in open(jsonl / "out" / "metrics.jsonl")]
     keys = ["eval_greedy_reward", "eval_greedy_pass", "eval_sampled_reward", "eval_pass@3"]
     assert all(set(keys) <= set(r) for r in rows)
-    assert sorted(os.listdir(jsonl / "out")) == ["ckpt-000001", "ckpt-000002", "latest", "metrics.jsonl", "routes.jsonl"]
+    assert sorted(os.listdir(jsonl / "out")) == ["ckpt-000001", "ckpt-000002", "latest", "metrics.jsonl", "routes.jsonl",
+                                                 "run.json"]
     for step in (1, 2):                            # eval.py scores each kept checkpoint as the trainer did
         got = evaluation.main([str(jsonl / "out" / f"ckpt-{step:06d}"), f"--data={jsonl / 'heldout.jsonl'}",
                                "--samples=3"])     # tokenizer and reward fn from the checkpoint
@@ -107,6 +108,7 @@ def test_keep_checkpoints_keeps_the_newest_k(jsonl):
 
 @pytest.mark.parametrize("argv, needle", [([], "usage: python eval.py CKPT --data=FILE"),
                                           (["/nonexistent"], "'/nonexistent': no such checkpoint folder"),
+                                          (["Qwen/Qwen3-30B-A3B"], "fetch it first (`hf download Qwen/Qwen3-30B-A3B --local-dir DIR`)"),
                                           (["{ck}", "--dta=x"], "unknown option --dta; did you mean --data?"),
                                           (["{ck}", "--data=x", "--reward_fn=r:f", "--tokenizer=t", "--samples=0"], "--samples=0: must be >= 1"),
                                           (["{ck}", "--data=x", "--reward_fn=r:f", "--tokenizer=t", "--temperature=-1"], "--temperature=-1.0: must be >= 0"),
@@ -177,3 +179,47 @@ def test_jsonl_export_carries_the_tokenizer_and_the_stop_id(jsonl):
     config = json.loads((ck / "config.json").read_text())
     assert config["eos_token_id"] == 0 == config["pad_token_id"]        # <|endoftext|>, the task's stop id
     assert json.loads((ck / "generation_config.json").read_text())["eos_token_id"] == 0
+
+
+def test_eval_with_a_tokenizer_larger_than_the_model_is_one_line(jsonl, tmp_path):
+    tk = pytest.importorskip("tokenizers")
+    big = {"<|endoftext|>": 0, "[UNK]": 1, "=": 2, **{str(i): 3 + i for i in range(10)}, **{f"w{i}": 13 + i for i in range(40)}}
+    tok = tk.Tokenizer(tk.models.WordLevel(big, unk_token="[UNK]"))
+    tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "big.json"))
+    train.cli(args(jsonl, "--steps=1"))                              # vocab_size=auto: 13 ids
+    ck = jsonl / "out" / "ckpt-000001"
+    with pytest.raises(SystemExit) as e:
+        evaluation.cli([str(ck), f"--data={jsonl / 'heldout.jsonl'}", f"--tokenizer={tmp_path / 'big.json'}"])
+    msg = str(e.value.code)
+    assert msg.startswith(f"error: --tokenizer={tmp_path / 'big.json'} has 53 tokens, {ck} has vocab_size=13") and "\n" not in msg
+    result = evaluation.main([str(ck), f"--data={jsonl / 'heldout.jsonl'}"])   # control: its own tokenizer scores
+    assert 0 <= result["eval_greedy_reward"] <= 1
+
+
+def test_export_is_a_clean_hf_folder_transformers_loads_with_our_logits(tmp_path):
+    """python -m checkpoint export: the weights in --save_dtype (the masters' exact bits in float32), config,
+    generation_config and tokenizer files, nothing of the optimizer; transformers' logits equal ours within
+    1e-5 relative (fp32), and the bf16 default equals the checkpoint's own export bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    import checkpoint
+    from safetensors.torch import load_file
+    train.cli(FAST + ["--steps=1", "--dtype=bfloat16", f"--out_dir={tmp_path / 'run'}"])
+    ck = tmp_path / "run" / "ckpt-000001"
+    assert (ck / "masters.safetensors").exists() and (ck / "trainer_state.pt").exists()     # what a resume needs
+    checkpoint.export_cli(["export", str(ck), str(tmp_path / "fp32"), "--save_dtype=float32"])
+    checkpoint.export_cli(["export", str(ck), str(tmp_path / "bf16")])                      # the run's dtype
+    assert sorted(os.listdir(tmp_path / "fp32")) == ["config.json", "generation_config.json", "model.safetensors"]
+    masters = load_file(str(ck / "masters.safetensors"))
+    ours = Transformer.from_pretrained(str(tmp_path / "fp32"))
+    assert all(torch.equal(v, masters[k]) for k, v in ours.state_dict().items())             # the exact weights
+    bf16, saved = load_file(str(tmp_path / "bf16" / "model.safetensors")), load_file(str(ck / "model.safetensors"))
+    assert bf16.keys() == saved.keys() and all(torch.equal(bf16[k], saved[k]) for k in saved)
+    assert json.loads((tmp_path / "fp32" / "generation_config.json").read_text())["eos_token_id"] == 12
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32")).eval()
+    tokens = torch.randint(0, 13, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = hf(tokens).logits, ours(tokens)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    with pytest.raises(SystemExit, match="exists and is not an empty folder"):                # nothing overwritten
+        checkpoint.export_cli(["export", str(ck), str(tmp_path / "fp32")])

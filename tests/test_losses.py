@@ -471,3 +471,55 @@ def test_the_documented_differences_from_verl_are_real():
     ours, verl = run(cfg(loss="gspo", gspo_log_ratio_max=10.0, correction="reject"), "gspo", "seq-mean-token-mean",
                      rs=("token", 0.2, 2.0))
     assert not torch.allclose(ours, verl, rtol=1e-4)                 # zero_weight: GSPO's ratio covers them
+
+
+# ---------------------------------------------------------------------------------------------------
+# the entropy bonus (--entropy_coef)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [0, 7])                       # whole logits, and _ChunkedLogprobs' backward
+def test_entropy_gradient_equals_autograd_of_a_plain_reference(chunk):
+    """score(with_entropy=True, entropy_grad=True)'s entropy and its gradient (every parameter) against
+    plain torch autograd of -sum softmax(z / T) log_softmax(z / T) over the model's own logits (fp32, within
+    1e-5 relative); logp keeps its bits. Controls: the detached entropy carries no gradient, and the
+    reference at another temperature misses the values."""
+    from conftest import make_model
+    model, T = make_model(seed=3), 0.7
+    tokens = torch.randint(0, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    w = torch.rand(3, 8, generator=torch.Generator().manual_seed(2))   # per-token weights: every row counts
+
+    def grads(loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+    logp, _, ent = model.score(tokens, temperature=T, with_entropy=True, entropy_grad=True, logits_chunk=chunk)
+    ours = grads((ent * w).sum())
+    z = model(tokens)[:, :-1].float() / T                            # (B, T-1, V) the same forward's logits
+    ref = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    assert torch.allclose(ent, ref, rtol=1e-6, atol=1e-6)
+    theirs = grads((ref * w).sum())
+    for a, b in zip(ours, theirs):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-8
+    plain = model.score(tokens, temperature=T, with_entropy=True, logits_chunk=chunk)
+    assert torch.equal(plain[0], logp) and torch.equal(plain[2], ent.detach())        # the same bits
+    assert not plain[2].requires_grad                                                  # control: detached
+    z1 = model(tokens)[:, :-1].float()
+    assert not torch.allclose(ent, -(torch.softmax(z1, -1) * torch.log_softmax(z1, -1)).sum(-1), rtol=1e-3)
+
+
+@pytest.mark.parametrize("loss", ["grpo", "gspo"])
+def test_entropy_bonus_is_minus_coef_times_the_aggregated_entropy(loss):
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(4, 6, generator=g) - 0.1
+    old, ent = logp + 0.05 * torch.randn(4, 6, generator=g), torch.rand(4, 6, generator=g).requires_grad_()
+    adv, mask = torch.randn(4, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()
+    norm = losses.Normalisers(float(mask.sum()), 4, 6)
+    base, _ = losses.token_objective(logp, old, adv, mask, cfg(loss=loss), norm)
+    with_bonus, _ = losses.token_objective(logp, old, adv, mask, cfg(loss=loss, entropy_coef=0.01), norm, entropy=ent)
+    agg = cfg(loss=loss).aggregation
+    expected = base - 0.01 * losses.aggregate(ent, mask, agg, norm.tokens, norm.sequences, 6)
+    assert torch.allclose(with_bonus, expected, rtol=1e-6)
+    with_bonus.backward()
+    assert torch.allclose(ent.grad, -0.01 * torch.autograd.grad(losses.aggregate(ent, mask, agg, norm.tokens,
+                                                                                 norm.sequences, 6), ent)[0])
+    off, _ = losses.token_objective(logp, old, adv, mask, cfg(loss=loss), norm, entropy=ent)   # coef 0: ignored
+    assert torch.equal(off, base)

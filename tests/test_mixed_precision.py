@@ -21,6 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import runlog  # noqa: E402
 import train  # noqa: E402
 from config import ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args  # noqa: E402
 from distributed import Dist, MixedPrecision, cast_for_compute  # noqa: E402
@@ -29,7 +30,7 @@ from model import Transformer  # noqa: E402
 
 SMALL = ["--device=cpu", "--task=copy", "--n_digits=2", "--prompts_per_step=8", "--group_size=4",
          "--minibatch_size=32", "--progress=false"]
-TIMINGS = ("step_time", "rollout_tokens_per_s")
+TIMINGS = runlog.TIMINGS
 
 
 def configs(*argv):

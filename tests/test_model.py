@@ -569,3 +569,16 @@ def test_score_in_logit_chunks(tied):
         assert torch.equal(g1[name], g2[name]), name                    # deterministic
     V = model.config.vocab_size
     assert big0 >= 3 * 39 * V and big1 == 0, (big0, big1)        # chunked: logits live inside the Function
+
+
+def test_multi_head_attention_scores_packed_and_padded():
+    """As many KV heads as query heads (OLMoE's layout): a query block of 16 positions is a whole tile of
+    attention rows, so the torch kernel's scaled queries are a strided view; the packed and the padded
+    forwards (16 and 32 tokens: whole tiles) run and give the same bits. It raised before."""
+    from packing import Packing
+    model = make_model(tiny_config(num_attention_heads=2, num_key_value_heads=2), seed=5)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    logp, routes = model.score(tokens)
+    packed = model.score(tokens.reshape(1, 64), packing=Packing.concat([32, 32]))
+    assert torch.equal(Packing.concat([32, 32]).to_padded(packed[0])[:, :31], logp)
+    assert torch.equal(model.score(tokens[:, :16])[0], logp[:, :15])

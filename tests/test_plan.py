@@ -1,5 +1,6 @@
 """`python train.py --plan`: the memory arithmetic held against the bytes of a tiny model's real, sharded
-parameters, and the plan's verdict for Qwen3-30B-A3B on 8 x 80 GB with and without expert parallelism."""
+parameters, the activation formula against what autograd keeps (torch and Triton backends), the whole
+plan against a real run's peak memory at two sizes, and the verdict for Qwen3-30B-A3B on 8 x 80 GB."""
 import json
 import os
 import re
@@ -73,16 +74,20 @@ def gb(table, row):
     return float(next(line for line in table.splitlines() if line.strip().startswith(row)).split()[-2])
 
 
+def table(argv):
+    return plan.main(argv)[0]
+
+
 def test_plan_lab_copies_and_master_dtype_from_the_command_line():
     common = ["--init_from=qwen3-30b-a3b", "--world_size=8", "--dtype=bfloat16", "--expert_parallel=8"]
-    ddp = plan.main(common)
+    ddp = table(common)
     assert gb(ddp, "sampler's copy") == 0                              # DDP: the sampler reads the compute copy
     for lab in ("--rollout_dtype=int8", "--rollout_dtype=fp8_e4m3", "--rollout_router_fault=expert_map"):
-        assert gb(plan.main(common + [lab]), "sampler's copy") == gb(ddp, "compute copy"), lab   # a copy in bf16
-    fsdp = plan.main(common + ["--parallel=fsdp"])
-    assert gb(plan.main(common + ["--parallel=fsdp", "--rollout_dtype=float32"]), "sampler's copy") == \
+        assert gb(table(common + [lab]), "sampler's copy") == gb(ddp, "compute copy"), lab   # a copy in bf16
+    fsdp = table(common + ["--parallel=fsdp"])
+    assert gb(table(common + ["--parallel=fsdp", "--rollout_dtype=float32"]), "sampler's copy") == \
         pytest.approx(3 * gb(fsdp, "sampler's copy"), abs=0.02)       # FSDP2's bf16 copy + the lab's fp32 one
-    half = plan.main(common + ["--master_dtype=bfloat16"])
+    half = table(common + ["--master_dtype=bfloat16"])
     assert gb(half, "masters (bf16)") == gb(ddp, "masters (fp32)") / 2 == gb(ddp, "compute copy")
     assert gb(half, "compute copy") == 0
 
@@ -94,30 +99,135 @@ def test_kv_pool_from_tokens_or_the_room_left():
     assert p.kv_tokens == int((10_000 - 16 * 200) * 0.5 // 64) and p.total <= 10_000
 
 
-def test_qwen3_30b_a3b_on_eight_80gb_gpus_fits_only_with_expert_parallelism(tmp_path):
+def test_qwen3_30b_a3b_on_eight_96gb_gpus_fits_only_with_expert_parallelism(tmp_path):
     from hf import config_to_hf
     folder = tmp_path / "qwen3-30b-a3b"                # a checkpoint folder's config.json: the plan reads no weight
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config_to_hf(ModelConfig.preset("qwen3-30b-a3b"))))
-    common = [f"--init_from={folder}", "--world_size=8", "--dtype=bfloat16", "--gpu_memory_gb=80",
-              "--parallel=fsdp"]                # the KV pool: half of what the state leaves
-    without, with_ep = plan.main(common), plan.main(common + ["--expert_parallel=8"])
-    assert without.splitlines()[-2].startswith("does not fit") and with_ep.splitlines()[-1].startswith("fits")
-    assert "KV pool (0 tokens)" in without and "KV pool (0 tokens)" not in with_ep
-    # the start-up: from the folder, each rank loads its dense weights and its 16 of 128 experts in fp32
-    # (20.6 GB) at EP=8, all 30.5B parameters (122 GB) at EP=1; a preset is drawn whole on every rank
-    assert without.splitlines()[-1].startswith("start-up: every rank loads its dense weights and experts whole, 122.13 GB")
-    preset = plan.main([a.replace(f"={folder}", "=qwen3-30b-a3b") for a in common] + ["--expert_parallel=8"])
-    assert preset.splitlines()[-1].startswith("start-up: a preset is drawn whole on every rank, 122.13 GB")
+    common = [f"--init_from={folder}", "--world_size=8", "--dtype=bfloat16", "--gpu_memory_gb=96",
+              "--parallel=fsdp"]
+    (without, fits_without), (with_ep, fits_with) = plan.main(common), plan.main(common + ["--expert_parallel=8"])
+    assert not fits_without and without.splitlines()[-1].startswith("does not fit: the run needs")
+    assert fits_with and with_ep.splitlines()[-1].startswith("fits: the run needs")
+    # the start-up, before FSDP2 shards: each rank holds its dense weights and its 16 of 128 experts in fp32
+    # (20.66 GB) at EP=8, all 30.5B parameters (122.13 GB) at EP=1: part of the verdict, never beside it
+    assert gb(with_ep, "start-up") == 20.66 and gb(without, "start-up") == 122.13
+    # a preset: the same GPU plan, and the host's whole draw said apart
+    preset, _ = plan.main([a.replace(f"={folder}", "=qwen3-30b-a3b") for a in common] + ["--expert_parallel=8"])
+    assert preset.splitlines()[-1].startswith("host memory: a preset is drawn whole on each rank's CPU first (122.13 GB")
     assert preset.splitlines()[:-1] == with_ep.replace(str(folder), "qwen3-30b-a3b").splitlines()
-    assert "start-up" not in plan.main(["--init_from=tiny", "--world_size=2", "--expert_parallel=2"])
+    assert "start-up" not in table(["--init_from=tiny", "--world_size=2", "--expert_parallel=2"])   # DDP
+
+
+def test_a_start_up_past_the_gpu_does_not_fit_even_when_the_run_would(tmp_path):
+    # 32 ranks without EP: the sharded run fits in 80 GB, but every rank first holds all 128 experts in fp32
+    text, fits = plan.main(["--init_from=qwen3-30b-a3b", "--world_size=32", "--dtype=bfloat16", "--parallel=fsdp"])
+    assert gb(text, "total") < 80 < gb(text, "start-up") and not fits
+    assert text.splitlines()[-1].startswith("does not fit: the start-up needs 122.13 GB per GPU")
+
+
+def test_the_kv_pool_follows_the_run_unless_told():
+    common = ["--init_from=tiny", "--prompts_per_step=8", "--group_size=4", "--n_digits=20"]   # 22 + 21 tokens
+    assert "KV pool (1,536 tokens)" in table(common)                  # 32 sequences x 3 pages of 16
+    assert "KV pool (2,048 tokens)" in table(common + ["--max_new_tokens=40"])         # 62 -> 4 pages
+    assert "KV pool (500 tokens)" in table(common + ["--kv_tokens=500"])
+    assert "KV pool (160 tokens)" in table(common + ["--num_blocks=10"])
+    assert "KV pool (768 tokens)" in table(common + ["--world_size=2"])                # this rank's half
+
+
+def test_the_trainers_micro_batch_is_its_token_budget_or_its_rows():
+    common = ["--init_from=tiny", "--device=cpu", "--prompts_per_step=32", "--group_size=8", "--minibatch_size=128"]
+    row = "activations, trainer ("
+    assert "(1,024-token micro-batch" in table(common + ["--micro_batch_tokens=1024"])     # packed: the budget
+    assert "(1,408-token micro-batch" in table(common)              # the budget of 4096 holds the minibatch: 128 x 11
+    assert "(352-token micro-batch" in table(common + ["--micro_batch_tokens=0", "--micro_batch_size=32"])   # padded
+    assert gb(table(common + ["--micro_batch_tokens=512"]), row) < gb(table(common + ["--micro_batch_tokens=1024"]), row)
+
+
+def test_a_plan_that_does_not_fit_exits_1_with_one_line():
+    argv = [sys.executable, "train.py", "--plan", "--init_from=qwen3-30b-a3b", "--world_size=8", "--expert_parallel=8",
+            "--parallel=fsdp", "--dtype=bfloat16", "--gpu_memory_gb=96"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(argv + ["--max_new_tokens=1024"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "does not fit" in r.stdout and r.stderr.startswith("error: --plan: this run does not fit")
+    assert r.stderr.count("\n") == 1                                   # one line, no traceback
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)   # control: it fits
+    assert r.returncode == 0 and r.stdout.splitlines()[-2].startswith("fits") and not r.stderr
+
+
+CONFIGS = [   # (fields, sequence length): MoE and dense layers, grouped queries, several query blocks
+    (dict(), 11),
+    (dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=4,
+          moe_intermediate_size=96, intermediate_size=160, num_hidden_layers=3, mlp_only_layers=[1]), 40),
+    (dict(hidden_size=96, num_attention_heads=2, num_key_value_heads=1, head_dim=48, num_experts=16,
+          num_experts_per_tok=4, moe_intermediate_size=64), 23),
+]
+
+
+@pytest.mark.parametrize("fields, L", CONFIGS)
+def test_the_activation_formula_counts_what_the_torch_backward_keeps(fields, L, monkeypatch):
+    """Within 10% of the bytes autograd saves (fp32; bf16 keeps up to 10% less: the torch path computes in
+    fp32). Control: the formula without the attention's key tiles falls outside."""
+    from saved_bytes import saved_bytes_per_token
+    cfg = ModelConfig(**{**ModelConfig.preset("tiny").__dict__, **fields})
+    kept = {b: saved_bytes_per_token(cfg, L, 2048 // L, "torch", dtype)     # ~2k tokens: a trainer's micro-batch
+            for dtype, b in ((torch.float32, 4), (torch.bfloat16, 2))}
+    assert kept[4] * 0.9 <= plan.train_bytes_per_token(cfg, "torch", 4, L) <= kept[4] * 1.1
+    assert kept[2] * 0.9 <= plan.train_bytes_per_token(cfg, "torch", 2, L) <= kept[2] * 1.25
+    monkeypatch.setattr(plan, "key_tiles", lambda cfg, seq_len: 0.0)
+    assert plan.train_bytes_per_token(cfg, "torch", 4, L) < 0.9 * kept[4]
+
+
+def test_the_activation_formula_counts_what_the_triton_backward_keeps():
+    """The same count with the Triton kernels (under the interpreter on a CPU, a fresh process), within 5%."""
+    pytest.importorskip("triton")
+    cfg = dict(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+               head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, intermediate_size=64)
+    r = subprocess.run([sys.executable, "tests/saved_bytes.py", json.dumps(cfg), "40", "4", "triton", "float32"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    kept = float(r.stdout.split()[-1])
+    assert abs(plan.train_bytes_per_token(ModelConfig(**cfg), "triton", 4, 40) / kept - 1) < 0.05
+    assert abs(plan.train_bytes_per_token(ModelConfig(**cfg), "torch", 4, 40) / kept - 1) > 0.5   # control
+
+
+RSS_RUN = ["--device=cpu", "--steps=1", "--prompts_per_step=32", "--group_size=8", "--minibatch_size=256",
+           "--num_blocks=256", "--progress=false"]
+RSS_SIZES = (["--micro_batch_tokens=1024"],                                             # tiny: 1.5M parameters
+             ["--hidden_size=256", "--moe_intermediate_size=256", "--intermediate_size=512",
+              "--micro_batch_tokens=4096"])                                             # 4.7M, a 2816-token micro-batch
+
+
+def test_the_plan_holds_a_real_runs_peak_memory_at_two_sizes(tmp_path):
+    """The CPU run's peak RSS above its baseline (tests/peak_rss.py) against the plan's total: within 20%
+    plus 64 MB (the runtime's own: allocator slack, Python objects, the run's smaller buffers; about 50 MB
+    here), and the growth from the small run to the large one within 15%. Control: a plan without its
+    activations (the old one) fails the check at both sizes."""
+    added, planned, no_act = [], [], []
+    for i, size in enumerate(RSS_SIZES):
+        r = subprocess.run([sys.executable, "tests/peak_rss.py", *RSS_RUN, *size, f"--out_dir={tmp_path / str(i)}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0, r.stderr[-2000:]
+        rss = json.loads(r.stdout.splitlines()[-1])
+        added.append(rss["peak"] - rss["baseline"])
+        text = table(RSS_RUN + size)
+        planned.append(gb(text, "total") * plan.GB)
+        no_act.append(planned[-1] - max(gb(text, "activations, trainer"), gb(text, "activations, sampler")) * plan.GB)
+
+    def close(plan_bytes, real):
+        return abs(plan_bytes - real) <= 0.2 * real + 64e6
+    assert all(close(p, a) for p, a in zip(planned, added)), (planned, added)
+    assert abs((planned[1] - planned[0]) / (added[1] - added[0]) - 1) < 0.15, (planned, added)
+    assert not any(close(p, a) for p, a in zip(no_act, added)), (no_act, added)
 
 
 def test_train_plan_entry_prints_the_table():
     r = subprocess.run([sys.executable, "train.py", "--plan", "--init_from=qwen3-30b-a3b", "--world_size=8",
-                        "--expert_parallel=8"], cwd=ROOT, capture_output=True, text=True,
+                        "--expert_parallel=8", "--gpu_memory_gb=141"], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
-    rows = ("masters", "gradients", "AdamW state", "compute copy", "sampler's copy", "KV pool", "total")
+    rows = ("masters", "gradients", "AdamW state", "compute copy", "sampler's copy", "KV pool", "activations, trainer",
+            "activations, sampler", "total")
     assert r.returncode == 0 and all(f"  {row}" in r.stdout for row in rows), r.stdout + r.stderr
 
 
@@ -137,9 +247,9 @@ def test_kv_bytes_per_token_of_gqa_and_mla():
     latent (8.9x fewer than its 16 heads' keys and values); the sampler sizes and allocates its pool by the
     same count (ModelConfig.kv_numbers_per_token)."""
     from rollout import Sampler
-    gpt = plan.main(["--init_from=gpt-oss-20b", "--dtype=bfloat16"])
+    gpt, _ = plan.main(["--init_from=gpt-oss-20b", "--dtype=bfloat16"])
     assert "KV cache: 49,152 bytes per token (24 layers x 1,024 numbers: keys and values of 8 heads x 64)" in gpt
-    moon = plan.main(["--init_from=moonlight-16b-a3b", "--dtype=bfloat16"])
+    moon, _ = plan.main(["--init_from=moonlight-16b-a3b", "--dtype=bfloat16"])
     assert ("KV cache: 31,104 bytes per token (27 layers x 576 numbers: MLA's latent 512 + RoPE key 64; its 16 "
             "heads' keys and values would be 5,120, 8.9x as many)") in moon
     for cfg in (ModelConfig(), ModelConfig(model_type="deepseek_v3", kv_lora_rank=16, qk_nope_head_dim=8, head_dim=8,
@@ -148,3 +258,10 @@ def test_kv_bytes_per_token_of_gqa_and_mla():
         pages = {id(t): t for pair in sampler.caches for t in pair}.values()     # MLA: one tensor per layer
         per_token = sum(t.nbytes for t in pages) // (6 * 16)                     # 5 blocks + the scratch page
         assert per_token == cfg.num_hidden_layers * cfg.kv_numbers_per_token * 4
+
+
+def test_help_lists_the_plans_own_keys():
+    r = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--plan" in r.stdout
+    for key in plan.PLAN_KEYS:
+        assert f"--{key}=" in r.stdout, key

@@ -126,3 +126,36 @@ def test_the_runs_key_covers_no_panel(tmp_path, monkeypatch):
     assert last.get_title() == "route flips by trainer margin"
     assert [t.get_text() for t in last.get_legend().get_texts()][0] == "margin < 1e-4"
     plt.close(fig)
+
+
+def test_eval_expert_load_and_latency_panels_whenever_their_keys_exist(tmp_path, monkeypatch):
+    """A run that logged them gets the held-out eval panels (greedy and sampled; pass@1 and pass@k, marked
+    at the eval steps), the expert load and the rollout latency; one that did not gets none of them."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    path = tmp_path / "e"
+    rows = [json.loads(line) for line in open(os.path.join(write_run(path), "metrics.jsonl"))]
+    for r in rows:
+        r.update(expert_load_max=2 + r["step"] / 10, load_imbalance_layer=[1.5, 2.5], rollout_latency_p50=0.1 * r["step"],
+                 rollout_latency_p95=0.2 * r["step"], rollout_latency_p99=0.3 * r["step"])
+        if r["step"] % 4 == 0:
+            r.update({"eval_greedy_reward": 0.1 * r["step"], "eval_sampled_reward": 0.05 * r["step"],
+                      "eval_greedy_pass": 0.0, "eval_pass@8": 0.02 * r["step"]})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = {"e": plot.read_metrics(str(path))}
+    assert [p[1] for p in plot.panels(runs)[len(plot.PANELS):]] == [
+        "held-out reward (--eval_data)", "held-out pass rate", "expert load (busiest / mean)",
+        "rollout latency per sequence (s)"]
+    assert plot.set_series(runs["e"], "eval_pass@") == ([4, 8, 12], [0.08, 0.16, 0.24], "eval_pass@8")
+    assert plot.set_series(runs["e"], "load_imbalance_layer")[1] == [2.0] * 12          # the layers' mean
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    plot.plot_runs(runs, str(tmp_path / "x.png"))
+    axes = {ax.get_title(): ax for ax in figs[0].axes}
+    passes = axes["held-out pass rate"]
+    assert [t.get_text() for t in passes.get_legend().get_texts()] == ["pass@1 (greedy)", "pass@8 (sampled)"]
+    assert [line.get_marker() for line in passes.get_lines() if len(line.get_xdata())][1] == "o"   # sparse: marked
+    assert len(axes["rollout latency per sequence (s)"].get_lines()) == 6                  # 3 lines + their key
+    plt.close(figs[0])
+    bare = {"a": plot.read_metrics(write_run(tmp_path / "a"))}                             # control: no such keys
+    assert plot.panels(bare) == plot.PANELS

@@ -282,7 +282,7 @@ def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch):
     msg = cli_error(f"--out_dir={tmp_path}", "--steps=3", "--save_every=1")
     assert "step 2: writing checkpoint" in msg and "disk full" in msg and "ckpt-000002.tmp" in msg
     assert "--resume" in msg and "GiB free" in msg
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "latest", "metrics.jsonl", "routes.jsonl"]   # no .tmp left
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000001", "latest", "metrics.jsonl", "routes.jsonl", "run.json"]   # no .tmp
     assert open(tmp_path / "latest").read() == "ckpt-000001"
     assert_all_finite(tmp_path / "ckpt-000001")
 
@@ -418,6 +418,11 @@ CLI_CASES = {   # argv -> what the one line must say
     "probe size": (["--probe_every=2", "--probe_prompts=0"], "--probe_prompts=0: must be >= 1"),
     "diagnostics": (["--diagnostics=-2"], "--diagnostics=-2: must be >= 0"),
     "detail": (["--record_route_detail=maybe"], "--record_route_detail"),
+    "data without jsonl": (["--data=x.jsonl"], "--data='x.jsonl' is for your own task: add --task=jsonl"),
+    "hub id": (["--init_from=Qwen/Qwen3-30B-A3B"], "no such folder; nothing is downloaded at run time: fetch the "
+               "checkpoint first (`hf download Qwen/Qwen3-30B-A3B --local-dir DIR`"),
+    "preset field on a typo": (["--n_layer=2"], "unknown config key --n_layer; did you mean --num_hidden_layers?"),
+    "progress": (["--progress=sometimes"], "--progress='sometimes': auto"),
 }
 
 
@@ -444,6 +449,51 @@ def test_cli_jsonl_mistakes(jsonl_task):
     assert "not a tokenizers tokenizer.json" in cli_error(*jsonl_args(jsonl_task, tokenizer=jsonl_task / "bad.json"))
     (jsonl_task / "empty.jsonl").write_text("\n")
     assert "holds no examples" in cli_error(*jsonl_args(jsonl_task, data=jsonl_task / "empty.jsonl"))
+
+
+def test_jsonl_names_only_the_missing_option(jsonl_task):
+    args = [a for a in jsonl_args(jsonl_task) if not a.startswith("--reward_fn")]
+    msg = cli_error(*args)
+    assert msg.startswith("error: --task=jsonl needs --reward_fn=mod:fn too") and "--data" not in msg
+    msg = cli_error(*[a for a in jsonl_args(jsonl_task) if not a.startswith(("--data", "--tokenizer"))])
+    assert "needs --data=file.jsonl and --tokenizer=tokenizer.json too" in msg and "--reward_fn" not in msg
+
+
+@pytest.mark.parametrize("source, says", [
+    ("import numpyy\n\ndef reward(p, r, a):\n    return 1.0\n", "ModuleNotFoundError: No module named 'numpyy'"),
+    ("def reward(p, r, a)\n    return 1.0\n", "SyntaxError: expected ':'"),
+    ("import json\nX = json.loads('{')\n\ndef reward(p, r, a):\n    return 1.0\n", "JSONDecodeError"),
+])
+def test_a_reward_file_that_fails_to_import_is_one_line_naming_file_and_line(jsonl_task, source, says):
+    bad = jsonl_task / "bad_reward.py"
+    bad.write_text(source)
+    spec = f"{bad}:reward"
+    msg = cli_error(*jsonl_args(jsonl_task, reward_fn=spec))
+    line = 2 if "json" in source else 1
+    assert msg.startswith(f"error: --reward_fn={spec}: importing it raised {says}") and f"({bad}, line {line})" in msg
+    r = subprocess.run([sys.executable, "train.py", *FAST, *jsonl_args(jsonl_task, reward_fn=spec)], cwd=ROOT,
+                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    (jsonl_task / "good_mod.py").write_text("def reward(p, r, a):\n    return 1.0\n")   # control: a module by
+    r = subprocess.run([sys.executable, str(ROOT) + "/train.py", *FAST, *jsonl_args(jsonl_task, reward_fn="good_mod:reward",   # name,
+                       steps=1)], cwd=jsonl_task, capture_output=True, text=True,                      # from its folder
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_tokenizer_without_eos_needs_stop_tokens_or_max_new_tokens(jsonl_task):
+    tk = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "=": 1, **{str(i): 2 + i for i in range(10)}}          # no eos token of any name
+    tok = tk.Tokenizer(tk.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    tok.save(str(jsonl_task / "no_eos.json"))
+    args = jsonl_args(jsonl_task, tokenizer=jsonl_task / "no_eos.json", steps=1)
+    msg = cli_error(*args)
+    assert "no stop token: the tokenizer has no eos token" in msg and "run to 64 tokens" in msg
+    assert "--stop_tokens=ID[,ID]" in msg and "--max_new_tokens=N" in msg
+    for given in ("--stop_tokens=1", "--max_new_tokens=3"):                   # either one, said explicitly, runs
+        train.cli(FAST + args + [given, "--overwrite=true"])
+        assert checkpoints(jsonl_task / "out") == ["ckpt-000001"], given
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -499,7 +549,7 @@ def test_code_cites_only_the_repository():
 def test_a_signal_saves_the_last_whole_step_and_the_resume_continues_it(tmp_path, sig, status):
     import signal
     import time
-    timing = {"step_time", "rollout_tokens_per_s"}
+    timing = set(runlog.TIMINGS)
     argv = FAST + ["--save_every=1000", "--lr_decay_steps=1000"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.Popen([sys.executable, "train.py", *argv, "--steps=1000", f"--out_dir={tmp_path / 'a'}"], cwd=ROOT,
@@ -636,3 +686,20 @@ def test_torchrun_error_is_printed_once_by_rank_0(tmp_path, option, message):
     assert 'train.py", line' not in r.stderr and r.stderr.count("Traceback") <= 1, r.stderr[-3000:]
     root_cause = r.stderr[r.stderr.index("Root Cause"):]
     assert f"traceback : {errors[0]}" in root_cause and "To enable traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_virtual_environment_in_the_clone_is_ignored():
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".venv/bin/python"], cwd=ROOT).returncode
+    assert ignored == 0 and subprocess.run(["git", "check-ignore", "-q", "train.py"], cwd=ROOT).returncode == 1
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    """`python train.py | head -1`: the run stops when its stdout closes, quietly (141: 128 + SIGPIPE)."""
+    p = subprocess.Popen([sys.executable, "train.py", *FAST, "--steps=50", f"--out_dir={tmp_path}"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.stdout.readline().startswith(b"train: tiny")
+    p.stdout.close()                                                  # as head does after its line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

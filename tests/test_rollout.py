@@ -1046,3 +1046,25 @@ def test_cuda_fast_mode_runs_with_graphs():
     assert sampler.runner.cuda_graphs and sampler.runner.graphs
     assert [o.tokens for o in outs[0]] == [o.tokens for o in outs[1]]   # deterministic run to run
     assert_complete(outs[1], prompts, N, MAX_NEW)
+
+
+def test_finish_time_is_each_sequences_latency_within_the_call():
+    """SequenceOutput.finish_time: seconds from generate()'s start to when the host saw the sequence end,
+    read where the step's finished flags come back anyway (no read of its own). In one decode batch a
+    sequence that stopped after fewer tokens finished no later; every time lies inside the call.
+    Control: a second call's times start again from its own start."""
+    import time
+    model = make_model(seed=4)
+    sampler = Sampler(model, max_batch_size=64)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    t0 = time.perf_counter()
+    outs = sampler.generate(prompts, max_new_tokens=12, n=8, temperature=1.0, seed=3, stop_token_ids=(3, 7, 11))
+    wall = time.perf_counter() - t0
+    assert all(0 < o.finish_time <= wall for o in outs)
+    lengths = sorted({len(o.tokens) for o in outs})
+    assert len(lengths) >= 3                                          # the stops spread the lengths
+    by_len = {n: [o.finish_time for o in outs if len(o.tokens) == n] for n in lengths}
+    assert all(max(by_len[a]) <= min(by_len[b]) for a, b in zip(lengths, lengths[1:]))
+    time.sleep(0.05)
+    again = sampler.generate(prompts[:1], max_new_tokens=2, temperature=0)
+    assert again[0].finish_time < wall

@@ -9,6 +9,8 @@ import builtins
 import dataclasses
 import json
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -187,10 +189,27 @@ def test_help_describes_every_option_once():
     text = config.help_text(TrainConfig(), RolloutConfig())
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("--route_filter_threshold="))
     assert line.split(None, 1)[1] == config.field_docs(TrainConfig)["route_filter_threshold"]
-    assert len(text.splitlines()) == 2 + len(dataclasses.fields(TrainConfig)) + len(dataclasses.fields(RolloutConfig))
+    hidden = ["model_overrides"]                                      # set through the ModelConfig options
+    assert len(text.splitlines()) == 2 + len(dataclasses.fields(TrainConfig)) - len(hidden) + \
+        len(dataclasses.fields(RolloutConfig)) and "--model_overrides" not in text
 
 
-@pytest.mark.parametrize("key, near", [("stepz", "--steps"), ("learning_rate", None), ("max_new_token", "--max_new_tokens")])
+def test_help_lists_every_option_the_command_line_takes():
+    """train.py --help: every TrainConfig and RolloutConfig option, every ModelConfig field a preset takes,
+    the presets, and --plan with its own keys, each once."""
+    import plan
+    r = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    listed = re.findall(r"^  --(\w+)=", r.stdout, flags=re.M)
+    want = [f.name for cls in (TrainConfig, RolloutConfig) for f in dataclasses.fields(cls) if f.name != "model_overrides"]
+    want += list(config.MODEL_OPTIONS) + list(plan.PLAN_KEYS)
+    assert sorted(listed) == sorted(want)                             # each once, none missing
+    assert all(re.search(rf"^  {name} ", r.stdout, flags=re.M) for name in config.MODEL_PRESETS)
+    assert "--plan" in r.stdout and "--num_hidden_layers=4" in r.stdout
+
+
+@pytest.mark.parametrize("key, near", [("stepz", "--steps"), ("frobnicate", None), ("max_new_token", "--max_new_tokens"),
+                                       ("learning_rate", "--lr"), ("n_layer", None)])
 def test_unknown_option_suggests_the_nearest(key, near):
     with pytest.raises(ConfigError) as e:
         apply_overrides({key: "1"}, TrainConfig(), RolloutConfig())
@@ -225,3 +244,25 @@ def test_a_checkpoint_run_stops_on_its_generation_config_eos(folder, capsys):
                "--steps=1", "--prompts_per_step=2", "--group_size=2", "--minibatch_size=4", "--progress=false"])
     out = capsys.readouterr().out
     assert f"generation: stop ids [5, 7] ('4', '6'; {ck / 'generation_config.json'}), at most 64 new tokens" in out
+
+
+def test_make_checkpoint_gives_a_folder_train_py_learns_from(tmp_path):
+    """examples/make_checkpoint.py: a Qwen3-MoE folder and a BPE tokenizer of one's own (eos named in
+    config.json), sized on the command line; train.py trains 2 steps from it, stopping at that eos."""
+    pytest.importorskip("tokenizers")
+    out, env = tmp_path / "my-moe", dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "examples/make_checkpoint.py", str(out), "--data=examples/arithmetic/train.jsonl",
+                        "--num_experts=6", "--hidden_size=48"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith(f"wrote {out}: "), r.stderr[-2000:]
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_experts"], cfg["hidden_size"], cfg["vocab_size"], cfg["eos_token_id"]) == \
+        ("qwen3_moe", 6, 48, 32, 0)
+    r = subprocess.run([sys.executable, "train.py", "--task=jsonl", f"--init_from={out}", f"--tokenizer={out}/tokenizer.json",
+                        "--data=examples/arithmetic/train.jsonl", "--reward_fn=examples/arithmetic/reward.py:reward",
+                        "--max_new_tokens=4", "--steps=2", "--prompts_per_step=4", "--group_size=2", "--minibatch_size=8",
+                        f"--out_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "done: 2 steps" in r.stdout, r.stderr[-2000:]
+    assert "stop ids [0] ('<|endoftext|>'" in r.stdout
+    r = subprocess.run([sys.executable, "examples/make_checkpoint.py", str(tmp_path / "x"), "--data=examples/arithmetic/train.jsonl",
+                        "--n_layer=2"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith("error: unknown config key --n_layer; did you mean --num_hidden_layers?")

@@ -13,6 +13,7 @@ import torch
 
 import checkpoint
 import distributed
+import runlog
 import kernels
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
@@ -150,7 +151,7 @@ def test_variants_run_with_zero_mismatch(tmp_path, extra):
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
-    timing = {"step_time", "rollout_tokens_per_s"}
+    timing = set(runlog.TIMINGS)
     full = _run(tmp_path / "a", SMALL + ["--steps=6", "--save_every=3"])
     _run(tmp_path / "b", SMALL + ["--steps=3", "--save_every=3", "--lr_decay_steps=6"])   # a 6-step plan, cut at 3
     tcfg, rcfg = TrainConfig(), RolloutConfig()
@@ -205,7 +206,7 @@ def test_halving_lr_by_hand():
 
 
 def test_halving_resume_continues_the_same_lr_sequence(tmp_path, capsys):
-    timing = {"step_time", "rollout_tokens_per_s"}
+    timing = set(runlog.TIMINGS)
     halving = ["--lr_schedule=halving", "--lr_decay_period=2", "--warmup_steps=1"]
     full = _run(tmp_path / "a", SMALL + halving + ["--steps=6", "--save_every=3"])
     assert [h["lr"] for h in full] == [1e-2 * f for f in (1, 1, 1, 0.5, 0.5, 0.25)]   # warmup 1, then halvings
@@ -317,7 +318,8 @@ def test_banner_checkpoint_lines_samples_and_progress_lines(tmp_path, capsys):
     assert len(shown) == 4 and shown[0].startswith("step 1 sample: '^")
     rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]   # strict JSON, 3 a step
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
-    assert all(set(r) == {"step", "prompt", "response", "reward"} and 0 <= r["reward"] <= 1 for r in rows)
+    assert all(set(r) == {"step", "prompt", "response", "answer", "reward"} and 0 <= r["reward"] <= 1 for r in rows)
+    assert all(len(r["answer"]) == 3 and r["answer"][-1] == 12 for r in rows)       # the target: 2 digits and EOS
     assert all(r["prompt"].startswith("^") and r["prompt"].endswith("=") for r in rows)
     # a resume says where it continues and drops the samples past its checkpoint (a killed run's)
     with open(tmp_path / "samples.jsonl", "a") as f:
@@ -331,7 +333,7 @@ def test_banner_checkpoint_lines_samples_and_progress_lines(tmp_path, capsys):
 
 
 def test_log_samples_changes_no_metric(tmp_path):
-    timing = {"step_time", "rollout_tokens_per_s"}
+    timing = set(runlog.TIMINGS)
     a = _run(tmp_path / "a", SMALL + ["--steps=2"])
     b = _run(tmp_path / "b", SMALL + ["--steps=2", "--log_samples=4", "--keep_checkpoints=3"])
     assert [{k: v for k, v in r.items() if k not in timing} for r in a] == \
@@ -343,7 +345,7 @@ def test_replay_old_replays_the_old_policys_routes(tmp_path, monkeypatch):
     forward. With an invariant rollout and one update per step (the policy has not moved yet) those
     are the routes the free forward takes, so the run is the no-replay run bit for bit; under a fast rollout the updates get the old forward's routes, not the
     rollout's (R3's)."""
-    timing = {"step_time", "rollout_tokens_per_s"}
+    timing = set(runlog.TIMINGS)
     one = ["--steps=2", "--recompute_old_logp=true", "--minibatch_size=128"]
     base = _run(tmp_path / "a", SMALL + one)
     old = _run(tmp_path / "b", SMALL + one + ["--replay=old"])
@@ -377,7 +379,7 @@ def test_replay_old_replays_the_old_policys_routes(tmp_path, monkeypatch):
 
 
 # ---- what the routes say: the probe, routes.jsonl, diagnostics.jsonl, the sequence-level filter -------
-TIMING = {"step_time", "rollout_tokens_per_s"}
+TIMING = set(runlog.TIMINGS)
 
 
 def test_probe_drift_is_zero_at_lr_0_and_grows_with_training(tmp_path):
@@ -432,3 +434,105 @@ def test_sequence_route_filter_is_a_no_op_without_mismatch(tmp_path):
     lab = _run(tmp_path / "lab", SMALL + ["--steps=1", "--router_bf16=true", "--route_filter=mask",
                                           "--route_filter_level=sequence", "--route_filter_threshold=1.0"])
     assert lab[0]["route_filtered_frac"] > 0                         # control: under mismatch it acts
+
+
+# ---- the first hour: progress, run.json, resume changes, the entropy bonus, preset fields ----------
+TINY_RUN = ["--task=copy", "--n_digits=2", "--prompts_per_step=2", "--group_size=2", "--minibatch_size=4",
+            "--warmup_steps=1"]
+
+
+def test_progress_auto_draws_a_bar_only_on_a_terminal(tmp_path, capsys, monkeypatch):
+    train.cli(TINY_RUN + [f"--out_dir={tmp_path / 'a'}", "--steps=2"])          # pytest's capture: no terminal
+    out, err = capsys.readouterr()
+    assert "step 1/2: reward" in out and "step 2/2: reward" in out and "train:" not in err   # lines, no bar frames
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert runlog.progress_bar(TrainConfig()) and not runlog.progress_bar(TrainConfig(progress="false"))
+    train.cli(TINY_RUN + [f"--out_dir={tmp_path / 'b'}", "--steps=2"])          # control: "a terminal" draws it
+    out, err = capsys.readouterr()
+    assert "step 1/2: reward" not in out and "2/2" in err
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)                      # stdout to a file: lines
+    assert not runlog.progress_bar(TrainConfig()) and runlog.progress_bar(TrainConfig(progress="true"))
+
+
+def test_a_stop_leaves_the_bar_at_the_step_it_saved(tmp_path, capsys, monkeypatch):
+    import re
+    calls = []
+    monkeypatch.setattr(train, "stop_requested", lambda d: 2 if len(calls) == 1 or calls.append(1) else 0)
+    with pytest.raises(SystemExit) as e:
+        train.cli(TINY_RUN + [f"--out_dir={tmp_path}", "--steps=5", "--progress=true"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 130 and "step 2: saved" in out
+    assert re.findall(r"train: +\d+%\|[^|]*\| (\d)/5", err)[-1] == "2"        # the bar's last frame: 2 steps done
+    assert runlog.count_steps(1) == "1 step" and runlog.count_steps(2) == "2 steps"
+
+
+def test_run_json_holds_every_setting_and_a_resume_says_what_changed(tmp_path, capsys):
+    train.cli(TINY_RUN + [f"--out_dir={tmp_path}", "--steps=1"])
+    run = json.loads((tmp_path / "run.json").read_text())                       # strict JSON, readable
+    assert set(run["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(run["rollout"]) == {f.name for f in dataclasses.fields(RolloutConfig)} and run["start_step"] == 0
+    assert run["model"]["num_hidden_layers"] == 4 and run["train"]["lr_decay_steps"] == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:                                         # a change of the run's numbers
+        train.cli(TINY_RUN + [f"--out_dir={tmp_path}", "--resume=true", "--steps=2", "--lr=1e-4", "--top_p=0.9"])
+    out, err = capsys.readouterr()
+    assert "resume: --lr=0.0001 (the saved run's: 0.001): changes the run's numbers" in out
+    assert "resume: --top_p=0.9 (the saved run's: 1.0)" in out and "--steps=2" in out
+    assert str(e.value.code).startswith("error: --resume: --lr, --top_p differ from the saved run") and \
+        "--resume_changes=allow" in str(e.value.code) and "--steps" not in str(e.value.code)
+    train.cli(TINY_RUN + [f"--out_dir={tmp_path}", "--resume=true", "--steps=2", "--lr=1e-4",    # allowed: it runs
+                          "--resume_changes=allow", "--log_every=2"])
+    out = capsys.readouterr().out
+    assert "resume: --log_every=2 (the saved run's: 1)\n" in out and "done: 1 step" in out
+    assert json.loads((tmp_path / "run.json").read_text())["train"]["lr"] == 1e-4     # the leg's settings
+    train.cli(TINY_RUN + [f"--out_dir={tmp_path}", "--resume=true", "--steps=3", "--save_every=1"])   # free ones
+    out = capsys.readouterr().out
+    assert "resume: --save_every=1 (the saved run's: 50)\n" in out and "done: 1 step" in out
+
+
+def test_the_entropy_bonus_is_in_the_trainers_loss_and_the_warning_is_one_line(tmp_path, capsys):
+    """One minibatch a step (token mean): the loss with --entropy_coef=c is the loss without it minus c times
+    the logged entropy at step 1 (the same rollout). The warning: once, when the entropy has stayed below
+    --entropy_warn for --entropy_warn_steps steps; control: --entropy_warn=0 says nothing."""
+    off = _run(tmp_path / "a", TINY_RUN + ["--steps=1"])[0]
+    on = _run(tmp_path / "b", TINY_RUN + ["--steps=1", "--entropy_coef=0.5"])[0]
+    assert on["entropy"] == off["entropy"] and on["reward_mean"] == off["reward_mean"]
+    assert on["loss"] == pytest.approx(off["loss"] - 0.5 * off["entropy"], rel=1e-5, abs=1e-7)
+    capsys.readouterr()
+    train.cli(TINY_RUN + [f"--out_dir={tmp_path / 'c'}", "--steps=4", "--entropy_warn=100", "--entropy_warn_steps=2"])
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and warned[0].startswith("warning: step 2: entropy below 100 for 2 steps")
+    assert "--entropy_coef=1e-3" in warned[0]
+    train.cli(TINY_RUN + [f"--out_dir={tmp_path / 'd'}", "--steps=2", "--entropy_warn=0"])
+    assert "warning:" not in capsys.readouterr().out
+
+
+def test_a_preset_takes_its_fields_from_the_command_line(tmp_path, capsys):
+    train.cli(TINY_RUN + [f"--out_dir={tmp_path}", "--steps=1", "--num_hidden_layers=2", "--num_experts=4",
+                          "--hidden_size=64", "--mlp_only_layers="])
+    out = capsys.readouterr().out
+    assert out.startswith("train: tiny --num_hidden_layers=2 --num_experts=4 --hidden_size=64 --mlp_only_layers=[] (")
+    config = json.loads((tmp_path / "ckpt-000001" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_experts"], config["hidden_size"], config["mlp_only_layers"]) == \
+        (2, 4, 64, [])
+    train.cli(TINY_RUN + [f"--out_dir={tmp_path}", "--steps=2", "--resume=true"])      # the resume keeps them
+    assert "resume:" in capsys.readouterr().out
+    ck = tmp_path / "ckpt-000002"
+    with pytest.raises(ConfigError, match=r"--num_experts=2 sets a preset's field; --init_from=.* is a checkpoint "
+                                          r"folder with its own config.json"):
+        train.main(TINY_RUN + [f"--init_from={ck}", "--num_experts=2", f"--out_dir={tmp_path / 'x'}"])
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):                       # checked whole
+        train.main(TINY_RUN + ["--num_experts=1", f"--out_dir={tmp_path / 'y'}"])
+
+
+def test_rollout_latency_quantiles_are_logged_in_seconds(tmp_path):
+    class Out:
+        def __init__(self, t):
+            self.finish_time = t
+    d = train.Dist(0, 1, torch.device("cpu"))
+    got = runlog.latency_metrics([Out(float(t)) for t in range(1, 101)], d)    # 1 .. 100 s
+    assert got == pytest.approx({"rollout_latency_p50": 50.5, "rollout_latency_p95": 95.05, "rollout_latency_p99": 99.01})
+    rows = _run(tmp_path, TINY_RUN + ["--steps=2"])
+    assert all(0 < r["rollout_latency_p50"] <= r["rollout_latency_p95"] <= r["rollout_latency_p99"] < r["step_time"]
+               for r in rows)
