@@ -36,6 +36,7 @@ import expert_parallel
 import hf
 from config import ConfigError, TrainConfig
 from model import MoE, Transformer
+from packing import deal
 
 
 @dataclasses.dataclass
@@ -531,14 +532,6 @@ def grad_sync(scorer, enabled: bool):
     return contextlib.nullcontext()
 
 
-def all_sum(x: float, d: Dist) -> float:
-    if d.world == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t)
-    return t.item()
-
-
 def all_cat(t: torch.Tensor, d: Dist) -> torch.Tensor:
     if d.world == 1:
         return t
@@ -567,6 +560,31 @@ def all_gather_rows(t: torch.Tensor, d: Dist) -> list[torch.Tensor]:
     parts = [torch.empty(max(counts), *t.shape[1:], dtype=t.dtype, device=d.device) for _ in range(d.world)]
     dist.all_gather(parts, torch.cat([t, pad]).to(d.device))
     return [p[:n].cpu() for p, n in zip(parts, counts)]
+
+
+def all_gather_dealt(fields: dict[str, torch.Tensor], sizes: list[int], d: Dist) -> dict[str, torch.Tensor]:
+    """Results of micro-batches dealt by packing.deal, in the micro-batches' order on every rank: each
+    field holds this rank's micro-batches' rows back to back (in its dealt order); sizes: every
+    micro-batch's rows. The same tensors at every world size."""
+    if d.world == 1:
+        return fields
+    got = {k: torch.cat(all_gather_rows(v, d)) for k, v in fields.items()}   # rank by rank
+    at, spans = 0, {}
+    for r in range(d.world):                                          # where micro-batch i's rows landed
+        for i in deal(len(sizes), d.world, r):
+            if i is not None:
+                spans[i], at = (at, sizes[i]), at + sizes[i]
+    pick = torch.cat([torch.arange(a, a + n) for a, n in (spans[i] for i in range(len(sizes)))])
+    return {k: v[pick] for k, v in got.items()}
+
+
+def all_sum_counts(counts: list[int], d: Dist) -> list[int]:
+    """Integer counts summed over the ranks (int64: exact)."""
+    if d.world == 1:
+        return counts
+    t = torch.tensor(counts, dtype=torch.long, device=d.device)
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def global_batch(batch, d: Dist):

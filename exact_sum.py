@@ -14,13 +14,13 @@ the same bits wherever it runs (packing.deal), so the sum, the step and the next
 same at any world size, DP / EP degree and placement.
 
 The arithmetic (docs/design.md, "Exact gradient sums"). One fixed grid for every tensor, so no rank
-ever has to agree on a scale: an element g becomes the integer n = g * 2^64 (rounded), held in two
-int64 limbs n = hi * 2^48 + lo with 0 <= lo <= 2^48. For 2^-41 <= |g| < 2^32 the conversion is exact
-(g's 24 significant bits all lie on the grid); smaller elements are rounded to the 2^-64 grid. The
-limbs add as integers; lo carries into hi before it could pass 2^63 (every 2^14 terms, and before an
-all-reduce, which 2^15 ranks may then join); hi holds any |sum| < 2^47. The sum is converted back
-once: hi * 2^-16 + lo * 2^-64 in fp64 (one rounding), then fp32 (a second): within (1/2 + 2^-29) fp32
-ulp of the exact sum of the fp32 terms. A term outside the range (non-finite, or |g| >= 2^32) marks the sum bad: the
+ever has to agree on a scale: an element g becomes the integer n = g * 2^72 (rounded), held in two
+int64 limbs n = hi * 2^52 + lo with 0 <= lo <= 2^52. For 2^-49 <= |g| < 2^32 the conversion is exact
+(g's 24 significant bits all lie on the grid); smaller elements are rounded to the 2^-72 grid. The
+limbs add as integers; lo carries into hi before it could pass 2^63 (every 2^10 terms, and before an
+all-reduce, which up to 2^11 ranks may then join); hi holds any |sum| < 2^43. The sum is converted
+back once: hi * 2^-20 + lo * 2^-72 in fp64 (one rounding), then fp32 (a second): within
+(1/2 + 2^-29) fp32 ulp of the exact sum of the fp32 terms. A term outside the range (non-finite, or |g| >= 2^32) marks the sum bad: the
 gradient norm is then NaN and the step is stopped or skipped as for any non-finite gradient.
 """
 from __future__ import annotations
@@ -31,21 +31,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-FRAC_BITS = 64                      # n counts units of 2^-64
-LIMB_BITS = 48                      # lo holds n's low 48 bits, hi the rest
-LIMIT = 2.0 ** (2 * LIMB_BITS - FRAC_BITS)   # |g| < 2^32: hi = floor(g * 2^16) fits in 48 bits
-MAX_RANKS = 2 ** (63 - LIMB_BITS)            # 2^15 ranks may add their lo limbs in one all-reduce
+from config import ConfigError
+
+FRAC_BITS = 72                      # n counts units of 2^-72
+LIMB_BITS = 52                      # lo holds n's low 52 bits, hi the rest
+LIMIT = 2.0 ** (2 * LIMB_BITS - FRAC_BITS)   # |g| < 2^32: hi = floor(g * 2^20) stays below 2^52
+MAX_RANKS = 2 ** (63 - LIMB_BITS)            # 2^11 ranks may add their lo limbs in one all-reduce
 
 
 # ---------------------------------------------------------------------------------------------------
 # the conversion
 # ---------------------------------------------------------------------------------------------------
 def to_limbs(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """g (any float dtype, any shape) -> (hi, lo) int64 with hi * 2^48 + lo = g * 2^64 rounded to an
-    integer, 0 <= lo <= 2^48, and a bool (0-d): some element is out of range (non-finite, |g| >= 2^32).
-    In fp64: x = g * 2^16 (a power of two: exact), hi = floor(x), lo = (x - hi) * 2^48 rounded. For
-    |g| >= 2^-41, x is a multiple of 2^-48 and every step is exact; below, x - hi rounds to fp64 first
-    (an error below 2^-64 in g's units, the same on every rank)."""
+    """g (any float dtype, any shape) -> (hi, lo) int64 with hi * 2^52 + lo = g * 2^72 rounded to an
+    integer, 0 <= lo <= 2^52, and a bool (0-d): some element is out of range (non-finite, |g| >= 2^32).
+    In fp64: x = g * 2^20 (a power of two: exact), hi = floor(x), lo = (x - hi) * 2^52 rounded. For
+    |g| >= 2^-49, x is a multiple of 2^-52 and every step is exact; below, x - hi rounds to fp64 first
+    (an error below 2^-72 in g's units, the same on every rank)."""
     x = g.double().mul_(2.0 ** (FRAC_BITS - LIMB_BITS))
     hi = x.floor()
     lo = x.sub_(hi).mul_(2.0 ** LIMB_BITS).round_()
@@ -54,14 +56,14 @@ def to_limbs(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _carry(hi: torch.Tensor, lo: torch.Tensor) -> None:
-    """Move lo's bits above 2^48 into hi (in place): lo back in [0, 2^48)."""
+    """Move lo's bits above 2^52 into hi (in place): lo back in [0, 2^52)."""
     c = lo >> LIMB_BITS                                             # floor division, also below 0
     hi += c
     lo -= c << LIMB_BITS
 
 
 def from_limbs(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """The fp32 value of hi * 2^-16 + lo * 2^-64 (limbs of any carry state; the inputs are not changed)."""
+    """The fp32 value of hi * 2^-20 + lo * 2^-72 (limbs of any carry state; the inputs are not changed)."""
     hi, lo = hi.clone(), lo.clone()
     _carry(hi, lo)
     return (hi.double() * 2.0 ** (LIMB_BITS - FRAC_BITS) + lo.double() * 2.0 ** -FRAC_BITS).float()
@@ -69,9 +71,9 @@ def from_limbs(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 
 class Limbs:
     """A fixed-point sum of tensors of one shape: int64 hi and lo, and whether a term was out of range.
-    Terms add limb by limb; lo (each term's at most 2^48) carries into hi every CARRY_EVERY additions
+    Terms add limb by limb; lo (each term's at most 2^52) carries into hi every CARRY_EVERY additions
     and before it leaves (value, all_reduce_limbs), so it never passes 2^63."""
-    CARRY_EVERY = 2 ** 14
+    CARRY_EVERY = 2 ** 10
 
     def __init__(self, shape, device):
         self.hi = torch.zeros(shape, dtype=torch.long, device=device)
@@ -115,7 +117,7 @@ def all_reduce_limbs(sums: list[Limbs], group=None, bucket_bytes: int = 64 << 20
     buckets of about bucket_bytes; every rank passes the same list."""
     bucket, size = [], 0
     for i, s in enumerate(sums):
-        s.carry()                                                     # lo below 2^48 on every rank
+        s.carry()                                                     # lo below 2^52 on every rank
         bucket.append(s)
         size += s.nbytes
         if size >= bucket_bytes or i == len(sums) - 1:
@@ -150,6 +152,9 @@ class Reducer:
                  ep=None, fsdp: bool = False, experts: set | None = None):
         """master_of: id(trained parameter) -> policy parameter (mixed precision; else the same);
         experts: ids of the policy's expert-shard parameters (EP)."""
+        if d.world > MAX_RANKS:
+            raise ConfigError(f"--grad_reduce=exact sums over at most {MAX_RANKS} ranks ({d.world} here); "
+                              "use --grad_reduce=fast")
         self.policy, self.d, self.ep, self.fsdp = policy, d, ep, fsdp
         self.experts = experts or set()
         self.sums: dict[int, Limbs] = {}                             # id(policy parameter) -> its sum
@@ -263,7 +268,7 @@ def _reduce_scatter_into(p: nn.Parameter, s: Limbs) -> None:
     """An FSDP2 expert shard's sum: reduce-scatter the (E/N, ...) limbs over its mesh, rows in
     torch.chunk's pieces as FSDP2 shards them (dim 0, the last piece short), into p.grad."""
     from torch.distributed.tensor import DTensor
-    s.carry()                                                         # lo below 2^48 on every rank
+    s.carry()                                                         # lo below 2^52 on every rank
     mesh, local = p.device_mesh, p.to_local()
     n, R = mesh.size(), s.hi.shape[0]
     chunk = -(-R // n)

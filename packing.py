@@ -273,6 +273,14 @@ def deal(n_micros: int, world: int, rank: int) -> list[int | None]:
     return [s * world + rank if s * world + rank < n_micros else None for s in range(steps)]
 
 
+def lockstep(micros: list[MicroBatch], lengths: torch.Tensor, d) -> list[tuple[int | None, MicroBatch]]:
+    """Rank d.rank's steps over the global micro-batches (deal): (index, micro-batch), index None for a
+    null step (null_micro_batch of the batch's lengths), which keeps the rank in its collectives' step."""
+    packed = any(m.packing is not None for m in micros)
+    return [(i, micros[i] if i is not None else null_micro_batch(lengths, packed))
+            for i in deal(len(micros), d.world, d.rank)]
+
+
 def null_micro_batch(lengths: torch.Tensor, packed: bool) -> MicroBatch:
     """A rank's forward for a step the deal left it without a micro-batch: the batch's shortest sequence
     (the first of equals), whose loss the trainer multiplies by 0 and whose results it discards."""

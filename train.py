@@ -58,12 +58,12 @@ import replay
 from checkpoint import (RunError, check_finite_weights, load_optimizer_state, optimizer_state, prepare_out_dir,
                         resume, save_checkpoint, saved_configs, latest_checkpoint, load_trainer_state, trim_metrics)
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, help_text, parse_args, parse_bool
-from distributed import (Dist, Policy, all_cat, all_gather_rows, all_owned, check_in_sync, global_batch,
-                         init_distributed, reduce_metrics, store_routers)
+from distributed import (Dist, Policy, all_cat, all_gather_dealt, all_owned, all_sum_counts, check_in_sync,
+                         global_batch, init_distributed, reduce_metrics, store_routers)
 from hf import eos_token_ids
 from losses import Normalisers, correction_weights, group_advantages, rejects, token_objective
 from model import CapacityLimit, RouteDetail, Transformer, capacity_limit
-from packing import Batch, MicroBatch, deal, make_batch, micro_batches, null_micro_batch, unpack
+from packing import Batch, MicroBatch, lockstep, make_batch, micro_batches, unpack
 from rollout import Sampler
 from runlog import (Interrupted, Outputs, banner, log_routes, log_row, log_samples, open_logger, open_outputs, run_cli,
                     stop_requested, summary)
@@ -197,15 +197,12 @@ def old_policy(run: Run, batch: Batch) -> OldPolicy:
     own = "r3" if tcfg.replay == "r3" else "none"     # R3 here too; under `old` these are the routes replayed later
 
     def scored(model):                                                # (B, ...) in the batch's row order
-        parts, template = {}, None
-        for i, micro in lockstep(run, batch, micros):                 # this rank's share of the micro-batches
+        parts = {}                                                    # micro-batch index (None: a null one) -> forward
+        for i, micro in lockstep(micros, batch.lengths, run.d):       # this rank's share of the micro-batches
             mb = batch.select(micro.rows)
-            out = forward(run, unchecked(model), mb, micro, grad=False, counted=i is not None,
-                          routes=replay.routes_to_replay(own, mb.routes, None))
-            template = out
-            if i is not None:
-                parts[i] = out
-        return in_row_order(gather_scored(run, parts, template, [len(m.rows) for m in micros]))
+            parts[i] = forward(run, unchecked(model), mb, micro, grad=False, counted=i is not None,
+                               routes=replay.routes_to_replay(own, mb.routes, None))
+        return in_row_order(gather_scored(run, parts, [len(m.rows) for m in micros]))
     logp, audit, ref_logp = batch.rollout_logp, None, None
     if tcfg.recompute_old_logp:
         audit = scored(run.policy.full)
@@ -303,19 +300,19 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     norm = Normalisers(float(old.loss_mask[idx].sum()), len(idx), max_new_tokens(run))
     policy.start_minibatch(lr_at(step, tcfg))
     micros = trainer_micro_batches(run, idx, batch.lengths)
-    steps = lockstep(run, batch, micros)
+    steps = lockstep(micros, batch.lengths, run.d)
     table = torch.zeros(len(micros), len(MICRO_STATS), dtype=torch.float64)   # row i: micro-batch i's, by its rank
-    parts, template = {}, None
+    parts = {}                                                        # micro-batch index (None: a null one) -> forward
     for n, (i, micro) in enumerate(steps):
         with policy.grad_sync(last=n == len(steps) - 1):
-            out, sums = micro_step(run, batch, old, micro, norm, counted=i is not None)
-        template = out
+            parts[i], sums = micro_step(run, batch, old, micro, norm, counted=i is not None)
         if i is not None:
-            parts[i], table[i] = out, torch.tensor(sums, dtype=torch.float64)
+            table[i] = torch.tensor(sums, dtype=torch.float64)
     gn = policy.finish_grads()          # summed over ranks (exact, or the wrappers' fp32), clipped
     loss, clipped, entropy, filtered, tokens = (sum(col) for col in all_owned(table, run.d).T.tolist())
-    scored = on_host([parts[i] for i in sorted(parts)]) if parts else None
-    gathered = gather_scored(run, parts, template, [len(m.rows) for m in micros]) if audit else None
+    real = sorted(i for i in parts if i is not None)
+    scored = on_host([parts[i] for i in real]) if real else None
+    gathered = gather_scored(run, parts, [len(m.rows) for m in micros]) if audit else None
     return MinibatchResult(loss, clipped, gn, scored, entropy, filtered, tokens, gathered)
 
 
@@ -402,13 +399,6 @@ def trainer_micro_batches(run: Run, rows: torch.Tensor, lengths: torch.Tensor) -
     return micro_batches(rows, lengths, tcfg.micro_batch_tokens, tcfg.micro_batch_size, tcfg.minibatch_size)
 
 
-def lockstep(run: Run, batch: Batch, micros: list[MicroBatch]) -> list[tuple[int | None, MicroBatch]]:
-    """This rank's steps over the global micro-batches (packing.deal): (index, micro-batch), index None
-    for a null step (packing.null_micro_batch), which keeps the rank in its collectives' lockstep."""
-    packed = run.tcfg.micro_batch_tokens > 0
-    return [(i, micros[i] if i is not None else null_micro_batch(batch.lengths, packed))
-            for i in deal(len(micros), run.d.world, run.d.rank)]
-
 
 def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bool, with_entropy: bool = False,
             routes: torch.Tensor | None = None, counted: bool = True) -> Scored:
@@ -458,30 +448,21 @@ def on_host(parts: list[Scored]) -> Scored:
                   None, torch.cat([p.rows for p in parts]), detail)
 
 
-DETAIL = tuple(f.name for f in dataclasses.fields(RouteDetail))     # weights, margin, entropy
+DETAIL = ("weights", "margin", "entropy")                           # RouteDetail's fields
 
 
-def gather_scored(run: Run, parts: dict[int, Scored], template: Scored, sizes: list[int]) -> Scored:
+def gather_scored(run: Run, parts: dict, sizes: list[int]) -> Scored:
     """Forwards of a list of micro-batches (sizes: their rows), each run by the rank packing.deal gave it
-    (parts: this rank's, by index; template: any forward of this rank, for the shapes), as one Scored on
-    the host in the micro-batches' order: the same tensors at every world size."""
-    mine = on_host([parts[i] for i in sorted(parts)] or [template])
-    n = sum(len(parts[i].rows) for i in parts)
-    names = ["logp", "routes", "rows"]
-    fields = {k: getattr(mine, k)[:n] for k in names}
-    if mine.detail is not None:
-        fields.update({k: getattr(mine.detail, k)[:n] for k in DETAIL})
-    if run.d.world > 1:
-        got = {k: torch.cat(all_gather_rows(v, run.d)) for k, v in fields.items()}   # rank by rank
-        at, spans = 0, {}
-        for r in range(run.d.world):                                  # where micro-batch i's rows landed
-            for i in deal(len(sizes), run.d.world, r):
-                if i is not None:
-                    spans[i], at = (at, sizes[i]), at + sizes[i]
-        pick = torch.cat([torch.arange(a, a + k) for a, k in (spans[i] for i in range(len(sizes)))])
-        fields = {k: v[pick] for k, v in got.items()}
-    detail = RouteDetail(*(fields[k] for k in DETAIL)) if mine.detail is not None else None
-    return Scored(fields["logp"], fields["routes"], None, fields["rows"], detail)
+    (parts: this rank's by index, None: a null one's, for the shapes), as one Scored on the host in the
+    micro-batches' order: the same tensors at every world size."""
+    real = sorted(i for i in parts if i is not None)
+    mine = on_host([parts[i] for i in real] or [parts[None]])
+    n = sum(len(parts[i].rows) for i in real)
+    fields = {k: getattr(mine, k)[:n] for k in ("logp", "routes", "rows")}
+    fields.update({k: getattr(mine.detail, k)[:n] for k in DETAIL} if mine.detail is not None else {})
+    got = all_gather_dealt(fields, sizes, run.d)
+    detail = RouteDetail(*(got[k] for k in DETAIL)) if mine.detail is not None else None
+    return Scored(got["logp"], got["routes"], None, got["rows"], detail)
 
 
 def this_ranks(run: Run, batch: Batch, audited: Scored, n: int) -> tuple[Batch, Scored]:
@@ -526,22 +507,14 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / t_rollout,
            "step_time": time.perf_counter() - t0, "preemptions": run.sampler.num_preemptions,
            "skipped_steps": run.skipped}
-    if run.capacity is not None:                                      # --train_capacity_factor's drops
-        row.update(capacity_metrics(run))
+    if run.capacity is not None:                                      # --train_capacity_factor's drops, all ranks'
+        c = run.capacity
+        c.rows, c.dropped = all_sum_counts([int(c.rows), int(c.dropped)], run.d)
+        row.update(c.pop_metrics())
     ep = expert_parallel.of(run.policy.master)
     if ep is not None:                                                # rows per rank: the device load
         row.update(expert_parallel.device_load(audited.routes[batch.route_mask[rows]], ep))
     return reduce_metrics(row, run.d)
-
-
-def capacity_metrics(run: Run) -> dict:
-    """--train_capacity_factor's drop counts over every rank's forwards (integers: an exact sum)."""
-    c = run.capacity
-    if run.d.world > 1:
-        t = torch.tensor([int(c.rows), int(c.dropped)], dtype=torch.long, device=run.d.device)
-        dist.all_reduce(t)
-        c.rows, c.dropped = t.tolist()
-    return c.pop_metrics()
 
 
 def maybe_evaluate(run: Run, step: int) -> dict:

@@ -9,7 +9,9 @@ import torch
 
 import exact_sum
 from distributed import Dist
-from exact_sum import LIMIT, Limbs, from_limbs, grad_norm, to_limbs
+from exact_sum import FRAC_BITS, LIMB_BITS, LIMIT, Limbs, from_limbs, grad_norm, to_limbs
+
+EXACT_FROM = 2.0 ** (23 - FRAC_BITS)      # the smallest |g| whose 24 bits all lie on the 2^-72 grid
 
 ONE = Dist(0, 1, torch.device("cpu"))
 
@@ -25,15 +27,15 @@ def exact(terms: list[torch.Tensor]) -> list[Fraction]:
 
 
 def test_conversion_is_exact_in_its_range_and_on_the_grid_below():
-    x = wide(20000, 0, spread=12.0)
-    x = torch.cat([x, torch.tensor([2.0 ** -41, -(2.0 ** -41), 2.0 ** 32 - 256, -(2.0 ** 32 - 256), 0.0, -0.0])])
+    x = wide(20000, 0, spread=14.0)
+    x = torch.cat([x, torch.tensor([EXACT_FROM, -EXACT_FROM, LIMIT - 256, -(LIMIT - 256), 0.0, -0.0])])
     hi, lo, bad = to_limbs(x)
-    assert not bad and bool(((lo >= 0) & (lo <= 2 ** 48)).all())
-    inside = x.abs() >= 2.0 ** -41
+    assert not bad and bool(((lo >= 0) & (lo <= 2 ** LIMB_BITS)).all())
+    inside = x.abs() >= EXACT_FROM
     assert torch.equal(from_limbs(hi, lo)[inside], x[inside])                     # every bit kept
-    n = [Fraction(int(h)) * 2 ** 48 + int(l) for h, l in zip(hi.tolist(), lo.tolist())]
+    n = [Fraction(int(h)) * 2 ** LIMB_BITS + int(l) for h, l in zip(hi.tolist(), lo.tolist())]
     for v, k in zip(x[~inside].tolist(), [m for m, i in zip(n, inside.tolist()) if not i]):
-        assert abs(Fraction(v) * 2 ** 64 - k) <= 1                                  # below: on the 2^-64 grid
+        assert abs(Fraction(v) * 2 ** FRAC_BITS - k) <= 1                           # below: on the 2^-72 grid
     assert (~inside).sum() > 100
     for v in (math.inf, -math.inf, math.nan, LIMIT, -LIMIT):
         assert to_limbs(torch.tensor([1.0, v]))[2], v                               # out of range: flagged
@@ -69,7 +71,7 @@ def test_carry_keeps_lo_bounded_over_many_terms(monkeypatch):
     t = torch.tensor([2.0 ** 31, -(2.0 ** -40), 0.75])
     for _ in range(100):
         s.add(t)
-        assert int(s.lo.max()) < 9 * 2 ** 48
+        assert int(s.lo.max()) < 9 * 2 ** LIMB_BITS
     assert torch.equal(s.value(), (t.double() * 100).float())
 
 
