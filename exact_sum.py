@@ -1,6 +1,6 @@
 """Exact gradient sums (--grad_reduce=exact): fixed-point integers, whose sum has no order.
 
-    reducer = Reducer(policy_model, d, trained=trainer_module, ...)   # where each micro-batch's gradient enters
+    reducer = Reducer(masters, d, trained=trainer_module, ...)   # where each micro-batch's gradient enters
     reducer.start()                                                    # a minibatch begins
     ...the micro-batches' backwards: each gradient converted and added to int64 accumulators...
     reducer.finish()                                                   # summed over ranks, fp32 .grad once
@@ -121,9 +121,10 @@ def all_reduce_limbs(sums: list[Limbs], group=None, bucket_bytes: int = 64 << 20
         bucket.append(s)
         size += s.nbytes
         if size >= bucket_bytes or i == len(sums) - 1:
-            flat = torch.cat([t.reshape(-1) for b in bucket for t in (b.hi, b.lo)])
+            limbs = [t for b in bucket for t in (b.hi, b.lo)]
+            flat = torch.cat([t.reshape(-1) for t in limbs])
             dist.all_reduce(flat, group=group)
-            for t, part in zip([t for b in bucket for t in (b.hi, b.lo)], flat.split([b.hi.numel() for b in bucket for _ in (0, 1)])):
+            for t, part in zip(limbs, flat.split([t.numel() for t in limbs])):
                 t.copy_(part.view_as(t))
             for b in bucket:
                 b.carry()
@@ -136,7 +137,7 @@ def all_reduce_limbs(sums: list[Limbs], group=None, bucket_bytes: int = 64 << 20
 class Reducer:
     """The exact sum of one policy's gradients over a minibatch's micro-batches and ranks.
 
-    policy   the module whose parameters the optimizer steps (the fp32 masters under mixed precision;
+    masters  the module whose parameters the optimizer steps (the fp32 masters under mixed precision;
              sharded DTensors under FSDP2; an EP rank's expert shards)
     trained  the module the training backward runs through (the compute copy under mixed precision)
     Gradients enter three ways, each converted the moment it exists: (1) one process / DDP: a
@@ -145,20 +146,20 @@ class Reducer:
     source rank's rows, kept apart (expert_parallel._owner_rows), through ep.grad_sink; (3) FSDP2: its
     reduce-scatter, replaced by ExactReduceScatter (every micro-batch step: an int64 reduce-scatter of
     the step's unsharded gradients into a sharded accumulator; the last step writes the sum).
-    finish() sums (1) and (2) over the ranks and writes fp32 .grad on every policy parameter.
+    finish() sums (1) and (2) over the ranks and writes fp32 .grad on every master parameter.
     """
 
-    def __init__(self, policy: nn.Module, d, *, trained: nn.Module, master_of: dict | None = None,
+    def __init__(self, masters: nn.Module, d, *, trained: nn.Module, master_of: dict | None = None,
                  ep=None, fsdp: bool = False, experts: set | None = None):
-        """master_of: id(trained parameter) -> policy parameter (mixed precision; else the same);
-        experts: ids of the policy's expert-shard parameters (EP)."""
+        """master_of: id(trained parameter) -> its master (mixed precision; else itself); experts: ids of
+        the masters' expert-shard parameters (EP)."""
         if d.world > MAX_RANKS:
             raise ConfigError(f"--grad_reduce=exact sums over at most {MAX_RANKS} ranks ({d.world} here); "
                               "use --grad_reduce=fast")
-        self.policy, self.d, self.ep, self.fsdp = policy, d, ep, fsdp
+        self.masters, self.d, self.ep, self.fsdp = masters, d, ep, fsdp
         self.experts = experts or set()
-        self.sums: dict[int, Limbs] = {}                             # id(policy parameter) -> its sum
-        self.pieces: dict[tuple[int, str], tuple[nn.Module, str, Limbs]] = {}   # EP: (owner, name) -> sum
+        self.sums: dict[int, Limbs] = {}                             # id(master parameter) -> its sum
+        self.pieces: dict[tuple[int, str], Limbs] = {}               # EP: (id(MoE module), 'w13' | 'w2') -> sum
         self.comms: list[ExactReduceScatter] = []
         self.last = False                                            # the minibatch's last micro-batch step
         self.bad = False
@@ -206,21 +207,20 @@ class Reducer:
 
     def __call__(self, key: tuple[int, str], g: torch.Tensor) -> None:
         if key not in self.pieces:
-            m = next(m for m in self.moes if id(m) == key[0])
-            self.pieces[key] = (m, key[1], Limbs(g.shape, g.device))
-        self.pieces[key][2].add(g)
+            self.pieces[key] = Limbs(g.shape, g.device)
+        self.pieces[key].add(g)
 
     # ---- the minibatch ---------------------------------------------------------------------------
     def start(self) -> None:
-        for s in list(self.sums.values()) + [p[2] for p in self.pieces.values()] + [c.sum for c in self.comms if c.sum is not None]:
+        for s in [*self.sums.values(), *self.pieces.values(), *(c.sum for c in self.comms if c.sum is not None)]:
             s.zero_()
         self.last = False
 
     @torch.no_grad()
     def finish(self) -> None:
-        """The sums over ranks, as fp32 .grad of every policy parameter (zeros where nothing arrived);
+        """The sums over ranks, as fp32 .grad of every master parameter (zeros where nothing arrived);
         self.bad on every rank if any term anywhere was out of range."""
-        dense = [p for p in self.policy.parameters() if id(p) not in self.experts]
+        dense = [p for p in self.masters.parameters() if id(p) not in self.experts]
         if not self.fsdp:
             sums = [self.sum_of(p) for p in dense]
             if self.d.world > 1:
@@ -229,7 +229,8 @@ class Reducer:
                 p.grad = s.value().to(p.dtype)                       # bf16 masters: one more rounding
         bad = [s.bad for s in self.sums.values()] + [c.sum.bad for c in self.comms if c.sum is not None]
         bad += self._finish_experts()
-        flag = torch.stack(bad).any().long().to(self.d.device) if bad else torch.zeros((), dtype=torch.long, device=self.d.device)
+        flag = torch.stack(bad).any().long() if bad else torch.zeros((), dtype=torch.long)
+        flag = flag.to(self.d.device)                                 # NCCL reduces device tensors
         if self.d.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.bad = bool(flag)
@@ -243,10 +244,9 @@ class Reducer:
         for m in self.moes:
             for name in ("w13", "w2"):
                 p = self.master_of.get(id(getattr(m, name)), getattr(m, name))   # after backward: sharded
-                entry = self.pieces.get((id(m), name))
-                if entry is None:
-                    entry = self.pieces[(id(m), name)] = (m, name, Limbs(p.shape, p.device))
-                found.append((p, entry[2]))
+                if (id(m), name) not in self.pieces:                  # no token reached these experts here
+                    self.pieces[(id(m), name)] = Limbs(p.shape, p.device)
+                found.append((p, self.pieces[(id(m), name)]))
         if self.fsdp:
             for p, s in found:
                 _reduce_scatter_into(p, s)
@@ -261,7 +261,7 @@ class Reducer:
         """The accumulators' bytes on this rank: 16 per element it sums (its shard of an FSDP2 tensor;
         an expert shard whole, also when FSDP2 cuts it over its replicas)."""
         return 16 * sum(p.numel() if id(p) in self.experts or not hasattr(p, "to_local") else p.to_local().numel()
-                        for p in self.policy.parameters())
+                        for p in self.masters.parameters())
 
 
 def _reduce_scatter_into(p: nn.Parameter, s: Limbs) -> None:

@@ -12,7 +12,9 @@ Each step reads top to bottom as its phases (`_train`):
 3. the old policy: its log-probs (the rollout's own bits, unless --recompute_old_logp), the reference's
    (--kl_coef) and the corrections' weights;
 4. the updates: optimizer steps over minibatches of the batch, each a loss over micro-batches of
-   `model.score` (losses.token_objective), the routes replayed or filtered as asked (replay.py);
+   `model.score` (losses.token_objective), the routes replayed or filtered as asked (replay.py); under
+   torchrun the batch is global and the micro-batches are dealt to the ranks, their gradients summed
+   exactly (exact_sum.py): the same run at every world size;
 5. metrics and log: one row of metrics.jsonl, the route audit included; an eval, a probe, a checkpoint.
 In the default invariant mode the rollout log-probs ARE the old policy's log-probs, so the logged
 train-rollout KL, max |logp diff| and route flip fraction are exactly 0 (replay.route_audit).
