@@ -10,7 +10,7 @@ Every kernel is row-invariant, so a packed forward gives each token the bits of 
 the forward builds from it (each sequence its own run of pages), packed_attention runs it through
 the same paged-attention kernel the sampler uses. The trainer's batch is laid out here too: the
 rollout's sequences right-padded (`make_batch`, `Batch`), then cut into micro-batches (`micro_batches`:
-packed by a token budget, or padded slices; `unpack`) and dealt to ranks (`deal`, `null_micro_batch`),
+packed by a token budget, or padded slices; `unpack`) and dealt to ranks (`deal`, `lockstep`),
 so the layout of a training forward has one home.
 """
 from __future__ import annotations

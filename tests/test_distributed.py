@@ -59,8 +59,8 @@ def test_one_run_at_1_2_and_4_ranks(tmp_path):
     """10 steps of each run at every layout of tests/world_check.py (DDP, FSDP2, EP=2 with one and two EP
     groups; fp32 packed, bf16 compute over fp32 masters padded): the same metrics.jsonl but for the
     per-layout keys, and the same weights and masters, as one process; a 2-rank EP=2 checkpoint resumed by
-    1 rank and by 4 (FSDP2, EP=2) continues the run bit for bit. Control: --grad_reduce=fast (fp32
-    accumulation and all-reduce) gives another run at 2 ranks from the second step on."""
+    1 rank and by 4 (DDP, EP=2 in two groups) continues the run bit for bit. Control: --grad_reduce=fast
+    (fp32 accumulation and all-reduce) gives another run at 2 ranks."""
     found = {n: launch(n, tmp_path) for n in (2, 1, 4)}               # 2 ranks write the checkpoint the others resume
     ref = {key.split("/")[0]: got for key, got in found[1].items() if key.endswith("/one")}
     compared = 0

@@ -9,7 +9,7 @@ without --expert_parallel=2) of each run (RUNS: fp32 with packed micro-batches, 
 masters with padded ones and the router bias, and --grad_reduce=fast, the control), and writes
 OUT/world{N}.json: per layout, every metrics row without its per-layout keys, and the SHA-256 of the
 checkpoint's tensors (whole experts). The 1- and 4-rank launches also resume the 2-rank DDP EP=2 fp32
-run from its step-5 checkpoint (at EP=1). tests/test_distributed.py compares the files.
+run from its step-5 checkpoint. tests/test_distributed.py compares the files.
 """
 import hashlib
 import json
@@ -43,8 +43,8 @@ LAYOUTS = {   # world size -> (run, layout name, layout): DDP and FSDP2, EP=2 wi
         ("fast", "ddp", DDP)],
     4: [("bf16", "fsdp-ep2", {**FSDP, **EP2})],
 }
-LEG = "w2-fp32-ddp-ep2"                   # its step-5 checkpoint, resumed by 1 rank and by 4 (DDP, EP=1)
-RESUMED = {1: {}, 4: DDP}
+LEG = "w2-fp32-ddp-ep2"                   # its step-5 checkpoint, resumed by 1 rank and by 4 (DDP, EP=2:
+RESUMED = {1: {}, 4: dict(DDP, **EP2)}    # two EP groups, the experts' sums all-reduced over their replicas)
 PER_LAYOUT = set(PER_RANK) | {"ep_rows", "ep_load_layer", "ep_load_max"}   # what a layout means by itself
 
 
