@@ -1016,6 +1016,16 @@ DEFAULT = "rollout,forward,fast,packing,moe,ep,decode"
 
 
 # ---------------------------------------------------------------------------------------------------
+def worker_options(p: argparse.ArgumentParser) -> None:
+    """The options of the sections that launch a torchrun job (ep, reduce), and their workers' flags."""
+    p.add_argument("--ep-worker", action="store_true", help=argparse.SUPPRESS)   # one rank of the ep section's job
+    p.add_argument("--reduce-procs", type=int, default=2, help="reduce: gloo processes of the timed torchrun job")
+    p.add_argument("--reduce-budget", type=int, default=256, help="reduce: a --micro_batch_tokens with several "
+                   "micro-batches a rank (the main job's minibatch is ~1400 tokens)")
+    p.add_argument("--reduce-steps", type=int, default=4, help="reduce: train.py steps per timed run")
+    p.add_argument("--reduce-worker", action="store_true", help=argparse.SUPPRESS)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -1045,12 +1055,7 @@ def main(argv=None):
     p.add_argument("--chunk-tokens", type=int, default=64, help="sessions: the chunked prefill's max_num_batched_tokens")
     p.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer in the moe section")
     p.add_argument("--ep-procs", type=int, default=2, help="ep: processes (ranks) of the torchrun job, the EP degree")
-    p.add_argument("--ep-worker", action="store_true", help=argparse.SUPPRESS)   # one rank of the ep section's job
-    p.add_argument("--reduce-procs", type=int, default=2, help="reduce: gloo processes of the timed torchrun job")
-    p.add_argument("--reduce-budget", type=int, default=256, help="reduce: a --micro_batch_tokens with several "
-                   "micro-batches a rank (the main job's minibatch is ~1400 tokens)")
-    p.add_argument("--reduce-steps", type=int, default=4, help="reduce: train.py steps per timed run")
-    p.add_argument("--reduce-worker", action="store_true", help=argparse.SUPPRESS)
+    worker_options(p)                                  # the ep and reduce sections' options, their workers' flags
     p.add_argument("--gpu-layers", type=int, default=4, help="gpu: layers of the Qwen3-30B-A3B-shaped model")
     p.add_argument("--gpu-batches", default="256,64,1024",
                    help="gpu: sequences per rollout, comma-separated (the first is also profiled)")
