@@ -33,6 +33,13 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   rank holds all experts and runs its own tokens, EP=N = each holds E/N and the rows travel
   (all_to_all_single, counts first). Forward and forward+backward, tokens/s per rank, interleaved;
   the worker checks that both give the same bits.
+* reduce (`--only reduce`): the gradient sum, --grad_reduce=exact (fixed-point int64 limbs, exact_sum.py)
+  against fast (fp32 accumulation and all-reduce): (1) the main job's step time and update time under
+  --reduce-procs gloo processes (torchrun, DDP), the two modes alternating in one job, at the default
+  micro-batch budget and at --reduce-budget tokens; (2) the error of each against the fp64 sum of the
+  same micro-batch gradients (the main job's first minibatch at its initial weights, and at a held-out
+  checkpoint: 20 steps of --task=reverse --seed=1), fast as 1, 2 and 4 ranks would add them; (3) the
+  bytes the sum moves per optimizer step, for the main job and for Qwen3-30B-A3B (plan.py's shapes).
 * decode: one decode step at 16 and at 256 sequences: the torch ops the host dispatches (the same
   count: host work does not grow with the batch) and its time under the profiler.
 * sessions (`--only sessions`): --prompts episodes of --turns turns of --turn-tokens tokens, --obs-tokens
@@ -65,6 +72,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -408,6 +416,165 @@ def ep_worker(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# the gradient sum: exact (fixed-point limbs) vs fast (fp32)
+# ---------------------------------------------------------------------------------------------------
+def bench_reduce(args) -> list[tuple[str, float, str]]:
+    n = args.reduce_procs
+    rows = []
+    for budget in (4096, args.reduce_budget):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+               os.path.abspath(__file__), "--reduce-worker", f"--reduce-budget={budget}", f"--repeats={args.repeats}",
+               f"--reduce-steps={args.reduce_steps}", f"--threads={args.threads}"]
+        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)})
+        lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+        if r.returncode or not lines:
+            raise SystemExit(f"bench reduce: the torchrun job failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+        res = json.loads(lines[-1])
+        what = f"{n} gloo ranks, DDP, --micro_batch_tokens={budget} ({res['micro']} micro-batches a minibatch)"
+        rows += [(f"reduce step time exact / fast ({what})", res["step_exact"] / res["step_fast"], "ratio"),
+                 (f"reduce update time exact / fast ({what})", res["update_exact"] / res["update_fast"], "ratio")]
+    rows += reduce_error_rows(args)
+    return rows + reduce_byte_rows(n)
+
+
+def reduce_worker(args) -> None:
+    """One rank of bench_reduce's job: the main job under fast and exact, alternating; prints the median
+    step and update seconds of each (the first step of a run warms up) as one JSON line."""
+    import torch.distributed as dist
+    import train
+    from config import RolloutConfig, TrainConfig
+    from distributed import Dist
+    dist.init_process_group("gloo")
+    d = Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    update, cut, spent, micro = train.update, train.trainer_micro_batches, [], []
+
+    def timed_update(*a, **kw):
+        t0 = time.perf_counter()
+        train.trainer_micro_batches = counted
+        out = update(*a, **kw)
+        train.trainer_micro_batches = cut
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    def counted(*a, **kw):                           # how many micro-batches a minibatch was cut into
+        out = cut(*a, **kw)
+        micro.append(len(out))
+        return out
+    train.update = timed_update
+    times = {f"{k}_{m}": [] for k in ("step", "update") for m in ("fast", "exact")}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(max(1, args.repeats)):
+            for mode in ("fast", "exact"):
+                tcfg = TrainConfig(device="cpu", steps=args.reduce_steps, progress=False, grad_reduce=mode,
+                                   micro_batch_tokens=args.reduce_budget, out_dir=f"{tmp}/{mode}", overwrite=True,
+                                   save_every=10 ** 6)
+                spent.clear()
+                rows = train._train(tcfg, RolloutConfig(), d)
+                times[f"step_{mode}"] += [r["step_time"] for r in rows[1:]]
+                times[f"update_{mode}"] += spent[1:]
+    if d.rank == 0:
+        print(json.dumps({"micro": statistics.median(micro), **{k: statistics.median(v) for k, v in times.items()}}))
+    dist.destroy_process_group()
+
+
+def micro_batch_grads(init_from: str, task: str, seed: int, budget: int) -> list[list[torch.Tensor]]:
+    """The gradients of each micro-batch of the first minibatch of step 1 (one process, the fast path's
+    backward, one micro-batch at a time): what a gradient sum adds up."""
+    import train
+    from config import RolloutConfig, TrainConfig
+    from distributed import Dist
+    from losses import Normalisers
+    with tempfile.TemporaryDirectory() as tmp:
+        tcfg = TrainConfig(device="cpu", init_from=init_from, task=task, seed=seed, grad_reduce="fast", progress=False,
+                           micro_batch_tokens=budget, out_dir=tmp, steps=1)
+        run = train.setup(tcfg, RolloutConfig(), Dist(0, 1, torch.device("cpu")))
+        examples, outs = train.rollout(run, 0)
+        rewards = torch.tensor(train.compute_rewards(run.task, examples, outs, tcfg.group_size, 1))
+        batch = train.make_batch(outs, train.group_advantages(rewards, tcfg.group_size))
+        old = train.old_policy(run, batch)
+        idx = torch.randperm(len(outs), generator=torch.Generator().manual_seed(0))[:tcfg.minibatch_size]
+        norm = Normalisers(float(old.loss_mask[idx].sum()), len(idx), train.max_new_tokens(run))
+        params, grads = list(run.policy.master.parameters()), []
+        run.policy.master.train()
+        for micro in train.trainer_micro_batches(run, idx, batch.lengths):
+            train.micro_step(run, batch, old, micro, norm, counted=True)
+            grads.append([p.grad.detach().clone() for p in params])
+            for p in params:
+                p.grad = None
+    return grads
+
+
+def sum_errors(grads: list[list[torch.Tensor]]) -> dict:
+    """Each way of summing the micro-batch gradients against their fp64 sum -> name: (the error's norm
+    over the gradient's, the worst element's error in fp32 ulps of the sum, the elements on which exact's
+    error is larger than this way's)."""
+    import exact_sum
+    from packing import deal
+    flat = [torch.cat([g.reshape(-1) for g in mb]) for mb in grads]
+    ref = torch.stack(flat).double().sum(0)
+    ulp = (torch.nextafter(ref.float().abs(), torch.tensor(float("inf"))) - ref.float().abs()).double()
+    limbs = exact_sum.Limbs(ref.shape, "cpu")
+    for f in flat:
+        limbs.add(f)
+    ways = {"exact": limbs.value()}
+    for world in (1, 2, 4):                          # each rank adds its micro-batches in fp32, then the ranks
+        partial = [sum((flat[i] for i in deal(len(flat), world, r) if i is not None), torch.zeros_like(flat[0]))
+                   for r in range(world)]
+        ways[f"fast {world} rank{'s' if world > 1 else ''}"] = sum(partial[1:], partial[0])
+    out, exact = {}, (ways["exact"].double() - ref).abs()
+    for name, got in ways.items():
+        err = (got.double() - ref).abs()
+        out[name] = ((err.norm() / ref.norm()).item(), (err / ulp.clamp(min=1e-300))[ref != 0].max().item(),
+                     int((exact > err).sum()))
+    return out
+
+
+def reduce_error_rows(args) -> list[tuple[str, float, str]]:
+    import train
+    from config import RolloutConfig, TrainConfig
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        held = TrainConfig(device="cpu", task="reverse", seed=1, steps=20, progress=False, out_dir=tmp, overwrite=True)
+        train.train(held, RolloutConfig())
+        ckpt = os.path.join(tmp, open(os.path.join(tmp, "latest")).read().strip())
+        for what, init, task in (("main job, initial weights", "tiny", "copy"),
+                                 ("held-out checkpoint (reverse, seed 1, step 20)", ckpt, "reverse")):
+            grads = micro_batch_grads(init, task, 0, args.reduce_budget)
+            n = sum(g.numel() for g in grads[0])
+            for name, (rel, ulps, worse) in sum_errors(grads).items():
+                rows += [(f"reduce error vs fp64, {what}, {len(grads)} micro-batches: {name}, |err| / |g|", rel, "relative"),
+                         (f"reduce error vs fp64, {what}: {name}, worst element", ulps, "fp32 ulps")]
+                if name != "exact":
+                    rows.append((f"reduce error vs fp64, {what}: elements where exact's error > {name}'s", worse,
+                                 f"of {n}"))
+    return rows
+
+
+def reduce_byte_rows(world: int) -> list[tuple[str, float, str]]:
+    """Bytes the gradient sum sends per rank (a ring all-reduce sends 2 (n-1)/n of the buffer, a
+    reduce-scatter (n-1)/n): fast sums fp32 (4 bytes an element) once a minibatch; exact two int64 limbs
+    (16), once a minibatch under DDP, every micro-batch step under FSDP2. Experts are summed over their
+    replicas only: at EP = world none leave their rank. And exact's accumulators, 16 bytes an element a
+    rank sums (FSDP2: its shard of the dense ones; an EP rank's expert shard whole)."""
+    import plan
+    rows = []
+    for preset, n, ep, parallel in (("tiny", world, 1, "ddp"), ("qwen3-30b-a3b", 8, 1, "ddp"),
+                                    ("qwen3-30b-a3b", 8, 8, "ddp"), ("qwen3-30b-a3b", 8, 8, "fsdp")):
+        shapes = plan.parameter_shapes(ModelConfig.preset(preset))
+        dense = sum(math.prod(s) for s, e in shapes if not e)
+        expert = sum(math.prod(s) for s, e in shapes if e)
+        replicas, ring = n // ep, (1 if parallel == "fsdp" else 2)
+        moved = ring * (n - 1) / n * dense + (ring * (replicas - 1) / replicas * expert / ep if replicas > 1 else 0)
+        held = (dense / n if parallel == "fsdp" else dense) + expert / ep
+        what = f"{preset} on {n} ranks, EP={ep}, {parallel} ({dense / 1e6:.1f}M dense, {expert / 1e6:.1f}M expert parameters)"
+        when = "a micro-batch step" if parallel == "fsdp" else "a minibatch"
+        rows += [(f"reduce bytes sent, {what}: fast (a minibatch)", 4 * moved / 1e9, "GB a rank"),
+                 (f"reduce bytes sent, {what}: exact ({when})", 16 * moved / 1e9, "GB a rank"),
+                 (f"reduce accumulators, {what}: exact", 16 * held / 1e9, "GB a rank")]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
 # decode step: host work per step at a small and a large batch (any device; tiny model by default)
 # ---------------------------------------------------------------------------------------------------
 def decode_step_profile(sampler: Sampler, prompts, max_new: int, step: int = 3) -> tuple[int, float]:
@@ -597,7 +764,7 @@ def bench_gpu(args) -> list[tuple[str, float, str]]:
 
 def row_text(label: str, value: float, note: str, width: int) -> str:
     """One line of the results table; note "ratio" prints the value as a ratio."""
-    val = f"{value:10.2f}x  " if note == "ratio" else f"{value:12.1f}"
+    val = f"{value:10.2f}x  " if note == "ratio" else f"{value:12.3g}" if 0 < abs(value) < 10 else f"{value:12.1f}"
     return f"{label:<{width}}  {val:>12}  {'' if note == 'ratio' else note}"
 
 
@@ -891,12 +1058,23 @@ def bench_async(args) -> list[tuple[str, float, str]]:
 
 
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "packing": bench_packing, "moe": bench_moe,
-              "decode": bench_decode, "sessions": bench_sessions, "async": bench_async, "ep": bench_ep, "gpu": bench_gpu,
+              "decode": bench_decode, "sessions": bench_sessions, "async": bench_async, "ep": bench_ep, "reduce": bench_reduce,
+              "gpu": bench_gpu,
               "lab": bench_lab}
 DEFAULT = "rollout,forward,fast,packing,moe,ep,decode"
 
 
 # ---------------------------------------------------------------------------------------------------
+def worker_options(p: argparse.ArgumentParser) -> None:
+    """The options of the sections that launch a torchrun job (ep, reduce), and their workers' flags."""
+    p.add_argument("--ep-worker", action="store_true", help=argparse.SUPPRESS)   # one rank of the ep section's job
+    p.add_argument("--reduce-procs", type=int, default=2, help="reduce: gloo processes of the timed torchrun job")
+    p.add_argument("--reduce-budget", type=int, default=256, help="reduce: a --micro_batch_tokens with several "
+                   "micro-batches a rank (the main job's minibatch is ~1400 tokens)")
+    p.add_argument("--reduce-steps", type=int, default=4, help="reduce: train.py steps per timed run")
+    p.add_argument("--reduce-worker", action="store_true", help=argparse.SUPPRESS)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -926,7 +1104,7 @@ def main(argv=None):
     p.add_argument("--chunk-tokens", type=int, default=64, help="sessions: the chunked prefill's max_num_batched_tokens")
     p.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer in the moe section")
     p.add_argument("--ep-procs", type=int, default=2, help="ep: processes (ranks) of the torchrun job, the EP degree")
-    p.add_argument("--ep-worker", action="store_true", help=argparse.SUPPRESS)   # one rank of the ep section's job
+    worker_options(p)                                  # the ep and reduce sections' options, their workers' flags
     p.add_argument("--gpu-layers", type=int, default=4, help="gpu: layers of the Qwen3-30B-A3B-shaped model")
     p.add_argument("--gpu-batches", default="256,64,1024",
                    help="gpu: sequences per rollout, comma-separated (the first is also profiled)")
@@ -945,10 +1123,10 @@ def main(argv=None):
     p.add_argument("--lab-seeds", default="", help="comma-separated seeds, each lab run repeated per seed "
                    "(default: --seed alone); the table gives the reward's mean and sd over seeds")
     args = p.parse_args(argv)
-    if args.ep_worker:
+    if args.ep_worker or args.reduce_worker:
         if args.threads:
             torch.set_num_threads(args.threads)
-        return ep_worker(args)
+        return ep_worker(args) if args.ep_worker else reduce_worker(args)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in sections if s not in BENCHMARKS]
     if unknown:

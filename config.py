@@ -422,6 +422,8 @@ class TrainConfig:
     resume: bool = False              # continue the run in out_dir from its latest checkpoint
     overwrite: bool = False           # start over in an out_dir that holds a run (deletes its metrics and checkpoints)
     parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
+    grad_reduce: str = "exact"        # exact: gradients summed as fixed-point integers, the same bits at any
+                                      # world size (exact_sum.py) | fast: fp32 accumulation and all-reduce
     expert_parallel: int = 1          # N ranks per EP group, each holding E/N experts (expert_parallel.py)
     expert_placement: list[int] = field(default_factory=list)   # "" contiguous | physical slot of each logical
                                       # expert, comma-separated (a permutation; slot p on rank p // (E/N))
@@ -593,6 +595,7 @@ class TrainConfig:
         _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
         _require_range(self, "group_size", lambda v: v >= 2, ">= 2: advantages compare responses within a group")
         _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")
+        _require(self.grad_reduce in ("exact", "fast"), f"--grad_reduce={self.grad_reduce!r}: exact or fast")
         _require(self.expert_parallel >= 1, f"--expert_parallel={self.expert_parallel}: must be >= 1")
         _require(self.kernels_backend in ("", "auto", "torch", "triton"),
                  f"--kernels_backend={self.kernels_backend!r}: auto, torch or triton (or '' for KERNELS_BACKEND)")

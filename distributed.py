@@ -9,7 +9,10 @@ weights for the sampler), the weight syncs (parameters and buffers: a router's s
 is state the rollout must see bit for bit), gradient-sync control, reductions of metrics over ranks,
 and the check that every rank holds the same bits; mixed precision (MixedPrecision: fp32 masters for
 the optimizer, one compute copy that the trainer and the sampler both read, fp32 gradients); and
-`Policy`, the one owner of the policy's copies and of the end of an optimizer step.
+`Policy`, the one owner of the policy's copies and of the end of an optimizer step. Under
+--grad_reduce=exact (the default) the gradient sum is exact_sum.Reducer's (no DDP wrapper; FSDP2's
+reduce-scatter replaced), and the batch and the metrics are global (global_batch, all_gather_rows,
+reduce_metrics): the same bits at every world size.
 """
 from __future__ import annotations
 
@@ -28,11 +31,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import exact_sum
 import expert_parallel
 import hf
 from checkpoint import RunError
 from config import ConfigError, TrainConfig
 from model import MoE, Transformer
+from packing import deal
 
 
 @dataclasses.dataclass
@@ -159,6 +164,8 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
     if d.world == 1:
         return scorer, model, lambda: None
     ep = expert_parallel.of(model)
+    if tcfg.parallel == "ddp" and tcfg.grad_reduce == "exact":       # the reduction is exact_sum.Reducer's
+        return scorer, model, lambda: None
     if tcfg.parallel == "ddp":
         if ep is not None:
             DDP._set_params_and_buffers_to_ignore_for_model(scorer, expert_names(scorer))
@@ -223,9 +230,18 @@ def is_fsdp(model: nn.Module) -> bool:
     return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
-def finish_grads(trained: nn.Module, mp, max_norm: float, d: Dist) -> float:
+def finish_grads(trained: nn.Module, mp, max_norm: float, d: Dist, reducer=None) -> float:
     """After a minibatch's backward: reduce what the wrappers did not (mixed precision's fp32 master
-    grads, sharded experts' grads over their replicas), clip to max_norm -> the norm before clipping."""
+    grads, sharded experts' grads over their replicas), clip to max_norm -> the norm before clipping.
+    reducer (--grad_reduce=exact): its sums over ranks, and the norm that is the same at every layout
+    (NaN if a gradient was out of the fixed point's range, exact_sum)."""
+    if reducer is not None:
+        reducer.finish()
+        if reducer.bad:
+            return math.nan
+        ep = expert_parallel.of(trained)
+        experts = {id(p) for p in expert_parallel.split_params(trained)[1]} if ep is not None else set()
+        return exact_sum.clip_grad_norm(list(trained.parameters()), max_norm, d, expert_ids=experts, ep=ep)
     if mp is not None:
         mp.reduce_grads()
     ep = expert_parallel.of(trained)
@@ -312,7 +328,8 @@ class MixedPrecision:
     compute parameter's gradient is added in fp32 to its master's .grad as soon as autograd has
     accumulated it (a post-accumulate hook), so micro-batches accumulate in fp32; across ranks the fp32
     master grads are averaged by all-reduce (reduce_grads; no DDP wrapper, whose reduction would run in
-    bf16). FSDP2: the masters are sharded with MixedPrecisionPolicy(param_dtype=--dtype,
+    bf16). Under --grad_reduce=exact the hooks are exact_sum.Reducer's (master_of maps a compute
+    parameter to its master). FSDP2: the masters are sharded with MixedPrecisionPolicy(param_dtype=--dtype,
     reduce_dtype=fp32) (routers: param_dtype = the router's), so FSDP2 casts each shard and all-gathers
     the compute dtype for the forward; the sampler's full copy is the same cast shards all-gathered.
     """
@@ -329,8 +346,10 @@ class MixedPrecision:
             return
         self.scorer, self.sync_full_weights = Scorer(self.full_model), lambda: None
         masters = dict(master.named_parameters())
-        for name, p in self.full_model.named_parameters():
-            p.register_post_accumulate_grad_hook(functools.partial(_accumulate_into, masters[name]))
+        self.master_of = {id(p): masters[name] for name, p in self.full_model.named_parameters()}
+        if tcfg.grad_reduce == "fast":                                # exact: exact_sum.Reducer's hooks instead
+            for name, p in self.full_model.named_parameters():
+                p.register_post_accumulate_grad_hook(functools.partial(_accumulate_into, masters[name]))
         self._pairs = list(zip(model_state(master), model_state(self.full_model)))
 
     def parameters(self) -> list[nn.Parameter]:
@@ -442,6 +461,7 @@ class Policy:
         if sampler_copy is not None:
             self.sampler, self._refresh = sampler_copy(self.full, self._refresh)
         self.optimizer = build_optimizer(model, tcfg)
+        self.reducer = exact_reducer(model, self.trainer, self.mp, tcfg, d) if tcfg.grad_reduce == "exact" else None
 
     def refresh(self) -> None:
         self._refresh()
@@ -454,10 +474,27 @@ class Policy:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        if self.reducer is not None:
+            self.reducer.start()
+
+    @property
+    def loss_scale(self) -> float:
+        """What a micro-batch's loss is multiplied by before its backward: the world size under fast (DDP
+        and FSDP2 average over ranks, the loss normalisers are global); 1 under exact (a sum)."""
+        return 1.0 if self.reducer is not None else float(self.d.world)
+
+    def grad_sync(self, last: bool):
+        """The context of one micro-batch step's backward. fast: the wrappers reduce on the last step
+        only; exact: every step's gradients go into the sums (FSDP2 reduce-scatters each step, told
+        whether this is the one that writes the sum into .grad)."""
+        if self.reducer is None:
+            return grad_sync(self.trainer, enabled=last)
+        self.reducer.last = last
+        return grad_sync(self.trainer, enabled=True)
 
     def finish_grads(self) -> float:
         """After a minibatch's backward: the gradients reduced and clipped -> their norm before clipping."""
-        return finish_grads(self.master, self.mp, self.tcfg.grad_clip, self.d)
+        return finish_grads(self.master, self.mp, self.tcfg.grad_clip, self.d, self.reducer)
 
     def step(self, load: torch.Tensor | None = None) -> None:
         """The optimizer step; then, given the step's expert load (n_moe, E) on this rank, the router
@@ -473,10 +510,24 @@ class Policy:
         (first backward) and AdamW's two moments (first step; already there on resume), this rank's
         shard under FSDP2."""
         has_state = bool(self.optimizer.state)
+        sums = 0 if self.reducer is None else self.reducer.reserve_bytes()
         if self.mp is not None:
-            return self.mp.reserve_bytes(has_state)
+            return self.mp.reserve_bytes(has_state) + sums
         param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in self.trainer.parameters())
-        return (1 if has_state else 3) * param_bytes
+        return (1 if has_state else 3) * param_bytes + sums
+
+
+def exact_reducer(model: Transformer, trainer: nn.Module, mp, tcfg: TrainConfig, d: Dist) -> exact_sum.Reducer:
+    """--grad_reduce=exact: the Reducer of this policy's gradients, hooked where the backward produces
+    them: the compute copy's parameters (mixed precision), the masters themselves, or FSDP2's groups."""
+    fsdp = d.world > 1 and tcfg.parallel == "fsdp"
+    ep = expert_parallel.of(model)
+    experts = {id(p) for p in expert_parallel.split_params(model)[1]} if ep is not None else set()
+    if fsdp:
+        return exact_sum.Reducer(model, d, trained=trainer, ep=ep, fsdp=True, experts=experts)
+    trained = model if mp is None else mp.full_model
+    return exact_sum.Reducer(model, d, trained=trained, master_of=None if mp is None else mp.master_of, ep=ep,
+                             experts=experts)
 
 
 def build_optimizer(model: Transformer, tcfg: TrainConfig) -> torch.optim.Optimizer:
@@ -516,12 +567,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def update_is_finite(step: int, loss: float, grad_norm: float, skipped: int, tcfg: TrainConfig, d: Dist) -> bool:
-    """Before an optimizer step: True if the loss and the gradient norm are finite on every rank.
+    """Before an optimizer step: True if the loss and the gradient norm (both global: the same on every
+    rank) are finite.
 
     Otherwise the step is skipped (False) while fewer than --skip_nonfinite_steps were, else RunError:
     a NaN never reaches the weights, so nothing non-finite is ever saved.
     """
-    loss = all_sum(loss, d)                                           # the global loss (the norm already is)
     bad = [f"{name} is {v}" for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
     if not bad:
         return True
@@ -565,14 +616,6 @@ def grad_sync(scorer, enabled: bool):
     return contextlib.nullcontext()
 
 
-def all_sum(x: float, d: Dist) -> float:
-    if d.world == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t)
-    return t.item()
-
-
 def all_cat(t: torch.Tensor, d: Dist) -> torch.Tensor:
     if d.world == 1:
         return t
@@ -581,40 +624,89 @@ def all_cat(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return torch.cat(parts).cpu()
 
 
-SUMMED = ("loss", "clip_frac", "rollout_tokens_per_s", "preemptions", "prefix_cached_tokens", "prefilled_tokens")
-SHARED = ("step", "lr", "skipped_steps")
+def all_owned(table: torch.Tensor, d: Dist) -> torch.Tensor:
+    """A table whose every entry one rank filled (the others hold 0), complete on every rank: an fp64
+    all-reduce sum, exact because each entry adds its owner's value to zeros."""
+    if d.world == 1:
+        return table
+    t = table.to(d.device, torch.float64)
+    dist.all_reduce(t)
+    return t.cpu()
+
+
+def all_gather_rows(t: torch.Tensor, d: Dist) -> list[torch.Tensor]:
+    """Every rank's t (n_r, ...) (n_r may differ; the trailing shape and dtype may not), by rank, on
+    the host: padded to the largest n_r for the all-gather, then cut back."""
+    if d.world == 1:
+        return [t]
+    counts = all_cat(torch.tensor([t.shape[0]]), d).tolist()
+    pad = t.new_zeros(max(counts) - t.shape[0], *t.shape[1:])
+    parts = [torch.empty(max(counts), *t.shape[1:], dtype=t.dtype, device=d.device) for _ in range(d.world)]
+    dist.all_gather(parts, torch.cat([t, pad]).to(d.device))
+    return [p[:n].cpu() for p, n in zip(parts, counts)]
+
+
+def all_gather_dealt(fields: dict[str, torch.Tensor], sizes: list[int], d: Dist) -> dict[str, torch.Tensor]:
+    """Results of micro-batches dealt by packing.deal, in the micro-batches' order on every rank: each
+    field holds this rank's micro-batches' rows back to back (in its dealt order); sizes: every
+    micro-batch's rows. The same tensors at every world size."""
+    if d.world == 1:
+        return fields
+    got = {k: torch.cat(all_gather_rows(v, d)) for k, v in fields.items()}   # rank by rank
+    at, spans = 0, {}
+    for r in range(d.world):                                          # where micro-batch i's rows landed
+        for i in deal(len(sizes), d.world, r):
+            if i is not None:
+                spans[i], at = (at, sizes[i]), at + sizes[i]
+    pick = torch.cat([torch.arange(a, a + n) for a, n in (spans[i] for i in range(len(sizes)))])
+    return {k: v[pick] for k, v in got.items()}
+
+
+def all_sum_counts(counts: list[int], d: Dist) -> list[int]:
+    """Integer counts summed over the ranks (int64: exact)."""
+    if d.world == 1:
+        return counts
+    t = torch.tensor(counts, dtype=torch.long, device=d.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def global_batch(batch, d: Dist):
+    """The rollout batch of every rank, in rank order (rank r sampled the global sequences r * B ...):
+    each rank's batch widened to the longest sequence anywhere (packing.Batch.widen), then each field
+    all-gathered; the bits make_batch gives for all the sequences at once, at every world size. These
+    tensors (tokens, masks, log-probs, routes, advantages) are small next to the model's."""
+    if d.world == 1:
+        return batch
+    T = int(all_cat(torch.tensor([batch.tokens.shape[1]]), d).max())
+    wide = batch.widen(T)
+    return type(batch)(**{f.name: all_cat(getattr(wide, f.name), d) for f in dataclasses.fields(wide)})
+
+
+# The keys that describe the layout, not the run: what each rank measured, combined over the ranks. Every
+# other key of a metrics row is computed from global tensors (the global batch, the forwards gathered in
+# the micro-batches' order, sums of counts), the same value on every rank and at every world size.
+PER_RANK = {"rollout_tokens_per_s": "sum", "preemptions": "sum", "prefix_cached_tokens": "sum", "prefilled_tokens": "sum",
+            "step_time": "max", "trainer_idle_s": "max", "rollout_idle_s": "max"}
 
 
 def reduce_metrics(row: dict, d: Dist) -> dict:
-    """Combine per-rank metrics: sums for SUMMED, max/min for *max*/*min*, the mean otherwise (ranks
-    hold equal numbers of sequences, so a mean of rank means; token-level means are approximate)."""
-    if d.world == 1:
+    """row with its PER_RANK keys combined over the ranks (a sum, or the slowest rank's time); every other
+    key is global already."""
+    keys = [k for k in PER_RANK if k in row]
+    if d.world == 1 or not keys:
         return row
-    rows = [None] * d.world
-    dist.all_gather_object(rows, row)
-    out = {}
-    for k, v in row.items():
-        vals = [r[k] for r in rows]
-        if k in SHARED:
-            out[k] = v
-        elif isinstance(v, list):
-            out[k] = _mean_lists(vals)
-        elif k in SUMMED:
-            out[k] = sum(vals)
-        elif "max" in k:
-            out[k] = max(vals)
-        elif "min" in k:
-            out[k] = min(vals)
-        else:
-            out[k] = sum(vals) / d.world
+    out = dict(row)
+    for how in ("sum", "max"):
+        mine = [k for k in keys if PER_RANK[k] == how]
+        if mine:
+            t = torch.tensor([float(row[k]) for k in mine], dtype=torch.float64, device=d.device)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if how == "sum" else dist.ReduceOp.MAX)
+            out.update({k: type(row[k])(v) for k, v in zip(mine, t.tolist())})
+    if "prefix_hit_rate" in out:                                      # of the summed counts, not a mean of rates
+        served, fed = out["prefix_cached_tokens"], out["prefilled_tokens"]
+        out["prefix_hit_rate"] = served / (served + fed) if served + fed else 0.0
     return out
-
-
-def _mean_lists(vals: list) -> list:
-    """The elementwise mean of equal-shaped (nested) lists of numbers."""
-    if isinstance(vals[0], list):
-        return [_mean_lists(list(x)) for x in zip(*vals)]
-    return sum(vals) / len(vals)
 
 
 def _digest(tensors) -> str:

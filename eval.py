@@ -34,10 +34,11 @@ def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: f
              top_k: int = 0, stop_token_ids=(), step: int = 0, d=None) -> dict:
     """Greedy and sampled reward and pass rates of sampler's model on every example of `task` (a JSONL
     task, read from its start each time), rewarded by tasks.compute_rewards (a bad reward stops with the
-    example named). Under torchrun each rank answers
-    a contiguous slice of the prompts and the sums are reduced, so every rank returns the same dict."""
+    example named). Under torchrun each rank answers a contiguous slice of the prompts and the rewards
+    are gathered in the examples' order before they are summed, so every rank returns the same dict, the
+    same at every world size."""
     import torch
-    from distributed import all_sum
+    from distributed import all_gather_rows
     from tasks import compute_rewards
 
     def score(examples, outs, n):
@@ -47,7 +48,7 @@ def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: f
     rank, world = (d.rank, d.world) if d is not None else (0, 1)
     per = -(-len(examples) // world)
     lo, mine = rank * per, examples[rank * per:(rank + 1) * per]
-    sums = {"n": float(len(mine)), "greedy_reward": 0.0, "greedy_pass": 0.0, "sampled_reward": 0.0, "pass_k": 0.0}
+    greedy, sampled = torch.zeros(0), torch.zeros(0, samples)     # (prompts,), (prompts, k): this rank's
     if mine:
         kw = dict(max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
                   progress=False)
@@ -55,15 +56,13 @@ def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: f
         greedy = score(mine, sampler.generate(prompts, temperature=0.0, n=1, index_offset=lo, **kw), 1)
         outs = sampler.generate(prompts, temperature=temperature, n=samples, seed=EVAL_SEED,
                                 index_offset=lo * samples, **kw)
-        sampled = score(mine, outs, samples).view(len(mine), samples)   # (prompts, k)
-        sums.update(greedy_reward=greedy.sum().item(), greedy_pass=(greedy >= PASS_REWARD).sum().item(),
-                    sampled_reward=sampled.mean(1).sum().item(),
-                    pass_k=(sampled >= PASS_REWARD).any(1).sum().item())
-    if d is not None:
-        sums = {k: all_sum(v, d) for k, v in sums.items()}
-    n = sums["n"]
-    return {"eval_greedy_reward": sums["greedy_reward"] / n, "eval_greedy_pass": sums["greedy_pass"] / n,
-            "eval_sampled_reward": sums["sampled_reward"] / n, f"eval_pass@{samples}": sums["pass_k"] / n}
+        sampled = score(mine, outs, samples).view(len(mine), samples)
+    if world > 1:
+        greedy, sampled = (torch.cat(all_gather_rows(t, d)) for t in (greedy, sampled))
+    n = len(examples)
+    return {"eval_greedy_reward": greedy.sum().item() / n, "eval_greedy_pass": (greedy >= PASS_REWARD).sum().item() / n,
+            "eval_sampled_reward": sampled.mean(1).sum().item() / n,
+            f"eval_pass@{samples}": (sampled >= PASS_REWARD).any(1).sum().item() / n}
 
 
 def maybe_evaluate(run, step: int) -> dict:

@@ -103,6 +103,8 @@ class ExpertParallel:
     capacity: int = 0        # > 0: the sampler's decode step, fixed buffers of this many rows per destination
     host: object = None      # the EP group on gloo, for the sampler's per-step agreement (None: group itself)
     mesh: object = None      # FSDP2's DeviceMesh of the replicas (replica_mesh), made when first asked for
+    grad_sink: object = None  # --grad_reduce=exact: exact_sum.Reducer, which takes each source's expert
+                              # weight gradient apart (_owner_rows)
 
     @property
     def size(self) -> int:
@@ -220,14 +222,14 @@ def clip_grad_norm(dense: list[nn.Parameter], experts: list[nn.Parameter], max_n
 
 @torch.no_grad()
 def device_load(routes: torch.Tensor, ep: ExpertParallel) -> dict:
-    """Rows per rank per MoE layer for the EP group's tokens: routes (N, n_moe, k) logical ids of this
-    rank's tokens -> {"ep_rows": per layer, the rows each rank of the group computes; "ep_load_layer":
-    per layer, the busiest rank's rows over the mean rank's (1.0 = balanced); "ep_load_max": the worst
-    layer's}. A collective over the EP group (every rank adds the rows its tokens send to each owner)."""
+    """Rows per rank per MoE layer: routes (N, n_moe, k) logical ids of the global batch's tokens ->
+    {"ep_rows": per layer, the rows each rank of an EP group computes (with several EP groups, their
+    mean); "ep_load_layer": per layer, the busiest rank's rows over the mean rank's (1.0 = balanced);
+    "ep_load_max": the worst layer's}. A property of the layout, not of the run."""
     load = torch.stack([ep.placement.rows_per_rank(routes[:, j]) for j in range(routes.shape[1])])   # (n_moe, N)
-    dist.all_reduce(load, group=ep.group)
+    rows = load.tolist() if ep.n_replicas == 1 else (load.double() / ep.n_replicas).tolist()
     ratio = load.max(-1).values.double() / load.double().mean(-1).clamp(min=1e-12)
-    return {"ep_rows": load.tolist(), "ep_load_layer": ratio.tolist(), "ep_load_max": ratio.max().item()}
+    return {"ep_rows": rows, "ep_load_layer": ratio.tolist(), "ep_load_max": ratio.max().item()}
 
 
 def idle_step(model: nn.Module) -> None:
@@ -314,12 +316,43 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     x_in = Exchange.apply(x_sorted[by_dest], send_l, recv_l, ep.group)          # (R, D)
     w_in = Exchange.apply(w_sorted[by_dest], send_l, recv_l, ep.group)          # (R,) fp32
     local = _all_to_all(pl.local(e_sorted)[by_dest], send_l, recv_l, ep.group)  # (R,) local expert ids
-    y = kernels.expert_rows(x_in, w13, w2, local, w_in)                         # (R, D) fp32, arrival order
+    y = _owner_rows(x_in, w13, w2, local, w_in, recv_l, ep)                     # (R, D) fp32, arrival order
     # 3. back to the token's rank: into slot order, then EP=1's combine
     y_back = Exchange.apply(y, recv_l, send_l, ep.group)                        # (M*k, D) in by_dest order
     slot_of_row = order[by_dest]                                                # row i holds slot slot_of_row[i]
     per_slot = y_back[torch.argsort(slot_of_row)]                               # (M*k, D) in slot order
     return kernels.combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
+
+
+def _owner_rows(x_in, w13, w2, local, w_in, recv: list[int], ep: ExpertParallel) -> torch.Tensor:
+    """The owner's expert rows, source by source. In a training forward under an exact gradient sum
+    (ep.grad_sink), each source rank's rows run through the experts on their own and their weight
+    gradients go to the sink apart: a source's rows are one micro-batch's, in EP=1's order, so each
+    piece (and x's gradient, and the routing weights') has the bits EP=1 computes for that micro-batch;
+    one call over every source's rows would sum the micro-batches' gradients in fp32 inside it. Every
+    source is run, an empty one too: the backward's exchanges need every rank's graph to reach them."""
+    if ep.grad_sink is None or not torch.is_grad_enabled():
+        return kernels.expert_rows(x_in, w13, w2, local, w_in)
+    sink = ep.grad_sink
+    k13, k2 = sink.key(w13), sink.key(w2)
+    outs = [kernels.expert_rows(xs, _Sink.apply(w13, sink, k13), _Sink.apply(w2, sink, k2), ls, ws)
+            for xs, ls, ws in zip(x_in.split(recv), local.split(recv), w_in.split(recv))]
+    return torch.cat(outs)
+
+
+class _Sink(torch.autograd.Function):
+    """The identity on an expert weight whose backward hands its gradient to sink(key, grad) instead of
+    accumulating it into .grad (_owner_rows)."""
+
+    @staticmethod
+    def forward(ctx, w, sink, key):
+        ctx.sink, ctx.key = sink, key
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink(ctx.key, grad)
+        return None, None, None
 
 
 def _moe_experts_fixed(x, w13, w2, x_rows, w_rows, local, dest, slot_of_row, shape, ep):

@@ -10,8 +10,8 @@ Every kernel is row-invariant, so a packed forward gives each token the bits of 
 the forward builds from it (each sequence its own run of pages), packed_attention runs it through
 the same paged-attention kernel the sampler uses. The trainer's batch is laid out here too: the
 rollout's sequences right-padded (`make_batch`, `Batch`), then cut into micro-batches (`micro_batches`:
-packed by a token budget, or padded slices; `even_out`, `unpack`), so the layout of a training forward
-has one home.
+packed by a token budget, or padded slices; `unpack`) and dealt to ranks (`deal`, `lockstep`),
+so the layout of a training forward has one home.
 """
 from __future__ import annotations
 
@@ -197,9 +197,26 @@ class Batch:
     adv: torch.Tensor             # (B,)
     lengths: torch.Tensor         # (B,) prompt + response tokens of each sequence
     observed: torch.Tensor        # (B, T) positions of the environment's tokens (in the forward, out of the loss)
+    versions: torch.Tensor        # (B, T-1) int64 by logp column: the policy version that drew the token
+    kv_versions: torch.Tensor     # (B, T-1) int64: the oldest version whose KV it was drawn on
 
     def select(self, idx):
         return Batch(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+    def widen(self, T: int) -> "Batch":
+        """This batch right-padded to width T: tokens (B, T), every per-position field (dim 1 of width T or
+        T - 1) padded as make_batch pads (routes with -1, the rest with 0), so the result has the bits
+        make_batch gives when the longest sequence of the batch is T long."""
+        grow = T - self.tokens.shape[1]
+        if grow == 0:
+            return self
+
+        def wide(name, t):
+            if t.dim() < 2:                                           # per sequence: adv, lengths
+                return t
+            fill = -1 if name == "routes" else 0
+            return torch.cat([t, t.new_full((t.shape[0], grow, *t.shape[2:]), fill)], dim=1)
+        return Batch(*(wide(f.name, getattr(self, f.name)) for f in fields(self)))
 
 
 def make_batch(outs, adv: torch.Tensor) -> Batch:
@@ -216,6 +233,8 @@ def make_batch(outs, adv: torch.Tensor) -> Batch:
     rollout_logp = torch.zeros(B, T - 1)
     route_mask = torch.zeros(B, T, dtype=torch.bool)
     observed = torch.zeros(B, T, dtype=torch.bool)
+    versions = torch.zeros(B, T - 1, dtype=torch.long)
+    kv_versions = torch.zeros(B, T - 1, dtype=torch.long)
     for i, o in enumerate(outs):
         P, N = len(o.prompt), len(o.tokens)
         tokens[i, :P + N] = torch.tensor(o.prompt + o.tokens)
@@ -223,9 +242,13 @@ def make_batch(outs, adv: torch.Tensor) -> Batch:
         mask[i, P - 1:P - 1 + N] = policy                             # logp[:, j] scores tokens[:, j + 1]
         rollout_logp[i, P - 1:P - 1 + N] = torch.where(policy > 0, torch.tensor(o.logprobs, dtype=torch.float32), 0.0)
         observed[i, P:P + N] = policy == 0
+        if o.token_versions:                                          # provenance (pipeline.staleness_metrics)
+            versions[i, P - 1:P - 1 + N] = torch.tensor(o.token_versions)
+            kv_versions[i, P - 1:P - 1 + N] = torch.tensor(o.kv_versions)
         route_mask[i, :P + N - 1] = True
     routes = pack_routes([o.routes for o in outs], lengths, T)
-    return Batch(tokens, mask, rollout_logp, routes, route_mask, adv, torch.tensor(lengths), observed)
+    return Batch(tokens, mask, rollout_logp, routes, route_mask, adv, torch.tensor(lengths), observed, versions,
+                 kv_versions)
 
 
 # ---- the trainer's micro-batches: whole sequences packed by a token budget, or padded slices ---------
@@ -239,8 +262,8 @@ def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, micro_batch_tokens:
 
     Packed (micro_batch_tokens=N > 0): pack's first fit decreasing, each micro-batch at most N tokens (a
     longer sequence alone) and, with micro_batch_size=S, at most S sequences. A function of the rows'
-    lengths and the config alone: the same micro-batches on every run, rank and rank count (under
-    torchrun, even_out then cuts a rank's to the count of the rank with the most).
+    lengths and the config alone: the same micro-batches on every run, rank and rank count; under
+    torchrun they are cut from the global minibatch, then dealt to ranks (deal).
     Padded (micro_batch_tokens=0): consecutive slices of micro_batch_size rows, or of padded_rows if 0."""
     if micro_batch_tokens == 0:
         k = micro_batch_size or padded_rows
@@ -256,18 +279,29 @@ def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, micro_batch_tokens:
     return out
 
 
-def even_out(micros: list[MicroBatch], n: int) -> list[MicroBatch]:
-    """micros cut until there are n: the packed one with the most tokens (the first of equals) is halved,
-    again and again. Under torchrun every rank runs as many forwards (FSDP2 all-gathers the weights in
-    each); n is the most any rank packed, never more than a rank's sequences, so a cut always exists."""
-    micros = list(micros)
-    while len(micros) < n:
-        cuttable = [i for i, m in enumerate(micros) if len(m.rows) > 1]
-        j = max(cuttable, key=lambda i: (sum(micros[i].packing.lengths), -i))
-        m, h = micros[j], len(micros[j].rows) // 2
-        L = m.packing.lengths
-        micros[j:j + 1] = [MicroBatch(m.rows[:h], Packing.concat(L[:h])), MicroBatch(m.rows[h:], Packing.concat(L[h:]))]
-    return micros
+def deal(n_micros: int, world: int, rank: int) -> list[int | None]:
+    """The micro-batches of a global list that `rank` runs, one per lockstep: micro-batch s * world + rank
+    at step s (round robin), None where the list has run out. Every rank runs as many steps (FSDP2's
+    gathers and EP's exchanges are collectives); a None step runs a null micro-batch. The list is cut
+    from the global minibatch the same way at every world size, so each micro-batch has the same bits
+    wherever it runs, and an exact gradient sum does not care which rank ran it."""
+    steps = -(-n_micros // world)
+    return [s * world + rank if s * world + rank < n_micros else None for s in range(steps)]
+
+
+def lockstep(micros: list[MicroBatch], lengths: torch.Tensor, d) -> list[tuple[int | None, MicroBatch]]:
+    """Rank d.rank's steps over the global micro-batches (deal): (index, micro-batch), index None for a
+    null step (null_micro_batch of the batch's lengths), which keeps the rank in its collectives' step."""
+    packed = any(m.packing is not None for m in micros)
+    return [(i, micros[i] if i is not None else null_micro_batch(lengths, packed))
+            for i in deal(len(micros), d.world, d.rank)]
+
+
+def null_micro_batch(lengths: torch.Tensor, packed: bool) -> MicroBatch:
+    """A rank's forward for a step the deal left it without a micro-batch: the batch's shortest sequence
+    (the first of equals), whose loss the trainer multiplies by 0 and whose results it discards."""
+    row = int(torch.argmin(lengths))
+    return MicroBatch(torch.tensor([row]), Packing.concat([int(lengths[row])]) if packed else None)
 
 
 def unpack(packing: Packing, x: torch.Tensor, width: int, fill=0) -> torch.Tensor:

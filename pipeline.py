@@ -131,53 +131,43 @@ def rollout_from_state(state: dict) -> Rollout:
                    state["turn_rewards"], state["version"], state["seconds"], state.get("counters", {}))
 
 
-def staleness_metrics(step: int, outs: list[SequenceOutput]) -> dict:
+def staleness_metrics(step: int, batch) -> dict:
     """How old the batch's policy tokens are at `step`: their staleness (step - the version that drew
-    them) mean, max and histogram (tokens at staleness 0, 1, ...), and with keep_kv the oldest KV's."""
-    ages = [step - v for o in outs for v, m in zip(o.token_versions, o.policy_mask) if m]
-    kv = [step - v for o in outs for v, m in zip(o.kv_versions, o.policy_mask) if m]
-    if not ages:
+    them) mean, max and histogram (tokens at staleness 0, 1, ...), and with keep_kv the oldest KV's.
+    batch: packing.Batch (the global one: the same at every world size)."""
+    policy = batch.mask > 0
+    if not policy.any():
         return {}
-    hist = [0] * (max(ages) + 1)
-    for a in ages:
-        hist[a] += 1
-    return {"staleness_mean": sum(ages) / len(ages), "staleness_max": max(ages), "staleness_tokens": hist,
-            "kv_staleness_max": max(kv)}
+    ages, kv = step - batch.versions[policy], step - batch.kv_versions[policy]
+    return {"staleness_mean": ages.double().mean().item(), "staleness_max": int(ages.max()),
+            "staleness_tokens": torch.bincount(ages).tolist(), "kv_staleness_max": int(kv.max())}
 
 
-def staleness_split(step: int, outs: list[SequenceOutput], rows: torch.Tensor, rollout_logp, train_logp,
-                    rollout_routes, train_routes, n_experts: int) -> dict:
+def staleness_split(step: int, batch, rows: torch.Tensor, train_logp, train_routes, n_experts: int) -> dict:
     """The train-rollout gap split by provenance: over the tokens the trainer's own version drew
     (`_numerics`: the engine's numerics alone, 0 under the contract) and the older ones (`_staleness`).
-    rows: the forward's rows of the batch; logp (N, T-1), routes (N, T, n_moe, k) of those rows."""
-    fresh, stale = version_masks(step, [outs[r] for r in rows.tolist()], train_logp.shape[1] + 1)
+    rows: the forward's rows of the batch (packing.Batch); logp (N, T-1), routes (N, T, n_moe, k) of those rows."""
+    fresh, stale = version_masks(step, batch.select(rows))
     row = {}
     for name, m in (("numerics", fresh), ("staleness", stale)):
         if m.any():
-            kl = replay.mismatch_metrics(train_logp, rollout_logp, m)["train_rollout_kl"]
+            kl = replay.mismatch_metrics(train_logp, batch.rollout_logp[rows], m)["train_rollout_kl"]
             routes = torch.zeros(m.shape[0], m.shape[1] + 1, dtype=torch.bool)
             routes[:, :-1] = m                                        # position j's route scores token j + 1
-            flips = replay.route_audit(rollout_routes, train_routes, routes, n_experts).get("route_flip_frac", 0.0)
+            flips = replay.route_audit(batch.routes[rows], train_routes, routes, n_experts).get("route_flip_frac", 0.0)
         else:
             kl = flips = float("nan")                                  # no such token in this batch
         row[f"kl_{name}"], row[f"route_flip_frac_{name}"] = kl, flips
     return row
 
 
-def version_masks(step: int, outs: list[SequenceOutput], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, width - 1) masks of the log-prob columns (logp[:, j] scores token j + 1) whose token the
+def version_masks(step: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T - 1) masks of the log-prob columns (logp[:, j] scores token j + 1) whose token the
     trainer's own version drew on KV of that version alone (`fresh`: the gap there is numerics alone)
     and the others (`stale`: drawn by an older version, or on KV an older one wrote)."""
-    fresh = torch.zeros(len(outs), width - 1, dtype=torch.bool)
-    stale = torch.zeros_like(fresh)
-    for i, o in enumerate(outs):
-        P = len(o.prompt)
-        v, kv = torch.tensor(o.token_versions), torch.tensor(o.kv_versions)
-        policy = torch.tensor(o.policy_mask, dtype=torch.bool)
-        now = (v == step) & (kv == step)
-        fresh[i, P - 1:P - 1 + len(v)] = policy & now
-        stale[i, P - 1:P - 1 + len(v)] = policy & ~now
-    return fresh, stale
+    policy = batch.mask > 0
+    now = (batch.versions == step) & (batch.kv_versions == step)
+    return policy & now, policy & ~now
 
 
 # ---------------------------------------------------------------------------------------------------

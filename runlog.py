@@ -32,7 +32,7 @@ import plan
 import replay
 from checkpoint import RunError, latest_checkpoint, trim_metrics, write_run_json
 from config import ConfigError, TrainConfig
-from distributed import Dist, all_cat, reduce_metrics
+from distributed import PER_RANK, Dist, all_cat
 from hf import CheckpointError
 from tasks import TaskError, generation_line, make_task
 
@@ -129,6 +129,8 @@ def log_samples(run, step: int, examples, outs, rewards: torch.Tensor) -> None:
 LATENCY_QUANTILES = (50, 95, 99)            # rollout_latency_pNN
 # the metrics that measure time, not the run: the only keys two runs of the same commit may differ in
 TIMINGS = ("step_time", "rollout_tokens_per_s") + tuple(f"rollout_latency_p{q}" for q in LATENCY_QUANTILES)
+# the keys a run's layout (ranks, EP degree) or its timing decides; every other key is the same at any world size
+PER_LAYOUT = frozenset(TIMINGS) | frozenset(PER_RANK) | {"prefix_hit_rate", "ep_rows", "ep_load_layer", "ep_load_max"}
 
 
 def latency_metrics(outs, d: Dist) -> dict:
@@ -205,22 +207,30 @@ def log_routes(run, step: int, batch, outs, rewards, audited) -> None:
 def episode_metrics(run, batch, outs, episodes, audited) -> dict:
     """Multi-turn episodes: turns per episode, the environment's share of the tokens, each turn's mean
     reward and the last turn's, and route flips at the observation tokens (in the route audit, marked:
-    their routes are replayed and audited, their log-probs are not the policy's). batch: train.Batch;
-    audited: the train.Scored forward of the step's audit; episodes: tasks.Episodes (or the batch's record)."""
+    their routes are replayed and audited, their log-probs are not the policy's). batch: the global
+    packing.Batch; audited: the train.Scored forward of the step's audit (over it); outs and episodes
+    (tasks.Episodes, or the batch's record): this rank's, gathered here, so every value is global."""
     if episodes is None:
         return {}
-    n_turns = max(len(r) for r in episodes.rewards)
-    per_turn = [[r[t] for r in episodes.rewards if len(r) > t] for t in range(n_turns)]
-    finals = [r[-1] for r in episodes.rewards if r]
-    row = {"episode_turns": sum(o.num_turns for o in outs) / len(outs),
-           "observation_token_frac": batch.observed.sum().item() / max(1, sum(len(o.tokens) for o in outs)),
-           "turn_reward": [sum(v) / len(v) for v in per_turn],
-           "final_turn_reward": sum(finals) / max(1, len(finals))}
+    d = run.d
+    turns = all_cat(torch.tensor([o.num_turns for o in outs], dtype=torch.float64), d)
+    generated = all_cat(torch.tensor([len(o.tokens) for o in outs]), d)
+    width = int(all_cat(torch.tensor([max(map(len, episodes.rewards))]), d).max())   # the most turns anywhere
+    rewards = torch.full((len(outs), max(1, width)), math.nan, dtype=torch.float64)   # (B, turns), nan: none
+    for i, r in enumerate(episodes.rewards):
+        rewards[i, :len(r)] = torch.tensor(r, dtype=torch.float64)
+    rewards = all_cat(rewards, d)
+    n = (~rewards.isnan()).sum(1)                                     # (B,) each episode's turns rewarded
+    finals = rewards[torch.arange(len(n)), (n - 1).clamp(min=0)][n > 0]   # each episode's last turn's
+    row = {"episode_turns": turns.mean().item(),
+           "observation_token_frac": batch.observed.sum().item() / max(1, int(generated.sum())),
+           "turn_reward": rewards[:, :width].nanmean(0).tolist(),
+           "final_turn_reward": finals.mean().item() if len(finals) else 0.0}
     rows, m = audited.rows, (batch.observed & batch.route_mask)[audited.rows]
     E = run.policy.master.config.num_experts
     row["route_flip_frac_observation"] = replay.route_audit(batch.routes[rows], audited.routes, m, E).get(
         "route_flip_frac", math.nan)                                  # nan: no observation token in this step
-    return reduce_metrics(row, run.d)
+    return row
 
 
 class Logger:

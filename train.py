@@ -12,7 +12,9 @@ Each step reads top to bottom as its phases (`_train`):
 3. the old policy: its log-probs (the rollout's own bits, unless --recompute_old_logp), the reference's
    (--kl_coef) and the corrections' weights;
 4. the updates: optimizer steps over minibatches of the batch, each a loss over micro-batches of
-   `model.score` (losses.token_objective), the routes replayed or filtered as asked (replay.py);
+   `model.score` (losses.token_objective), the routes replayed or filtered as asked (replay.py); under
+   torchrun the batch is global and the micro-batches are dealt to the ranks, their gradients summed
+   exactly (exact_sum.py): the same run at every world size;
 5. metrics and log: one row of metrics.jsonl, the route audit included; an eval, a probe, a checkpoint.
 In the default invariant mode the rollout log-probs ARE the old policy's log-probs, so the logged
 train-rollout KL, max |logp diff| and route flip fraction are exactly 0 (replay.route_audit).
@@ -55,12 +57,12 @@ import replay
 from checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, initial_config,
                         load_optimizer_state, optimizer_state, prepare_out_dir, resume, save_checkpoint, trim_metrics)
 from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
-from distributed import (Dist, Policy, all_cat, all_sum, check_in_sync, grad_sync, init_distributed, lr_at,
-                         reduce_metrics, store_routers, update_is_finite)
+from distributed import (Dist, Policy, all_cat, all_gather_dealt, all_owned, all_sum_counts, check_in_sync,
+                         global_batch, init_distributed, lr_at, reduce_metrics, store_routers, update_is_finite)
 from hf import eos_token_ids
 from losses import Normalisers, correction_weights, group_advantages, rejects, token_objective
 from model import CapacityLimit, RouteDetail, Transformer, capacity_limit
-from packing import Batch, MicroBatch, even_out, make_batch, micro_batches, unpack
+from packing import Batch, MicroBatch, lockstep, make_batch, micro_batches, unpack
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
                       staleness_split)
 from rollout import Sampler
@@ -126,6 +128,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             rewards = torch.tensor(compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1, episodes))
             log_samples(run, step, examples, outs, rewards)
             batch = make_batch(outs, group_advantages(rewards, run.tcfg.group_size, run.tcfg.adv_std_norm))  # 2.
+            batch = global_batch(batch, d)                            # every rank's sequences, in global order
             old = old_policy(run, batch)                                             # 3. the old policy
             stats, first = run.rollouts.update(step, partial(update, run, batch, old, step))   # 4. the updates
             audited = old.audit or first                                             # 5. metrics and log
@@ -133,7 +136,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             row.update(episode_metrics(run, batch, outs, episodes, audited))
             row.update(evaluation.maybe_evaluate(run, step))
             row.update(evaluation.probe(run, step))                   # --probe_every: the fixed probe's audit
-            log_routes(run, step, batch, outs, rewards, audited)      # routes.jsonl, diagnostics.jsonl
+            mine, seen = this_ranks(run, batch, audited, len(outs))   # per-rank files: this rank's sequences
+            log_routes(run, step, mine, outs, rewards, seen)          # routes.jsonl, diagnostics.jsonl
             history.append(log_row(run, step, row))
             warn_low_entropy(run, history)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
@@ -275,13 +279,16 @@ def old_policy(run: Run, batch: Batch) -> OldPolicy:
     """The old policy's log-probs (the rollout's, unless recomputed), the reference's, the corrections."""
     tcfg = run.tcfg
     micros = trainer_micro_batches(run, torch.arange(batch.tokens.shape[0]), batch.lengths)
-    chunks = [(batch.select(m.rows), m) for m in micros]
     own = "r3" if tcfg.replay == "r3" else "none"     # R3 here too; under `old` these are the routes replayed later
 
     def scored(model):                                                # (B, ...) in the batch's row order
         score = partial(model.score, check=False)                     # no input checks (they read tensors back)
-        parts = [forward(run, score, c, m, grad=False, routes=replay.routes_to_replay(own, c.routes, None)) for c, m in chunks]
-        return in_row_order(on_host(parts))
+        parts = {}                                                    # micro-batch index (None: a null one) -> forward
+        for i, micro in lockstep(micros, batch.lengths, run.d):       # this rank's share of the micro-batches
+            mb = batch.select(micro.rows)
+            parts[i] = forward(run, score, mb, micro, grad=False, counted=i is not None,
+                               routes=replay.routes_to_replay(own, mb.routes, None))
+        return in_row_order(gather_scored(run, parts, [len(m.rows) for m in micros]))
     logp, audit, ref_logp = batch.rollout_logp, None, None
     if tcfg.recompute_old_logp:
         audit = scored(run.policy.full)
@@ -301,14 +308,16 @@ def old_policy(run: Run, batch: Batch) -> OldPolicy:
 # ---------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class MinibatchResult:
-    """One minibatch's forward and backward (gradients clipped, not yet applied)."""
-    loss: float                      # this rank's share of the global minibatch loss
+    """One minibatch's forward and backward (gradients clipped, not yet applied); every sum is over the
+    global minibatch, its micro-batches' values added in their order (the same at every world size)."""
+    loss: float                      # the global minibatch loss
     clip_frac: float                 # clipped tokens over the global minibatch's tokens
     grad_norm: float                 # before clipping, over every rank
-    scored: Scored                   # its forward, on the host (rows idx)
+    scored: Scored | None            # this rank's forwards, on the host (None: it ran none of the micro-batches)
     entropy_sum: float               # entropy summed over its response tokens
     filtered: float                  # response tokens the route filter masked or down-weighted
     tokens: float                    # response tokens
+    gathered: Scored | None = None   # with audit=True: every rank's forwards, in the micro-batches' order
 
 
 @dataclasses.dataclass
@@ -342,21 +351,21 @@ class UpdateStats:
 def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateStats, Scored]:
     """Minibatches of the rollout batch, each one optimizer step (skipped if its loss or gradient is not
     finite and --skip_nonfinite_steps allows). Returns the summed stats and the first minibatch's
-    forward: the policy had not moved yet, so it measures train vs rollout."""
-    tcfg, d, policy = run.tcfg, run.d, run.policy
+    forward: the policy had not moved yet, so it measures train vs rollout. The minibatches are drawn
+    from the global batch with a generator of the step alone: the same at every world size."""
+    tcfg, policy = run.tcfg, run.policy
     B = batch.tokens.shape[0]
-    mb_size = min(tcfg.minibatch_size // d.world, B)
+    mb_size = min(tcfg.minibatch_size, B)
     policy.master.train()
     stats, first = UpdateStats(), None
-    perm_gen = torch.Generator().manual_seed(tcfg.seed * 7919 + step * 131 + d.rank)
+    perm_gen = torch.Generator().manual_seed(tcfg.seed * 7919 + step * 131)
     for epoch in range(tcfg.epochs):
         perm = torch.randperm(B, generator=perm_gen)
         for lo in range(0, B, mb_size):
-            r = minibatch_step(run, batch, old, perm[lo:lo + mb_size], step)
-            if first is None:
-                first = r.scored
+            r = minibatch_step(run, batch, old, perm[lo:lo + mb_size], step, audit=first is None)
+            first = first or r.gathered
             stats.add_forward(r)
-            if not update_is_finite(step + 1, r.loss, r.grad_norm, run.skipped, tcfg, d):
+            if not update_is_finite(step + 1, r.loss, r.grad_norm, run.skipped, tcfg, run.d):
                 run.skipped += 1                                      # as if this update had not run
                 continue
             policy.step(chosen_load(run, batch, r.scored) if tcfg.expert_bias_update_rate > 0 else None)
@@ -364,47 +373,66 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateSta
     return stats, first
 
 
-def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, step: int) -> MinibatchResult:
-    """Forward and backward of one minibatch in micro-batches, gradients clipped (not yet applied)."""
-    tcfg, d, device, trainer = run.tcfg, run.d, run.d.device, run.policy.trainer
-    # normalisers over the global minibatch, so every rank's loss adds up to the global one
-    norm = Normalisers(all_sum(float(old.loss_mask[idx].sum()), d), len(idx) * d.world, max_new_tokens(run))
-    run.policy.start_minibatch(lr_at(step, tcfg))
+MICRO_STATS = ("loss", "clipped", "entropy_sum", "filtered", "tokens")   # a micro-batch's sums (micro_step)
+
+
+def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, step: int,
+                   audit: bool = False) -> MinibatchResult:
+    """Forward and backward of one minibatch: micro-batches cut from it (the same at every world size)
+    and dealt to the ranks in lockstep; the gradients summed over them and the ranks, clipped (not yet
+    applied). audit: also gather every rank's forwards (MinibatchResult.gathered)."""
+    tcfg, policy = run.tcfg, run.policy
+    # normalisers over the global minibatch, so the micro-batches' losses add up to the global one
+    norm = Normalisers(float(old.loss_mask[idx].sum()), len(idx), max_new_tokens(run))
+    policy.start_minibatch(lr_at(step, tcfg))
     micros = trainer_micro_batches(run, idx, batch.lengths)
-    if d.world > 1 and tcfg.micro_batch_tokens:                       # packed: as many forwards on every rank
-        micros = even_out(micros, int(all_cat(torch.tensor([len(micros)]), d).max()))
-    total, clipped_tok, entropy_sum, filtered, tokens, parts = 0.0, 0.0, 0.0, 0.0, 0.0, []
-    for n, micro in enumerate(micros):
-        sub = micro.rows
-        mb = batch.select(sub)
-        old_routes = None if old.audit is None else old.audit.routes[sub]
-        with grad_sync(trainer, enabled=n == len(micros) - 1):        # the gradients reduce once
-            out = forward(run, trainer, mb, micro, grad=True, with_entropy=True, entropy_grad=tcfg.entropy_coef > 0,
-                          routes=replay.routes_to_replay(tcfg.replay, mb.routes, old_routes))
-            logp = out.logp.float()
-            mask, response = old.loss_mask[sub].to(device), mb.mask.to(device)
-            keep = replay.route_filter(mb.routes.to(device), out.routes, response, tcfg)   # rollout vs trainer experts
-            weights = tuple(w for w in (None if old.weights is None else old.weights[sub].to(device), keep)
-                            if w is not None)
-            loss, clipped = token_objective(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg, norm,
-                                            weights, None if old.ref_logp is None else old.ref_logp[sub].to(device),
-                                            entropy=out.entropy if tcfg.entropy_coef > 0 else None)
-            (loss * d.world).backward()                               # DDP / FSDP average over ranks
-        total += loss.item()
-        clipped_tok += (clipped.float() * mask).sum().item() / norm.tokens
-        entropy_sum += (out.entropy.detach() * response).sum().item()
-        filtered += 0.0 if keep is None else ((keep < 1) * response).sum().item()
-        tokens += mb.mask.sum().item()
-        parts.append(dataclasses.replace(out, logp=logp))
-    gn = run.policy.finish_grads()          # what the wrappers did not reduce (fp32 grads, expert shards), clipped
-    return MinibatchResult(total, clipped_tok, gn, on_host(parts), entropy_sum, filtered, tokens)
+    steps = lockstep(micros, batch.lengths, run.d)
+    table = torch.zeros(len(micros), len(MICRO_STATS), dtype=torch.float64)   # row i: micro-batch i's, by its rank
+    parts = {}                                                        # micro-batch index (None: a null one) -> forward
+    for n, (i, micro) in enumerate(steps):
+        with policy.grad_sync(last=n == len(steps) - 1):
+            parts[i], sums = micro_step(run, batch, old, micro, norm, counted=i is not None)
+        if i is not None:
+            table[i] = torch.tensor(sums, dtype=torch.float64)
+    gn = policy.finish_grads()          # summed over ranks (exact, or the wrappers' fp32), clipped
+    loss, clipped, entropy, filtered, tokens = (sum(col) for col in all_owned(table, run.d).T.tolist())
+    real = sorted(i for i in parts if i is not None)
+    scored = on_host([parts[i] for i in real]) if real else None
+    gathered = gather_scored(run, parts, [len(m.rows) for m in micros]) if audit else None
+    return MinibatchResult(loss, clipped, gn, scored, entropy, filtered, tokens, gathered)
 
 
-def chosen_load(run: Run, batch: Batch, scored: Scored) -> torch.Tensor:
-    """(n_moe, E) this rank's expert load at the response-scoring positions of a forward's rows: what the
-    aux-loss-free bias update balances."""
+def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: Normalisers,
+               counted: bool) -> tuple[Scored, list[float]]:
+    """One micro-batch's forward and backward (its gradients go where Policy.grad_sync sends them) and
+    its MICRO_STATS. A null micro-batch (counted=False) runs the same ops, its loss times 0."""
+    tcfg, device = run.tcfg, run.d.device
+    sub = micro.rows
+    mb = batch.select(sub)
+    old_routes = None if old.audit is None else old.audit.routes[sub]
+    out = forward(run, run.policy.trainer, mb, micro, grad=True, with_entropy=True, counted=counted,
+                  entropy_grad=tcfg.entropy_coef > 0, routes=replay.routes_to_replay(tcfg.replay, mb.routes, old_routes))
+    logp = out.logp.float()
+    mask, response = old.loss_mask[sub].to(device), mb.mask.to(device)
+    keep = replay.route_filter(mb.routes.to(device), out.routes, response, tcfg)   # rollout vs trainer experts
+    weights = tuple(w for w in (None if old.weights is None else old.weights[sub].to(device), keep) if w is not None)
+    loss, clipped = token_objective(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg, norm,
+                                    weights, None if old.ref_logp is None else old.ref_logp[sub].to(device),
+                                    entropy=out.entropy if tcfg.entropy_coef > 0 else None)
+    (loss * (run.policy.loss_scale if counted else 0.0)).backward()
+    sums = [loss.item(), (clipped.float() * mask).sum().item() / norm.tokens, (out.entropy.detach() * response).sum().item(),
+            0.0 if keep is None else ((keep < 1) * response).sum().item(), mb.mask.sum().item()]
+    return dataclasses.replace(out, logp=logp), sums
+
+
+def chosen_load(run: Run, batch: Batch, scored: Scored | None) -> torch.Tensor:
+    """(n_moe, E) this rank's expert load at the response-scoring positions of its forwards' rows (None:
+    it ran none): what the aux-loss-free bias update sums over ranks (integers) and balances."""
+    cfg = run.policy.master.config
+    if scored is None:
+        return torch.zeros(len(cfg.moe_layers), cfg.num_experts, dtype=torch.long)
     chosen = scored.routes[:, :-1][batch.mask[scored.rows].bool()]    # (N, n_moe, k)
-    return replay.expert_load(chosen, run.policy.master.config.num_experts)
+    return replay.expert_load(chosen, cfg.num_experts)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -421,18 +449,19 @@ class Scored:
 
 
 def trainer_micro_batches(run: Run, rows: torch.Tensor, lengths: torch.Tensor) -> list[MicroBatch]:
-    """packing.micro_batches under this run's config (padded: a rank's minibatch per micro-batch if
-    --micro_batch_size is 0)."""
+    """packing.micro_batches under this run's config (padded: the minibatch per micro-batch if
+    --micro_batch_size is 0), of rows of the global batch: the same at every world size."""
     tcfg = run.tcfg
-    return micro_batches(rows, lengths, tcfg.micro_batch_tokens, tcfg.micro_batch_size,
-                         tcfg.minibatch_size // run.d.world)
+    return micro_batches(rows, lengths, tcfg.micro_batch_tokens, tcfg.micro_batch_size, tcfg.minibatch_size)
+
 
 
 def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bool, with_entropy: bool = False,
-            routes: torch.Tensor | None = None, entropy_grad: bool = False) -> Scored:
+            routes: torch.Tensor | None = None, entropy_grad: bool = False, counted: bool = True) -> Scored:
     """One forward of the micro-batch mb (rows micro.rows of the rollout batch) through score: the
     trainer's module (DDP / FSDP2 hook its call) or model.score unchecked (the old and reference policies),
-    replaying `routes` (replay.routes_to_replay; -1 where unrecorded), packed or not.
+    replaying `routes` (replay.routes_to_replay; -1 where unrecorded), packed or not. counted=False (a
+    null micro-batch): outside --train_capacity_factor's counts.
     Returns logp (k, T-1), routes (k, T, n_moe, k) and the route detail per sequence. Nothing here reads
     a tensor back from the device: make_batch and pack_routes checked the batch on the host."""
     dev, T, pk = run.d.device, mb.tokens.shape[1], micro.packing
@@ -440,7 +469,7 @@ def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bo
     if pk is not None:
         tokens = pk.from_padded(tokens)                               # (1, sum of lengths)
         routes = None if routes is None else pk.from_padded(routes, fill=-1)
-    with torch.set_grad_enabled(grad), trainer_capacity(run):
+    with torch.set_grad_enabled(grad), trainer_capacity(run) if counted else contextlib.nullcontext():
         out = score(tokens.to(dev), temperature=run.rcfg.temperature,
                     routes=None if routes is None else routes.to(dev),
                     with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk, packing=pk, route_detail=True,
@@ -471,6 +500,33 @@ def on_host(parts: list[Scored]) -> Scored:
                   None, torch.cat([p.rows for p in parts]), detail)
 
 
+DETAIL = ("weights", "margin", "entropy")                           # RouteDetail's fields
+
+
+def gather_scored(run: Run, parts: dict, sizes: list[int]) -> Scored:
+    """Forwards of a list of micro-batches (sizes: their rows), each run by the rank packing.deal gave it
+    (parts: this rank's by index, None: a null one's, for the shapes), as one Scored on the host in the
+    micro-batches' order: the same tensors at every world size."""
+    real = sorted(i for i in parts if i is not None)
+    mine = on_host([parts[i] for i in real] or [parts[None]])
+    n = sum(len(parts[i].rows) for i in real)
+    fields = {k: getattr(mine, k)[:n] for k in ("logp", "routes", "rows")}
+    fields.update({k: getattr(mine.detail, k)[:n] for k in DETAIL} if mine.detail is not None else {})
+    got = all_gather_dealt(fields, sizes, run.d)
+    detail = RouteDetail(*(got[k] for k in DETAIL)) if mine.detail is not None else None
+    return Scored(got["logp"], got["routes"], None, got["rows"], detail)
+
+
+def this_ranks(run: Run, batch: Batch, audited: Scored, n: int) -> tuple[Batch, Scored]:
+    """This rank's n sequences of the global batch, and their rows of an audit over it (renumbered from
+    0): what runlog.log_routes writes per rank and sums over the ranks."""
+    lo = run.d.rank * n
+    keep = (audited.rows >= lo) & (audited.rows < lo + n)
+    detail = None if audited.detail is None else RouteDetail(*(getattr(audited.detail, k)[keep] for k in DETAIL))
+    return batch.select(slice(lo, lo + n)), Scored(audited.logp[keep], audited.routes[keep], None,
+                                                   audited.rows[keep] - lo, detail)
+
+
 def in_row_order(s: Scored) -> Scored:
     """s with its rows ascending: forwards over the whole rollout batch, as (B, ...) tensors."""
     order = torch.argsort(s.rows)
@@ -484,10 +540,13 @@ def in_row_order(s: Scored) -> Scored:
 # ---------------------------------------------------------------------------------------------------
 def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scored, stats: UpdateStats,
                  ro: Rollout, t0: float) -> dict:
-    """One row of metrics (reduced over ranks): rewards, the update's stats, the train-rollout audit of
-    `audited` (the recomputed old log-probs, else the first minibatch's forward)."""
+    """One row of metrics: rewards, the update's stats, the train-rollout audit of `audited` (the
+    recomputed old log-probs, else the first minibatch's forward). Every value is global (the global
+    batch, the gathered audit, sums in the micro-batches' order, integer counts summed), the same at
+    every world size, but distributed.PER_RANK's (timings, the sampler's counters)."""
     rows, n_experts = audited.rows, run.policy.master.config.num_experts
-    lengths = torch.tensor([sum(o.policy_mask) if o.policy_mask else len(o.tokens) for o in outs], dtype=torch.float)
+    lengths = torch.tensor([sum(o.policy_mask) if o.policy_mask else len(o.tokens) for o in outs],
+                           dtype=torch.float)                         # this rank's; all_cat: global
     all_rewards = all_cat(rewards, run.d)
     row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
            "response_len": all_cat(lengths, run.d).mean().item(),
@@ -501,12 +560,13 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / ro.seconds,
            **latency_metrics(outs, run.d),
            "step_time": time.perf_counter() - t0, "skipped_steps": run.skipped, **ro.counters}
-    if run.capacity is not None:                                      # --train_capacity_factor's drops
-        row.update(run.capacity.pop_metrics())
+    if run.capacity is not None:                                      # --train_capacity_factor's drops, all ranks'
+        c = run.capacity
+        c.rows, c.dropped = all_sum_counts([int(c.rows), int(c.dropped)], run.d)
+        row.update(c.pop_metrics())
     if run.tcfg.max_staleness:                                        # provenance: how old, and the gap by it
-        row.update(staleness_metrics(step, outs))
-        row.update(staleness_split(step, outs, rows, batch.rollout_logp[rows], audited.logp, batch.routes[rows],
-                                   audited.routes, n_experts))
+        row.update(staleness_metrics(step, batch))
+        row.update(staleness_split(step, batch, rows, audited.logp, audited.routes, n_experts))
     ep = expert_parallel.of(run.policy.master)
     if ep is not None:                                                # rows per rank: the device load
         row.update(expert_parallel.device_load(audited.routes[batch.route_mask[rows]], ep))
@@ -610,9 +670,10 @@ def make_run_task(tcfg: TrainConfig, rcfg: RolloutConfig):
 def check_ranks(tcfg: TrainConfig, d: Dist) -> None:
     """The checks that need the ranks (TrainConfig.check_ranks), the batch notice, the logger's package."""
     tcfg.check_ranks(d.world, d.bridge.n_rollout if d.bridge is not None else 0)
-    if tcfg.minibatch_size > tcfg.prompts_per_step * tcfg.group_size:
-        d.print0(f"--minibatch_size={tcfg.minibatch_size} is more than the batch of {tcfg.prompts_per_step * tcfg.group_size}"
-                 " (prompts_per_step x group_size): one optimizer step of the whole batch per epoch")
+    batch = tcfg.prompts_per_step * tcfg.group_size
+    if tcfg.minibatch_size > batch:
+        d.print0(f"--minibatch_size={tcfg.minibatch_size} is more than the batch of {batch} (prompts_per_step x "
+                 f"group_size): one optimizer step of {batch} per epoch")
     if tcfg.log_to:
         open_logger(tcfg.log_to, tcfg.out_dir, probe=True)               # a missing package: one line, before work
 

@@ -97,6 +97,66 @@ def check_grads(cfg, dtype, n, name, placement):
     say(f"grads {what}: x, w13, w2 bitwise; router {gap:.1e} relative (bound {ROUTER_RTOL[dtype]})")
 
 
+class Pieces:
+    """A grad sink (expert_parallel._owner_rows) that keeps every source's expert weight gradient."""
+
+    def __init__(self, moe):
+        self.moe, self.got = moe, {"w13": [], "w2": []}
+
+    def key(self, w):
+        return next(name for name in ("w13", "w2") if getattr(self.moe, name) is w)
+
+    def __call__(self, key, grad):
+        self.got[key].append(grad.clone())
+
+
+def slice_grads(moe, x, probe, lo, hi):
+    """EP=1: the gradients of one MoE layer from the tokens lo:hi alone (one micro-batch)."""
+    moe.zero_grad()
+    xs = x[:, lo:hi].clone().requires_grad_()
+    out, _ = moe(xs)
+    (out.float() * probe[:, lo:hi]).sum().backward()
+    grads = {"router": moe.gate.weight.grad, "w13": moe.w13.grad, "w2": moe.w2.grad}
+    return {"x": xs.grad, **{k: None if v is None else v.clone() for k, v in grads.items()}}   # None: a sink took it
+
+
+def check_exact_grads(cfg, dtype, n, name, placement):
+    """With an exact gradient sum (ep.grad_sink set) the owner runs each source rank's rows apart: a
+    rank's slice is one micro-batch, and at EP=n its router and x gradients, and each source's expert
+    weight gradient on the owner, are bitwise EP=1's of that slice alone, so their exact sum is EP=1's.
+    Control: the one call over every source's rows (--grad_reduce=fast) sums the slices inside the
+    expert kernel's backward, in fp32: not the exact sum of the slices' gradients."""
+    import exact_sum
+    torch.manual_seed(0)
+    moe = Transformer(cfg).to(dtype).layers[1].mlp
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 37, cfg.hidden_size, generator=g).to(dtype)
+    probe = torch.randn(1, 37, cfg.hidden_size, generator=g)
+    ep = init_expert_parallel(n, placement)
+    group = [(37 * r // n, 37 * (r + 1) // n) for r in range(n)]   # every rank's slice of the EP group
+    refs = [slice_grads(moe, x, probe, lo, hi) for lo, hi in group]
+    mine = placement.experts_of(ep.rank)
+    local = shard_experts(copy.deepcopy(moe), ep)
+    sink = ep.grad_sink = Pieces(local)
+    got = slice_grads(local, x, probe, *group[ep.rank])
+    what = f"EP={n} {name} {dtype}"
+    assert torch.equal(got["router"], refs[ep.rank]["router"]), f"router grad {what}"
+    assert torch.equal(got["x"], refs[ep.rank]["x"]), f"grad of x {what}"
+    for key in ("w13", "w2"):
+        assert got[key] is None and len(sink.got[key]) == n, f"{key} pieces {what}"
+        want = [r[key][mine] for r in refs]
+        for piece in sink.got[key]:                                  # each source's, in whichever order
+            hit = next(i for i, w in enumerate(want) if torch.equal(piece, w))
+            want.pop(hit)
+    if n > 1 and name == "contiguous":                              # control: one call over all sources
+        one = slice_grads(shard_experts(copy.deepcopy(moe), init_expert_parallel(n, placement)), x, probe, *group[ep.rank])
+        exact = exact_sum.Limbs(one["w13"].shape, "cpu")
+        for r in refs:
+            exact.add(r["w13"][mine])
+        assert not torch.equal(one["w13"].float(), exact.value()), f"control {what}"
+    say(f"exact grads {what}: router, x and each source's w13 / w2 bitwise EP=1's of its micro-batch")
+
+
 def check_decode_reads_nothing_back(cfg):
     """The decode step's exchange (fixed buffers) reads nothing back to the host: no count exchange, no
     value read in expert_parallel.py or model.py (the torch backend's per-expert loop reads its counts
@@ -227,6 +287,7 @@ def main():
             for name, placement in placements(tiny.num_experts, n):
                 check_score(tiny, dtype, n, name, placement)
                 check_grads(top4, dtype, n, name, placement)
+                check_exact_grads(top4, dtype, n, name, placement)
     dist.barrier()
     dist.destroy_process_group()
 

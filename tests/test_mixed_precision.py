@@ -100,7 +100,9 @@ def test_small_updates_survive_in_fp32_masters_and_round_away_in_bf16(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["tiny", "tiny-sigmoid"])
 def test_one_step_is_fp32_adamw_by_hand(preset):
-    tcfg, _ = configs("--dtype=bfloat16", "--weight_decay=0.1")
+    """--grad_reduce=fast: MixedPrecision's own hooks accumulate the micro-batches in fp32 (exact: the
+    hooks are exact_sum.Reducer's, tests/test_exact_sum.py)."""
+    tcfg, _ = configs("--dtype=bfloat16", "--weight_decay=0.1", "--grad_reduce=fast")
     master = initial(preset)
     init = {k: v.detach().clone() for k, v in master.named_parameters()}
     mp = MixedPrecision(master, tcfg, Dist(0, 1, torch.device("cpu")))

@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from conftest import ROOT, make_model, rel_err, tiny_config
-from packing import Packing, even_out, micro_batches, pack
+from packing import Packing, deal, null_micro_batch, pack
 from rollout import Sampler
 
 LENGTHS = [5, 17, 33, 1, 20, 16]       # across tiles, a one-token sequence, one exactly a tile
@@ -296,21 +296,24 @@ def test_trainer_micro_batches_are_a_function_of_the_lengths_alone():
     capped = plan(rows, lengths, micro_batch_tokens=300, micro_batch_size=3)      # --micro_batch_size caps it
     assert max(len(mb) for mb, _ in capped) == 3 and len(capped) > len(a)
     assert sorted(r for mb, _ in capped for r in mb) == sorted(rows.tolist())
-    # under torchrun the ranks run as many forwards: the one with the most tokens halved, deterministically
-    micros = micro_batches(rows, lengths, 300, 0, 0)
-    even = even_out(micros, len(micros) + 3)
-    assert len(even) == len(micros) + 3 and [(m.rows.tolist(), m.packing) for m in even] == \
-        [(m.rows.tolist(), m.packing) for m in even_out(micros, len(micros) + 3)]
-    assert sorted(r for m in even for r in m.rows.tolist()) == sorted(rows.tolist())
-    assert all(m.packing.lengths == tuple(lengths[m.rows].tolist()) for m in even)
-    pieces = lambda ms: sorted(sum(m.packing.lengths) for m in ms if len(m.rows) > 1)
-    assert pieces(even)[-1] < pieces(micros)[-1]                   # the fullest packed one was cut
-    originals = [m.rows.tolist() for m in micros]                   # each piece a run of one micro-batch
-    run_of = lambda p, o: any(o[i:i + len(p)] == p for i in range(len(o)))
-    assert all(any(run_of(m.rows.tolist(), o) for o in originals) for m in even)
-    # control: the padded micro-batches (a rank's minibatch of sequences) do follow the rank count
-    assert plan(rows, lengths, micro_batch_tokens=0) != plan(rows, lengths, world=2, micro_batch_tokens=0)
+    # padded micro-batches are slices of the global minibatch: the same at every rank count too
+    assert plan(rows, lengths, micro_batch_tokens=0) == plan(rows, lengths, world=2, micro_batch_tokens=0)
     assert all(pk is None for _, pk in plan(rows, lengths, micro_batch_tokens=0))
+
+
+@pytest.mark.parametrize("n, world", [(7, 1), (7, 2), (7, 4), (2, 4), (8, 4)])
+def test_deal_runs_every_micro_batch_once_in_lockstep(n, world):
+    """Round robin: micro-batch i on rank i % world at step i // world; every rank runs as many steps,
+    None (a null micro-batch) where the list has run out."""
+    dealt = [deal(n, world, r) for r in range(world)]
+    assert len({len(d) for d in dealt}) == 1 and len(dealt[0]) == -(-n // world)
+    assert sorted(i for d in dealt for i in d if i is not None) == list(range(n))
+    for r, d in enumerate(dealt):
+        assert all(i is None or (i % world == r and i // world == s) for s, i in enumerate(d))
+    lengths = torch.tensor([9, 4, 7, 4])
+    null = null_micro_batch(lengths, packed=True)
+    assert null.rows.tolist() == [1] and null.packing.lengths == (4,)       # the shortest, the first of equals
+    assert null_micro_batch(lengths, packed=False).packing is None
 
 
 @pytest.fixture(scope="module")

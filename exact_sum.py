@@ -1,0 +1,376 @@
+"""Exact gradient sums (--grad_reduce=exact): fixed-point integers, whose sum has no order.
+
+    reducer = Reducer(masters, d, trained=trainer_module, ...)   # where each micro-batch's gradient enters
+    reducer.start()                                                    # a minibatch begins
+    ...the micro-batches' backwards: each gradient converted and added to int64 accumulators...
+    reducer.finish()                                                   # summed over ranks, fp32 .grad once
+    norm = clip_grad_norm(params, max_norm, d, ...)                    # the same norm at every layout
+
+Why: an fp32 sum depends on its order, so a gradient accumulated over micro-batches and all-reduced
+over ranks has other bits at another world size, and AdamW makes another run of them. Integers add
+exactly in any order: convert every micro-batch's gradient once, add integers everywhere (locally,
+then int64 all-reduce / reduce-scatter), convert the sum back once. Each micro-batch's gradient has
+the same bits wherever it runs (packing.deal), so the sum, the step and the next rollout are the
+same at any world size, DP / EP degree and placement.
+
+The arithmetic (docs/design.md, "Exact gradient sums"). One fixed grid for every tensor, so no rank
+ever has to agree on a scale: an element g becomes the integer n = g * 2^72 (rounded), held in two
+int64 limbs n = hi * 2^52 + lo with 0 <= lo <= 2^52. For 2^-49 <= |g| < 2^32 the conversion is exact
+(g's 24 significant bits all lie on the grid); smaller elements are rounded to the 2^-72 grid. The
+limbs add as integers; lo carries into hi before it could pass 2^63 (every 2^10 terms, and before an
+all-reduce, which up to 2^11 ranks may then join); hi holds any |sum| < 2^43. The sum is converted
+back once: hi * 2^-20 + lo * 2^-72 in fp64 (one rounding), then fp32 (a second): within
+(1/2 + 2^-29) fp32 ulp of the exact sum of the fp32 terms. A term outside the range (non-finite, or |g| >= 2^32) marks the sum bad: the
+gradient norm is then NaN and the step is stopped or skipped as for any non-finite gradient.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from config import ConfigError
+
+FRAC_BITS = 72                      # n counts units of 2^-72
+LIMB_BITS = 52                      # lo holds n's low 52 bits, hi the rest
+LIMIT = 2.0 ** (2 * LIMB_BITS - FRAC_BITS)   # |g| < 2^32: hi = floor(g * 2^20) stays below 2^52
+MAX_RANKS = 2 ** (63 - LIMB_BITS)            # 2^11 ranks may add their lo limbs in one all-reduce
+
+
+# ---------------------------------------------------------------------------------------------------
+# the conversion
+# ---------------------------------------------------------------------------------------------------
+def to_limbs(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """g (any float dtype, any shape) -> (hi, lo) int64 with hi * 2^52 + lo = g * 2^72 rounded to an
+    integer, 0 <= lo <= 2^52, and a bool (0-d): some element is out of range (non-finite, |g| >= 2^32).
+    In fp64: x = g * 2^20 (a power of two: exact), hi = floor(x), lo = (x - hi) * 2^52 rounded. For
+    |g| >= 2^-49, x is a multiple of 2^-52 and every step is exact; below, x - hi rounds to fp64 first
+    (an error below 2^-72 in g's units, the same on every rank)."""
+    x = g.double().mul_(2.0 ** (FRAC_BITS - LIMB_BITS))
+    hi = x.floor()
+    lo = x.sub_(hi).mul_(2.0 ** LIMB_BITS).round_()
+    bad = ~(g.abs().amax() < LIMIT) if g.numel() else torch.zeros((), dtype=torch.bool, device=g.device)
+    return hi.long(), lo.long(), bad
+
+
+def _carry(hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """Move lo's bits above 2^52 into hi (in place): lo back in [0, 2^52)."""
+    c = lo >> LIMB_BITS                                             # floor division, also below 0
+    hi += c
+    lo -= c << LIMB_BITS
+
+
+def from_limbs(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The fp32 value of hi * 2^-20 + lo * 2^-72 (limbs of any carry state; the inputs are not changed)."""
+    hi, lo = hi.clone(), lo.clone()
+    _carry(hi, lo)
+    return (hi.double() * 2.0 ** (LIMB_BITS - FRAC_BITS) + lo.double() * 2.0 ** -FRAC_BITS).float()
+
+
+class Limbs:
+    """A fixed-point sum of tensors of one shape: int64 hi and lo, and whether a term was out of range.
+    Terms add limb by limb; lo (each term's at most 2^52) carries into hi every CARRY_EVERY additions
+    and before it leaves (value, all_reduce_limbs), so it never passes 2^63."""
+    CARRY_EVERY = 2 ** 10
+
+    def __init__(self, shape, device):
+        self.hi = torch.zeros(shape, dtype=torch.long, device=device)
+        self.lo = torch.zeros(shape, dtype=torch.long, device=device)
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+        self.terms = 0
+
+    def add(self, g: torch.Tensor) -> None:
+        hi, lo, bad = to_limbs(g)
+        self.add_limbs(hi, lo)
+        self.bad |= bad
+
+    def add_limbs(self, hi: torch.Tensor, lo: torch.Tensor, terms: int = 1) -> None:
+        """Add limbs holding the sum of `terms` terms (a reduce-scatter's output: one per rank)."""
+        self.hi += hi
+        self.lo += lo
+        self.terms += terms
+        if self.terms >= self.CARRY_EVERY:
+            self.carry()
+
+    def carry(self) -> None:
+        _carry(self.hi, self.lo)
+        self.terms = 1
+
+    def value(self) -> torch.Tensor:
+        return from_limbs(self.hi, self.lo)
+
+    def zero_(self) -> None:
+        self.hi.zero_()
+        self.lo.zero_()
+        self.bad.zero_()
+        self.terms = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi.nbytes + self.lo.nbytes
+
+
+def all_reduce_limbs(sums: list[Limbs], group=None, bucket_bytes: int = 64 << 20) -> None:
+    """Sum each Limbs over the ranks of group, in place (int64 all-reduce: exact, in any order), in
+    buckets of about bucket_bytes; every rank passes the same list."""
+    bucket, size = [], 0
+    for i, s in enumerate(sums):
+        s.carry()                                                     # lo below 2^52 on every rank
+        bucket.append(s)
+        size += s.nbytes
+        if size >= bucket_bytes or i == len(sums) - 1:
+            limbs = [t for b in bucket for t in (b.hi, b.lo)]
+            flat = torch.cat([t.reshape(-1) for t in limbs])
+            dist.all_reduce(flat, group=group)
+            for t, part in zip(limbs, flat.split([t.numel() for t in limbs])):
+                t.copy_(part.view_as(t))
+            for b in bucket:
+                b.carry()
+            bucket, size = [], 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# where the gradients enter: hooks, EP's per-source pieces, FSDP2's reduce-scatter
+# ---------------------------------------------------------------------------------------------------
+class Reducer:
+    """The exact sum of one policy's gradients over a minibatch's micro-batches and ranks.
+
+    masters  the module whose parameters the optimizer steps (the fp32 masters under mixed precision;
+             sharded DTensors under FSDP2; an EP rank's expert shards)
+    trained  the module the training backward runs through (the compute copy under mixed precision)
+    Gradients enter three ways, each converted the moment it exists: (1) one process / DDP: a
+    post-accumulate hook per trained parameter adds the micro-batch's .grad and frees it (no DDP
+    wrapper: this is the reduction); (2) expert parallelism: the owner's weight gradient of each
+    source rank's rows, kept apart (expert_parallel._owner_rows), through ep.grad_sink; (3) FSDP2: its
+    reduce-scatter, replaced by ExactReduceScatter (every micro-batch step: an int64 reduce-scatter of
+    the step's unsharded gradients into a sharded accumulator; the last step writes the sum).
+    finish() sums (1) and (2) over the ranks and writes fp32 .grad on every master parameter.
+    """
+
+    def __init__(self, masters: nn.Module, d, *, trained: nn.Module, master_of: dict | None = None,
+                 ep=None, fsdp: bool = False, experts: set | None = None):
+        """master_of: id(trained parameter) -> its master (mixed precision; else itself); experts: ids of
+        the masters' expert-shard parameters (EP)."""
+        if d.world > MAX_RANKS:
+            raise ConfigError(f"--grad_reduce=exact sums over at most {MAX_RANKS} ranks ({d.world} here); "
+                              "use --grad_reduce=fast")
+        self.masters, self.d, self.ep, self.fsdp = masters, d, ep, fsdp
+        self.experts = experts or set()
+        self.sums: dict[int, Limbs] = {}                             # id(master parameter) -> its sum
+        self.pieces: dict[tuple[int, str], Limbs] = {}               # EP: (id(MoE module), 'w13' | 'w2') -> sum
+        self.comms: list[ExactReduceScatter] = []
+        self.last = False                                            # the minibatch's last micro-batch step
+        self.bad = False
+        master_of = master_of or {}
+        if fsdp:
+            from torch.distributed.fsdp import FSDPModule
+            for m in trained.modules():
+                if isinstance(m, FSDPModule):
+                    comm = ExactReduceScatter(self)
+                    m.set_custom_reduce_scatter(comm)
+                    m.set_force_sum_reduction_for_comms(True)        # a sum: no pre- or post-division
+                    m.set_gradient_divide_factor(1.0)
+                    self.comms.append(comm)
+        else:
+            for p in trained.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._hook(master_of.get(id(p), p)))
+        if ep is not None:
+            self.moes = [m for m in trained.modules() if isinstance(getattr(m, "w13", None), nn.Parameter)]
+            self.master_of = master_of
+            ep.grad_sink = self
+
+    def _hook(self, master: nn.Parameter):
+        def take(p):
+            if p.grad is not None:                                    # an EP shard's: _Sink passed nothing on
+                self.sum_of(master).add(p.grad)
+                p.grad = None
+        return take
+
+    def sum_of(self, master: nn.Parameter) -> Limbs:
+        s = self.sums.get(id(master))
+        if s is None:
+            s = self.sums[id(master)] = Limbs(master.shape, master.device)
+        return s
+
+    # ---- EP: the owner's per-source weight gradients (expert_parallel._owner_rows) ----------------
+    def key(self, w: torch.Tensor) -> tuple[int, str]:
+        """The (MoE module, 'w13' | 'w2') whose weight w is, at forward time (under FSDP2 w is the
+        unsharded parameter, only the module knows whose it is)."""
+        for m in self.moes:
+            for name in ("w13", "w2"):
+                if getattr(m, name) is w:
+                    return id(m), name
+        raise RuntimeError("exact gradient sum: an expert weight of no MoE layer of the trained model")
+
+    def __call__(self, key: tuple[int, str], g: torch.Tensor) -> None:
+        if key not in self.pieces:
+            self.pieces[key] = Limbs(g.shape, g.device)
+        self.pieces[key].add(g)
+
+    # ---- the minibatch ---------------------------------------------------------------------------
+    def start(self) -> None:
+        for s in [*self.sums.values(), *self.pieces.values(), *(c.sum for c in self.comms if c.sum is not None)]:
+            s.zero_()
+        self.last = False
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """The sums over ranks, as fp32 .grad of every master parameter (zeros where nothing arrived);
+        self.bad on every rank if any term anywhere was out of range."""
+        dense = [p for p in self.masters.parameters() if id(p) not in self.experts]
+        if not self.fsdp:
+            sums = [self.sum_of(p) for p in dense]
+            if self.d.world > 1:
+                all_reduce_limbs(sums)
+            for p, s in zip(dense, sums):
+                p.grad = s.value().to(p.dtype)                       # bf16 masters: one more rounding
+        bad = [s.bad for s in self.sums.values()] + [c.sum.bad for c in self.comms if c.sum is not None]
+        bad += self._finish_experts()
+        flag = torch.stack(bad).any().long() if bad else torch.zeros((), dtype=torch.long)
+        flag = flag.to(self.d.device)                                 # NCCL reduces device tensors
+        if self.d.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.bad = bool(flag)
+
+    def _finish_experts(self) -> list[torch.Tensor]:
+        """The expert shards' sums: each owner's pieces over its replicas (all-reduce under DDP; under
+        FSDP2 a reduce-scatter into the replica-sharded .grad); -> their out-of-range flags."""
+        if self.ep is None:
+            return []
+        found = []
+        for m in self.moes:
+            for name in ("w13", "w2"):
+                p = self.master_of.get(id(getattr(m, name)), getattr(m, name))   # after backward: sharded
+                if (id(m), name) not in self.pieces:                  # no token reached these experts here
+                    self.pieces[(id(m), name)] = Limbs(p.shape, p.device)
+                found.append((p, self.pieces[(id(m), name)]))
+        if self.fsdp:
+            for p, s in found:
+                _reduce_scatter_into(p, s)
+        else:
+            if self.ep.n_replicas > 1:
+                all_reduce_limbs([s for _, s in found], group=self.ep.replicas)
+            for p, s in found:
+                p.grad = s.value().to(p.dtype)
+        return [s.bad for _, s in found]
+
+    def reserve_bytes(self) -> int:
+        """The accumulators' bytes on this rank: 16 per element it sums (its shard of an FSDP2 tensor;
+        an expert shard whole, also when FSDP2 cuts it over its replicas)."""
+        return 16 * sum(p.numel() if id(p) in self.experts or not hasattr(p, "to_local") else p.to_local().numel()
+                        for p in self.masters.parameters())
+
+
+def _reduce_scatter_into(p: nn.Parameter, s: Limbs) -> None:
+    """An FSDP2 expert shard's sum: reduce-scatter the (E/N, ...) limbs over its mesh, rows in
+    torch.chunk's pieces as FSDP2 shards them (dim 0, the last piece short), into p.grad."""
+    from torch.distributed.tensor import DTensor
+    s.carry()                                                         # lo below 2^52 on every rank
+    mesh, local = p.device_mesh, p.to_local()
+    n, R = mesh.size(), s.hi.shape[0]
+    chunk = -(-R // n)
+    limbs = []
+    for t in (s.hi, s.lo):
+        padded = torch.cat([t, t.new_zeros(chunk * n - R, *t.shape[1:])]) if chunk * n > R else t
+        out = t.new_empty(chunk, *t.shape[1:])
+        dist.reduce_scatter_single(out, padded.contiguous(), group=mesh.get_group())
+        limbs.append(out[:local.shape[0]])
+    value = from_limbs(*limbs).to(local.dtype)
+    p.grad = DTensor.from_local(value, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+class ExactReduceScatter:
+    """FSDP2's reduce-scatter of one parameter group (FSDPModule.set_custom_reduce_scatter), exact.
+
+    FSDP2 hands over the step's unsharded fp32 gradients, flat and laid out by rank; they are converted
+    elementwise (the grid is the same for every element, so the layout does not matter), reduce-
+    scattered as int64 limbs and added to this group's sharded sum. FSDP2 accumulates what is written
+    into `output` onto the sharded .grad: zeros until the minibatch's last step, then the sum (0 + x
+    is exact)."""
+
+    def __init__(self, reducer: Reducer):
+        self.reducer, self.sum = reducer, None
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
+        hi, lo, bad = to_limbs(input_tensor)
+        out_hi, out_lo = hi.new_empty(output_tensor.shape), lo.new_empty(output_tensor.shape)
+        dist.reduce_scatter_single(out_hi, hi, group=group)
+        dist.reduce_scatter_single(out_lo, lo, group=group)
+        if self.sum is None:
+            self.sum = Limbs(output_tensor.shape, output_tensor.device)
+        self.sum.add_limbs(out_hi, out_lo, terms=group.size())
+        self.sum.bad |= bad
+        if self.reducer.last:
+            output_tensor.copy_(self.sum.value())
+        else:
+            output_tensor.zero_()
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# the gradient norm, the same at every layout
+# ---------------------------------------------------------------------------------------------------
+def _rows(g: torch.Tensor) -> torch.Tensor:
+    """(rows,) fp64 sums of squares of g's dim-0 slices (a matrix's rows, a stacked tensor's experts,
+    a vector's elements): a slice is never split between ranks (FSDP2 and EP cut dim 0), and an fp64
+    sum over the last dim does not depend on the number of rows (tests/test_exact_sum.py)."""
+    x = g.detach().double().reshape(g.shape[0] if g.dim() else 1, -1)
+    return (x * x).sum(-1)
+
+
+@torch.no_grad()
+def grad_norm(params: list[nn.Parameter], d, *, expert_ids: set, ep=None) -> float:
+    """The global gradient norm, the same bits whether a tensor is whole on every rank (DDP), sharded
+    (FSDP2) or cut into expert shards (EP): each dim-0 slice's fp64 sum of squares, then those sums in
+    fixed point at a scale from their max-reduced maximum M: q = round(s * 2^(62 - e - c)) with
+    2^(e-1) <= M < 2^e and c = ceil(log2(rows)), so the int64 sum of every row cannot overflow; its
+    error is below rows * 2^(e + c - 63), i.e. 2^(2c - 62) of the squared norm. A replicated tensor's
+    rows are added by one rank, a shard's by its holder."""
+    local, total_rows, top = [], 0, torch.zeros((), dtype=torch.float64, device=d.device)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        ss = _rows(g)
+        if ss.numel():
+            top = torch.maximum(top, ss.max().to(top.device))
+        sharded = hasattr(p.grad, "to_local")
+        is_expert = id(p) in expert_ids
+        mine = sharded or (d.rank < ep.size if is_expert and ep is not None else d.rank == 0)
+        local.append((ss, mine))
+        rows = p.shape[0] if p.dim() else 1                          # a DTensor's shape is the global one
+        total_rows += rows * (ep.size if is_expert and ep is not None else 1)   # E/N experts on each of N
+    if d.world > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    if not math.isfinite(top.item()):
+        return math.nan
+    if top.item() == 0:
+        return 0.0
+    e, c = math.frexp(top.item())[1], math.ceil(math.log2(max(total_rows, 2)))
+    shift = 62 - e - c
+    acc = torch.zeros((), dtype=torch.long, device=d.device)
+    for ss, mine in local:
+        if mine and ss.numel():
+            acc += torch.round(ss * 2.0 ** shift).long().sum().to(acc.device)
+    if d.world > 1:
+        dist.all_reduce(acc)
+    return math.sqrt(math.ldexp(float(acc.item()), -shift))
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, d, *, expert_ids: set, ep=None) -> float:
+    """grad_norm, then every gradient times max_norm / (norm + 1e-6) when that is below 1 (elementwise:
+    the same bits on any shard) -> the norm before clipping."""
+    norm = grad_norm(params, d, expert_ids=expert_ids, ep=ep)
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm

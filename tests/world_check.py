@@ -1,0 +1,103 @@
+"""One run at any world size: the same metrics.jsonl and weights at 1, 2 and 4 ranks (gloo on the CPU).
+
+    python tests/world_check.py OUT                                   # the one-process references
+    torchrun --standalone --nproc_per_node=2 tests/world_check.py OUT
+    torchrun --standalone --nproc_per_node=4 tests/world_check.py OUT
+
+Runs train.py's loop in-process for each layout of this world size (LAYOUTS: DDP or FSDP2, with or
+without --expert_parallel=2) of each run (RUNS: fp32 with packed micro-batches, bf16 compute over fp32
+masters with padded ones and the router bias, and --grad_reduce=fast, the control), and writes
+OUT/world{N}.json: per layout, every metrics row without its per-layout keys, and the SHA-256 of the
+checkpoint's tensors (whole experts). The 1- and 4-rank launches also resume the 2-rank DDP EP=2 fp32
+run from its step-5 checkpoint. tests/test_distributed.py compares the files.
+"""
+import hashlib
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train                                                       # noqa: E402
+from config import RolloutConfig, TrainConfig                      # noqa: E402
+import runlog                                                      # noqa: E402
+from distributed import Dist                                       # noqa: E402
+
+STEPS = 10
+BASE = dict(device="cpu", task="copy", n_digits=2, prompts_per_step=8, group_size=4, minibatch_size=32,
+            progress=False, lr=1e-2, warmup_steps=1, logits_chunk=24, steps=STEPS, save_every=STEPS // 2,
+            keep_checkpoints=2)
+RUNS = {   # what defines a run: the micro-batches (--micro_batch_tokens / --micro_batch_size), dtypes, the reduction
+    "fp32": dict(micro_batch_tokens=64),                          # packed: about 4 micro-batches a minibatch
+    "bf16": dict(dtype="bfloat16", micro_batch_tokens=0, micro_batch_size=10, init_from="tiny-sigmoid",
+                 expert_bias_update_rate=1e-3),                   # padded slices of 10 (the last one short)
+    "fast": dict(micro_batch_tokens=64, grad_reduce="fast"),      # the control: fp32 accumulation and all-reduce
+}
+DDP, FSDP = dict(parallel="ddp"), dict(parallel="fsdp")
+EP2 = dict(expert_parallel=2)
+LAYOUTS = {   # world size -> (run, layout name, layout): DDP and FSDP2, EP=2 with one and with two EP groups
+    1: [("fp32", "one", {}), ("bf16", "one", {}), ("fast", "one", {})],
+    2: [("fp32", "fsdp", FSDP), ("fp32", "ddp-ep2", {**DDP, **EP2}), ("bf16", "ddp-ep2", {**DDP, **EP2}),
+        ("fast", "ddp", DDP)],
+    4: [("bf16", "fsdp-ep2", {**FSDP, **EP2})],
+}
+LEG = "w2-fp32-ddp-ep2"                   # its step-5 checkpoint, resumed by 1 rank and by 4 (DDP, EP=2:
+RESUMED = {1: {}, 4: dict(DDP, **EP2)}    # two EP groups, the experts' sums all-reduced over their replicas)
+PER_LAYOUT = runlog.PER_LAYOUT                                       # what a layout means by itself
+
+
+def digest(out: str) -> str:
+    """SHA-256 of the latest checkpoint's tensors (the export and the fp32 masters), by key."""
+    from safetensors.torch import load_file
+    folder = os.path.join(out, open(os.path.join(out, "latest")).read().strip())
+    h = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        state = load_file(os.path.join(folder, name))
+        for k in sorted(state):
+            h.update(f"{name}:{k}".encode())
+            h.update(state[k].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def run(out: str, d: Dist, resume: bool = False, **kw) -> list[dict]:
+    tcfg = TrainConfig(**{**BASE, "out_dir": out, "resume": resume, "overwrite": not resume, **kw})
+    return train._train(tcfg, RolloutConfig(), d)
+
+
+def summary(rows: list[dict], out: str) -> dict:
+    return {"metrics": [{k: v for k, v in r.items() if k not in PER_LAYOUT} for r in rows], "digest": digest(out)}
+
+
+def main(out: str) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    d = Dist(int(os.environ.get("RANK", "0")), world, torch.device("cpu"))
+    found = {}
+    for name, layout, kw in LAYOUTS[world]:
+        rows = run(f"{out}/w{world}-{name}-{layout}", d, **RUNS[name], **kw)
+        found[f"{name}/{layout}"] = summary(rows, f"{out}/w{world}-{name}-{layout}")
+    if world in RESUMED:                              # the 2-rank fp32 run from its step-5 checkpoint
+        mine = f"{out}/w{world}-resumed"
+        if d.rank == 0:
+            shutil.copytree(f"{out}/{LEG}", mine)
+            shutil.rmtree(f"{mine}/ckpt-{STEPS:06d}")                  # as if the run had stopped at step 5
+            with open(f"{mine}/latest", "w") as f:
+                f.write(f"ckpt-{STEPS // 2:06d}")
+        if world > 1:
+            dist.barrier()
+        rows = run(mine, d, resume=True, **RUNS["fp32"], **RESUMED[world])
+        found["fp32/resumed"] = summary(rows, mine)
+    if d.rank == 0:
+        with open(f"{out}/world{world}.json", "w") as f:
+            json.dump(found, f)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
