@@ -277,4 +277,6 @@ def retokenize(o):
     o.routes = torch.cat([o.routes[:P], o.routes[[P + j for j in keep[:-1]]]])    # (P + len(ids) - 1, n_moe, k)
     o.turns = [(bisect.bisect_left(keep, s), bisect.bisect_left(keep, e)) for s, e in o.turns]
     o.tokens, o.logprobs, o.policy_mask = ids, [o.logprobs[j] for j in keep], [o.policy_mask[j] for j in keep]
+    o.token_versions = [o.token_versions[j] for j in keep] if o.token_versions else []
+    o.kv_versions = [o.kv_versions[j] for j in keep] if o.kv_versions else []
     return o

@@ -14,7 +14,9 @@ parameters are divided by --expert_parallel=N, and under FSDP2 also by world / N
 dense weights and this rank's E/N experts: under DDP the compute copy (no more bytes), under FSDP2 a
 copy of its own in --dtype; the mismatch lab's rollout copy (--rollout_dtype other than --dtype, int8 and
 fp8_e4m3 stored dequantized in --dtype; --rollout_router_fault) comes on top of either. --kl_coef > 0
-adds the reference policy: whole dense weights and E/N experts in --dtype.
+adds the reference policy: whole dense weights and E/N experts in --dtype. --grad_reduce=exact (the
+default) adds its int64 accumulators: 16 bytes an element of this rank's share, and of its E/N experts
+whole under EP, also when FSDP2 shards them over their replicas (exact_sum.Reducer.reserve_bytes).
 
 The rollout: the KV pool holds --kv_tokens positions, else --num_blocks pages, else what this rank's
 rollout needs: its S = prompts_per_step / world x group_size sequences at the run's longest, L = the
@@ -94,12 +96,13 @@ class MemoryPlan:
     host_peak: int = 0             # a preset drawn whole on the host before it is cut (0: a checkpoint folder)
     reference: int = 0             # --kl_coef's frozen reference policy
     buffers: int = 0               # the sampler's per-row token ids and log-probs
+    grad_sums: int = 0             # --grad_reduce=exact's int64 accumulators (exact_sum.Reducer.reserve_bytes)
     activations: "Activations | None" = None
 
     @property
     def total(self) -> int:
         return (self.masters + self.grads + self.adamw + self.compute_copy + self.sampler_copy + self.reference
-                + self.kv_pool + self.buffers + (self.activations.peak if self.activations else 0))
+                + self.grad_sums + self.kv_pool + self.buffers + (self.activations.peak if self.activations else 0))
 
 
 @dataclasses.dataclass
@@ -123,16 +126,18 @@ def shard_rows(rows: int, ways: int) -> int:
 def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel: str, expert_parallel: int,
                 dtype_bytes: int, sampler_bytes: int, kv_bytes_per_token: int, kv_tokens: int = 0,
                 gpu_bytes: int = 0, kv_fraction: float = 0.5, kv_cap_tokens: int = 0, master_bytes: int = 4,
-                sampler_apart: bool = False, from_checkpoint: bool = True) -> MemoryPlan:
+                sampler_apart: bool = False, from_checkpoint: bool = True, exact: bool = False) -> MemoryPlan:
     """The weights' arithmetic. shapes: (shape, is_expert) of every parameter, experts stacked (E, ...).
     dtype_bytes: the compute dtype's size (== master_bytes: the masters compute); sampler_bytes: the
     rollout's; sampler_apart: the rollout has a copy of its own even in sampler_bytes == dtype_bytes.
     kv_tokens 0: kv_fraction of what gpu_bytes leaves, at most kv_cap_tokens (how the sampler sizes its
-    pool on a GPU). from_checkpoint: read by shard (else a preset, drawn whole on the host)."""
+    pool on a GPU). from_checkpoint: read by shard (else a preset, drawn whole on the host). exact:
+    --grad_reduce=exact's accumulators, 16 bytes an element of this rank's share, its E/N experts whole
+    under EP (exact_sum.Reducer.reserve_bytes)."""
     N, fsdp = expert_parallel, parallel == "fsdp" and world > 1
     dense = sum(math.prod(s) for s, e in shapes if not e)
     expert = sum(math.prod(s) for s, e in shapes if e)
-    mine = whole_dense = local_experts = 0
+    mine = whole_dense = local_experts = sums = 0
     for shape, is_expert in shapes:
         rows, rest = shape[0], math.prod(shape[1:])
         if is_expert:
@@ -142,6 +147,7 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
             whole_dense += rows * rest
         ways = (world // N if is_expert else world) if fsdp else 1
         mine += shard_rows(rows, ways) * rest
+        sums += shard_rows(rows, ways) * rest if not (is_expert and N > 1) else rows * rest   # an EP shard: whole
     compute = mine * dtype_bytes if dtype_bytes != master_bytes else 0
     # FSDP2's whole-weights copy in --dtype; the lab's rollout copy (another dtype, quantized) on top of it
     whole = whole_dense + local_experts
@@ -150,6 +156,7 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     mb = master_bytes                                                    # AdamW's moments: the masters' dtype
     plan = MemoryPlan(dense, expert, mine, mb * mine, mb * mine, 2 * mb * mine, compute, sampler, 0, kv_tokens,
                       whole * mb, 0 if from_checkpoint else (dense + expert) * mb)
+    plan.grad_sums = 16 * sums if exact else 0
     if not kv_tokens and gpu_bytes and kv_bytes_per_token:
         room = max(0, gpu_bytes - plan.total) * kv_fraction
         plan.kv_tokens = min(int(room // kv_bytes_per_token), kv_cap_tokens or math.inf)
@@ -370,7 +377,7 @@ def main(argv: list[str]) -> tuple[str, bool]:
     plan = memory_plan(parameter_shapes(cfg), world, tcfg.parallel, tcfg.expert_parallel, nbytes[tcfg.dtype],
                        nbytes[sampler_dtype], kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size or need,
                        master_bytes=nbytes[tcfg.master_dtype], sampler_apart=lab_copy,
-                       from_checkpoint=os.path.isdir(tcfg.init_from))
+                       from_checkpoint=os.path.isdir(tcfg.init_from), exact=tcfg.grad_reduce == "exact")
     whole = plan.load_peak // nbytes[tcfg.master_dtype]                 # dense + this rank's experts
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
@@ -416,7 +423,7 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     act = plan.activations
     rows = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads), (f"AdamW state ({m} x 2)", plan.adamw),
             (f"compute copy ({tcfg.dtype})", plan.compute_copy), (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
-            ("reference policy (--kl_coef)", plan.reference),
+            ("reference policy (--kl_coef)", plan.reference), ("exact gradient sums (--grad_reduce=exact)", plan.grad_sums),
             (f"KV pool ({plan.kv_tokens:,} tokens)", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
     if act is not None:
         rows += [(f"activations, trainer ({act.train_tokens:,}-token micro-batch, {backend})", act.train),
@@ -439,7 +446,9 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     lines.append(f"fits: {what} needs {peak / GB:.2f} GB of the {gpu_gb:g} GB per GPU ({(gpu - peak) / GB:.2f} GB spare)"
                  if fits else
                  f"does not fit: {what} needs {peak / GB:.2f} GB per GPU, {(peak - gpu) / GB:.2f} GB more than "
-                 f"{gpu_gb:g} GB")
+                 f"{gpu_gb:g} GB" + (f"; --grad_reduce=fast saves the {plan.grad_sums / GB:.2f} GB of exact sums "
+                                     "(the run's bits then follow the world size)" if plan.grad_sums and
+                                     max(plan.total - plan.grad_sums, startup) <= gpu else ""))
     if plan.host_peak > plan.load_peak:                               # cut to this rank's experts
         lines.append(f"host memory: a preset is drawn whole on each rank's CPU first ({plan.host_peak / GB:.2f} GB a rank "
                      f"in {m}), then cut to its experts; a checkpoint folder of it is read by shard")

@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 
 import runlog  # noqa: E402
 import train  # noqa: E402
+from checkpoint import latest_checkpoint, load_trainer_state, saved_configs  # noqa: E402
 from config import ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args  # noqa: E402
 from distributed import Dist, MixedPrecision, cast_for_compute  # noqa: E402
 import kernels  # noqa: E402
@@ -177,9 +178,8 @@ def test_resume_is_exact_in_bf16_compute(tmp_path, weights):
             "--minibatch_size=16", *weights]
     straight = run_train(tmp_path / "a", "--steps=3", *argv)
     run_train(tmp_path / "b", "--steps=2", *argv)
-    t, r = TrainConfig(), RolloutConfig()
-    ckpt = train.latest_checkpoint(str(tmp_path / "b"))
-    t, r = train.saved_configs(train.load_trainer_state(ckpt), ckpt)
+    ckpt = latest_checkpoint(str(tmp_path / "b"))
+    t, r = saved_configs(load_trainer_state(ckpt), ckpt)
     apply_overrides({"steps": "3", "resume": "true"}, t, r)
     resumed = train.train(t, r)
     drop = lambda row: {k: v for k, v in row.items() if k not in TIMINGS}   # noqa: E731

@@ -10,8 +10,10 @@ import sys
 import pytest
 import torch
 
+import exact_sum
 import plan
 from config import ConfigError, ModelConfig
+from distributed import Dist
 from expert_parallel import ExpertParallel, Placement, shard_experts
 from model import Transformer
 
@@ -37,6 +39,9 @@ def test_plan_matches_the_bytes_of_sharded_parameters(world, n):
         assert ddp.masters == sum(p.nbytes for p in fp32.parameters())
         assert ddp.compute_copy == sum(p.nbytes for p in bf16.parameters()) and ddp.sampler_copy == 0
         assert ddp.grads == ddp.masters and ddp.adamw == 2 * ddp.masters
+        # --grad_reduce=exact: 16 bytes an element summed, as the reducer itself counts its accumulators
+        exact = plan.memory_plan(shapes, world, "ddp", n, 2, 2, 0, exact=True).grad_sums
+        assert exact == exact_sum.Reducer(fp32, Dist(0, 1, torch.device("cpu")), trained=fp32).reserve_bytes() == 4 * ddp.masters
         if world == 1:                                                   # one process: no FSDP2
             continue
         # FSDP2 shards dim 0 as torch.chunk does: dense over the world, this rank's experts over world / n
@@ -46,6 +51,9 @@ def test_plan_matches_the_bytes_of_sharded_parameters(world, n):
         assert fsdp.masters == first_shards
         assert fsdp.sampler_copy == ddp.compute_copy                     # whole dense + E/N experts, bf16
         assert fsdp.compute_copy == first_shards // 2
+        sums = sum(16 * (p.numel() if is_expert(k) and n > 1 else torch.chunk(p, world)[0].numel())   # EP shards whole
+                   for k, p in fp32.named_parameters())
+        assert plan.memory_plan(shapes, world, "fsdp", n, 2, 2, 0, exact=True).grad_sums == sums
 
 
 def allocated(model):
@@ -105,10 +113,16 @@ def test_qwen3_30b_a3b_on_eight_96gb_gpus_fits_only_with_expert_parallelism(tmp_
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config_to_hf(ModelConfig.preset("qwen3-30b-a3b"))))
     common = [f"--init_from={folder}", "--world_size=8", "--dtype=bfloat16", "--gpu_memory_gb=96",
-              "--parallel=fsdp"]
+              "--parallel=fsdp", "--grad_reduce=fast"]
     (without, fits_without), (with_ep, fits_with) = plan.main(common), plan.main(common + ["--expert_parallel=8"])
     assert not fits_without and without.splitlines()[-1].startswith("does not fit: the run needs")
     assert fits_with and with_ep.splitlines()[-1].startswith("fits: the run needs")
+    # exact sums (the default): 16 bytes an element of the rank's share, its 16 experts whole: 61.06 GB more
+    exact, fits_exact = plan.main([a for a in common if a != "--grad_reduce=fast"] + ["--expert_parallel=8"])
+    assert gb(exact, "exact gradient sums") == 61.06 and gb(with_ep, "exact gradient sums") == 0
+    assert abs(gb(exact, "total") - gb(with_ep, "total") - 61.06) < 0.015 and not fits_exact   # rows rounded
+    verdict = next(line for line in exact.splitlines() if line.startswith("does not fit"))
+    assert "--grad_reduce=fast saves the 61.06 GB" in verdict
     # the start-up, before FSDP2 shards: each rank holds its dense weights and its 16 of 128 experts in fp32
     # (20.66 GB) at EP=8, all 30.5B parameters (122.13 GB) at EP=1: part of the verdict, never beside it
     assert gb(with_ep, "start-up") == 20.66 and gb(without, "start-up") == 122.13
@@ -121,7 +135,8 @@ def test_qwen3_30b_a3b_on_eight_96gb_gpus_fits_only_with_expert_parallelism(tmp_
 
 def test_a_start_up_past_the_gpu_does_not_fit_even_when_the_run_would(tmp_path):
     # 32 ranks without EP: the sharded run fits in 80 GB, but every rank first holds all 128 experts in fp32
-    text, fits = plan.main(["--init_from=qwen3-30b-a3b", "--world_size=32", "--dtype=bfloat16", "--parallel=fsdp"])
+    text, fits = plan.main(["--init_from=qwen3-30b-a3b", "--world_size=32", "--dtype=bfloat16", "--parallel=fsdp",
+                            "--grad_reduce=fast"])
     assert gb(text, "total") < 80 < gb(text, "start-up") and not fits
     assert text.splitlines()[-1].startswith("does not fit: the start-up needs 122.13 GB per GPU")
 
@@ -146,7 +161,7 @@ def test_the_trainers_micro_batch_is_its_token_budget_or_its_rows():
 
 def test_a_plan_that_does_not_fit_exits_1_with_one_line():
     argv = [sys.executable, "train.py", "--plan", "--init_from=qwen3-30b-a3b", "--world_size=8", "--expert_parallel=8",
-            "--parallel=fsdp", "--dtype=bfloat16", "--gpu_memory_gb=96"]
+            "--parallel=fsdp", "--dtype=bfloat16", "--gpu_memory_gb=96", "--grad_reduce=fast"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(argv + ["--max_new_tokens=1024"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and "does not fit" in r.stdout and r.stderr.startswith("error: --plan: this run does not fit")
@@ -224,10 +239,10 @@ def test_the_plan_holds_a_real_runs_peak_memory_at_two_sizes(tmp_path):
 
 def test_train_plan_entry_prints_the_table():
     r = subprocess.run([sys.executable, "train.py", "--plan", "--init_from=qwen3-30b-a3b", "--world_size=8",
-                        "--expert_parallel=8", "--gpu_memory_gb=141"], cwd=ROOT, capture_output=True, text=True,
+                        "--expert_parallel=8", "--gpu_memory_gb=141", "--grad_reduce=fast"], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
     rows = ("masters", "gradients", "AdamW state", "compute copy", "sampler's copy", "KV pool", "activations, trainer",
-            "activations, sampler", "total")
+            "activations, sampler", "exact gradient sums", "total")
     assert r.returncode == 0 and all(f"  {row}" in r.stdout for row in rows), r.stdout + r.stderr
 
 

@@ -454,7 +454,7 @@ def test_cli_jsonl_mistakes(jsonl_task):
 def test_jsonl_names_only_the_missing_option(jsonl_task):
     args = [a for a in jsonl_args(jsonl_task) if not a.startswith("--reward_fn")]
     msg = cli_error(*args)
-    assert msg.startswith("error: --task=jsonl needs --reward_fn=mod:fn too") and "--data" not in msg
+    assert msg.startswith("error: --task=jsonl needs --reward_fn=mod:fn (or --env=file.py:make_env) too") and "--data" not in msg
     msg = cli_error(*[a for a in jsonl_args(jsonl_task) if not a.startswith(("--data", "--tokenizer"))])
     assert "needs --data=file.jsonl and --tokenizer=tokenizer.json too" in msg and "--reward_fn" not in msg
 
