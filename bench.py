@@ -1075,6 +1075,18 @@ def worker_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reduce-worker", action="store_true", help=argparse.SUPPRESS)
 
 
+def lab_options(p) -> None:
+    """The lab section's options (bench.py --only lab)."""
+    p.add_argument("--lab-steps", type=int, default=150, help="train.py steps per mismatch-lab run")
+    p.add_argument("--lab-rollout-dtype", default="bfloat16", help="the fast rollout's weight dtype")
+    p.add_argument("--lab-router-bf16", action="store_true", help="also round the fast rollout's router logits to bf16")
+    p.add_argument("--lab-out", default="out/lab", help="where the lab runs write their metrics")
+    p.add_argument("--lab-runs", default="", help=f"comma-separated subset of the lab runs (default all: {','.join(LAB)})")
+    p.add_argument("--lab-args", default="", help="extra train.py overrides for every lab run, space-separated")
+    p.add_argument("--lab-seeds", default="", help="comma-separated seeds, each lab run repeated per seed "
+                   "(default: --seed alone); the table gives the reward's mean and sd over seeds")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -1114,14 +1126,7 @@ def main(argv=None):
                    "--tuning-out writes it; kernels.load_tuning)")
     p.add_argument("--async-steps", type=int, default=6, help="train.py steps per async run (the first is start-up)")
     p.add_argument("--async-max-new", type=int, default=48, help="async: the longest response (most end at random EOS)")
-    p.add_argument("--lab-steps", type=int, default=150, help="train.py steps per mismatch-lab run")
-    p.add_argument("--lab-rollout-dtype", default="bfloat16", help="the fast rollout's weight dtype")
-    p.add_argument("--lab-router-bf16", action="store_true", help="also round the fast rollout's router logits to bf16")
-    p.add_argument("--lab-out", default="out/lab", help="where the lab runs write their metrics")
-    p.add_argument("--lab-runs", default="", help=f"comma-separated subset of the lab runs (default all: {','.join(LAB)})")
-    p.add_argument("--lab-args", default="", help="extra train.py overrides for every lab run, space-separated")
-    p.add_argument("--lab-seeds", default="", help="comma-separated seeds, each lab run repeated per seed "
-                   "(default: --seed alone); the table gives the reward's mean and sd over seeds")
+    lab_options(p)
     args = p.parse_args(argv)
     if args.ep_worker or args.reduce_worker:
         if args.threads:

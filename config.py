@@ -606,6 +606,11 @@ class TrainConfig:
                  "--chat_template and --system_prompt format JSONL prompts: add --task=jsonl")
         _require(self.chat_template or not self.system_prompt,
                  "--system_prompt goes into the checkpoint's chat template: add --chat_template=true")
+        self._check_async()
+        self._check_precision()
+
+    def _check_async(self):
+        """Where the batches come from: bounded staleness, in-flight updates, rollout ranks (pipeline.py)."""
         _require(self.max_staleness >= 0, f"--max_staleness={self.max_staleness}: must be >= 0 (0: synchronous)")
         _require(self.rollout_ranks >= 0, f"--rollout_ranks={self.rollout_ranks}: must be >= 0")
         _require(not (self.rollout_ranks and self.expert_parallel > 1),
@@ -615,7 +620,6 @@ class TrainConfig:
         _require(self.inflight_update == "off" or self.max_staleness >= 1,
                  f"--inflight_update={self.inflight_update}: the update overlaps the next batch's generation only "
                  "with --max_staleness >= 1")
-        self._check_precision()
 
     def _check_objective(self):
         """The objective against losses.py's tables: the loss, its aggregation over minibatches, the corrections, the

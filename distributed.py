@@ -36,8 +36,8 @@ import expert_parallel
 import hf
 from checkpoint import RunError
 from config import ConfigError, TrainConfig
-from model import MoE, Transformer
-from packing import deal
+from model import MoE, RouteDetail, Transformer
+from packing import Scored, deal, on_host
 
 
 @dataclasses.dataclass
@@ -660,6 +660,21 @@ def all_gather_dealt(fields: dict[str, torch.Tensor], sizes: list[int], d: Dist)
                 spans[i], at = (at, sizes[i]), at + sizes[i]
     pick = torch.cat([torch.arange(a, a + n) for a, n in (spans[i] for i in range(len(sizes)))])
     return {k: v[pick] for k, v in got.items()}
+
+
+def gather_scored(parts: dict, sizes: list[int], d: Dist) -> Scored:
+    """Forwards of a list of micro-batches (sizes: their rows), each run by the rank packing.deal gave it
+    (parts: this rank's by index, None: a null one's, for the shapes), as one Scored on the host in the
+    micro-batches' order: the same tensors at every world size."""
+    real = sorted(i for i in parts if i is not None)
+    mine = on_host([parts[i] for i in real] or [parts[None]])
+    n = sum(len(parts[i].rows) for i in real)
+    fields = {k: getattr(mine, k)[:n] for k in ("logp", "routes", "rows")}
+    detail = RouteDetail.FIELDS
+    fields.update({k: getattr(mine.detail, k)[:n] for k in detail} if mine.detail is not None else {})
+    got = all_gather_dealt(fields, sizes, d)
+    return Scored(got["logp"], got["routes"], None, got["rows"],
+                  RouteDetail(*(got[k] for k in detail)) if mine.detail is not None else None)
 
 
 def all_sum_counts(counts: list[int], d: Dist) -> list[int]:

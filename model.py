@@ -294,6 +294,11 @@ class RouteDetail:
     weights: torch.Tensor
     margin: torch.Tensor
     entropy: torch.Tensor
+    FIELDS = ("weights", "margin", "entropy")
+
+    def map(self, f) -> "RouteDetail":
+        """f applied to each field (a row selection, a move to the host, an unpack)."""
+        return RouteDetail(f(self.weights), f(self.margin), f(self.entropy))
 
     @classmethod
     def stack(cls, layers: list, B: int, T: int, k: int, device) -> "RouteDetail":

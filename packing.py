@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 
 import kernels
+from model import RouteDetail
 from replay import pack_routes
 
 
@@ -311,3 +312,41 @@ def unpack(packing: Packing, x: torch.Tensor, width: int, fill=0) -> torch.Tenso
     if y.shape[1] >= width:
         return y[:, :width]
     return torch.cat([y, y.new_full((y.shape[0], width - y.shape[1], *y.shape[2:]), fill)], dim=1)
+
+
+# ---- the trainer's forwards over rows of the batch ----------------------------------------------------
+@dataclass
+class Scored:
+    """A trainer forward over some rows of the rollout batch."""
+    logp: torch.Tensor               # (N, T-1) log-probs of tokens[:, 1:]
+    routes: torch.Tensor             # (N, T, n_moe, k) the router's own choice (also under R3 replay)
+    entropy: torch.Tensor | None     # (N, T-1) when asked for (detached, unless --entropy_coef > 0)
+    rows: torch.Tensor               # (N,) which rows of the rollout batch
+    detail: RouteDetail | None = None   # (N, T, ...) the routes' weights, margins, router entropy
+
+    def select(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> "Scored":
+        """The forward's rows `keep` (a mask or indices), entropy dropped; rows renumbered if given."""
+        detail = None if self.detail is None else self.detail.map(lambda x: x[keep])
+        return Scored(self.logp[keep], self.routes[keep], None, self.rows[keep] if rows is None else rows, detail)
+
+
+def on_host(parts: list[Scored]) -> Scored:
+    """Forwards of consecutive row sets as one, on the host: logp in fp32, detached (entropy dropped)."""
+    detail = None
+    if all(p.detail is not None for p in parts):
+        detail = RouteDetail(*(torch.cat([getattr(p.detail, f).cpu() for p in parts]) for f in RouteDetail.FIELDS))
+    return Scored(torch.cat([p.logp.detach().float().cpu() for p in parts]), torch.cat([p.routes.cpu() for p in parts]),
+                  None, torch.cat([p.rows for p in parts]), detail)
+
+
+def this_ranks(batch: Batch, audited: Scored, rank: int, n: int) -> tuple[Batch, Scored]:
+    """Rank `rank`'s n sequences of the global batch, and their rows of an audit over it (renumbered from
+    0): what runlog.log_routes writes per rank and sums over the ranks."""
+    lo = rank * n
+    keep = (audited.rows >= lo) & (audited.rows < lo + n)
+    return batch.select(slice(lo, lo + n)), audited.select(keep, audited.rows[keep] - lo)
+
+
+def in_row_order(s: Scored) -> Scored:
+    """s with its rows ascending: forwards over the whole rollout batch, as (B, ...) tensors."""
+    return s.select(torch.argsort(s.rows))

@@ -185,7 +185,7 @@ def append_jsonl(run, step: int, name: str, rows: list[dict]) -> None:
 def log_routes(run, step: int, batch, outs, rewards, audited) -> None:
     """The per-expert load histograms of the step (routes.jsonl, at logged steps, summed over ranks)
     and, with --diagnostics=N, the step's most mismatched sequences (diagnostics.jsonl,
-    replay.diagnostics). batch: train.Batch; audited: the train.Scored forward the step's audit used."""
+    replay.diagnostics). batch: train.Batch; audited: the packing.Scored forward the step's audit used."""
     rows, E = audited.rows, run.policy.master.config.num_experts
     if is_log_step(run, step):
         m = batch.route_mask[rows]
@@ -208,7 +208,7 @@ def episode_metrics(run, batch, outs, episodes, audited) -> dict:
     """Multi-turn episodes: turns per episode, the environment's share of the tokens, each turn's mean
     reward and the last turn's, and route flips at the observation tokens (in the route audit, marked:
     their routes are replayed and audited, their log-probs are not the policy's). batch: the global
-    packing.Batch; audited: the train.Scored forward of the step's audit (over it); outs and episodes
+    packing.Batch; audited: the packing.Scored forward of the step's audit (over it); outs and episodes
     (tasks.Episodes, or the batch's record): this rank's, gathered here, so every value is global."""
     if episodes is None:
         return {}

@@ -57,12 +57,12 @@ import replay
 from checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, initial_config,
                         load_optimizer_state, optimizer_state, prepare_out_dir, resume, save_checkpoint, trim_metrics)
 from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
-from distributed import (Dist, Policy, all_cat, all_gather_dealt, all_owned, all_sum_counts, check_in_sync,
+from distributed import (Dist, Policy, all_cat, all_owned, gather_scored, all_sum_counts, check_in_sync,
                          global_batch, init_distributed, lr_at, reduce_metrics, store_routers, update_is_finite)
 from hf import eos_token_ids
 from losses import Normalisers, correction_weights, group_advantages, rejects, token_objective
-from model import CapacityLimit, RouteDetail, Transformer, capacity_limit
-from packing import Batch, MicroBatch, lockstep, make_batch, micro_batches, unpack
+from model import CapacityLimit, Transformer, capacity_limit
+from packing import Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, on_host, this_ranks, unpack
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
                       staleness_split)
 from rollout import Sampler
@@ -136,7 +136,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             row.update(episode_metrics(run, batch, outs, episodes, audited))
             row.update(evaluation.maybe_evaluate(run, step))
             row.update(evaluation.probe(run, step))                   # --probe_every: the fixed probe's audit
-            mine, seen = this_ranks(run, batch, audited, len(outs))   # per-rank files: this rank's sequences
+            mine, seen = this_ranks(batch, audited, run.d.rank, len(outs))   # per-rank files: this rank's sequences
             log_routes(run, step, mine, outs, rewards, seen)          # routes.jsonl, diagnostics.jsonl
             history.append(log_row(run, step, row))
             warn_low_entropy(run, history)
@@ -288,7 +288,7 @@ def old_policy(run: Run, batch: Batch) -> OldPolicy:
             mb = batch.select(micro.rows)
             parts[i] = forward(run, score, mb, micro, grad=False, counted=i is not None,
                                routes=replay.routes_to_replay(own, mb.routes, None))
-        return in_row_order(gather_scored(run, parts, [len(m.rows) for m in micros]))
+        return in_row_order(gather_scored(parts, [len(m.rows) for m in micros], run.d))
     logp, audit, ref_logp = batch.rollout_logp, None, None
     if tcfg.recompute_old_logp:
         audit = scored(run.policy.full)
@@ -398,7 +398,7 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     loss, clipped, entropy, filtered, tokens = (sum(col) for col in all_owned(table, run.d).T.tolist())
     real = sorted(i for i in parts if i is not None)
     scored = on_host([parts[i] for i in real]) if real else None
-    gathered = gather_scored(run, parts, [len(m.rows) for m in micros]) if audit else None
+    gathered = gather_scored(parts, [len(m.rows) for m in micros], run.d) if audit else None
     return MinibatchResult(loss, clipped, gn, scored, entropy, filtered, tokens, gathered)
 
 
@@ -436,24 +436,13 @@ def chosen_load(run: Run, batch: Batch, scored: Scored | None) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# the trainer's forwards over rows of the batch
+# the trainer's forwards over rows of the batch (packing.Scored)
 # ---------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Scored:
-    """A trainer forward over some rows of the rollout batch."""
-    logp: torch.Tensor               # (N, T-1) log-probs of tokens[:, 1:]
-    routes: torch.Tensor             # (N, T, n_moe, k) the router's own choice (also under R3 replay)
-    entropy: torch.Tensor | None     # (N, T-1) when asked for (detached, unless --entropy_coef > 0)
-    rows: torch.Tensor               # (N,) which rows of the rollout batch
-    detail: RouteDetail | None = None   # (N, T, ...) the routes' weights, margins, router entropy
-
-
 def trainer_micro_batches(run: Run, rows: torch.Tensor, lengths: torch.Tensor) -> list[MicroBatch]:
     """packing.micro_batches under this run's config (padded: the minibatch per micro-batch if
     --micro_batch_size is 0), of rows of the global batch: the same at every world size."""
     tcfg = run.tcfg
     return micro_batches(rows, lengths, tcfg.micro_batch_tokens, tcfg.micro_batch_size, tcfg.minibatch_size)
-
 
 
 def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bool, with_entropy: bool = False,
@@ -478,7 +467,7 @@ def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bo
         if pk is not None:
             logp, used = unpack(pk, logp, T - 1), unpack(pk, used, T, fill=-1)
             entropy = None if entropy is None else unpack(pk, entropy, T - 1)
-            detail = RouteDetail(*(unpack(pk, x, T) for x in (detail.weights, detail.margin, detail.entropy)))
+            detail = detail.map(lambda x: unpack(pk, x, T))
     return Scored(logp, used, entropy, micro.rows, detail)
 
 
@@ -489,50 +478,6 @@ def trainer_capacity(run: Run):
     if run.capacity is None:
         run.capacity = CapacityLimit(run.tcfg.train_capacity_factor)
     return capacity_limit(run.capacity)
-
-
-def on_host(parts: list[Scored]) -> Scored:
-    """Forwards of consecutive row sets as one, on the host: logp in fp32, detached (entropy dropped)."""
-    detail = None
-    if all(p.detail is not None for p in parts):
-        detail = RouteDetail(*(torch.cat([getattr(p.detail, f).cpu() for p in parts]) for f in ("weights", "margin", "entropy")))
-    return Scored(torch.cat([p.logp.detach().float().cpu() for p in parts]), torch.cat([p.routes.cpu() for p in parts]),
-                  None, torch.cat([p.rows for p in parts]), detail)
-
-
-DETAIL = ("weights", "margin", "entropy")                           # RouteDetail's fields
-
-
-def gather_scored(run: Run, parts: dict, sizes: list[int]) -> Scored:
-    """Forwards of a list of micro-batches (sizes: their rows), each run by the rank packing.deal gave it
-    (parts: this rank's by index, None: a null one's, for the shapes), as one Scored on the host in the
-    micro-batches' order: the same tensors at every world size."""
-    real = sorted(i for i in parts if i is not None)
-    mine = on_host([parts[i] for i in real] or [parts[None]])
-    n = sum(len(parts[i].rows) for i in real)
-    fields = {k: getattr(mine, k)[:n] for k in ("logp", "routes", "rows")}
-    fields.update({k: getattr(mine.detail, k)[:n] for k in DETAIL} if mine.detail is not None else {})
-    got = all_gather_dealt(fields, sizes, run.d)
-    detail = RouteDetail(*(got[k] for k in DETAIL)) if mine.detail is not None else None
-    return Scored(got["logp"], got["routes"], None, got["rows"], detail)
-
-
-def this_ranks(run: Run, batch: Batch, audited: Scored, n: int) -> tuple[Batch, Scored]:
-    """This rank's n sequences of the global batch, and their rows of an audit over it (renumbered from
-    0): what runlog.log_routes writes per rank and sums over the ranks."""
-    lo = run.d.rank * n
-    keep = (audited.rows >= lo) & (audited.rows < lo + n)
-    detail = None if audited.detail is None else RouteDetail(*(getattr(audited.detail, k)[keep] for k in DETAIL))
-    return batch.select(slice(lo, lo + n)), Scored(audited.logp[keep], audited.routes[keep], None,
-                                                   audited.rows[keep] - lo, detail)
-
-
-def in_row_order(s: Scored) -> Scored:
-    """s with its rows ascending: forwards over the whole rollout batch, as (B, ...) tensors."""
-    order = torch.argsort(s.rows)
-    detail = None if s.detail is None else RouteDetail(s.detail.weights[order], s.detail.margin[order],
-                                                       s.detail.entropy[order])
-    return Scored(s.logp[order], s.routes[order], None, s.rows[order], detail)
 
 
 # ---------------------------------------------------------------------------------------------------

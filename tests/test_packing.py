@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from conftest import ROOT, make_model, rel_err, tiny_config
-from packing import Packing, deal, null_micro_batch, pack
+from packing import Packing, deal, in_row_order, null_micro_batch, pack
 from rollout import Sampler
 
 LENGTHS = [5, 17, 33, 1, 20, 16]       # across tiles, a one-token sequence, one exactly a tile
@@ -352,7 +352,6 @@ def minibatch(run, batch, idx, **kw):
 ])
 def test_packed_training_step_equals_the_padded_one(trainer_batch, loss, agg, extra):
     import dataclasses
-    import train
     run, batch = trainer_batch
     if "route_filter" in extra:                      # rollout routes the trainer does not take, on odd rows
         odd = (torch.arange(batch.tokens.shape[0]) % 2 == 1)[:, None, None, None] & (batch.routes >= 0)
@@ -368,7 +367,7 @@ def test_packed_training_step_equals_the_padded_one(trainer_batch, loss, agg, ex
     m = batch.mask.bool()
     assert torch.equal(old_a.logp[m], old_b.logp[m]) and torch.equal(old_b.logp[m], batch.rollout_logp[m])
     assert torch.equal(old_a.ref_logp[m], old_b.ref_logp[m])
-    sa, sb = train.in_row_order(a.scored), train.in_row_order(b.scored)
+    sa, sb = in_row_order(a.scored), in_row_order(b.scored)
     sm, rm = batch.mask[sa.rows].bool(), batch.route_mask[sa.rows]
     assert torch.equal(sa.rows, sb.rows) and torch.equal(sa.logp[sm], sb.logp[sm])
     assert torch.equal(sa.routes[rm], sb.routes[rm])
