@@ -31,10 +31,11 @@ def say(msg):
         print("ok", msg, flush=True)
 
 
-def run(out, fault=False, **kw):
+def run(out, fault=False, rollout=None, **kw):
     tcfg = TrainConfig(**{**BASE, "out_dir": out, "overwrite": True, **kw})
     d = Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-    return train._train(tcfg, RolloutConfig(rollout_router_fault="expert_map" if fault else "none"), d)
+    rcfg = RolloutConfig(rollout_router_fault="expert_map" if fault else "none", **(rollout or {}))
+    return train._train(tcfg, rcfg, d)
 
 
 def resume(out, **kw):
@@ -127,6 +128,16 @@ def main(out):
         for a, b in zip(*bad):
             assert {k: v for k, v in a.items() if k not in IGNORED} == {k: v for k, v in b.items() if k not in IGNORED}
         say(f"expert_map fault EP=1 vs EP=2: every metric equal, KL {bad[0][0]['train_rollout_k3']:.2e} at both")
+        # R3 under a mismatch (a bf16 rollout copy): EP changes no bit of it, and it beats no replay
+        bf16 = dict(rollout={"rollout_dtype": "bfloat16"}, recompute_old_logp=True)
+        r3 = [run(f"{out}/{n}", expert_parallel=n, replay="r3", **bf16) for n in (1, 2)]
+        for a, b in zip(*r3):
+            assert {k: v for k, v in a.items() if k not in IGNORED} == {k: v for k, v in b.items() if k not in IGNORED}
+        free = run(f"{out}/free", expert_parallel=2, **bf16)
+        for a, b in zip(r3[1], free):
+            assert 0 < a["logp_max_abs_diff"] < b["logp_max_abs_diff"] and a["train_rollout_k3"] < b["train_rollout_k3"], (a, b)
+        say(f"R3 under a bf16 rollout, EP=1 vs EP=2: every metric equal; worst gap {r3[1][0]['logp_max_abs_diff']:.2e} "
+            f"against {free[0]['logp_max_abs_diff']:.2e} without replay")
     # checkpoints: whole experts on disk; resume at the same layout, and at another EP degree
     # (4 ranks: under FSDP2, each expert shard sharded over its 2 replicas, AdamW's state too)
     n, kw = 2, (dict(parallel="fsdp") if world == 4 else {})

@@ -378,6 +378,44 @@ def test_replay_old_replays_the_old_policys_routes(tmp_path, monkeypatch):
         TrainConfig(replay="old")
 
 
+FAST = ["--rollout_mode=fast", "--rollout_dtype=bfloat16", "--router_bf16=true"]   # a mismatched rollout
+
+
+@pytest.mark.parametrize("layout", [[], ["--micro_batch_tokens=0"]], ids=["packed", "padded"])
+def test_r3_under_a_fast_rollout_computes_with_the_rollouts_routes(tmp_path, monkeypatch, layout):
+    """R3 where it matters: a fast bf16 rollout picks other experts than the trainer would. Every trainer
+    forward (the old-policy recompute and the update) computes with exactly the rollout's recorded routes
+    (kernels.route's ids used, per MoE layer, are the batch's routes as a multiset of rows, and equal the
+    forced ids wherever one was recorded), so the routes used flip nowhere, where the free router's choice
+    flips; and the train-rollout KL (k3) and worst log-prob gap fall below the no-replay run's on the same samples."""
+    seen, batches, real_route, real_batch = [], [], kernels.route, train.make_batch
+
+    def route_spy(logits, top_k, norm, forced=None, **kw):
+        out = real_route(logits, top_k, norm, forced, **kw)
+        if forced is not None:                                        # a trainer forward under replay
+            seen.append((forced.long(), out[0]))
+        return out
+    monkeypatch.setattr(kernels, "route", route_spy)
+    monkeypatch.setattr(train, "make_batch", lambda *a: batches.append(real_batch(*a)) or batches[-1])
+    one = SMALL + FAST + layout + ["--steps=1", "--recompute_old_logp=true", "--minibatch_size=128"]
+    r3 = _run(tmp_path / "r3", one + ["--replay=r3"])[0]
+    free = _run(tmp_path / "none", one)[0]
+    assert len(batches) == 2 and torch.equal(batches[0].tokens, batches[1].tokens)   # the same samples
+    batch = batches[0]
+    n_moe = batch.routes.shape[2]
+    assert len(seen) == 2 * n_moe                                     # 2 forwards of one micro-batch, every MoE layer
+    for c, (forced, used) in enumerate(seen):
+        recorded = (forced >= 0).all(-1)
+        assert torch.equal(used[recorded], forced[recorded])          # the forced experts are the ones computed
+        want = batch.routes[:, :, c % n_moe][batch.route_mask]        # (N, k): the rollout's, every recorded position
+        assert torch.equal(torch.unique(used[recorded], dim=0, return_counts=True)[1],
+                           torch.unique(want, dim=0, return_counts=True)[1])
+        assert torch.equal(torch.unique(used[recorded], dim=0), torch.unique(want, dim=0))
+    assert free["route_flip_frac"] > 0 and r3["route_flip_frac"] > 0  # the router's own choice flips in both
+    assert 0 < r3["train_rollout_k3"] < free["train_rollout_k3"]
+    assert r3["logp_max_abs_diff"] < free["logp_max_abs_diff"]
+
+
 # ---- what the routes say: the probe, routes.jsonl, diagnostics.jsonl, the sequence-level filter -------
 TIMING = set(runlog.TIMINGS)
 
