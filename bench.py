@@ -497,7 +497,7 @@ def micro_batch_grads(init_from: str, task: str, seed: int, budget: int) -> list
         params, grads = list(run.policy.master.parameters()), []
         run.policy.master.train()
         for micro in train.trainer_micro_batches(run, idx, batch.lengths):
-            train.micro_step(run, batch, old, micro, norm, counted=True)
+            train.micro_step(run, batch, old, micro, norm, run.tcfg.replay, counted=True)
             grads.append([p.grad.detach().clone() for p in params])
             for p in params:
                 p.grad = None
@@ -926,6 +926,7 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "fast+reject": ["--recompute_old_logp=true", "--correction=reject"],
     "fast+icepop": ["--recompute_old_logp=true", "--correction=icepop"],
     "fast+r3": ["--recompute_old_logp=true", "--replay=r3"],
+    "fast+r3 bounded": ["--recompute_old_logp=true", "--replay=r3", "--replay_steps=1"],   # R3 on the first update only
     "fast+route_filter": ["--recompute_old_logp=true", "--route_filter=mask"],
     "fast+gspo": ["--recompute_old_logp=true", "--loss=gspo"],
     # another router: sigmoid scores, a score-correction bias (balanced during RL), a shared expert, 2 groups

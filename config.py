@@ -496,6 +496,8 @@ class TrainConfig:
     rejected_tokens: str = "zero_weight"   # zero_weight (still counted in the token mean, still carry KL) | drop
     replay: str = "none"              # none | r3 (the rollout's routes) | old (the recomputed old policy's routes,
                                       # "vanilla routing replay"; needs --recompute_old_logp)
+    replay_steps: int = 0             # > 0: replay on the first N optimizer steps of each batch only (bounded
+                                      # replay), then the router's own routes (0: on every one)
     route_filter: str = "none"        # none | mask | downweight: the loss of tokens whose rollout/trainer top-k
                                       # overlap is below --route_filter_threshold (masked, or times the overlap)
     route_filter_threshold: float = 0.9    # --route_filter: the overlap (mean over MoE layers) a token needs
@@ -656,6 +658,9 @@ class TrainConfig:
         _require(self.replay in REPLAY_MODES, f"--replay={self.replay!r}: choose one of {', '.join(REPLAY_MODES)}")
         _require(self.replay != "old" or self.recompute_old_logp,
                  "--replay=old replays the routes of the recomputed old-policy forward: add --recompute_old_logp=true")
+        _require(self.replay_steps >= 0, f"--replay_steps={self.replay_steps}: must be >= 0 (0: replay on every update)")
+        _require(not self.replay_steps or self.replay != "none",
+                 f"--replay_steps={self.replay_steps} bounds a replay: add --replay=r3 or --replay=old")
         _require(self.route_filter in ROUTE_FILTERS, f"--route_filter: {', '.join(ROUTE_FILTERS)}")
         _require(self.route_filter_level in ROUTE_FILTER_LEVELS,
                  f"--route_filter_level={self.route_filter_level!r}: {' or '.join(ROUTE_FILTER_LEVELS)}")

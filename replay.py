@@ -14,7 +14,7 @@ A route is the top-k expert ids of one token at one MoE layer; a batch of them i
 2. **Pack.** `pack_routes` lays them out like the trainer's padded token batch and checks that they fit
    the tokens: the one place routes are checked on the host, so the trainer replays them unread.
 3. **Replay.** `routes_to_replay(mode, ...)`: R3 replays the rollout's routes, `old` the old-policy
-   forward's (vanilla routing replay), `none` nothing. The mechanism is the model's: `model.score(
+   forward's (vanilla routing replay), `none` nothing; `replay_mode` bounds it to a batch's first updates. The mechanism is the model's: `model.score(
    routes=...)` hands each MoE layer its forced ids (kernels.route gathers the router's own scores at
    them, so the router still gets gradients and replaying one's own routes is the free forward, bitwise).
 4. **Audit.** `route_audit` compares the rollout's routes with the trainer's (flips per layer, top-k
@@ -68,6 +68,14 @@ def routes_to_replay(mode: str, rollout_routes: torch.Tensor | None,
     return routes
 
 
+def replay_mode(mode: str, bound: int, update: int) -> str:
+    """The replay mode of optimizer step `update` (0-based) on a batch: `mode`, or "none" from step `bound`
+    on (--replay_steps; 0: no bound). Bounded replay: forcing the rollout's (or the old policy's) routes
+    on every update keeps the router from moving a boundary the policy has learned to move; after `bound`
+    updates the router's own choice computes the forward, and the ratio then carries the routing change."""
+    return mode if bound == 0 or update < bound else "none"
+
+
 def topk_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|set a & set b| / k of each routing decision: routes (..., k) -> (...) float in [0, 1]."""
     k = a.shape[-1]
@@ -117,6 +125,16 @@ def expert_load(routes: torch.Tensor, n_experts: int) -> torch.Tensor:
     N, n_moe, k = routes.shape
     offset = torch.arange(n_moe, device=routes.device)[None, :, None] * n_experts   # layer j's experts at j * E
     return torch.bincount((routes + offset).reshape(-1), minlength=n_moe * n_experts).view(n_moe, n_experts)
+
+
+def chosen_load(scored, mask: torch.Tensor, config) -> torch.Tensor:
+    """(n_moe, E) a rank's expert load at the response-scoring positions (mask (B, T-1)) of its forwards'
+    rows (scored: a packing.Scored; None: it ran none): what the aux-loss-free bias update sums over
+    ranks (integers) and balances (distributed.Policy.step). config: the model's."""
+    if scored is None:
+        return torch.zeros(len(config.moe_layers), config.num_experts, dtype=torch.long)
+    chosen = scored.routes[:, :-1][mask[scored.rows].bool()]         # (N, n_moe, k)
+    return expert_load(chosen, config.num_experts)
 
 
 def route_audit(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, n_experts: int,

@@ -362,13 +362,15 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateSta
     for epoch in range(tcfg.epochs):
         perm = torch.randperm(B, generator=perm_gen)
         for lo in range(0, B, mb_size):
-            r = minibatch_step(run, batch, old, perm[lo:lo + mb_size], step, audit=first is None)
+            mode = replay.replay_mode(tcfg.replay, tcfg.replay_steps, epoch * -(-B // mb_size) + lo // mb_size)
+            r = minibatch_step(run, batch, old, perm[lo:lo + mb_size], step, mode, audit=first is None)
             first = first or r.gathered
             stats.add_forward(r)
             if not update_is_finite(step + 1, r.loss, r.grad_norm, run.skipped, tcfg, run.d):
                 run.skipped += 1                                      # as if this update had not run
                 continue
-            policy.step(chosen_load(run, batch, r.scored) if tcfg.expert_bias_update_rate > 0 else None)
+            policy.step(replay.chosen_load(r.scored, batch.mask, policy.master.config)
+                        if tcfg.expert_bias_update_rate > 0 else None)
             stats.add_update(r)
     return stats, first
 
@@ -376,11 +378,12 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateSta
 MICRO_STATS = ("loss", "clipped", "entropy_sum", "filtered", "tokens")   # a micro-batch's sums (micro_step)
 
 
-def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, step: int,
+def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, step: int, mode: str,
                    audit: bool = False) -> MinibatchResult:
     """Forward and backward of one minibatch: micro-batches cut from it (the same at every world size)
     and dealt to the ranks in lockstep; the gradients summed over them and the ranks, clipped (not yet
-    applied). audit: also gather every rank's forwards (MinibatchResult.gathered)."""
+    applied). mode: the replay mode of this update (replay.replay_mode). audit: also gather every rank's
+    forwards (MinibatchResult.gathered)."""
     tcfg, policy = run.tcfg, run.policy
     # normalisers over the global minibatch, so the micro-batches' losses add up to the global one
     norm = Normalisers(float(old.loss_mask[idx].sum()), len(idx), max_new_tokens(run))
@@ -391,7 +394,7 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     parts = {}                                                        # micro-batch index (None: a null one) -> forward
     for n, (i, micro) in enumerate(steps):
         with policy.grad_sync(last=n == len(steps) - 1):
-            parts[i], sums = micro_step(run, batch, old, micro, norm, counted=i is not None)
+            parts[i], sums = micro_step(run, batch, old, micro, norm, mode, counted=i is not None)
         if i is not None:
             table[i] = torch.tensor(sums, dtype=torch.float64)
     gn = policy.finish_grads()          # summed over ranks (exact, or the wrappers' fp32), clipped
@@ -402,7 +405,7 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     return MinibatchResult(loss, clipped, gn, scored, entropy, filtered, tokens, gathered)
 
 
-def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: Normalisers,
+def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: Normalisers, mode: str,
                counted: bool) -> tuple[Scored, list[float]]:
     """One micro-batch's forward and backward (its gradients go where Policy.grad_sync sends them) and
     its MICRO_STATS. A null micro-batch (counted=False) runs the same ops, its loss times 0."""
@@ -411,7 +414,7 @@ def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: 
     mb = batch.select(sub)
     old_routes = None if old.audit is None else old.audit.routes[sub]
     out = forward(run, run.policy.trainer, mb, micro, grad=True, with_entropy=True, counted=counted,
-                  entropy_grad=tcfg.entropy_coef > 0, routes=replay.routes_to_replay(tcfg.replay, mb.routes, old_routes))
+                  entropy_grad=tcfg.entropy_coef > 0, routes=replay.routes_to_replay(mode, mb.routes, old_routes))
     logp = out.logp.float()
     mask, response = old.loss_mask[sub].to(device), mb.mask.to(device)
     keep = replay.route_filter(mb.routes.to(device), out.routes, response, tcfg)   # rollout vs trainer experts
@@ -423,16 +426,6 @@ def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: 
     sums = [loss.item(), (clipped.float() * mask).sum().item() / norm.tokens, (out.entropy.detach() * response).sum().item(),
             0.0 if keep is None else ((keep < 1) * response).sum().item(), mb.mask.sum().item()]
     return dataclasses.replace(out, logp=logp), sums
-
-
-def chosen_load(run: Run, batch: Batch, scored: Scored | None) -> torch.Tensor:
-    """(n_moe, E) this rank's expert load at the response-scoring positions of its forwards' rows (None:
-    it ran none): what the aux-loss-free bias update sums over ranks (integers) and balances."""
-    cfg = run.policy.master.config
-    if scored is None:
-        return torch.zeros(len(cfg.moe_layers), cfg.num_experts, dtype=torch.long)
-    chosen = scored.routes[:, :-1][batch.mask[scored.rows].bool()]    # (N, n_moe, k)
-    return replay.expert_load(chosen, cfg.num_experts)
 
 
 # ---------------------------------------------------------------------------------------------------

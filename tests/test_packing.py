@@ -335,7 +335,7 @@ def minibatch(run, batch, idx, **kw):
     import train
     run = dataclasses.replace(run, tcfg=dataclasses.replace(run.tcfg, **kw))
     old = train.old_policy(run, batch)
-    r = train.minibatch_step(run, batch, old, idx, 0)
+    r = train.minibatch_step(run, batch, old, idx, 0, run.tcfg.replay)
     grads = {n: p.grad.clone() for n, p in run.policy.master.named_parameters()}
     return old, r, grads, train.trainer_micro_batches(run, idx, batch.lengths)
 

@@ -416,6 +416,25 @@ def test_r3_under_a_fast_rollout_computes_with_the_rollouts_routes(tmp_path, mon
     assert r3["logp_max_abs_diff"] < free["logp_max_abs_diff"]
 
 
+@pytest.mark.parametrize("bound, forced_updates", [(0, [True, True, True, True]), (1, [True, False, False, False]),
+                                                     (3, [True, True, True, False])])
+def test_bounded_replay_replays_the_first_updates_of_a_batch_only(tmp_path, monkeypatch, bound, forced_updates):
+    """--replay_steps=N: R3 on a batch's first N optimizer steps (2 epochs x 2 minibatches here), then the
+    router's own routes; the old-policy forward replays either way (it is no update). Counted by the
+    trainer forwards that hand kernels.route forced ids: one per MoE layer and micro-batch."""
+    forwards, real = [], train.forward
+    monkeypatch.setattr(train, "forward", lambda *a, **kw: forwards.append((kw["grad"], kw["routes"] is not None))
+                        or real(*a, **kw))
+    _run(tmp_path, SMALL + FAST + ["--steps=1", "--recompute_old_logp=true", "--minibatch_size=64", "--epochs=2",
+                                   "--micro_batch_tokens=0", "--replay=r3", f"--replay_steps={bound}"])
+    assert [replayed for grad, replayed in forwards if not grad] == [True, True]     # the old policy: 2 micro-batches
+    assert [replayed for grad, replayed in forwards if grad] == forced_updates               # 4 updates, 1 micro-batch each
+    with pytest.raises(ConfigError, match="--replay=r3 or --replay=old"):
+        TrainConfig(replay_steps=2)
+    with pytest.raises(ConfigError, match=">= 0"):
+        TrainConfig(replay="r3", replay_steps=-1)
+
+
 # ---- what the routes say: the probe, routes.jsonl, diagnostics.jsonl, the sequence-level filter -------
 TIMING = set(runlog.TIMINGS)
 
