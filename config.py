@@ -502,6 +502,9 @@ class TrainConfig:
                                       # overlap is below --route_filter_threshold (masked, or times the overlap)
     route_filter_threshold: float = 0.9    # --route_filter: the overlap (mean over MoE layers) a token needs
     route_filter_level: str = "token"      # token | sequence: filter whole responses by their mean overlap
+    route_filter_tokens: str = ""     # key tokens: comma-separated ids and / or a task's token class (digits); such a
+                                      # response token gets loss weight 0 where its top-1 expert flipped in any MoE
+                                      # layer (times --route_filter's weight if both are on); "": off
     train_capacity_factor: float = 0.0    # > 0: in the trainer's forwards each expert takes at most
                                           # ceil(C * tokens * k / E) (token, slot) rows (model.capacity_limit);
                                           # 0: dropless. The rollout is always dropless
@@ -523,6 +526,8 @@ class TrainConfig:
     probe_every: int = 0              # > 0: every N steps, roll out a fixed probe set greedily and audit it
     probe_prompts: int = 8            # the probe set's size (drawn once from the task)
     diagnostics: int = 0              # > 0: each step, the N most mismatched sequences to diagnostics.jsonl
+    diagnostics_holdout: bool = False  # --diagnostics' sequences, chosen from the recomputed old policy, are held out of
+                                       # the update (diagnostics_held_out counts them; needs --recompute_old_logp)
     log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
     log_to: str = ""                  # "" (metrics.jsonl only) | tensorboard | wandb: a copy of each row
     entropy_warn: float = 0.05        # one warning line when the mean entropy stays below this for
@@ -664,6 +669,26 @@ class TrainConfig:
         _require(self.route_filter in ROUTE_FILTERS, f"--route_filter: {', '.join(ROUTE_FILTERS)}")
         _require(self.route_filter_level in ROUTE_FILTER_LEVELS,
                  f"--route_filter_level={self.route_filter_level!r}: {' or '.join(ROUTE_FILTER_LEVELS)}")
+        _require(all(re.fullmatch(r"\d+|[A-Za-z_]\w*", t) for t in self._key_token_items()),
+                 f"--route_filter_tokens={self.route_filter_tokens!r}: comma-separated token ids and / or a task's "
+                 "token class, e.g. --route_filter_tokens=digits or --route_filter_tokens=15,16")
+        _require(not self.diagnostics_holdout or (self.recompute_old_logp and self.diagnostics > 0),
+                 "--diagnostics_holdout=true holds out the sequences --diagnostics=N picks before the update, from the "
+                 "recomputed old policy: add --recompute_old_logp=true and --diagnostics=N (N > 0)")
+
+    def _key_token_items(self) -> list[str]:
+        return [t.strip() for t in self.route_filter_tokens.split(",")] if self.route_filter_tokens.strip() else []
+
+    def route_filter_token_ids(self, task, vocab_size: int) -> tuple[int, ...]:
+        """--route_filter_tokens as sorted ids: its ids and its classes' (task.token_class, which refuses a class
+        the task does not define); an id outside the model's vocabulary is one line. () when off."""
+        ids = set()
+        for item in self._key_token_items():
+            ids.update([int(item)] if item.isdigit() else task.token_class(item))
+        bad = sorted(i for i in ids if i >= vocab_size)
+        _require(not bad, f"--route_filter_tokens={self.route_filter_tokens}: ids {bad[:5]} are not in the model's "
+                 f"vocabulary of {vocab_size} ids (0..{vocab_size - 1})")
+        return tuple(sorted(ids))
 
     def check_ranks(self, n_train: int, n_rollout: int = 0) -> None:
         """The batch must split evenly over the training ranks (and --rollout_ranks' ranks)."""
@@ -678,7 +703,8 @@ class TrainConfig:
         """The options that need the model: the route options refuse a model without a router (they
         would do nothing), the bias update needs a bias, and the task's ids must fit the vocabulary."""
         if not model.moe_layers:
-            for name, off in (("train_capacity_factor", 0.0), ("replay", "none"), ("route_filter", "none")):
+            for name, off in (("train_capacity_factor", 0.0), ("replay", "none"), ("route_filter", "none"),
+                              ("route_filter_tokens", "")):
                 _require(getattr(self, name) == off,
                          f"--{name}={getattr(self, name)}: the model has no MoE layer (no routes); drop it")
         _require(self.expert_bias_update_rate == 0 or model.score_correction_bias,

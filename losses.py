@@ -147,6 +147,14 @@ class Normalisers:
     sequences: int                # sequences in the minibatch, over every rank
     max_new_tokens: int           # drgrpo's constant
 
+    @classmethod
+    def of(cls, loss_mask: torch.Tensor, idx: torch.Tensor, held_out: torch.Tensor,
+           max_new_tokens: int) -> "Normalisers":
+        """The global minibatch idx's: its loss tokens (loss_mask (B, T)) and its sequences but the held-out
+        rows (--diagnostics_holdout, replay.hold_out), each at least 1 (nothing left to learn from: loss 0)."""
+        n_seq = len(idx) - int(torch.isin(idx, held_out).sum())
+        return cls(max(1.0, float(loss_mask[idx].sum())), max(1, n_seq), max_new_tokens)
+
 
 def token_objective(logp, old_logp, adv, mask, cfg, norm: Normalisers, weights=(), ref_logp=None, entropy=None):
     """The loss of one micro-batch, and its (B, T) bool of clipped tokens.

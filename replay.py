@@ -20,9 +20,11 @@ A route is the top-k expert ids of one token at one MoE layer; a batch of them i
 4. **Audit.** `route_audit` compares the rollout's routes with the trainer's (flips per layer, top-k
    overlap, top-1 flips, expert load, margins and router entropy from model.RouteDetail);
    `mismatch_metrics` does the same for log-probs; `load_histogram`, `route_drift` and `diagnostics`
-   feed routes.jsonl, the probe and diagnostics.jsonl.
+   feed routes.jsonl, the probe and diagnostics.jsonl (`hold_out`: its sequences chosen before the update,
+   and kept out of it).
 5. **Filter.** `route_filter_weights`: the loss weights of tokens by their top-k overlap (the cheaper
-   alternative to R3), composed into the objective by losses.token_objective.
+   alternative to R3), `key_token_weights`: 0 for chosen key tokens whose top-1 expert flipped; composed
+   into the objective by losses.token_objective.
 `topk_overlap` and `expert_load` are the two measures the rest is built from (the aux-loss-free bias
 update, distributed.Policy.step, balances the load).
 The replay options' names are the tables below (REPLAY_MODES, ROUTE_FILTERS, ROUTE_FILTER_LEVELS);
@@ -110,14 +112,41 @@ def route_filter_weights(overlap: torch.Tensor, mode: str, threshold: float, lev
     return torch.ones_like(overlap)
 
 
-def route_filter(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor | None:
-    """--route_filter's per-token loss weights (B, T-1) for a forward's routes (B, T, n_moe, k) against the
+def route_filter(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, cfg,
+                 tokens: torch.Tensor | None = None, key_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The route filters' per-token loss weights (B, T-1) for a forward's routes (B, T, n_moe, k) against the
     rollout's (position j's route scores token j + 1, as logp[:, j]); mask (B, T-1): the loss tokens.
-    None when the filter is off (cfg: a TrainConfig)."""
-    if cfg.route_filter == "none":
+    --route_filter's (route_filter_weights) times --route_filter_tokens' (key_token_weights of tokens (B, T)
+    and key_tokens, key_token_table's); None when both are off (cfg: a TrainConfig)."""
+    weights = None
+    if cfg.route_filter != "none":
+        overlap = token_overlap(rollout[:, :-1], train[:, :-1])
+        weights = route_filter_weights(overlap, cfg.route_filter, cfg.route_filter_threshold, cfg.route_filter_level,
+                                       mask)
+    if key_tokens is not None:
+        key = key_token_weights(rollout, train, tokens.to(rollout.device), key_tokens)
+        weights = key if weights is None else weights * key
+    return weights
+
+
+def key_token_table(ids, vocab_size: int, device=None) -> torch.Tensor | None:
+    """(V,) bool: the ids --route_filter_tokens names (TrainConfig.route_filter_token_ids); None for none (off)."""
+    if not ids:
         return None
-    overlap = token_overlap(rollout[:, :-1], train[:, :-1])
-    return route_filter_weights(overlap, cfg.route_filter, cfg.route_filter_threshold, cfg.route_filter_level, mask)
+    table = torch.zeros(vocab_size, dtype=torch.bool)
+    table[list(ids)] = True
+    return table.to(device)
+
+
+def key_token_weights(rollout: torch.Tensor, train: torch.Tensor, tokens: torch.Tensor,
+                      table: torch.Tensor) -> torch.Tensor:
+    """--route_filter_tokens' weights (B, T-1): 0 for a key token (table[token], (V,) bool) whose top-1 expert at
+    the position that scores it differs between the rollout's and the trainer's routes (B, T, n_moe, k) in any
+    MoE layer, else 1; tokens (B, T), column j of the result scores tokens[:, j + 1]. Without a mismatch no
+    top-1 differs: every weight is exactly 1."""
+    first_r, first_t = rollout[:, :-1, :, 0], train[:, :-1, :, 0]           # (B, T-1, n_moe): the first choices
+    flipped = ((first_r != first_t) & (first_r >= 0)).any(-1)               # an unrecorded position (-1) is no flip
+    return (~(flipped & table[tokens[:, 1:]])).float()
 
 
 def expert_load(routes: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -234,37 +263,77 @@ def _rounded_one(v: float):
     return float(f"{v:.7g}") if math.isfinite(v) else None
 
 
+def sequence_mismatch(train_logp: torch.Tensor, rollout_logp: torch.Tensor, weight: torch.Tensor | None,
+                      rollout_routes: torch.Tensor, train_routes: torch.Tensor) -> tuple[tuple, bool, torch.Tensor]:
+    """One response's mismatch over the N positions that score it: log-probs (N,), weight (N,) 0 at an episode's
+    environment ids (no log-prob; None: none), routes (N, n_moe, k). Returns its rank key (mean top-k overlap,
+    minus the max |logp diff|: the most mismatched sort first), whether it qualifies for diagnostics (a
+    route flipped in some layer, or a token is extreme: |logp diff| > ln 2) and the overlaps (N, n_moe)."""
+    diff = (train_logp.double() - rollout_logp.double()).abs()
+    if weight is not None:
+        diff = diff * weight.double()
+    overlap = topk_overlap(rollout_routes, train_routes)                   # (N, n_moe)
+    mean_overlap = overlap.mean().item() if overlap.numel() else 1.0
+    return (mean_overlap, -diff.max().item()), mean_overlap < 1 or bool((diff > math.log(2)).any()), overlap
+
+
+def hold_out(batch, audit, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """--diagnostics_holdout: the loss mask (B, T-1) without the step's diagnostics sequences (out of the loss,
+    its normalisers and the KL: what diagnostics.jsonl shows is not trained on), and their rows (n,) int64 of
+    the global batch (packing.Batch): the cfg.diagnostics most mismatched by `diagnostics`' rule, most
+    mismatched first, chosen before the update from the old-policy forward over the whole batch (audit: a
+    packing.Scored of rows 0..B-1): a function of the two alone, the same on every rank and world size."""
+    if not cfg.diagnostics_holdout:
+        return batch.mask, torch.zeros(0, dtype=torch.long)
+    scoring = batch.mask.bool() | batch.observed[:, 1:]                  # (B, T-1): the positions scoring a response
+    picked = []
+    for r in range(scoring.shape[0]):
+        at = scoring[r].nonzero()[:, 0]                                  # P - 1 .. P + N - 2, as diagnostics' slice
+        key, qualifies, _ = sequence_mismatch(audit.logp[r, at], batch.rollout_logp[r, at], batch.mask[r, at],
+                                              batch.routes[r, at], audit.routes[r, at])
+        if qualifies:
+            picked.append((key, r))
+    picked.sort(key=lambda p: p[0])                                      # stable: ties keep the batch's order
+    rows = torch.tensor([r for _, r in picked[:cfg.diagnostics]], dtype=torch.long)
+    mask = batch.mask.clone()
+    mask[rows] = 0
+    return mask, rows
+
+
 def diagnostics(step: int, outs: list, rows: torch.Tensor, train_logp: torch.Tensor, train_routes: torch.Tensor,
                 rollout_routes: torch.Tensor, rewards: torch.Tensor, n: int, *,
-                train_margin: torch.Tensor | None = None, decode=None) -> list[dict]:
+                train_margin: torch.Tensor | None = None, decode=None, only: list[int] | None = None,
+                offset: int = 0) -> list[dict]:
     """The rows of diagnostics.jsonl: up to n of the sequences `rows` whose routes or log-probs disagree.
 
     A sequence qualifies if any response token's routes flipped in some layer or a token is extreme
     (|logp train - logp rollout| > ln 2); the n with the lowest mean top-k overlap go first (ties: the
-    larger max |logp diff|). train_logp (R, T-1), train_routes / rollout_routes (R, T, n_moe, k) and
-    train_margin (R, T, n_moe) are for the sequences outs[rows[j]]. Per response token j the route
-    fields are those of the position that scores it (the one before it, as the log-prob).
+    larger max |logp diff|) (sequence_mismatch). only: these sequences instead, in this order (the ones
+    hold_out chose; their rows say "held_out": true). train_logp (R, T-1), train_routes / rollout_routes
+    (R, T, n_moe, k) and train_margin (R, T, n_moe) are for the sequences outs[rows[j]]; a row's "sequence"
+    is offset + its index in outs (its row of the global batch). Per response token j the route fields are
+    those of the position that scores it (the one before it, as the log-prob).
     """
     picked = []
     for j, r in enumerate(rows.tolist()):
         o = outs[r]
         P, N = len(o.prompt), len(o.tokens)
         at = slice(P - 1, P - 1 + N)                                  # the positions scoring the response
-        diff = (train_logp[j, at].double() - torch.as_tensor(o.logprobs, dtype=torch.float64)).abs()
-        if getattr(o, "policy_mask", None):                           # an episode: the environment's ids have no log-prob
-            diff = diff * torch.as_tensor(o.policy_mask, dtype=torch.float64)
-        overlap = topk_overlap(rollout_routes[j, at], train_routes[j, at])       # (N, n_moe)
-        mean_overlap = overlap.mean().item() if overlap.numel() else 1.0
-        if mean_overlap < 1 or (diff > math.log(2)).any():
-            picked.append((mean_overlap, -diff.max().item(), j, r, at, overlap))
-    picked.sort(key=lambda p: p[:2])
+        weight = torch.as_tensor(o.policy_mask) if getattr(o, "policy_mask", None) else None   # an episode
+        key, qualifies, overlap = sequence_mismatch(train_logp[j, at], torch.as_tensor(o.logprobs, dtype=torch.float64),
+                                                    weight, rollout_routes[j, at], train_routes[j, at])
+        if (qualifies if only is None else r in only):
+            picked.append((key, j, r, at, overlap))
+    picked.sort(key=lambda p: p[0] if only is None else only.index(p[2]))
     out = []
-    for mean_overlap, neg_diff, j, r, at, overlap in picked[:n]:
+    for (mean_overlap, neg_diff), j, r, at, overlap in picked[:n] if only is None else picked:
         o = outs[r]
-        row = {"step": step, "sequence": r, "reward": float(rewards[r]), "prompt": list(o.prompt),
+        row = {"step": step, "sequence": offset + r, "reward": float(rewards[r]), "prompt": list(o.prompt),
                "response": list(o.tokens), "logp_train": _rounded(train_logp[j, at]),
                "logp_rollout": _rounded(o.logprobs), "flipped_layers": (overlap < 1).sum(-1).tolist(),
                "topk_overlap": round(mean_overlap, 6), "logp_max_abs_diff": _rounded_one(-neg_diff)}
+        if only is not None:
+            row["held_out"] = True
         if train_margin is not None:
             row["margin_train"] = _rounded(train_margin[j, at])
         if o.route_margins is not None:

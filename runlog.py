@@ -182,10 +182,12 @@ def append_jsonl(run, step: int, name: str, rows: list[dict]) -> None:
             f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
 
 
-def log_routes(run, step: int, batch, outs, rewards, audited) -> None:
+def log_routes(run, step: int, batch, outs, rewards, audited, held_out: torch.Tensor | None = None) -> dict:
     """The per-expert load histograms of the step (routes.jsonl, at logged steps, summed over ranks)
     and, with --diagnostics=N, the step's most mismatched sequences (diagnostics.jsonl,
-    replay.diagnostics). batch: train.Batch; audited: the packing.Scored forward the step's audit used."""
+    replay.diagnostics). batch: train.Batch; audited: the packing.Scored forward the step's audit used;
+    held_out: --diagnostics_holdout's rows of the global batch (replay.hold_out), whose rows are the file's.
+    Returns the metrics of the holdout: diagnostics_held_out, the sequences held out of the update."""
     rows, E = audited.rows, run.policy.master.config.num_experts
     if is_log_step(run, step):
         m = batch.route_mask[rows]
@@ -194,14 +196,27 @@ def log_routes(run, step: int, batch, outs, rewards, audited) -> None:
         append_jsonl(run, step, "routes.jsonl", [{"step": step + 1, "expert_load_rollout": loads[0].tolist(),
                                                   "expert_load_train": loads[1].tolist()}])
     if run.tcfg.diagnostics:
-        found = replay.diagnostics(step + 1, outs, rows, audited.logp, audited.routes, batch.routes[rows],
-                                   rewards, run.tcfg.diagnostics, decode=getattr(run.task, "decode", None),
-                                   train_margin=None if audited.detail is None else audited.detail.margin)
-        if run.d.world > 1:
-            every = [None] * run.d.world
-            dist.all_gather_object(every, found)
-            found = [r for part in every for r in part]
-        append_jsonl(run, step, "diagnostics.jsonl", found)
+        log_diagnostics(run, step, batch, outs, rewards, audited, held_out if run.tcfg.diagnostics_holdout else None)
+    return {"diagnostics_held_out": len(held_out)} if run.tcfg.diagnostics_holdout else {}
+
+
+def log_diagnostics(run, step: int, batch, outs, rewards, audited, held_out: torch.Tensor | None) -> None:
+    """diagnostics.jsonl's rows of the step: each rank writes the rows of its own sequences (global rows lo ..
+    lo + len(outs) - 1), rank 0 appends them all. Without a holdout, up to N of each rank's most mismatched;
+    with one, exactly the held-out sequences, each row by the rank that owns the sequence, in their order."""
+    lo = run.d.rank * len(outs)
+    only = None if held_out is None else [r - lo for r in held_out.tolist() if lo <= r < lo + len(outs)]
+    found = replay.diagnostics(step + 1, outs, audited.rows, audited.logp, audited.routes, batch.routes[audited.rows],
+                               rewards, run.tcfg.diagnostics, decode=getattr(run.task, "decode", None), only=only,
+                               offset=lo, train_margin=None if audited.detail is None else audited.detail.margin)
+    if run.d.world > 1:
+        every = [None] * run.d.world
+        dist.all_gather_object(every, found)
+        found = [r for part in every for r in part]
+    if held_out is not None:                                          # the holdout's order, at every world size
+        order = {r: i for i, r in enumerate(held_out.tolist())}
+        found.sort(key=lambda row: order[row["sequence"]])
+    append_jsonl(run, step, "diagnostics.jsonl", found)
 
 
 def episode_metrics(run, batch, outs, episodes, audited) -> dict:

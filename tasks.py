@@ -28,7 +28,8 @@ tokenizer_config.json's chat_template, next to the tokenizer or in --init_from),
 one user message (after --system_prompt's system message) with the generation prompt.
 
 A new built-in task is one entry in TASKS (at the bottom): --task=NAME builds it, and config.py checks
---task against the same table. Mistakes in a task's files raise TaskError (one line `error: ...`).
+--task against the same table. A task's `token_class(name)` gives the ids of a class of tokens
+(TOKEN_CLASSES: digits) that --route_filter_tokens may name instead of ids. Mistakes in a task's files raise TaskError (one line `error: ...`).
 """
 from __future__ import annotations
 
@@ -100,11 +101,26 @@ class DigitTask:
     def token_name(self, i: int) -> str:
         return self.decode([i])
 
+    def token_class(self, name: str) -> list[int]:
+        """The ids of a class of tokens the task defines (--route_filter_tokens=NAME): digits, the ids 0..9."""
+        _known_class(name, self)
+        return list(range(len(self.DIGITS)))
+
     def state_dict(self) -> dict:
         return {"rng": self.rng.getstate()}
 
     def load_state_dict(self, state: dict) -> None:
         self.rng.setstate(_as_tuple(state["rng"]))
+
+
+TOKEN_CLASSES = ("digits",)      # what --route_filter_tokens may name besides ids (each task's token_class)
+
+
+def _known_class(name: str, task) -> None:
+    """A class in TOKEN_CLASSES, else TaskError (one line naming them)."""
+    if name not in TOKEN_CLASSES:
+        raise TaskError(f"--route_filter_tokens={name}: not a token id nor a token class of task "
+                        f"{getattr(task, 'name', 'jsonl')!r} (its classes: {', '.join(TOKEN_CLASSES)})")
 
 
 def _as_tuple(x):
@@ -405,6 +421,16 @@ class JsonlTask:
     def token_name(self, i: int) -> str:
         """The token's own spelling (decode drops special tokens)."""
         return self.tok.id_to_token(i) or f"<{i}>"
+
+    def token_class(self, name: str) -> list[int]:
+        """The ids of a class of tokens (--route_filter_tokens=NAME): digits, every id whose decoded text is ASCII
+        digits only, whitespace around them aside (a byte-level BPE's " 12"); special tokens decode to nothing."""
+        _known_class(name, self)
+        texts = self.tok.decode_batch([[i] for i in range(self.vocab_size)])
+        ids = [i for i, t in enumerate(texts) if t.strip() and all(c in "0123456789" for c in t.strip())]
+        if not ids:
+            raise TaskError(f"--route_filter_tokens={name}: the tokenizer has no token that decodes to digits")
+        return ids
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}

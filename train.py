@@ -84,6 +84,7 @@ class Run:
     start: int                       # the first step to run (> 0 on resume)
     skipped: int                     # optimizer steps skipped for a non-finite loss or gradient so far
     metrics_path: str
+    key_tokens: torch.Tensor | None = None   # --route_filter_tokens' ids, a (V,) bool table (replay.key_token_table)
     outputs: Outputs | None = None   # identity of the exports, eval task, logger (set by open_outputs)
     capacity: CapacityLimit | None = None   # --train_capacity_factor's drop counts (see trainer_capacity)
     rollouts: Colocated | None = None       # where each step's batch comes from (pipeline.py; set by setup)
@@ -137,7 +138,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             row.update(evaluation.maybe_evaluate(run, step))
             row.update(evaluation.probe(run, step))                   # --probe_every: the fixed probe's audit
             mine, seen = this_ranks(batch, audited, run.d.rank, len(outs))   # per-rank files: this rank's sequences
-            log_routes(run, step, mine, outs, rewards, seen)          # routes.jsonl, diagnostics.jsonl
+            row.update(log_routes(run, step, mine, outs, rewards, seen, old.held_out))   # routes, diagnostics.jsonl
             history.append(log_row(run, step, row))
             warn_low_entropy(run, history)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
@@ -229,8 +230,7 @@ def rollout(run: Run, j: int, version: int, on_step=None, recompute_kv: bool = F
                                     top_k=rcfg.top_k, stop_token_ids=run.task.stop_token_ids,
                                     seed=tcfg.seed * 1_000_003 + j, progress=False, index_offset=offset,
                                     on_turn_end=None if episodes is None else episodes.on_turn_end,
-                                    max_episode_tokens=budget, version=version, on_step=on_step,
-                                    recompute_kv=recompute_kv)
+                                    max_episode_tokens=budget, version=version, on_step=on_step, recompute_kv=recompute_kv)
     except TaskError:                                                  # an environment's answer: its own line
         raise
     except ValueError as e:                                           # the sampler's input checks: a prompt too long...
@@ -273,6 +273,7 @@ class OldPolicy:
     weights: torch.Tensor | None     # (B, T-1) the correction's importance weights (None without one)
     loss_mask: torch.Tensor          # (B, T-1) the tokens the loss counts (rejected ones dropped if asked)
     audit: Scored | None             # the recomputed old log-probs: a trainer forward before any update
+    held_out: torch.Tensor           # (n,) --diagnostics_holdout's rows, out of loss_mask (replay.hold_out)
 
 
 def old_policy(run: Run, batch: Batch) -> OldPolicy:
@@ -295,12 +296,13 @@ def old_policy(run: Run, batch: Batch) -> OldPolicy:
         logp = audit.logp
     if run.ref_model is not None:
         ref_logp = scored(run.ref_model).logp
-    weights, loss_mask = None, batch.mask
+    loss_mask, held = replay.hold_out(batch, audit, tcfg)             # --diagnostics_holdout's sequences out of it
+    weights = None
     if tcfg.correction != "none":
         weights = correction_weights(logp, batch.rollout_logp, batch.mask, tcfg)
         if tcfg.rejected_tokens == "drop" and rejects(tcfg):           # out of the loss, its mean and the KL
-            loss_mask = batch.mask * (weights > 0)
-    return OldPolicy(logp, ref_logp, weights, loss_mask, audit)
+            loss_mask = loss_mask * (weights > 0)
+    return OldPolicy(logp, ref_logp, weights, loss_mask, audit, held)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,7 +388,7 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     forwards (MinibatchResult.gathered)."""
     tcfg, policy = run.tcfg, run.policy
     # normalisers over the global minibatch, so the micro-batches' losses add up to the global one
-    norm = Normalisers(float(old.loss_mask[idx].sum()), len(idx), max_new_tokens(run))
+    norm = Normalisers.of(old.loss_mask, idx, old.held_out, max_new_tokens(run))
     policy.start_minibatch(lr_at(step, tcfg))
     micros = trainer_micro_batches(run, idx, batch.lengths)
     steps = lockstep(micros, batch.lengths, run.d)
@@ -417,7 +419,7 @@ def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: 
                   entropy_grad=tcfg.entropy_coef > 0, routes=replay.routes_to_replay(mode, mb.routes, old_routes))
     logp = out.logp.float()
     mask, response = old.loss_mask[sub].to(device), mb.mask.to(device)
-    keep = replay.route_filter(mb.routes.to(device), out.routes, response, tcfg)   # rollout vs trainer experts
+    keep = replay.route_filter(mb.routes.to(device), out.routes, response, tcfg, mb.tokens, run.key_tokens)   # the filters
     weights = tuple(w for w in (None if old.weights is None else old.weights[sub].to(device), keep) if w is not None)
     loss, clipped = token_objective(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg, norm,
                                     weights, None if old.ref_logp is None else old.ref_logp[sub].to(device),
@@ -452,8 +454,7 @@ def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bo
         tokens = pk.from_padded(tokens)                               # (1, sum of lengths)
         routes = None if routes is None else pk.from_padded(routes, fill=-1)
     with torch.set_grad_enabled(grad), trainer_capacity(run) if counted else contextlib.nullcontext():
-        out = score(tokens.to(dev), temperature=run.rcfg.temperature,
-                    routes=None if routes is None else routes.to(dev),
+        out = score(tokens.to(dev), temperature=run.rcfg.temperature, routes=None if routes is None else routes.to(dev),
                     with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk, packing=pk, route_detail=True,
                     entropy_grad=entropy_grad)
         logp, used, entropy, detail = out[0], out[1], out[2] if with_entropy else None, out[-1]
@@ -487,8 +488,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
                            dtype=torch.float)                         # this rank's; all_cat: global
     all_rewards = all_cat(rewards, run.d)
     row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
-           "response_len": all_cat(lengths, run.d).mean().item(),
-           **stats.means(),
+           "response_len": all_cat(lengths, run.d).mean().item(), **stats.means(),
            **replay.mismatch_metrics(audited.logp, batch.rollout_logp[rows], batch.mask[rows]),
            **replay.route_audit(batch.routes[rows], audited.routes, batch.route_mask[rows], n_experts, audited.detail),
            # the entropy of softmax(logits / T) at the response tokens, from the training forwards
@@ -526,8 +526,7 @@ def checkpoint(run: Run, step: int) -> None:
     full = expert_parallel.whole_model(p.full)                        # EP: whole experts (collective)
     if run.d.master:
         path = save_checkpoint(run.tcfg.out_dir, step, full, opt_state, run.tcfg, run.rcfg, run.task,
-                               extra={"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict()},
-                               masters=masters,
+                               extra={"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict()}, masters=masters,
                                save_dtype=run.tcfg.save_dtype or run.tcfg.dtype, keep=run.tcfg.keep_checkpoints,
                                identity=run.outputs.identity if run.outputs is not None else None)
         say(run, f"step {step}: saved {path}")
@@ -551,6 +550,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     expert_parallel.check_degree(tcfg.expert_parallel, config.num_experts, d.world)
     placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, config.num_experts)
     tcfg.check_model(config, task.vocab_size)
+    key_tokens = replay.key_token_table(tcfg.route_filter_token_ids(task, config.vocab_size), config.vocab_size, d.device)
     lab.check_router_fault(config, rcfg.rollout_router_fault)
     lab.check_episode_fault(task, rcfg.rollout_episode_fault)
     ep = experts = None
@@ -584,7 +584,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     # memory: set aside (Policy.reserve_bytes); activations and temporaries come out of the rest
     sampler = lab.episode_fault(Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes()),
                                 rcfg.rollout_episode_fault)
-    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path)
+    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, key_tokens)
     midpoint = max(1, max_new_tokens(run) // 2)                       # an in-flight update lands halfway
     run.rollouts = (Remote(run, stop=lambda: StopRequest.signum != 0) if d.bridge is not None else
                     Colocated(partial(rollout, run), tcfg.max_staleness, tcfg.inflight_update, midpoint,

@@ -80,3 +80,23 @@ def test_one_run_at_1_2_and_4_ranks(tmp_path):
     fast, fast2 = ref["fast"]["metrics"], found[2]["fast/ddp"]["metrics"]
     assert fast[0]["reward_mean"] == fast2[0]["reward_mean"]            # the same samples at step 1
     assert fast != fast2 and ref["fast"]["digest"] != found[2]["fast/ddp"]["digest"]
+
+
+def test_diagnostics_holdout_is_the_same_at_1_and_2_ranks(tmp_path):
+    """--diagnostics_holdout chooses over the global batch: under a router fault of the rollout the same
+    sequences are held out at 1 and 2 ranks, each row written once by the rank that owns the sequence
+    (rows of both ranks' halves here), diagnostics.jsonl is the same file and so is the update."""
+    hold = ["--steps=2", "--rollout_router_fault=no_renorm", "--recompute_old_logp=true", "--diagnostics=6",
+            "--diagnostics_holdout=true"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    run(one, 1, *hold)
+    run(two, 2, *hold)
+    text = open(os.path.join(one, "diagnostics.jsonl")).read()
+    assert text == open(os.path.join(two, "diagnostics.jsonl")).read()
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert {r["sequence"] < 16 for r in rows} == {True, False}          # 32 sequences a step, 16 per rank
+    assert len({(r["step"], r["sequence"]) for r in rows}) == len(rows) and all(r["held_out"] for r in rows)
+    keys = ("diagnostics_held_out", "loss", "grad_norm", "clip_frac", "train_rollout_kl", "route_flip_frac")
+    a, b = metrics(one), metrics(two)
+    assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+    assert [r["diagnostics_held_out"] for r in a] == [sum(x["step"] == r["step"] for x in rows) for r in a]

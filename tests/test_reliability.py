@@ -432,6 +432,30 @@ def test_cli_mistakes_get_one_line(tmp_path, case):
     assert needle in cli_error(f"--out_dir={tmp_path / 'out'}", *argv)
 
 
+HOLDOUT_AND_KEY_TOKEN_CASES = {   # --route_filter_tokens and --diagnostics_holdout: argv -> what the one line says
+    "unknown class": (["--route_filter_tokens=vowels"],
+                      "--route_filter_tokens=vowels: not a token id nor a token class of task 'copy' (its classes: digits)"),
+    "id past the vocabulary": (["--route_filter_tokens=3,32"],
+                               "--route_filter_tokens=3,32: ids [32] are not in the model's vocabulary of 32 ids"),
+    "not ids": (["--route_filter_tokens=3-5"], "--route_filter_tokens='3-5': comma-separated token ids and / or"),
+    "empty item": (["--route_filter_tokens=3,,5"], "--route_filter_tokens='3,,5': comma-separated token ids"),
+    "dense model": (["--route_filter_tokens=digits", "--init_from=tiny-dense"],
+                    "--route_filter_tokens=digits: the model has no MoE layer (no routes); drop it"),
+    "holdout without the old policy": (["--diagnostics_holdout=true", "--diagnostics=2"],
+                                       "--diagnostics_holdout=true holds out the sequences --diagnostics=N picks before "
+                                       "the update, from the recomputed old policy: add --recompute_old_logp=true"),
+    "holdout without diagnostics": (["--diagnostics_holdout=true", "--recompute_old_logp=true"],
+                                    "add --recompute_old_logp=true and --diagnostics=N (N > 0)"),
+}
+
+
+@pytest.mark.parametrize("case", HOLDOUT_AND_KEY_TOKEN_CASES)
+def test_holdout_and_key_token_mistakes_get_one_line(tmp_path, case):
+    argv, needle = HOLDOUT_AND_KEY_TOKEN_CASES[case]
+    assert needle in cli_error(f"--out_dir={tmp_path / 'out'}", *argv)
+    assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")   # before any step
+
+
 def test_cli_checkpoint_mistakes_name_field_and_file(tmp_path):
     ck = _hf_dir(tmp_path / "a", drop="hidden_size")
     assert "lacks the required field(s) hidden_size" in cli_error(f"--init_from={ck}", f"--out_dir={tmp_path / 'o'}")

@@ -125,3 +125,70 @@ def test_diagnostics_pick_the_mismatched_sequences():
     assert r["prompt_text"] == "12" and r["response_text"] == "34"
     assert rows[1]["logp_max_abs_diff"] == pytest.approx(0.7) and "margin_rollout" not in rows[1]
     assert len(replay.diagnostics(5, outs, torch.arange(3), logp, train_routes, routes, torch.zeros(3), n=1)) == 1
+
+
+def _mismatched_batch():
+    """Four sequences (prompt 2 tokens, response 2; logp columns 1, 2 score the response): 0 agrees, 1 has
+    one route flip (overlap 0.75), 2 an extreme token (|diff| 0.7), 3 two flips (overlap 0.5); the batch
+    (packing.Batch's fields that hold_out reads), the audit (a packing.Scored's) and the matching outs."""
+    B, T = 4, 4
+    routes = torch.tensor([0, 1]).expand(B, T, 1, 2).clone()          # (B, T, 1 layer, k)
+    train_routes = routes.clone()
+    train_routes[1, 2, 0] = torch.tensor([0, 3])
+    train_routes[3, 1, 0] = torch.tensor([4, 1])
+    train_routes[3, 2, 0] = torch.tensor([0, 5])
+    rollout_logp = torch.tensor([[0.0, -1.0, -2.0]]).repeat(B, 1)
+    logp = rollout_logp.clone()
+    logp[2, 1] = -1.0 - 0.7
+    mask = torch.tensor([[0.0, 1.0, 1.0]]).repeat(B, 1)
+    batch = SimpleNamespace(mask=mask, observed=torch.zeros(B, T, dtype=torch.bool), rollout_logp=rollout_logp,
+                            routes=routes)
+    outs = [SimpleNamespace(prompt=[1, 2], tokens=[3, 4], logprobs=[-1.0, -2.0], route_margins=None) for _ in range(B)]
+    return batch, SimpleNamespace(logp=logp, routes=train_routes), outs
+
+
+def test_hold_out_takes_the_sequences_diagnostics_would_write():
+    """--diagnostics_holdout chooses from the batch and the old-policy audit by diagnostics' rule: the same
+    sequences in the same order; their loss-mask rows are 0, the others untouched; off, the mask is the batch's."""
+    batch, audit, outs = _mismatched_batch()
+    for n in (1, 2, 5):
+        mask, rows = replay.hold_out(batch, audit, SimpleNamespace(diagnostics_holdout=True, diagnostics=n))
+        found = replay.diagnostics(1, outs, torch.arange(4), audit.logp, audit.routes, batch.routes, torch.zeros(4), n)
+        assert rows.tolist() == [r["sequence"] for r in found] == [3, 1, 2][:n]
+        assert (mask[rows] == 0).all() and torch.equal(mask[[r for r in range(4) if r not in rows]],
+                                                       batch.mask[[r for r in range(4) if r not in rows]])
+    mask, rows = replay.hold_out(batch, audit, SimpleNamespace(diagnostics_holdout=False, diagnostics=2))
+    assert mask is batch.mask and rows.numel() == 0
+    agree = SimpleNamespace(logp=batch.rollout_logp.clone(), routes=batch.routes.clone())     # no mismatch
+    mask, rows = replay.hold_out(batch, agree, SimpleNamespace(diagnostics_holdout=True, diagnostics=2))
+    assert rows.numel() == 0 and torch.equal(mask, batch.mask)       # nothing qualifies: nothing held out
+    # the rows of held-out sequences: those asked for, in that order, marked, numbered in the global batch
+    held = replay.diagnostics(1, outs, torch.arange(4), audit.logp, audit.routes, batch.routes, torch.zeros(4), 5,
+                              only=[1, 3], offset=8)
+    assert [r["sequence"] for r in held] == [9, 11] and all(r["held_out"] for r in held)
+
+
+def test_key_token_weights_by_hand():
+    """A key token (ids 3, 7) loses its weight where the top-1 expert of the position scoring it flipped in
+    some MoE layer; a change of the second choice, a flip before a non-key token, or an unrecorded position
+    does not. With --route_filter too, the two weights multiply; without a mismatch all are exactly 1."""
+    rollout = torch.tensor([[0, 1], [2, 3]]).expand(2, 6, 2, 2).clone()    # (B, T, 2 layers, k)
+    train = rollout.clone()
+    train[0, 1, 1] = torch.tensor([4, 3])                             # pos 1, layer 1: top-1 flips (token 2: key)
+    train[0, 2, 0] = torch.tensor([0, 5])                             # pos 2: the second choice only (token 3: key)
+    train[0, 3, 0] = torch.tensor([1, 0])                             # pos 3: top-1 flips, the set does not (token 4)
+    train[0, 4, 1] = torch.tensor([5, 3])                             # pos 4: top-1 flips (token 5: key)
+    train[1, 1, 1] = torch.tensor([4, 3])                             # row 1: the same flip, but ...
+    rollout[1, 1] = -1                                                # ... nothing was recorded there
+    tokens = torch.tensor([[9, 9, 3, 3, 11, 7], [9, 9, 3, 3, 11, 7]])
+    table = replay.key_token_table((3, 7), 13)
+    assert table.tolist() == [i in (3, 7) for i in range(13)] and replay.key_token_table((), 13) is None
+    w = replay.key_token_weights(rollout, train, tokens, table)
+    assert torch.equal(w, torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0]]))
+    mask = torch.ones(2, 5)
+    cfg = SimpleNamespace(route_filter="downweight", route_filter_threshold=0.9, route_filter_level="token")
+    both = replay.route_filter(rollout, train, mask, cfg, tokens, table)
+    assert torch.equal(both[0], torch.tensor([1.0, 0.0, 0.75, 1.0, 0.0]))   # overlaps 1, .75, .75, 1, .75
+    alone = replay.route_filter(rollout, train, mask, SimpleNamespace(route_filter="none"), tokens, table)
+    assert torch.equal(alone, w) and replay.route_filter(rollout, train, mask, SimpleNamespace(route_filter="none")) is None
+    assert torch.equal(replay.key_token_weights(rollout, rollout.clone(), tokens, table), torch.ones(2, 5))

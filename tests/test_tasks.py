@@ -163,6 +163,32 @@ def test_reward_that_raises_keeps_its_traceback_and_names_the_call(folder, capsy
     assert "prompt '12 + 34 ='" in msg and "response '" in msg and "answer '46'" in msg and "\n" not in msg
 
 
+# ---- token classes (--route_filter_tokens) --------------------------------------------------------
+def test_token_classes_of_the_digit_tasks_and_of_a_tokenizer(folder):
+    """digits: the ids 0..9 of the digit tasks (the episodes' too); with a tokenizer every id whose decoded
+    text is digits, whitespace around them aside (not a special token, not a mix with letters). A class a
+    task does not define is one TaskError line naming the classes."""
+    for name in ("copy", "lookup"):
+        t = tasks.make_task(name, n_digits=3)
+        assert t.token_class("digits") == list(range(10)) and [t.decode([i]) for i in range(10)] == list("0123456789")
+        with pytest.raises(TaskError, match="not a token id nor a token class of task '" + name):
+            t.token_class("vowels")
+    tok = tk.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_tokens(["12", " 7", "a1"])
+    tok.save(str(folder / "tokenizer.json"))
+    t = task(folder)
+    ids = t.token_class("digits")
+    want = {t.tok.token_to_id(c) for c in [*"0123456789", "12", " 7"]}
+    assert set(ids) == want and len(ids) == 12
+    assert t.tok.token_to_id("a1") not in ids and t.tok.token_to_id("<|im_end|>") not in ids
+    with pytest.raises(TaskError, match="its classes: digits"):
+        t.token_class("letters")
+    ids_of = TrainConfig(route_filter_tokens="digits, 13").route_filter_token_ids(t, t.vocab_size)
+    assert ids_of == tuple(sorted(want | {13}))                      # ids and classes together, sorted
+    with pytest.raises(ConfigError, match="are not in the model's vocabulary"):
+        TrainConfig(route_filter_tokens=f"{t.vocab_size}").route_filter_token_ids(t, t.vocab_size)
+
+
 # ---- --vocab_size ---------------------------------------------------------------------------------
 def test_vocab_size_follows_the_tokenizer_or_says_what_to_pass(tmp_path):
     tiny = ModelConfig.preset("tiny").vocab_size

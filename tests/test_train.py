@@ -493,6 +493,110 @@ def test_sequence_route_filter_is_a_no_op_without_mismatch(tmp_path):
     assert lab[0]["route_filtered_frac"] > 0                         # control: under mismatch it acts
 
 
+# ---- the diagnostics holdout and the key-token filter -----------------------------------------------
+def _step_batch(tmp, *argv):
+    """A small run's Run and its first rollout batch, with random advantages (every sequence's terms count)."""
+    tcfg, rcfg = TrainConfig(), RolloutConfig()
+    apply_overrides(train.parse_args(SMALL + [f"--out_dir={tmp}", "--progress=false", *argv]), tcfg, rcfg)
+    run = train.setup(tcfg, rcfg, distributed.Dist(0, 1, torch.device("cpu")))
+    outs = train.rollout(run, 0, version=0).outs
+    return run, train.make_batch(outs, torch.randn(len(outs), generator=torch.Generator().manual_seed(1)))
+
+
+def _update(run, batch, idx, old=None, **kw):
+    """old_policy (unless given) and one minibatch_step of rows idx under the config with kw: the old policy,
+    the result and the clipped gradients."""
+    run = dataclasses.replace(run, tcfg=dataclasses.replace(run.tcfg, **kw))
+    old = old or train.old_policy(run, batch)
+    r = train.minibatch_step(run, batch, old, idx, 0)
+    return old, r, {n: p.grad.clone() for n, p in run.policy.master.named_parameters()}
+
+
+def _deviate(batch, rows, how):
+    """The batch with the rollout's recorded routes of `rows` changed by how(routes) (a deviating rollout)."""
+    pick = torch.zeros(batch.tokens.shape[0], dtype=torch.bool)
+    pick[rows] = True
+    pick = pick[:, None, None, None] & (batch.routes >= 0)
+    return dataclasses.replace(batch, routes=torch.where(pick, how(batch.routes), batch.routes))
+
+
+def test_holdout_sequences_get_no_gradient(tmp_path):
+    """--diagnostics_holdout takes the most mismatched sequences (here the ones whose recorded routes were
+    shifted) out of the update: with token-mean aggregation the loss and gradients are bitwise those of the
+    batch with their loss-mask rows zeroed by hand; per sequence, those of the minibatch without them (the
+    sequence count drops too; other micro-batches, so the backward's rounding: 1e-5)."""
+    run, batch = _step_batch(tmp_path, "--recompute_old_logp=true", "--diagnostics=3")
+    B, E = batch.tokens.shape[0], run.policy.full.config.num_experts
+    batch = _deviate(batch, torch.arange(1, B, 9), lambda r: (r + 1) % E)
+    idx = torch.arange(B)
+    held_old, held, g_held = _update(run, batch, idx, diagnostics_holdout=True)
+    rows = held_old.held_out
+    assert len(rows) == 3 and (rows % 9 == 1).all() and (held_old.loss_mask[rows] == 0).all()
+    plain = train.old_policy(run, batch)
+    mask = plain.loss_mask.clone()
+    mask[rows] = 0
+    _, by_hand, g_hand = _update(run, batch, idx, old=dataclasses.replace(plain, loss_mask=mask))
+    assert held.loss == by_hand.loss and all(torch.equal(g_held[n], g_hand[n]) for n in g_held)
+    _, every, g_every = _update(run, batch, idx, old=plain)                  # control: it does change the update
+    assert every.loss != held.loss and any(not torch.equal(g_every[n], g_held[n]) for n in g_held)
+    seq = dict(agg="seq_mean_token_mean")
+    _, held_seq, g_seq = _update(run, batch, idx, diagnostics_holdout=True, **seq)
+    _, rest, g_rest = _update(run, batch, idx[~torch.isin(idx, rows)], **seq)
+    assert held_seq.loss == pytest.approx(rest.loss, rel=1e-6, abs=1e-7)
+    for n in g_seq:
+        assert (g_seq[n] - g_rest[n]).norm() <= 1e-5 * g_rest[n].norm() + 1e-12, n
+
+
+def test_holdout_run_writes_and_counts_what_it_holds_out(tmp_path):
+    """Under a deviating rollout (router_bf16) each step's diagnostics_held_out is the number of rows the
+    step wrote, each marked held_out, the rows --diagnostics alone writes; in the invariant mode nothing
+    qualifies: nothing is held out and the run is the run without the option. Without
+    --recompute_old_logp (or --diagnostics) it is refused."""
+    hold = ["--steps=2", "--recompute_old_logp=true", "--diagnostics=3", "--diagnostics_holdout=true"]
+    lab = _run(tmp_path / "lab", SMALL + hold + ["--router_bf16=true"])
+    rows = [json.loads(line) for line in open(tmp_path / "lab" / "diagnostics.jsonl")]
+    assert rows and all(r["held_out"] for r in rows)
+    assert [h["diagnostics_held_out"] for h in lab] == [sum(r["step"] == h["step"] for r in rows) for h in lab]
+    assert all(0 < h["diagnostics_held_out"] <= 3 for h in lab)
+    shown = _run(tmp_path / "shown", SMALL + hold[1:3] + ["--steps=1", "--router_bf16=true"])   # no holdout: the
+    assert shown[0]["route_flip_frac"] == lab[0]["route_flip_frac"]  # same step 1, whose rows the same rule chose
+    assert [r["sequence"] for r in rows if r["step"] == 1] == \
+        [json.loads(line)["sequence"] for line in open(tmp_path / "shown" / "diagnostics.jsonl")]
+    inv = _run(tmp_path / "inv", SMALL + hold)
+    plain = _run(tmp_path / "plain", SMALL + hold[:3])
+    assert [h["diagnostics_held_out"] for h in inv] == [0, 0]
+    assert not os.path.exists(tmp_path / "inv" / "diagnostics.jsonl")
+    for a, b in zip(plain, inv):
+        assert {k: v for k, v in a.items() if k not in TIMING} == \
+            {k: v for k, v in b.items() if k not in TIMING | {"diagnostics_held_out"}}
+    for kw in (dict(diagnostics=3), dict(recompute_old_logp=True)):
+        with pytest.raises(ConfigError, match="add --recompute_old_logp=true and --diagnostics=N"):
+            TrainConfig(diagnostics_holdout=True, **kw)
+
+
+def test_key_token_filter_is_an_exact_no_op_without_mismatch(tmp_path):
+    """--route_filter_tokens=digits: in the invariant mode no first choice differs, so the loss and the
+    gradients are bitwise those without it; with rollout routes whose first two choices are swapped on some
+    rows (the top-k sets agree: the overlap filter sees nothing) exactly their digit tokens are masked."""
+    run, batch = _step_batch(tmp_path, "--route_filter_tokens=digits")
+    assert run.key_tokens.tolist() == [i < 10 for i in range(run.policy.full.config.vocab_size)]
+    off = dataclasses.replace(run, key_tokens=None)
+    idx = torch.arange(batch.tokens.shape[0])
+    _, plain, g_plain = _update(off, batch, idx, route_filter_tokens="")
+    _, keyed, g_keyed = _update(run, batch, idx)
+    assert keyed.loss == plain.loss and keyed.filtered == plain.filtered == 0
+    assert all(torch.equal(g_keyed[n], g_plain[n]) for n in g_plain)
+    rows = torch.arange(0, batch.tokens.shape[0], 4)
+    swapped = _deviate(batch, rows, lambda r: r.flip(-1))
+    _, masked, _ = _update(run, swapped, idx)
+    digits = (batch.mask[rows] > 0) & (batch.tokens[rows, 1:] < 10)   # the response's digits, by the position before
+    assert masked.filtered == digits.sum().item() > 0 and masked.loss != plain.loss
+    _, overlap, _ = _update(off, swapped, idx, route_filter_tokens="", route_filter="mask", route_filter_threshold=1.0)
+    assert overlap.filtered == 0                                     # the same sets: top-k overlap 1
+    lab = _run(tmp_path / "lab", SMALL + ["--steps=1", "--router_bf16=true", "--route_filter_tokens=digits"])
+    assert lab[0]["route_filtered_frac"] > 0                         # a real deviating rollout: it acts
+
+
 # ---- the first hour: progress, run.json, resume changes, the entropy bonus, preset fields ----------
 TINY_RUN = ["--task=copy", "--n_digits=2", "--prompts_per_step=2", "--group_size=2", "--minibatch_size=4",
             "--warmup_steps=1"]
