@@ -37,7 +37,7 @@ import hf
 from checkpoint import RunError
 from config import ConfigError, TrainConfig
 from model import MoE, RouteDetail, Transformer
-from packing import Scored, deal, on_host
+from packing import Scored, deal
 
 
 @dataclasses.dataclass
@@ -660,6 +660,15 @@ def all_gather_dealt(fields: dict[str, torch.Tensor], sizes: list[int], d: Dist)
                 spans[i], at = (at, sizes[i]), at + sizes[i]
     pick = torch.cat([torch.arange(a, a + n) for a, n in (spans[i] for i in range(len(sizes)))])
     return {k: v[pick] for k, v in got.items()}
+
+
+def on_host(parts: list[Scored]) -> Scored:
+    """Forwards of consecutive row sets as one, on the host: logp in fp32, detached (entropy dropped)."""
+    detail = None
+    if all(p.detail is not None for p in parts):
+        detail = RouteDetail(*(torch.cat([getattr(p.detail, f).cpu() for p in parts]) for f in RouteDetail.FIELDS))
+    return Scored(torch.cat([p.logp.detach().float().cpu() for p in parts]), torch.cat([p.routes.cpu() for p in parts]),
+                  None, torch.cat([p.rows for p in parts]), detail)
 
 
 def gather_scored(parts: dict, sizes: list[int], d: Dist) -> Scored:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, fields
 import torch
 
 import kernels
-from model import RouteDetail
 from replay import pack_routes
 
 
@@ -322,21 +321,12 @@ class Scored:
     routes: torch.Tensor             # (N, T, n_moe, k) the router's own choice (also under R3 replay)
     entropy: torch.Tensor | None     # (N, T-1) when asked for (detached, unless --entropy_coef > 0)
     rows: torch.Tensor               # (N,) which rows of the rollout batch
-    detail: RouteDetail | None = None   # (N, T, ...) the routes' weights, margins, router entropy
+    detail: object = None            # model.RouteDetail (N, T, ...): the routes' weights, margins, router entropy
 
     def select(self, keep: torch.Tensor, rows: torch.Tensor | None = None) -> "Scored":
         """The forward's rows `keep` (a mask or indices), entropy dropped; rows renumbered if given."""
         detail = None if self.detail is None else self.detail.map(lambda x: x[keep])
         return Scored(self.logp[keep], self.routes[keep], None, self.rows[keep] if rows is None else rows, detail)
-
-
-def on_host(parts: list[Scored]) -> Scored:
-    """Forwards of consecutive row sets as one, on the host: logp in fp32, detached (entropy dropped)."""
-    detail = None
-    if all(p.detail is not None for p in parts):
-        detail = RouteDetail(*(torch.cat([getattr(p.detail, f).cpu() for p in parts]) for f in RouteDetail.FIELDS))
-    return Scored(torch.cat([p.logp.detach().float().cpu() for p in parts]), torch.cat([p.routes.cpu() for p in parts]),
-                  None, torch.cat([p.rows for p in parts]), detail)
 
 
 def this_ranks(batch: Batch, audited: Scored, rank: int, n: int) -> tuple[Batch, Scored]:

@@ -57,12 +57,12 @@ import replay
 from checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, initial_config,
                         load_optimizer_state, optimizer_state, prepare_out_dir, resume, save_checkpoint, trim_metrics)
 from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
-from distributed import (Dist, Policy, all_cat, all_owned, gather_scored, all_sum_counts, check_in_sync,
-                         global_batch, init_distributed, lr_at, reduce_metrics, store_routers, update_is_finite)
+from distributed import (Dist, Policy, all_cat, all_owned, all_sum_counts, check_in_sync, gather_scored, global_batch,
+                         init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
 from hf import eos_token_ids
 from losses import Normalisers, correction_weights, group_advantages, rejects, token_objective
 from model import CapacityLimit, Transformer, capacity_limit
-from packing import Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, on_host, this_ranks, unpack
+from packing import Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks, unpack
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
                       staleness_split)
 from rollout import Sampler
