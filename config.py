@@ -483,6 +483,10 @@ class TrainConfig:
     kl_estimator: str = "k3"          # k1 | k2 | k3 | k3_clamped (k3 at most 10, as verl's low_var_kl)
     entropy_coef: float = 0.0         # an entropy bonus: minus this times the entropy of softmax(logits / T) at each
                                       # response token, aggregated as the loss (0: off; e.g. 1e-3 against a collapse)
+    router_aux_loss_coef: float = 0.0 # + this times Switch's load-balancing loss E sum_i f_i P_i (1 when balanced;
+                                      # per sequence and MoE layer; losses.load_balancing_loss; 0: off; e.g. 1e-3)
+    router_z_loss_coef: float = 0.0   # + this times ST-MoE's router z-loss, the mean of logsumexp(router logits)^2
+                                      # (losses.router_z_loss; 0: off; e.g. 1e-3)
     # train-inference mismatch
     recompute_old_logp: bool = False  # recompute old log-probs with the trainer (default: use the rollout's)
     correction: str = "none"          # none | is (rho) | tis (min(rho, tis_cap)) | mis (rho up to mis_high, else 0) |
@@ -581,6 +585,7 @@ class TrainConfig:
         _require_range(self, "lr", lambda v: v >= 0, ">= 0 (0: a frozen policy)")
         _require_range(self, "grad_clip tis_cap", lambda v: v > 0, "> 0")
         _require_range(self, "kl_coef eps_high gspo_eps_high weight_decay", lambda v: v >= 0, ">= 0")
+        _require_range(self, "router_aux_loss_coef router_z_loss_coef", lambda v: v >= 0, ">= 0 (0: off)")
         _require_range(self, "eps_low gspo_eps_low", lambda v: 0 <= v < 1, "in [0, 1)")
         _require_range(self, "beta1 beta2", lambda v: 0 <= v < 1, "in [0, 1)")
         _require(self.probe_every >= 0 and self.diagnostics >= 0,
@@ -704,7 +709,7 @@ class TrainConfig:
         would do nothing), the bias update needs a bias, and the task's ids must fit the vocabulary."""
         if not model.moe_layers:
             for name, off in (("train_capacity_factor", 0.0), ("replay", "none"), ("route_filter", "none"),
-                              ("route_filter_tokens", "")):
+                              ("route_filter_tokens", ""), ("router_aux_loss_coef", 0.0), ("router_z_loss_coef", 0.0)):
                 _require(getattr(self, name) == off,
                          f"--{name}={getattr(self, name)}: the model has no MoE layer (no routes); drop it")
         _require(self.expert_bias_update_rate == 0 or model.score_correction_bias,
@@ -727,6 +732,11 @@ class TrainConfig:
         _require(self.expert_bias_update_rate == 0 or self.master_dtype == "float32" or self.router_dtype == "float32",
                  "--expert_bias_update_rate needs a float32 bias: keep --master_dtype=float32 (or pass "
                  "--router_dtype=float32); a bf16 bias would round away updates smaller than its precision")
+
+    @property
+    def router_losses(self) -> bool:
+        """Whether the trainer's forwards keep the router's logits (model.score(router_logits=True))."""
+        return self.router_aux_loss_coef > 0 or self.router_z_loss_coef > 0
 
     @property
     def mixed_precision(self) -> bool:

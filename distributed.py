@@ -144,10 +144,10 @@ class Scorer(nn.Module):
         self.model = model
 
     def forward(self, tokens, *, temperature: float, routes=None, with_entropy: bool = False, logits_chunk: int = 0,
-                packing=None, route_detail: bool = False, entropy_grad: bool = False):
+                packing=None, route_detail: bool = False, entropy_grad: bool = False, router_logits: bool = False):
         out = self.model.score(tokens, temperature=temperature, routes=routes, with_entropy=with_entropy,
                                logits_chunk=logits_chunk, packing=packing, check=False, route_detail=route_detail,
-                               entropy_grad=entropy_grad)
+                               entropy_grad=entropy_grad, router_logits=router_logits)
         return (out[0].clone(), *out[1:])                             # FSDP2 wants no view outputs
 
 

@@ -7,6 +7,7 @@
     logp, routes = model.score(tokens, temperature=1.0)      # (B, T-1), (B, T, n_moe_layers, top_k)
     logp, _ = model.score(tokens, routes=routes)             # R3: replay recorded expert choices
     logp, routes, detail = model.score(tokens, route_detail=True)   # + combine weights, margins (RouteDetail)
+    _, _, detail = model.score(tokens, route_detail=True, router_logits=True)   # + detail.logits, with grad
 
 There is one forward. The trainer calls it with no cache (keys and values of the call itself are laid
 out as pages); the sampler (rollout.py) calls it with a `PagedKV` batch whose pages persist across
@@ -290,24 +291,45 @@ class RouteDetail:
     (kernels.route_margin); entropy (B, T, n_moe) fp32: of the routing distribution (kernels.router_entropy).
     All detached. The sampler stores weights and margin (rollout.SequenceOutput); the trainer gets all
     three from score(route_detail=True); under the contract both sides' bits are equal.
+    logits (B, T, n_moe, E), only with score(router_logits=True), else None: the gate's logits in the
+    router's dtype, WITH their gradient (the router losses, losses.router_objective). Not one of FIELDS:
+    moving the detail to the host (packing.on_host) or gathering it drops them.
     """
     weights: torch.Tensor
     margin: torch.Tensor
     entropy: torch.Tensor
+    logits: torch.Tensor | None = None
     FIELDS = ("weights", "margin", "entropy")
 
     def map(self, f) -> "RouteDetail":
         """f applied to each field (a row selection, a move to the host, an unpack)."""
-        return RouteDetail(f(self.weights), f(self.margin), f(self.entropy))
+        return RouteDetail(f(self.weights), f(self.margin), f(self.entropy), None if self.logits is None else f(self.logits))
 
     @classmethod
-    def stack(cls, layers: list, B: int, T: int, k: int, device) -> "RouteDetail":
-        """From MoE.forward's per-layer (weights (B, T, k), margin (B, T), entropy (B, T)) tuples."""
+    def stack(cls, layers: list, B: int, T: int, k: int, device, kept: "KeptLogits | None" = None) -> "RouteDetail":
+        """From MoE.forward's per-layer (weights (B, T, k), margin (B, T), entropy (B, T)) tuples, and the
+        logits kept (KeptLogits; an empty (B, T, 0, E) without MoE layers)."""
+        logits = None if kept is None else kept.stack(B, T, device)
         if not layers:
             return cls(torch.zeros(B, T, 0, k, device=device), torch.zeros(B, T, 0, device=device),
-                       torch.zeros(B, T, 0, device=device))
+                       torch.zeros(B, T, 0, device=device), logits)
         w, m, e = zip(*layers)
-        return cls(torch.stack(w, 2), torch.stack(m, 2), torch.stack(e, 2))   # layers on dim 2
+        return cls(torch.stack(w, 2), torch.stack(m, 2), torch.stack(e, 2), logits)   # layers on dim 2
+
+
+class KeptLogits:
+    """score(router_logits=True)'s holder of each MoE layer's gate logits (B, T, E), with their gradient.
+    Not a list: FSDP2 rebuilds a block's list arguments that hold tensors with a gradient (registering its
+    backward hooks on them), so the block's appends would land in a copy; an object it does not look into
+    keeps them, and the blocks' hooks see only what they saw without it."""
+
+    def __init__(self, n_experts: int):
+        self.n_experts, self.layers = n_experts, []
+
+    def stack(self, B: int, T: int, device) -> torch.Tensor:
+        if not self.layers:
+            return torch.zeros(B, T, 0, self.n_experts, device=device)
+        return torch.stack(self.layers, 2)                            # (B, T, n_moe, E)
 
 
 class MLP(nn.Module):
@@ -406,18 +428,22 @@ class MoE(nn.Module):
             return {}
         return dict(b13=self.b13, b2=self.b2, swiglu=self.swiglu)
 
-    def forward(self, x, forced_ids=None, detail: list | None = None):
+    def forward(self, x, forced_ids=None, detail: list | None = None, kept: KeptLogits | None = None):
         """x (B, T, D) -> (B, T, D) and the router's own top-k ids (B, T, k). detail: a list to append
-        this layer's route detail to, (weights (B, T, k), margin (B, T), entropy (B, T)) (RouteDetail)."""
+        this layer's route detail to, (weights (B, T, k), margin (B, T), entropy (B, T)) (RouteDetail);
+        kept: where to append the gate's logits (B, T, E), with their gradient (the router losses)."""
         B, T, D = x.shape
         x2 = x.reshape(B * T, D)                                # (M, D)
         forced = None if forced_ids is None else forced_ids.reshape(B * T, -1)
-        ids, weights, chosen, *extra = self.route(self.gate(x2), forced, detail is not None)
+        logits = self.gate(x2)                                  # (M, E)
+        ids, weights, chosen, *extra = self.route(logits, forced, detail is not None)
         if _capacity is not None:                               # trainer-side token dropping
             weights = _capacity.apply(ids, weights, self.n_experts)
         if detail is not None:                                  # the combine weights used, the margin, entropy
             margin, entropy = extra
             detail.append((weights.detach().view(B, T, -1), margin.view(B, T), entropy.view(B, T)))
+        if kept is not None:
+            kept.layers.append(logits.view(B, T, -1))
         out = self.experts(x2, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
@@ -457,12 +483,12 @@ class Block(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, x, cos, sin, positions, kv: PagedKV | PackedPages | None, forced_ids=None,
-                detail: list | None = None):
+                detail: list | None = None, kept: KeptLogits | None = None):
         """x (B, T, D) -> (B, T, D), and the router's own top-k ids (B, T, top_k) on MoE layers (else None)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, self.layer_idx)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
-            out, ids = self.mlp(h, forced_ids, detail)
+            out, ids = self.mlp(h, forced_ids, detail, kept)
             return x + out, ids
         return x + self.mlp(h), None
 
@@ -504,9 +530,11 @@ class Transformer(nn.Module):
 
     # ---- the one forward ----
     def hidden_states(self, tokens: torch.Tensor, routes: torch.Tensor | None = None,
-                      kv: PagedKV | None = None, packing: Packing | None = None, route_detail: bool = False):
+                      kv: PagedKV | None = None, packing: Packing | None = None, route_detail: bool = False,
+                      router_logits: bool = False):
         """tokens (B, T) -> final normed hidden states (B, T, D) and routes (B, T, n_moe_layers, top_k),
-        and with route_detail a third output, the RouteDetail of those routes.
+        and with route_detail a third output, the RouteDetail of those routes (with router_logits, its
+        logits: the gate's, with their gradient).
 
         packing: the tokens hold packed sequences (trainer only, kv None): positions restart at each
         sequence's start and attention stays inside it; every other op is row-local."""
@@ -532,9 +560,10 @@ class Transformer(nn.Module):
         cos, sin = cos_t[positions], sin_t[positions]                     # (B, T, rotary_dim/2)
         x = self.embed_tokens(tokens)                                     # (B, T, D)
         recorded, detail = [], [] if route_detail else None
+        kept = KeptLogits(self.config.num_experts) if route_detail and router_logits else None
         for layer in self.layers:
             forced = None if routes is None or not layer.is_moe else routes[:, :, len(recorded)]
-            x, ids = layer(x, cos, sin, positions, kv, forced, detail)
+            x, ids = layer(x, cos, sin, positions, kv, forced, detail, kept)
             if ids is not None:
                 recorded.append(ids)
         if recorded:
@@ -542,7 +571,7 @@ class Transformer(nn.Module):
         else:
             routes_out = torch.zeros(B, T, 0, self.config.num_experts_per_tok, dtype=torch.long, device=tokens.device)
         if route_detail:
-            return self.norm(x), routes_out, RouteDetail.stack(detail, B, T, self.config.num_experts_per_tok, x.device)
+            return self.norm(x), routes_out, RouteDetail.stack(detail, B, T, self.config.num_experts_per_tok, x.device, kept)
         return self.norm(x), routes_out
 
     def _check_route_shape(self, routes: torch.Tensor, B: int, T: int) -> None:
@@ -607,7 +636,7 @@ class Transformer(nn.Module):
 
     def score(self, tokens: torch.Tensor, temperature: float = 1.0, routes: torch.Tensor | None = None,
               with_entropy: bool = False, logits_chunk: int = 0, packing: Packing | None = None,
-              check: bool = True, route_detail: bool = False, entropy_grad: bool = False):
+              check: bool = True, route_detail: bool = False, entropy_grad: bool = False, router_logits: bool = False):
         """Log-probs of tokens[:, 1:] under softmax(logits / temperature), and the routes used.
 
         tokens (B, T) int, right padding allowed (padded positions get values the caller masks out).
@@ -629,10 +658,17 @@ class Transformer(nn.Module):
         [entropy,] detail). The other outputs keep their bits.
         entropy_grad: with with_entropy, the entropy carries its gradient (kernels.softmax_entropy: the
         entropy bonus, --entropy_coef); logp's bits and gradient do not change.
+        router_logits: with route_detail, the detail also holds each MoE layer's gate logits (B, T, n_moe, E)
+        with their gradient (RouteDetail.logits: the router losses, losses.router_objective). Only kept
+        references to the tensors the router computes anyway: every other output keeps its bits, and
+        without it (the default) nothing is kept.
         """
+        if router_logits and not route_detail:
+            raise ValueError("router_logits=True returns the logits in the RouteDetail: pass route_detail=True too")
         if check:
             self.check_inputs(tokens, routes)
-        h, used, *detail = self.hidden_states(tokens, routes, packing=packing, route_detail=route_detail)
+        h, used, *detail = self.hidden_states(tokens, routes, packing=packing, route_detail=route_detail,
+                                              router_logits=router_logits)
         B, T1, D = h.shape[0], h.shape[1] - 1, h.shape[2]
         if logits_chunk and B * T1 > logits_chunk:      # at most logits_chunk rows of logits at a time
             logp, entropy = _ChunkedLogprobs.apply(h[:, :-1].reshape(-1, D), self.lm_weight(), tokens[:, 1:].reshape(-1),

@@ -60,7 +60,8 @@ from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_hel
 from distributed import (Dist, Policy, all_cat, all_owned, all_sum_counts, check_in_sync, gather_scored, global_batch,
                          init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
 from hf import eos_token_ids
-from losses import Normalisers, correction_weights, group_advantages, rejects, token_objective
+from losses import (Normalisers, correction_weights, group_advantages, rejects, router_metrics, router_objective,
+                    token_objective)
 from model import CapacityLimit, Transformer, capacity_limit
 from packing import Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks, unpack
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
@@ -319,6 +320,7 @@ class MinibatchResult:
     entropy_sum: float               # entropy summed over its response tokens
     filtered: float                  # response tokens the route filter masked or down-weighted
     tokens: float                    # response tokens
+    router: list                     # (router_aux_loss, router_z_loss) unweighted (losses.router_objective)
     gathered: Scored | None = None   # with audit=True: every rank's forwards, in the micro-batches' order
 
 
@@ -333,11 +335,12 @@ class UpdateStats:
     entropy_sum: float = 0.0
     filtered: float = 0.0
     tokens: float = 0.0
+    router: list = dataclasses.field(default_factory=list)   # each forward's router losses (losses.router_metrics)
 
     def add_forward(self, r: MinibatchResult) -> None:
-        self.entropy_sum += r.entropy_sum
-        self.filtered += r.filtered
-        self.tokens += r.tokens
+        for k in ("entropy_sum", "filtered", "tokens"):
+            setattr(self, k, getattr(self, k) + getattr(r, k))
+        self.router.append(r.router)
 
     def add_update(self, r: MinibatchResult) -> None:
         self.grad_norm += r.grad_norm
@@ -346,8 +349,7 @@ class UpdateStats:
         self.updates += 1
 
     def means(self) -> dict:
-        n = self.updates
-        return {k: getattr(self, k) / n if n else math.nan for k in ("loss", "clip_frac", "grad_norm")}
+        return {k: getattr(self, k) / self.updates if self.updates else math.nan for k in ("loss", "clip_frac", "grad_norm")}
 
 
 def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateStats, Scored]:
@@ -355,8 +357,7 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateSta
     finite and --skip_nonfinite_steps allows). Returns the summed stats and the first minibatch's
     forward: the policy had not moved yet, so it measures train vs rollout. The minibatches are drawn
     from the global batch with a generator of the step alone: the same at every world size."""
-    tcfg, policy = run.tcfg, run.policy
-    B = batch.tokens.shape[0]
+    tcfg, policy, B = run.tcfg, run.policy, batch.tokens.shape[0]
     mb_size = min(tcfg.minibatch_size, B)
     policy.master.train()
     stats, first = UpdateStats(), None
@@ -377,7 +378,7 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateSta
     return stats, first
 
 
-MICRO_STATS = ("loss", "clipped", "entropy_sum", "filtered", "tokens")   # a micro-batch's sums (micro_step)
+MICRO_STATS = ("loss", "clipped", "entropy_sum", "filtered", "tokens", "router_aux", "router_z")   # micro_step's sums
 
 
 def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, step: int, mode: str,
@@ -388,7 +389,7 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     forwards (MinibatchResult.gathered)."""
     tcfg, policy = run.tcfg, run.policy
     # normalisers over the global minibatch, so the micro-batches' losses add up to the global one
-    norm = Normalisers.of(old.loss_mask, idx, old.held_out, max_new_tokens(run))
+    norm = Normalisers.of(old.loss_mask, idx, old.held_out, max_new_tokens(run), batch.lengths)
     policy.start_minibatch(lr_at(step, tcfg))
     micros = trainer_micro_batches(run, idx, batch.lengths)
     steps = lockstep(micros, batch.lengths, run.d)
@@ -400,20 +401,19 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
         if i is not None:
             table[i] = torch.tensor(sums, dtype=torch.float64)
     gn = policy.finish_grads()          # summed over ranks (exact, or the wrappers' fp32), clipped
-    loss, clipped, entropy, filtered, tokens = (sum(col) for col in all_owned(table, run.d).T.tolist())
+    loss, clipped, entropy, filtered, tokens, *router = (sum(col) for col in all_owned(table, run.d).T.tolist())
     real = sorted(i for i in parts if i is not None)
     scored = on_host([parts[i] for i in real]) if real else None
     gathered = gather_scored(parts, [len(m.rows) for m in micros], run.d) if audit else None
-    return MinibatchResult(loss, clipped, gn, scored, entropy, filtered, tokens, gathered)
+    return MinibatchResult(loss, clipped, gn, scored, entropy, filtered, tokens, router, gathered)
 
 
 def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: Normalisers, mode: str,
                counted: bool) -> tuple[Scored, list[float]]:
     """One micro-batch's forward and backward (its gradients go where Policy.grad_sync sends them) and
     its MICRO_STATS. A null micro-batch (counted=False) runs the same ops, its loss times 0."""
-    tcfg, device = run.tcfg, run.d.device
-    sub = micro.rows
-    mb = batch.select(sub)
+    tcfg, device, scoring = run.tcfg, run.d.device, run.policy.master.config.router_scoring
+    sub, mb = micro.rows, batch.select(micro.rows)
     old_routes = None if old.audit is None else old.audit.routes[sub]
     out = forward(run, run.policy.trainer, mb, micro, grad=True, with_entropy=True, counted=counted,
                   entropy_grad=tcfg.entropy_coef > 0, routes=replay.routes_to_replay(mode, mb.routes, old_routes))
@@ -424,10 +424,11 @@ def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: 
     loss, clipped = token_objective(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg, norm,
                                     weights, None if old.ref_logp is None else old.ref_logp[sub].to(device),
                                     entropy=out.entropy if tcfg.entropy_coef > 0 else None)
+    loss, router = router_objective(loss, out.detail.logits, out.routes, mb.lengths, tcfg, norm, scoring)
     (loss * (run.policy.loss_scale if counted else 0.0)).backward()
     sums = [loss.item(), (clipped.float() * mask).sum().item() / norm.tokens, (out.entropy.detach() * response).sum().item(),
-            0.0 if keep is None else ((keep < 1) * response).sum().item(), mb.mask.sum().item()]
-    return dataclasses.replace(out, logp=logp), sums
+            0.0 if keep is None else ((keep < 1) * response).sum().item(), mb.mask.sum().item(), *router.tolist()]
+    return dataclasses.replace(out, logp=logp, detail=dataclasses.replace(out.detail, logits=None)), sums   # logits freed
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -448,15 +449,14 @@ def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bo
     null micro-batch): outside --train_capacity_factor's counts.
     Returns logp (k, T-1), routes (k, T, n_moe, k) and the route detail per sequence. Nothing here reads
     a tensor back from the device: make_batch and pack_routes checked the batch on the host."""
-    dev, T, pk = run.d.device, mb.tokens.shape[1], micro.packing
-    tokens = mb.tokens
+    dev, T, pk, tokens = run.d.device, mb.tokens.shape[1], micro.packing, mb.tokens
     if pk is not None:
         tokens = pk.from_padded(tokens)                               # (1, sum of lengths)
         routes = None if routes is None else pk.from_padded(routes, fill=-1)
     with torch.set_grad_enabled(grad), trainer_capacity(run) if counted else contextlib.nullcontext():
         out = score(tokens.to(dev), temperature=run.rcfg.temperature, routes=None if routes is None else routes.to(dev),
                     with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk, packing=pk, route_detail=True,
-                    entropy_grad=entropy_grad)
+                    entropy_grad=entropy_grad, router_logits=grad and run.tcfg.router_losses)   # their losses' logits
         logp, used, entropy, detail = out[0], out[1], out[2] if with_entropy else None, out[-1]
         if pk is not None:
             logp, used = unpack(pk, logp, T - 1), unpack(pk, used, T, fill=-1)
@@ -488,7 +488,8 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
                            dtype=torch.float)                         # this rank's; all_cat: global
     all_rewards = all_cat(rewards, run.d)
     row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
-           "response_len": all_cat(lengths, run.d).mean().item(), **stats.means(),
+           "response_len": all_cat(lengths, run.d).mean().item(),
+           **stats.means(), **router_metrics(run.tcfg, stats.router),
            **replay.mismatch_metrics(audited.logp, batch.rollout_logp[rows], batch.mask[rows]),
            **replay.route_audit(batch.routes[rows], audited.routes, batch.route_mask[rows], n_experts, audited.detail),
            # the entropy of softmax(logits / T) at the response tokens, from the training forwards
