@@ -926,13 +926,13 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "fast+reject": ["--recompute_old_logp=true", "--correction=reject"],
     "fast+icepop": ["--recompute_old_logp=true", "--correction=icepop"],
     "fast+r3": ["--recompute_old_logp=true", "--replay=r3"],
-    "fast+r3 bounded": ["--recompute_old_logp=true", "--replay=r3", "--replay_steps=1"],   # R3 on the first update only
     "fast+route_filter": ["--recompute_old_logp=true", "--route_filter=mask"],
     "fast+gspo": ["--recompute_old_logp=true", "--loss=gspo"],
     # another router: sigmoid scores, a score-correction bias (balanced during RL), a shared expert, 2 groups
     "fast+sigmoid": ["--recompute_old_logp=true", "--init_from=tiny-sigmoid", "--expert_bias_update_rate=1e-3"],
     # more remedies against the fast rollout: old-policy routing replay, a frozen router; a dense control
     "fast+replay_old": ["--recompute_old_logp=true", "--replay=old"],
+    "fast+r3 bounded": ["--recompute_old_logp=true", "--replay=r3", "--replay_steps=1"],   # R3 on the first update only
     "fast+frozen_router": ["--recompute_old_logp=true", "--router_lr_scale=0"],
     "dense fast": ["--recompute_old_logp=true", "--init_from=tiny-dense"],
     # the rows below keep the invariant kernels: their one deviation is named in the row

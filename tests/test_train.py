@@ -508,7 +508,7 @@ def _update(run, batch, idx, old=None, **kw):
     the result and the clipped gradients."""
     run = dataclasses.replace(run, tcfg=dataclasses.replace(run.tcfg, **kw))
     old = old or train.old_policy(run, batch)
-    r = train.minibatch_step(run, batch, old, idx, 0)
+    r = train.minibatch_step(run, batch, old, idx, 0, run.tcfg.replay)
     return old, r, {n: p.grad.clone() for n, p in run.policy.master.named_parameters()}
 
 
