@@ -227,25 +227,20 @@ def make_batch(outs, adv: torch.Tensor) -> Batch:
     environment tokens are in the forward (their routes too) but out of `mask`: out of the loss, the
     corrections, the route filter's counts and the mismatch metrics' denominators."""
     lengths = [len(o.prompt) + len(o.tokens) for o in outs]
-    B, T = len(outs), max(lengths)
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T - 1)
-    rollout_logp = torch.zeros(B, T - 1)
-    route_mask = torch.zeros(B, T, dtype=torch.bool)
-    observed = torch.zeros(B, T, dtype=torch.bool)
-    versions = torch.zeros(B, T - 1, dtype=torch.long)
-    kv_versions = torch.zeros(B, T - 1, dtype=torch.long)
-    for i, o in enumerate(outs):
-        P, N = len(o.prompt), len(o.tokens)
-        tokens[i, :P + N] = torch.tensor(o.prompt + o.tokens)
-        policy = torch.tensor(o.policy_mask, dtype=torch.float32) if o.policy_mask else torch.ones(N)
-        mask[i, P - 1:P - 1 + N] = policy                             # logp[:, j] scores tokens[:, j + 1]
-        rollout_logp[i, P - 1:P - 1 + N] = torch.where(policy > 0, torch.tensor(o.logprobs, dtype=torch.float32), 0.0)
-        observed[i, P:P + N] = policy == 0
-        if o.token_versions:                                          # provenance (pipeline.staleness_metrics)
-            versions[i, P - 1:P - 1 + N] = torch.tensor(o.token_versions)
-            kv_versions[i, P - 1:P - 1 + N] = torch.tensor(o.kv_versions)
-        route_mask[i, :P + N - 1] = True
+    T = max(lengths)
+
+    def rows(fill, parts):                                            # each sequence's response part -> (B, T - 1)
+        return torch.tensor([[fill] * (len(o.prompt) - 1) + part + [fill] * (T - L)
+                             for o, L, part in zip(outs, lengths, parts)])
+    policy = [list(o.policy_mask) or [1] * len(o.tokens) for o in outs]   # logp[:, j] scores tokens[:, j + 1]
+    tokens = torch.tensor([o.prompt + o.tokens + [0] * (T - L) for o, L in zip(outs, lengths)])
+    mask = rows(0.0, [[float(m) for m in pm] for pm in policy])
+    rollout_logp = rows(0.0, [[lp if m else 0.0 for lp, m in zip(o.logprobs, pm)] for o, pm in zip(outs, policy)])
+    observed = torch.cat([torch.zeros(len(outs), 1, dtype=torch.bool),                 # (B, T): by token position
+                          rows(False, [[m == 0 for m in pm] for pm in policy])], dim=1)
+    versions = rows(0, [list(o.token_versions or ()) or [0] * len(o.tokens) for o in outs])   # provenance
+    kv_versions = rows(0, [list(o.kv_versions or ()) or [0] * len(o.tokens) for o in outs])   # (pipeline.py)
+    route_mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None] - 1
     routes = pack_routes([o.routes for o in outs], lengths, T)
     return Batch(tokens, mask, rollout_logp, routes, route_mask, adv, torch.tensor(lengths), observed, versions,
                  kv_versions)

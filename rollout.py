@@ -669,8 +669,8 @@ class Sampler:
         return SequenceOutput(list(seq.prompt), seq.token_ids[P:], logprobs, routes, seq.finish_reason, weights,
                               margins, policy_mask=mask, turns=[(a - P, b - P) for a, b in seq.turns],
                               weights_version=self.weights_version, finish_time=time.perf_counter() - self._start,
-                              token_versions=[marked(seq.version_marks, p) for p in positions],
-                              kv_versions=[marked(seq.kv_marks, p) for p in positions])
+                              token_versions=marked_range(seq.version_marks, positions),
+                              kv_versions=marked_range(seq.kv_marks, positions))
 
     def _check_observation(self, ids, index: int) -> list[int]:
         """What on_turn_end returned, checked where it enters: a list of token ids of the vocabulary."""
@@ -718,6 +718,14 @@ class Sampler:
 def marked(marks: list[tuple[int, int]], position: int) -> int:
     """The version of the last mark (first position, version) at or before `position`."""
     return next(v for p, v in reversed(marks) if p <= position)
+
+
+def marked_range(marks: list[tuple[int, int]], positions: range) -> list[int]:
+    """marked at each of the positions; one mark (no update during the sequence, the common case): its
+    version everywhere."""
+    if len(marks) == 1:
+        return [marks[0][1]] * len(positions)
+    return [marked(marks, p) for p in positions]
 
 
 def kv_pool_blocks(free_bytes: int, fraction: float, reserve_bytes: int, block_bytes: int, wanted: int) -> int:
