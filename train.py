@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import math
 import os
 import signal
@@ -107,6 +108,7 @@ def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
             return _train(tcfg, rcfg, d)
     finally:
         if dist.is_initialized():                                     # torchrun, even with one rank
+            gc.collect()           # the run's cycles (DDP's buckets, their gloo work) go while Python is alive
             dist.destroy_process_group()
 
 
