@@ -947,7 +947,7 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "expert map fault": ["--recompute_old_logp=true", "--rollout_router_fault=expert_map"],   # experts 0, E-1 swapped
     **{f"sigmoid fault {f}": ["--recompute_old_logp=true", "--init_from=tiny-sigmoid", "--expert_bias_update_rate=1e-3",
                               f"--rollout_router_fault={f}"]
-       for f in ("no_bias", "bias_sign", "bias_in_weights", "no_renorm")},
+       for f in ("no_bias", "bias_sign", "bias_in_weights", "no_renorm", "shared_in_topk")},
     # multi-turn episodes (--task=lookup: a tool call, its answer, the answer), each with one of the ways
     # shipped systems break an episode's consistency (--rollout_episode_fault, lab.episode_fault)
     "lookup": ["--recompute_old_logp=true", "--task=lookup", "--n_digits=3"],

@@ -340,6 +340,8 @@ ROUTER_FAULTS = ("none",
                  "bias_sign",          # the bias subtracted instead of added
                  "bias_in_weights",    # the combine weights taken from the biased scores
                  "no_renorm",          # the top-k weights not renormalised (norm_topk_prob ignored)
+                 "shared_in_topk",     # the shared expert fused into the top-k as one more slot of weight 1,
+                                       # renormalised with the routed ones (each weight over 1 + their sum)
                  "expert_map")         # a wrong logical-to-physical expert table (expert_map_fault): the
                                        # router is right, its ids reach the wrong experts, routes are logged as chosen
 

@@ -143,12 +143,24 @@ class FaultyRouting:
         if self.fault == "bias_in_weights":                           # the combine weights of the biased scores
             bias, norm = self.router_inputs(logits.dtype)
             weights = biased_weights(logits, ids, bias, norm, **self.route_kw)
+        if self.fault == "shared_in_topk":                            # the routed weights over 1 + their sum
+            total = 1.0 + weights[:, 0]
+            for j in range(1, weights.shape[1]):                      # k ascending, as route
+                total = total + weights[:, j]
+            weights, self.shared_share = weights / total[:, None], 1.0 / total[:, None]   # (M, k), (M, 1)
         return (ids, weights, chosen, *extra)
 
     def experts(self, x2, ids, weights):
         if self.fault == "expert_map":                                # the right ids reach the wrong experts
             ids = expert_map_fault(ids, self.n_experts)
         return super().experts(x2, ids, weights)
+
+    def add_shared(self, out, x2):
+        if self.fault != "shared_in_topk":
+            return super().add_shared(out, x2)
+        # the engine's fused top-k: the shared expert a (k+1)-th slot of score 1, the k+1 renormalised, so
+        # the shared expert weighs 1 / (1 + sum of the routed weights) (route above divided those)
+        return out + (self.shared_share * self.shared_experts(x2).float()).to(out.dtype)
 
 
 _FAULTY: dict[type, type] = {}
@@ -184,6 +196,9 @@ def check_router_fault(config, fault: str) -> None:
     if fault in ("no_bias", "bias_sign", "bias_in_weights") and not config.score_correction_bias:
         raise ConfigError(f"--rollout_router_fault={fault} needs a router with a score-correction bias "
                           "(--init_from=tiny-sigmoid or a glm4_moe checkpoint)")
+    if fault == "shared_in_topk" and not config.n_shared_experts:
+        raise ConfigError("--rollout_router_fault=shared_in_topk needs ungated shared experts (n_shared_experts: "
+                          "--init_from=tiny-sigmoid or a glm4_moe / deepseek checkpoint)")
     if fault == "no_renorm" and not config.norm_topk_prob:
         raise ConfigError("--rollout_router_fault=no_renorm: this model does not renormalise its top-k weights")
     if fault != "none" and not config.moe_layers:

@@ -444,13 +444,18 @@ class MoE(nn.Module):
             detail.append((weights.detach().view(B, T, -1), margin.view(B, T), entropy.view(B, T)))
         if kept is not None:
             kept.layers.append(logits.view(B, T, -1))
-        out = self.experts(x2, ids, weights)
+        out = self.add_shared(self.experts(x2, ids, weights), x2)
+        return out.view(B, T, D), chosen.view(B, T, self.top_k)
+
+    def add_shared(self, out: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output (M, D) plus the shared expert's: ungated (GLM, DeepSeek) or gated by
+        sigmoid(shared_expert_gate x) in fp32 (Qwen2-MoE)."""
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         if self.shared_expert is not None:
             g = kernels.sigmoid(self.shared_expert_gate(x2))                 # (M, 1) fp32
-            out = out + (g * self.shared_expert(x2).float()).to(x.dtype)
-        return out.view(B, T, D), chosen.view(B, T, self.top_k)
+            out = out + (g * self.shared_expert(x2).float()).to(out.dtype)
+        return out
 
     def router_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
         """The score-correction bias (in the logits' dtype, as it is applied) and norm_topk_prob."""

@@ -274,6 +274,35 @@ def test_expert_map_fault_sends_the_right_routes_to_the_wrong_experts():
     assert not torch.equal(bad_out, out)
 
 
+def test_shared_in_topk_fault_renormalises_the_shared_expert_with_the_routed_ones():
+    """shared_in_topk: the engine's fused top-k counts the shared expert as one more slot of score 1 and
+    renormalises the k + 1: routed weights w / (1 + sum w), the shared expert's output times 1 / (1 + sum
+    w); by hand from the right layer's weights and outputs. The router's choice is unchanged."""
+    from model import MoE
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                      router_scoring="sigmoid", score_correction_bias=True, n_shared_experts=1, initializer_range=0.5)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randn(1, 6, 16)
+    right_ids, right_w = _route_seen(moe, x)
+    out, routes = moe(x)
+    shared = moe.shared_experts(x[0])                                             # (6, 16)
+    lab.set_layer_fault(moe, "shared_in_topk")
+    ids, weights = _route_seen(moe, x)
+    total = 1 + right_w.sum(-1, keepdim=True)
+    assert torch.equal(ids, right_ids)
+    torch.testing.assert_close(weights, right_w / total, rtol=1e-6, atol=1e-7)
+    bad_out, bad_routes = moe(x)
+    assert torch.equal(bad_routes, routes)
+    routed = out[0] - shared                                                      # the right layer's routed part
+    torch.testing.assert_close(bad_out[0], routed / total + shared / total, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="shared experts"):
+        lab.check_router_fault(ModelConfig.preset("tiny"), "shared_in_topk")
+
+
 def test_router_fault_is_on_the_rollout_copy_only(tmp_path):
     model = Transformer(ModelConfig.preset("tiny-sigmoid"))
     rollout, _ = lab.router_fault_copy(model, model, "bias_sign", lambda: None)
