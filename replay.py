@@ -14,9 +14,10 @@ A route is the top-k expert ids of one token at one MoE layer; a batch of them i
 2. **Pack.** `pack_routes` lays them out like the trainer's padded token batch and checks that they fit
    the tokens: the one place routes are checked on the host, so the trainer replays them unread.
 3. **Replay.** `routes_to_replay(mode, ...)`: R3 replays the rollout's routes, `old` the old-policy
-   forward's (vanilla routing replay), `none` nothing; `replay_mode` bounds it to a batch's first updates. The mechanism is the model's: `model.score(
-   routes=...)` hands each MoE layer its forced ids (kernels.route gathers the router's own scores at
-   them, so the router still gets gradients and replaying one's own routes is the free forward, bitwise).
+   forward's (vanilla routing replay), `none` nothing; `replay_mode` bounds it to a batch's first
+   updates. The mechanism is the model's: `model.score(routes=...)` hands each MoE layer its forced ids
+   (kernels.route gathers the router's own scores at them, so the router still gets gradients and
+   replaying one's own routes is the free forward, bitwise).
 4. **Audit.** `route_audit` compares the rollout's routes with the trainer's (flips per layer, top-k
    overlap, top-1 flips, expert load, margins and router entropy from model.RouteDetail);
    `mismatch_metrics` does the same for log-probs; `load_histogram`, `route_drift` and `diagnostics`
