@@ -205,7 +205,7 @@ def test_gpu_check_children_stop_with_it(how, sig, rc):
     pid = int(r.stdout.readline())
     if sig is not None:
         r.send_signal(sig)
-    r.wait(timeout=30)
+    r.wait(timeout=120)                 # its exit tears down torch and triton: slow on a loaded 2-core machine
     try:
         assert r.returncode == rc and gone(pid, within=0 if how == "unguarded" else 10) == (how != "unguarded")
     finally:
