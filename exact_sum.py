@@ -37,6 +37,7 @@ FRAC_BITS = 72                      # n counts units of 2^-72
 LIMB_BITS = 52                      # lo holds n's low 52 bits, hi the rest
 LIMIT = 2.0 ** (2 * LIMB_BITS - FRAC_BITS)   # |g| < 2^32: hi = floor(g * 2^20) stays below 2^52
 MAX_RANKS = 2 ** (63 - LIMB_BITS)            # 2^11 ranks may add their lo limbs in one all-reduce
+EXACT_FROM = 2.0 ** (23 - FRAC_BITS)         # |g| >= 2^-49: all 24 bits of g lie on the grid
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -51,8 +52,12 @@ def to_limbs(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     x = g.double().mul_(2.0 ** (FRAC_BITS - LIMB_BITS))
     hi = x.floor()
     lo = x.sub_(hi).mul_(2.0 ** LIMB_BITS).round_()
-    bad = ~(g.abs().amax() < LIMIT) if g.numel() else torch.zeros((), dtype=torch.bool, device=g.device)
-    return hi.long(), lo.long(), bad
+    return hi.long(), lo.long(), out_of_range(g)
+
+
+def out_of_range(g: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool: some element of g is non-finite or |g| >= 2^32."""
+    return ~(g.abs().amax() < LIMIT) if g.numel() else torch.zeros((), dtype=torch.bool, device=g.device)
 
 
 def _carry(hi: torch.Tensor, lo: torch.Tensor) -> None:
@@ -66,50 +71,124 @@ def from_limbs(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """The fp32 value of hi * 2^-20 + lo * 2^-72 (limbs of any carry state; the inputs are not changed)."""
     hi, lo = hi.clone(), lo.clone()
     _carry(hi, lo)
+    return _value(hi, lo)
+
+
+def _value(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """from_limbs of carried limbs: lo in [0, 2^52], so the two fp64 products are exact and their sum is
+    the one fp64 rounding."""
     return (hi.double() * 2.0 ** (LIMB_BITS - FRAC_BITS) + lo.double() * 2.0 ** -FRAC_BITS).float()
+
+
+def on_grid(g: torch.Tensor, tiny: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """from_limbs(to_limbs(g)) without the limbs: the fp32 value of a sum of one term, into out (g
+    itself may be out). Elements with |g| >= 2^-49 are exact on the grid and stay as they are (+ 0.0
+    makes -0.0 the +0.0 the limbs give); only those below it, if any (tiny), go through the limbs."""
+    out = g.float() + 0.0 if out is None else torch.add(g, 0.0, out=out)
+    if tiny:
+        small = (out.abs() < EXACT_FROM) & (out != 0)
+        hi, lo, _ = to_limbs(out[small])
+        out[small] = from_limbs(hi, lo)
+    return out
+
+
+def scan_bits(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 g -> 0-d bools (out of range: non-finite or |g| >= 2^32; tiny: some 0 < |g| < 2^-49), from
+    |g|'s bits, which order as |g| does (NaN above inf). In place in a reused buffer, with reductions
+    only: on a CPU a fresh buffer's first touch, or a comparison into bools, costs several reductions.
+    Minus one wraps 0 to the top, out of the min."""
+    if not g.numel():
+        return torch.zeros((), dtype=torch.bool, device=g.device), torch.zeros((), dtype=torch.bool, device=g.device)
+    b = torch.bitwise_and(g.contiguous().view(torch.int32), 0x7FFFFFFF, out=_scratch(g))
+    bad = b.amax() >= _LIMIT_BITS
+    tiny = b.sub_(1).bitwise_and_(0x7FFFFFFF).amin() < _EXACT_BITS - 1
+    return bad, tiny
+
+
+_LIMIT_BITS = (127 + 2 * LIMB_BITS - FRAC_BITS) << 23         # fp32 bits of 2^32
+_EXACT_BITS = (127 + 23 - FRAC_BITS) << 23                   # fp32 bits of 2^-49
+_SCRATCH: dict = {}                                           # (device, dtype) -> a buffer scan_bits and _rows reuse
+
+
+def _scratch(g: torch.Tensor, dtype=torch.int32) -> torch.Tensor:
+    """A buffer of g's shape: views of one per device and dtype, grown to the largest asked for."""
+    buf = _SCRATCH.get((g.device, dtype))
+    if buf is None or buf.numel() < g.numel():
+        buf = _SCRATCH[(g.device, dtype)] = torch.empty(g.numel(), dtype=dtype, device=g.device)
+    return buf[:g.numel()].view(g.shape)
 
 
 class Limbs:
     """A fixed-point sum of tensors of one shape: int64 hi and lo, and whether a term was out of range.
     Terms add limb by limb; lo (each term's at most 2^52) carries into hi every CARRY_EVERY additions
-    and before it leaves (value, all_reduce_limbs), so it never passes 2^63."""
+    and before it leaves (value, all_reduce_limbs), so it never passes 2^63.
+
+    The first term is kept as it came and converted only when a second one (or a rank's limbs) is
+    wanted: a minibatch of one micro-batch on one rank, the common case, then costs on_grid alone, with
+    the bits the limbs would give."""
     CARRY_EVERY = 2 ** 10
 
     def __init__(self, shape, device):
-        self.hi = torch.zeros(shape, dtype=torch.long, device=device)
-        self.lo = torch.zeros(shape, dtype=torch.long, device=device)
+        self.shape, self.device = tuple(shape), device
+        self._hi = self._lo = None                                    # made when needed (_limbs)
+        self.first = None                                             # the only term so far (fp32), not yet converted
+        self.tiny = None                                              # whether first has elements below 2^-49
+        self.own = False                                              # whether value() may rewrite first
         self.bad = torch.zeros((), dtype=torch.bool, device=device)
         self.terms = 0
 
-    def add(self, g: torch.Tensor) -> None:
+    def _limbs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._hi is None:
+            if self.first is not None:
+                self._hi, self._lo, _ = to_limbs(self.first)
+                self.first = None
+            else:
+                self._hi = torch.zeros(self.shape, dtype=torch.long, device=self.device)
+                self._lo = torch.zeros(self.shape, dtype=torch.long, device=self.device)
+        return self._hi, self._lo
+
+    hi = property(lambda self: self._limbs()[0])
+    lo = property(lambda self: self._limbs()[1])
+
+    def add(self, g: torch.Tensor, own: bool = False) -> None:
+        """Add g. Kept as the first term, g is not to be changed by the caller until value() or zero_();
+        own: the sum may take g over (value() may then be g itself, rewritten in place)."""
+        if self.terms == 0 and self._hi is None:
+            self.first, self.own, self.terms = g.float(), own or g.dtype != torch.float32, 1
+            bad, self.tiny = scan_bits(self.first)
+            self.bad |= bad
+            return
         hi, lo, bad = to_limbs(g)
-        self.add_limbs(hi, lo)
         self.bad |= bad
+        self.add_limbs(hi, lo)
 
     def add_limbs(self, hi: torch.Tensor, lo: torch.Tensor, terms: int = 1) -> None:
         """Add limbs holding the sum of `terms` terms (a reduce-scatter's output: one per rank)."""
-        self.hi += hi
-        self.lo += lo
+        mine_hi, mine_lo = self._limbs()
+        mine_hi += hi
+        mine_lo += lo
         self.terms += terms
         if self.terms >= self.CARRY_EVERY:
             self.carry()
 
     def carry(self) -> None:
-        _carry(self.hi, self.lo)
+        _carry(*self._limbs())
         self.terms = 1
 
     def value(self) -> torch.Tensor:
-        return from_limbs(self.hi, self.lo)
+        if self.first is not None:
+            return on_grid(self.first, bool(self.tiny), out=self.first if self.own else None)
+        self.carry()                                                  # the same value, lo in [0, 2^52]
+        return _value(self._hi, self._lo)
 
     def zero_(self) -> None:
-        self.hi.zero_()
-        self.lo.zero_()
+        self._hi = self._lo = self.first = None
         self.bad.zero_()
         self.terms = 0
 
     @property
     def nbytes(self) -> int:
-        return self.hi.nbytes + self.lo.nbytes
+        return 16 * math.prod(self.shape)
 
 
 def all_reduce_limbs(sums: list[Limbs], group=None, bucket_bytes: int = 64 << 20) -> None:
@@ -185,7 +264,7 @@ class Reducer:
     def _hook(self, master: nn.Parameter):
         def take(p):
             if p.grad is not None:                                    # an EP shard's: _Sink passed nothing on
-                self.sum_of(master).add(p.grad)
+                self.sum_of(master).add(p.grad, own=True)   # .grad is dropped: the sum's now
                 p.grad = None
         return take
 
@@ -208,7 +287,7 @@ class Reducer:
     def __call__(self, key: tuple[int, str], g: torch.Tensor) -> None:
         if key not in self.pieces:
             self.pieces[key] = Limbs(g.shape, g.device)
-        self.pieces[key].add(g)
+        self.pieces[key].add(g, own=True)               # autograd's, handed over
 
     # ---- the minibatch ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -320,8 +399,8 @@ def _rows(g: torch.Tensor) -> torch.Tensor:
     """(rows,) fp64 sums of squares of g's dim-0 slices (a matrix's rows, a stacked tensor's experts,
     a vector's elements): a slice is never split between ranks (FSDP2 and EP cut dim 0), and an fp64
     sum over the last dim does not depend on the number of rows (tests/test_exact_sum.py)."""
-    x = g.detach().double().reshape(g.shape[0] if g.dim() else 1, -1)
-    return (x * x).sum(-1)
+    x = _scratch(g, torch.float64).copy_(g.detach()).reshape(g.shape[0] if g.dim() else 1, -1)
+    return x.square_().sum(-1)
 
 
 @torch.no_grad()
@@ -332,20 +411,20 @@ def grad_norm(params: list[nn.Parameter], d, *, expert_ids: set, ep=None) -> flo
     2^(e-1) <= M < 2^e and c = ceil(log2(rows)), so the int64 sum of every row cannot overflow; its
     error is below rows * 2^(e + c - 63), i.e. 2^(2c - 62) of the squared norm. A replicated tensor's
     rows are added by one rank, a shard's by its holder."""
-    local, total_rows, top = [], 0, torch.zeros((), dtype=torch.float64, device=d.device)
+    every, mine, total_rows = [], [], 0
     for p in params:
         if p.grad is None:
             continue
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         ss = _rows(g)
-        if ss.numel():
-            top = torch.maximum(top, ss.max().to(top.device))
-        sharded = hasattr(p.grad, "to_local")
+        every.append(ss)
         is_expert = id(p) in expert_ids
-        mine = sharded or (d.rank < ep.size if is_expert and ep is not None else d.rank == 0)
-        local.append((ss, mine))
+        if hasattr(p.grad, "to_local") or (d.rank < ep.size if is_expert and ep is not None else d.rank == 0):
+            mine.append(ss)
         rows = p.shape[0] if p.dim() else 1                          # a DTensor's shape is the global one
         total_rows += rows * (ep.size if is_expert and ep is not None else 1)   # E/N experts on each of N
+    every = torch.cat(every).to(d.device) if every else torch.zeros(0, dtype=torch.float64, device=d.device)
+    top = every.max() if every.numel() else torch.zeros((), dtype=torch.float64, device=d.device)
     if d.world > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
     if not math.isfinite(top.item()):
@@ -354,10 +433,8 @@ def grad_norm(params: list[nn.Parameter], d, *, expert_ids: set, ep=None) -> flo
         return 0.0
     e, c = math.frexp(top.item())[1], math.ceil(math.log2(max(total_rows, 2)))
     shift = 62 - e - c
-    acc = torch.zeros((), dtype=torch.long, device=d.device)
-    for ss, mine in local:
-        if mine and ss.numel():
-            acc += torch.round(ss * 2.0 ** shift).long().sum().to(acc.device)
+    mine = torch.cat(mine).to(d.device) if mine else torch.zeros(0, dtype=torch.float64, device=d.device)
+    acc = torch.round(mine * 2.0 ** shift).long().sum()              # integers: exact in any order
     if d.world > 1:
         dist.all_reduce(acc)
     return math.sqrt(math.ldexp(float(acc.item()), -shift))

@@ -402,19 +402,35 @@ class ModelRunner:
         """A row's token ids at positions [start, end) (one copy to the host: a turn's ids)."""
         return self.token_buf[row, start:end].tolist()
 
-    def collect(self, seq: Sequence) -> tuple[list[float], torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """A sequence's recorded values, one copy each: the log-probs at positions [len(prompt), n) (the
-        sampled ones; whatever the row held at an observation's), and the routes (route weights, margins
-        with record_route_detail) of the fed positions [0, n - 1), gathered through its block table."""
-        n, bs = seq.num_tokens, self.block_size
-        logprobs = self.logp_buf[seq.row, len(seq.prompt):n].tolist()
-        pos = torch.arange(n - 1, device=self.device)
-        slots = self.block_tables[seq.row, pos // bs] * bs + pos % bs                     # (n - 1,)
-        routes = self.route_pages.flatten(0, 1)[slots].to("cpu", torch.long)
-        if not self.record_detail:
-            return logprobs, routes, None, None
-        return (logprobs, routes, self.weight_pages.flatten(0, 1)[slots].cpu(),
-                self.margin_pages.flatten(0, 1)[slots].cpu())
+    def collect(self, seqs: list[Sequence]) -> list[tuple[list[float], torch.Tensor, torch.Tensor | None,
+                                                          torch.Tensor | None]]:
+        """Finished sequences' recorded values, one gather each for all of them: per sequence the
+        log-probs at positions [len(prompt), n) (the sampled ones; whatever the row held at an
+        observation's), and the routes (route weights, margins with record_route_detail) of the fed
+        positions [0, n - 1), found through its block table (read to the host once)."""
+        if not seqs:
+            return []
+        bs, dev = self.block_size, self.device
+        tables = self.block_tables[[s.row for s in seqs]].tolist()
+        rows, positions, slots = [], [], []
+        for s, table in zip(seqs, tables):
+            n, P = s.num_tokens, len(s.prompt)
+            rows += [s.row] * (n - P)
+            positions += range(P, n)
+            slots += [table[p // bs] * bs + p % bs for p in range(n - 1)]
+        flat = self.logp_buf[torch.tensor(rows, device=dev), torch.tensor(positions, device=dev)].tolist()
+        cuts = [s.num_tokens - 1 for s in seqs]
+        slots = torch.tensor(slots, device=dev)
+        gather = lambda pages, dtype=None: [t.clone() for t in pages.flatten(0, 1)[slots].to("cpu", dtype).split(cuts)]
+        routes = gather(self.route_pages, torch.long)
+        weights, margins = (gather(self.weight_pages), gather(self.margin_pages)) if self.record_detail else \
+            ([None] * len(seqs), [None] * len(seqs))
+        out, at = [], 0
+        for s, r, w, m in zip(seqs, routes, weights, margins):
+            k = s.num_tokens - len(s.prompt)
+            out.append((flat[at:at + k], r, w, m))
+            at += k
+        return out
 
     def weights_key(self) -> tuple:
         """Where the weights live: captured graphs read these addresses, so they must not move."""
@@ -612,7 +628,9 @@ class Sampler:
                 finally:
                     ep.capacity = 0
             bar.update(len(step.batch))
-            for s in sched.postprocess(step, finished):
+            done = sched.postprocess(step, finished)
+            for s, record in zip(done, runner.collect(done)):     # before the next step reuses their rows
+                s.output = self._output(s, record)
                 bar.update(s.limit - s.num_tokens)                  # credit the tokens it will not generate
             if req.on_step is not None:
                 self._step_hook(sched, req)
@@ -633,8 +651,9 @@ class Sampler:
     # ---- turns: the host side of an episode ----
     def _end_turn(self, req: Request, seq: Sequence) -> list[int] | None:
         """Scheduler.end_turn: the turn's ids come to the host. Without a session, at the episode's
-        budget, or when the environment says so, the sequence finishes (its output collected here, while
-        it still holds its blocks) -> None; else -> the observation's ids."""
+        budget, or when the environment says so, the sequence finishes (its output is collected after
+        the step, from its row and pages, which nothing writes before the next step) -> None; else ->
+        the observation's ids."""
         start, end = seq.turns[-1]
         turn = self.runner.read_tokens(seq.row, start, end)
         seq.token_ids += turn
@@ -653,13 +672,12 @@ class Sampler:
         return ids
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        """The sequence is finished: its output (-> None, end_turn's word for it)."""
+        """The sequence is finished (-> None, end_turn's word for it); _run collects its output."""
         seq.finish_reason = reason
-        seq.output = self._output(seq)
 
-    def _output(self, seq: Sequence) -> SequenceOutput:
+    def _output(self, seq: Sequence, record: tuple) -> SequenceOutput:
         """A finished sequence's SequenceOutput: the runner's records, the policy's turns as a mask."""
-        logprobs, routes, weights, margins = self.runner.collect(seq)
+        logprobs, routes, weights, margins = record
         P = len(seq.prompt)
         mask = [0] * (seq.num_tokens - P)
         for start, end in seq.turns:

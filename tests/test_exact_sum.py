@@ -121,3 +121,21 @@ def test_reducer_in_one_process_sums_micro_batches_exactly():
         assert torch.equal(p.grad, want)
     fast = [grads[0][i] + grads[1][i] + grads[2][i] for i in range(2)]
     assert any(not torch.equal(p.grad, f) for p, f in zip(lin.parameters(), fast))   # the control
+
+
+def test_a_sum_of_one_term_has_the_bits_of_its_limbs():
+    """Limbs keeps its first term unconverted (on_grid at value()): the same bits, -0.0 and the values
+    below 2^-49 included, as the term converted to limbs and back. Control: the term itself differs."""
+    x = torch.cat([wide(20000, 3, spread=14.0), torch.tensor([0.0, -0.0, EXACT_FROM, -EXACT_FROM / 3, -2.0 ** -100])])
+    lazy, converted = Limbs(x.shape, "cpu"), Limbs(x.shape, "cpu")
+    lazy.add(x)
+    converted.add(x)
+    converted.carry()                                                           # into limbs now
+    assert lazy.first is x and converted.first is None
+    bits = lambda t: t.view(torch.int32)
+    assert torch.equal(bits(lazy.value()), bits(converted.value()))
+    assert torch.equal(bits(lazy.value()), bits(from_limbs(*to_limbs(x)[:2])))
+    assert not torch.equal(bits(lazy.value()), bits(x))                         # the control
+    lazy.add(x)                                                                 # a second term: into limbs
+    hi, lo, _ = to_limbs(x)
+    assert lazy.first is None and torch.equal(lazy.value(), from_limbs(2 * hi, 2 * lo))
