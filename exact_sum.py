@@ -107,11 +107,14 @@ def scan_bits(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 _LIMIT_BITS = (127 + 2 * LIMB_BITS - FRAC_BITS) << 23         # fp32 bits of 2^32
 _EXACT_BITS = (127 + 23 - FRAC_BITS) << 23                   # fp32 bits of 2^-49
-_SCRATCH: dict = {}                                           # (device, dtype) -> a buffer scan_bits and _rows reuse
+_SCRATCH: dict = {}                                           # (CPU device, dtype) -> the buffer scan_bits and _rows reuse
 
 
 def _scratch(g: torch.Tensor, dtype=torch.int32) -> torch.Tensor:
-    """A buffer of g's shape: views of one per device and dtype, grown to the largest asked for."""
+    """A buffer of g's shape: on a CPU views of one per dtype, grown to the largest asked for (its
+    allocator hands back fresh pages, a GPU's caching allocator reuses its own)."""
+    if g.device.type != "cpu":
+        return torch.empty(g.shape, dtype=dtype, device=g.device)
     buf = _SCRATCH.get((g.device, dtype))
     if buf is None or buf.numel() < g.numel():
         buf = _SCRATCH[(g.device, dtype)] = torch.empty(g.numel(), dtype=dtype, device=g.device)

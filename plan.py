@@ -16,7 +16,8 @@ copy of its own in --dtype; the mismatch lab's rollout copy (--rollout_dtype oth
 fp8_e4m3 stored dequantized in --dtype; --rollout_router_fault) comes on top of either. --kl_coef > 0
 adds the reference policy: whole dense weights and E/N experts in --dtype. --grad_reduce=exact (the
 default) adds its int64 accumulators: 16 bytes an element of this rank's share, and of its E/N experts
-whole under EP, also when FSDP2 shards them over their replicas (exact_sum.Reducer.reserve_bytes).
+whole under EP, also when FSDP2 shards them over their replicas (exact_sum.Reducer.reserve_bytes);
+none when every sum has one term (one process, a minibatch in one micro-batch: plan.one_term).
 
 The rollout: the KV pool holds --kv_tokens positions, else --num_blocks pages, else what this rank's
 rollout needs: its S = prompts_per_step / world x group_size sequences at the run's longest, L = the
@@ -374,20 +375,29 @@ def main(argv: list[str]) -> tuple[str, bool]:
     prompt_len, max_new = run_lengths(tcfg, rcfg)
     kv_per_token = kv_bytes_per_token(cfg, nbytes[sampler_dtype], rcfg.record_route_detail)
     need = rollout_positions(tcfg, rcfg, world, prompt_len + max_new)
+    act = activations(cfg, tcfg, rcfg, backend_of(tcfg), world, prompt_len, max_new)
     plan = memory_plan(parameter_shapes(cfg), world, tcfg.parallel, tcfg.expert_parallel, nbytes[tcfg.dtype],
                        nbytes[sampler_dtype], kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size or need,
                        master_bytes=nbytes[tcfg.master_dtype], sampler_apart=lab_copy,
-                       from_checkpoint=os.path.isdir(tcfg.init_from), exact=tcfg.grad_reduce == "exact")
+                       from_checkpoint=os.path.isdir(tcfg.init_from),
+                       exact=tcfg.grad_reduce == "exact" and not one_term(tcfg, world, act, prompt_len + max_new))
     whole = plan.load_peak // nbytes[tcfg.master_dtype]                 # dense + this rank's experts
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
-    plan.activations = activations(cfg, tcfg, rcfg, backend_of(tcfg), world, prompt_len, max_new)
+    plan.activations = act
     parts = [tcfg.dtype] if tcfg.parallel == "fsdp" and world > 1 else []        # FSDP2's whole copy
     if lab_copy:
         parts.append(f"{rcfg.rollout_dtype} as {tcfg.dtype}" if quantized else
                      sampler_dtype if sampler_dtype != tcfg.dtype else f"{tcfg.dtype}, its router faulted")
     return format_plan(plan, tcfg, world, gpu_gb, " + ".join(parts) or tcfg.dtype, backend_of(tcfg),
                        kv_line(cfg, nbytes[sampler_dtype]))
+
+
+def one_term(tcfg: TrainConfig, world: int, act: Activations, longest: int) -> bool:
+    """Whether each exact sum has one term: one process, and a minibatch of the longest sequences fits
+    one micro-batch; exact_sum.Limbs then keeps that gradient and makes no accumulator."""
+    mb_seqs = min(tcfg.minibatch_size, tcfg.prompts_per_step * tcfg.group_size)
+    return world == 1 and act.train_tokens >= mb_seqs * longest
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, detail: bool) -> int:
@@ -423,7 +433,8 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     act = plan.activations
     rows = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads), (f"AdamW state ({m} x 2)", plan.adamw),
             (f"compute copy ({tcfg.dtype})", plan.compute_copy), (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
-            ("reference policy (--kl_coef)", plan.reference), ("exact gradient sums (--grad_reduce=exact)", plan.grad_sums),
+            ("reference policy (--kl_coef)", plan.reference), ("exact gradient sums (--grad_reduce=exact" + ("; one term: none)" if tcfg.grad_reduce == "exact" and
+                                                          not plan.grad_sums else ")"), plan.grad_sums),
             (f"KV pool ({plan.kv_tokens:,} tokens)", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
     if act is not None:
         rows += [(f"activations, trainer ({act.train_tokens:,}-token micro-batch, {backend})", act.train),

@@ -134,8 +134,9 @@ def main(out):
         for a, b in zip(*r3):
             assert {k: v for k, v in a.items() if k not in IGNORED} == {k: v for k, v in b.items() if k not in IGNORED}
         free = run(f"{out}/free", expert_parallel=2, **bf16)
-        for a, b in zip(r3[1], free):
-            assert 0 < a["logp_max_abs_diff"] < b["logp_max_abs_diff"] and a["train_rollout_k3"] < b["train_rollout_k3"], (a, b)
+        for a, b in zip(r3[1], free):     # the worst token may be one whose routes agree: replay leaves its gap
+            assert 0 < a["logp_max_abs_diff"] <= b["logp_max_abs_diff"] and a["train_rollout_k3"] < b["train_rollout_k3"], (a, b)
+        assert r3[1][0]["logp_max_abs_diff"] < free[0]["logp_max_abs_diff"]     # step 1: the same weights and samples
         say(f"R3 under a bf16 rollout, EP=1 vs EP=2: every metric equal; worst gap {r3[1][0]['logp_max_abs_diff']:.2e} "
             f"against {free[0]['logp_max_abs_diff']:.2e} without replay")
     # checkpoints: whole experts on disk; resume at the same layout, and at another EP degree
