@@ -928,6 +928,7 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "fast+r3": ["--recompute_old_logp=true", "--replay=r3"],
     "fast+route_filter": ["--recompute_old_logp=true", "--route_filter=mask"],
     "fast+gspo": ["--recompute_old_logp=true", "--loss=gspo"],
+    "fast+sapo": ["--recompute_old_logp=true", "--loss=sapo"],     # a soft gate in place of the hard clip
     # another router: sigmoid scores, a score-correction bias (balanced during RL), a shared expert, 2 groups
     "fast+sigmoid": ["--recompute_old_logp=true", "--init_from=tiny-sigmoid", "--expert_bias_update_rate=1e-3"],
     # more remedies against the fast rollout: old-policy routing replay, a frozen router; a dense control
@@ -935,10 +936,14 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "fast+r3 bounded": ["--recompute_old_logp=true", "--replay=r3", "--replay_steps=1"],   # R3 on the first update only
     "fast+frozen_router": ["--recompute_old_logp=true", "--router_lr_scale=0"],
     "dense fast": ["--recompute_old_logp=true", "--init_from=tiny-dense"],
+    # late-training drift: LAB_LONGER x --lab-steps at a constant lr, and halving it every --lab-steps
+    "fast drift constant lr": ["--recompute_old_logp=true", "--lr_schedule=constant"],
+    "fast drift halving": ["--recompute_old_logp=true", "--lr_schedule=halving", "--lr_decay_period={steps}"],
     # the rows below keep the invariant kernels: their one deviation is named in the row
     "int8": ["--recompute_old_logp=true", "--rollout_dtype=int8"],
     "int8+is": ["--recompute_old_logp=true", "--rollout_dtype=int8", "--correction=is"],
     "int8+tis": ["--recompute_old_logp=true", "--rollout_dtype=int8", "--correction=tis"],
+    "int8+tis cap 5": ["--recompute_old_logp=true", "--rollout_dtype=int8", "--correction=tis", "--tis_cap=5"],
     "int8 fp32 router": ["--recompute_old_logp=true", "--rollout_dtype=int8", "--rollout_quant_router=false"],
     "fp8": ["--recompute_old_logp=true", "--rollout_dtype=fp8_e4m3"],
     "fp8+is": ["--recompute_old_logp=true", "--rollout_dtype=fp8_e4m3", "--correction=is"],
@@ -956,7 +961,8 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "lookup dummy_last_route+r3": ["--recompute_old_logp=true", "--task=lookup", "--n_digits=3",
                                    "--rollout_episode_fault=dummy_last_route", "--replay=r3"],
 }
-LAB_FAST = [name for name in LAB if name == "fast" or name.startswith(("fast+", "dense fast"))]   # get the fast flags
+LAB_FAST = [name for name in LAB if name == "fast" or name.startswith(("fast+", "dense fast", "fast drift"))]
+LAB_LONGER = {"fast drift constant lr": 3, "fast drift halving": 3}    # these rows run 3 x --lab-steps
 
 
 def bench_lab(args) -> list[tuple[str, float, str]]:
@@ -972,9 +978,10 @@ def bench_lab(args) -> list[tuple[str, float, str]]:
     results = {name: [] for name in runs}                                # name -> [(history, wall s)] per seed
     for seed in seeds:
         for name in runs:
-            argv = [f"--steps={args.lab_steps}", f"--seed={seed}", f"--out_dir={args.lab_out}/{name}/seed{seed}",
-                    "--progress=false", "--save_every=1000000", "--overwrite=true"] + LAB[name] + \
-                (fast if name in LAB_FAST else [])
+            row = [a.format(steps=args.lab_steps) for a in LAB[name]]
+            argv = [f"--steps={args.lab_steps * LAB_LONGER.get(name, 1)}", f"--seed={seed}",
+                    f"--out_dir={args.lab_out}/{name}/seed{seed}", "--progress=false", "--save_every=1000000",
+                    "--overwrite=true"] + row + (fast if name in LAB_FAST else [])
             tcfg, rcfg = TrainConfig(), RolloutConfig()
             apply_overrides(parse_args(argv + args.lab_args.split()), tcfg, rcfg)
             t0 = time.perf_counter()
