@@ -207,8 +207,9 @@ def log_diagnostics(run, step: int, batch, outs, rewards, audited, held_out: tor
     lo = run.d.rank * len(outs)
     only = None if held_out is None else [r - lo for r in held_out.tolist() if lo <= r < lo + len(outs)]
     found = replay.diagnostics(step + 1, outs, audited.rows, audited.logp, audited.routes, batch.routes[audited.rows],
-                               rewards, run.tcfg.diagnostics, decode=getattr(run.task, "decode", None), only=only,
-                               offset=lo, train_margin=None if audited.detail is None else audited.detail.margin)
+                               rewards, run.tcfg.diagnostics, n_experts=run.policy.master.config.num_experts,
+                               decode=getattr(run.task, "decode", None), only=only, offset=lo,
+                               train_margin=None if audited.detail is None else audited.detail.margin)
     if run.d.world > 1:
         every = [None] * run.d.world
         dist.all_gather_object(every, found)
