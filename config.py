@@ -462,7 +462,8 @@ class TrainConfig:
     lr_decay_steps: int = 0           # the cosine's horizon; 0: --steps (on resume: docs/design.md, "The learning-rate horizon")
     lr_decay_period: int = 0          # --lr_schedule=halving: steps per halving (required there, 0 elsewhere)
     halving_start: str = "warmup"     # --lr_schedule=halving counts its periods from: warmup (its end) | surge (lr
-                                      # holds until a response-length surge, halves at once, then every period)
+                                      # holds until a response-length surge, halves on the next step, then every
+                                      # period)
     router_lr_scale: float = 1.0      # the MoE router gate weights train at lr * S (0 freezes them; the
                                       # score-correction bias is --expert_bias_update_rate's)
     weight_decay: float = 0.0         # AdamW's decoupled weight decay

@@ -531,6 +531,9 @@ def test_routes_and_diagnostics_files_under_mismatch(tmp_path):
         assert len(r["logp_train"]) == len(r["logp_rollout"]) == len(r["flipped_layers"]) == len(r["margin_rollout"]) == n
         assert r["topk_overlap"] < 1 or r["logp_max_abs_diff"] > math.log(2)
         assert isinstance(r["response_text"], str)
+        fed = len(r["prompt"]) + n - 1                               # every position the sampler fed, top-2 each
+        assert [sum(layer) for layer in r["expert_hist"]] == [2 * fed] * len(hist[0]["route_flip_frac_layer"])
+        assert 1 / 8 <= r["expert_hot_frac"] <= 1 / 2                # 8 experts, top-2
     loads = [json.loads(line) for line in open(tmp_path / "lab" / "routes.jsonl")]
     assert [r["step"] for r in loads] == [1, 2]
     n_moe = len(hist[0]["route_flip_frac_layer"])
