@@ -317,8 +317,8 @@ def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
         print0(f"resume: --steps={tcfg.steps} extends the run past its lr horizon of {horizon} steps: lr follows "
                f"the planned cosine to step {horizon}, then holds at {tcfg.lr * tcfg.min_lr_ratio:.3g} "
                f"(pass --lr_decay_steps={tcfg.steps} to re-plan the schedule instead)")
-    plan = (("lr_schedule", "cosine"), ("lr_decay_period", 0), ("halving_start", "warmup"))  # halving has no horizon:
-    was, now = [ckpt_cfg.get(k, d) for k, d in plan], [getattr(tcfg, k) for k, _ in plan]   # these are its plan
+    keys = (("lr_schedule", "cosine"), ("lr_decay_period", 0), ("halving_start", "warmup"))  # halving has no horizon:
+    was, now = [ckpt_cfg.get(k, d) for k, d in keys], [getattr(tcfg, k) for k, _ in keys]   # these are its plan
     if was != now:
         print0(f"resume: the lr schedule changes from {schedule_words(*was)} to {schedule_words(*now)}: lr is re-planned "
                f"from step {done + 1}")

@@ -563,7 +563,7 @@ def lr_at(step: int, cfg: TrainConfig, surge: int | None = None) -> float:
     if cfg.lr_schedule == "halving":                                 # halved every period, down to the floor
         if cfg.halving_start == "warmup":
             halvings = (step - cfg.warmup_steps) // cfg.lr_decay_period
-        else:                                                        # lr holds until the surge, then halves at once
+        else:                                                        # lr holds until the surge, halves on the step after
             halvings = 0 if surge is None or step < surge else 1 + (step - surge) // cfg.lr_decay_period
         return cfg.lr * max(cfg.min_lr_ratio, 0.5 ** halvings)
     horizon = cfg.lr_decay_steps or cfg.steps                        # past it, lr stays at its minimum
