@@ -283,6 +283,7 @@ class Resumed:
     skipped: int                     # optimizer steps skipped so far (--skip_nonfinite_steps)
     optimizer: dict                  # AdamW's saved state (checkpoint.optimizer_state's layout)
     rollouts: dict | None = None     # the batches generated ahead of the step (pipeline.Colocated.state_dict)
+    surge: dict | None = None        # the response-length surge detector's state (runlog.LengthSurge.state_dict)
 
 
 def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | None, print0) -> Resumed:
@@ -298,7 +299,8 @@ def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | Non
     model.load_state_dict({k: v.to(device=want[k].device, dtype=want[k].dtype)
                            for k, v in load_weights(ckpt, model, experts).items()})
     task.load_state_dict(state["task"])
-    return Resumed(tcfg, state["step"], state.get("skipped_steps", 0), state["optimizer"], state.get("rollouts"))
+    return Resumed(tcfg, state["step"], state.get("skipped_steps", 0), state["optimizer"], state.get("rollouts"),
+                   state.get("length_surge"))
 
 
 def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
@@ -315,10 +317,11 @@ def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
         print0(f"resume: --steps={tcfg.steps} extends the run past its lr horizon of {horizon} steps: lr follows "
                f"the planned cosine to step {horizon}, then holds at {tcfg.lr * tcfg.min_lr_ratio:.3g} "
                f"(pass --lr_decay_steps={tcfg.steps} to re-plan the schedule instead)")
-    was = (ckpt_cfg.get("lr_schedule", "cosine"), ckpt_cfg.get("lr_decay_period", 0))
-    if was != (tcfg.lr_schedule, tcfg.lr_decay_period):     # halving needs no horizon: its period is its plan
-        print0(f"resume: the lr schedule changes from {was[0]} (period {was[1]}) to {tcfg.lr_schedule} "
-               f"(period {tcfg.lr_decay_period}): lr is re-planned from step {done + 1}")
+    keys = (("lr_schedule", "cosine"), ("lr_decay_period", 0), ("halving_start", "warmup"))  # halving has no horizon:
+    was, now = [ckpt_cfg.get(k, d) for k, d in keys], [getattr(tcfg, k) for k, _ in keys]   # these are its plan
+    if was != now:
+        print0(f"resume: the lr schedule changes from {schedule_words(*was)} to {schedule_words(*now)}: lr is re-planned "
+               f"from step {done + 1}")
     for name, default in (("max_staleness", 0), ("inflight_update", "off")):   # the batches ahead were made so
         if ckpt_cfg.get(name, default) != getattr(tcfg, name):
             raise ConfigError(f"--{name}={getattr(tcfg, name)}: the run was saved with {name}="
@@ -329,6 +332,11 @@ def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
         raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the checkpoint's optimizer was built with "
                           f"router_lr_scale={scale}; resume with 1 on both sides or != 1 on both sides")
     return dataclasses.replace(tcfg, lr_decay_steps=horizon)
+
+
+def schedule_words(schedule: str, period: int, start: str) -> str:
+    """An lr schedule as resume_plan prints it: `halving (period 2, from the surge)`, `cosine (period 0)`."""
+    return f"{schedule} (period {period}" + (f", from the {start})" if schedule == "halving" else ")")
 
 
 # What a resume may change without changing the run's numbers (docs/design.md, "Reliability"); any other

@@ -461,6 +461,9 @@ class TrainConfig:
                                       # steps, never below lr * min_lr_ratio)
     lr_decay_steps: int = 0           # the cosine's horizon; 0: --steps (on resume: docs/design.md, "The learning-rate horizon")
     lr_decay_period: int = 0          # --lr_schedule=halving: steps per halving (required there, 0 elsewhere)
+    halving_start: str = "warmup"     # --lr_schedule=halving counts its periods from: warmup (its end) | surge (lr
+                                      # holds until a response-length surge, halves on the next step, then every
+                                      # period)
     router_lr_scale: float = 1.0      # the MoE router gate weights train at lr * S (0 freezes them; the
                                       # score-correction bias is --expert_bias_update_rate's)
     weight_decay: float = 0.0         # AdamW's decoupled weight decay
@@ -539,6 +542,10 @@ class TrainConfig:
     entropy_warn: float = 0.05        # one warning line when the mean entropy stays below this for
                                       # --entropy_warn_steps steps in a row (0: never)
     entropy_warn_steps: int = 10      # ... that many consecutive steps
+    surge_window: int = 10            # W: a response-length surge is the mean response_len of the last W steps over
+                                      # (1 + surge_ratio) times that of the W before; one warning line, length_surge
+                                      # 1 on that step (once a run; 0: off)
+    surge_ratio: float = 0.5          # ... r: the growth that counts as a surge
     resume_changes: str = "refuse"    # --resume with settings that change the run's numbers (lr, the loss, the
                                       # task, ...): refuse | allow; either way each changed setting is printed
                                       # (docs/design.md, "Reliability")
@@ -595,15 +602,7 @@ class TrainConfig:
         _require(self.probe_prompts > 0, f"--probe_prompts={self.probe_prompts}: must be >= 1")
         _require(self.train_capacity_factor >= 0,
                  f"--train_capacity_factor={self.train_capacity_factor}: 0 (dropless) or > 0")
-        _require(self.lr_schedule in ("cosine", "constant", "halving"),
-                 f"--lr_schedule={self.lr_schedule!r}: cosine, constant or halving")
-        _require(self.lr_schedule != "halving" or self.lr_decay_period >= 1,
-                 f"--lr_decay_period={self.lr_decay_period}: --lr_schedule=halving needs a period of >= 1 steps")
-        _require(self.lr_schedule == "halving" or self.lr_decay_period == 0,
-                 f"--lr_decay_period={self.lr_decay_period}: only --lr_schedule=halving uses it "
-                 f"(this run's is {self.lr_schedule})")
-        _require(self.lr_schedule != "halving" or 0 <= self.min_lr_ratio <= 1,
-                 f"--min_lr_ratio={self.min_lr_ratio}: --lr_schedule=halving needs a floor in [0, 1]")
+        self._check_schedule()
         _require(self.router_lr_scale >= 0,
                  f"--router_lr_scale={self.router_lr_scale}: must be >= 0 (0 freezes the router)")
         _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
@@ -622,6 +621,27 @@ class TrainConfig:
                  "--system_prompt goes into the checkpoint's chat template: add --chat_template=true")
         self._check_async()
         self._check_precision()
+
+    def _check_schedule(self):
+        """The lr schedule (distributed.lr_at) and the response-length surge that can start its halving
+        (runlog.LengthSurge)."""
+        _require(self.lr_schedule in ("cosine", "constant", "halving"),
+                 f"--lr_schedule={self.lr_schedule!r}: cosine, constant or halving")
+        _require(self.lr_schedule != "halving" or self.lr_decay_period >= 1,
+                 f"--lr_decay_period={self.lr_decay_period}: --lr_schedule=halving needs a period of >= 1 steps")
+        _require(self.lr_schedule == "halving" or self.lr_decay_period == 0,
+                 f"--lr_decay_period={self.lr_decay_period}: only --lr_schedule=halving uses it "
+                 f"(this run's is {self.lr_schedule})")
+        _require(self.lr_schedule != "halving" or 0 <= self.min_lr_ratio <= 1,
+                 f"--min_lr_ratio={self.min_lr_ratio}: --lr_schedule=halving needs a floor in [0, 1]")
+        _require_range(self, "surge_window", lambda v: v >= 0, ">= 0 (0: off)")
+        _require_range(self, "surge_ratio", lambda v: v > 0, "> 0 (the growth that counts as a surge)")
+        _require(self.halving_start in ("warmup", "surge"), f"--halving_start={self.halving_start!r}: warmup or surge")
+        _require(self.halving_start == "warmup" or self.lr_schedule == "halving",
+                 f"--halving_start={self.halving_start}: only --lr_schedule=halving uses it (this run's is "
+                 f"{self.lr_schedule})")
+        _require(self.halving_start == "warmup" or self.surge_window >= 1,
+                 "--halving_start=surge waits for a response-length surge: it needs --surge_window >= 1")
 
     def _check_async(self):
         """Where the batches come from: bounded staleness, in-flight updates, rollout ranks (pipeline.py)."""

@@ -552,15 +552,20 @@ def build_optimizer(model: Transformer, tcfg: TrainConfig) -> torch.optim.Optimi
     return opt
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig, surge: int | None = None) -> float:
     """The learning rate of optimizer step `step` (0-based): warmup, then --lr_schedule (docs/design.md,
-    "The learning-rate horizon")."""
+    "The learning-rate horizon"). surge: the step (1-based) a response-length surge was detected on
+    (runlog.LengthSurge, saved in checkpoints), or None: --halving_start=surge halves from the step after."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return cfg.lr
     if cfg.lr_schedule == "halving":                                 # halved every period, down to the floor
-        return cfg.lr * max(cfg.min_lr_ratio, 0.5 ** ((step - cfg.warmup_steps) // cfg.lr_decay_period))
+        if cfg.halving_start == "warmup":
+            halvings = (step - cfg.warmup_steps) // cfg.lr_decay_period
+        else:                                                        # lr holds until the surge, halves on the step after
+            halvings = 0 if surge is None or step < surge else 1 + (step - surge) // cfg.lr_decay_period
+        return cfg.lr * max(cfg.min_lr_ratio, 0.5 ** halvings)
     horizon = cfg.lr_decay_steps or cfg.steps                        # past it, lr stays at its minimum
     progress = 1.0 if step >= horizon else (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))

@@ -3,6 +3,7 @@
     python plot.py out                         # -> out/plots/metrics.png
     python plot.py out/lab/invariant/seed0 out/lab/fast/seed0 --labels invariant,fast
     python plot.py RUN [RUN ...] --out fig.png
+    python plot.py out --observations          # -> out/plots/observations.png (OBSERVATIONS)
 
 Panels against the training step: reward (mean, and its std within the batch), response length, loss,
 clip fraction, train-rollout KL (k3), max |logp diff|, route flips, the IS ratio range (min and max,
@@ -16,7 +17,10 @@ invariant mode) says so in words instead of drawing a flat line. A metric a run 
 as null) is left out of that run's line. Needs matplotlib (`pip install matplotlib`); plotting is the only
 thing in the project that does.
 Multi-turn runs add turns per episode, each turn's reward, the environment's share of the tokens and the
-prefix cache's hits (EPISODE_PANELS).
+prefix cache's hits (EPISODE_PANELS). A response-length surge (length_surge, --surge_window) is marked on
+the response length panel by a dotted vertical line in the run's color.
+--observations draws one figure of what a long run is watched for instead: reward, response length, the
+rollout latency's tail (p95 / p99) and the expert load, side by side (OBSERVATIONS).
 """
 from __future__ import annotations
 
@@ -51,11 +55,17 @@ LINE_SETS = {
     "expert_load": (("expert_load_max", "-", "worst layer"), ("load_imbalance_layer", ":", "mean over layers")),
     "rollout_latency": (("rollout_latency_p50", "-", "p50"), ("rollout_latency_p95", "--", "p95"),
                         ("rollout_latency_p99", ":", "p99")),
+    "rollout_tail": (("rollout_latency_p95", "--", "p95"), ("rollout_latency_p99", ":", "p99")),
 }
 OPTIONAL = [("eval_reward", "held-out reward (--eval_data)", "linear"),
             ("eval_pass", "held-out pass rate", "linear"),
             ("expert_load", "expert load (busiest / mean)", "linear"),
             ("rollout_latency", "rollout latency per sequence (s)", "log")]
+# --observations: one figure of what a long run is watched for (docs/design.md, "What the routes say")
+OBSERVATIONS = [("reward_mean", "reward (mean)", "linear"),
+                ("response_len", "response length (tokens)", "linear"),
+                ("rollout_tail", "rollout latency tail per sequence (s)", "log"),
+                ("expert_load", "expert load (busiest / mean)", "linear")]
 # single metrics drawn when a run logged them: multi-turn episodes (runlog.episode_metrics), the prefix cache
 EPISODE_PANELS = [("episode_turns", "turns per episode", "linear"),
                   ("turn_reward", "reward of each turn (mean)", "linear"),
@@ -133,15 +143,15 @@ def bin_series(rows: list[dict], key: str, i: int) -> tuple[list[int], list[floa
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> str:
-    """Draw every panel for every run into one PNG; returns its path."""
+def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "", shown: list[tuple] | None = None) -> str:
+    """Draw every panel (shown, else panels(runs)) for every run into one PNG; returns its path."""
     try:
         import matplotlib
         matplotlib.use("Agg")                                          # no display needed
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("error: plotting needs matplotlib: pip install matplotlib") from None
-    cols, shown = 4, panels(runs)
+    cols, shown = 4, panels(runs) if shown is None else shown
     n_rows = -(-len(shown) // cols)
     fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.2 * n_rows), squeeze=False)
     for ax, (key, name, scale) in zip(axes.flat, shown):
@@ -158,6 +168,11 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "") -> st
     fig.savefig(out_path, dpi=110)
     plt.close(fig)
     return out_path
+
+
+def plot_observations(runs: dict[str, list[dict]], out_path: str, title: str = "") -> str:
+    """The OBSERVATIONS panels for every run into one PNG (plot.py --observations); returns its path."""
+    return plot_runs(runs, out_path, title, OBSERVATIONS)
 
 
 def draw_panel(ax, runs: dict[str, list[dict]], key, name: str, scale: str) -> None:
@@ -213,6 +228,10 @@ def draw_run(ax, key, rows: list[dict], color: str, label: str, first: bool) -> 
         steps, vals = series(rows, key)
         if vals:
             ax.plot(steps, vals, color=color, lw=1.2, label=label)
+        if key == "response_len":                                      # where the run detected a surge
+            for step, surged in zip(*series(rows, "length_surge")):
+                if surged:
+                    ax.axvline(step, color=color, ls=":", lw=1)
 
 
 def main(argv: list[str]) -> None:
@@ -221,13 +240,16 @@ def main(argv: list[str]) -> None:
     p.add_argument("--labels", default="", help="comma-separated labels, one per run (default: the folders)")
     p.add_argument("--out", default="", help="the PNG to write (default: FIRST_RUN/plots/metrics.png)")
     p.add_argument("--title", default="")
+    p.add_argument("--observations", action="store_true",
+                   help="one figure of reward, response length, rollout latency p95 / p99 and expert load instead "
+                        "(default --out: FIRST_RUN/plots/observations.png)")
     args = p.parse_args(argv)
     labels = [x.strip() for x in args.labels.split(",")] if args.labels else [os.path.normpath(r) for r in args.runs]
     if len(labels) != len(args.runs):
         raise SystemExit(f"error: --labels has {len(labels)} names for {len(args.runs)} runs; give one per run")
     runs = {label: read_metrics(r) for label, r in zip(labels, args.runs)}
-    out = args.out or os.path.join(args.runs[0], "plots", "metrics.png")
-    print(f"wrote {plot_runs(runs, out, args.title)}")
+    out = args.out or os.path.join(args.runs[0], "plots", "observations.png" if args.observations else "metrics.png")
+    print(f"wrote {(plot_observations if args.observations else plot_runs)(runs, out, args.title)}")
 
 
 if __name__ == "__main__":

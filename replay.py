@@ -278,6 +278,19 @@ def sequence_mismatch(train_logp: torch.Tensor, rollout_logp: torch.Tensor, weig
     return (mean_overlap, -diff.max().item()), mean_overlap < 1 or bool((diff > math.log(2)).any()), overlap
 
 
+def sequence_hotness(routes: torch.Tensor, n_experts: int) -> dict:
+    """Per-request expert hotness of one sequence from its rollout routes (N, n_moe, k) at the positions
+    the sampler fed (unrecorded -1 rows are left out): expert_hist, per MoE layer the count of its
+    (token, slot) choices each expert took ((n_moe, E) lists of ints), and expert_hot_frac, the busiest
+    expert's share of them, averaged over the layers (from 1/E, spread evenly, to 1/k, one expert in every
+    position's top-k; None with nothing to count)."""
+    routes = routes[(routes >= 0).flatten(1).all(1)]                      # the recorded positions
+    hist = expert_load(routes, n_experts)                                 # (n_moe, E)
+    choices = routes.shape[0] * routes.shape[2]                           # per layer: N positions x k slots
+    hot = (hist.max(1).values.double() / choices).mean().item() if choices and hist.shape[0] else None
+    return {"expert_hist": hist.tolist(), "expert_hot_frac": None if hot is None else round(hot, 6)}
+
+
 def hold_out(batch, audit, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """--diagnostics_holdout: the loss mask (B, T-1) without the step's diagnostics sequences (out of the loss,
     its normalisers and the KL: what diagnostics.jsonl shows is not trained on), and their rows (n,) int64 of
@@ -302,7 +315,7 @@ def hold_out(batch, audit, cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def diagnostics(step: int, outs: list, rows: torch.Tensor, train_logp: torch.Tensor, train_routes: torch.Tensor,
-                rollout_routes: torch.Tensor, rewards: torch.Tensor, n: int, *,
+                rollout_routes: torch.Tensor, rewards: torch.Tensor, n: int, *, n_experts: int,
                 train_margin: torch.Tensor | None = None, decode=None, only: list[int] | None = None,
                 offset: int = 0) -> list[dict]:
     """The rows of diagnostics.jsonl: up to n of the sequences `rows` whose routes or log-probs disagree.
@@ -313,7 +326,8 @@ def diagnostics(step: int, outs: list, rows: torch.Tensor, train_logp: torch.Ten
     hold_out chose; their rows say "held_out": true). train_logp (R, T-1), train_routes / rollout_routes
     (R, T, n_moe, k) and train_margin (R, T, n_moe) are for the sequences outs[rows[j]]; a row's "sequence"
     is offset + its index in outs (its row of the global batch). Per response token j the route fields are
-    those of the position that scores it (the one before it, as the log-prob).
+    those of the position that scores it (the one before it, as the log-prob); `expert_hist` and
+    `expert_hot_frac` are the whole sequence's (sequence_hotness, over the n_experts experts).
     """
     picked = []
     for j, r in enumerate(rows.tolist()):
@@ -332,7 +346,8 @@ def diagnostics(step: int, outs: list, rows: torch.Tensor, train_logp: torch.Ten
         row = {"step": step, "sequence": offset + r, "reward": float(rewards[r]), "prompt": list(o.prompt),
                "response": list(o.tokens), "logp_train": _rounded(train_logp[j, at]),
                "logp_rollout": _rounded(o.logprobs), "flipped_layers": (overlap < 1).sum(-1).tolist(),
-               "topk_overlap": round(mean_overlap, 6), "logp_max_abs_diff": _rounded_one(-neg_diff)}
+               "topk_overlap": round(mean_overlap, 6), "logp_max_abs_diff": _rounded_one(-neg_diff),
+               **sequence_hotness(rollout_routes[j, :at.stop], n_experts)}   # its fed positions: P + N - 1
         if only is not None:
             row["held_out"] = True
         if train_margin is not None:

@@ -2,6 +2,7 @@
 
     run.outputs = open_outputs(run)      # the exports' identity, the eval task, the optional logger
     print(banner(run, max_new))          # two lines: what trains where, what the rollout stops on
+    row.update(run.surge.watch(run, row))     # --surge_window: length_surge (and its one warning line)
     history.append(log_row(run, step, row))   # metrics.jsonl (strict JSON), the logger, a progress line
 
 metrics.jsonl is the record of a run; --log_to=tensorboard|wandb gets a copy of each row; without a
@@ -207,8 +208,9 @@ def log_diagnostics(run, step: int, batch, outs, rewards, audited, held_out: tor
     lo = run.d.rank * len(outs)
     only = None if held_out is None else [r - lo for r in held_out.tolist() if lo <= r < lo + len(outs)]
     found = replay.diagnostics(step + 1, outs, audited.rows, audited.logp, audited.routes, batch.routes[audited.rows],
-                               rewards, run.tcfg.diagnostics, decode=getattr(run.task, "decode", None), only=only,
-                               offset=lo, train_margin=None if audited.detail is None else audited.detail.margin)
+                               rewards, run.tcfg.diagnostics, n_experts=run.policy.master.config.num_experts,
+                               decode=getattr(run.task, "decode", None), only=only, offset=lo,
+                               train_margin=None if audited.detail is None else audited.detail.margin)
     if run.d.world > 1:
         every = [None] * run.d.world
         dist.all_gather_object(every, found)
@@ -327,6 +329,57 @@ def warn_low_entropy(run, history: list[dict]) -> None:
         say(run, f"warning: step {h['step']}: entropy below {limit:g} for {n} steps ({h['entropy']:.3g} now, reward "
                  f"{h['reward_mean']:.3f}): responses barely differ, so groups give little signal; an entropy bonus "
                  "(--entropy_coef=1e-3) or a higher --temperature keeps exploring (--entropy_warn=0: no warning)")
+
+
+def is_length_surge(lengths: list[float], window: int, ratio: float) -> bool:
+    """True when the mean of the last `window` lengths is over (1 + ratio) times the mean of the `window`
+    before them (False until there are 2 * window)."""
+    if window < 1 or len(lengths) < 2 * window:
+        return False
+    return sum(lengths[-window:]) > (1 + ratio) * sum(lengths[-2 * window:-window])   # the same W: sums, not means
+
+
+@dataclasses.dataclass
+class LengthSurge:
+    """--surge_window: the response-length surge detector's state, saved in checkpoints, so a resumed run
+    detects on the same step as the uninterrupted one and --halving_start=surge plans the same lr.
+    step: the step (1-based) the surge was detected on, once a run, or None; lengths: the last 2W steps'
+    response_len (global, the same on every rank)."""
+    step: int | None = None
+    lengths: list[float] = dataclasses.field(default_factory=list)
+
+    def observe(self, tcfg: TrainConfig, step: int, response_len: float) -> bool:
+        """Take step's (1-based) mean response length; True on the step the surge is first detected."""
+        W = tcfg.surge_window
+        self.lengths = (self.lengths + [response_len])[-2 * W:]
+        if self.step is None and is_length_surge(self.lengths, W, tcfg.surge_ratio):
+            self.step = step
+            return True
+        return False
+
+    def watch(self, run, row: dict) -> dict:
+        """The loop's call, before log_row: length_surge, 1 on the step a surge is detected (one warning
+        line) and 0 on the others; {} when --surge_window=0. Responses that keep growing often come
+        before a run goes unstable."""
+        tcfg = run.tcfg
+        if not tcfg.surge_window:
+            return {}
+        fired = self.observe(tcfg, row["step"], row["response_len"])
+        if fired and run.d.master:
+            W = tcfg.surge_window
+            then = ("lr halves from the next step (--halving_start=surge)" if tcfg.halving_start == "surge" else
+                    "--lr_schedule=halving --halving_start=surge would halve lr from here")
+            say(run, f"warning: step {row['step']}: response length surged to {sum(self.lengths[W:]) / W:.1f} tokens "
+                     f"(mean of the last {W} steps) from {sum(self.lengths[:W]) / W:.1f} (the {W} before), over 1 + "
+                     f"{tcfg.surge_ratio:g} times; {then} (--surge_window=0: no warning)")
+        return {"length_surge": int(fired)}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "lengths": list(self.lengths)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        state = state or {}                                           # a checkpoint from before the detector
+        self.step, self.lengths = state.get("step"), list(state.get("lengths", []))
 
 
 def count_steps(n: int) -> str:

@@ -68,8 +68,8 @@ from packing import Batch, MicroBatch, Scored, in_row_order, lockstep, make_batc
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
                       staleness_split)
 from rollout import Sampler
-from runlog import (Interrupted, Outputs, StopRequest, banner, episode_metrics, latency_metrics, log_routes, log_row,
-                    log_samples, open_logger, open_outputs, run_cli, say, stop_requested, summary, warn_low_entropy)
+from runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, episode_metrics, latency_metrics, log_routes,
+                    log_row, log_samples, open_logger, open_outputs, run_cli, say, stop_requested, summary, warn_low_entropy)
 from tasks import Episodes, TaskError, compute_rewards, make_task
 
 
@@ -91,6 +91,7 @@ class Run:
     capacity: CapacityLimit | None = None   # --train_capacity_factor's drop counts (see trainer_capacity)
     rollouts: Colocated | None = None       # where each step's batch comes from (pipeline.py; set by setup)
     probe: "evaluation.Probe | None" = None   # --probe_every: the fixed probe set, drawn at the first probe
+    surge: LengthSurge = dataclasses.field(default_factory=LengthSurge)   # --surge_window's detector (lr_at reads it)
 
     @property
     def fsdp(self) -> bool:
@@ -142,6 +143,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             row.update(evaluation.probe(run, step))                   # --probe_every: the fixed probe's audit
             mine, seen = this_ranks(batch, audited, run.d.rank, len(outs))   # per-rank files: this rank's sequences
             row.update(log_routes(run, step, mine, outs, rewards, seen, old.held_out))   # routes, diagnostics.jsonl
+            row.update(run.surge.watch(run, row))                     # --surge_window: a response-length surge
             history.append(log_row(run, step, row))
             warn_low_entropy(run, history)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
@@ -392,7 +394,7 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     tcfg, policy = run.tcfg, run.policy
     # normalisers over the global minibatch, so the micro-batches' losses add up to the global one
     norm = Normalisers.of(old.loss_mask, idx, old.held_out, max_new_tokens(run), batch.lengths)
-    policy.start_minibatch(lr_at(step, tcfg))
+    policy.start_minibatch(lr_at(step, tcfg, run.surge.step))
     micros = trainer_micro_batches(run, idx, batch.lengths)
     steps = lockstep(micros, batch.lengths, run.d)
     table = torch.zeros(len(micros), len(MICRO_STATS), dtype=torch.float64)   # row i: micro-batch i's, by its rank
@@ -498,7 +500,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "entropy": stats.entropy_sum / stats.tokens,
            "neg_logp_mean": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
            "route_filtered_frac": stats.filtered / stats.tokens,
-           "lr": lr_at(step, run.tcfg), "rollout_tokens_per_s": lengths.sum().item() / ro.seconds,
+           "lr": lr_at(step, run.tcfg, run.surge.step), "rollout_tokens_per_s": lengths.sum().item() / ro.seconds,
            **latency_metrics(outs, run.d),
            "step_time": time.perf_counter() - t0, "skipped_steps": run.skipped, **ro.counters}
     if run.capacity is not None:                                      # --train_capacity_factor's drops, all ranks'
@@ -529,7 +531,8 @@ def checkpoint(run: Run, step: int) -> None:
     full = expert_parallel.whole_model(p.full)                        # EP: whole experts (collective)
     if run.d.master:
         path = save_checkpoint(run.tcfg.out_dir, step, full, opt_state, run.tcfg, run.rcfg, run.task,
-                               extra={"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict()}, masters=masters,
+                               extra={"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict(),
+                                      "length_surge": run.surge.state_dict()}, masters=masters,
                                save_dtype=run.tcfg.save_dtype or run.tcfg.dtype, keep=run.tcfg.keep_checkpoints,
                                identity=run.outputs.identity if run.outputs is not None else None)
         say(run, f"step {step}: saved {path}")
@@ -592,6 +595,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     run.rollouts = (Remote(run, stop=lambda: StopRequest.signum != 0) if d.bridge is not None else
                     Colocated(partial(rollout, run), tcfg.max_staleness, tcfg.inflight_update, midpoint,
                               refresh=policy.refresh))
+    run.surge.load_state_dict(resumed.surge if resumed is not None else None)   # where a surge was seen, if one was
     if resumed is not None and resumed.rollouts is not None:        # the batches generated ahead of the step
         run.rollouts.load_state_dict(resumed.rollouts)
     return run

@@ -131,6 +131,12 @@ def test_apply_overrides_wrong_type(key, raw):
     ({"lr_schedule": "halving", "lr_decay_period": "-2"}, "--lr_decay_period=-2"),
     ({"lr_decay_period": "10"}, "--lr_decay_period=10: only --lr_schedule=halving uses it"),
     ({"lr_schedule": "linear"}, "--lr_schedule='linear': cosine, constant or halving"),
+    ({"surge_window": "-1"}, "--surge_window=-1: must be >= 0 (0: off)"),
+    ({"surge_ratio": "0"}, "--surge_ratio=0: must be > 0"),
+    ({"halving_start": "peak"}, "--halving_start='peak': warmup or surge"),
+    ({"halving_start": "surge"}, "--halving_start=surge: only --lr_schedule=halving uses it (this run's is cosine)"),
+    ({"lr_schedule": "halving", "lr_decay_period": "2", "halving_start": "surge", "surge_window": "0"},
+     "--halving_start=surge waits for a response-length surge: it needs --surge_window >= 1"),
     ({"router_lr_scale": "-0.5"}, "--router_lr_scale=-0.5: must be >= 0"),
     ({"correction": "seq_none"}, "--correction='seq_none': choose one of none, is, tis, mis, reject, icepop"),
     ({"seq_rho": "sum"}, "--seq_rho='sum': choose one of geo_mean, product"),
@@ -146,7 +152,8 @@ def test_train_config_names_the_bad_field(overrides, needle):
     tcfg, rcfg = TrainConfig(), RolloutConfig()                       # control: good values pass
     apply_overrides({"steps": "1", "device": "cuda:1", "lr": "0.5", "task": "reverse", "lr_schedule": "halving",
                      "lr_decay_period": "3", "router_lr_scale": "0", "correction": "seq_mis", "recompute_old_logp": "true", "seq_rho": "product",
-                     "gspo_log_ratio_max": "10", "kl_estimator": "k3_clamped"}, tcfg, rcfg)
+                     "gspo_log_ratio_max": "10", "kl_estimator": "k3_clamped", "halving_start": "surge",
+                     "surge_window": "3", "surge_ratio": "0.25"}, tcfg, rcfg)
 
 
 def test_model_config_rejects_non_finite():

@@ -159,3 +159,34 @@ def test_eval_expert_load_and_latency_panels_whenever_their_keys_exist(tmp_path,
     plt.close(figs[0])
     bare = {"a": plot.read_metrics(write_run(tmp_path / "a"))}                             # control: no such keys
     assert plot.panels(bare) == plot.PANELS
+
+
+def test_observations_figure_has_reward_length_latency_tail_and_load(tmp_path, monkeypatch):
+    """plot.py --observations writes one PNG of four panels: reward, response length (the run's detected
+    surge marked at its step), rollout latency p95 and p99, expert load."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    path = tmp_path / "o"
+    rows = [json.loads(line) for line in open(os.path.join(write_run(path), "metrics.jsonl"))]
+    for r in rows:
+        r.update(response_len=3.0 + (r["step"] > 6) * r["step"], length_surge=int(r["step"] == 8),
+                 rollout_latency_p95=0.2 * r["step"], rollout_latency_p99=0.3 * r["step"],
+                 expert_load_max=2.0 + r["step"] / 10, load_imbalance_layer=[1.5, 2.5])
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = subprocess.run([sys.executable, "plot.py", str(path), "--observations"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    with open(path / "plots" / "observations.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not (path / "plots" / "metrics.png").exists()
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    plot.plot_observations({"o": plot.read_metrics(str(path))}, str(tmp_path / "x.png"))
+    axes = {ax.get_title(): ax for ax in figs[0].axes if ax.get_title()}
+    assert list(axes) == ["reward (mean)", "response length (tokens)", "rollout latency tail per sequence (s)",
+                          "expert load (busiest / mean)"]
+    tail = axes["rollout latency tail per sequence (s)"]
+    assert [t.get_text() for t in tail.get_legend().get_texts()] == ["p95", "p99"] and tail.get_yscale() == "log"
+    marks = [line for line in axes["response length (tokens)"].get_lines() if list(line.get_xdata()) == [8, 8]]
+    assert len(marks) == 1 and marks[0].get_linestyle() == ":"              # the surge, at its step
+    plt.close(figs[0])

@@ -116,7 +116,7 @@ def test_diagnostics_pick_the_mismatched_sequences():
     logp = torch.tensor([[0.0, -1.0, -2.0]]).repeat(3, 1)          # (B, T-1): response at positions 1, 2
     logp[2, 1] = -1.0 - 0.7                                        # |diff| 0.7 > ln 2
     rows = replay.diagnostics(5, outs, torch.arange(3), logp, train_routes, routes, torch.tensor([0.0, 0.5, 1.0]),
-                             n=5, decode=lambda ids: "".join(map(str, ids)),
+                             n=5, n_experts=4, decode=lambda ids: "".join(map(str, ids)),
                              train_margin=torch.full((3, 4, 1), 0.25))
     assert [r["sequence"] for r in rows] == [1, 2]                 # lowest overlap first; 0 does not qualify
     r = json.loads(json.dumps(rows[0], allow_nan=False))
@@ -124,7 +124,26 @@ def test_diagnostics_pick_the_mismatched_sequences():
     assert r["topk_overlap"] == 0.75 and r["margin_rollout"] == [[0.2], [0.3]] and r["margin_train"] == [[0.25]] * 2
     assert r["prompt_text"] == "12" and r["response_text"] == "34"
     assert rows[1]["logp_max_abs_diff"] == pytest.approx(0.7) and "margin_rollout" not in rows[1]
-    assert len(replay.diagnostics(5, outs, torch.arange(3), logp, train_routes, routes, torch.zeros(3), n=1)) == 1
+    # the rollout's routes at the 3 fed positions (prompt 2 + response 2 - 1): experts 0 and 1 every time
+    assert r["expert_hist"] == [[3, 3, 0, 0]] and r["expert_hot_frac"] == 0.5
+    assert len(replay.diagnostics(5, outs, torch.arange(3), logp, train_routes, routes, torch.zeros(3), n=1,
+                                  n_experts=4)) == 1
+
+
+def test_sequence_hotness_by_hand():
+    """Per-request expert hotness: 3 fed positions and an unrecorded one (-1), 2 MoE layers, top-2 of 4
+    experts. Layer 0 sends every position to expert 0 (3 of 6 choices: the most a top-2 expert can take);
+    layer 1 spreads them (2 of 6 at most)."""
+    routes = torch.tensor([[[0, 1], [2, 3]],
+                           [[0, 2], [0, 1]],
+                           [[3, 0], [1, 2]],
+                           [[-1, -1], [-1, -1]]])                       # (N=4, n_moe=2, k=2); the last: unrecorded
+    h = replay.sequence_hotness(routes, 4)
+    assert h["expert_hist"] == [[3, 1, 1, 1], [1, 2, 2, 1]]              # each layer's choices: 3 positions x 2 slots
+    assert h["expert_hot_frac"] == round((3 / 6 + 2 / 6) / 2, 6)         # 0.416667: the busiest's share, mean over layers
+    assert replay.sequence_hotness(routes[3:], 4) == {"expert_hist": [[0] * 4] * 2, "expert_hot_frac": None}
+    dense = replay.sequence_hotness(torch.zeros(3, 0, 2, dtype=torch.long), 4)   # no MoE layer: nothing to count
+    assert dense == {"expert_hist": [], "expert_hot_frac": None}
 
 
 def _mismatched_batch():
@@ -153,7 +172,8 @@ def test_hold_out_takes_the_sequences_diagnostics_would_write():
     batch, audit, outs = _mismatched_batch()
     for n in (1, 2, 5):
         mask, rows = replay.hold_out(batch, audit, SimpleNamespace(diagnostics_holdout=True, diagnostics=n))
-        found = replay.diagnostics(1, outs, torch.arange(4), audit.logp, audit.routes, batch.routes, torch.zeros(4), n)
+        found = replay.diagnostics(1, outs, torch.arange(4), audit.logp, audit.routes, batch.routes, torch.zeros(4), n,
+                                   n_experts=6)
         assert rows.tolist() == [r["sequence"] for r in found] == [3, 1, 2][:n]
         assert (mask[rows] == 0).all() and torch.equal(mask[[r for r in range(4) if r not in rows]],
                                                        batch.mask[[r for r in range(4) if r not in rows]])
@@ -164,7 +184,7 @@ def test_hold_out_takes_the_sequences_diagnostics_would_write():
     assert rows.numel() == 0 and torch.equal(mask, batch.mask)       # nothing qualifies: nothing held out
     # the rows of held-out sequences: those asked for, in that order, marked, numbered in the global batch
     held = replay.diagnostics(1, outs, torch.arange(4), audit.logp, audit.routes, batch.routes, torch.zeros(4), 5,
-                              only=[1, 3], offset=8)
+                              n_experts=6, only=[1, 3], offset=8)
     assert [r["sequence"] for r in held] == [9, 11] and all(r["held_out"] for r in held)
 
 
