@@ -41,7 +41,8 @@ from hf import (CheckpointError, Identity, expert_rows, hf_to_state, read_safete
                 write_identity)
 from model import Transformer
 
-MASTERS = "masters.safetensors"                                       # the exact weights, when the export rounds
+MASTERS = "masters.safetensors"
+SFT_CKPT = "ckpt-000000"                                               # the end of --sft_steps' phase (sft.py)                                       # the exact weights, when the export rounds
 
 
 class RunError(RuntimeError):
@@ -145,6 +146,8 @@ def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: di
     os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
     done = sorted(n for n in os.listdir(out_dir) if CKPT_NAME.fullmatch(n) and n <= os.path.basename(final))
     later = [n for n in os.listdir(out_dir) if n.startswith("ckpt-") and n not in done]   # a run started over
+    if SFT_CKPT in done[:-1]:                             # --sft_steps' supervised start is kept (--init_from=it)
+        done.remove(SFT_CKPT)
     for name in done[:-keep] + later:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     return final
@@ -234,14 +237,16 @@ def write_run_json(out_dir: str, tcfg: TrainConfig, rcfg: RolloutConfig, model_c
     return path
 
 
-def trim_metrics(path: str, last_step: int) -> None:
-    """On resume: keep the rows up to the checkpoint's step (and drop a line cut short by a kill)."""
+def trim_metrics(path: str, last_step: int, sft_done: int | None = None) -> None:
+    """On resume: keep the rows up to the checkpoint's step (and drop a line cut short by a kill); sft_done:
+    also the supervised rows (step 0, sft.py) up to the checkpoint's supervised step."""
     kept = []
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 with contextlib.suppress(json.JSONDecodeError):
-                    if json.loads(line)["step"] <= last_step:
+                    row = json.loads(line)
+                    if row["step"] <= last_step and (sft_done is None or row.get("sft_step", 0) <= sft_done):
                         kept.append(line)
     with open(path, "w") as f:
         f.writelines(kept)
@@ -283,6 +288,7 @@ class Resumed:
     skipped: int                     # optimizer steps skipped so far (--skip_nonfinite_steps)
     optimizer: dict                  # AdamW's saved state (checkpoint.optimizer_state's layout)
     rollouts: dict | None = None     # the batches generated ahead of the step (pipeline.Colocated.state_dict)
+    sft_done: int = 0                # --sft_steps' supervised steps the weights have had (sft.py)
 
 
 def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | None, print0) -> Resumed:
@@ -298,7 +304,8 @@ def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | Non
     model.load_state_dict({k: v.to(device=want[k].device, dtype=want[k].dtype)
                            for k, v in load_weights(ckpt, model, experts).items()})
     task.load_state_dict(state["task"])
-    return Resumed(tcfg, state["step"], state.get("skipped_steps", 0), state["optimizer"], state.get("rollouts"))
+    return Resumed(tcfg, state["step"], state.get("skipped_steps", 0), state["optimizer"], state.get("rollouts"),
+                   state.get("sft_done", 0))
 
 
 def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:

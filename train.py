@@ -55,6 +55,7 @@ import kernels
 import lab
 import plan
 import replay
+import sft
 from checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, initial_config,
                         load_optimizer_state, optimizer_state, prepare_out_dir, resume, save_checkpoint, trim_metrics)
 from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
@@ -91,6 +92,7 @@ class Run:
     capacity: CapacityLimit | None = None   # --train_capacity_factor's drop counts (see trainer_capacity)
     rollouts: Colocated | None = None       # where each step's batch comes from (pipeline.py; set by setup)
     probe: "evaluation.Probe | None" = None   # --probe_every: the fixed probe set, drawn at the first probe
+    sft_done: int = 0                # --sft_steps' supervised steps the weights have had (sft.py)
 
     @property
     def fsdp(self) -> bool:
@@ -125,6 +127,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     bar = tqdm(desc="train", disable=not run.outputs.bar, initial=run.start, total=run.tcfg.steps)
     exit_code = 1                                                     # what the logger is told, unless set below
     try:
+        sft.supervised_phase(run, forward, trainer_micro_batches, checkpoint)   # --sft_steps: before RL step 1
         for step in range(run.start, run.tcfg.steps):
             t0 = time.perf_counter()
             ro = take_or_stop(run, step, saved)        # 1. rollout: batch `step`, now or (--max_staleness) earlier
@@ -529,7 +532,8 @@ def checkpoint(run: Run, step: int) -> None:
     full = expert_parallel.whole_model(p.full)                        # EP: whole experts (collective)
     if run.d.master:
         path = save_checkpoint(run.tcfg.out_dir, step, full, opt_state, run.tcfg, run.rcfg, run.task,
-                               extra={"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict()}, masters=masters,
+                               extra={"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict(),
+                                      "sft_done": run.sft_done}, masters=masters,
                                save_dtype=run.tcfg.save_dtype or run.tcfg.dtype, keep=run.tcfg.keep_checkpoints,
                                identity=run.outputs.identity if run.outputs is not None else None)
         say(run, f"step {step}: saved {path}")
@@ -576,18 +580,18 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     policy = Policy(model, tcfg, d, sampler_copy=lambda full, refresh: lab.rollout_copy(full, tcfg, rcfg, refresh))
     if ref_model is not None:                                         # mixed precision: the reference computes in bf16
         ref_model = policy.compute_copy(ref_model)
-    start, skipped = 0, 0
+    start, skipped, sft_done = 0, 0, 0
     metrics_path = os.path.join(tcfg.out_dir, "metrics.jsonl")
     if resumed is not None:
         load_optimizer_state(policy.trainer, policy.optimizer, resumed.optimizer, d.world > 1 and tcfg.parallel == "fsdp")
-        start, skipped = resumed.start, resumed.skipped
+        start, skipped, sft_done = resumed.start, resumed.skipped, resumed.sft_done
         if d.master:
-            trim_metrics(metrics_path, start)
+            trim_metrics(metrics_path, start, sft_done)
     # the gradients and AdamW's moments are allocated after the sampler sizes its KV pool from the free
     # memory: set aside (Policy.reserve_bytes); activations and temporaries come out of the rest
     sampler = lab.episode_fault(Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes()),
                                 rcfg.rollout_episode_fault)
-    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, key_tokens)
+    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, key_tokens, sft_done=sft_done)
     midpoint = max(1, max_new_tokens(run) // 2)                       # an in-flight update lands halfway
     run.rollouts = (Remote(run, stop=lambda: StopRequest.signum != 0) if d.bridge is not None else
                     Colocated(partial(rollout, run), tcfg.max_staleness, tcfg.inflight_update, midpoint,
