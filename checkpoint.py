@@ -41,8 +41,8 @@ from hf import (CheckpointError, Identity, expert_rows, hf_to_state, read_safete
                 write_identity)
 from model import Transformer
 
-MASTERS = "masters.safetensors"
-SFT_CKPT = "ckpt-000000"                                               # the end of --sft_steps' phase (sft.py)                                       # the exact weights, when the export rounds
+MASTERS = "masters.safetensors"                                       # the exact weights, when the export rounds
+SFT_CKPT = "ckpt-000000"                                               # the end of --sft_steps' phase (sft.py)
 
 
 class RunError(RuntimeError):

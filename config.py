@@ -639,7 +639,7 @@ class TrainConfig:
                  "with --max_staleness >= 1")
 
     def _check_sft(self):
-        """--sft_steps: the task must have reference answers (tasks.SUPERVISED_TASKS), the trainers must own the sampler."""
+        """--sft_steps: the task needs reference answers (tasks.SUPERVISED_TASKS), the trainers the sampler."""
         _require(self.sft_steps >= 0, f"--sft_steps={self.sft_steps}: must be >= 0 (0: no supervised steps)")
         if self.sft_steps:
             _require(self.task in SUPERVISED_TASKS and not self.env,

@@ -28,8 +28,10 @@ tokenizer_config.json's chat_template, next to the tokenizer or in --init_from),
 one user message (after --system_prompt's system message) with the generation prompt.
 
 A new built-in task is one entry in TASKS (at the bottom): --task=NAME builds it, and config.py checks
---task against the same table. A task's `token_class(name)` gives the ids of a class of tokens
-(TOKEN_CLASSES: digits) that --route_filter_tokens may name instead of ids. Mistakes in a task's files raise TaskError (one line `error: ...`).
+--task against the same table. A task's `reference(example)` is the response that earns the full reward, stop
+token included: what --sft_steps trains on (sft.py; SUPERVISED_TASKS names the tasks that have one).
+A task's `token_class(name)` gives the ids of a class of tokens (TOKEN_CLASSES: digits) that
+--route_filter_tokens may name instead of ids. Mistakes in a task's files raise TaskError (one line `error: ...`).
 """
 from __future__ import annotations
 
