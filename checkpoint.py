@@ -37,11 +37,13 @@ import torch
 import expert_parallel
 import plan
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args, parse_bool
-from hf import (CheckpointError, Identity, expert_rows, hf_to_state, read_safetensors_dir, read_safetensors_file,
-                write_identity)
+from hf import (CheckpointError, Identity, eos_token_ids, expert_rows, hf_to_state, read_safetensors_dir,
+                read_safetensors_file, write_identity)
 from model import Transformer
+from tasks import make_task
 
 MASTERS = "masters.safetensors"                                       # the exact weights, when the export rounds
+SFT_CKPT = "ckpt-000000"                                               # the end of --sft_steps' phase (sft.py)
 
 
 class RunError(RuntimeError):
@@ -145,6 +147,8 @@ def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: di
     os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
     done = sorted(n for n in os.listdir(out_dir) if CKPT_NAME.fullmatch(n) and n <= os.path.basename(final))
     later = [n for n in os.listdir(out_dir) if n.startswith("ckpt-") and n not in done]   # a run started over
+    if SFT_CKPT in done[:-1]:                             # --sft_steps' supervised start is kept (--init_from=it)
+        done.remove(SFT_CKPT)
     for name in done[:-keep] + later:
         shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     return final
@@ -234,14 +238,16 @@ def write_run_json(out_dir: str, tcfg: TrainConfig, rcfg: RolloutConfig, model_c
     return path
 
 
-def trim_metrics(path: str, last_step: int) -> None:
-    """On resume: keep the rows up to the checkpoint's step (and drop a line cut short by a kill)."""
+def trim_metrics(path: str, last_step: int, sft_done: int | None = None) -> None:
+    """On resume: keep the rows up to the checkpoint's step (and drop a line cut short by a kill); sft_done:
+    also the supervised rows (step 0, sft.py) up to the checkpoint's supervised step."""
     kept = []
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 with contextlib.suppress(json.JSONDecodeError):
-                    if json.loads(line)["step"] <= last_step:
+                    row = json.loads(line)
+                    if row["step"] <= last_step and (sft_done is None or row.get("sft_step", 0) <= sft_done):
                         kept.append(line)
     with open(path, "w") as f:
         f.writelines(kept)
@@ -256,6 +262,17 @@ def initial_config(tcfg: TrainConfig, preset: ModelConfig | None = None) -> Mode
     if preset is not None and not os.path.isdir(tcfg.init_from):
         return preset
     return plan.model_config(tcfg.init_from)
+
+
+def run_task(tcfg: TrainConfig, rcfg: RolloutConfig):
+    """The task, the preset (None for a checkpoint folder) and the model config --init_from names."""
+    from_dir = os.path.isdir(tcfg.init_from)
+    task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens,
+                     stop_tokens=rcfg.stop_token_ids, model_eos=eos_token_ids(tcfg.init_from) if from_dir else ((), ""),
+                     chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,
+                     checkpoint=tcfg.init_from if from_dir else "", env=tcfg.env)
+    preset = tcfg.model_preset(task.vocab_size, tokenizer=tcfg.task == "jsonl")
+    return task, preset, initial_config(tcfg, preset)
 
 
 def build_model(tcfg: TrainConfig, device, dtype, preset: ModelConfig | None = None,
@@ -284,6 +301,7 @@ class Resumed:
     optimizer: dict                  # AdamW's saved state (checkpoint.optimizer_state's layout)
     rollouts: dict | None = None     # the batches generated ahead of the step (pipeline.Colocated.state_dict)
     surge: dict | None = None        # the response-length surge detector's state (runlog.LengthSurge.state_dict)
+    sft_done: int = 0                # --sft_steps' supervised steps the weights have had (sft.py)
 
 
 def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | None, print0) -> Resumed:
@@ -300,7 +318,7 @@ def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | Non
                            for k, v in load_weights(ckpt, model, experts).items()})
     task.load_state_dict(state["task"])
     return Resumed(tcfg, state["step"], state.get("skipped_steps", 0), state["optimizer"], state.get("rollouts"),
-                   state.get("length_surge"))
+                   state.get("length_surge"), state.get("sft_done", 0))
 
 
 def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:

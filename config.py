@@ -24,7 +24,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from tasks import TASKS     # the task table (tasks.py imports nothing of this module)
+from tasks import SUPERVISED_TASKS, TASKS     # the task table (tasks.py imports nothing of this module)
 
 
 class ConfigError(ValueError):
@@ -443,6 +443,8 @@ class TrainConfig:
     vocab_size: str = ""              # a preset's vocabulary: '' (the preset's) | auto (the task's tokenizer) | N
     # batch
     steps: int = 200                  # RL steps (one rollout batch each)
+    sft_steps: int = 0                # before RL: N optimizer steps of cross-entropy on the task's reference answers
+                                      # (minibatch_size examples each; sft.py), then a checkpoint at step 0; 0: off
     prompts_per_step: int = 32        # prompts sampled per step (each gets group_size responses)
     group_size: int = 8               # G responses per prompt
     epochs: int = 1                   # passes over each rollout batch
@@ -621,6 +623,7 @@ class TrainConfig:
                  "--system_prompt goes into the checkpoint's chat template: add --chat_template=true")
         self._check_async()
         self._check_precision()
+        self._check_sft()
 
     def _check_schedule(self):
         """The lr schedule (distributed.lr_at) and the response-length surge that can start its halving
@@ -654,6 +657,16 @@ class TrainConfig:
         _require(self.inflight_update == "off" or self.max_staleness >= 1,
                  f"--inflight_update={self.inflight_update}: the update overlaps the next batch's generation only "
                  "with --max_staleness >= 1")
+
+    def _check_sft(self):
+        """--sft_steps: the task needs reference answers (tasks.SUPERVISED_TASKS), the trainers the sampler."""
+        _require(self.sft_steps >= 0, f"--sft_steps={self.sft_steps}: must be >= 0 (0: no supervised steps)")
+        if self.sft_steps:
+            _require(self.task in SUPERVISED_TASKS and not self.env,
+                     f"--sft_steps={self.sft_steps}: --task={self.task}{' with --env' if self.env else ''} has no reference "
+                     f"answers to train on; the tasks that have them: {', '.join(SUPERVISED_TASKS)} (jsonl without --env)")
+            _require(not self.rollout_ranks, f"--sft_steps={self.sft_steps} with --rollout_ranks: the rollout ranks would "
+                     "not see the supervised weights; not yet supported")
 
     def _check_objective(self):
         """The objective against losses.py's tables: the loss, its aggregation over minibatches, the corrections, the

@@ -88,6 +88,7 @@ def read_metrics(run_dir: str) -> list[dict]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise SystemExit(f"error: {path}, line {i}: not JSON ({e.msg}); fix or remove that line") from None
+    rows = [r for r in rows if r.get("phase") != "sft"]             # --sft_steps' rows (step 0): the panels are RL's
     if not rows:
         raise SystemExit(f"error: {path} has no rows yet")
     return rows

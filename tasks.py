@@ -28,8 +28,10 @@ tokenizer_config.json's chat_template, next to the tokenizer or in --init_from),
 one user message (after --system_prompt's system message) with the generation prompt.
 
 A new built-in task is one entry in TASKS (at the bottom): --task=NAME builds it, and config.py checks
---task against the same table. A task's `token_class(name)` gives the ids of a class of tokens
-(TOKEN_CLASSES: digits) that --route_filter_tokens may name instead of ids. Mistakes in a task's files raise TaskError (one line `error: ...`).
+--task against the same table. A task's `reference(example)` is the response that earns the full reward, stop
+token included: what --sft_steps trains on (sft.py; SUPERVISED_TASKS names the tasks that have one).
+A task's `token_class(name)` gives the ids of a class of tokens (TOKEN_CLASSES: digits) that
+--route_filter_tokens may name instead of ids. Mistakes in a task's files raise TaskError (one line `error: ...`).
 """
 from __future__ import annotations
 
@@ -94,6 +96,10 @@ class DigitTask:
 
     def reward(self, ex: Example, response: list[int]) -> float:
         return accuracy(response, ex.answer)
+
+    def reference(self, ex: Example) -> list[int]:
+        """The response that earns the full reward, stop token included (--sft_steps' target, sft.py)."""
+        return list(ex.answer)
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.DIGITS[i] if i < 10 else self.SYMBOLS.get(i, f"<{i}>") for i in ids)
@@ -181,6 +187,8 @@ class LookupTask(EpisodeTask):
             out.append(Example([*self.opening(), *keys, self.ASK], {"keys": keys, "table_seed": self.rng.randrange(2 ** 31)}))
         return out
 
+    reference = None        # an answer needs the episode's tool call first: no single-response reference (sft.py)
+
     def make_env(self, ex: Example) -> "LookupEnv":
         return LookupEnv(self, ex.answer["keys"], random.Random(ex.answer["table_seed"]).sample(range(10), 10))
 
@@ -222,6 +230,8 @@ class FixTask(EpisodeTask):
 
     def make_env(self, ex: Example) -> "FixEnv":
         return FixEnv(self, ex.answer)
+
+    # reference (DigitTask's): the right attempt at the first turn, an episode the environment ends at once
 
 
 class FixEnv:
@@ -414,6 +424,16 @@ class JsonlTask:
     def reward(self, ex: Example, response: list[int]):
         """The user function's value, unconverted: float("0.5") would hide a bug (see check_reward)."""
         return self.reward_fn(ex.text, self.response_text(response), ex.answer)
+
+    def reference(self, ex: Example) -> list[int]:
+        """The row's answer as a response (--sft_steps' target, sft.py): its text (a string as written, any other
+        JSON value as JSON) encoded without special tokens, then the first stop token, so that response_text
+        gives the reward function that text back."""
+        if ex.answer is None:
+            raise TaskError(f"--sft_steps: the example {ex.text[:80]!r} has no 'answer' field to train on; give every "
+                            "row of --data an answer, or drop --sft_steps")
+        text = ex.answer if isinstance(ex.answer, str) else json.dumps(ex.answer)
+        return self.tok.encode(text, add_special_tokens=False).ids + list(self.stop_token_ids[:1])
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
@@ -680,6 +700,10 @@ def _jsonl_task(name: str, seed: int, data: str, tokenizer: str, reward_fn: str,
                         "reward function: README, \"Your own task\")")
     return JsonlTask(data, tokenizer, reward_fn, max_new_tokens, seed, **kw)
 
+
+# the tasks whose examples have a reference response (task.reference), what --sft_steps trains on; lookup's
+# answer needs its tool's reply first, and --env's environments have no reference (config.py checks both)
+SUPERVISED_TASKS = ("copy", "reverse", "fix", "jsonl")
 
 TASKS: dict[str, Callable] = {**{name: _digit_task for name in (*DigitTask.TRANSFORMS, "lookup", "fix")},
                               "jsonl": _jsonl_task}

@@ -55,12 +55,12 @@ import kernels
 import lab
 import plan
 import replay
-from checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, initial_config,
-                        load_optimizer_state, optimizer_state, prepare_out_dir, resume, save_checkpoint, trim_metrics)
+import sft
+from checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, load_optimizer_state,
+                        optimizer_state, prepare_out_dir, resume, run_task, save_checkpoint, trim_metrics)
 from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
 from distributed import (Dist, Policy, all_cat, all_owned, all_sum_counts, check_in_sync, gather_scored, global_batch,
                          init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
-from hf import eos_token_ids
 from losses import (Normalisers, correction_weights, group_advantages, rejects, router_metrics, router_objective,
                     token_objective)
 from model import CapacityLimit, Transformer, capacity_limit
@@ -70,7 +70,7 @@ from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stop
 from rollout import Sampler
 from runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, episode_metrics, latency_metrics, log_routes,
                     log_row, log_samples, open_logger, open_outputs, run_cli, say, stop_requested, summary, warn_low_entropy)
-from tasks import Episodes, TaskError, compute_rewards, make_task
+from tasks import Episodes, TaskError, compute_rewards
 
 
 @dataclasses.dataclass
@@ -92,6 +92,7 @@ class Run:
     rollouts: Colocated | None = None       # where each step's batch comes from (pipeline.py; set by setup)
     probe: "evaluation.Probe | None" = None   # --probe_every: the fixed probe set, drawn at the first probe
     surge: LengthSurge = dataclasses.field(default_factory=LengthSurge)   # --surge_window's detector (lr_at reads it)
+    sft_done: int = 0                # --sft_steps' supervised steps the weights have had (sft.py)
 
     @property
     def fsdp(self) -> bool:
@@ -126,6 +127,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     bar = tqdm(desc="train", disable=not run.outputs.bar, initial=run.start, total=run.tcfg.steps)
     exit_code = 1                                                     # what the logger is told, unless set below
     try:
+        sft.supervised_phase(run, forward, trainer_micro_batches, checkpoint)   # --sft_steps: before RL step 1
         for step in range(run.start, run.tcfg.steps):
             t0 = time.perf_counter()
             ro = take_or_stop(run, step, saved)        # 1. rollout: batch `step`, now or (--max_staleness) earlier
@@ -187,7 +189,7 @@ def serve_rollouts(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
     """A rollout rank's whole run (--rollout_ranks): the model in its compute dtypes (a resume's weights
     and its trainers' batches ahead), the sampler, then pipeline.serve's loop."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    task, preset, config = make_run_task(tcfg, rcfg)
+    task, preset, config = run_task(tcfg, rcfg)
     model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset)
     start, ahead = 0, 0
     if tcfg.resume:
@@ -530,11 +532,11 @@ def checkpoint(run: Run, step: int) -> None:
     opt_state = optimizer_state(p.trainer, p.optimizer, run.fsdp)     # collective under FSDP2 and EP
     full = expert_parallel.whole_model(p.full)                        # EP: whole experts (collective)
     if run.d.master:
-        path = save_checkpoint(run.tcfg.out_dir, step, full, opt_state, run.tcfg, run.rcfg, run.task,
-                               extra={"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict(),
-                                      "length_surge": run.surge.state_dict()}, masters=masters,
-                               save_dtype=run.tcfg.save_dtype or run.tcfg.dtype, keep=run.tcfg.keep_checkpoints,
-                               identity=run.outputs.identity if run.outputs is not None else None)
+        extra = {"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict(),
+                 "length_surge": run.surge.state_dict(), "sft_done": run.sft_done}
+        path = save_checkpoint(run.tcfg.out_dir, step, full, opt_state, run.tcfg, run.rcfg, run.task, extra=extra,
+                               masters=masters, save_dtype=run.tcfg.save_dtype or run.tcfg.dtype,
+                               keep=run.tcfg.keep_checkpoints, identity=run.outputs and run.outputs.identity)
         say(run, f"step {step}: saved {path}")
     if run.d.world > 1:
         dist.barrier()
@@ -552,7 +554,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     prepare_out_dir(tcfg, d.master)
     if not tcfg.resume:                                               # the lr horizon, saved with the run
         tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
-    task, preset, config = make_run_task(tcfg, rcfg)
+    task, preset, config = run_task(tcfg, rcfg)
     expert_parallel.check_degree(tcfg.expert_parallel, config.num_experts, d.world)
     placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, config.num_experts)
     tcfg.check_model(config, task.vocab_size)
@@ -579,18 +581,17 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     policy = Policy(model, tcfg, d, sampler_copy=lambda full, refresh: lab.rollout_copy(full, tcfg, rcfg, refresh))
     if ref_model is not None:                                         # mixed precision: the reference computes in bf16
         ref_model = policy.compute_copy(ref_model)
-    start, skipped = 0, 0
+    start, skipped, sft_done = (resumed.start, resumed.skipped, resumed.sft_done) if resumed is not None else (0, 0, 0)
     metrics_path = os.path.join(tcfg.out_dir, "metrics.jsonl")
     if resumed is not None:
         load_optimizer_state(policy.trainer, policy.optimizer, resumed.optimizer, d.world > 1 and tcfg.parallel == "fsdp")
-        start, skipped = resumed.start, resumed.skipped
         if d.master:
-            trim_metrics(metrics_path, start)
+            trim_metrics(metrics_path, start, sft_done)
     # the gradients and AdamW's moments are allocated after the sampler sizes its KV pool from the free
     # memory: set aside (Policy.reserve_bytes); activations and temporaries come out of the rest
     sampler = lab.episode_fault(Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes()),
                                 rcfg.rollout_episode_fault)
-    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, key_tokens)
+    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, key_tokens, sft_done=sft_done)
     midpoint = max(1, max_new_tokens(run) // 2)                       # an in-flight update lands halfway
     run.rollouts = (Remote(run, stop=lambda: StopRequest.signum != 0) if d.bridge is not None else
                     Colocated(partial(rollout, run), tcfg.max_staleness, tcfg.inflight_update, midpoint,
@@ -599,17 +600,6 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     if resumed is not None and resumed.rollouts is not None:        # the batches generated ahead of the step
         run.rollouts.load_state_dict(resumed.rollouts)
     return run
-
-
-def make_run_task(tcfg: TrainConfig, rcfg: RolloutConfig):
-    """The task, the preset (None for a checkpoint folder) and the model config --init_from names."""
-    from_dir = os.path.isdir(tcfg.init_from)
-    task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens,
-                     stop_tokens=rcfg.stop_token_ids, model_eos=eos_token_ids(tcfg.init_from) if from_dir else ((), ""),
-                     chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,
-                     checkpoint=tcfg.init_from if from_dir else "", env=tcfg.env)
-    preset = tcfg.model_preset(task.vocab_size, tokenizer=tcfg.task == "jsonl")
-    return task, preset, initial_config(tcfg, preset)
 
 
 def check_ranks(tcfg: TrainConfig, d: Dist) -> None:
