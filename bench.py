@@ -928,10 +928,11 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "fast+r3": ["--recompute_old_logp=true", "--replay=r3"],
     "fast+route_filter": ["--recompute_old_logp=true", "--route_filter=mask"],
     "fast+gspo": ["--recompute_old_logp=true", "--loss=gspo"],
-    "fast+sapo": ["--recompute_old_logp=true", "--loss=sapo"],     # a soft gate in place of the hard clip
     # another router: sigmoid scores, a score-correction bias (balanced during RL), a shared expert, 2 groups
     "fast+sigmoid": ["--recompute_old_logp=true", "--init_from=tiny-sigmoid", "--expert_bias_update_rate=1e-3"],
-    # more remedies against the fast rollout: old-policy routing replay, a frozen router; a dense control
+    # more remedies against the fast rollout: SAPO's soft gate, old-policy routing replay, a frozen router;
+    # a dense control
+    "fast+sapo": ["--recompute_old_logp=true", "--loss=sapo"],     # a soft gate in place of the hard clip
     "fast+replay_old": ["--recompute_old_logp=true", "--replay=old"],
     "fast+r3 bounded": ["--recompute_old_logp=true", "--replay=r3", "--replay_steps=1"],   # R3 on the first update only
     "fast+frozen_router": ["--recompute_old_logp=true", "--router_lr_scale=0"],
