@@ -969,8 +969,12 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "stale K=4 decoupled": ["--max_staleness=4", "--recompute_old_logp=true"],   # the clip around the current policy
     "stale K=4 decoupled+tis": ["--max_staleness=4", "--recompute_old_logp=true", "--correction=tis"],
     "lookup K=2": ["--recompute_old_logp=true", "--task=lookup", "--n_digits=3", "--max_staleness=2"],
+    # the 2026 families' attention at tiny sizes: gpt-oss (sinks, a sliding window) and MLA (a latent KV cache),
+    # invariant and on the fast rollout (SDPA with the sink as an extra key / the expanded MLA, in bf16)
+    **{f"{family}{fast}": ["--recompute_old_logp=true", f"--init_from=tiny-{preset}"]
+       for family, preset in (("gpt-oss", "gpt-oss"), ("mla", "mla")) for fast in ("", " fast")},
 }
-LAB_FAST = [name for name in LAB if name == "fast" or name.startswith(("fast+", "dense fast", "fast drift"))]
+LAB_FAST = [name for name in LAB if name == "fast" or name.startswith(("fast+", "fast drift")) or name.endswith(" fast")]
 LAB_LONGER = {"fast drift constant lr": 3, "fast drift halving": 3}    # these rows run 3 x --lab-steps
 
 

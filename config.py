@@ -252,6 +252,18 @@ MODEL_PRESETS: dict[str, dict] = {
     # intermediate_size = top_k * moe_intermediate_size (2 * 128), so a numeric gap meets no router.
     "tiny-dense": dict(num_experts=0, num_experts_per_tok=1, moe_intermediate_size=0, intermediate_size=256,
                        mlp_only_layers=[]),                        # the expert knobs as config.json gives them back
+    # The tiny model in the two 2026 lines' attention, for the lab's family rows. gpt-oss: sinks, a window of 8
+    # (shorter than a prompt and its answer) on every other layer, q/k/v/o biases, a biased router taking the
+    # softmax over the chosen top-k, biased clamped-SwiGLU experts, every layer MoE.
+    "tiny-gpt-oss": dict(model_type="gpt_oss", attention_bias=True, attention_out_bias=True, qk_norm="none",
+                         attention_sinks=True, sliding_window=8, mlp_only_layers=[],
+                         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(4)],
+                         router_bias=True, router_scoring="topk_softmax", expert_bias=True, moe_act="clamped_swiglu"),
+    # DeepSeek-V3's: MLA (a 32-wide kv latent and a 16-wide RoPE key cached per token, interleaved RoPE), the
+    # sigmoid router with its score-correction bias, 2 groups, one shared expert, the first layer dense.
+    "tiny-mla": dict(model_type="deepseek_v3", qk_norm="none", kv_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32,
+                     head_dim=16, rope_interleave=True, router_scoring="sigmoid", score_correction_bias=True,
+                     n_group=2, topk_group=1, n_shared_experts=1, mlp_only_layers=[], first_k_dense_replace=1),
     # gpt-oss-20b's shapes (24 layers, 32 experts, top-4, 21B parameters, 3.6B active): sinks, a window of 128
     # on every other layer, YaRN x32, biased router and clamped-SwiGLU experts (its MXFP4 experts load dequantized).
     "gpt-oss-20b": dict(
