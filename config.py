@@ -256,7 +256,7 @@ MODEL_PRESETS: dict[str, dict] = {
     # (shorter than a prompt and its answer) on every other layer, q/k/v/o biases, a biased router taking the
     # softmax over the chosen top-k, biased clamped-SwiGLU experts, every layer MoE.
     "tiny-gpt-oss": dict(model_type="gpt_oss", attention_bias=True, attention_out_bias=True, qk_norm="none",
-                         attention_sinks=True, sliding_window=8, mlp_only_layers=[],
+                         attention_sinks=True, sliding_window=8, mlp_only_layers=[], intermediate_size=128,
                          layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(4)],
                          router_bias=True, router_scoring="topk_softmax", expert_bias=True, moe_act="clamped_swiglu"),
     # DeepSeek-V3's: MLA (a 32-wide kv latent and a 16-wide RoPE key cached per token, interleaved RoPE), the

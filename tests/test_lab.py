@@ -1,6 +1,7 @@
 """The mismatch lab: a deviating rollout shows a nonzero mismatch, the invariant one exactly zero,
 corrections act only where there is a mismatch, and the experiment command runs end to end."""
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -96,27 +97,52 @@ def test_correction_without_recompute_is_an_error(tmp_path):
         _run(tmp_path, ["--rollout_mode=fast", "--correction=tis"])
 
 
-def test_lab_command_runs_end_to_end(tmp_path):
+def _lab(tmp_path, runs: str, seeds: str, *extra: str) -> list[str]:
+    """bench.py's lab at 1 step of 4 groups of 4 -> its table's lines (header first)."""
     r = subprocess.run([sys.executable, "bench.py", "--only", "lab", "--lab-steps", "1", "--lab-out", str(tmp_path),
-                        "--lab-seeds", "0,1", "--lab-args", "--prompts_per_step=4 --group_size=4 --n_digits=2"],
+                        "--lab-seeds", seeds, "--lab-runs", runs, *extra,
+                        "--lab-args", "--prompts_per_step=4 --group_size=4 --n_digits=2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    table = [line for line in r.stdout.splitlines() if line.startswith("| ")]
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "lab.png").is_file() and "figure:" in r.stdout
+    return [line for line in r.stdout.splitlines() if line.startswith("| ")]
+
+
+def test_lab_command_runs_every_row_end_to_end(tmp_path):
+    """Every row of bench.LAB runs (one seed), in the table's order, its columns filled."""
     import bench
+    table = _lab(tmp_path, "", "0")
     names = [line.split("|")[1].strip() for line in table[1:]]
     assert names == list(bench.LAB) and names[:9] == ["invariant", "fast", "fast+tis", "fast+reject", "fast+icepop",
                                                       "fast+r3", "fast+route_filter", "fast+gspo", "fast+sigmoid"]
     rows = {line.split("|")[1].strip(): line.split("|") for line in table[1:]}
-    assert float(rows["int8"][6]) > 0 and float(rows["dense fast"][8]) == 0   # a gap; no router, no flips
     # columns: run, final reward (mean ± sd over seeds), per seed, mean KL, max KL, max |dlogp|, extreme, flips, wall
+    assert float(rows["int8"][6]) > 0 and float(rows["dense fast"][8]) == 0   # a gap; no router, no flips
+    assert float(rows["fast"][6]) > 0 and float(rows["stale K=1"][6]) > 0      # numerics; staleness alone
+    for name in ("invariant", "gpt-oss", "mla"):                               # the contract: KL, |dlogp|, flips 0
+        assert float(rows[name][4]) == 0 and float(rows[name][6]) == 0 and float(rows[name][8]) == 0, name
+    assert (tmp_path / "stale K=1" / "seed0" / "metrics.jsonl").is_file()
+
+
+def test_lab_command_pools_seeds_from_one_supervised_start(tmp_path):
+    """Two seeds: the reward as mean ± sd, one value per seed, a run folder per seed; --lab-sft-steps: one
+    supervised checkpoint per preset, which every row and seed of that preset starts from."""
+    table = _lab(tmp_path, "invariant,fast+sigmoid", "0,1", "--lab-sft-steps", "2")
     inv = table[1].split("|")
-    assert "±" in inv[2] and len(inv[3].split()) == 2                          # two seeds
-    assert float(inv[4]) == 0 and float(inv[6]) == 0 and float(inv[8]) == 0   # KL, max |dlogp|, flips
-    fast = table[2].split("|")
-    assert float(fast[6]) > 0
-    assert (tmp_path / "fast" / "seed1" / "metrics.jsonl").is_file()
-    if importlib.util.find_spec("matplotlib"):
-        assert (tmp_path / "lab.png").is_file() and "figure:" in r.stdout
+    assert "±" in inv[2] and len(inv[3].split()) == 2
+    assert float(inv[4]) == 0 and float(inv[6]) == 0 and float(inv[8]) == 0
+    for name, preset in (("invariant", "tiny"), ("fast+sigmoid", "tiny-sigmoid")):
+        start = tmp_path / f"sft-{preset}" / "ckpt-000000"
+        assert (start / "model.safetensors").is_file()
+        for seed in (0, 1):
+            run = json.load(open(tmp_path / name / f"seed{seed}" / "run.json"))
+            assert run["train"]["init_from"] == str(start), (name, seed)
+    sft = [json.loads(line) for line in open(tmp_path / "sft-tiny" / "metrics.jsonl")]
+    assert [row.get("sft_step") for row in sft if row.get("phase") == "sft"] == [1, 2]
+    r = subprocess.run([sys.executable, "bench.py", "--only", "lab", "--lab-runs", "lookup", "--lab-sft-steps", "2",
+                        "--lab-out", str(tmp_path / "refused")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--lab-sft-steps: ['lookup']" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_lab_docs_name_bench_rows_and_count_them():
