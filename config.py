@@ -372,8 +372,8 @@ class RolloutConfig:
     speculative_tokens: int = 0       # k > 0: each decode step verifies k n-gram drafts of the sequence's own ids
                                       # (speculative.py): the tokens, log-probs and routes of plain decoding, faster
                                       # where the text repeats; 0: off
-    speculative_ngram: int = 3        # the drafts follow the most recent earlier place of the last n ids, n from
-                                      # this down to 1
+    speculative_ngram: int = 3        # the drafts are the ids that followed an earlier place of the sequence's
+                                      # last n ids, the longest n from this down to 1 that has one
     temperature: float = 1.0          # sampling temperature (0: greedy); log-probs are of softmax(logits / T)
     top_p: float = 1.0                # nucleus sampling (1: off)
     top_k: int = 0                    # sample among the k most likely tokens (0: off)

@@ -164,7 +164,7 @@ class SequenceOutput:
 
 class ModelRunner:
     """The device side: carries out the Scheduler's Steps (`run`); KV and route pages, per-row buffers,
-    the prefill and decode steps, CUDA graphs.
+    the prefill and decode (or verify: speculative decoding) steps, CUDA graphs.
 
     The pages: per layer K and V, and beside them the routes of every fed position (n_moe, top_k) uint8
     (int16 past 256 experts; with record_route_detail also fp32 combine weights and margins), each

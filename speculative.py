@@ -5,8 +5,8 @@
     sampler.spec_accept_rate                           # the share of drafted tokens kept
 
 Each decode step becomes a verify step (rollout.ModelRunner._verify_step). For every running sequence,
-`propose` looks up its last m ids (m = speculative_ngram, then shorter, down to 1) at their most recent
-earlier place in the sequence (prompt and generated ids alike) and drafts the k ids that followed them.
+`propose` looks up its last m ids (m = speculative_ngram, then shorter, down to 1) at an earlier place
+in the sequence (prompt and generated ids alike; which one: below) and drafts the k ids that followed.
 One forward feeds each sequence its last id and its drafts, k + 1 query positions over its paged KV,
 and every position samples with the sequence's own draw for (seed, sequence, position). `accept` keeps
 the drafts while each equals the token sampled before it, then the first sampled token that differs
@@ -24,9 +24,18 @@ only below its length. On the batch-variant fast path a row's bits depend on the
 there speculative decoding does change the bits (the mismatch lab's "fast+speculative" row).
 
 The drafts are any function of the sequence: they decide how many tokens a step keeps, never which.
-A longer n-gram wins (it predicts better); among its places the most recent (the text just written
-predicts the next best; vLLM's and transformers' prompt lookup take the earliest). The lookup is a few
+A longer n-gram wins (it predicts better, as in vLLM's and transformers' prompt lookup). Among its
+places the most recent that k ids follow (the text just written predicts the next best), else the
+earliest (in a loop shorter than k the most recent place is followed by fewer ids than the earliest);
+vLLM and transformers take the earliest always. On bench.py's copy section (`--only speculative`)
+this rule was faster than the most recent place alone at 4, 8 and 32 sequences. The lookup is a few
 tensor ops over the rows' token buffers on the device, no host read, like the rest of a step.
+
+CUDA graphs: a verify step is a fixed set of tensor ops over the runner's buffers (the lookup, a forward
+of (bucket, k + 1) tokens, the draw, the check, the writes), so it is captured per batch-size bucket
+like a decode step; tests/test_speculative.py -k cuda checks graph against eager. An in-flight weight
+update (Sampler.generate's on_step) is refused with it: the update lands after a number of engine
+steps, and verify steps would change which version samples a token.
 """
 from __future__ import annotations
 
@@ -38,19 +47,23 @@ def propose(tokens: torch.Tensor, n_tok: torch.Tensor, room: torch.Tensor, k: in
             ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts for each row: tokens (B, L) its ids (positions >= n_tok unread), n_tok (B,) how many it
     holds, room (B,) the most drafts it may take -> drafts (B, k) ids and n_draft (B,) how many of them
-    count (0: no match). The last m ids are matched for m = ngram .. 1; the longest m with a match
-    wins, at the place where its most recent match ends; at most the ids between there and the end."""
+    count (0: no match). The last m ids are matched for m = ngram .. 1 and the longest m with a match
+    wins, at its most recent place that k ids follow, else its earliest (the most ids follow it); the
+    drafts are the ids after it, at most up to the end."""
     B, L = tokens.shape
-    at = torch.arange(L, device=tokens.device)                                  # (L,)
+    at = torch.arange(L, device=tokens.device)[None, :]                         # (1, L)
     back = (n_tok[:, None] - 1 - torch.arange(ngram, device=tokens.device)).clamp(min=0)
     last = tokens.gather(1, back)                                               # (B, ngram): last id, then the one before
-    before_end = at[None, :] <= (n_tok - 2)[:, None]      # a match ends before the last id: at least one follows it
+    before_end = at <= (n_tok - 2)[:, None]               # a match ends before the last id: at least one follows it
+    k_follow = at <= (n_tok - 1 - k)[:, None]             # ... k of them
     ok = torch.ones(B, L, dtype=torch.bool, device=tokens.device)   # ok[b, j]: ids j-m+1..j are the last m
     best = torch.full((B,), -1, dtype=torch.long, device=tokens.device)
     for i in range(ngram):                                # m = i + 1
         shifted = F.pad(tokens, (i, 0), value=-1)[:, :L]                        # (B, L): shifted[b, j] = tokens[b, j - i]
         ok = ok & (shifted == last[:, i:i + 1])
-        end = torch.where(ok & before_end, at, -1).amax(1)                      # (B,) -1: no match of m ids
+        recent = torch.where(ok & k_follow, at, -1).amax(1)                     # (B,) -1: none
+        first = torch.where(ok & before_end, at, L).amin(1)                     # (B,) L: none
+        end = torch.where(recent >= 0, recent, torch.where(first < L, first, -1))
         best = torch.where(end >= 0, end, best)                                 # a longer match replaces a shorter one
     follow = (best[:, None] + 1 + torch.arange(k, device=tokens.device)).clamp(max=L - 1)   # (B, k)
     n_draft = torch.minimum(torch.minimum(n_tok - 1 - best, room), torch.full_like(room, k))

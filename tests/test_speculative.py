@@ -93,17 +93,18 @@ def plain(setting) -> list:
 # ---------------------------------------------------------------------------------------------------
 # the pieces: drafts and their check
 # ---------------------------------------------------------------------------------------------------
-def test_propose_takes_the_longest_ngram_at_its_most_recent_place():
+def test_propose_takes_the_longest_ngram_at_its_most_recent_full_place():
     def one(ids, room=8, k=4, ngram=3, width=12):
         row = torch.tensor(ids + [0] * (width - len(ids)))[None]
         drafts, n = speculative.propose(row, torch.tensor([len(ids)]), torch.tensor([room]), k, ngram)
         return drafts[0, :int(n)].tolist()
     assert one([1, 2, 3, 4, 2, 3]) == [4, 2, 3]                 # [4 2 3] is new, [2 3] follows 1; 3 ids follow it
-    assert one([5, 1, 7, 5, 1, 8, 5, 1]) == [8, 5, 1]           # [5 1] twice: the most recent place
-    assert one([7, 2, 9, 1, 3, 9, 7, 2, 9]) == [1, 3, 9, 7]     # [7 2 9] beats [9]'s more recent place
-    assert one([7, 2, 9, 1, 3, 9, 7, 2, 9], ngram=1) == [7, 2, 9]
+    assert one([5, 1, 7, 5, 1, 8, 5, 1], k=2) == [8, 5]         # [5 1] twice: the most recent place ...
+    assert one([5, 1, 7, 5, 1, 8, 5, 1], k=4) == [7, 5, 1, 8]   # ... that k ids follow
+    assert one([7, 2, 9, 1, 3, 9, 7, 2, 9], k=2) == [1, 3]      # [7 2 9] beats [9]'s more recent place
+    assert one([7, 2, 9, 1, 3, 9, 7, 2, 9], k=2, ngram=1) == [7, 2]
     assert one([1, 2, 3, 4]) == [] and one([6]) == []           # no earlier place
-    assert one([3, 3]) == [3] and one([3, 3, 3, 3, 3]) == [3]   # the match may overlap the suffix
+    assert one([3, 3]) == [3] and one([3, 3, 3, 3, 3]) == [3, 3]   # overlapping the suffix; the earliest place
     assert one([1, 2, 3, 4, 2, 3], room=1) == [4] and one([1, 2, 3, 4, 2, 3], room=0) == []
     # ids past a row's length are never read: a buffer that would match there changes nothing
     row = torch.tensor([[4, 5, 6, 9, 4, 5, 6, 1, 2]])
@@ -112,7 +113,7 @@ def test_propose_takes_the_longest_ngram_at_its_most_recent_place():
     # a batch of rows: each row's drafts are its own
     rows = torch.tensor([[1, 2, 3, 4, 2, 3, 0, 0], [5, 1, 7, 5, 1, 8, 5, 1], [1, 2, 3, 4, 0, 0, 0, 0]])
     drafts, n = speculative.propose(rows, torch.tensor([6, 8, 4]), torch.tensor([8, 2, 8]), 4, 3)
-    assert n.tolist() == [3, 2, 0] and drafts[0, :3].tolist() == [4, 2, 3] and drafts[1, :2].tolist() == [8, 5]
+    assert n.tolist() == [3, 2, 0] and drafts[0, :3].tolist() == [4, 2, 3] and drafts[1, :2].tolist() == [7, 5]
 
 
 def test_accept_keeps_drafts_to_the_first_mismatch_and_cuts_at_a_stop():
@@ -134,7 +135,7 @@ def test_accept_keeps_drafts_to_the_first_mismatch_and_cuts_at_a_stop():
 # ---------------------------------------------------------------------------------------------------
 # the contract: plain decoding's bits
 # ---------------------------------------------------------------------------------------------------
-SETTINGS = [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 5)]
+SETTINGS = [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 5)]    # greedy, plain sampling, top-p and top-k
 CONFIGS = {
     "default": dict(),
     "batch1": dict(max_batch_size=1),
@@ -142,7 +143,6 @@ CONFIGS = {
     "block32": dict(block_size=32),
     "preempt": dict(num_blocks=5, max_batch_size=16),          # 24 sequences of up to 4 pages
     "small_prefill": dict(max_num_batched_tokens=24),
-    "no_cache": dict(prefix_cache=False),
     "k1_ngram1": dict(speculative_tokens=1, speculative_ngram=1),
     "k7_ngram5": dict(speculative_tokens=7, speculative_ngram=5),
 }
@@ -391,6 +391,17 @@ def test_a_train_run_logs_the_same_metrics(tmp_path):
     fast = _metrics(tmp_path / "fast", argv + ["--rollout_mode=fast"])
     fast_spec = _metrics(tmp_path / "fast_spec", argv + ["--rollout_mode=fast", "--speculative_tokens=4"])
     assert [r["train_rollout_kl"] for r in fast] != [r["train_rollout_kl"] for r in fast_spec]
+
+
+def test_bench_section_runs_and_checks_the_outputs():
+    import argparse
+    import bench
+    args = argparse.Namespace(preset="tiny", seed=0, spec_prompts=2, spec_digits=12, spec_tokens=K, temperature=0.0,
+                              warmup=0, repeats=1)
+    rows = bench.bench_speculative(args)
+    assert [r[0] for r in rows] == ["speculative: plain", f"speculative: speculative k={K}", "speculative: drafts accepted",
+                                    f"speculative k={K} / plain"]
+    assert not any("DIFFER" in note for _, _, note in rows) and 0 < rows[2][1] <= 1
 
 
 # ---------------------------------------------------------------------------------------------------
