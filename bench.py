@@ -59,6 +59,9 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   invariant and fast, and transformers generate (greedy, same weights) against ours greedy. Rows print
   as they are measured (a GPU run has a hard time limit); --tuning FILE takes the tile configs of
   tools/gpu_check.py's sweep.
+* speculative (`--only speculative`): --spec-prompts copy-task prompts of --spec-digits digits decoded
+  plain and with --spec-tokens n-gram drafts per step (speculative.py), interleaved; tokens/s, the
+  share of drafts accepted, and a check that both gave the same ids, log-probs and routes.
 * lab: train.py on the same task and seeds, invariant vs a deviating rollout (batch-variant kernels,
   lower-precision weights) without and with each fix; prints one table.
 
@@ -709,6 +712,36 @@ def bench_chunked(model: Transformer, args) -> list[tuple[str, float, str]]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# speculative: plain decoding vs n-gram drafts verified in one forward, on the copy task
+# ---------------------------------------------------------------------------------------------------
+def bench_speculative(args) -> list[tuple[str, float, str]]:
+    """--spec-prompts copy-task prompts of --spec-digits digits (the answer repeats the prompt), their
+    answers' length in new tokens, plain and with --spec-tokens drafts, interleaved."""
+    from tasks import DigitTask
+    model = build_model(args)
+    prompts = [ex.prompt for ex in DigitTask("copy", n_digits=args.spec_digits, seed=args.seed).sample(args.spec_prompts)]
+    B, new = len(prompts), args.spec_digits + 1
+    samplers = {"plain": Sampler(model, max_batch_size=B),
+                f"speculative k={args.spec_tokens}": Sampler(model, max_batch_size=B, speculative_tokens=args.spec_tokens)}
+
+    def run(s):
+        return s.generate(prompts, max_new_tokens=new, temperature=args.temperature, seed=args.seed)
+    res = interleaved({name: (lambda s=s: run(s)) for name, s in samplers.items()}, args.warmup, args.repeats)
+    (t_plain, plain), (t_spec, spec) = res.values()
+    same = all(a.tokens == b.tokens and a.logprobs == b.logprobs and torch.equal(a.routes, b.routes)
+               for a, b in zip(plain, spec))
+    spec_sampler = samplers[f"speculative k={args.spec_tokens}"]
+    n_gen = sum(len(o.tokens) for o in plain)
+    print(f"speculative: {B} copy prompts of {args.spec_digits} digits, up to {new} new tokens, temperature "
+          f"{args.temperature:g}; the preset's random weights do not copy, their text falls into loops the drafts find")
+    return [(f"speculative: {name}", n_gen / t, "tok/s" + ("" if same else ", outputs DIFFER from plain"))
+            for name, (t, _) in res.items()] + [
+        ("speculative: drafts accepted", spec_sampler.spec_accept_rate,
+         f"of {spec_sampler.num_drafted_tokens} drafted (share)"),
+        (f"speculative k={args.spec_tokens} / plain", t_plain / t_spec, "ratio")]
+
+
+# ---------------------------------------------------------------------------------------------------
 # GPU: the rollout engine at Qwen3-30B-A3B layer shapes
 # ---------------------------------------------------------------------------------------------------
 def gpu_model(layers: int, tiny: bool) -> Transformer:
@@ -937,6 +970,8 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "fast+r3 bounded": ["--recompute_old_logp=true", "--replay=r3", "--replay_steps=1"],   # R3 on the first update only
     "fast+frozen_router": ["--recompute_old_logp=true", "--router_lr_scale=0"],
     "dense fast": ["--recompute_old_logp=true", "--init_from=tiny-dense"],
+    # speculative decoding on the fast rollout: a verify step's k + 1 query rows change a batch-variant row's bits
+    "fast+speculative": ["--recompute_old_logp=true", "--speculative_tokens=4"],
     # late-training drift: LAB_LONGER x --lab-steps at a constant lr, and halving it every --lab-steps
     "fast drift constant lr": ["--recompute_old_logp=true", "--lr_schedule=constant"],
     "fast drift halving": ["--recompute_old_logp=true", "--lr_schedule=halving", "--lr_decay_period={steps}"],
@@ -1116,7 +1151,7 @@ def bench_async(args) -> list[tuple[str, float, str]]:
 
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "packing": bench_packing, "moe": bench_moe,
               "decode": bench_decode, "sessions": bench_sessions, "async": bench_async, "ep": bench_ep, "reduce": bench_reduce,
-              "gpu": bench_gpu,
+              "speculative": bench_speculative, "gpu": bench_gpu,
               "lab": bench_lab}
 DEFAULT = "rollout,forward,fast,packing,moe,ep,decode"
 
@@ -1173,6 +1208,10 @@ def main(argv=None):
     p.add_argument("--turn-tokens", type=int, default=16, help="sessions: new tokens per turn (and per chunked prompt)")
     p.add_argument("--obs-tokens", type=int, default=16, help="sessions: observation ids between two turns")
     p.add_argument("--chunk-tokens", type=int, default=64, help="sessions: the chunked prefill's max_num_batched_tokens")
+    p.add_argument("--spec-prompts", type=int, default=4, help="speculative: copy-task prompts (a small batch: "
+                   "on a CPU a verify step's k + 1 rows cost what one does only while they fit a matmul tile)")
+    p.add_argument("--spec-digits", type=int, default=48, help="speculative: digits per copy prompt (and its answer)")
+    p.add_argument("--spec-tokens", type=int, default=4, help="speculative: drafts per verify step (speculative_tokens)")
     p.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer in the moe section")
     p.add_argument("--ep-procs", type=int, default=2, help="ep: processes (ranks) of the torchrun job, the EP degree")
     worker_options(p)                                  # the ep and reduce sections' options, their workers' flags

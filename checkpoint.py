@@ -365,8 +365,9 @@ FREE_ON_RESUME = frozenset((
     "diagnostics", "probe_every", "probe_prompts", "eval_data", "eval_every", "eval_samples", "entropy_warn",
     "entropy_warn_steps", "skip_nonfinite_steps", "resume_changes",   # what it writes, shows and evaluates
     "parallel", "expert_parallel", "expert_placement",                # the layout, like the world size
+    # the sampler's engine: the contract keeps its bits at any of these
     "block_size", "num_blocks", "max_batch_size", "max_num_batched_tokens", "prefix_cache", "kv_memory_fraction",
-    "cuda_graphs", "record_route_detail",  # the sampler's engine: the contract keeps its bits at any of these
+    "cuda_graphs", "record_route_detail", "speculative_tokens", "speculative_ngram",
 ))
 ACTS = ("resume", "overwrite")           # the command itself, not a setting of the run
 

@@ -369,6 +369,11 @@ class RolloutConfig:
     prefix_cache: bool = True         # reuse computed full KV blocks (and routes) of a seen token prefix, same weights
     kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after grads + AdamW state) for the KV pool
     cuda_graphs: bool | None = None   # decode steps as CUDA graphs; None: where they run without host syncs
+    speculative_tokens: int = 0       # k > 0: each decode step verifies k n-gram drafts of the sequence's own ids
+                                      # (speculative.py): the tokens, log-probs and routes of plain decoding, faster
+                                      # where the text repeats; 0: off
+    speculative_ngram: int = 3        # the drafts are the ids that followed an earlier place of the sequence's
+                                      # last n ids, the longest n from this down to 1 that has one
     temperature: float = 1.0          # sampling temperature (0: greedy); log-probs are of softmax(logits / T)
     top_p: float = 1.0                # nucleus sampling (1: off)
     top_k: int = 0                    # sample among the k most likely tokens (0: off)
@@ -405,12 +410,22 @@ class RolloutConfig:
                  f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
         _require_range(self, "block_size max_batch_size max_num_batched_tokens", lambda v: v > 0, "> 0")
         _require_range(self, "num_blocks max_new_tokens max_episode_tokens", lambda v: v >= 0, ">= 0")
+        _require_range(self, "speculative_tokens", lambda v: v >= 0, ">= 0 (0: off)")
+        _require_range(self, "speculative_ngram", lambda v: v >= 1, ">= 1 (the longest n-gram the drafts are looked up by)")
         from kernels import KV_BLOCK      # a page holds whole attention tiles
         _require(self.block_size % KV_BLOCK == 0,
                  f"--block_size={self.block_size}: must be a multiple of kernels.KV_BLOCK={KV_BLOCK}")
         _require(0 < self.kv_memory_fraction <= 1, f"--kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
         check_sampling(self.temperature, self.top_p, self.top_k)
         self.stop_token_ids                                          # parses --stop_tokens (errors name it)
+
+    def check_training(self, tcfg: "TrainConfig") -> None:
+        """The rollout settings against the training's (train.py, every rank): an in-flight update lands
+        after a number of engine steps and a verify step samples several tokens, so speculative decoding
+        would change which policy version samples a token."""
+        _require(not (self.speculative_tokens and tcfg.inflight_update != "off"),
+                 f"--speculative_tokens={self.speculative_tokens} with --inflight_update={tcfg.inflight_update}: "
+                 "an update lands after a number of engine steps, which speculative decoding changes; drop one")
 
     @property
     def stop_token_ids(self) -> tuple[int, ...] | None:

@@ -716,6 +716,7 @@ def global_batch(batch, d: Dist):
 # other key of a metrics row is computed from global tensors (the global batch, the forwards gathered in
 # the micro-batches' order, sums of counts), the same value on every rank and at every world size.
 PER_RANK = {"rollout_tokens_per_s": "sum", "preemptions": "sum", "prefix_cached_tokens": "sum", "prefilled_tokens": "sum",
+            "spec_drafted_tokens": "sum", "spec_accepted_tokens": "sum",
             "step_time": "max", "trainer_idle_s": "max", "rollout_idle_s": "max"}
 
 
@@ -732,9 +733,23 @@ def reduce_metrics(row: dict, d: Dist) -> dict:
             t = torch.tensor([float(row[k]) for k in mine], dtype=torch.float64, device=d.device)
             dist.all_reduce(t, op=dist.ReduceOp.SUM if how == "sum" else dist.ReduceOp.MAX)
             out.update({k: type(row[k])(v) for k, v in zip(mine, t.tolist())})
-    if "prefix_hit_rate" in out:                                      # of the summed counts, not a mean of rates
-        served, fed = out["prefix_cached_tokens"], out["prefilled_tokens"]
+    out.update(sampler_rates(out))
+    return out
+
+
+SAMPLER_RATES = ("prefix_hit_rate", "spec_accept_rate")
+
+
+def sampler_rates(row: dict) -> dict:
+    """The sampler's rates of a row's summed counts (a rate of the sums, never a mean of rates): the
+    share of prefilled positions the prefix cache served, the share of drafted tokens verify steps kept."""
+    out = {}
+    if "prefix_cached_tokens" in row:
+        served, fed = row["prefix_cached_tokens"], row["prefilled_tokens"]
         out["prefix_hit_rate"] = served / (served + fed) if served + fed else 0.0
+    if "spec_drafted_tokens" in row:
+        drafted = row["spec_drafted_tokens"]
+        out["spec_accept_rate"] = row["spec_accepted_tokens"] / drafted if drafted else 0.0
     return out
 
 

@@ -321,10 +321,10 @@ class Remote:
         n = len(examples) // d.world                              # this trainer's slice, as data-parallel rollout
         G = tcfg.group_size
         lo, hi = d.rank * n, (d.rank + 1) * n
+        from distributed import SAMPLER_RATES, sampler_rates
         counters = {k: sum(p.counters[k] for p in parts) / (d.world if k != "rollout_idle_s" else len(parts))
-                    for k in parts[0].counters if k != "prefix_hit_rate"}  # a trainer's share: reduce_metrics sums them
-        served, fed = counters["prefix_cached_tokens"], counters["prefilled_tokens"]
-        counters["prefix_hit_rate"] = served / (served + fed) if served + fed else 0.0
+                    for k in parts[0].counters if k not in SAMPLER_RATES}  # a trainer's share: reduce_metrics sums them
+        counters.update(sampler_rates(counters))
         counters["trainer_idle_s"], self.idle = self.idle, 0.0
         return Rollout(examples[lo:hi], outs[lo * G:hi * G], None if turns is None else turns[lo * G:hi * G],
                        parts[0].version, max(p.seconds for p in parts), counters)

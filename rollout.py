@@ -1,5 +1,5 @@
 """The rollout sampler: paged KV cache, continuous batching, preemption, CUDA graphs, exact recording,
-multi-turn sessions (token in, token out), a prefix cache and chunked prefill.
+multi-turn sessions (token in, token out), a prefix cache, chunked prefill and speculative decoding.
 
     from rollout import Sampler
     sampler = Sampler(model)                    # or Sampler(model, RolloutConfig(...)), Sampler(model, num_blocks=64)
@@ -49,13 +49,20 @@ every op is row-invariant, so a piece of a prefill has the bits of the whole pre
   learns its tokens: after a prefill, at a turn's end and at a sequence's end (its generated ids are
   read then, never per decode step). `Sampler.weights_version` keys the chain and a new version
   forgets every block, so no block survives a weight update and a hit has a cold run's bits.
+* Speculative decoding (RolloutConfig.speculative_tokens = k; speculative.py): a decode step becomes
+  a verify step. Each running sequence feeds its last token and up to k drafts that an n-gram lookup
+  in its own ids proposes (on the device), k + 1 positions in one forward, each sampled with its own
+  draw; the drafts that equal the tokens sampled before them are kept, and the first token that does
+  not. Kept tokens have plain decoding's bits (the forward is a chunked prefill); a rejected position's
+  KV and routes are rewritten by the next step before anything reads them. The step's read back
+  brings each sequence's count, so a verify step's host work grows with the batch.
 * Sessions: with `on_turn_end`, a turn ends at a stop token or after max_new_tokens; the callback
   gets (index, the turn's ids) and returns the observation's ids to append, or None to end the
   episode. The observation and the turn's last token (sampled, never fed yet, so its route comes
   from this real forward) are prefilled into the sequence's existing KV, and the next turn samples;
   the history is never prefilled again, and other sequences keep decoding meanwhile.
 
-Host work per decode step does not grow with the batch: the scheduler knows every running
+Host work per (plain) decode step does not grow with the batch: the scheduler knows every running
 sequence's length from one clock (they all advance together), finds the sequences that start a new
 block this step in a table keyed by length mod block_size, and touches Python objects only for
 those (1 / block_size of the batch on average) and for sequences that start, end a turn or finish.
@@ -63,8 +70,8 @@ those (1 / block_size of the batch on average) and for sequences that start, end
 The contract: every step calls the same `Transformer.hidden_states`, `compute_logits` and
 `kernels.token_logprobs` as `model.score`, so `outs[i].logprobs` are bitwise equal to
 `model.score(prompt + tokens)` at the policy's positions and `outs[i].routes` to score's routes,
-whatever the batch, the padding, the block layout, sharing, preemption, chunking, cache hits or graph
-replay. The random draw of a token depends only on (seed, the sequence's index in the request, its
+whatever the batch, the padding, the block layout, sharing, preemption, chunking, cache hits, graph
+replay or speculative decoding. The random draw of a token depends only on (seed, the sequence's index in the request, its
 position): a uniform from a counter-based hash of those three (`draw_keys`), turned into a token by
 inverse CDF (`kernels.sample_tokens`: a few batched torch ops, or on a GPU two Triton kernels).
 """
@@ -83,6 +90,7 @@ from tqdm.auto import tqdm
 
 import expert_parallel
 import kernels
+import speculative
 from config import RolloutConfig, check_sampling
 from model import PagedKV, Transformer, kv_caches
 from scheduler import BlockManager, Scheduler, Sequence, Step
@@ -156,7 +164,7 @@ class SequenceOutput:
 
 class ModelRunner:
     """The device side: carries out the Scheduler's Steps (`run`); KV and route pages, per-row buffers,
-    the prefill and decode steps, CUDA graphs.
+    the prefill and decode (or verify: speculative decoding) steps, CUDA graphs.
 
     The pages: per layer K and V, and beside them the routes of every fed position (n_moe, top_k) uint8
     (int16 past 256 experts; with record_route_detail also fp32 combine weights and margins), each
@@ -183,6 +191,7 @@ class ModelRunner:
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         self.pad_to_buckets = self.cuda_graphs     # tests set it on the CPU: padded steps without graphs
+        self.speculative_tokens, self.speculative_ngram = config.speculative_tokens, config.speculative_ngram
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warm: set[tuple] = set()                              # buckets run once eagerly (compiled)
         self.pool = None                                           # the captured graphs' shared memory pool
@@ -274,10 +283,13 @@ class ModelRunner:
             self.block_tables[r, i] = b
 
     def run(self, step: Step, sp: SamplingParams) -> list[bool]:
-        """Carry out a scheduled step; -> for each sequence of its batch, whether it finished its turn."""
+        """Carry out a scheduled step; -> for each sequence of its batch, whether it finished its turn.
+        A verify step (speculative_tokens > 0) also fills in step.kept and step.drafted."""
         if step.is_prefill:
             return self.prefill(step.batch, step.prefill_ends, sp)
         self.write_new_blocks(step.new_blocks)
+        if self.speculative_tokens:
+            return self.verify(step, sp)
         return self.decode(step.batch, step.rows_changed, sp)
 
     # ---- the forward, shared by prefill and decode ----
@@ -361,24 +373,37 @@ class ModelRunner:
 
     # ---- decode ----
     def decode(self, seqs: list[Sequence], rows_changed: bool, sp: SamplingParams) -> list[bool]:
-        """One decode step of every running sequence; graph replay where captured. rows_changed: the
-        running set is not the previous decode step's (always so for a request's first decode step)."""
+        """One decode step of every running sequence -> whether each finished its turn."""
+        return self._device_step(self._decode_step, seqs, rows_changed, sp).tolist()
+
+    def verify(self, step: Step, sp: SamplingParams) -> list[bool]:
+        """One verify step of every running sequence (speculative decoding) -> whether each finished its
+        turn; fills in step.kept and step.drafted (the same read back as decode's flags)."""
+        out = self._device_step(self._verify_step, step.batch, step.rows_changed, sp)     # (n, 3)
+        finished, step.kept, step.drafted = out.T.tolist()
+        return [f == 1 for f in finished]
+
+    def _device_step(self, step_fn: Callable, seqs: list[Sequence], rows_changed: bool,
+                     sp: SamplingParams) -> torch.Tensor:
+        """step_fn(bucket rows, sp) -> (rows, ...) over every running sequence; graph replay where
+        captured. rows_changed: the running set is not the previous decode step's (always so for a
+        request's first decode step). -> the real rows' results."""
         n = len(seqs)
         bucket = self.bucket(n)
         if rows_changed:
             self.rows.fill_(self.pad_row)
             self.rows[:n] = torch.tensor([s.row for s in seqs], device=self.device)
         if not self.cuda_graphs or kernels.get_backend() == "torch":   # (the torch backend syncs the host)
-            return self._decode_step(bucket, sp)[:n].tolist()
-        key = (bucket, sp.temperature, sp.top_p, sp.top_k)
+            return step_fn(bucket, sp)[:n]
+        key = (step_fn.__name__, bucket, sp.temperature, sp.top_p, sp.top_k)
         if key not in self.graphs:
             if key not in self.warm:                               # first use runs eagerly: compiles kernels
                 self.warm.add(key)
-                return self._decode_step(bucket, sp)[:n].tolist()
-            self.graphs[key] = self._capture(bucket, sp)
-        graph, finished = self.graphs[key]
+                return step_fn(bucket, sp)[:n]
+            self.graphs[key] = self._capture(step_fn, bucket, sp)
+        graph, out = self.graphs[key]
         graph.replay()
-        return finished[:n].tolist()
+        return out[:n]
 
     def _decode_step(self, n: int, sp: SamplingParams) -> torch.Tensor:
         """Feed each row's last token at its position: a fixed set of tensor ops, no host sync."""
@@ -390,12 +415,39 @@ class ModelRunner:
         tokens, logp = self._sample(self.model.compute_logits(h[:, 0]), rows, n_tok, sp)
         return self._record(rows, n_tok, tokens, logp)
 
-    def _capture(self, n: int, sp: SamplingParams):
+    def _verify_step(self, n: int, sp: SamplingParams) -> torch.Tensor:
+        """Feed each row's last token and up to k n-gram drafts (k + 1 positions; past its drafts,
+        padding that repeats its last one and writes to the scratch page), sample every position with
+        its own draw, keep what speculative.accept keeps. -> (n, 3): finished, tokens kept, drafts.
+        A fixed set of tensor ops like _decode_step (no host read), so graphs capture it the same way."""
+        k, rows = self.speculative_tokens, self.rows[:n]
+        real = rows != self.pad_row
+        n_tok = self.num_tokens[rows]                                           # (n,)
+        room = (self.max_len[rows] - n_tok - 1).clamp(min=0) * real             # drafts the turn has room for
+        drafts, n_draft = speculative.propose(self.token_buf[rows], n_tok, room, k, self.speculative_ngram)
+        t = torch.arange(k + 1, device=self.device)
+        pos = (n_tok - 1)[:, None] + torch.minimum(t[None, :], n_draft[:, None])   # (n, k+1)
+        tokens = torch.cat([self.token_buf[rows, n_tok - 1][:, None], drafts], 1)  # (n, k+1)
+        h = self._forward(rows, tokens, pos, real[:, None] & (t[None, :] <= n_draft[:, None]))
+        logits = self.model.compute_logits(h).flatten(0, 1)                    # (n*(k+1), V)
+        sampled, logp = self._sample(logits, rows.repeat_interleave(k + 1), (pos + 1).flatten(), sp)
+        sampled, logp = sampled.view(n, k + 1), logp.view(n, k + 1)
+        kept, stopped = speculative.accept(drafts, n_draft, sampled, self.stop_ids)     # a padding row: 1, no draft
+        # write positions n_tok .. n_tok + kept - 1; the columns past the kept ones repeat the last kept
+        # one's value at its position (a duplicate index of equal values: one result on every device)
+        j = torch.minimum(t[None, :], (kept - 1)[:, None])                     # (n, k+1)
+        at = (rows[:, None], n_tok[:, None] + j)
+        self.token_buf[at], self.logp_buf[at] = sampled.gather(1, j), logp.gather(1, j)
+        self.num_tokens[rows] = n_tok + kept * real
+        finished = real & (stopped | (n_tok + kept >= self.max_len[rows]))
+        return torch.stack([finished.long(), kept, n_draft], 1)
+
+    def _capture(self, step_fn: Callable, n: int, sp: SamplingParams):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            finished = self._decode_step(n, sp)
+            out = step_fn(n, sp)
         self.pool = graph.pool()
-        return graph, finished
+        return graph, out
 
     # ---- results ----
     def read_tokens(self, row: int, start: int, end: int) -> list[int]:
@@ -457,8 +509,8 @@ class Sampler:
             validates them; overrides: any of its fields by name, replacing the config's, e.g.
             `Sampler(model, max_batch_size=8)`. The sampler reads the engine's fields (block_size,
             num_blocks, max_batch_size, max_num_batched_tokens, prefix_cache, kv_memory_fraction,
-            cuda_graphs, rollout_mode, router_bf16, record_route_detail); the sampling ones are
-            generate()'s arguments.
+            cuda_graphs, rollout_mode, router_bf16, record_route_detail, speculative_tokens,
+            speculative_ngram); the sampling ones are generate()'s arguments.
         reserve_bytes: on CUDA, what will be allocated after the sampler (e.g. the optimizer's state),
             set aside when the pool is sized from the free memory (num_blocks=0, see _pool_blocks).
 
@@ -467,7 +519,8 @@ class Sampler:
         buffer since the last request (torch's version counters: an optimizer step, a copy_ sync,
         load_state_dict; not a write through .data, nor memory written outside torch: call
         weights_updated() then). Counters of the last request: num_preemptions, num_cached_tokens,
-        num_prefilled_tokens, prefix_hit_rate.
+        num_prefilled_tokens, prefix_hit_rate; num_drafted_tokens, num_accepted_tokens, spec_accept_rate
+        (speculative decoding).
         """
         if config is not None and not isinstance(config, RolloutConfig):
             raise TypeError(f"config must be a config.RolloutConfig, got {type(config).__name__}")
@@ -483,6 +536,7 @@ class Sampler:
         self.track_weights = True
         self._weights_seen = self._weights_counter()
         self.num_preemptions = self.num_cached_tokens = self.num_prefilled_tokens = 0
+        self.num_drafted_tokens = self.num_accepted_tokens = 0
 
     def _pool_blocks(self, reserve_bytes: int) -> int:
         """The KV pool's size where the config leaves it (num_blocks=0): on CUDA, kv_memory_fraction of
@@ -505,6 +559,11 @@ class Sampler:
     @property
     def caches(self):
         return self.runner.caches
+
+    @property
+    def spec_accept_rate(self) -> float:
+        """The last request's share of drafted tokens that verify steps kept (0 when none was drafted)."""
+        return self.num_accepted_tokens / self.num_drafted_tokens if self.num_drafted_tokens else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -560,6 +619,11 @@ class Sampler:
                             f"got {type(on_turn_end).__name__}")
         if max_episode_tokens is not None and (not _is_int(max_episode_tokens) or max_episode_tokens < 1):
             raise ValueError(f"max_episode_tokens={max_episode_tokens!r}: need an integer >= 1, or None")
+        if on_step is not None and self.config.speculative_tokens:
+            raise ValueError(f"on_step (an in-flight weight update) with speculative_tokens="
+                             f"{self.config.speculative_tokens}: the update lands after a number of engine steps "
+                             f"and a verify step samples several tokens, so which version samples a token would "
+                             f"change; use speculative_tokens=0")
         seqs = self._sequences(prompts, sp, n, index_offset, on_turn_end is not None, max_episode_tokens)
         if self.runner.weights_key() != self.weights_key:          # e.g. model.to(...) after building
             raise RuntimeError("the model's weights moved to new memory since this Sampler was built (e.g. "
@@ -571,7 +635,7 @@ class Sampler:
         bar = tqdm(total=sum(s.limit - s.num_tokens for s in seqs), desc="generate", disable=not progress, leave=False)
         cfg, req = self.config, Request(sp, on_turn_end, index_offset, bar, on_step, recompute_kv)
         sched = Scheduler(self.block_manager, cfg.max_batch_size, cfg.max_num_batched_tokens,
-                          end_turn=functools.partial(self._end_turn, req))
+                          end_turn=functools.partial(self._end_turn, req), speculative_tokens=cfg.speculative_tokens)
         sched.version = version
         for s in seqs:
             s.version_marks.append((s.num_tokens, version))
@@ -592,6 +656,7 @@ class Sampler:
             bar.close()
         self.num_preemptions, self.num_cached_tokens = sched.num_preemptions, sched.num_cached_tokens
         self.num_prefilled_tokens = sched.num_prefilled_tokens
+        self.num_drafted_tokens, self.num_accepted_tokens = sched.num_drafted_tokens, sched.num_accepted_tokens
         return [s.output for s in seqs]
 
     def _sequences(self, prompts, sp: SamplingParams, n: int, index_offset: int, episodes: bool,
@@ -619,7 +684,8 @@ class Sampler:
                 if all_done:
                     break
                 # decode: fixed-size exchange buffers (no counts); a step with a prefill in the group: counted
-                ep.capacity = 0 if prefill else runner.max_batch_size * self.model.config.num_experts_per_tok
+                ep.capacity = 0 if prefill else runner.max_batch_size * self.model.config.num_experts_per_tok * \
+                    (1 + runner.speculative_tokens)                    # a verify step feeds k + 1 tokens a row
                 try:
                     if done:                     # nothing left here: the group's exchanges, zero rows
                         expert_parallel.idle_step(self.model)
@@ -627,7 +693,7 @@ class Sampler:
                     finished = runner.run(step, sp)
                 finally:
                     ep.capacity = 0
-            bar.update(len(step.batch))
+            bar.update(sum(step.kept) if step.kept else len(step.batch))
             done = sched.postprocess(step, finished)
             for s, record in zip(done, runner.collect(done)):     # before the next step reuses their rows
                 s.output = self._output(s, record)

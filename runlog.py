@@ -131,7 +131,8 @@ LATENCY_QUANTILES = (50, 95, 99)            # rollout_latency_pNN
 # the metrics that measure time, not the run: the only keys two runs of the same commit may differ in
 TIMINGS = ("step_time", "rollout_tokens_per_s") + tuple(f"rollout_latency_p{q}" for q in LATENCY_QUANTILES)
 # the keys a run's layout (ranks, EP degree) or its timing decides; every other key is the same at any world size
-PER_LAYOUT = frozenset(TIMINGS) | frozenset(PER_RANK) | {"prefix_hit_rate", "ep_rows", "ep_load_layer", "ep_load_max"}
+PER_LAYOUT = frozenset(TIMINGS) | frozenset(PER_RANK) | {"prefix_hit_rate", "spec_accept_rate", "ep_rows", "ep_load_layer",
+                                                           "ep_load_max"}
 
 
 def latency_metrics(outs, d: Dist) -> dict:

@@ -12,7 +12,9 @@ engine: sessions, the prefix cache, chunked prefill). A `Sequence` owns a `block
 (pages) of `block_size` positions; the `BlockManager` hands them out from a free list with reference
 counts (a GRPO group shares its prompt's full blocks) and keeps the prefix cache; the `Scheduler` owns
 the sequence lifecycle. Nothing here touches a tensor: host work per decode step does not grow with
-the batch (Scheduler's clock and phase table).
+the batch (Scheduler's clock and phase table). With speculative decoding (speculative.py) a decode
+step is a verify step: each running sequence holds blocks for its drafts too and moves on by the
+tokens it kept, which come back with the step (`Step.kept`), so that step's host work is per sequence.
 """
 from __future__ import annotations
 
@@ -67,6 +69,10 @@ class Step:
     # whether the running set changed since the previous decode step (the runner then rewrites its rows)
     new_blocks: list[tuple[int, int, int]] = field(default_factory=list)
     rows_changed: bool = False
+    # a verify step (speculative decoding), filled in by the runner, one per sequence of batch: the
+    # tokens it kept (1 .. k + 1) and the drafts it checked
+    kept: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
 
 
 class BlockManager:
@@ -221,8 +227,9 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
-                 end_turn: Callable[[Sequence], list[int] | None] | None = None):
+                 end_turn: Callable[[Sequence], list[int] | None] | None = None, speculative_tokens: int = 0):
         self.bm = block_manager
+        self.speculative_tokens = speculative_tokens    # k > 0: decode steps are verify steps of k drafts
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.end_turn = end_turn
@@ -238,6 +245,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_cached_tokens = 0                      # tokens served by the prefix cache at admission
         self.num_prefilled_tokens = 0                   # tokens fed by prefill forwards (padding not counted)
+        self.num_drafted_tokens = 0                     # verify steps: drafts checked ...
+        self.num_accepted_tokens = 0                    # ... and kept
         self.version = 0                                # the policy version of the weights (Sampler.generate)
 
     # ---- lifecycle ----
@@ -279,6 +288,7 @@ class Scheduler:
                     self._start(s)
         else:
             self.clock += 1
+            self._advance(step)
         done = []
         for s in [s for s, f in zip(step.batch, finished) if f]:
             s.num_tokens = self.length(s)
@@ -405,6 +415,10 @@ class Scheduler:
     def _schedule_decode(self) -> Step:
         """Give a new block to each running sequence whose next position starts one, preempting the
         newest sequences while the free blocks do not suffice."""
+        if self.speculative_tokens:
+            new_blocks = self._verify_blocks()
+            changed, self.running_changed = self.running_changed, False
+            return Step(self.running, is_prefill=False, new_blocks=new_blocks, rows_changed=changed)
         need = self.by_phase[(1 - self.clock) % self.bm.block_size]    # (offset + clock - 1) % bs == 0
         while len(need) > self.bm.num_free:
             self._preempt(self.running[-1])
@@ -414,6 +428,37 @@ class Scheduler:
             new_blocks.append((s.row, len(s.block_table) - 1, s.block_table[-1]))
         changed, self.running_changed = self.running_changed, False
         return Step(self.running, is_prefill=False, new_blocks=new_blocks, rows_changed=changed)
+
+    def _verify_blocks(self) -> list[tuple[int, int, int]]:
+        """Blocks for a verify step (speculative decoding): a running sequence of n tokens feeds
+        positions n - 1 .. n - 1 + k at most, never past its turn's end (the runner drafts no more than
+        that), so it holds min(n + k, max_len - 1) positions; the newest sequences are preempted while
+        the free blocks do not suffice. -> the blocks handed out. Host work grows with the batch here:
+        each sequence advanced by its own count."""
+        k = self.speculative_tokens
+        upto = [min(self.length(s) + k, s.max_len - 1) for s in self.running]
+        needs = [self.bm.blocks_needed(s, n) for s, n in zip(self.running, upto)]
+        while sum(needs) > self.bm.num_free:
+            self._preempt(self.running[-1])
+            needs.pop()
+        new_blocks = []
+        for s, n, need in zip(self.running, upto, needs):
+            if need:
+                self.bm.allocate(s, n)
+                new_blocks += [(s.row, i, s.block_table[i]) for i in range(len(s.block_table) - need, len(s.block_table))]
+        return new_blocks
+
+    def _advance(self, step: Step) -> None:
+        """After a verify step: each sequence moves on by the tokens it kept, the clock's one and the
+        accepted drafts (its phase moves with it); the counters take the step's drafts."""
+        bs = self.bm.block_size
+        for s, kept in zip(step.batch, step.kept):
+            if kept > 1:
+                del self.by_phase[self.offset[s] % bs][s]
+                self.offset[s] += kept - 1
+                self.by_phase[self.offset[s] % bs][s] = None
+        self.num_drafted_tokens += sum(step.drafted)
+        self.num_accepted_tokens += sum(step.kept) - len(step.kept)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks and queue it first for recompute (a prefill of all its tokens, of which

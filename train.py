@@ -117,6 +117,7 @@ def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
 def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     """The loop: each step reads top to bottom as its phases. A SIGINT / SIGTERM (runlog.run_cli) ends
     the step under way, then the run saves it and stops (Interrupted)."""
+    rcfg.check_training(tcfg)
     if d.role == "rollout":                                           # --rollout_ranks: this rank generates
         serve_rollouts(tcfg, rcfg, d)
         return []
@@ -245,6 +246,9 @@ def rollout(run: Run, j: int, version: int, on_step=None, recompute_kv: bool = F
     s = run.sampler
     counters = {"preemptions": s.num_preemptions, "prefix_hit_rate": s.prefix_hit_rate,
                 "prefix_cached_tokens": s.num_cached_tokens, "prefilled_tokens": s.num_prefilled_tokens}
+    if rcfg.speculative_tokens:                                       # a default run's keys stay as they were
+        counters.update(spec_drafted_tokens=s.num_drafted_tokens, spec_accepted_tokens=s.num_accepted_tokens,
+                        spec_accept_rate=s.spec_accept_rate)
     return Rollout(examples, outs, None if episodes is None else episodes.rewards, version, time.perf_counter() - t0,
                    counters)
 
