@@ -124,11 +124,11 @@ def check_sampler(cfg, dtype):
     say(f"sampler EP={n} EPLB {dtype}: the outputs without EPLB, and score at EP=1's logp and routes")
 
 
-def exact_grads(model, tokens, d, ep=None):
+def exact_grads(model, tokens, d, ep):
     """One minibatch of one micro-batch per rank (its rows of tokens) through an exact_sum.Reducer ->
     the gradients of w13 and w2 per MoE layer (this rank's shard) and of the router gates."""
-    reducer = exact_sum.Reducer(model, d, trained=model, ep=ep, experts=None if ep is None else
-                                {id(p) for n_, p in model.named_parameters() if n_.endswith((".w13", ".w2"))})
+    experts = {id(p) for name, p in model.named_parameters() if name.endswith((".w13", ".w2"))}
+    reducer = exact_sum.Reducer(model, d, trained=model, ep=ep, experts=experts)
     reducer.start()
     reducer.last = True
     logp, _ = model.score(tokens)
@@ -159,6 +159,7 @@ def check_exact_grads(cfg):
         model = shard_experts(copy.deepcopy(whole), ep)
         if name == "planned":
             ep.eplb = Replicas(next(layouts(ref_routes, n, cfg))[1])
+            assert replica_rows(ep.eplb.layouts, ref_routes, n) > 0, "no row reached a replica"
         got[name] = exact_grads(model, tokens[2 * rank:2 * rank + 2], d, ep)
     mine = torch.tensor(ep.placement.experts_of(rank))
     for j, (a, b) in enumerate(zip(got["none"], got["planned"])):
