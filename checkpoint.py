@@ -76,7 +76,7 @@ def load_optimizer_state(scorer, opt, state, full: bool):
 
 CKPT_NAME = re.compile(r"ckpt-\d{6}")                               # the only names `latest` may hold
 RUN_JSON = "run.json"                                                 # the configs in force, readable
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "routes.jsonl", "diagnostics.jsonl", "latest",
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "routes.jsonl", "diagnostics.jsonl", "eplb.jsonl", "latest",
              "latest.tmp", RUN_JSON)                                  # with ckpt-*: what makes a folder a run
 
 
@@ -302,6 +302,7 @@ class Resumed:
     rollouts: dict | None = None     # the batches generated ahead of the step (pipeline.Colocated.state_dict)
     surge: dict | None = None        # the response-length surge detector's state (runlog.LengthSurge.state_dict)
     sft_done: int = 0                # --sft_steps' supervised steps the weights have had (sft.py)
+    eplb: dict | None = None         # --eplb_redundant's layouts and the load since their plan (eplb.Balancer)
 
 
 def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | None, print0) -> Resumed:
@@ -318,7 +319,7 @@ def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | Non
                            for k, v in load_weights(ckpt, model, experts).items()})
     task.load_state_dict(state["task"])
     return Resumed(tcfg, state["step"], state.get("skipped_steps", 0), state["optimizer"], state.get("rollouts"),
-                   state.get("length_surge"), state.get("sft_done", 0))
+                   state.get("length_surge"), state.get("sft_done", 0), state.get("eplb"))
 
 
 def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
@@ -365,6 +366,7 @@ FREE_ON_RESUME = frozenset((
     "diagnostics", "probe_every", "probe_prompts", "eval_data", "eval_every", "eval_samples", "entropy_warn",
     "entropy_warn_steps", "skip_nonfinite_steps", "resume_changes",   # what it writes, shows and evaluates
     "parallel", "expert_parallel", "expert_placement",                # the layout, like the world size
+    "eplb_redundant", "eplb_interval",                                # where EPLB's replicas compute: no bit moves
     # the sampler's engine: the contract keeps its bits at any of these
     "block_size", "num_blocks", "max_batch_size", "max_num_batched_tokens", "prefix_cache", "kv_memory_fraction",
     "cuda_graphs", "record_route_detail", "speculative_tokens", "speculative_ngram",

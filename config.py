@@ -456,6 +456,9 @@ class TrainConfig:
     expert_parallel: int = 1          # N ranks per EP group, each holding E/N experts (expert_parallel.py)
     expert_placement: list[int] = field(default_factory=list)   # "" contiguous | physical slot of each logical
                                       # expert, comma-separated (a permutation; slot p on rank p // (E/N))
+    eplb_redundant: int = 0           # EPLB: R more expert slots per MoE layer, replicas of the most loaded experts,
+                                      # all slots packed onto the EP ranks by measured load (eplb.py); 0: off
+    eplb_interval: int = 1            # EPLB: re-plan every N steps, from the rollouts' load since the last plan
     kernels_backend: str = ""         # "" (KERNELS_BACKEND, default auto: Triton on CUDA) | auto | torch | triton
     # data
     task: str = "copy"                # a name in tasks.TASKS: copy | reverse | lookup | fix (multi-turn) | jsonl
@@ -639,6 +642,7 @@ class TrainConfig:
         _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")
         _require(self.grad_reduce in ("exact", "fast"), f"--grad_reduce={self.grad_reduce!r}: exact or fast")
         _require(self.expert_parallel >= 1, f"--expert_parallel={self.expert_parallel}: must be >= 1")
+        self._check_eplb()
         _require(self.kernels_backend in ("", "auto", "torch", "triton"),
                  f"--kernels_backend={self.kernels_backend!r}: auto, torch or triton (or '' for KERNELS_BACKEND)")
         _require_range(self, "expert_bias_update_rate", lambda v: v >= 0, ">= 0 (0: the bias is frozen)")
@@ -672,6 +676,16 @@ class TrainConfig:
                  f"{self.lr_schedule})")
         _require(self.halving_start == "warmup" or self.surge_window >= 1,
                  "--halving_start=surge waits for a response-length surge: it needs --surge_window >= 1")
+
+    def _check_eplb(self):
+        """--eplb_redundant / --eplb_interval (eplb.py); the checks that need the model: eplb.check."""
+        R = self.eplb_redundant
+        _require(R >= 0, f"--eplb_redundant={R}: must be >= 0 (0: off)")
+        _require(self.eplb_interval >= 1, f"--eplb_interval={self.eplb_interval}: must be >= 1 (steps between re-plans)")
+        _require(R == 0 or self.expert_parallel > 1,
+                 f"--eplb_redundant={R}: replicas spread experts over EP ranks; it needs --expert_parallel > 1")
+        _require(R == 0 or self.grad_reduce == "exact", f"--eplb_redundant={R}: the replicas' gradients are folded "
+                 "into their experts' exact sums; it needs --grad_reduce=exact")
 
     def _check_async(self):
         """Where the batches come from: bounded staleness, in-flight updates, rollout ranks (pipeline.py)."""

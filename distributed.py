@@ -465,6 +465,7 @@ class Policy:
 
     def refresh(self) -> None:
         self._refresh()
+        expert_parallel.weights_changed(self.master)                 # EPLB: the slots' weights, gathered again
 
     def compute_copy(self, model: Transformer) -> Transformer:
         """Another model (the frozen reference) in the trainer's compute dtypes."""
@@ -504,13 +505,15 @@ class Policy:
             update_expert_bias(self.master, load.to(self.d.device), self.tcfg.expert_bias_update_rate, self.d)
         if self.mp is not None:
             self.mp.refresh()
+        expert_parallel.weights_changed(self.master)
 
     def reserve_bytes(self) -> int:
         """What the optimizer will still allocate once the sampler has sized its KV pool: the gradients
         (first backward) and AdamW's two moments (first step; already there on resume), this rank's
-        shard under FSDP2."""
+        shard under FSDP2; EPLB: the experts' slots, in each copy that runs forwards."""
         has_state = bool(self.optimizer.state)
         sums = 0 if self.reducer is None else self.reducer.reserve_bytes()
+        sums += expert_parallel.slot_bytes(self.full) * (1 + (self.sampler is not self.full) + is_fsdp(self.master))
         if self.mp is not None:
             return self.mp.reserve_bytes(has_state) + sums
         param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in self.trainer.parameters())

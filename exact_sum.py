@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from config import ConfigError
+from expert_parallel import fold_slots
 
 FRAC_BITS = 72                      # n counts units of 2^-72
 LIMB_BITS = 52                      # lo holds n's low 52 bits, hi the rest
@@ -322,6 +323,8 @@ class Reducer:
         FSDP2 a reduce-scatter into the replica-sharded .grad); -> their out-of-range flags."""
         if self.ep is None:
             return []
+        if self.ep.eplb is not None:
+            self._fold_slots()
         found = []
         for m in self.moes:
             for name in ("w13", "w2"):
@@ -339,11 +342,32 @@ class Reducer:
                 p.grad = s.value().to(p.dtype)
         return [s.bad for _, s in found]
 
+    def _fold_slots(self) -> None:
+        """EPLB: the sums of this rank's expert slots (replicas included, _owner_rows' pieces under the
+        keys expert_parallel._layout gives them) added into their logical experts' sums on the experts'
+        home ranks: limbs sent as integers (expert_parallel.fold_slots), so the result is the sum without
+        replicas, every piece EP=1's of its micro-batch. Every rank folds every layer (a collective)."""
+        for j, m in enumerate(self.moes):
+            for name in ("w13", "w2"):
+                p = self.master_of.get(id(getattr(m, name)), getattr(m, name))
+                home = self.pieces.setdefault((id(m), name), Limbs(p.shape, p.device))
+                slots = self.pieces.get(((id(m), name), "slots"))
+                if slots is None:                                     # no row reached this rank's slots
+                    slots = Limbs((self.ep.eplb.layouts[j].per_rank, *p.shape[1:]), p.device)
+                slots.carry()                                         # lo below 2^52: N of them add in int64
+                hi, lo = fold_slots(slots.hi, j, self.ep), fold_slots(slots.lo, j, self.ep)
+                home.add_limbs(hi, lo, terms=self.ep.size)            # at most N slots an expert
+                home.bad |= slots.bad
+
     def reserve_bytes(self) -> int:
         """The accumulators' bytes on this rank: 16 per element it sums (its shard of an FSDP2 tensor;
-        an expert shard whole, also when FSDP2 cuts it over its replicas)."""
-        return 16 * sum(p.numel() if id(p) in self.experts or not hasattr(p, "to_local") else p.to_local().numel()
-                        for p in self.masters.parameters())
+        an expert shard whole, also when FSDP2 cuts it over its replicas; EPLB: its slots' too)."""
+        mine = sum(p.numel() if id(p) in self.experts or not hasattr(p, "to_local") else p.to_local().numel()
+                   for p in self.masters.parameters())
+        if self.ep is not None and self.ep.eplb is not None:            # (E+R)/N slots of each expert weight
+            mine += sum(getattr(m, n).numel() // getattr(m, n).shape[0] * pl.per_rank
+                        for m, pl in zip(self.moes, self.ep.eplb.layouts) for n in ("w13", "w2"))
+        return 16 * mine
 
 
 def _reduce_scatter_into(p: nn.Parameter, s: Limbs) -> None:

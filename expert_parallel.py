@@ -19,11 +19,24 @@ So a token's bits depend neither on the EP degree, nor on the placement, nor on 
 expert with. The backward runs the exchanges in reverse (Exchange below): gradients of x and of the
 routing weights return to the token's rank, the expert weights' gradients stay with their owner.
 
-Run: tests/test_expert_parallel.py launches tests/ep_check.py with torchrun (gloo on the CPU).
+EPLB (--eplb_redundant=R; eplb.py plans the layouts, this file runs them): each MoE layer has E + R
+physical slots, replicas of its most loaded experts among them, (E+R)/N a rank (ExpertParallel.eplb,
+a Placement per layer). The trained weights stay as the placement puts them, E/N a rank, so the
+optimizer, checkpoints and FSDP2 never see a replica; each model copy that runs a forward gathers its
+slots' weights from their home ranks (exact copies) at its first forward after a weight update or a
+re-plan (_layout). A replica computes the original's bits (the same weights, the same row-invariant
+expert kernel): routes and log-probs do not move. A source rank sends all its rows of an expert to one
+slot (Placement), so a slot's weight gradient from one source is EP=1's gradient of that micro-batch;
+under the exact gradient sum these pieces are folded home as integer limbs (fold_slots, called by
+exact_sum.Reducer), and the update is the one without replicas, bit for bit.
+
+Run: tests/test_expert_parallel.py launches tests/ep_check.py and tests/eplb_check.py with torchrun
+(gloo on the CPU).
 """
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -34,22 +47,33 @@ from config import ConfigError
 
 
 # ---------------------------------------------------------------------------------------------------
-# placement: logical expert id -> (owner rank, local index)
+# placement: logical expert id -> its physical slot(s) -> (owner rank, local index)
 # ---------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """table[e] is the physical slot of logical expert e; physical slot p lives on rank p // (E/N), local
-    index p % (E/N). The identity table is the contiguous placement: rank r owns [r*E/N, (r+1)*E/N)."""
+    """table[e] is the physical slot of logical expert e; `replicas` (EPLB) adds (e, slot) pairs, more
+    slots computing e, so e lives at slots_of(e) = (table[e], its replicas' slots in the order given).
+    The S = E + R slots are spread evenly: slot p lives on rank p // (S/N), local index p % (S/N).
+    Without replicas table is a permutation; the identity is the contiguous placement: rank r owns
+    [r*E/N, (r+1)*E/N). A row of expert e sent by rank s of the EP group goes to slot
+    slots_of(e)[s % len(slots_of(e))]: all of one source's rows of an expert on one slot, so that a
+    micro-batch's gradient of an expert is computed whole, EP=1's bits (module docstring)."""
     table: tuple[int, ...]
     ep_size: int
-    _on: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)   # device -> table tensor
+    replicas: tuple[tuple[int, int], ...] = ()
+    _on: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)   # device -> (N, E) slots
 
     def __post_init__(self):
-        E, N = len(self.table), self.ep_size
-        if N < 1 or E % N:
-            raise ConfigError(f"a placement of {E} experts over {N} ranks: {N} must divide {E}")
-        if sorted(self.table) != list(range(E)):
+        E, S, N = len(self.table), self.n_slots, self.ep_size
+        if N < 1 or S % N:
+            raise ConfigError(f"a placement of {S} expert slots over {N} ranks: {N} must divide {S}")
+        if not self.replicas and sorted(self.table) != list(range(E)):
             raise ConfigError(f"expert placement {list(self.table)}: not a permutation of 0..{E - 1}")
+        if sorted([*self.table, *(p for _, p in self.replicas)]) != list(range(S)):
+            raise ConfigError(f"expert placement: the slots of {E} experts and {S - E} replicas are not "
+                              f"0..{S - 1} once each")
+        if any(not 0 <= e < E for e, _ in self.replicas) or max(map(len, map(self.slots_of, range(E)))) > N:
+            raise ConfigError(f"expert replicas {list(self.replicas)}: of experts 0..{E - 1}, at most {N} slots each")
 
     @classmethod
     def contiguous(cls, n_experts: int, ep_size: int) -> "Placement":
@@ -60,34 +84,73 @@ class Placement:
         return len(self.table)
 
     @property
+    def n_slots(self) -> int:
+        return len(self.table) + len(self.replicas)
+
+    @property
     def per_rank(self) -> int:
-        return self.n_experts // self.ep_size
+        return self.n_slots // self.ep_size
 
-    def physical(self, ids: torch.Tensor) -> torch.Tensor:
-        """The physical slot of each logical id (any shape); the table is copied to a device once, so
-        the decode step makes no host-to-device copy."""
+    def slots_of(self, e: int) -> tuple[int, ...]:
+        return (self.table[e], *(p for r, p in self.replicas if r == e))
+
+    def routing(self) -> list[list[int]]:
+        """(N, E): the slot that rank s of the group sends its rows of expert e to (the class docstring)."""
+        slots = [self.slots_of(e) for e in range(self.n_experts)]
+        return [[s_e[s % len(s_e)] for s_e in slots] for s in range(self.ep_size)]
+
+    def physical(self, ids: torch.Tensor, source: int = 0) -> torch.Tensor:
+        """The physical slot of each logical id (any shape) sent by group rank `source`; the table is
+        copied to a device once, so the decode step makes no host-to-device copy."""
         if ids.device not in self._on:
-            self._on[ids.device] = torch.tensor(self.table, device=ids.device)
-        return self._on[ids.device][ids]
+            self._on[ids.device] = torch.tensor(self.routing(), device=ids.device)
+        return self._on[ids.device][source][ids]
 
-    def owner(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rank holding each logical expert id (any shape)."""
-        return self.physical(ids) // self.per_rank
+    def owner(self, ids: torch.Tensor, source: int = 0) -> torch.Tensor:
+        """The rank computing each logical expert id (any shape) for rows from `source`."""
+        return self.physical(ids, source) // self.per_rank
 
-    def local(self, ids: torch.Tensor) -> torch.Tensor:
-        """Each logical expert's index inside its owner's shard."""
-        return self.physical(ids) % self.per_rank
+    def local(self, ids: torch.Tensor, source: int = 0) -> torch.Tensor:
+        """Each logical expert's slot index inside its owner's shard, for rows from `source`."""
+        return self.physical(ids, source) % self.per_rank
 
     def experts_of(self, rank: int) -> list[int]:
-        """The logical ids rank holds, in its local order (shard row j is expert experts_of(rank)[j])."""
-        by_slot = sorted(range(self.n_experts), key=lambda e: self.table[e])
-        return by_slot[rank * self.per_rank:(rank + 1) * self.per_rank]
+        """The logical expert of each slot rank holds, in its local order (shard row j computes expert
+        experts_of(rank)[j]; with replicas an expert may be held by several ranks)."""
+        held = [0] * self.n_slots
+        for e, p in [*enumerate(self.table), *self.replicas]:
+            held[p] = e
+        return held[rank * self.per_rank:(rank + 1) * self.per_rank]
 
     def rows_per_rank(self, routes: torch.Tensor) -> torch.Tensor:
         """Device load: (token, slot) rows each rank computes for these routes (any shape of logical
         ids, -1 for padding) -> (ep_size,) int64. Routes of one MoE layer give that layer's load."""
         ids = routes[routes >= 0]
         return torch.bincount(self.owner(ids).reshape(-1), minlength=self.ep_size)
+
+    def rank_rows(self, load: torch.Tensor) -> torch.Tensor:
+        """load (N, E): rows group rank s sends to logical expert e -> (N,) int64, the rows each rank
+        computes under this placement's routing."""
+        owner = torch.tensor(self.routing()) // self.per_rank                            # (N, E)
+        return torch.zeros(self.ep_size, dtype=torch.long).scatter_add_(0, owner.reshape(-1), load.reshape(-1).long())
+
+
+class Replicas:
+    """EPLB's compute layout (--eplb_redundant): per MoE layer a Placement of the E + R slots with
+    replicas (eplb.py plans them from the measured load). Each model copy that runs a forward keeps its
+    slots' weights, (S/N, ...) w13 and w2 gathered from the home shards (ExpertParallel.placement, the
+    trained ones), and gathers them again at its first forward after `version` moved: the weights
+    changed (weights_changed) or the layouts did (set)."""
+
+    def __init__(self, layouts: list[Placement]):
+        self.layouts, self.version = list(layouts), 0
+        self.copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # MoE module -> (version, w13, w2)
+
+    def set(self, layouts: list[Placement]) -> None:
+        if [(p.n_slots, p.ep_size) for p in layouts] != [(p.n_slots, p.ep_size) for p in self.layouts]:
+            raise ValueError("an EPLB layout must keep the number of slots and ranks")
+        self.layouts = list(layouts)
+        self.version += 1
 
 
 @dataclasses.dataclass
@@ -105,6 +168,7 @@ class ExpertParallel:
     mesh: object = None      # FSDP2's DeviceMesh of the replicas (replica_mesh), made when first asked for
     grad_sink: object = None  # --grad_reduce=exact: exact_sum.Reducer, which takes each source's expert
                               # weight gradient apart (_owner_rows)
+    eplb: Replicas | None = None   # --eplb_redundant > 0: the layers' layouts with replicas (None: placement)
 
     @property
     def size(self) -> int:
@@ -239,7 +303,7 @@ def idle_step(model: nn.Module) -> None:
         D, k = m.w13.shape[-1], m.top_k
         x = m.w13.new_zeros(0, D)
         ids = torch.zeros(0, k, dtype=torch.long, device=x.device)
-        moe_experts(x, m.w13, m.w2, ids, torch.zeros(0, k, device=x.device), m.ep)
+        moe_experts(x, m.w13, m.w2, ids, torch.zeros(0, k, device=x.device), m.ep, m)
 
 
 def group_step(done: bool, prefill: bool, ep: ExpertParallel) -> tuple[bool, bool]:
@@ -287,12 +351,13 @@ def _exchange_counts(send: torch.Tensor, group) -> list[int]:
 # the MoE layer under EP
 # ---------------------------------------------------------------------------------------------------
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+                weights: torch.Tensor, ep: ExpertParallel, moe: nn.Module | None = None) -> torch.Tensor:
     """kernels.moe_experts with the experts on their owners: x (M, D) this rank's tokens; w13 (E/N, 2I, D),
     w2 (E/N, D, I) this rank's shard; ids (M, k) logical ids; weights (M, k) fp32 -> (M, D) in x.dtype.
-    Every rank of the group must call it (with M = 0 if it has no tokens)."""
+    moe: the calling MoE module (under EPLB, its layer's layout and slot weights: _layout). Every rank
+    of the group must call it (with M = 0 if it has no tokens)."""
     M, k = ids.shape
-    pl = ep.placement
+    pl, w13, w2, keys = _layout(moe, w13, w2, ep)
     # 1. the token's rank: its slots in EP=1's order (by logical expert). With a gradient, each expert's
     #    rows are gathered separately as grouped_experts does, so x's gradient sums a token's k slots in
     #    EP=1's order; the decode step (no gradient) gathers them at once, without reading counts back
@@ -304,10 +369,11 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
         x_sorted = torch.cat([x[part // k] for part in order.split(counts)])
     w_sorted = weights.reshape(-1)[order]                          # (M*k,) fp32
     e_sorted = ids.reshape(-1)[order]
-    dest = pl.owner(e_sorted)                                       # (M*k,) owner rank of each row
+    dest = pl.owner(e_sorted, ep.rank)                              # (M*k,) owner rank of each row
     by_dest = torch.sort(dest, stable=True).indices                 # grouped by owner, EP=1's order inside
+    local_ids = pl.local(e_sorted, ep.rank)[by_dest]                # each row's slot in its owner's shard
     if ep.capacity:
-        return _moe_experts_fixed(x, w13, w2, x_sorted[by_dest], w_sorted[by_dest], pl.local(e_sorted)[by_dest],
+        return _moe_experts_fixed(x, w13, w2, x_sorted[by_dest], w_sorted[by_dest], local_ids,
                                   dest[by_dest], order[by_dest], (M, k), ep)
     send = torch.bincount(dest, minlength=ep.size)
     send_l = send.tolist()
@@ -315,8 +381,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     # 2. the owner: the rows of every source, source by source, through the same per-expert computation
     x_in = Exchange.apply(x_sorted[by_dest], send_l, recv_l, ep.group)          # (R, D)
     w_in = Exchange.apply(w_sorted[by_dest], send_l, recv_l, ep.group)          # (R,) fp32
-    local = _all_to_all(pl.local(e_sorted)[by_dest], send_l, recv_l, ep.group)  # (R,) local expert ids
-    y = _owner_rows(x_in, w13, w2, local, w_in, recv_l, ep)                     # (R, D) fp32, arrival order
+    local = _all_to_all(local_ids, send_l, recv_l, ep.group)                    # (R,) local slot ids
+    y = _owner_rows(x_in, w13, w2, local, w_in, recv_l, ep, keys)               # (R, D) fp32, arrival order
     # 3. back to the token's rank: into slot order, then EP=1's combine
     y_back = Exchange.apply(y, recv_l, send_l, ep.group)                        # (M*k, D) in by_dest order
     slot_of_row = order[by_dest]                                                # row i holds slot slot_of_row[i]
@@ -324,17 +390,91 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     return kernels.combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
 
 
-def _owner_rows(x_in, w13, w2, local, w_in, recv: list[int], ep: ExpertParallel) -> torch.Tensor:
+def _layout(moe, w13, w2, ep: ExpertParallel):
+    """-> (placement, w13, w2, the gradient sink's keys of the two weights or None): the home shard and
+    its placement, or under EPLB the layer's layout and this rank's slots' weights (S/N, ...), gathered
+    when stale: a collective that every rank of the group reaches in the same forward. Their gradient
+    pieces go to the sink under keys of their own, folded into the experts' at the end (fold_slots)."""
+    sink = ep.grad_sink if torch.is_grad_enabled() else None
+    keys = None if sink is None else (sink.key(w13), sink.key(w2))
+    r = ep.eplb
+    if r is None:
+        return ep.placement, w13, w2, keys
+    if torch.is_grad_enabled() and w13.requires_grad and sink is None:
+        raise RuntimeError("EPLB: a backward through expert replicas needs the exact gradient sum "
+                           "(--grad_reduce=exact), which folds their gradients into their experts'")
+    layout, have = r.layouts[moe.ep_layer], r.copies.get(moe)
+    if have is None or have[0] != r.version:
+        with torch.no_grad():
+            p13, p2 = (_gather_slots(w, ep, layout).requires_grad_(w.requires_grad) for w in (w13, w2))
+        have = r.copies[moe] = (r.version, p13, p2)
+    return layout, have[1], have[2], keys and tuple((key, "slots") for key in keys)
+
+
+def _gather_slots(w: torch.Tensor, ep: ExpertParallel, layout: Placement) -> torch.Tensor:
+    """w (E/N, ...) this rank's home rows (ep.placement's local order) -> (S/N, ...) the rows of its
+    slots in `layout`, each an exact copy of its logical expert's home row: one all_to_all over the
+    group, each rank sending every other the rows its slots need, in their slot order."""
+    home, N, me = ep.placement, ep.size, ep.rank
+    home_rank = [p // home.per_rank for p in home.table]                       # logical e -> its home rank
+    send = [[home.table[e] % home.per_rank for e in layout.experts_of(q) if home_rank[e] == me] for q in range(N)]
+    mine = layout.experts_of(me)
+    rows = torch.tensor([i for part in send for i in part], dtype=torch.long, device=w.device)
+    recv = [sum(home_rank[e] == r for e in mine) for r in range(N)]
+    got = _all_to_all(w[rows], [len(part) for part in send], recv, ep.group)   # by source, slot order inside
+    arrival = sorted(range(len(mine)), key=lambda j: (home_rank[mine[j]], j))  # got[i] is slot arrival[i]'s
+    out = torch.empty_like(got)
+    out[torch.tensor(arrival, dtype=torch.long, device=w.device)] = got
+    return out
+
+
+def fold_slots(t: torch.Tensor, layer: int, ep: ExpertParallel) -> torch.Tensor:
+    """t (S/N, ...) int64, a value per slot of this rank in the layer's EPLB layout (a slot's gradient
+    limbs) -> (E/N, ...): for each of this rank's home experts, the sum of t over that expert's slots on
+    every rank. Integers add exactly in any order (index_add_ of int64, atomic or not), so a folded
+    gradient sum is the one without replicas. A collective over the group."""
+    home, layout, N, me = ep.placement, ep.eplb.layouts[layer], ep.size, ep.rank
+    home_rank = [p // home.per_rank for p in home.table]
+    mine = layout.experts_of(me)
+    order = sorted(range(len(mine)), key=lambda j: (home_rank[mine[j]], j))    # grouped by home rank
+    send = [sum(home_rank[e] == r for e in mine) for r in range(N)]
+    theirs = [[e for e in layout.experts_of(r) if home_rank[e] == me] for r in range(N)]
+    mine_first = torch.tensor(order, dtype=torch.long, device=t.device)
+    got = _all_to_all(t[mine_first], send, [len(p) for p in theirs], ep.group)  # by source, its slot order inside
+    rows = [home.table[e] % home.per_rank for part in theirs for e in part]      # each row's home expert
+    return t.new_zeros(home.per_rank, *t.shape[1:]).index_add_(0, torch.tensor(rows, dtype=torch.long,
+                                                                                device=t.device), got)
+
+
+def slot_bytes(model: nn.Module) -> int:
+    """EPLB: the bytes of one copy's slot weights (every MoE layer's (E+R)/N slots of w13 and w2); 0 off."""
+    ep = of(model)
+    if ep is None or ep.eplb is None:
+        return 0
+    return sum(w.nbytes // w.shape[0] * pl.per_rank for (_, m), pl in zip(_moe_layers(model), ep.eplb.layouts)
+               for w in (m.w13, m.w2))
+
+
+def weights_changed(model: nn.Module) -> None:
+    """Some copy of the model's weights moved (an optimizer step, a sync of the sampler's copy): under
+    EPLB every copy gathers its slots' weights again at its next forward. Called at the same point of
+    the program on every rank, so the group gathers together."""
+    ep = of(model)
+    if ep is not None and ep.eplb is not None:
+        ep.eplb.version += 1
+
+
+def _owner_rows(x_in, w13, w2, local, w_in, recv: list[int], ep: ExpertParallel, keys=None) -> torch.Tensor:
     """The owner's expert rows, source by source. In a training forward under an exact gradient sum
-    (ep.grad_sink), each source rank's rows run through the experts on their own and their weight
-    gradients go to the sink apart: a source's rows are one micro-batch's, in EP=1's order, so each
-    piece (and x's gradient, and the routing weights') has the bits EP=1 computes for that micro-batch;
-    one call over every source's rows would sum the micro-batches' gradients in fp32 inside it. Every
-    source is run, an empty one too: the backward's exchanges need every rank's graph to reach them."""
-    if ep.grad_sink is None or not torch.is_grad_enabled():
+    (keys: the sink's names of w13 and w2, _layout), each source rank's rows run through the experts on
+    their own and their weight gradients go to the sink apart: a source's rows are one micro-batch's, in
+    EP=1's order, so each piece (and x's gradient, and the routing weights') has the bits EP=1 computes
+    for that micro-batch; one call over every source's rows would sum the micro-batches' gradients in
+    fp32 inside it. Every source is run, an empty one too: the backward's exchanges need every rank's
+    graph to reach them."""
+    if keys is None:
         return kernels.expert_rows(x_in, w13, w2, local, w_in)
-    sink = ep.grad_sink
-    k13, k2 = sink.key(w13), sink.key(w2)
+    sink, (k13, k2) = ep.grad_sink, keys
     outs = [kernels.expert_rows(xs, _Sink.apply(w13, sink, k13), _Sink.apply(w2, sink, k2), ls, ws)
             for xs, ls, ws in zip(x_in.split(recv), local.split(recv), w_in.split(recv))]
     return torch.cat(outs)
@@ -415,9 +555,9 @@ def shard_experts(model: nn.Module, ep: ExpertParallel, loaded: bool = False) ->
                              + ("" if loaded else " (already sharded?)"))
     if not loaded:
         keep_experts(model, mine)
-    for _, m in _moe_layers(model):
+    for j, (_, m) in enumerate(_moe_layers(model)):
         m.w13.expert_shard = m.w2.expert_shard = True               # what the optimizer's state knows them by
-        m.ep = ep
+        m.ep, m.ep_layer = ep, j                                     # EPLB: the layer's layout is ep.eplb.layouts[j]
     return model
 
 

@@ -358,6 +358,7 @@ def backend_of(tcfg: TrainConfig) -> str:
 
 def main(argv: list[str]) -> tuple[str, bool]:
     """The table for the command line's configs (plus PLAN_KEYS), and whether the run fits."""
+    import eplb
     from expert_parallel import check_degree, placement_of
     overrides = parse_args(argv)
     world, gpu_gb, kv_tokens = plan_options(overrides)
@@ -366,6 +367,7 @@ def main(argv: list[str]) -> tuple[str, bool]:
     cfg = preset_or_folder(tcfg)
     check_degree(tcfg.expert_parallel, cfg.num_experts, world)
     placement_of(tcfg.expert_placement, tcfg.expert_parallel, cfg.num_experts)   # the run's one-line errors
+    eplb.check(tcfg.eplb_redundant, tcfg.expert_parallel, cfg.num_experts)
     if tcfg.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) must be divisible by --world_size ({world})")
     nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -132,7 +132,7 @@ LATENCY_QUANTILES = (50, 95, 99)            # rollout_latency_pNN
 TIMINGS = ("step_time", "rollout_tokens_per_s") + tuple(f"rollout_latency_p{q}" for q in LATENCY_QUANTILES)
 # the keys a run's layout (ranks, EP degree) or its timing decides; every other key is the same at any world size
 PER_LAYOUT = frozenset(TIMINGS) | frozenset(PER_RANK) | {"prefix_hit_rate", "spec_accept_rate", "ep_rows", "ep_load_layer",
-                                                           "ep_load_max"}
+                                                           "ep_load_max", "eplb_imbalance_before", "eplb_imbalance_after"}
 
 
 def latency_metrics(outs, d: Dist) -> dict:
@@ -219,6 +219,9 @@ def log_diagnostics(run, step: int, batch, outs, rewards, audited, held_out: tor
     if held_out is not None:                                          # the holdout's order, at every world size
         order = {r: i for i, r in enumerate(held_out.tolist())}
         found.sort(key=lambda row: order[row["sequence"]])
+    if run.balancer is not None:                                      # EPLB: the layouts' row in eplb.jsonl
+        for row in found:
+            row["eplb_plan"] = run.balancer.plan_step
     append_jsonl(run, step, "diagnostics.jsonl", found)
 
 

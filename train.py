@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+import eplb
 import eval as evaluation
 import expert_parallel
 import kernels
@@ -93,6 +94,7 @@ class Run:
     probe: "evaluation.Probe | None" = None   # --probe_every: the fixed probe set, drawn at the first probe
     surge: LengthSurge = dataclasses.field(default_factory=LengthSurge)   # --surge_window's detector (lr_at reads it)
     sft_done: int = 0                # --sft_steps' supervised steps the weights have had (sft.py)
+    balancer: eplb.Balancer | None = None   # --eplb_redundant: the experts' replicas and their layouts
 
     @property
     def fsdp(self) -> bool:
@@ -147,6 +149,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             mine, seen = this_ranks(batch, audited, run.d.rank, len(outs))   # per-rank files: this rank's sequences
             row.update(log_routes(run, step, mine, outs, rewards, seen, old.held_out))   # routes, diagnostics.jsonl
             row.update(run.surge.watch(run, row))                     # --surge_window: a response-length surge
+            if run.balancer is not None:                              # EPLB: the load before / after; a re-plan
+                row.update(run.balancer.step(run, step, batch))
             history.append(log_row(run, step, row))
             warn_low_entropy(run, history)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
@@ -537,7 +541,8 @@ def checkpoint(run: Run, step: int) -> None:
     full = expert_parallel.whole_model(p.full)                        # EP: whole experts (collective)
     if run.d.master:
         extra = {"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict(),
-                 "length_surge": run.surge.state_dict(), "sft_done": run.sft_done}
+                 "length_surge": run.surge.state_dict(), "sft_done": run.sft_done,
+                 "eplb": run.balancer and run.balancer.state_dict()}
         path = save_checkpoint(run.tcfg.out_dir, step, full, opt_state, run.tcfg, run.rcfg, run.task, extra=extra,
                                masters=masters, save_dtype=run.tcfg.save_dtype or run.tcfg.dtype,
                                keep=run.tcfg.keep_checkpoints, identity=run.outputs and run.outputs.identity)
@@ -561,6 +566,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     task, preset, config = run_task(tcfg, rcfg)
     expert_parallel.check_degree(tcfg.expert_parallel, config.num_experts, d.world)
     placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, config.num_experts)
+    eplb.check(tcfg.eplb_redundant, tcfg.expert_parallel, config.num_experts)
     tcfg.check_model(config, task.vocab_size)
     key_tokens = replay.key_token_table(tcfg.route_filter_token_ids(task, config.vocab_size), config.vocab_size, d.device)
     lab.check_router_fault(config, rcfg.rollout_router_fault)
@@ -591,11 +597,13 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         load_optimizer_state(policy.trainer, policy.optimizer, resumed.optimizer, d.world > 1 and tcfg.parallel == "fsdp")
         if d.master:
             trim_metrics(metrics_path, start, sft_done)
+    balancer = eplb.balancer(ep, tcfg, len(config.moe_layers), resumed)   # EPLB's layouts, before any forward
     # the gradients and AdamW's moments are allocated after the sampler sizes its KV pool from the free
     # memory: set aside (Policy.reserve_bytes); activations and temporaries come out of the rest
     sampler = lab.episode_fault(Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes()),
                                 rcfg.rollout_episode_fault)
-    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, key_tokens, sft_done=sft_done)
+    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, key_tokens, sft_done=sft_done,
+              balancer=balancer)
     midpoint = max(1, max_new_tokens(run) // 2)                       # an in-flight update lands halfway
     run.rollouts = (Remote(run, stop=lambda: StopRequest.signum != 0) if d.bridge is not None else
                     Colocated(partial(rollout, run), tcfg.max_staleness, tcfg.inflight_update, midpoint,

@@ -1,6 +1,7 @@
 """Expert parallelism: placement, the degree checks, the slot-order combine (with its control), and
 tests/ep_check.py under torchrun with 2 and 4 gloo processes (score and gradients against EP=1, the
-memory plan against the bytes allocated)."""
+memory plan against the bytes allocated); EPLB: placements with replicas, the plan, its checks, and
+tests/eplb_check.py under torchrun (replicas against none, bitwise)."""
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import torch
 
 import kernels
 from config import ConfigError, ModelConfig
+import eplb
 from expert_parallel import ExpertParallel, Placement, check_degree, placement_of, shard_experts
 from model import Transformer
 
@@ -59,6 +61,8 @@ def test_expert_placement_option_errors(table, n, says):
 
 
 @pytest.mark.parametrize("flags, says", [(["--expert_parallel=3"], "--expert_parallel=3: must divide the number of experts (8)"),
+                                         (["--eplb_redundant=2"], "--eplb_redundant=2: replicas spread experts over EP "
+                                          "ranks; it needs --expert_parallel > 1"),
                                          (["--expert_parallel=2"], "--expert_parallel=2: must divide the number of ranks (1)"),
                                          (["--expert_placement=1,0,2,3,4,5,6,7"],
                                           "--expert_placement: needs --expert_parallel > 1 (one rank holds every expert)")])
@@ -139,3 +143,89 @@ def test_training_under_ep_equals_ep1_under_torchrun(nproc, tmp_path):
         assert nproc == 4 or any(what in line for line in ok), (what, r.stdout)
     assert any("resume EP=2 -> EP=2" in line and "every metric bit for bit" in line for line in ok)
     assert "returned a view tensor" not in r.stderr        # FSDP2's warning, silenced for the Router and the MoE
+
+
+# ---------------------------------------------------------------------------------------------------
+# EPLB: replicas placed by measured load
+# ---------------------------------------------------------------------------------------------------
+def test_placement_with_replicas_sends_each_source_to_one_slot():
+    pl = Placement((0, 1, 2, 3), 2, replicas=((0, 4), (3, 5)))       # 6 slots, 3 a rank: expert 0 at 0 and 4
+    assert pl.slots_of(0) == (0, 4) and pl.slots_of(3) == (3, 5) and pl.per_rank == 3
+    assert pl.routing() == [[0, 1, 2, 3], [4, 1, 2, 5]]              # source s -> slots_of(e)[s % r_e]
+    ids = torch.tensor([0, 3, 1])
+    assert pl.owner(ids, 0).tolist() == [0, 1, 0] and pl.owner(ids, 1).tolist() == [1, 1, 0]
+    assert pl.local(ids, 1).tolist() == [1, 2, 1]
+    assert [pl.experts_of(r) for r in range(2)] == [[0, 1, 2], [3, 0, 3]]
+    load = torch.tensor([[5, 1, 1, 2], [7, 1, 1, 4]])                # rows of expert e from source s
+    assert pl.rank_rows(load).tolist() == [5 + 1 + 1 + 1 + 1, 2 + 7 + 4]
+    assert Placement.contiguous(4, 2).rank_rows(load).tolist() == [5 + 1 + 7 + 1, 1 + 2 + 1 + 4]
+
+
+@pytest.mark.parametrize("table, replicas, says", [((0, 1, 2, 3), ((0, 3), (1, 4)), "not 0..5 once each"),
+                                                   ((0, 1, 2, 3), ((4, 4), (0, 5)), "of experts 0..3"),
+                                                   ((0, 1, 2, 3), ((0, 4), (0, 5)), "at most 2 slots each"),
+                                                   ((0, 1, 2, 3), ((0, 4),), "2 must divide 5")])
+def test_bad_replicas_are_one_line(table, replicas, says):
+    with pytest.raises(ConfigError, match=says):
+        Placement(table, 2, replicas)
+
+
+def test_eplb_plan_replicates_the_hot_expert_and_balances_the_ranks():
+    """Expert 0 takes most rows: it gets a slot on each rank, and the E + R slots pack to a near even load
+    (before: the contiguous placement's busiest rank has 1.4x the mean's rows; after: exactly the mean)."""
+    load = torch.tensor([[60, 5, 5, 5, 5, 5, 5, 10], [50, 5, 5, 5, 5, 5, 5, 20]])   # (N, E)
+    pl = eplb.place(load, 2)
+    assert len(pl.slots_of(0)) == 2 and {p // pl.per_rank for p in pl.slots_of(0)} == {0, 1}
+    assert sorted([*pl.table, *(p for _, p in pl.replicas)]) == list(range(10))
+    before = eplb.imbalance([Placement.contiguous(8, 2)], load[None])
+    after = eplb.imbalance([pl], load[None])
+    assert (before, after) == (1.4, 1.0)
+    assert eplb.place(load, 2) == pl                                 # a function of the load alone
+    even = eplb.place(torch.ones(2, 8, dtype=torch.long), 2)         # the first plan: every pair alike
+    assert eplb.imbalance([even], torch.ones(1, 2, 8, dtype=torch.long)) == 1.0
+
+
+def test_eplb_measured_load_counts_rows_by_sampling_rank():
+    """Rows of the global batch by the group rank that sampled them (rank r: rows r*B/world ...), summed
+    over the EP groups; unrecorded positions and -1 out."""
+    routes = torch.tensor([[[[0, 1]], [[2, -1]]], [[[1, 1]], [[3, 3]]], [[[0, 2]], [[0, 0]]], [[[3, 1]], [[1, 1]]]])
+    mask = torch.tensor([[True, True], [True, False], [True, True], [False, True]])   # (B=4, T=2)
+    load = eplb.measured_load(routes, mask, world=4, n=2, n_experts=4)   # ranks 0, 2 are group rank 0
+    assert load.shape == (1, 2, 4)
+    assert load[0].tolist() == [[0 + 2 + 2, 1, 1 + 1, 0], [0, 2 + 2, 0, 0]]
+
+
+@pytest.mark.parametrize("flags, says", [(dict(eplb_redundant=-1), "--eplb_redundant=-1: must be >= 0"),
+                                         (dict(eplb_interval=0), "--eplb_interval=0: must be >= 1"),
+                                         (dict(eplb_redundant=2), "it needs --expert_parallel > 1"),
+                                         (dict(eplb_redundant=2, expert_parallel=2, grad_reduce="fast"),
+                                          "it needs --grad_reduce=exact")])
+def test_eplb_flags_are_one_line(flags, says):
+    from config import TrainConfig
+    with pytest.raises(ConfigError, match=says):
+        TrainConfig(**flags)
+    TrainConfig(eplb_redundant=2, expert_parallel=2)                  # control: a valid one passes
+
+
+@pytest.mark.parametrize("r, n, says", [(1, 2, "must split evenly over the --expert_parallel=2 ranks"),
+                                        (10, 2, "at most 8, each of the 8 experts on at most 2 slots")])
+def test_eplb_against_the_model_is_one_line(r, n, says):
+    with pytest.raises(ConfigError, match=says):
+        eplb.check(r, n, 8)
+    eplb.check(8, 2, 8)                                              # control: every expert on both ranks
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_eplb_replicas_equal_no_replicas_under_torchrun(nproc, tmp_path):
+    """tests/eplb_check.py: score, the sampler and the exact gradient sums with replicas at EP=nproc equal
+    EP=1's (with the one-ulp control); with 2 ranks train.py's loop too (fp32, bf16, a resume, the files);
+    with 4, two EP groups of 2 under FSDP2."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "tests/eplb_check.py", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
+    assert len(ok) == 8 + (5 if nproc == 2 else 1), r.stdout
+    assert sum(line.startswith("ok control") for line in ok) == 2 + (nproc == 2)
