@@ -1004,6 +1004,8 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "stale K=4 decoupled": ["--max_staleness=4", "--recompute_old_logp=true"],   # the clip around the current policy
     "stale K=4 decoupled+tis": ["--max_staleness=4", "--recompute_old_logp=true", "--correction=tis"],
     "lookup K=2": ["--recompute_old_logp=true", "--task=lookup", "--n_digits=3", "--max_staleness=2"],
+    # partial rollouts: a response unfinished after max_new_tokens // 2 tokens continues in the next batch
+    "stale K=1 partial": ["--max_staleness=1", "--partial_rollout=true"],
     # the 2026 families' attention at tiny sizes: gpt-oss (sinks, a sliding window) and MLA (a latent KV cache),
     # invariant and on the fast rollout (SDPA with the sink as an extra key / the expanded MLA, in bf16)
     **{f"{family}{fast}": ["--recompute_old_logp=true", f"--init_from=tiny-{preset}"]

@@ -341,7 +341,8 @@ def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
     if was != now:
         print0(f"resume: the lr schedule changes from {schedule_words(*was)} to {schedule_words(*now)}: lr is re-planned "
                f"from step {done + 1}")
-    for name, default in (("max_staleness", 0), ("inflight_update", "off")):   # the batches ahead were made so
+    schedule = (("max_staleness", 0), ("inflight_update", "off"), ("partial_rollout", False), ("rollout_token_budget", 0))
+    for name, default in schedule:                                   # the batches ahead (and in flight) were made so
         if ckpt_cfg.get(name, default) != getattr(tcfg, name):
             raise ConfigError(f"--{name}={getattr(tcfg, name)}: the run was saved with {name}="
                               f"{ckpt_cfg.get(name, default)} and its batches generated ahead by that schedule; "

@@ -558,6 +558,12 @@ class TrainConfig:
     inflight_update: str = "off"      # off | keep_kv | recompute_kv: with K >= 1, the next batch is generated during
                                       # the update and takes the new weights halfway, on the KV the old ones wrote
                                       # (keep_kv) or on KV recomputed by the new ones (recompute_kv)
+    partial_rollout: bool = False     # a response unfinished after --rollout_token_budget new tokens is carried over and
+                                      # continues in the next batch's generation, by the version then current; a batch
+                                      # trains the first prompts_per_step groups whose members have all ended
+                                      # (partial_rollout.py); false: every response ends in its own batch
+    rollout_token_budget: int = 0     # --partial_rollout: the new tokens a sequence draws per round (0: half the
+                                      # response budget, max_new_tokens // 2)
     # logging
     log_every: int = 1                # write a metrics.jsonl row every N steps
     save_every: int = 50              # checkpoint every N steps (and at the end)
@@ -698,6 +704,11 @@ class TrainConfig:
         _require(self.inflight_update == "off" or self.max_staleness >= 1,
                  f"--inflight_update={self.inflight_update}: the update overlaps the next batch's generation only "
                  "with --max_staleness >= 1")
+        _require(self.rollout_token_budget >= 0,
+                 f"--rollout_token_budget={self.rollout_token_budget}: must be >= 0 (0: half of max_new_tokens)")
+        _require(self.partial_rollout or not self.rollout_token_budget,
+                 f"--rollout_token_budget={self.rollout_token_budget} is the budget of a partial rollout: add "
+                 "--partial_rollout=true")
 
     def _check_sft(self):
         """--sft_steps: the task needs reference answers (tasks.SUPERVISED_TASKS), the trainers the sampler."""
@@ -779,6 +790,9 @@ class TrainConfig:
         _require(not n_rollout or self.prompts_per_step % n_rollout == 0,
                  f"prompts_per_step ({self.prompts_per_step}) must be divisible by --rollout_ranks={n_rollout}: "
                  "each rollout rank samples an equal share")
+        _require(not self.partial_rollout or (n_rollout or n_train) == 1,   # one queue of groups in flight
+                 f"--partial_rollout keeps its groups in flight in the one process that generates: run one process, or "
+                 f"--rollout_ranks=1 (this job: {n_rollout or n_train} {'rollout' if n_rollout else 'training'} ranks)")
 
     def check_model(self, model: ModelConfig, task_vocab: int) -> None:
         """The options that need the model: the route options refuse a model without a router (they

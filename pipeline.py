@@ -20,6 +20,15 @@ policy is then staleness alone: the numerics are exactly zero (the contract), so
 a token the trainer recomputes its log-prob bitwise (tests/test_pipeline.py), and the metrics split the
 train-rollout gap by whether the token's version is the trainer's (`staleness_metrics`).
 A checkpoint holds the batches generated ahead (state_dict), so a resume continues the same run.
+
+Partial rollouts (--partial_rollout, partial_rollout.py): the generate of batch j is then an object that
+keeps P groups in flight across batches. A response unfinished after --rollout_token_budget new tokens
+(a round) is carried over and continues in the next batch's generation by the version current then,
+on KV its prefill recomputes; batch j trains the first P groups whose members have all ended, so a long
+response no longer holds its batch back, and its tokens record the versions that drew them. What is in
+flight is saved with the batches ahead (state_dict's "partial"); on a rollout rank it travels with each
+batch to the trainers (Rollout.carry), whose checkpoint then resumes it. It needs one generating process
+(one process, or --rollout_ranks=1): one queue of groups, in the order they end.
 """
 from __future__ import annotations
 
@@ -41,6 +50,8 @@ class Rollout:
     version: int                                # the version that started it
     seconds: float                              # its generation, wall clock
     counters: dict = dataclasses.field(default_factory=dict)   # the sampler's (preemptions, prefix cache), waits
+    metrics: dict = dataclasses.field(default_factory=dict)    # the batch's own, global (partial_carried_seqs, ...)
+    carry: dict | None = None                   # --partial_rollout on a rollout rank: what is in flight after it
 
     @property
     def episodes(self) -> "Recorded | None":
@@ -56,7 +67,9 @@ class Recorded:
         return [sum(r) for r in self.rewards]
 
 
-Generate = Callable[..., Rollout]     # generate(batch index, version, on_step=None, recompute_kv=False) -> Rollout
+# generate(batch index, version, on_step=None, recompute_kv=False) -> Rollout, called for j = 0, 1, ... in order; a
+# function, or an object with state_dict() / load_state_dict() saved with the pipeline's (partial_rollout.py)
+Generate = Callable[..., Rollout]
 
 
 class Colocated:
@@ -105,12 +118,18 @@ class Colocated:
         pass
 
     def state_dict(self) -> dict:
-        """The batches generated ahead, as plain data (checkpoint.py saves it with weights_only)."""
-        return {"next": self.next, "ahead": {j: rollout_state(r) for j, r in self.ahead.items()}}
+        """The batches generated ahead (and partial rollouts' groups in flight), as plain data (checkpoint.py
+        saves it with weights_only)."""
+        state = {"next": self.next, "ahead": {j: rollout_state(r) for j, r in self.ahead.items()}}
+        if hasattr(self.generate, "state_dict"):
+            state["partial"] = self.generate.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.next = state["next"]
         self.ahead = {int(j): rollout_from_state(r) for j, r in state["ahead"].items()}
+        if "partial" in state:
+            self.generate.load_state_dict(state["partial"])
 
 
 def _with_grad(fn):
@@ -122,13 +141,14 @@ def rollout_state(r: Rollout) -> dict:
     outs = [dataclasses.asdict(o) for o in r.outs]
     examples = [dataclasses.asdict(ex) for ex in r.examples]
     return {"examples": examples, "outs": outs, "turn_rewards": r.turn_rewards, "version": r.version,
-            "seconds": r.seconds, "counters": r.counters}
+            "seconds": r.seconds, "counters": r.counters, "metrics": r.metrics, "carry": r.carry}
 
 
 def rollout_from_state(state: dict) -> Rollout:
     from tasks import Example
     return Rollout([Example(**ex) for ex in state["examples"]], [SequenceOutput(**o) for o in state["outs"]],
-                   state["turn_rewards"], state["version"], state["seconds"], state.get("counters", {}))
+                   state["turn_rewards"], state["version"], state["seconds"], state.get("counters", {}),
+                   state.get("metrics", {}), state.get("carry"))
 
 
 def staleness_metrics(step: int, batch) -> dict:
@@ -271,6 +291,7 @@ class Remote:
         self.sending = None                        # the last weights broadcast: (work, its buffers)
         self.idle = 0.0                            # seconds waited for batches since the last read
         self.lost = False                          # a rollout rank is gone (PeerLost)
+        self.carry = None                          # --partial_rollout: in flight after the last batch received
 
     def take(self, step: int) -> Rollout:
         if step in self.ahead:
@@ -326,18 +347,26 @@ class Remote:
                     for k in parts[0].counters if k not in SAMPLER_RATES}  # a trainer's share: reduce_metrics sums them
         counters.update(sampler_rates(counters))
         counters["trainer_idle_s"], self.idle = self.idle, 0.0
+        if parts[0].carry is not None:                            # --partial_rollout: one rollout rank (config.py)
+            self.carry = parts[0].carry
         return Rollout(examples[lo:hi], outs[lo * G:hi * G], None if turns is None else turns[lo * G:hi * G],
-                       parts[0].version, max(p.seconds for p in parts), counters)
+                       parts[0].version, max(p.seconds for p in parts), counters, parts[0].metrics)
 
     def close(self) -> None:
         if self.sending is not None:
             wait(self.sending[0], self.stop)
 
     def state_dict(self) -> dict:
-        return {"next": 0, "ahead": {j: rollout_state(r) for j, r in self.ahead.items()}}
+        """The batches received ahead; with --partial_rollout, what the rollout rank had in flight after the
+        last of them (so that a resumed rollout rank continues it)."""
+        state = {"next": 0, "ahead": {j: rollout_state(r) for j, r in self.ahead.items()}}
+        if self.carry is not None:
+            state["partial"] = self.carry
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.ahead = {int(j): rollout_from_state(r) for j, r in state["ahead"].items()}
+        self.carry = state.get("partial")
 
 
 class _All:
@@ -397,14 +426,20 @@ class WeightsReceiver:
             self.poll()
 
 
-def serve(run, generate: Generate, first: int, stop=None) -> None:
+def serve(run, generate: Generate, start: int, saved: dict, stop=None) -> None:
     """A rollout rank's loop: batch j by version j - K (in flight: from version j - K, taking j - K + 1
-    halfway), each broadcast to the trainers as soon as it is made. first: the first batch to make (a
-    resume's trainers hold the ones before); the task's stream is advanced to it."""
+    halfway), each broadcast to the trainers as soon as it is made. start: the trainers' first step;
+    saved: their pipeline state (Remote.state_dict; {} on a fresh start): the batches they hold already,
+    and with --partial_rollout what was in flight after the last of them (the task's stream with it);
+    without, the task's stream is advanced past the prompts those batches drew."""
     tcfg, bridge = run.tcfg, run.d.bridge
     K, mode = tcfg.max_staleness, tcfg.inflight_update
-    for _ in range(first):                                     # the prompts the batches before `first` drew
-        run.task.sample(tcfg.prompts_per_step)
+    first = start + len(saved.get("ahead", {}))                # the first batch to make
+    if "partial" in saved:
+        generate.load_state_dict(saved["partial"])
+    else:
+        for _ in range(first):                                 # the prompts the batches before `first` drew
+            run.task.sample(tcfg.prompts_per_step)
     weights = WeightsReceiver(run.policy.full, bridge, run.start, tcfg.steps, stop)   # the weights of step `start`
     group, root, sends = next(iter(bridge.batches.values())), bridge.n_train, []
     midpoint = max(1, (run.rcfg.max_new_tokens or run.task.max_new_tokens) // 2)
@@ -416,6 +451,8 @@ def serve(run, generate: Generate, first: int, stop=None) -> None:
             on_step = _halfway(weights, run.policy, version + 1, midpoint)
         ro = generate(j, version=version, on_step=on_step, recompute_kv=mode == "recompute_kv")
         ro.counters["rollout_idle_s"], weights.idle = weights.idle, 0.0
+        if hasattr(generate, "state_dict"):                    # for the trainers' checkpoints: an exact resume
+            ro.carry = generate.state_dict()
         payload = to_bytes(rollout_state(ro))
         size = torch.tensor([payload.numel()])
         sends.append((group.broadcast(size, root), group.broadcast(payload, root), payload))

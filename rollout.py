@@ -520,7 +520,7 @@ class Sampler:
         load_state_dict; not a write through .data, nor memory written outside torch: call
         weights_updated() then). Counters of the last request: num_preemptions, num_cached_tokens,
         num_prefilled_tokens, prefix_hit_rate; num_drafted_tokens, num_accepted_tokens, spec_accept_rate
-        (speculative decoding).
+        (speculative decoding); all of them as a run logs them: `counters`.
         """
         if config is not None and not isinstance(config, RolloutConfig):
             raise TypeError(f"config must be a config.RolloutConfig, got {type(config).__name__}")
@@ -571,6 +571,16 @@ class Sampler:
         total = self.num_cached_tokens + self.num_prefilled_tokens
         return self.num_cached_tokens / total if total else 0.0
 
+    @property
+    def counters(self) -> dict:
+        """The last request's counters, as a run logs them."""
+        out = {"preemptions": self.num_preemptions, "prefix_hit_rate": self.prefix_hit_rate,
+               "prefix_cached_tokens": self.num_cached_tokens, "prefilled_tokens": self.num_prefilled_tokens}
+        if self.config.speculative_tokens:                             # a default run's keys stay as they were
+            out.update(spec_drafted_tokens=self.num_drafted_tokens, spec_accepted_tokens=self.num_accepted_tokens,
+                       spec_accept_rate=self.spec_accept_rate)
+        return out
+
     def weights_updated(self) -> None:
         """The model's weights changed: no prefix-cache block computed before may serve a request after."""
         self.weights_version += 1
@@ -582,13 +592,15 @@ class Sampler:
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 1.0,
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int] = 64, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, n: int = 1, stop_token_ids: tuple[int, ...] = (),
                  seed: int = 0, progress: bool = False, index_offset: int = 0,
                  on_turn_end: TurnEnd | None = None, max_episode_tokens: int | None = None, version: int = 0,
                  on_step: Callable[[], int | None] | None = None, recompute_kv: bool = False) -> list[SequenceOutput]:
         """Sample n continuations of each prompt; returns len(prompts) * n outputs, prompt-major.
 
+        max_new_tokens: an int, or one per prompt (single-turn requests: a partial rollout continues
+            each sequence by its own remaining budget, its tokens so far in its prompt).
         temperature 0 is greedy (log-probs then use temperature 1). Identical prompts (repeated, or
         through n) are prefilled once and share their KV blocks. index_offset: the index of this
         request's first sequence in a larger one (a data-parallel rank passes its global offset, so its
@@ -609,7 +621,9 @@ class Sampler:
             new version (else None). The sequences under way continue on their KV written by the old
             weights, or with recompute_kv every one of them is prefilled again by the new ones.
         """
-        sp = SamplingParams(temperature, top_p, top_k, max_new_tokens, tuple(stop_token_ids), seed)
+        budgets = self._budgets(max_new_tokens, prompts, on_turn_end)
+        sp = SamplingParams(temperature, top_p, top_k, max_new_tokens if budgets is None else max(budgets, default=1),
+                            tuple(stop_token_ids), seed)
         if not _is_int(n) or n < 1:
             raise ValueError(f"n={n!r}: need an integer >= 1 (samples per prompt)")
         if not _is_int(index_offset) or index_offset < 0:
@@ -624,7 +638,7 @@ class Sampler:
                              f"{self.config.speculative_tokens}: the update lands after a number of engine steps "
                              f"and a verify step samples several tokens, so which version samples a token would "
                              f"change; use speculative_tokens=0")
-        seqs = self._sequences(prompts, sp, n, index_offset, on_turn_end is not None, max_episode_tokens)
+        seqs = self._sequences(prompts, sp, n, index_offset, on_turn_end is not None, max_episode_tokens, budgets)
         if self.runner.weights_key() != self.weights_key:          # e.g. model.to(...) after building
             raise RuntimeError("the model's weights moved to new memory since this Sampler was built (e.g. "
                                "model.to() or load_state_dict(assign=True)); build a new Sampler")
@@ -660,14 +674,32 @@ class Sampler:
         return [s.output for s in seqs]
 
     def _sequences(self, prompts, sp: SamplingParams, n: int, index_offset: int, episodes: bool,
-                   max_episode_tokens: int | None) -> list[Sequence]:
-        """The request's sequences, n per prompt: each turn ends at max_new_tokens, the whole at its limit."""
-        def limit(P: int) -> int:
+                   max_episode_tokens: int | None, budgets: list[int] | None) -> list[Sequence]:
+        """The request's sequences, n per prompt: each turn ends at max_new_tokens (the prompt's own, with
+        budgets), the whole at its limit."""
+        new = (lambda i: sp.max_new_tokens) if budgets is None else (lambda i: budgets[i])
+
+        def limit(i: int, P: int) -> int:
             end = min(P + max_episode_tokens, self.max_model_len) if max_episode_tokens else self.max_model_len
-            return end if episodes else min(end, P + sp.max_new_tokens)
-        return [Sequence(index_offset + i * n + j, prompt, min(len(prompt) + sp.max_new_tokens, limit(len(prompt))),
-                         num_tokens=len(prompt), limit=limit(len(prompt)), max_new_tokens=sp.max_new_tokens)
+            return end if episodes else min(end, P + new(i))
+        return [Sequence(index_offset + i * n + j, prompt, min(len(prompt) + new(i), limit(i, len(prompt))),
+                         num_tokens=len(prompt), limit=limit(i, len(prompt)), max_new_tokens=new(i))
                 for i, prompt in enumerate(self._check_prompts(prompts, sp, limit)) for j in range(n)]
+
+    @staticmethod
+    def _budgets(max_new_tokens, prompts, on_turn_end) -> list[int] | None:
+        """max_new_tokens given per prompt, checked where it enters -> the list (None: one int for all)."""
+        if not isinstance(max_new_tokens, (list, tuple)):
+            return None
+        if on_turn_end is not None:
+            raise ValueError("max_new_tokens per prompt is for single-turn requests: give one int with on_turn_end")
+        if isinstance(prompts, (list, tuple)) and len(prompts) != len(max_new_tokens):   # (else _check_prompts says)
+            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} budgets for {len(prompts)} prompts: give one "
+                             "per prompt")
+        for i, b in enumerate(max_new_tokens):
+            if not _is_int(b) or b < 1:
+                raise ValueError(f"max_new_tokens[{i}]={b!r}: need an integer >= 1")
+        return [int(b) for b in max_new_tokens]
 
     def _run(self, sched: Scheduler, req: Request) -> None:
         """The engine loop: schedule, run the step on the device, end turns, retire what finished."""
@@ -770,7 +802,7 @@ class Sampler:
                 raise ValueError(f"{where}: item {j} of the observation, id {t}, is outside [0, vocab_size={vocab})")
         return [int(t) for t in ids]
 
-    def _check_prompts(self, prompts, sp: SamplingParams, limit: Callable[[int], int]) -> list[list[int]]:
+    def _check_prompts(self, prompts, sp: SamplingParams, limit: Callable[[int, int], int]) -> list[list[int]]:
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list of lists of token ids, got {type(prompts).__name__}")
         vocab, out = self.model.config.vocab_size, []
@@ -791,7 +823,7 @@ class Sampler:
                                  f"(max_position_embeddings) with room for at least one new token; shorten it")
             if not all(0 <= t < vocab for t in prompt):
                 raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab})")
-            max_len = limit(len(prompt))
+            max_len = limit(i, len(prompt))
             if -(-max_len // self.config.block_size) > self.num_blocks:
                 raise ValueError(f"prompt {i} may grow to {max_len} tokens = {-(-max_len // self.config.block_size)} "
                                  f"blocks, but the pool has {self.num_blocks}; raise num_blocks")

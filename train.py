@@ -66,6 +66,7 @@ from losses import (Normalisers, correction_weights, group_advantages, rejects, 
                     token_objective)
 from model import CapacityLimit, Transformer, capacity_limit
 from packing import Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks, unpack
+from partial_rollout import PartialRollouts
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
                       staleness_split)
 from rollout import Sampler
@@ -192,21 +193,20 @@ def take_or_stop(run: Run, step: int, saved: int) -> Rollout:
 
 def serve_rollouts(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
     """A rollout rank's whole run (--rollout_ranks): the model in its compute dtypes (a resume's weights
-    and its trainers' batches ahead), the sampler, then pipeline.serve's loop."""
+    and its trainers' pipeline state: batches ahead, partial rollouts), the sampler, then pipeline.serve."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     task, preset, config = run_task(tcfg, rcfg)
     model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset)
-    start, ahead = 0, 0
+    start, saved = 0, {}
     if tcfg.resume:
         store_routers(model, tcfg)
         resumed = resume(tcfg, model, task, None, d.print0)
-        start, tcfg = resumed.start, resumed.tcfg
-        ahead = len((resumed.rollouts or {}).get("ahead", {}))
+        start, tcfg, saved = resumed.start, resumed.tcfg, resumed.rollouts or {}
     weights = RolloutWeights(model, tcfg, rcfg)
     sampler = lab.episode_fault(Sampler(weights.sampler, rcfg), rcfg.rollout_episode_fault)
     run = Run(tcfg, rcfg, d, task, weights, None, sampler, start, 0, "")
     try:
-        serve(run, partial(rollout, run), start + ahead, stop=lambda: StopRequest.signum != 0)
+        serve(run, batches(run), start, saved, stop=lambda: StopRequest.signum != 0)
     except PeerLost as e:
         raise RunError(f"rollout rank {d.rank}: the trainers stopped ({e})") from None
     except Stopped:
@@ -224,10 +224,8 @@ def rollout(run: Run, j: int, version: int, on_step=None, recompute_kv: bool = F
     samples its own slice (groups stay whole). An episodic task plays each sequence as an episode
     against its own environment (tasks.Episodes), token in, token out. on_step, recompute_kv: an
     in-flight update during the batch (pipeline.Colocated.update)."""
-    tcfg, rcfg, d = run.tcfg, run.rcfg, run.d
+    tcfg, d = run.tcfg, run.d
     t0 = time.perf_counter()
-    run.policy.refresh()
-    run.policy.master.eval()
     n_prompts = tcfg.prompts_per_step // d.world
     examples = run.task.sample(tcfg.prompts_per_step)[d.rank * n_prompts:(d.rank + 1) * n_prompts]
     offset = d.rank * n_prompts * tcfg.group_size
@@ -236,25 +234,35 @@ def rollout(run: Run, j: int, version: int, on_step=None, recompute_kv: bool = F
         budget = episode_tokens(run)
         check_episode_room(run, examples, budget, j + 1)
         episodes = Episodes(run.task, examples, tcfg.group_size, j + 1, run.policy.master.config.vocab_size, offset)
+    outs, counters = sample(run, j, [ex.prompt for ex in examples], max_new_tokens(run), n=tcfg.group_size,
+                            index_offset=offset, on_turn_end=None if episodes is None else episodes.on_turn_end,
+                            max_episode_tokens=budget, version=version, on_step=on_step, recompute_kv=recompute_kv)
+    return Rollout(examples, outs, None if episodes is None else episodes.rewards, version, time.perf_counter() - t0,
+                   counters)
+
+
+def sample(run: Run, j: int, prompts: list[list[int]], max_new: int | list[int], draw: int | None = None,
+           **kw) -> tuple[list, dict]:
+    """Sampler.generate of batch j's prompts under the run's settings -> (outputs, the sampler's counters).
+    draw: what keys the random draws (the batch j, or a partial rollout's round: partial_rollout.py); kw:
+    generate's others (n, index_offset, on_turn_end, max_episode_tokens, version, on_step, recompute_kv)."""
+    tcfg, rcfg = run.tcfg, run.rcfg
+    run.policy.refresh()
+    run.policy.master.eval()
     try:
-        outs = run.sampler.generate([ex.prompt for ex in examples], max_new_tokens=max_new_tokens(run),
-                                    n=tcfg.group_size, temperature=rcfg.temperature, top_p=rcfg.top_p,
-                                    top_k=rcfg.top_k, stop_token_ids=run.task.stop_token_ids,
-                                    seed=tcfg.seed * 1_000_003 + j, progress=False, index_offset=offset,
-                                    on_turn_end=None if episodes is None else episodes.on_turn_end,
-                                    max_episode_tokens=budget, version=version, on_step=on_step, recompute_kv=recompute_kv)
+        outs = run.sampler.generate(prompts, max_new_tokens=max_new, temperature=rcfg.temperature, top_p=rcfg.top_p,
+                                    top_k=rcfg.top_k, stop_token_ids=run.task.stop_token_ids, progress=False,
+                                    seed=tcfg.seed * 1_000_003 + (j if draw is None else draw), **kw)
     except TaskError:                                                  # an environment's answer: its own line
         raise
     except ValueError as e:                                           # the sampler's input checks: a prompt too long...
         raise ConfigError(f"step {j + 1}: the sampler refused this step's prompts: {e}") from None
-    s = run.sampler
-    counters = {"preemptions": s.num_preemptions, "prefix_hit_rate": s.prefix_hit_rate,
-                "prefix_cached_tokens": s.num_cached_tokens, "prefilled_tokens": s.num_prefilled_tokens}
-    if rcfg.speculative_tokens:                                       # a default run's keys stay as they were
-        counters.update(spec_drafted_tokens=s.num_drafted_tokens, spec_accepted_tokens=s.num_accepted_tokens,
-                        spec_accept_rate=s.spec_accept_rate)
-    return Rollout(examples, outs, None if episodes is None else episodes.rewards, version, time.perf_counter() - t0,
-                   counters)
+    return outs, run.sampler.counters
+
+
+def batches(run: Run):
+    """What makes batch j (a pipeline.Generate): rollout, or with --partial_rollout the groups in flight."""
+    return PartialRollouts.of(run, sample, max_new_tokens(run)) if run.tcfg.partial_rollout else partial(rollout, run)
 
 
 def episode_tokens(run: Run) -> int:
@@ -512,12 +520,12 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "route_filtered_frac": stats.filtered / stats.tokens,
            "lr": lr_at(step, run.tcfg, run.surge.step), "rollout_tokens_per_s": lengths.sum().item() / ro.seconds,
            **latency_metrics(outs, run.d),
-           "step_time": time.perf_counter() - t0, "skipped_steps": run.skipped, **ro.counters}
+           "step_time": time.perf_counter() - t0, "skipped_steps": run.skipped, **ro.counters, **ro.metrics}
     if run.capacity is not None:                                      # --train_capacity_factor's drops, all ranks'
         c = run.capacity
         c.rows, c.dropped = all_sum_counts([int(c.rows), int(c.dropped)], run.d)
         row.update(c.pop_metrics())
-    if run.tcfg.max_staleness:                                        # provenance: how old, and the gap by it
+    if run.tcfg.max_staleness or run.tcfg.partial_rollout:            # provenance: how old, and the gap by it
         row.update(staleness_metrics(step, batch))
         row.update(staleness_split(step, batch, rows, audited.logp, audited.routes, n_experts))
     ep = expert_parallel.of(run.policy.master)
@@ -606,8 +614,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
               balancer=balancer)
     midpoint = max(1, max_new_tokens(run) // 2)                       # an in-flight update lands halfway
     run.rollouts = (Remote(run, stop=lambda: StopRequest.signum != 0) if d.bridge is not None else
-                    Colocated(partial(rollout, run), tcfg.max_staleness, tcfg.inflight_update, midpoint,
-                              refresh=policy.refresh))
+                    Colocated(batches(run), tcfg.max_staleness, tcfg.inflight_update, midpoint, refresh=policy.refresh))
     run.surge.load_state_dict(resumed.surge if resumed is not None else None)   # where a surge was seen, if one was
     if resumed is not None and resumed.rollouts is not None:        # the batches generated ahead of the step
         run.rollouts.load_state_dict(resumed.rollouts)

@@ -1,7 +1,8 @@
 """pipeline.py: bounded staleness and in-flight updates. The schedule (which version generates which
 batch), provenance per token under every --inflight_update mode, the contract across versions (the
 trainer's forward at the version that drew a token recomputes its log-prob bitwise; keep_kv's tokens
-are another function: the control), K = 0 as the synchronous loop, and resume at the same K.
+are another function: the control; partial rollouts' carried tokens too), K = 0 as the synchronous loop,
+and resume at the same K.
 
     python -m pytest -q tests/test_pipeline.py
 """
@@ -107,6 +108,78 @@ def test_each_token_records_the_version_that_drew_it_and_the_oldest_kv(mode):
             assert not torch.equal(lp[3:], at6[3:]) and not torch.equal(lp[3:], at5[3:])
     off = Sampler(Transformer(ModelConfig.preset("tiny"))).generate([[11, 3, 10]], max_new_tokens=4, version=2)
     assert off[0].token_versions == off[0].kv_versions == [2] * len(off[0].tokens)   # off: one version
+
+
+def _perturbed(model, seed):
+    """Move the weights in place (an update): -> a copy of the new ones."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return copy.deepcopy(model.state_dict())
+
+
+def test_carried_tokens_keep_the_bits_of_the_version_that_drew_them():
+    """Partial rollouts (partial_rollout.py): batch 0 by version 5, batch 1 by version 6, which an in-flight
+    keep_kv update moves to 7 after its first engine step. A token whose version and KV version agree (drawn in
+    its batch, or after a carry's recompute under new weights) has the trainer's bits at its version:
+    log-prob, and the route that drew it; the earlier tokens of a carried sequence keep theirs. The
+    controls: a carried token is not its earlier version's function, and a token drawn on KV an older
+    version wrote is neither version's."""
+    from partial_rollout import PartialRollouts
+    from tasks import DigitTask
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    sampler = Sampler(model, max_batch_size=16)
+    states, engine_steps = {5: copy.deepcopy(model.state_dict())}, [0]
+
+    def sample(j, prompts, budgets, draw, version, on_step=None, recompute_kv=False):
+        outs = sampler.generate(prompts, max_new_tokens=budgets, stop_token_ids=tuple(range(0, 32, 3)), seed=draw,
+                                version=version, on_step=on_step, recompute_kv=recompute_kv)
+        return outs, sampler.counters
+
+    def on_step():
+        engine_steps[0] += 1
+        if engine_steps[0] == 1:
+            states[7] = _perturbed(model, 2)
+            return 7
+        return None
+    gen = PartialRollouts(DigitTask("copy", n_digits=2), sample, prompts_per_step=2, group_size=2, budget=2,
+                          max_new_tokens=8, context=256)
+    b0 = gen(0, version=5)
+    states[6] = _perturbed(model, 1)
+    b1 = gen(1, version=6, on_step=on_step)
+    assert len(b0.outs) == len(b1.outs) == 4 and len(b1.examples) == 2              # the batch keeps its size
+    assert b1.metrics["partial_carried_seqs"] > 0 and b1.metrics["partial_carried_tokens"] > 0
+    seen = set()
+    for o in b0.outs + b1.outs:
+        P, lp = len(o.prompt), torch.tensor(o.logprobs)
+        versions = set(o.token_versions) | set(o.kv_versions)
+        scored = {v: model_at(states[v]).score(torch.tensor([o.prompt + o.tokens])) for v in versions}
+        assert torch.equal(o.routes[:P - 1], scored[o.token_versions[0]][1][0, :P - 1])   # the prompt's, at its birth
+        own = [t for t, (v, kv) in enumerate(zip(o.token_versions, o.kv_versions)) if v == kv]
+        for t in own:                                                # the contract: the version that drew it
+            logp, routes = scored[o.token_versions[t]]
+            assert torch.equal(lp[t], logp[0, P - 1 + t]) and torch.equal(o.routes[P - 1 + t], routes[0, P - 1 + t])
+        stale = [t for t in range(len(o.tokens)) if t not in own]
+        for v in scored:
+            mine = [t for t in own if o.token_versions[t] == v]
+            earlier = [w for w in scored if w < v]
+            if mine and earlier:                                     # control: a carried token at an earlier version
+                seen.add("carried")
+                assert not torch.equal(lp[mine], scored[min(earlier)][0][0, P - 1 + torch.tensor(mine)])
+        if stale:                                                    # control: drawn on older KV, neither version's
+            seen.add("old kv")
+            at = P - 1 + torch.tensor(stale)
+            for v in {o.token_versions[t] for t in stale} | {o.kv_versions[t] for t in stale}:
+                assert not torch.equal(lp[stale], scored[v][0][0, at])
+    assert seen == {"carried", "old kv"}                             # both controls ran
+
+
+def model_at(state):
+    model = Transformer(ModelConfig.preset("tiny"))
+    model.load_state_dict(state)
+    return model
 
 
 # ---- in training ----------------------------------------------------------------------------------------
