@@ -697,8 +697,12 @@ class TrainConfig:
         """Where the batches come from: bounded staleness, in-flight updates, rollout ranks (pipeline.py)."""
         _require(self.max_staleness >= 0, f"--max_staleness={self.max_staleness}: must be >= 0 (0: synchronous)")
         _require(self.rollout_ranks >= 0, f"--rollout_ranks={self.rollout_ranks}: must be >= 0")
-        _require(not (self.rollout_ranks and self.expert_parallel > 1),
-                 "--rollout_ranks with --expert_parallel: the weights broadcast carries whole experts; not yet supported")
+        _require(not self.rollout_ranks or self.rollout_ranks % self.expert_parallel == 0,
+                 f"--rollout_ranks={self.rollout_ranks} with --expert_parallel={self.expert_parallel}: the rollout ranks "
+                 "form EP groups of their own, so the EP degree must divide them")
+        _require(not (self.rollout_ranks and self.eplb_redundant),
+                 f"--rollout_ranks with --eplb_redundant={self.eplb_redundant}: the rollout ranks receive the trained "
+                 "experts, not replicas; drop one")
         _require(self.inflight_update in INFLIGHT_UPDATES,
                  f"--inflight_update={self.inflight_update!r}: choose one of {', '.join(INFLIGHT_UPDATES)}")
         _require(self.inflight_update == "off" or self.max_staleness >= 1,

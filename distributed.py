@@ -70,12 +70,13 @@ def check_device(device: str) -> None:
             raise ConfigError(f"--device={device}: only {torch.cuda.device_count()} CUDA device(s) visible")
 
 
-def init_distributed(device: str, rollout_ranks: int = 0) -> Dist:
+def init_distributed(device: str, rollout_ranks: int = 0, ep_size: int = 1) -> Dist:
     """NCCL with one GPU per local rank, or gloo on CPU; a single process when not under torchrun.
 
     rollout_ranks=R > 0 (disaggregated): the last R ranks generate and the others train; each side is
     its own default process group (so every collective of one side runs among its ranks only, DDP,
-    FSDP2 and EP included), and a Bridge of gloo groups joins them (weights one way, batches the other)."""
+    FSDP2 and EP included), and a Bridge of gloo groups joins them (weights one way, batches the other).
+    ep_size: the EP degree of both sides (the weights travel shard by shard, Bridge)."""
     check_device(device)
     use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ:
@@ -98,7 +99,7 @@ def init_distributed(device: str, rollout_ranks: int = 0) -> Dist:
     n_train = world - rollout_ranks
     role, side_rank, side_world = ("train", rank, n_train) if rank < n_train else ("rollout", rank - n_train, rollout_ranks)
     dist.init_process_group(backend, store=dist.PrefixStore(role, store), rank=side_rank, world_size=side_world, **kw)
-    return Dist(side_rank, side_world, dev, role, Bridge(store, rank, n_train, rollout_ranks))
+    return Dist(side_rank, side_world, dev, role, Bridge(store, rank, n_train, rollout_ranks, ep_size))
 
 
 def launcher_store(world: int):
@@ -112,18 +113,22 @@ def launcher_store(world: int):
 class Bridge:
     """The gloo groups between the trainers and the rollout ranks (disaggregated, --rollout_ranks):
     `weights`: trainer 0 and the rollout ranks (trainer 0 broadcasts each new version's compute weights);
+    under EP of degree N, one such group per EP rank s: trainer s and the rollout ranks r with r % N == s,
+    since both sides form EP groups of N consecutive ranks with the same placement, so trainer s's weights
+    (the dense ones and its E/N experts) are exactly what those rollout ranks hold;
     `batches[r]`: rollout rank r and every trainer (rank r broadcasts each batch it generated).
     Each is a group of its own, so its broadcasts pair up in their own order whatever the other does."""
 
-    def __init__(self, store, rank: int, n_train: int, n_rollout: int):
+    def __init__(self, store, rank: int, n_train: int, n_rollout: int, ep_size: int = 1):
         from datetime import timedelta
         self.n_train, self.n_rollout, self.global_rank = n_train, n_rollout, rank
         timeout = timedelta(minutes=30)
         self.weights = None
-        members = [0] + list(range(n_train, n_train + n_rollout))
-        if rank in members:
-            self.weights = dist.ProcessGroupGloo(dist.PrefixStore("bridge/weights", store), members.index(rank),
-                                                 len(members), timeout)
+        for s in range(ep_size):
+            members = [s] + [n_train + r for r in range(n_rollout) if r % ep_size == s]
+            if rank in members:
+                self.weights = dist.ProcessGroupGloo(dist.PrefixStore(f"bridge/weights/{s}", store),
+                                                     members.index(rank), len(members), timeout)
         self.batches = {}
         for r in range(n_rollout):
             members = list(range(n_train)) + [n_train + r]

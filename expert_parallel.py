@@ -225,6 +225,18 @@ def init_expert_parallel(n: int, placement: Placement | None = None, n_experts: 
     return ExpertParallel(placement, rank % n, mine, replicas, world // n, host=host)
 
 
+def layout(tcfg, n_experts: int, world: int) -> tuple[ExpertParallel | None, list[int] | None]:
+    """A run's EP (--expert_parallel, --expert_placement; a TrainConfig): this rank's EP group among `world`
+    ranks (its side's, under --rollout_ranks) and the experts it holds from the start, so no rank reads
+    them all; (None, None) at EP = 1. A collective when EP > 1: every rank of the side calls it."""
+    check_degree(tcfg.expert_parallel, n_experts, world)
+    placement = placement_of(tcfg.expert_placement, tcfg.expert_parallel, n_experts)
+    if tcfg.expert_parallel == 1:
+        return None, None
+    ep = init_expert_parallel(tcfg.expert_parallel, placement, n_experts)
+    return ep, ep.placement.experts_of(ep.rank)
+
+
 def of(model: nn.Module) -> ExpertParallel | None:
     """The ExpertParallel a model's MoE layers were sharded with (None: whole experts)."""
     return next((m.ep for _, m in _moe_layers(model) if getattr(m, "ep", None) is not None), None)

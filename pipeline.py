@@ -198,6 +198,8 @@ def version_masks(step: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
 # version j - K has arrived (versions that arrive earlier wait, at most K of them), and the trainers take
 # batch j when they need it (batches generated earlier wait in gloo's buffers). Neither side waits while
 # the other keeps up: with K >= 1 the rollout ranks generate batch step + K while the trainers train step.
+# Under EP both sides shard the experts alike (rollout rank r holds trainer r mod N's), so each trainer of
+# the first EP group sends its own weights to its rollout ranks (distributed.Bridge), shard to shard.
 def flat_buffers(model) -> list[torch.Tensor]:
     """The model's parameters and buffers (distributed.model_state's order) as one flat tensor per dtype:
     what a weights broadcast carries (a few large messages, not one per tensor)."""

@@ -106,7 +106,7 @@ class Run:
 # the loop
 # ---------------------------------------------------------------------------------------------------
 def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
-    d = init_distributed(tcfg.device, tcfg.rollout_ranks)
+    d = init_distributed(tcfg.device, tcfg.rollout_ranks, tcfg.expert_parallel)
     try:
         # one kernel backend for sampler and trainer: --kernels_backend, else KERNELS_BACKEND, else auto
         with kernels.set_backend(tcfg.kernels_backend or kernels.get_backend()):
@@ -196,12 +196,15 @@ def serve_rollouts(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
     and its trainers' pipeline state: batches ahead, partial rollouts), the sampler, then pipeline.serve."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     task, preset, config = run_task(tcfg, rcfg)
-    model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset)
+    ep, experts = expert_parallel.layout(tcfg, config.num_experts, d.world)   # the rollout ranks' own groups
+    model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts)
     start, saved = 0, {}
     if tcfg.resume:
         store_routers(model, tcfg)
-        resumed = resume(tcfg, model, task, None, d.print0)
+        resumed = resume(tcfg, model, task, experts, d.print0)
         start, tcfg, saved = resumed.start, resumed.tcfg, resumed.rollouts or {}
+    if ep is not None:
+        expert_parallel.shard_experts(model, ep, loaded=True)
     weights = RolloutWeights(model, tcfg, rcfg)
     sampler = lab.episode_fault(Sampler(weights.sampler, rcfg), rcfg.rollout_episode_fault)
     run = Run(tcfg, rcfg, d, task, weights, None, sampler, start, 0, "")
@@ -572,17 +575,12 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     if not tcfg.resume:                                               # the lr horizon, saved with the run
         tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
     task, preset, config = run_task(tcfg, rcfg)
-    expert_parallel.check_degree(tcfg.expert_parallel, config.num_experts, d.world)
-    placement = expert_parallel.placement_of(tcfg.expert_placement, tcfg.expert_parallel, config.num_experts)
+    ep, experts = expert_parallel.layout(tcfg, config.num_experts, d.world)
     eplb.check(tcfg.eplb_redundant, tcfg.expert_parallel, config.num_experts)
     tcfg.check_model(config, task.vocab_size)
     key_tokens = replay.key_token_table(tcfg.route_filter_token_ids(task, config.vocab_size), config.vocab_size, d.device)
     lab.check_router_fault(config, rcfg.rollout_router_fault)
     lab.check_episode_fault(task, rcfg.rollout_episode_fault)
-    ep = experts = None
-    if tcfg.expert_parallel > 1:          # each rank holds its E/N experts from the start: no rank reads them all
-        ep = expert_parallel.init_expert_parallel(tcfg.expert_parallel, placement, config.num_experts)
-        experts = ep.placement.experts_of(ep.rank)
     model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts)
     resumed = None
     if tcfg.resume:

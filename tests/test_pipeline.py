@@ -254,6 +254,8 @@ def _same_but_waits(a, b):
     (1, 1, ["--max_staleness=1", "--inflight_update=recompute_kv"]),
     (2, 1, ["--max_staleness=2", "--inflight_update=keep_kv", "--parallel=fsdp"]),
     (2, 2, ["--max_staleness=0"]),                                     # 4 processes, synchronous: KL 0
+    (2, 2, ["--max_staleness=1", "--expert_parallel=2"]),              # EP groups on both sides, shard to shard
+    (2, 2, ["--max_staleness=1", "--expert_parallel=2", "--parallel=fsdp", "--inflight_update=keep_kv"]),
 ])
 def test_rollout_ranks_run_the_colocated_schedule_bit_for_bit(tmp_path, trainers, rollout_ranks, extra):
     """The last ranks generate, the others train: the run equals the colocated run of the same trainers
