@@ -13,7 +13,9 @@ loop itself, step by step. With an in-flight update (--inflight_update=keep_kv|r
 step + K is generated while the update of `step` runs: the sampler starts it with version `step`, takes
 version step + 1 after half of its decode steps (as PipelineRL takes each new version between decode
 steps) and goes on, keeping the KV the old weights wrote (keep_kv: SequenceOutput.kv_versions says how
-old) or recomputing it under the new ones (recompute_kv).
+old) or recomputing it under the new ones (recompute_kv). The recompute writes the route pages again, but
+the positions fed before it keep the routes recorded then: each token's recorded route is the one of the
+forward that drew it, beside its log-prob, so both are its own version's bits.
 
 The importance ratio between a token's behaviour policy (its recorded log-prob) and the trainer's
 policy is then staleness alone: the numerics are exactly zero (the contract), so at the version that drew

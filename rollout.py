@@ -38,6 +38,11 @@ every op is row-invariant, so a piece of a prefill has the bits of the whole pre
 * Routes live per KV slot: route pages (RolloutConfig.record_route_detail: also weights and margins)
   beside the KV pages, written at the same slots, so the blocks a group shares or the prefix cache
   serves carry their routes; a sequence's routes are gathered through its block table at its end.
+  A position records the routes of the forward that first fed it, the one whose logits drew its next
+  token: a preemption or an in-flight recompute frees a sequence's blocks and its next prefill writes
+  them again, maybe under new weights, so its fed positions' routes are kept first (Sequence.kept,
+  ModelRunner.keep_routes) and spliced over the gathered ones. Without new weights they are the bits
+  the recompute writes (the contract), so a plain preemption's outputs do not change.
 * Chunked prefill: a prompt or observation longer than max_num_batched_tokens is prefilled in chunks
   of at most that many tokens, a decode step of the running sequences after each chunk; meanwhile
   the sequence holds its row and blocks, and it samples after its last chunk.
@@ -100,6 +105,9 @@ OBSERVATION_LOGPROB = 0.0         # SequenceOutput.logprobs at the environment's
 
 # on_turn_end(index in the request's outputs, the turn's ids) -> ids to append, or None: the episode ends
 TurnEnd = Callable[[int, list], "list[int] | None"]
+# Sequence.kept: a sequence's routes at its first fed positions, copied out of its pages before a preemption or
+# an in-flight recompute freed them, one tensor per ModelRunner.route_pools, (positions, ...) on the device
+KeptRoutes = list[torch.Tensor]
 
 
 def _is_int(x) -> bool:
@@ -473,9 +481,15 @@ class ModelRunner:
         flat = self.logp_buf[torch.tensor(rows, device=dev), torch.tensor(positions, device=dev)].tolist()
         cuts = [s.num_tokens - 1 for s in seqs]
         slots = torch.tensor(slots, device=dev)
-        gather = lambda pages, dtype=None: [t.clone() for t in pages.flatten(0, 1)[slots].to("cpu", dtype).split(cuts)]
-        routes = gather(self.route_pages, torch.long)
-        weights, margins = (gather(self.weight_pages), gather(self.margin_pages)) if self.record_detail else \
+        values = [pages.flatten(0, 1)[slots] for pages in self.route_pools()]       # (sum of n - 1, ...) each
+        at = 0
+        for s, cut in zip(seqs, cuts):          # the positions fed before a recompute: the routes that drew there
+            for v, kept in zip(values, s.kept or ()):
+                v[at:at + len(kept)] = kept
+            at += cut
+        split = lambda v, dtype=None: [t.clone() for t in v.to("cpu", dtype).split(cuts)]
+        routes = split(values[0], torch.long)
+        weights, margins = (split(values[1]), split(values[2])) if self.record_detail else \
             ([None] * len(seqs), [None] * len(seqs))
         out, at = [], 0
         for s, r, w, m in zip(seqs, routes, weights, margins):
@@ -483,6 +497,23 @@ class ModelRunner:
             out.append((flat[at:at + k], r, w, m))
             at += k
         return out
+
+    def route_pools(self) -> list[torch.Tensor]:
+        """The pages recorded per fed position: the routes, and with record_route_detail their weights and
+        margins."""
+        return [self.route_pages, self.weight_pages, self.margin_pages] if self.record_detail else [self.route_pages]
+
+    def keep_routes(self, seq: Sequence, n: int) -> None:
+        """Scheduler.keep: before seq's blocks are freed, copy the routes (and detail) of its fed positions
+        [0, n) out of its pages into seq.kept (KeptRoutes), on the device. Positions an earlier keep
+        holds stay as they are: recorded first, they are the ones that drew the next tokens."""
+        have = 0 if seq.kept is None else len(seq.kept[0])
+        if n <= have:
+            return
+        bs = self.block_size
+        slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(have, n)], device=self.device)
+        new = [pages.flatten(0, 1)[slots] for pages in self.route_pools()]          # (n - have, ...) each
+        seq.kept = new if seq.kept is None else [torch.cat(pair) for pair in zip(seq.kept, new)]
 
     def weights_key(self) -> tuple:
         """Where the weights live: captured graphs read these addresses, so they must not move."""
@@ -619,7 +650,9 @@ class Sampler:
         on_step: an in-flight weight update's hook, called after every engine step outside the
             rollout's kernel variant: it may change the model's weights in place and then returns their
             new version (else None). The sequences under way continue on their KV written by the old
-            weights, or with recompute_kv every one of them is prefilled again by the new ones.
+            weights, or with recompute_kv every one of them is prefilled again by the new ones. Either
+            way a position fed before the update keeps the routes recorded then, which drew its next
+            token (beside that token's log-prob); the positions fed after record the new weights'.
         """
         budgets = self._budgets(max_new_tokens, prompts, on_turn_end)
         sp = SamplingParams(temperature, top_p, top_k, max_new_tokens if budgets is None else max(budgets, default=1),
@@ -649,7 +682,8 @@ class Sampler:
         bar = tqdm(total=sum(s.limit - s.num_tokens for s in seqs), desc="generate", disable=not progress, leave=False)
         cfg, req = self.config, Request(sp, on_turn_end, index_offset, bar, on_step, recompute_kv)
         sched = Scheduler(self.block_manager, cfg.max_batch_size, cfg.max_num_batched_tokens,
-                          end_turn=functools.partial(self._end_turn, req), speculative_tokens=cfg.speculative_tokens)
+                          end_turn=functools.partial(self._end_turn, req), speculative_tokens=cfg.speculative_tokens,
+                          keep=self.runner.keep_routes)
         sched.version = version
         for s in seqs:
             s.version_marks.append((s.num_tokens, version))

@@ -50,6 +50,10 @@ class Sequence:
     # that version, and from which the oldest KV they read is that version's (a (re)prefill from position 0)
     version_marks: list[tuple[int, int]] = field(default_factory=list)
     kv_marks: list[tuple[int, int]] = field(default_factory=list)
+    # the routes of its first fed positions, kept when its blocks were freed before its end (a preemption, an
+    # in-flight recompute): the prefill that recomputes them may run under other weights, and these drew its
+    # tokens (Scheduler.keep; rollout.KeptRoutes)
+    kept: object = None
 
     def __post_init__(self):
         self.limit = self.max_len if self.limit is None else self.limit
@@ -224,11 +228,16 @@ class Scheduler:
     end_turn(seq), when given, is called when a sequence's turn has ended, before its blocks and row are
     released: it brings seq.token_ids up to date (the turn's ids) and returns the ids to append (the
     session goes on) or None (the sequence is finished; its output must be collected by then).
+    keep(seq, n), when given, is called before the blocks of a sequence whose first n positions are fed
+    are freed ahead of its end (a preemption, an in-flight recompute), while they still hold its routes:
+    it keeps them in seq.kept, which the sequence's members share while they have the same tokens.
     """
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_batched_tokens: int,
-                 end_turn: Callable[[Sequence], list[int] | None] | None = None, speculative_tokens: int = 0):
+                 end_turn: Callable[[Sequence], list[int] | None] | None = None, speculative_tokens: int = 0,
+                 keep: Callable[[Sequence, int], None] | None = None):
         self.bm = block_manager
+        self.keep = keep
         self.speculative_tokens = speculative_tokens    # k > 0: decode steps are verify steps of k drafts
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -464,11 +473,12 @@ class Scheduler:
         """Free a sequence's blocks and queue it first for recompute (a prefill of all its tokens, of which
         the prefix cache may still hold the first); it keeps its row, which holds its tokens and
         log-probs so far."""
+        fed = seq.num_computed
         if seq in self.offset:
             seq.num_tokens = self.length(seq)
             self._stop(seq)
-        self.bm.free(seq)
-        seq.num_computed = 0
+            fed = seq.num_tokens - 1                     # running: its last token is sampled, not fed yet
+        self._release([seq], fed)
         self.waiting.appendleft([seq])
         self.num_preemptions += 1
 
@@ -486,11 +496,22 @@ class Scheduler:
             self._preempt(s)
         for group in list(reversed(self.prefilling)):
             self.prefilling.remove(group)
-            for s in group:
-                self.bm.free(s)
-                s.num_computed = 0
+            self._release(group, group[0].num_computed)
             self.waiting.appendleft(group)
             self.num_preemptions += len(group)
+
+    def _release(self, group: list[Sequence], fed: int) -> None:
+        """Free the blocks of a group (sequences with identical tokens) before its end, the routes of the
+        leader's first `fed` positions kept first: a recompute writes those positions again, maybe under
+        new weights, and the routes that drew their next tokens are these. The members, whose tokens are
+        the leader's, share what it keeps."""
+        leader = group[0]
+        if self.keep is not None and fed > 0:
+            self.keep(leader, fed)
+        for s in group:
+            s.kept = leader.kept
+            self.bm.free(s)
+            s.num_computed = 0
 
     def _start(self, seq: Sequence) -> None:
         self.running.append(seq)

@@ -1,8 +1,9 @@
 """pipeline.py: bounded staleness and in-flight updates. The schedule (which version generates which
 batch), provenance per token under every --inflight_update mode, the contract across versions (the
 trainer's forward at the version that drew a token recomputes its log-prob bitwise; keep_kv's tokens
-are another function: the control; partial rollouts' carried tokens too), K = 0 as the synchronous loop,
-and resume at the same K.
+are another function: the control; partial rollouts' carried tokens too), the routes that drew each
+token kept through recompute_kv and through a preemption before an update, K = 0 as the synchronous
+loop, and resume at the same K.
 
     python -m pytest -q tests/test_pipeline.py
 """
@@ -20,6 +21,7 @@ from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_o
 from model import Transformer
 from pipeline import Colocated, Rollout, rollout_from_state, rollout_state
 from rollout import Sampler
+from scheduler import Scheduler
 
 
 # ---- the schedule ---------------------------------------------------------------------------------
@@ -119,13 +121,15 @@ def _perturbed(model, seed):
     return copy.deepcopy(model.state_dict())
 
 
-def test_carried_tokens_keep_the_bits_of_the_version_that_drew_them():
+@pytest.mark.parametrize("mode", ["keep_kv", "recompute_kv"])
+def test_carried_tokens_keep_the_bits_of_the_version_that_drew_them(mode):
     """Partial rollouts (partial_rollout.py): batch 0 by version 5, batch 1 by version 6, which an in-flight
-    keep_kv update moves to 7 after its first engine step. A token whose version and KV version agree (drawn in
+    update moves to 7 after its first engine step. A token whose version and KV version agree (drawn in
     its batch, or after a carry's recompute under new weights) has the trainer's bits at its version:
-    log-prob, and the route that drew it; the earlier tokens of a carried sequence keep theirs. The
-    controls: a carried token is not its earlier version's function, and a token drawn on KV an older
-    version wrote is neither version's."""
+    log-prob, and the route that drew it; the earlier tokens of a carried sequence keep theirs, and so
+    do the positions that batch 1's first step fed under version 6 when recompute_kv prefills them again.
+    The controls: a carried token is not its earlier version's function, and (keep_kv) a token drawn on KV
+    an older version wrote is neither version's."""
     from partial_rollout import PartialRollouts
     from tasks import DigitTask
     torch.manual_seed(0)
@@ -148,7 +152,7 @@ def test_carried_tokens_keep_the_bits_of_the_version_that_drew_them():
                           max_new_tokens=8, context=256)
     b0 = gen(0, version=5)
     states[6] = _perturbed(model, 1)
-    b1 = gen(1, version=6, on_step=on_step)
+    b1 = gen(1, version=6, on_step=on_step, recompute_kv=mode == "recompute_kv")
     assert len(b0.outs) == len(b1.outs) == 4 and len(b1.examples) == 2              # the batch keeps its size
     assert b1.metrics["partial_carried_seqs"] > 0 and b1.metrics["partial_carried_tokens"] > 0
     seen = set()
@@ -173,13 +177,119 @@ def test_carried_tokens_keep_the_bits_of_the_version_that_drew_them():
             at = P - 1 + torch.tensor(stale)
             for v in {o.token_versions[t] for t in stale} | {o.kv_versions[t] for t in stale}:
                 assert not torch.equal(lp[stale], scored[v][0][0, at])
-    assert seen == {"carried", "old kv"}                             # both controls ran
+    assert seen == ({"carried", "old kv"} if mode == "keep_kv" else {"carried"})   # the controls ran
 
 
 def model_at(state):
     model = Transformer(ModelConfig.preset("tiny"))
     model.load_state_dict(state)
     return model
+
+
+def _updated_after(steps, recompute_kv=True, **engine):
+    """_inflight's request, the weights moved in place to version 6, 7, ... after each engine step of `steps`.
+    engine: Sampler settings. -> the outputs, each version's weights."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    states, done = {5: copy.deepcopy(model.state_dict())}, [0]
+
+    def on_step():
+        done[0] += 1
+        if done[0] not in steps:
+            return None
+        version = max(states) + 1
+        states[version] = _perturbed(model, version)
+        return version
+    outs = Sampler(model, max_batch_size=8, **engine).generate(
+        [[11, 3, 1, 4, 10], [11, 2, 7, 10]], max_new_tokens=8, n=3, seed=4, version=5, on_step=on_step,
+        recompute_kv=recompute_kv)
+    return outs, states
+
+
+def test_recompute_kv_records_the_routes_that_drew_each_token():
+    """Two recompute_kv updates, after engine steps 3 and 6: each prefills every sequence again, writing its
+    route pages again. A position still records the routes, weights and margins of the version whose
+    forward drew its next token, beside that token's log-prob: positions [0, P + 2) version 5's (they drew
+    tokens 0 to 2), [P + 2, P + 5) version 6's (tokens 3 to 5), then version 7's. Control: the last
+    recompute's routes differ at the earlier positions."""
+    outs, states = _updated_after({3, 6}, record_route_detail=True)
+    differ = []
+    for o in outs:
+        P, ids, lp = len(o.prompt), torch.tensor([o.prompt + o.tokens]), torch.tensor(o.logprobs)
+        assert o.token_versions == o.kv_versions == [5] * 3 + [6] * 3 + [7] * 2
+        scored = {v: model_at(states[v]).score(ids, route_detail=True) for v in (5, 6, 7)}
+        for v, (a, b) in zip((5, 6, 7), ((0, P + 2), (P + 2, P + 5), (P + 5, len(o.routes)))):
+            logp, routes, detail = scored[v]
+            drew = max(a, P - 1)                                      # the positions there that drew a token
+            assert torch.equal(lp[drew - P + 1:b - P + 1], logp[0, drew:b])
+            for got, want in zip((o.routes, o.route_weights, o.route_margins), (routes, detail.weights, detail.margin)):
+                assert torch.equal(got[a:b], want[0, a:b])
+        differ += [not torch.equal(o.routes[:P + 5], scored[7][1][0, :P + 5]),
+                   not torch.equal(o.routes[P + 2:P + 5], scored[7][1][0, P + 2:P + 5])]
+    assert all(differ[::2]) and any(differ[1::2])                 # control: version 7 routes otherwise there
+
+
+def _small_pool(monkeypatch, recompute_kv=False, update=True, num_blocks=8, **engine):
+    """Two groups of 3 grow past two block boundaries in a pool of 8 blocks, so the second boundary preempts
+    the newest sequences; the weights move to version 6 right after the first preemption (update), while the
+    preempted ones wait, holding no block. -> the outputs, each version's weights, the sequences preempted
+    before the update."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    states, preempted = {5: copy.deepcopy(model.state_dict())}, []
+    preempt = Scheduler._preempt
+
+    def spy(sched, seq):
+        if 6 not in states:
+            preempted.append(seq.seq_id)
+        preempt(sched, seq)
+    monkeypatch.setattr(Scheduler, "_preempt", spy)
+
+    def on_step():
+        if update and preempted and 6 not in states:
+            states[6] = _perturbed(model, 1)
+            return 6
+        return None
+    prompts = [[11, 3, 1, 4, 10, 5, 9, 2, 6, 5, 3, 5, 8, 9], [11, 2, 7, 10, 4, 4, 1, 2, 3, 8, 1, 7, 2]]
+    sampler = Sampler(model, max_batch_size=8, num_blocks=num_blocks, **engine)
+    outs = sampler.generate(prompts, max_new_tokens=24, n=3, seed=4, version=5, on_step=on_step,
+                            recompute_kv=recompute_kv)
+    return outs, states, preempted
+
+
+@pytest.mark.parametrize("mode", ["keep_kv", "recompute_kv"])
+def test_a_sequence_preempted_before_an_update_keeps_the_routes_that_drew_its_tokens(monkeypatch, mode):
+    """The sequences preempted before an update are prefilled again by version 6 (either mode): every
+    position still records the routes of the forward that drew its next token, so the prompt's are those
+    of its first version, and each token whose version and KV version agree has that version's log-prob
+    and route bitwise. Control: at a preempted sequence's version-5 positions version 6 routes otherwise."""
+    outs, states, preempted = _small_pool(monkeypatch, recompute_kv=mode == "recompute_kv")
+    assert preempted
+    for i, o in enumerate(outs):
+        P, lp = len(o.prompt), torch.tensor(o.logprobs)
+        scored = {v: model_at(states[v]).score(torch.tensor([o.prompt + o.tokens])) for v in (5, 6)}
+        assert torch.equal(o.routes[:P - 1], scored[o.token_versions[0]][1][0, :P - 1])   # the prompt's, at its birth
+        for t, (v, kv) in enumerate(zip(o.token_versions, o.kv_versions)):
+            if v == kv:
+                logp, routes = scored[v]
+                assert torch.equal(lp[t], logp[0, P - 1 + t]) and torch.equal(o.routes[P - 1 + t], routes[0, P - 1 + t])
+        if i in preempted:                                            # t tokens by version 5, the rest by 6 ...
+            t = o.token_versions.index(6)
+            assert 0 < t and o.kv_versions[t:] == [6] * (len(o.tokens) - t)      # ... on its re-prefill's KV
+            fed = P - 1 + t                                           # the positions fed before its preemption
+            assert not torch.equal(o.routes[:fed], scored[6][1][0, :fed])       # control
+
+
+def test_plain_preemption_keeps_the_bits(monkeypatch):
+    """Without an update the kept routes are bitwise what the recompute writes again (the contract): the
+    small pool's outputs, route detail and versions included, are those of a pool that preempts nothing."""
+    small, _, preempted = _small_pool(monkeypatch, update=False, record_route_detail=True)
+    large, _, none = _small_pool(monkeypatch, update=False, record_route_detail=True, num_blocks=64)
+    assert preempted and not none
+    for a, b in zip(small, large):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs and a.token_versions == b.token_versions == [5] * 24
+        assert torch.equal(a.routes, b.routes) and torch.equal(a.route_weights, b.route_weights)
+        assert torch.equal(a.route_margins, b.route_margins)
 
 
 # ---- in training ----------------------------------------------------------------------------------------
