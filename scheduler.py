@@ -54,6 +54,9 @@ class Sequence:
     # in-flight recompute): the prefill that recomputes them may run under other weights, and these drew its
     # tokens (Scheduler.keep; rollout.KeptRoutes)
     kept: object = None
+    # its blocks hold KV that weights older than the sampler's version wrote (an in-flight keep_kv update):
+    # the prefix cache must not serve them as that version's (BlockManager.register), until a recompute
+    stale_kv: bool = False
 
     def __post_init__(self):
         self.limit = self.max_len if self.limit is None else self.limit
@@ -202,7 +205,7 @@ class BlockManager:
         """Enter seq's full blocks whose KV is computed (positions < num_computed) and whose tokens the
         host knows. A block whose key another block holds already (the same tokens, computed twice)
         stays out; the chain goes on through the registered one."""
-        if not self.prefix_cache:
+        if not self.prefix_cache or seq.stale_kv:
             return
         bs, node = self.block_size, seq.last_node if seq.num_hashed else self.root
         for b in range(seq.num_hashed, min(num_computed, len(seq.token_ids)) // bs):
@@ -490,7 +493,9 @@ class Scheduler:
         alive = [s for group in (*self.waiting, *self.prefilling) for s in group] + self.running
         for s in alive:
             s.version_marks.append((self.length(s), version))
-        if not recompute_kv:
+        if not recompute_kv:             # the KV they hold stays, older than the cache's new chain
+            for s in self.running + [s for group in self.prefilling for s in group if s.num_computed]:
+                s.stale_kv = True
             return
         for s in list(reversed(self.running)):
             self._preempt(s)
@@ -511,7 +516,7 @@ class Scheduler:
         for s in group:
             s.kept = leader.kept
             self.bm.free(s)
-            s.num_computed = 0
+            s.num_computed, s.stale_kv = 0, False      # recomputed from position 0 by the weights then
 
     def _start(self, seq: Sequence) -> None:
         self.running.append(seq)

@@ -86,6 +86,47 @@ def _inflight(recompute_kv, switch_after=3):
     return outs, v5, copy.deepcopy(model.state_dict())
 
 
+def _tainted_cache(register):
+    """A 6-token prompt sampled 12 tokens with a keep_kv update after 3 engine steps (its first block then
+    holds KV of both versions), then, at the new version, a request for its prompt + tokens. register:
+    BlockManager.register as the sampler uses it. -> (the second request's output, its cached tokens,
+    the new version's weights)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    sampler = Sampler(model, max_batch_size=8)
+    steps, g = [0], torch.Generator().manual_seed(1)
+
+    def on_step():
+        steps[0] += 1
+        if steps[0] != 3:
+            return None
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        return 6
+    sampler.block_manager.register = register.__get__(sampler.block_manager)
+    first = sampler.generate([[11, 3, 1, 4, 10, 2]], max_new_tokens=12, seed=4, version=5, on_step=on_step)[0]
+    assert len(first.prompt + first.tokens) > 16 and min(first.kv_versions) == 5       # a full block of old KV
+    again = sampler.generate([first.prompt + first.tokens], max_new_tokens=2, seed=4, version=6)[0]
+    return again, sampler.num_cached_tokens, copy.deepcopy(model.state_dict())
+
+
+def test_the_prefix_cache_never_serves_kv_an_older_version_wrote():
+    """After a keep_kv update a running sequence's blocks hold the old weights' KV: at its end they stay
+    out of the prefix cache (whose chain is the new version's), so a later request at that version
+    recomputes them and its log-probs are that version's. Control: registering them serves the first
+    block's old KV, and the log-probs are then not the new version's."""
+    from scheduler import BlockManager
+
+    def naive(bm, seq, num_computed):
+        seq.stale_kv = False
+        return BlockManager.register(bm, seq, num_computed)
+    out, cached, v6 = _tainted_cache(BlockManager.register)
+    assert cached == 0 and torch.equal(torch.tensor(out.logprobs), _score_at(v6, out)[-len(out.logprobs):])
+    out, cached, v6 = _tainted_cache(naive)
+    assert cached == 16 and not torch.equal(torch.tensor(out.logprobs), _score_at(v6, out)[-len(out.logprobs):])
+
+
 def _score_at(state, o):
     model = Transformer(ModelConfig.preset("tiny"))
     model.load_state_dict(state)
