@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from config import ConfigError
-from expert_parallel import fold_slots
+from expert_parallel import expert_tensors, fold_slots
 
 FRAC_BITS = 72                      # n counts units of 2^-72
 LIMB_BITS = 52                      # lo holds n's low 52 bits, hi the rest
@@ -242,7 +242,7 @@ class Reducer:
         self.masters, self.d, self.ep, self.fsdp = masters, d, ep, fsdp
         self.experts = experts or set()
         self.sums: dict[int, Limbs] = {}                             # id(master parameter) -> its sum
-        self.pieces: dict[tuple[int, str], Limbs] = {}               # EP: (id(MoE module), 'w13' | 'w2') -> sum
+        self.pieces: dict[tuple[int, str], Limbs] = {}               # EP: (id(MoE module), 'w13' | ...) -> sum
         self.comms: list[ExactReduceScatter] = []
         self.last = False                                            # the minibatch's last micro-batch step
         self.bad = False
@@ -280,11 +280,11 @@ class Reducer:
 
     # ---- EP: the owner's per-source weight gradients (expert_parallel._owner_rows) ----------------
     def key(self, w: torch.Tensor) -> tuple[int, str]:
-        """The (MoE module, 'w13' | 'w2') whose weight w is, at forward time (under FSDP2 w is the
-        unsharded parameter, only the module knows whose it is)."""
+        """The (MoE module, 'w13' | 'w2' | 'b13' | 'b2') whose expert tensor w is, at forward time (under
+        FSDP2 w is the unsharded parameter, only the module knows whose it is)."""
         for m in self.moes:
-            for name in ("w13", "w2"):
-                if getattr(m, name) is w:
+            for name, t in expert_tensors(m).items():
+                if t is w:
                     return id(m), name
         raise RuntimeError("exact gradient sum: an expert weight of no MoE layer of the trained model")
 
@@ -327,8 +327,8 @@ class Reducer:
             self._fold_slots()
         found = []
         for m in self.moes:
-            for name in ("w13", "w2"):
-                p = self.master_of.get(id(getattr(m, name)), getattr(m, name))   # after backward: sharded
+            for name, t in expert_tensors(m).items():
+                p = self.master_of.get(id(t), t)                      # after backward: sharded
                 if (id(m), name) not in self.pieces:                  # no token reached these experts here
                     self.pieces[(id(m), name)] = Limbs(p.shape, p.device)
                 found.append((p, self.pieces[(id(m), name)]))
@@ -348,8 +348,8 @@ class Reducer:
         home ranks: limbs sent as integers (expert_parallel.fold_slots), so the result is the sum without
         replicas, every piece EP=1's of its micro-batch. Every rank folds every layer (a collective)."""
         for j, m in enumerate(self.moes):
-            for name in ("w13", "w2"):
-                p = self.master_of.get(id(getattr(m, name)), getattr(m, name))
+            for name, t in expert_tensors(m).items():
+                p = self.master_of.get(id(t), t)
                 home = self.pieces.setdefault((id(m), name), Limbs(p.shape, p.device))
                 slots = self.pieces.get(((id(m), name), "slots"))
                 if slots is None:                                     # no row reached this rank's slots
@@ -365,8 +365,8 @@ class Reducer:
         mine = sum(p.numel() if id(p) in self.experts or not hasattr(p, "to_local") else p.to_local().numel()
                    for p in self.masters.parameters())
         if self.ep is not None and self.ep.eplb is not None:            # (E+R)/N slots of each expert weight
-            mine += sum(getattr(m, n).numel() // getattr(m, n).shape[0] * pl.per_rank
-                        for m, pl in zip(self.moes, self.ep.eplb.layouts) for n in ("w13", "w2"))
+            mine += sum(t.numel() // t.shape[0] * pl.per_rank
+                        for m, pl in zip(self.moes, self.ep.eplb.layouts) for t in expert_tensors(m).values())
         return 16 * mine
 
 

@@ -1,7 +1,7 @@
 """Expert parallelism: each rank of an EP group holds E/N experts of every MoE layer; tokens travel to them.
 
     ep = init_expert_parallel(2)                 # under torchrun: EP groups of 2 consecutive ranks
-    shard_experts(model, ep)                     # keep this rank's experts only (w13, w2 of E/N experts)
+    shard_experts(model, ep)                     # keep this rank's E/N experts only (EXPERT_TENSORS)
     logp, routes = model.score(tokens)           # the same bits as at EP=1, routes as logical expert ids
     state = gather_experts(model, ep)            # whole experts on rank 0 (for saving in the HF layout)
 
@@ -16,7 +16,9 @@ How a MoE layer runs under EP (moe_experts below), and why it gives EP=1's bits:
 * the per-slot fp32 outputs go back the same way, and the token's rank puts them in slot order and sums
   them with kernels.combine_slots: a fixed-order fp32 sum over k, then one rounding to the model dtype.
 So a token's bits depend neither on the EP degree, nor on the placement, nor on the tokens it shares an
-expert with. The backward runs the exchanges in reverse (Exchange below): gradients of x and of the
+expert with. A layer's experts are the tensors EXPERT_TENSORS names (gpt-oss's biases b13, b2 beside w13,
+w2), cut, gathered, exchanged and saved together; the owner runs them with the layer's GLU (kernels.py's
+clamped SwiGLU for gpt-oss), as at EP=1. The backward runs the exchanges in reverse (Exchange below): gradients of x and of the
 routing weights return to the token's rank, the expert weights' gradients stay with their owner.
 
 EPLB (--eplb_redundant=R; eplb.py plans the layouts, this file runs them): each MoE layer has E + R
@@ -44,6 +46,11 @@ import torch.nn as nn
 
 import kernels
 from config import ConfigError
+
+# A MoE layer's stacked expert tensors, (E, ...) each: the weights, then gpt-oss's biases where the layer
+# has them (model.MoE: b13 (E, 2I), b2 (E, D)). Wherever experts are cut, kept, gathered, exchanged or saved,
+# all of them are.
+EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -138,13 +145,13 @@ class Placement:
 class Replicas:
     """EPLB's compute layout (--eplb_redundant): per MoE layer a Placement of the E + R slots with
     replicas (eplb.py plans them from the measured load). Each model copy that runs a forward keeps its
-    slots' weights, (S/N, ...) w13 and w2 gathered from the home shards (ExpertParallel.placement, the
+    slots' weights, (S/N, ...) of each expert tensor gathered from the home shards (ExpertParallel.placement, the
     trained ones), and gathers them again at its first forward after `version` moved: the weights
     changed (weights_changed) or the layouts did (set)."""
 
     def __init__(self, layouts: list[Placement]):
         self.layouts, self.version = list(layouts), 0
-        self.copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # MoE module -> (version, w13, w2)
+        self.copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # MoE module -> (version, {name: slots})
 
     def set(self, layouts: list[Placement]) -> None:
         if [(p.n_slots, p.ep_size) for p in layouts] != [(p.n_slots, p.ep_size) for p in self.layouts]:
@@ -243,8 +250,13 @@ def of(model: nn.Module) -> ExpertParallel | None:
 
 
 def is_expert(name: str) -> bool:
-    """Whether a parameter name (state_dict key) is a stacked expert weight (w13, w2)."""
-    return name.rsplit(".", 1)[-1] in ("w13", "w2")
+    """Whether a parameter name (state_dict key) is a stacked expert tensor (EXPERT_TENSORS)."""
+    return name.rsplit(".", 1)[-1] in EXPERT_TENSORS
+
+
+def expert_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
+    """A MoE layer's expert tensors by name, in EXPERT_TENSORS' order (the biases where it has them)."""
+    return {n: getattr(m, n) for n in EXPERT_TENSORS if getattr(m, n, None) is not None}
 
 
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -315,7 +327,7 @@ def idle_step(model: nn.Module) -> None:
         D, k = m.w13.shape[-1], m.top_k
         x = m.w13.new_zeros(0, D)
         ids = torch.zeros(0, k, dtype=torch.long, device=x.device)
-        moe_experts(x, m.w13, m.w2, ids, torch.zeros(0, k, device=x.device), m.ep, m)
+        moe_experts(x, m.w13, m.w2, ids, torch.zeros(0, k, device=x.device), m.ep, m, **m.expert_extras())
 
 
 def group_step(done: bool, prefill: bool, ep: ExpertParallel) -> tuple[bool, bool]:
@@ -363,13 +375,17 @@ def _exchange_counts(send: torch.Tensor, group) -> list[int]:
 # the MoE layer under EP
 # ---------------------------------------------------------------------------------------------------
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor, ep: ExpertParallel, moe: nn.Module | None = None) -> torch.Tensor:
+                weights: torch.Tensor, ep: ExpertParallel, moe: nn.Module | None = None,
+                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """kernels.moe_experts with the experts on their owners: x (M, D) this rank's tokens; w13 (E/N, 2I, D),
-    w2 (E/N, D, I) this rank's shard; ids (M, k) logical ids; weights (M, k) fp32 -> (M, D) in x.dtype.
+    w2 (E/N, D, I) this rank's shard (b13 (E/N, 2I), b2 (E/N, D) and swiglu: gpt-oss's, as in
+    kernels.moe_experts); ids (M, k) logical ids; weights (M, k) fp32 -> (M, D) in x.dtype.
     moe: the calling MoE module (under EPLB, its layer's layout and slot weights: _layout). Every rank
     of the group must call it (with M = 0 if it has no tokens)."""
     M, k = ids.shape
-    pl, w13, w2, keys = _layout(moe, w13, w2, ep)
+    given = dict(w13=w13, w2=w2, b13=b13, b2=b2)
+    pl, ws, keys = _layout(moe, {n: given[n] for n in EXPERT_TENSORS if given[n] is not None}, ep)
     # 1. the token's rank: its slots in EP=1's order (by logical expert). With a gradient, each expert's
     #    rows are gathered separately as grouped_experts does, so x's gradient sums a token's k slots in
     #    EP=1's order; the decode step (no gradient) gathers them at once, without reading counts back
@@ -385,7 +401,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     by_dest = torch.sort(dest, stable=True).indices                 # grouped by owner, EP=1's order inside
     local_ids = pl.local(e_sorted, ep.rank)[by_dest]                # each row's slot in its owner's shard
     if ep.capacity:
-        return _moe_experts_fixed(x, w13, w2, x_sorted[by_dest], w_sorted[by_dest], local_ids,
+        return _moe_experts_fixed(x, ws, swiglu, x_sorted[by_dest], w_sorted[by_dest], local_ids,
                                   dest[by_dest], order[by_dest], (M, k), ep)
     send = torch.bincount(dest, minlength=ep.size)
     send_l = send.tolist()
@@ -394,7 +410,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     x_in = Exchange.apply(x_sorted[by_dest], send_l, recv_l, ep.group)          # (R, D)
     w_in = Exchange.apply(w_sorted[by_dest], send_l, recv_l, ep.group)          # (R,) fp32
     local = _all_to_all(local_ids, send_l, recv_l, ep.group)                    # (R,) local slot ids
-    y = _owner_rows(x_in, w13, w2, local, w_in, recv_l, ep, keys)               # (R, D) fp32, arrival order
+    y = _owner_rows(x_in, ws, local, w_in, recv_l, ep, keys, swiglu)            # (R, D) fp32, arrival order
     # 3. back to the token's rank: into slot order, then EP=1's combine
     y_back = Exchange.apply(y, recv_l, send_l, ep.group)                        # (M*k, D) in by_dest order
     slot_of_row = order[by_dest]                                                # row i holds slot slot_of_row[i]
@@ -402,25 +418,26 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     return kernels.combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
 
 
-def _layout(moe, w13, w2, ep: ExpertParallel):
-    """-> (placement, w13, w2, the gradient sink's keys of the two weights or None): the home shard and
-    its placement, or under EPLB the layer's layout and this rank's slots' weights (S/N, ...), gathered
-    when stale: a collective that every rank of the group reaches in the same forward. Their gradient
-    pieces go to the sink under keys of their own, folded into the experts' at the end (fold_slots)."""
+def _layout(moe, ws: dict, ep: ExpertParallel):
+    """ws: the expert tensors by name (EXPERT_TENSORS) -> (placement, the tensors to run, the gradient
+    sink's key of each or None): the home shard and its placement, or under EPLB the layer's layout and
+    this rank's slots' copies (S/N, ...) of every expert tensor, biases too, gathered when stale: a
+    collective that every rank of the group reaches in the same forward. Their gradient pieces go to the
+    sink under keys of their own, folded into the experts' at the end (fold_slots)."""
     sink = ep.grad_sink if torch.is_grad_enabled() else None
-    keys = None if sink is None else (sink.key(w13), sink.key(w2))
+    keys = None if sink is None else {n: sink.key(t) for n, t in ws.items()}
     r = ep.eplb
     if r is None:
-        return ep.placement, w13, w2, keys
-    if torch.is_grad_enabled() and w13.requires_grad and sink is None:
+        return ep.placement, ws, keys
+    if torch.is_grad_enabled() and ws["w13"].requires_grad and sink is None:
         raise RuntimeError("EPLB: a backward through expert replicas needs the exact gradient sum "
                            "(--grad_reduce=exact), which folds their gradients into their experts'")
     layout, have = r.layouts[moe.ep_layer], r.copies.get(moe)
     if have is None or have[0] != r.version:
         with torch.no_grad():
-            p13, p2 = (_gather_slots(w, ep, layout).requires_grad_(w.requires_grad) for w in (w13, w2))
-        have = r.copies[moe] = (r.version, p13, p2)
-    return layout, have[1], have[2], keys and tuple((key, "slots") for key in keys)
+            slots = {n: _gather_slots(t, ep, layout).requires_grad_(t.requires_grad) for n, t in ws.items()}
+        have = r.copies[moe] = (r.version, slots)
+    return layout, have[1], keys and {n: (key, "slots") for n, key in keys.items()}
 
 
 def _gather_slots(w: torch.Tensor, ep: ExpertParallel, layout: Placement) -> torch.Tensor:
@@ -459,12 +476,13 @@ def fold_slots(t: torch.Tensor, layer: int, ep: ExpertParallel) -> torch.Tensor:
 
 
 def slot_bytes(model: nn.Module) -> int:
-    """EPLB: the bytes of one copy's slot weights (every MoE layer's (E+R)/N slots of w13 and w2); 0 off."""
+    """EPLB: the bytes of one copy's slot weights (every MoE layer's (E+R)/N slots of each expert
+    tensor); 0 off."""
     ep = of(model)
     if ep is None or ep.eplb is None:
         return 0
     return sum(w.nbytes // w.shape[0] * pl.per_rank for (_, m), pl in zip(_moe_layers(model), ep.eplb.layouts)
-               for w in (m.w13, m.w2))
+               for w in expert_tensors(m).values())
 
 
 def weights_changed(model: nn.Module) -> None:
@@ -476,19 +494,25 @@ def weights_changed(model: nn.Module) -> None:
         ep.eplb.version += 1
 
 
-def _owner_rows(x_in, w13, w2, local, w_in, recv: list[int], ep: ExpertParallel, keys=None) -> torch.Tensor:
+def _rows(x, ws: dict, ids, weights, swiglu) -> torch.Tensor:
+    """kernels.expert_rows over the expert tensors ws (EXPERT_TENSORS' names) and the layer's GLU."""
+    return kernels.expert_rows(x, ws["w13"], ws["w2"], ids, weights, b13=ws.get("b13"), b2=ws.get("b2"), swiglu=swiglu)
+
+
+def _owner_rows(x_in, ws: dict, local, w_in, recv: list[int], ep: ExpertParallel, keys=None,
+                swiglu=None) -> torch.Tensor:
     """The owner's expert rows, source by source. In a training forward under an exact gradient sum
-    (keys: the sink's names of w13 and w2, _layout), each source rank's rows run through the experts on
-    their own and their weight gradients go to the sink apart: a source's rows are one micro-batch's, in
+    (keys: the sink's name of each expert tensor, _layout), each source rank's rows run through the
+    experts on their own and the gradients of the expert tensors (biases too) go to the sink apart: a source's rows are one micro-batch's, in
     EP=1's order, so each piece (and x's gradient, and the routing weights') has the bits EP=1 computes
     for that micro-batch; one call over every source's rows would sum the micro-batches' gradients in
     fp32 inside it. Every source is run, an empty one too: the backward's exchanges need every rank's
     graph to reach them."""
     if keys is None:
-        return kernels.expert_rows(x_in, w13, w2, local, w_in)
-    sink, (k13, k2) = ep.grad_sink, keys
-    outs = [kernels.expert_rows(xs, _Sink.apply(w13, sink, k13), _Sink.apply(w2, sink, k2), ls, ws)
-            for xs, ls, ws in zip(x_in.split(recv), local.split(recv), w_in.split(recv))]
+        return _rows(x_in, ws, local, w_in, swiglu)
+    sink = ep.grad_sink
+    outs = [_rows(xs, {n: _Sink.apply(t, sink, keys[n]) for n, t in ws.items()}, ls, wts, swiglu)
+            for xs, ls, wts in zip(x_in.split(recv), local.split(recv), w_in.split(recv))]
     return torch.cat(outs)
 
 
@@ -507,11 +531,12 @@ class _Sink(torch.autograd.Function):
         return None, None, None
 
 
-def _moe_experts_fixed(x, w13, w2, x_rows, w_rows, local, dest, slot_of_row, shape, ep):
+def _moe_experts_fixed(x, ws, swiglu, x_rows, w_rows, local, dest, slot_of_row, shape, ep):
     """The decode step's exchange: every rank sends ep.capacity rows to every rank (its rows for that
     owner, then padding), so no counts are exchanged and nothing is read back to the host. Padding rows
     run through expert 0 with weight 0 and are dropped; a real row's bits are those of the counted path
-    (the expert kernel is row-invariant). x_rows, w_rows, local, dest: the slots grouped by owner."""
+    (the expert kernel is row-invariant). ws: the expert tensors (_layout); x_rows, w_rows, local, dest:
+    the slots grouped by owner."""
     M, k = shape
     S, C, N, D = x_rows.shape[0], ep.capacity, ep.size, x.shape[1]
     counts = torch.zeros(N, dtype=torch.long, device=x.device).scatter_add_(0, dest, torch.ones_like(dest))
@@ -524,7 +549,7 @@ def _moe_experts_fixed(x, w13, w2, x_rows, w_rows, local, dest, slot_of_row, sha
     x_in = _all_to_all(x_buf, even, even, ep.group)                 # (N*C, D) C rows from each source
     w_in = _all_to_all(w_buf, even, even, ep.group)
     l_in = _all_to_all(l_buf, even, even, ep.group)
-    y = kernels.expert_rows(x_in, w13, w2, l_in, w_in)
+    y = _rows(x_in, ws, l_in, w_in, swiglu)
     y_back = _all_to_all(y, even, even, ep.group)[at]              # (M*k, D) in by-owner order
     per_slot = y_back[torch.argsort(slot_of_row)]
     return kernels.combine_slots(per_slot.view(M, k, D), x.dtype)
@@ -538,37 +563,31 @@ def _moe_layers(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "w13", None), nn.Parameter)]
 
 
-def _refuse_expert_biases(model: nn.Module) -> None:
-    """Expert shards are cut from w13 and w2 only: a model whose experts have biases cannot be sharded yet."""
-    if any(getattr(m, "b13", None) is not None for _, m in _moe_layers(model)):
-        raise ValueError("expert parallelism does not shard expert biases yet (gpt_oss): use --expert_parallel=1")
-
-
 def keep_experts(model: nn.Module, experts: list[int]) -> None:
-    """Keep only these experts' rows, in this order, of every MoE layer's w13 and w2 (in place)."""
-    _refuse_expert_biases(model)
+    """Keep only these experts' rows, in this order, of every MoE layer's expert tensors (in place)."""
     for _, m in _moe_layers(model):
         ids = torch.tensor(experts, device=m.w13.device)
         with torch.no_grad():
-            m.w13 = nn.Parameter(m.w13[ids].clone(), requires_grad=m.w13.requires_grad)
-            m.w2 = nn.Parameter(m.w2[ids].clone(), requires_grad=m.w2.requires_grad)
+            for name, t in expert_tensors(m).items():
+                setattr(m, name, nn.Parameter(t[ids].clone(), requires_grad=t.requires_grad))
 
 
 def shard_experts(model: nn.Module, ep: ExpertParallel, loaded: bool = False) -> nn.Module:
     """Keep only this rank's experts in every MoE layer (rows in the placement's local order) and route
     the layer through the exchange. loaded=True: the model holds those rows already, read so from the
     checkpoint (Transformer.from_pretrained(experts=...)). In place; returns the model."""
-    _refuse_expert_biases(model)
     mine = ep.placement.experts_of(ep.rank)
     want = len(mine) if loaded else ep.placement.n_experts
     for _, m in _moe_layers(model):
-        if m.w13.shape[0] != want:
-            raise ValueError(f"shard_experts: a layer holds {m.w13.shape[0]} experts, expected {want}"
-                             + ("" if loaded else " (already sharded?)"))
+        for name, t in expert_tensors(m).items():
+            if t.shape[0] != want:
+                raise ValueError(f"shard_experts: a layer's {name} holds {t.shape[0]} experts, expected {want}"
+                                 + ("" if loaded else " (already sharded?)"))
     if not loaded:
         keep_experts(model, mine)
     for j, (_, m) in enumerate(_moe_layers(model)):
-        m.w13.expert_shard = m.w2.expert_shard = True               # what the optimizer's state knows them by
+        for t in expert_tensors(m).values():
+            t.expert_shard = True                                    # what the optimizer's state knows them by
         m.ep, m.ep_layer = ep, j                                     # EPLB: the layer's layout is ep.eplb.layouts[j]
     return model
 
@@ -616,8 +635,8 @@ def gather_experts(model: nn.Module, ep: ExpertParallel) -> dict[str, torch.Tens
     experts); None on the other ranks. A collective: every rank calls it."""
     state = {k: unsharded(v) for k, v in model.state_dict().items()}   # FSDP2: the replicated weights whole too
     for name, m in _moe_layers(model):
-        for key in ("w13", "w2"):
-            state[f"{name}.{key}" if name else key] = gather_rows(getattr(m, key), ep)
+        for key, t in expert_tensors(m).items():
+            state[f"{name}.{key}" if name else key] = gather_rows(t, ep)
     return state if dist.get_rank() == 0 else None
 
 

@@ -695,7 +695,8 @@ def read_safetensors_file(file: str, rows: Rows | None = None) -> dict[str, torc
 
 
 _PER_EXPERT = re.compile(r"layers\.\d+\.mlp\.experts\.(\d+)\.")              # ours: one expert's tensor
-_FUSED = re.compile(r"layers\.\d+\.mlp\.(experts\.gate_up_proj|experts\.down_proj|w13|w2)$")   # (E, ...) stacked
+# (E, ...) stacked: fused experts (gpt-oss's with their biases, MXFP4 blocks and scales), ours with biases
+_FUSED = re.compile(r"layers\.\d+\.mlp\.(experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?|w13|w2|b13|b2)$")
 
 
 def expert_rows(cfg: ModelConfig, experts: list[int] | None, hf_keys: bool = True) -> Rows | None:

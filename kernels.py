@@ -599,18 +599,21 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
+                weights: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """Each row through one expert: weights[r] * down(silu(gate x[r]) * up x[r]) of expert ids[r], fp32.
 
     The per-slot terms that moe_experts sums over k, for the rows an expert-parallel owner received:
-    x (R, D); ids (R,) into w13 (E, 2I, D) / w2 (E, D, I); weights (R,) fp32 -> (R, D) fp32. A row's bits
-    are those of its slot in moe_experts on the same backend (the same row-invariant kernels).
+    x (R, D); ids (R,) into w13 (E, 2I, D) / w2 (E, D, I); weights (R,) fp32 -> (R, D) fp32; b13, b2,
+    swiglu as in moe_experts. A row's bits are those of its slot in moe_experts on the same backend (the
+    same row-invariant kernels).
     """
+    extras = dict(b13=b13, b2=b2, swiglu=swiglu)
     if _triton_for(x) is not None:            # the fused Triton MoE, a slot per row
         import kernels_triton_moe
-        return kernels_triton_moe.expert_rows(x, w13, w2, ids, weights)
+        return kernels_triton_moe.expert_rows(x, w13, w2, ids, weights, **extras)
     order, counts = sort_slots(ids.reshape(-1, 1), w13.shape[0])
-    return grouped_experts(x, 1, order, counts, w13, w2, weights.reshape(-1))
+    return grouped_experts(x, 1, order, counts, w13, w2, weights.reshape(-1), **extras)
 
 
 def sort_slots(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int]]:

@@ -342,8 +342,8 @@ def moe_experts(x, w13, w2, ids, weights, b13=None, b2=None, swiglu=None):
                       b13, b2, swiglu)
 
 
-def expert_rows(x, w13, w2, ids, weights):
+def expert_rows(x, w13, w2, ids, weights, b13=None, b2=None, swiglu=None):
     """kernels.expert_rows: each row a slot of top-1 (the same tiles and kernels as moe_experts, so a
     row's fp32 term has the bits of that slot in moe_experts). x (R, D), ids (R,), weights (R,) -> (R, D) fp32."""
     return _MoE.apply(_aligned(x), _aligned(w13), _aligned(w2), _aligned(ids.long().reshape(-1, 1).contiguous()),
-                      weights.reshape(-1, 1), True)
+                      weights.reshape(-1, 1), True, b13, b2, swiglu)

@@ -418,7 +418,7 @@ class MoE(nn.Module):
                              scaling=cfg.routed_scaling_factor)
         if cfg.group_score != "top2_sum":                      # DeepSeek-V2 ranks a group by its best score
             self.route_kw["group_score"] = cfg.group_score
-        # expert_parallel.ExpertParallel when w13 / w2 hold only this rank's E/N experts (shard_experts),
+        # expert_parallel.ExpertParallel when the expert tensors hold only this rank's E/N experts (shard_experts),
         # and the layer's index among the MoE layers (its EPLB layout)
         self.ep, self.ep_layer = None, 0
         self.n_experts = E
@@ -475,7 +475,8 @@ class MoE(nn.Module):
         experts' owner ranks under EP (the same bits)."""
         if self.ep is None:
             return kernels.moe_experts(x2, self.w13, self.w2, ids, weights, **self.expert_extras())
-        return expert_parallel.moe_experts(x2, self.w13, self.w2, ids, weights, self.ep, moe=self)
+        return expert_parallel.moe_experts(x2, self.w13, self.w2, ids, weights, self.ep, moe=self,
+                                           **self.expert_extras())
 
 
 class Block(nn.Module):

@@ -278,7 +278,8 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
     from model import Transformer
     with torch.device("meta"):
         model = Transformer(cfg)
-    return [(tuple(p.shape), n.endswith((".mlp.w13", ".mlp.w2"))) for n, p in model.named_parameters()]
+    return [(tuple(p.shape), n.endswith((".mlp.w13", ".mlp.w2", ".mlp.b13", ".mlp.b2")))   # expert_parallel.EXPERT_TENSORS
+            for n, p in model.named_parameters()]
 
 
 def model_config(init_from: str) -> ModelConfig:

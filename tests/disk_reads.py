@@ -46,6 +46,6 @@ def experts_read(log: list, cfg) -> set[int]:
     for key, row in log:
         if m := re.search(r"\.experts\.(\d+)\.", key):
             ids.add(int(m.group(1)))
-        elif re.search(r"experts\.(gate_up_proj|down_proj)$|mlp\.(w13|w2)$", key):
+        elif re.search(r"experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$|mlp\.(w13|w2|b13|b2)$", key):
             ids |= set(range(cfg.num_experts)) if row is None else {row}
     return ids

@@ -634,10 +634,39 @@ def test_fast_rollout_of_sinks_windows_and_mla(family, mt):
         assert (torch.tensor(o.logprobs) - logp[0, len(o.prompt) - 1:]).abs().max() < 1e-4
 
 
-def test_gpt_oss_refuses_expert_parallelism(family):
-    import expert_parallel
-    with pytest.raises(ValueError, match="expert biases"):
-        expert_parallel.keep_experts(copy.deepcopy(family("gpt_oss")[2]), [0, 1, 2, 3])
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gpt_oss_expert_shard_reads_only_its_experts(tmp_path, monkeypatch, mxfp4):
+    """gpt-oss under EP: a rank's load (from_pretrained(experts=...)) reads only its experts' rows of the
+    fused gate_up_proj and down_proj, of their biases and (MXFP4) of their blocks and scales, and holds the
+    whole load's rows, biases too. Control: the whole load reads every expert."""
+    import safetensors
+    from disk_reads import ReadLog, experts_read
+    from expert_parallel import is_expert
+    cfg = ModelConfig.preset("tiny-gpt-oss")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():                            # biases start at zero: draw them, so a wrong row shows
+        for layer in model.layers:
+            layer.mlp.b13.normal_()
+            layer.mlp.b2.normal_()
+    ckpt = str(tmp_path / "ckpt")
+    model.save_pretrained(ckpt)
+    if mxfp4:
+        _mxfp4_checkpoint(ckpt, str(tmp_path / "mx"))
+        ckpt = str(tmp_path / "mx")
+    whole = Transformer.from_pretrained(ckpt).state_dict()
+    mine = [cfg.num_experts - 1, 2, 0]                # a permuted placement's order
+    log = ReadLog(safetensors.safe_open)
+    monkeypatch.setattr(safetensors, "safe_open", log)
+    shard = Transformer.from_pretrained(ckpt, experts=mine)
+    assert experts_read(log.read, cfg) == set(mine), sorted(experts_read(log.read, cfg))
+    assert any(key.endswith("_blocks" if mxfp4 else "gate_up_proj_bias") for key, _ in log.read)
+    for k, v in shard.state_dict().items():
+        assert torch.equal(v, whole[k][mine] if is_expert(k) else whole[k]), k
+    assert torch.equal(whole["layers.0.mlp.b2"], model.layers[0].mlp.b2.detach())
+    log.read.clear()
+    Transformer.from_pretrained(ckpt)
+    assert experts_read(log.read, cfg) == set(range(cfg.num_experts))
 
 
 def _mxfp4_checkpoint(src: str, dst: str, seed: int = 0) -> dict:
