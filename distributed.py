@@ -197,7 +197,7 @@ def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, rout
 
     The router gets a group of its own when its dtype differs (router_policy, one dtype per group) and
     under EP. Sharded experts (expert_parallel.shard_experts) are sharded over their replicas, the ranks
-    holding the same E/N experts (torchtitan's dp-mod-ep mesh): each MoE layer's w13 and w2 form a group
+    holding the same E/N experts (torchtitan's dp-mod-ep mesh): each MoE layer's expert tensors form a group
     on that mesh, the shared experts a group on every rank. FSDP2 averages their gradient over the
     replicas; finish_grads divides it by N too, DDP's mean over the world (each owner's gradient already
     sums its EP group's tokens). A custom divide factor would need PREMUL_SUM, which gloo lacks.
@@ -221,7 +221,7 @@ def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, rout
                 for shared in (mlp.shared_experts, mlp.shared_expert, mlp.shared_expert_gate):
                     if shared is not None:
                         fully_shard(shared, **kw)
-                fully_shard(mlp, mesh=expert_parallel.replica_mesh(ep, d.device.type), **kw)   # w13, w2
+                fully_shard(mlp, mesh=expert_parallel.replica_mesh(ep, d.device.type), **kw)   # w13, w2 (b13, b2)
         fully_shard(layer, **kw)
     fully_shard(scorer, **kw)
 

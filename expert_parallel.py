@@ -16,10 +16,11 @@ How a MoE layer runs under EP (moe_experts below), and why it gives EP=1's bits:
 * the per-slot fp32 outputs go back the same way, and the token's rank puts them in slot order and sums
   them with kernels.combine_slots: a fixed-order fp32 sum over k, then one rounding to the model dtype.
 So a token's bits depend neither on the EP degree, nor on the placement, nor on the tokens it shares an
-expert with. A layer's experts are the tensors EXPERT_TENSORS names (gpt-oss's biases b13, b2 beside w13,
-w2), cut, gathered, exchanged and saved together; the owner runs them with the layer's GLU (kernels.py's
-clamped SwiGLU for gpt-oss), as at EP=1. The backward runs the exchanges in reverse (Exchange below): gradients of x and of the
-routing weights return to the token's rank, the expert weights' gradients stay with their owner.
+expert with. A layer's experts are the tensors EXPERT_TENSORS names (gpt-oss's biases b13, b2 beside
+w13, w2), cut, gathered, exchanged and saved together; the owner runs them with the layer's GLU
+(kernels.py's clamped SwiGLU for gpt-oss), as at EP=1. The backward runs the exchanges in reverse
+(Exchange below): gradients of x and of the routing weights return to the token's rank, the expert
+tensors' gradients stay with their owner.
 
 EPLB (--eplb_redundant=R; eplb.py plans the layouts, this file runs them): each MoE layer has E + R
 physical slots, replicas of its most loaded experts among them, (E+R)/N a rank (ExpertParallel.eplb,
@@ -503,9 +504,9 @@ def _owner_rows(x_in, ws: dict, local, w_in, recv: list[int], ep: ExpertParallel
                 swiglu=None) -> torch.Tensor:
     """The owner's expert rows, source by source. In a training forward under an exact gradient sum
     (keys: the sink's name of each expert tensor, _layout), each source rank's rows run through the
-    experts on their own and the gradients of the expert tensors (biases too) go to the sink apart: a source's rows are one micro-batch's, in
-    EP=1's order, so each piece (and x's gradient, and the routing weights') has the bits EP=1 computes
-    for that micro-batch; one call over every source's rows would sum the micro-batches' gradients in
+    experts on their own and the gradients of the expert tensors (biases too) go to the sink apart: a
+    source's rows are one micro-batch's, in EP=1's order, so each piece (and x's gradient, and the
+    routing weights') has the bits EP=1 computes for that micro-batch; one call over every source's rows would sum the micro-batches' gradients in
     fp32 inside it. Every source is run, an empty one too: the backward's exchanges need every rank's
     graph to reach them."""
     if keys is None:

@@ -4,8 +4,9 @@
 
 Every rank builds the same tiny model and the same tokens, computes the EP=1 reference itself, then runs
 each EP degree that divides the world (with the contiguous and a permuted placement) on its own slice of
-the tokens and compares; and holds plan.memory_plan against the bytes an EP=2 run allocates. Prints one
-`ok ...` line per check on rank 0; any mismatch raises.
+the tokens and compares; and holds plan.memory_plan against the bytes an EP=2 run allocates. gpt-oss's
+experts (biases, the clamped SwiGLU) at EP=2 too, with controls: a bias or the SwiGLU lost on the
+exchanged path changes the bits. Prints one `ok ...` line per check on rank 0; any mismatch raises.
 tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
 import copy
@@ -40,6 +41,20 @@ def placements(E, n):
     yield "permuted", Placement(tuple(torch.randperm(E, generator=g).tolist()), n)
 
 
+def build(cfg, dtype=torch.float32):
+    """The tiny model seeded 0; gpt-oss's expert biases (zero at init) drawn, so that a lost one shows."""
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    if cfg.expert_bias:
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for m in model.modules():
+                for b in (getattr(m, "b13", None), getattr(m, "b2", None)):
+                    if isinstance(b, torch.nn.Parameter):
+                        b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+    return model.to(dtype)
+
+
 def split(total, n, r):
     """Rank r's slice of total rows: uneven, and the group's last rank gets none when n > 1."""
     if n == 1:
@@ -48,9 +63,8 @@ def split(total, n, r):
     return cuts[r], cuts[r + 1]
 
 
-def check_score(cfg, dtype, n, name, placement):
-    torch.manual_seed(0)
-    model = Transformer(cfg).to(dtype)
+def check_score(cfg, dtype, n, name, placement, tag=""):
+    model = build(cfg, dtype)
     tokens = torch.randint(0, cfg.vocab_size, (2 * n, 12), generator=torch.Generator().manual_seed(1))
     ref_logp, ref_routes = model.score(tokens)
     ep = init_expert_parallel(n, placement)
@@ -63,13 +77,12 @@ def check_score(cfg, dtype, n, name, placement):
     back = gather_experts(model, ep)                               # rank 0 only; None on the others
     assert (back is None) == (dist.get_rank() != 0), "gather_experts: whole experts on rank 0 alone"
     assert back is None or all(torch.equal(back[k], whole[k]) for k in whole), "gather_experts is not the whole model"
-    say(f"score EP={n} {name} {dtype}: logp and routes equal EP=1's; gather_experts round trip")
+    say(f"{tag}score EP={n} {name} {dtype}: logp and routes equal EP=1's; gather_experts round trip")
 
 
-def check_grads(cfg, dtype, n, name, placement):
+def check_grads(cfg, dtype, n, name, placement, tag=""):
     """One MoE layer, forward and backward, on this rank's slice of 37 tokens (some ranks get none)."""
-    torch.manual_seed(0)
-    moe = Transformer(cfg).to(dtype).layers[1].mlp
+    moe = build(cfg, dtype).layers[1].mlp
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 37, cfg.hidden_size, generator=g).to(dtype)
     probe = torch.randn(1, 37, cfg.hidden_size, generator=g)       # loss = sum(out * probe)
@@ -87,24 +100,25 @@ def check_grads(cfg, dtype, n, name, placement):
     what = f"EP={n} {name} {dtype}"
     assert torch.equal(out_l, out[:, lo:hi]) and torch.equal(ids_l, ids[:, lo:hi]), f"MoE forward {what}"
     assert torch.equal(xl.grad, xr.grad[:, lo:hi]), f"grad of x {what}"
-    assert torch.equal(local.w13.grad, moe.w13.grad[mine]), f"grad of w13 {what}"
-    assert torch.equal(local.w2.grad, moe.w2.grad[mine]), f"grad of w2 {what}"
+    names = list(expert_parallel.expert_tensors(moe))               # w13, w2 (gpt-oss: b13, b2)
+    for key in names:
+        assert torch.equal(getattr(local, key).grad, getattr(moe, key).grad[mine]), f"grad of {key} {what}"
     router = local.gate.weight.grad.float()
     dist.all_reduce(router, group=ep.group)
     ref = moe.gate.weight.grad.float()
     gap = ((router - ref).norm() / ref.norm()).item()
     assert gap < ROUTER_RTOL[dtype], f"router grad {what}: relative gap {gap:.2e}"
-    say(f"grads {what}: x, w13, w2 bitwise; router {gap:.1e} relative (bound {ROUTER_RTOL[dtype]})")
+    say(f"{tag}grads {what}: x, {', '.join(names)} bitwise; router {gap:.1e} relative (bound {ROUTER_RTOL[dtype]})")
 
 
 class Pieces:
     """A grad sink (expert_parallel._owner_rows) that keeps every source's expert weight gradient."""
 
     def __init__(self, moe):
-        self.moe, self.got = moe, {"w13": [], "w2": []}
+        self.moe, self.got = moe, {name: [] for name in expert_parallel.expert_tensors(moe)}
 
     def key(self, w):
-        return next(name for name in ("w13", "w2") if getattr(self.moe, name) is w)
+        return next(name for name, t in expert_parallel.expert_tensors(self.moe).items() if t is w)
 
     def __call__(self, key, grad):
         self.got[key].append(grad.clone())
@@ -116,19 +130,18 @@ def slice_grads(moe, x, probe, lo, hi):
     xs = x[:, lo:hi].clone().requires_grad_()
     out, _ = moe(xs)
     (out.float() * probe[:, lo:hi]).sum().backward()
-    grads = {"router": moe.gate.weight.grad, "w13": moe.w13.grad, "w2": moe.w2.grad}
+    grads = {"router": moe.gate.weight.grad, **{k: t.grad for k, t in expert_parallel.expert_tensors(moe).items()}}
     return {"x": xs.grad, **{k: None if v is None else v.clone() for k, v in grads.items()}}   # None: a sink took it
 
 
-def check_exact_grads(cfg, dtype, n, name, placement):
+def check_exact_grads(cfg, dtype, n, name, placement, tag=""):
     """With an exact gradient sum (ep.grad_sink set) the owner runs each source rank's rows apart: a
     rank's slice is one micro-batch, and at EP=n its router and x gradients, and each source's expert
     weight gradient on the owner, are bitwise EP=1's of that slice alone, so their exact sum is EP=1's.
     Control: the one call over every source's rows (--grad_reduce=fast) sums the slices inside the
     expert kernel's backward, in fp32: not the exact sum of the slices' gradients."""
     import exact_sum
-    torch.manual_seed(0)
-    moe = Transformer(cfg).to(dtype).layers[1].mlp
+    moe = build(cfg, dtype).layers[1].mlp
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 37, cfg.hidden_size, generator=g).to(dtype)
     probe = torch.randn(1, 37, cfg.hidden_size, generator=g)
@@ -142,7 +155,7 @@ def check_exact_grads(cfg, dtype, n, name, placement):
     what = f"EP={n} {name} {dtype}"
     assert torch.equal(got["router"], refs[ep.rank]["router"]), f"router grad {what}"
     assert torch.equal(got["x"], refs[ep.rank]["x"]), f"grad of x {what}"
-    for key in ("w13", "w2"):
+    for key in sink.got:                                              # every expert tensor, biases too
         assert got[key] is None and len(sink.got[key]) == n, f"{key} pieces {what}"
         want = [r[key][mine] for r in refs]
         for piece in sink.got[key]:                                  # each source's, in whichever order
@@ -154,7 +167,7 @@ def check_exact_grads(cfg, dtype, n, name, placement):
         for r in refs:
             exact.add(r["w13"][mine])
         assert not torch.equal(one["w13"].float(), exact.value()), f"control {what}"
-    say(f"exact grads {what}: router, x and each source's w13 / w2 bitwise EP=1's of its micro-batch")
+    say(f"{tag}exact grads {what}: router, x and each source's {' / '.join(sink.got)} bitwise EP=1's of its micro-batch")
 
 
 def check_decode_reads_nothing_back(cfg):
@@ -213,14 +226,11 @@ def score_outputs(model, outs):
     return [(logp[i, len(o.prompt) - 1:n - 1], routes[i, :n - 1]) for i, (o, n) in enumerate(zip(outs, lengths))]
 
 
-def check_sampler(cfg, dtype):
-    """The sampler at EP=2 (ranks of a group with different prompts, so they finish at different steps:
-    prefill and decode mix in one group step, a finished rank exchanges zero rows) against score at
-    EP=1 and at EP=world, bitwise."""
+def sample_ep2(whole, cfg):
+    """The sampler at EP=2 over a copy of whole: each rank its own prompts and lengths -> its outputs and
+    the number of decode steps that ran the fixed-size exchange."""
     from rollout import Sampler
-    torch.manual_seed(0)
-    whole = Transformer(cfg).to(dtype)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     g = torch.Generator().manual_seed(10 + rank)
     prompts = [torch.randint(1, cfg.vocab_size, (3 + 2 * rank + i,), generator=g).tolist() for i in range(1 + rank)]
     model = shard_experts(copy.deepcopy(whole), init_expert_parallel(2, n_experts=cfg.num_experts))
@@ -232,6 +242,16 @@ def check_sampler(cfg, dtype):
                                 stop_token_ids=(5,))
     finally:
         expert_parallel._moe_experts_fixed = fixed
+    return outs, len(calls)
+
+
+def check_sampler(cfg, dtype, tag=""):
+    """The sampler at EP=2 (ranks of a group with different prompts, so they finish at different steps:
+    prefill and decode mix in one group step, a finished rank exchanges zero rows) against score at
+    EP=1 and at EP=world, bitwise."""
+    whole = build(cfg, dtype)
+    world = dist.get_world_size()
+    outs, calls = sample_ep2(whole, cfg)
     assert calls, "no decode step ran the fixed-size exchange"
     ref = score_outputs(whole, outs)
     wide = shard_experts(copy.deepcopy(whole), init_expert_parallel(world, n_experts=cfg.num_experts))
@@ -239,10 +259,53 @@ def check_sampler(cfg, dtype):
         for o, (logp, routes) in zip(outs, scored):
             assert torch.equal(torch.tensor(o.logprobs), logp), f"sampler EP=2 vs score {name} logp {dtype}"
             assert torch.equal(o.routes, routes), f"sampler EP=2 vs score {name} routes {dtype}"
-    say(f"sampler EP=2 {dtype}: logp and routes equal score at EP=1 and EP={world}")
+    say(f"{tag}sampler EP=2 {dtype}: logp and routes equal score at EP=1 and EP={world}")
 
 
-def check_plan_bytes(cfg, parallel):
+def check_gpt_oss_controls(cfg):
+    """Controls for gpt-oss's experts under EP: the owner running them without b2 (the bias on the
+    exchanged rows) or with SiLU(gate) * up for the clamped SwiGLU gives other log-probs than EP=1's
+    (score, and the sampler's decode exchange), and without b13 other gradients of x and w13, b13 none."""
+    whole = build(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+    ref_logp, _ = whole.score(tokens)
+    b = slice(2 * (dist.get_rank() % 2), 2 * (dist.get_rank() % 2) + 2)
+    rows = expert_parallel._rows
+    naive = {"no b2": lambda x, ws, ids, w, swiglu: rows(x, {k: v for k, v in ws.items() if k != "b2"}, ids, w, swiglu),
+             "SiLU": lambda x, ws, ids, w, swiglu: rows(x, ws, ids, w, None)}
+    moved = []
+    for what, fault in naive.items():
+        expert_parallel._rows = fault
+        try:
+            logp, _ = shard_experts(copy.deepcopy(whole), init_expert_parallel(2, n_experts=cfg.num_experts)).score(tokens[b])
+        finally:
+            expert_parallel._rows = rows
+        assert not torch.equal(logp, ref_logp[b]), f"control {what}: EP=2 still equals EP=1"
+        moved.append(what)
+    ref_outs, _ = sample_ep2(whole, cfg)                              # the decode exchange without b2
+    fixed = expert_parallel._moe_experts_fixed
+    expert_parallel._moe_experts_fixed = lambda x, ws, *a: fixed(x, {k: v for k, v in ws.items() if k != "b2"}, *a)
+    try:
+        outs, _ = sample_ep2(whole, cfg)
+    finally:
+        expert_parallel._moe_experts_fixed = fixed
+    differ = torch.tensor(int(any(a.logprobs != o.logprobs for a, o in zip(ref_outs, outs))))
+    dist.all_reduce(differ)
+    assert differ.item() > 0, "control: the decode exchange without b2 changed no log-prob"
+    moe = whole.layers[1].mlp
+    x = torch.randn(1, 10, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    ref = slice_grads(shard_experts(copy.deepcopy(moe), init_expert_parallel(2, n_experts=cfg.num_experts)), x, x, 0, 10)
+    expert_parallel._rows = lambda x, ws, ids, w, swiglu: rows(x, {k: v for k, v in ws.items() if k != "b13"}, ids, w, swiglu)
+    try:
+        bad = slice_grads(shard_experts(copy.deepcopy(moe), init_expert_parallel(2, n_experts=cfg.num_experts)), x, x, 0, 10)
+    finally:
+        expert_parallel._rows = rows
+    assert bad["b13"] is None and not torch.equal(bad["x"], ref["x"]) and not torch.equal(bad["w13"], ref["w13"])
+    say(f"control gpt-oss EP=2: {', '.join(moved)} on the owner change score's log-probs; no b2 in the decode "
+        "exchange the sampler's; no b13 the gradients of x and w13")
+
+
+def check_plan_bytes(cfg, parallel, tag=""):
     """plan.memory_plan against the bytes this run allocates at EP=2 (DDP or FSDP2 over every rank): the
     parameters, their gradients after a backward, AdamW's two moments after a step. The plan counts the
     most loaded rank (FSDP2's first shards): rank 0's bytes equal it, no rank's exceed it."""
@@ -268,7 +331,7 @@ def check_plan_bytes(cfg, parallel):
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     assert got.tolist() == [want.masters, want.grads, want.adamw] or rank != 0, (parallel, got.tolist(), want)
     assert most.tolist() == [want.masters, want.grads, want.adamw], (parallel, most.tolist(), want)
-    say(f"plan {parallel} EP=2 on {world} ranks: masters, gradients, AdamW moments = the bytes allocated "
+    say(f"{tag}plan {parallel} EP=2 on {world} ranks: masters, gradients, AdamW moments = the bytes allocated "
         f"({want.masters} / {want.grads} / {want.adamw})")
 
 
@@ -277,6 +340,8 @@ def main():
     world = dist.get_world_size()
     tiny = ModelConfig.preset("tiny")
     top4 = ModelConfig(**{**tiny.__dict__, "num_experts_per_tok": 4})   # k > 2: the slot order matters
+    oss = ModelConfig.preset("tiny-gpt-oss")                          # biased experts, the clamped SwiGLU
+    oss4 = ModelConfig(**{**oss.__dict__, "num_experts_per_tok": 4})
     check_decode_reads_nothing_back(tiny)
     for parallel in ("ddp", "fsdp"):
         check_plan_bytes(tiny, parallel)
@@ -288,6 +353,15 @@ def main():
                 check_score(tiny, dtype, n, name, placement)
                 check_grads(top4, dtype, n, name, placement)
                 check_exact_grads(top4, dtype, n, name, placement)
+        if world == 2:                                              # gpt-oss at EP=2 (the 2-process run only)
+            _, permuted = list(placements(oss.num_experts, 2))[1]
+            check_score(oss, dtype, 2, "permuted", permuted, tag="gpt-oss ")
+            check_grads(oss4, dtype, 2, "permuted", permuted, tag="gpt-oss ")
+            check_exact_grads(oss4, dtype, 2, "permuted", permuted, tag="gpt-oss ")
+    if world == 2:
+        check_sampler(oss, torch.float32, tag="gpt-oss ")
+        check_gpt_oss_controls(oss)
+        check_plan_bytes(oss, "ddp", tag="gpt-oss ")                  # b13, b2 counted as expert shards
     dist.barrier()
     dist.destroy_process_group()
 

@@ -5,7 +5,8 @@
 Runs train.py's loop in-process for a few configurations at EP=1 and at EP>1 over the same ranks and
 compares the metrics: under the exact gradient sum (the default) every key but the timings and the EP
 layout's own (ep_rows, ep_load_*) is the same bit for bit, train-rollout KL and route flips 0; then a
-checkpoint written under EP resumed at the same layout and at another EP degree, bit for bit too.
+checkpoint written under EP resumed at the same layout and at another EP degree, bit for bit too;
+gpt-oss's biased experts from a checkpoint folder, with the control of a bias lost on the exchange.
 DDP / FSDP2 x fp32 / bf16 at EP=2 against one process: tests/world_check.py. Prints one `ok ...` line
 per check on rank 0; any mismatch raises. tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
@@ -97,6 +98,39 @@ def check_checkpoint_folder_is_read_by_shard(out):
     say(f"checkpoint folder EP=2: each rank read {half} of {cfg.num_experts} experts from disk")
 
 
+def check_gpt_oss(out):
+    """gpt-oss (biased experts, the clamped SwiGLU) from a checkpoint folder with drawn biases: EP=2 trains
+    as EP=1, every metric bit for bit, each rank reading its experts only. Control: the owner running
+    the experts without b2 moves the first step's metrics."""
+    import safetensors
+    import expert_parallel
+    from config import ModelConfig
+    from disk_reads import ReadLog, experts_read
+    from ep_check import build
+    folder, cfg = f"{out}/oss", ModelConfig.preset("tiny-gpt-oss")
+    if dist.get_rank() == 0:
+        build(cfg).save_pretrained(folder)
+    dist.barrier()
+    ref = run(f"{out}/ref", init_from=folder, steps=1)             # one step: the drawn biases are in it already
+    real, log = safetensors.safe_open, ReadLog(safetensors.safe_open)
+    safetensors.safe_open = log
+    try:
+        got = run(f"{out}/ep", init_from=folder, expert_parallel=2, steps=1)
+    finally:
+        safetensors.safe_open = real
+    assert len(experts_read(log.read, cfg)) == cfg.num_experts // 2, sorted(experts_read(log.read, cfg))
+    compare(ref, got, "gpt-oss from a checkpoint folder EP=2")
+    rows = expert_parallel._rows
+    expert_parallel._rows = lambda x, ws, ids, w, swiglu: rows(x, {k: v for k, v in ws.items() if k != "b2"}, ids, w, swiglu)
+    try:
+        bad = run(f"{out}/bad", init_from=folder, expert_parallel=2, steps=1)
+    finally:
+        expert_parallel._rows = rows
+    moved = sorted(k for k in bad[0] if k not in IGNORED and bad[0][k] != ref[0].get(k))
+    assert moved, "control: no b2 on the owner changed no metric"
+    say(f"control gpt-oss EP=2: no b2 on the owner moves step 1's {', '.join(moved[:3])}, ...")
+
+
 def main(out):
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -106,6 +140,7 @@ def main(out):
     # R3 replays logical ids; a permuted placement; the device load is logged
     if world == 2:
         check_checkpoint_folder_is_read_by_shard(out)
+        check_gpt_oss(out)
         kw = dict(init_from="tiny-sigmoid", expert_bias_update_rate=1e-3)
         compare(run(f"{out}/ref", **kw), run(f"{out}/ep", expert_parallel=2, **kw), "expert bias EP=2")
         kw = dict(replay="r3", recompute_old_logp=True)

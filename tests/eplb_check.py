@@ -6,8 +6,9 @@ Every rank builds the same tiny model and tokens and computes the EP=1 reference
 (N = the world) with EPLB layouts (replicas planned from the tokens' own load, and every expert on
 every rank) and compares: score's log-probs and routes, the sampler's outputs, and the exact gradient
 sums after the replicas' pieces are folded home, all bitwise; with a control, a replica whose weights
-differ by one ulp, which changes the log-probs. Prints one `ok ...` line per check on rank 0; any
-mismatch raises. tests/test_expert_parallel.py runs it with 2 and 4 processes.
+differ by one ulp, which changes the log-probs. gpt-oss's biased experts too (2 processes): a replica
+slot carries the biases (the control: one ulp on a replica's b2) and their gradients fold home. Prints
+one `ok ...` line per check on rank 0; any mismatch raises. tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
 import copy
 import os
@@ -21,8 +22,8 @@ import eplb                                                       # noqa: E402
 import exact_sum                                                  # noqa: E402
 from config import ModelConfig                                    # noqa: E402
 from distributed import Dist                                      # noqa: E402
-from expert_parallel import Placement, Replicas, init_expert_parallel, shard_experts   # noqa: E402
-from model import Transformer                                     # noqa: E402
+from ep_check import build                                        # noqa: E402
+from expert_parallel import Placement, Replicas, expert_tensors, init_expert_parallel, is_expert, shard_experts   # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -56,11 +57,11 @@ def replica_rows(layout: list[Placement], routes, n) -> int:
 
 
 @torch.no_grad()
-def check_score(cfg, dtype):
-    """score at EP=N under EPLB layouts equals EP=1's, bitwise; the control: one ulp on a replica's weights."""
+def check_score(cfg, dtype, tag=""):
+    """score at EP=N under EPLB layouts equals EP=1's, bitwise; the control: one ulp on a replica's
+    weights (gpt-oss: on its down bias b2)."""
     n = dist.get_world_size()
-    torch.manual_seed(0)
-    whole = Transformer(cfg).to(dtype)
+    whole = build(cfg, dtype)
     tokens = tokens_of(cfg, n)
     ref_logp, ref_routes = whole.score(tokens)
     ep = init_expert_parallel(n, n_experts=cfg.num_experts)
@@ -72,27 +73,29 @@ def check_score(cfg, dtype):
         assert torch.equal(logp, ref_logp[b]) and torch.equal(routes, ref_routes[b]), f"score EPLB {name} {dtype}"
         rows = replica_rows(layout, ref_routes, n)
         assert rows > 0, f"no row reached a replica ({name})"
-        say(f"score EP={n} EPLB {name} {dtype}: logp and routes equal EP=1's ({rows} rows on replicas)")
-    nudged = nudge_a_replica(model, ep, ref_routes, n)
+        say(f"{tag}score EP={n} EPLB {name} {dtype}: logp and routes equal EP=1's ({rows} rows on replicas)")
+    key = "b2" if cfg.expert_bias else "w13"
+    nudged = nudge_a_replica(model, ep, ref_routes, n, key)
     logp, routes = model.score(tokens[b])
     moved = torch.tensor(int(not torch.equal(logp, ref_logp[b])))
     dist.all_reduce(moved)
     assert moved.item() > 0, "control: one ulp on a replica changed nothing"
-    say(f"control EP={n} {dtype}: one ulp on replica slot {nudged} changes the log-probs of {moved.item()} rank(s)")
+    say(f"control {tag}EP={n} {dtype}: one ulp on replica slot {nudged}'s {key} changes the log-probs of "
+        f"{moved.item()} rank(s)")
     ep.eplb = None
 
 
-def nudge_a_replica(model, ep, routes, n) -> int:
-    """Add one ulp to every weight of a replica slot that receives rows, in the first MoE layer's copy
-    on the rank holding it (the other ranks' copies stay right). -> the slot."""
+def nudge_a_replica(model, ep, routes, n, key="w13") -> int:
+    """Add one ulp to every element of expert tensor `key` of a replica slot that receives rows, in the
+    first MoE layer's copy on the rank holding it (the other ranks' copies stay right). -> the slot."""
     layer = next(m for m in model.modules() if getattr(m, "ep", None) is not None and m.ep_layer == 0)
     pl = ep.eplb.layouts[0]
     used = {int(p) for s in range(n) for p in pl.physical(routes[2 * s:2 * s + 2, :, 0].reshape(-1), s)}
     slot = next(p for e, p in pl.replicas if p in used)
     if slot // pl.per_rank == ep.rank:
-        _, p13, _ = ep.eplb.copies[layer]
+        _, slots = ep.eplb.copies[layer]
         with torch.no_grad():
-            row = p13[slot % pl.per_rank]
+            row = slots[key][slot % pl.per_rank]
             row.copy_(torch.nextafter(row, torch.full_like(row, float("inf"))))
     return slot
 
@@ -103,8 +106,7 @@ def check_sampler(cfg, dtype):
     from ep_check import score_outputs
     from rollout import Sampler
     n, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    whole = Transformer(cfg).to(dtype)
+    whole = build(cfg, dtype)
     g = torch.Generator().manual_seed(10 + rank)
     prompts = [torch.randint(1, cfg.vocab_size, (3 + 2 * rank + i,), generator=g).tolist() for i in range(1 + rank)]
     runs = []
@@ -126,8 +128,8 @@ def check_sampler(cfg, dtype):
 
 def exact_grads(model, tokens, d, ep):
     """One minibatch of one micro-batch per rank (its rows of tokens) through an exact_sum.Reducer ->
-    the gradients of w13 and w2 per MoE layer (this rank's shard) and of the router gates."""
-    experts = {id(p) for name, p in model.named_parameters() if name.endswith((".w13", ".w2"))}
+    the gradients of the expert tensors per MoE layer (this rank's shard) and of the router gates."""
+    experts = {id(p) for name, p in model.named_parameters() if is_expert(name)}
     reducer = exact_sum.Reducer(model, d, trained=model, ep=ep, experts=experts)
     reducer.start()
     reducer.last = True
@@ -135,23 +137,23 @@ def exact_grads(model, tokens, d, ep):
     (logp * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
     reducer.finish()
     moes = [m for m in model.modules() if hasattr(m, "w13")]
-    return [(m.w13.grad, m.w2.grad, m.gate.weight.grad) for m in moes]
+    return [(*(t.grad for t in expert_tensors(m).values()), m.gate.weight.grad) for m in moes]
 
 
-def check_exact_grads(cfg):
+def check_exact_grads(cfg, tag=""):
     """Training through replicas: each source's rows of an expert run whole on one slot, so every piece is
     EP=1's of that micro-batch; folded home as integers, the sums equal EP=N without EPLB and the exact
     sum of the EP=1 micro-batches' gradients, bitwise."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    whole = Transformer(cfg)
+    whole = build(cfg)
     tokens = tokens_of(cfg, n)
     d = Dist(rank, n, torch.device("cpu"))
     per_slice = []
     for r in range(n):                                              # EP=1, one micro-batch at a time
         m = copy.deepcopy(whole)
         m.score(tokens[2 * r:2 * r + 2])[0].mul(torch.linspace(-1, 1, 11)).sum().backward()
-        per_slice.append([(x.w13.grad, x.w2.grad, x.gate.weight.grad) for x in m.modules() if hasattr(x, "w13")])
+        per_slice.append([(*(t.grad for t in expert_tensors(x).values()), x.gate.weight.grad)
+                          for x in m.modules() if hasattr(x, "w13")])
     _, ref_routes = whole.score(tokens)
     got = {}
     for name in ("none", "planned"):
@@ -164,13 +166,14 @@ def check_exact_grads(cfg):
     mine = torch.tensor(ep.placement.experts_of(rank))
     for j, (a, b) in enumerate(zip(got["none"], got["planned"])):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"EPLB grads layer {j}"
-        for i in range(3):
+        for i in range(len(b)):                                      # the expert tensors, then the router
             want = exact_sum.Limbs(per_slice[0][j][i].shape, "cpu")
             for part in per_slice:
                 want.add(part[j][i])
             value = want.value()
-            assert torch.equal(b[i], value[mine] if i < 2 else value), f"grad {i} layer {j} vs EP=1"
-    say(f"exact grads EP={n} EPLB planned: w13, w2, router = EP={n} without replicas = EP=1's exact sums, bitwise")
+            assert torch.equal(b[i], value[mine] if i < len(b) - 1 else value), f"grad {i} layer {j} vs EP=1"
+    names = ", ".join(expert_tensors(model.layers[1].mlp))
+    say(f"{tag}exact grads EP={n} EPLB planned: {names}, router = EP={n} without replicas = EP=1's exact sums, bitwise")
 
 
 def check_training(out):
@@ -244,6 +247,10 @@ def main(out=None):
         check_score(tiny, dtype)
     check_sampler(tiny, torch.float32)
     check_exact_grads(ModelConfig(**{**tiny.__dict__, "num_experts_per_tok": 4}))
+    if dist.get_world_size() == 2:                                   # gpt-oss: biased experts, the clamped SwiGLU
+        oss = ModelConfig.preset("tiny-gpt-oss")
+        check_score(oss, torch.float32, tag="gpt-oss ")
+        check_exact_grads(ModelConfig(**{**oss.__dict__, "num_experts_per_tok": 4}), tag="gpt-oss ")
     if out is not None:
         (check_training if dist.get_world_size() == 2 else check_training_fsdp)(out)
     dist.barrier()

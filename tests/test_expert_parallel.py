@@ -1,6 +1,6 @@
 """Expert parallelism: placement, the degree checks, the slot-order combine (with its control), and
 tests/ep_check.py under torchrun with 2 and 4 gloo processes (score and gradients against EP=1, the
-memory plan against the bytes allocated); EPLB: placements with replicas, the plan, its checks, and
+memory plan against the bytes allocated; gpt-oss's biased experts with their controls); EPLB: placements with replicas, the plan, its checks, and
 tests/eplb_check.py under torchrun (replicas against none, bitwise)."""
 import os
 import subprocess
@@ -118,7 +118,10 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     degrees = [n for n in (1, 2, 4) if nproc % n == 0]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == 3 * 2 * 2 * len(degrees) + 6, r.stdout        # score, grads, exact grads; 2 dtypes, 2 placements
+    oss = [line for line in ok if line.startswith(("ok gpt-oss", "ok control gpt-oss"))]   # 2 processes only:
+    assert len(oss) == (9 if nproc == 2 else 0), oss                # 3 checks x 2 dtypes, sampler, controls, plan
+    assert len(ok) == 3 * 2 * 2 * len(degrees) + 6 + len(oss), r.stdout   # score, grads, exact grads; 2 dtypes, 2 placements
+    assert sum("b13, b2 bitwise" in line or "w13 / w2 / b13 / b2 bitwise" in line for line in oss) == len(oss) // 9 * 4
     assert any(line.startswith("ok decode exchange: no host read") for line in ok)
     assert any(line.startswith("ok expert_map fault: EP=2 equals EP=1") for line in ok)
     assert sum(line.startswith("ok sampler EP=2") for line in ok) == 2
@@ -131,15 +134,15 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_training_under_ep_equals_ep1_under_torchrun(nproc, tmp_path):
     """train.py's loop at EP>1 against EP=1, bit for bit: the router bias, R3, a placement, a checkpoint
-    folder, resume at the same and another EP degree (DDP / FSDP2 x fp32 / bf16: tests/world_check.py)."""
+    folder, gpt-oss's biased experts (with a control), resume at the same and another EP degree (DDP / FSDP2 x fp32 / bf16: tests/world_check.py)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "tests/ep_train_check.py", str(tmp_path)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == (10 if nproc == 2 else 3), r.stdout
-    for what in ("checkpoint folder EP=2", "R3 replay EP=2", "permuted placement EP=2", "device load EP=2", "expert_map fault EP=1 vs EP=2"):
+    assert len(ok) == (12 if nproc == 2 else 3), r.stdout
+    for what in ("checkpoint folder EP=2", "gpt-oss from a checkpoint folder EP=2", "control gpt-oss EP=2", "R3 replay EP=2", "permuted placement EP=2", "device load EP=2", "expert_map fault EP=1 vs EP=2"):
         assert nproc == 4 or any(what in line for line in ok), (what, r.stdout)
     assert any("resume EP=2 -> EP=2" in line and "every metric bit for bit" in line for line in ok)
     assert "returned a view tensor" not in r.stderr        # FSDP2's warning, silenced for the Router and the MoE
@@ -219,7 +222,7 @@ def test_eplb_against_the_model_is_one_line(r, n, says):
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_eplb_replicas_equal_no_replicas_under_torchrun(nproc, tmp_path):
     """tests/eplb_check.py: score, the sampler and the exact gradient sums with replicas at EP=nproc equal
-    EP=1's (with the one-ulp control); with 2 ranks train.py's loop too (fp32, bf16, a resume, the files);
+    EP=1's (with the one-ulp control; gpt-oss's biases on the replicas too); with 2 ranks train.py's loop too (fp32, bf16, a resume, the files);
     with 4, two EP groups of 2 under FSDP2."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "tests/eplb_check.py", str(tmp_path)]
@@ -227,5 +230,6 @@ def test_eplb_replicas_equal_no_replicas_under_torchrun(nproc, tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == 8 + (5 if nproc == 2 else 1), r.stdout
-    assert sum(line.startswith("ok control") for line in ok) == 2 + (nproc == 2)
+    assert len(ok) == 8 + (9 if nproc == 2 else 1), r.stdout        # 2 processes: gpt-oss's 2 layouts, control, grads
+    assert sum(line.startswith("ok control") for line in ok) == 2 + 2 * (nproc == 2)
+    assert sum(line.startswith("ok gpt-oss") for line in ok) == 3 * (nproc == 2), r.stdout

@@ -692,6 +692,32 @@ def test_moe_gpt_oss_experts():
 
 
 @runnable
+def test_moe_gpt_oss_expert_rows_are_its_slots():
+    """expert_rows with gpt-oss's extras (an expert-parallel owner of biased, clamped-SwiGLU experts):
+    each slot's fp32 term as moe_experts sums it, other values without the biases (the control), and
+    the gradients, biases' too, against the torch backend's expert_rows."""
+    x, w13, w2, ids, wt = _moe_inputs(40, k=3)
+    g = torch.Generator().manual_seed(7)
+    b13, b2 = (torch.randn(4, 48, generator=g) * 0.5).to(DEV), (torch.randn(4, 32, generator=g) * 0.5).to(DEV)
+    swiglu = (1.702, 1.0)
+    M, k = ids.shape
+    xs, flat, wflat = x.repeat_interleave(k, 0), ids.reshape(-1), wt.reshape(-1)
+    rows = ktm.expert_rows(xs, w13, w2, flat, wflat, b13, b2, swiglu)
+    assert same_bits(kernels.combine_slots(rows.view(M, k, -1), x.dtype),
+                     ktm.moe_experts(x, w13, w2, ids, wt, b13=b13, b2=b2, swiglu=swiglu))
+    assert rel(rows, ktm.expert_rows(xs, w13, w2, flat, wflat, None, None, swiglu)) > 1e-2
+    grads = []
+    for f in (ktm.expert_rows, kernels.expert_rows):
+        dev = DEV if f is ktm.expert_rows else "cpu"
+        a = [t.detach().to(dev).clone().requires_grad_() for t in (xs, w13, w2, b13, b2, wflat)]
+        out = f(a[0], a[1], a[2], flat.to(dev), a[5], b13=a[3], b2=a[4], swiglu=swiglu)
+        (out * torch.arange(32.0, device=dev)).sum().backward()
+        grads.append([t.grad for t in a])
+    for tri, cpu_grad in zip(*grads):
+        assert rel(tri, cpu_grad) < TOL
+
+
+@runnable
 @torch.no_grad()
 def test_gpt_oss_model_score_and_sampler_with_triton():
     """A gpt-oss model (sinks, a window of 12 on alternate layers, YaRN, biased router and experts) on the
