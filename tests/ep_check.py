@@ -9,6 +9,7 @@ experts (biases, the clamped SwiGLU) at EP=2 too, with controls: a bias or the S
 exchanged path changes the bits. Prints one `ok ...` line per check on rank 0; any mismatch raises.
 tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
+import gc
 import copy
 import os
 import sys
@@ -363,6 +364,7 @@ def main():
         check_gpt_oss_controls(oss)
         check_plan_bytes(oss, "ddp", tag="gpt-oss ")                  # b13, b2 counted as expert shards
     dist.barrier()
+    gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ gpt-oss's biased experts from a checkpoint folder, with the control of a bias lo
 DDP / FSDP2 x fp32 / bf16 at EP=2 against one process: tests/world_check.py. Prints one `ok ...` line
 per check on rank 0; any mismatch raises. tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
+import gc
 import os
 import sys
 
@@ -187,6 +188,7 @@ def main(out):
     moved = resume(f"{out}/leg2", expert_parallel=other, steps=3, **kw)
     compare(straight[1:], moved, f"resume EP={n} -> EP={other}")
     dist.barrier()
+    gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
     dist.destroy_process_group()
 
 

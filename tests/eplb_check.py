@@ -10,6 +10,7 @@ differ by one ulp, which changes the log-probs. gpt-oss's biased experts too (2 
 slot carries the biases (the control: one ulp on a replica's b2) and their gradients fold home. Prints
 one `ok ...` line per check on rank 0; any mismatch raises. tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
+import gc
 import copy
 import os
 import sys
@@ -254,6 +255,7 @@ def main(out=None):
     if out is not None:
         (check_training if dist.get_world_size() == 2 else check_training_fsdp)(out)
     dist.barrier()
+    gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
     dist.destroy_process_group()
 
 

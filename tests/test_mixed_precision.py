@@ -9,6 +9,7 @@ bf16; bad option values end in one line.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/test_mixed_precision.py   # the FSDP2 cast check alone
 """
+import gc
 import copy
 import json
 import os
@@ -389,6 +390,7 @@ def fsdp_cast_check():
                            full["layers.1.self_attn.q_proj.weight"].float())   # control: bf16 rounds
     if d.master:
         print("cast check: ok", flush=True)
+    gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
     dist.destroy_process_group()
 
 

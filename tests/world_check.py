@@ -11,6 +11,7 @@ OUT/world{N}.json: per layout, every metrics row without its per-layout keys, an
 checkpoint's tensors (whole experts). The 1- and 4-rank launches also resume the 2-rank DDP EP=2 fp32
 run from its step-5 checkpoint. tests/test_distributed.py compares the files.
 """
+import gc
 import hashlib
 import json
 import os
@@ -96,6 +97,7 @@ def main(out: str) -> None:
             json.dump(found, f)
     if world > 1:
         dist.barrier()
+        gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
         dist.destroy_process_group()
 
 
