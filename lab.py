@@ -86,6 +86,7 @@ def quantized_copy(source: Transformer, fmt: str, sync_source, quantize_router: 
     (weight-only quantization as engines serve it)."""
     copy_ = copy.deepcopy(source).requires_grad_(False)
     skip = {id(source.embed_tokens.weight), id(source.lm_weight())}
+    skip |= {id(p) for n, p in source.named_parameters() if n.rsplit(".", 1)[-1] in ("b13", "b2")}  # (E, n) biases
     if not quantize_router:
         skip |= {id(layer.mlp.gate.weight) for layer in source.layers if layer.is_moe}
     pairs = [(p, q, p.dim() >= 2 and id(p) not in skip) for p, q in zip(model_state(source), model_state(copy_))]

@@ -234,6 +234,14 @@ def test_quantized_rollout_has_a_mismatch_and_the_trainer_stays_exact():
         model.layers[1].mlp.w2.mul_(2)
     sync()
     assert torch.equal(q.layers[1].mlp.w2, _fq(model.layers[1].mlp.w2))
+    oss = Transformer(ModelConfig.preset("tiny-gpt-oss"))                      # experts' biases: 2-D, not matrices
+    with torch.no_grad():
+        oss.layers[0].mlp.b13.normal_()
+    q, sync = quantized_copy(oss, "int8", lambda: None)
+    sync()
+    assert torch.equal(q.layers[0].mlp.b13, oss.layers[0].mlp.b13)
+    assert not torch.equal(_fq(oss.layers[0].mlp.b13), oss.layers[0].mlp.b13)  # control: quantizing them rounds
+    assert not torch.equal(q.layers[0].mlp.w13, oss.layers[0].mlp.w13)
 
 
 def _fq(w):
