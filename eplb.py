@@ -25,7 +25,6 @@ import math
 
 import torch
 
-import runlog
 from config import ConfigError
 from expert_parallel import ExpertParallel, Placement, Replicas
 
@@ -136,10 +135,11 @@ class Balancer:
         self.plan_step = 0                                           # the step whose load made the layouts
         self.rows = [self.plan_row()]                                # eplb.jsonl's rows not yet written
 
-    def step(self, run, step: int, batch) -> dict:
+    def step(self, step: int, batch, world) -> tuple[dict, list[dict]]:
         """After step `step`'s forwards: its rollout's load under the home placement and the layouts it
-        ran (the metrics), then the re-plan if one is due (the next step's forwards run it)."""
-        load = measured_load(batch.routes, batch.route_mask, run.d.world, self.ep.size, self.ep.placement.n_experts)
+        ran (the metrics), then the re-plan if one is due (the next step's forwards run it). -> the metrics
+        and eplb.jsonl's new rows (the caller writes them: runlog owns the run's files)."""
+        load = measured_load(batch.routes, batch.route_mask, world, self.ep.size, self.ep.placement.n_experts)
         out = {"eplb_imbalance_before": imbalance([self.ep.placement] * len(load), load),
                "eplb_imbalance_after": imbalance(self.ep.eplb.layouts, load)}
         self.load += load
@@ -148,9 +148,8 @@ class Balancer:
             self.plan_step = step + 1
             self.rows.append(self.plan_row(self.load))
             self.load = torch.zeros_like(self.load)
-        runlog.append_jsonl(run, step, "eplb.jsonl", self.rows)     # a resume drops the rows past its step
-        self.rows = []
-        return out
+        rows, self.rows = self.rows, []
+        return out, rows
 
     def plan_row(self, load: torch.Tensor | None = None) -> dict:
         """eplb.jsonl's row of the layouts now: from step plan_step + 1 on, per MoE layer the physical

@@ -70,8 +70,9 @@ from partial_rollout import PartialRollouts
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
                       staleness_split)
 from rollout import Sampler
-from runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, episode_metrics, latency_metrics, log_routes,
-                    log_row, log_samples, open_logger, open_outputs, run_cli, say, stop_requested, summary, warn_low_entropy)
+from runlog import (Interrupted, LengthSurge, Outputs, StopRequest, append_jsonl, banner, episode_metrics, latency_metrics,
+                    log_routes, log_row, log_samples, open_logger, open_outputs, run_cli, say, stop_requested, summary,
+                    warn_low_entropy)
 from tasks import Episodes, TaskError, compute_rewards
 
 
@@ -151,7 +152,9 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             row.update(log_routes(run, step, mine, outs, rewards, seen, old.held_out))   # routes, diagnostics.jsonl
             row.update(run.surge.watch(run, row))                     # --surge_window: a response-length surge
             if run.balancer is not None:                              # EPLB: the load before / after; a re-plan
-                row.update(run.balancer.step(run, step, batch))
+                metrics, plans = run.balancer.step(step, batch, run.d.world)
+                row.update(metrics)
+                append_jsonl(run, step, "eplb.jsonl", plans)          # a resume drops the rows past its step
             history.append(log_row(run, step, row))
             warn_low_entropy(run, history)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
