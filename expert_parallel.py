@@ -506,8 +506,8 @@ def _owner_rows(x_in, ws: dict, local, w_in, recv: list[int], ep: ExpertParallel
     (keys: the sink's name of each expert tensor, _layout), each source rank's rows run through the
     experts on their own and the gradients of the expert tensors (biases too) go to the sink apart: a
     source's rows are one micro-batch's, in EP=1's order, so each piece (and x's gradient, and the
-    routing weights') has the bits EP=1 computes for that micro-batch; one call over every source's rows would sum the micro-batches' gradients in
-    fp32 inside it. Every source is run, an empty one too: the backward's exchanges need every rank's
+    routing weights') has the bits EP=1 computes for that micro-batch; one call over every source's
+    rows would sum the micro-batches' gradients in fp32 inside it. Every source is run, an empty one too: the backward's exchanges need every rank's
     graph to reach them."""
     if keys is None:
         return _rows(x_in, ws, local, w_in, swiglu)

@@ -275,11 +275,11 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
     """(shape, is_expert) of every parameter of the model, from a meta-device build (no memory)."""
     import torch
 
+    from expert_parallel import is_expert
     from model import Transformer
     with torch.device("meta"):
         model = Transformer(cfg)
-    return [(tuple(p.shape), n.endswith((".mlp.w13", ".mlp.w2", ".mlp.b13", ".mlp.b2")))   # expert_parallel.EXPERT_TENSORS
-            for n, p in model.named_parameters()]
+    return [(tuple(p.shape), is_expert(n)) for n, p in model.named_parameters()]
 
 
 def model_config(init_from: str) -> ModelConfig:

@@ -70,9 +70,9 @@ from partial_rollout import PartialRollouts
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
                       staleness_split)
 from rollout import Sampler
-from runlog import (Interrupted, LengthSurge, Outputs, StopRequest, append_jsonl, banner, episode_metrics, latency_metrics,
-                    log_routes, log_row, log_samples, open_logger, open_outputs, run_cli, say, stop_requested, summary,
-                    warn_low_entropy)
+from runlog import (Interrupted, LengthSurge, Outputs, StopRequest, append_jsonl, banner, episode_metrics,
+                    latency_metrics, log_routes, log_row, log_samples, open_logger, open_outputs, run_cli, say,
+                    stop_requested, summary, warn_low_entropy)
 from tasks import Episodes, TaskError, compute_rewards
 
 
