@@ -9,8 +9,8 @@ experts (biases, the clamped SwiGLU) at EP=2 too, with controls: a bias or the S
 exchanged path changes the bits. Prints one `ok ...` line per check on rank 0; any mismatch raises.
 tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
-import gc
 import copy
+import gc
 import os
 import sys
 

@@ -10,8 +10,8 @@ differ by one ulp, which changes the log-probs. gpt-oss's biased experts too (2 
 slot carries the biases (the control: one ulp on a replica's b2) and their gradients fold home. Prints
 one `ok ...` line per check on rank 0; any mismatch raises. tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
-import gc
 import copy
+import gc
 import os
 import sys
 

@@ -9,8 +9,8 @@ bf16; bad option values end in one line.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/test_mixed_precision.py   # the FSDP2 cast check alone
 """
-import gc
 import copy
+import gc
 import json
 import os
 import subprocess
