@@ -14,7 +14,9 @@ Ops (one section each: kernel(s), then the autograd Function):
 * rms_norm          one program per row, fp32
 * paged_attention   one kernel for trainer prefill, rollout prefill and decode (key splits merged in
                     order, run in parallel when there are few programs); recompute backward; attention
-                    sinks and sliding windows (gpt-oss) as constexpr variants
+                    sinks and sliding windows (gpt-oss) as constexpr variants; a head that is not
+                    a power of two as two parts (head_split), wide heads in a layout of their own
+                    (ATTN_WIDE: MLA's 576-dim latent head)
 Two more files hold the rest, each importing only kernels_triton_base.py (interpreter switch, launch
 options), never kernels.py: kernels_triton_moe.py (the fused MoE) and kernels_triton_vocab.py (the
 ops over the vocabulary: token log-probs and the sampler's draw).
@@ -71,6 +73,12 @@ ATTN_TABLE = {"fwd": (64, 4, 2), "bwd_dq": (64, 4, 2), "bwd_dkv": (64, 4, 2)}
 ATTN_SPLIT = 16
 ATTN_SPLIT_BELOW = 264             # programs (2 per SM of an H200) under which the splits run in parallel
 ATTN_SPLIT_SCRATCH = 256 << 20     # bytes of partial results the parallel splits may hold (else one program)
+# Wide heads (MLA's absorbed form: 576 dims, split 512 + 64 by head_split) take a layout of their own from
+# ATTN_WIDE_DIMS dims on: 64 query rows of 576 dims do not fit one program's registers, and ptxas does not
+# finish compiling them (tools/compile_check.py); 16 rows, 8 warps and 16-key tiles compile in seconds
+# with nothing spilled. Like the table's, one layout for prefill and decode of a model.
+ATTN_WIDE_DIMS = 512
+ATTN_WIDE = {"keys": 16, "fwd": (16, 8, 2), "bwd_dq": (16, 8, 2), "bwd_dkv": (16, 8, 2)}
 LOG2E = 1.4426950408889634         # softmax in base 2: exp2(x * log2 e) = exp(x), the scale folded in
 
 # One compiled binary per call site, whatever the batch. A CUDA launch specializes integer arguments
@@ -241,6 +249,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # query heads of that KV head packed into BT * GP rows (row r: query t = first + r // GP, head
 # kvh * G + r % GP; GP = G rounded up to a power of two, extra rows masked). Decode packs the G heads
 # of a KV head into one program the same way (T = 1).
+# A head whose dims are not a power of two is two parts, each a power of two: BD dims and a tail of BR
+# (ATTN_HEAD_SPLIT; MLA's absorbed 576 = 512 + 64), each dot product the sum of the two parts' dots,
+# instead of one part padded to the next power of two (1024).
 @triton.jit
 def _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd, pos_ptr, s_pb, s_pt,
                BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, D):
@@ -257,8 +268,16 @@ def _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd, pos_ptr, s_pb, 
 
 
 @triton.jit
+def _attn_tail(b, t, h, ok, s_qb, s_qt, s_qh, s_qd, D, BD: tl.constexpr, BR: tl.constexpr):
+    # the tail of the rows' heads, dims [BD, BD + BR): its dims, offsets in q's layout and mask
+    d2 = BD + tl.arange(0, BR)
+    off = b * s_qb + t[:, None] * s_qt + h[:, None] * s_qh + d2[None, :] * s_qd
+    return d2, off, ok[:, None] & (d2[None, :] < D)
+
+
+@triton.jit
 def _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
-             KB: tl.constexpr, UPCAST: tl.constexpr):
+             KB: tl.constexpr, UPCAST: tl.constexpr, SAME: tl.constexpr):
     # keys [j*KB, (j+1)*KB) of sequence b, each found through the block table: a tile may span
     # several pages or part of one (the tile boundaries are absolute positions either way)
     # (keys past the block table's NB pages read page 0: masked for every row, like any key past
@@ -267,10 +286,25 @@ def _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, 
     page = tl.load(bt_ptr + b * s_bb + (key // PAGE) * s_bn, mask=key // PAGE < NB, other=0).to(tl.int64)
     off = page[:, None] * s_kp + (key % PAGE)[:, None] * s_ks + kvh * s_kh + d[None, :] * s_kd
     k = tl.load(k_ptr + off, mask=d[None, :] < D, other=0.0)                         # (KB, BD)
-    v = tl.load(v_ptr + off, mask=d[None, :] < D, other=0.0)
+    v = k                                           # SAME: the values are the keys (MLA's latent)
+    if not SAME:
+        v = tl.load(v_ptr + off, mask=d[None, :] < D, other=0.0)
     if UPCAST:
         k, v = k.to(tl.float32), v.to(tl.float32)
     return k, v
+
+
+@triton.jit
+def _kv_tiles(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
+              KB: tl.constexpr, UPCAST: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, SAME: tl.constexpr):
+    # key tile j's keys and values (KB, BD) and their tails (KB, BR): with BR = 0 the tails are k, v
+    k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST,
+                    SAME)
+    k2, v2 = k, v
+    if BR:
+        k2, v2 = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE,
+                          BD + tl.arange(0, BR), D, KB, UPCAST, SAME)
+    return k, v, k2, v2
 
 
 @triton.jit
@@ -311,14 +345,18 @@ def _attn_start(sink_ptr, h, ok, R: tl.constexpr, SINKS: tl.constexpr):
 
 
 @triton.jit
-def _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, WIN, MASK: tl.constexpr, KB: tl.constexpr,
-                   WINDOW: tl.constexpr):
+def _attn_fwd_step(acc, acc2, m, l, q, q2, k, k2, v, v2, j, pos, qk_scale, WIN, MASK: tl.constexpr,
+                   KB: tl.constexpr, WINDOW: tl.constexpr, BR: tl.constexpr):
     # one key tile of the online softmax, base 2: s2 = q.k * scale * log2(e); MASK on the tiles that
     # hold a row's causal edge (or its window's). A masked key gets -inf, and a whole tile of them is an
     # exact no-op for the row (m unchanged, alpha = exp2(0) = 1, p = 0; from the empty state m_ref = 0,
     # so l and acc stay exactly 0); unmasked and masked tiles give a visible key the same value, so
-    # where the split falls, or where a program starts, cannot change a row's bits.
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale                     # (R, KB)
+    # where the split falls, or where a program starts, cannot change a row's bits. With a tail (BR),
+    # q2, k2, v2 and acc2 are the heads' dims past BD (else stand-ins, unused).
+    s = tl.dot(q, tl.trans(k), input_precision="ieee")                                # (R, KB)
+    if BR:
+        s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
+    s = s * qk_scale
     if MASK:
         s = tl.where(_visible(j * KB + tl.arange(0, KB), pos, WIN, WINDOW), s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -327,37 +365,49 @@ def _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, WIN, MASK: tl.constexpr
     p = tl.exp2(s - m_ref[:, None])
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return acc, m_new, l
+    if BR:
+        acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, input_precision="ieee")
+    return acc, acc2, m_new, l
 
 
 @triton.jit
-def _attn_split(q, pos, sp, n_full, n_tiles, j_lo, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh,
-                s_kd, PAGE, d, D, qk_scale, WIN, R: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
-                SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr):
+def _attn_split(q, q2, pos, sp, n_full, n_tiles, j_lo, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks,
+                s_kh, s_kd, PAGE, d, D, qk_scale, WIN, R: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
+                SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr, BR: tl.constexpr,
+                SAME: tl.constexpr):
     # split sp: a fresh online softmax over key tiles [sp * SPLIT, (sp + 1) * SPLIT) in [j_lo, n_tiles),
-    # without masks below n_full -> its (acc, m, l)
+    # without masks below n_full -> its (acc, acc2, m, l)
     m = tl.full((R,), float("-inf"), tl.float32)
     l = tl.zeros((R,), tl.float32)
     acc = tl.zeros((R, BD), tl.float32)
+    acc2 = acc
+    if BR:
+        acc2 = tl.zeros((R, BR), tl.float32)
     j0 = tl.maximum(sp * SPLIT, j_lo)
     j1 = tl.minimum(sp * SPLIT + SPLIT, n_tiles)
     for j in range(j0, tl.minimum(j1, n_full)):
-        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
-        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, WIN, False, KB, WINDOW)
+        k, v, k2, v2 = _kv_tiles(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
+                                 KB, UPCAST, BD, BR, SAME)
+        acc, acc2, m, l = _attn_fwd_step(acc, acc2, m, l, q, q2, k, k2, v, v2, j, pos, qk_scale, WIN, False, KB,
+                                         WINDOW, BR)
     for j in range(tl.maximum(j0, n_full), j1):
-        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
-        acc, m, l = _attn_fwd_step(acc, m, l, q, k, v, j, pos, qk_scale, WIN, True, KB, WINDOW)
-    return acc, m, l
+        k, v, k2, v2 = _kv_tiles(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D,
+                                 KB, UPCAST, BD, BR, SAME)
+        acc, acc2, m, l = _attn_fwd_step(acc, acc2, m, l, q, q2, k, k2, v, v2, j, pos, qk_scale, WIN, True, KB,
+                                         WINDOW, BR)
+    return acc, acc2, m, l
 
 
 @triton.jit
-def _attn_merge(acc, m, l, acc_s, m_s, l_s):
+def _attn_merge(acc, acc2, m, l, acc_s, acc2_s, m_s, l_s, BR: tl.constexpr):
     # the running softmax state and a split's, at the larger max; from the empty state (m = -inf) this
     # returns the split's exactly, and an empty split (m_s = -inf) leaves the state exactly as it was
     m_new = tl.maximum(m, m_s)
     m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
     a, c = tl.exp2(m - m_ref), tl.exp2(m_s - m_ref)
-    return acc * a[:, None] + acc_s * c[:, None], m_new, l * a + l_s * c
+    if BR:
+        acc2 = acc2 * a[:, None] + acc2_s * c[:, None]
+    return acc * a[:, None] + acc_s * c[:, None], acc2, m_new, l * a + l_s * c
 
 
 @triton.jit(do_not_specialize=ATTN_GEOMETRY + ["s_ob", "WIN"])
@@ -365,7 +415,8 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr, sink_
                      s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
                      s_ob, s_ot, s_oh, s_od, T, H, KVH, G, D, PAGE, NB, qk_scale, WIN,
                      BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
-                     SPLIT: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr, WINDOW: tl.constexpr):
+                     SPLIT: tl.constexpr, UPCAST: tl.constexpr, SINKS: tl.constexpr, WINDOW: tl.constexpr,
+                     BR: tl.constexpr, SAME: tl.constexpr):
     # Invariance: key tiles at absolute positions 0, KB, 2KB, ... visited upward with an fp32 online
     # softmax per split of SPLIT tiles, the splits merged in order into the running state (which starts
     # at the sink, SINKS), in one fixed layout (ATTN_TABLE["fwd"]). The loop bounds (this program's
@@ -378,24 +429,45 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr, sink_
     t, h, ok, d, q_off, mask, pos = _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                pos_ptr, s_pb, s_pt, BT, GP, BD, D)
     q = tl.load(q_ptr + q_off, mask=mask, other=0.0)                                  # (R, BD)
+    q2 = _attn_q_tail(q, q_ptr, b, t, h, ok, s_qb, s_qt, s_qh, s_qd, D, BD, BR, UPCAST)  # (R, BR)
     if UPCAST:
         q = q.to(tl.float32)
     m, l = _attn_start(sink_ptr, h, ok, BT * GP, SINKS)
     acc = tl.zeros((BT * GP, BD), tl.float32)
+    acc2 = acc
+    if BR:
+        acc2 = tl.zeros((BT * GP, BR), tl.float32)
     n_full, n_tiles, j_lo = _attn_span(pos, ok, WIN, KB, WINDOW)
     for sp in range(j_lo // SPLIT, tl.cdiv(n_tiles, SPLIT)):
-        acc_s, m_s, l_s = _attn_split(q, pos, sp, n_full, n_tiles, j_lo, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr,
-                                      v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, WIN, BT * GP, BD, KB,
-                                      SPLIT, UPCAST, WINDOW)
-        acc, m, l = _attn_merge(acc, m, l, acc_s, m_s, l_s)
-    _attn_store(acc, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, ok, mask)
+        acc_s, acc2_s, m_s, l_s = _attn_split(q, q2, pos, sp, n_full, n_tiles, j_lo, b, kvh, bt_ptr, s_bb, s_bn, NB,
+                                              k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, WIN,
+                                              BT * GP, BD, KB, SPLIT, UPCAST, WINDOW, BR, SAME)
+        acc, acc2, m, l = _attn_merge(acc, acc2, m, l, acc_s, acc2_s, m_s, l_s, BR)
+    _attn_store(acc, acc2, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, D, ok, mask, BD, BR)
 
 
 @triton.jit
-def _attn_store(acc, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, ok, mask):
+def _attn_q_tail(q, q_ptr, b, t, h, ok, s_qb, s_qt, s_qh, s_qd, D, BD: tl.constexpr, BR: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    # the tail of the rows' q (or dO: the same layout), (R, BR); without one, q stands in
+    q2 = q
+    if BR:
+        _, off2, mask2 = _attn_tail(b, t, h, ok, s_qb, s_qt, s_qh, s_qd, D, BD, BR)
+        q2 = tl.load(q_ptr + off2, mask=mask2, other=0.0)
+        if UPCAST:
+            q2 = q2.to(tl.float32)
+    return q2
+
+
+@triton.jit
+def _attn_store(acc, acc2, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, D, ok, mask,
+                BD: tl.constexpr, BR: tl.constexpr):
     out = acc / l[:, None]
     o_off = b * s_ob + t[:, None] * s_ot + h[:, None] * s_oh + d[None, :] * s_od
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=mask)
+    if BR:
+        _, off2, mask2 = _attn_tail(b, t, h, ok, s_ob, s_ot, s_oh, s_od, D, BD, BR)
+        tl.store(o_ptr + off2, (acc2 / l[:, None]).to(o_ptr.dtype.element_ty), mask=mask2)
     tl.store(lse_ptr + (b * T + t) * H + h, m + tl.log2(l), mask=ok)          # base 2
 
 
@@ -404,7 +476,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, acc_ptr, ml_ptr,
                        s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
                        T, H, KVH, G, D, PAGE, NB, qk_scale, WIN, RS,
                        BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
-                       SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr):
+                       SPLIT: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr, BR: tl.constexpr,
+                       SAME: tl.constexpr):
     # program (sequence x KV head, query block, split): _attn_fwd_kernel's split sp, on its own; its
     # (acc, m, l) go to scratch for _attn_merge_kernel, the first RS rows of the block (min(T, BT)
     # queries x GP heads: a decode step's block has one query). A split past the block's keys, or
@@ -417,13 +490,18 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, acc_ptr, ml_ptr,
     if sp * SPLIT >= n_tiles or sp < j_lo // SPLIT:
         return
     q = tl.load(q_ptr + q_off, mask=mask, other=0.0)
+    q2 = _attn_q_tail(q, q_ptr, b, t, h, ok, s_qb, s_qt, s_qh, s_qd, D, BD, BR, UPCAST)
     if UPCAST:
         q = q.to(tl.float32)
-    acc, m, l = _attn_split(q, pos, sp, n_full, n_tiles, j_lo, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr,
-                            s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, WIN, BT * GP, BD, KB, SPLIT, UPCAST, WINDOW)
+    acc, acc2, m, l = _attn_split(q, q2, pos, sp, n_full, n_tiles, j_lo, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr,
+                                  v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, qk_scale, WIN, BT * GP, BD, KB, SPLIT,
+                                  UPCAST, WINDOW, BR, SAME)
     part = ((pid_bh * tl.num_programs(1) + blk) * tl.num_programs(2) + sp).to(tl.int64)
     r = tl.arange(0, BT * GP)
-    tl.store(acc_ptr + (part * RS + r[:, None]) * BD + d[None, :], acc, mask=r[:, None] < RS)
+    row = (part * RS + r[:, None]) * (BD + BR)                  # scratch rows of BD + BR: the head, its tail
+    tl.store(acc_ptr + row + d[None, :], acc, mask=r[:, None] < RS)
+    if BR:
+        tl.store(acc_ptr + row + BD + tl.arange(0, BR)[None, :], acc2, mask=r[:, None] < RS)
     tl.store(ml_ptr + (part * 2) * RS + r, m, mask=r < RS)
     tl.store(ml_ptr + (part * 2 + 1) * RS + r, l, mask=r < RS)
 
@@ -431,7 +509,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, acc_ptr, ml_ptr,
 @triton.jit(do_not_specialize=["T", "s_pb", "s_pt", "s_ob", "NS", "RS", "WIN"])
 def _attn_merge_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, lse_ptr, sink_ptr, s_pb, s_pt, s_ob, s_ot, s_oh, s_od,
                        T, H, KVH, G, D, NS, RS, WIN, BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr,
-                       KB: tl.constexpr, SPLIT: tl.constexpr, SINKS: tl.constexpr, WINDOW: tl.constexpr):
+                       KB: tl.constexpr, SPLIT: tl.constexpr, SINKS: tl.constexpr, WINDOW: tl.constexpr,
+                       BR: tl.constexpr):
     # program (sequence x KV head, query block): the splits _attn_split_kernel wrote, merged in order
     # from the start state exactly as _attn_fwd_kernel merges them (the same splits: those from the
     # block's first to its last key tile), then the same output and log-sum-exp
@@ -442,14 +521,21 @@ def _attn_merge_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, lse_ptr, sink_ptr, s_pb,
     r = tl.arange(0, BT * GP)
     m, l = _attn_start(sink_ptr, h, ok, BT * GP, SINKS)
     acc = tl.zeros((BT * GP, BD), tl.float32)
+    acc2 = acc
+    if BR:
+        acc2 = tl.zeros((BT * GP, BR), tl.float32)
     _, n_tiles, j_lo = _attn_span(pos, ok, WIN, KB, WINDOW)
     for sp in range(j_lo // SPLIT, tl.cdiv(n_tiles, SPLIT)):
         part = ((pid_bh * tl.num_programs(1) + blk) * NS + sp).to(tl.int64)
-        acc_s = tl.load(acc_ptr + (part * RS + r[:, None]) * BD + d[None, :], mask=r[:, None] < RS, other=0.0)
+        row = (part * RS + r[:, None]) * (BD + BR)
+        acc_s = tl.load(acc_ptr + row + d[None, :], mask=r[:, None] < RS, other=0.0)
+        acc2_s = acc_s
+        if BR:
+            acc2_s = tl.load(acc_ptr + row + BD + tl.arange(0, BR)[None, :], mask=r[:, None] < RS, other=0.0)
         m_s = tl.load(ml_ptr + (part * 2) * RS + r, mask=r < RS, other=0.0)      # rows past RS (never
         l_s = tl.load(ml_ptr + (part * 2 + 1) * RS + r, mask=r < RS, other=1.0)  # stored) stay finite
-        acc, m, l = _attn_merge(acc, m, l, acc_s, m_s, l_s)
-    _attn_store(acc, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, ok, mask)
+        acc, acc2, m, l = _attn_merge(acc, acc2, m, l, acc_s, acc2_s, m_s, l_s, BR)
+    _attn_store(acc, acc2, m, l, o_ptr, lse_ptr, b, t, h, d, s_ob, s_ot, s_oh, s_od, T, H, D, ok, mask, BD, BR)
 
 
 @triton.jit
@@ -465,16 +551,36 @@ def _attn_bwd_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, q_off, mask, ok, b, t, h, 
 
 
 @triton.jit
-def _attn_bwd_p_ds(q, do, k, v, lse2, delta, kpos, pos, ok, qk_scale, WIN, MASK: tl.constexpr,
-                   WINDOW: tl.constexpr):
+def _attn_bwd_p_ds(q, q2, do, do2, k, k2, v, v2, lse2, delta, kpos, pos, ok, qk_scale, WIN, MASK: tl.constexpr,
+                   WINDOW: tl.constexpr, BR: tl.constexpr):
     # the backward's recomputed probabilities p (R, KB) and ds = p * (dO.v - delta); the log-sum-exp
-    # holds the sink's term, so p is the forward's
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    p = tl.exp2(s - lse2[:, None])
+    # holds the sink's term, so p is the forward's. Each dot adds its tail's (BR).
+    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    dov = tl.dot(do, tl.trans(v), input_precision="ieee")
+    if BR:
+        s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
+        dov += tl.dot(do2, tl.trans(v2), input_precision="ieee")
+    p = tl.exp2(s * qk_scale - lse2[:, None])
     if MASK:
         p = tl.where(_visible(kpos, pos, WIN, WINDOW) & ok[:, None], p, 0.0)
-    ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
+    ds = p * (dov - delta[:, None])
     return p, ds
+
+
+@triton.jit
+def _attn_bwd_dq_step(dq, dq2, q, q2, do, do2, lse2, delta, j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp,
+                      s_ks, s_kh, s_kd, PAGE, d, D, pos, ok, qk_scale, WIN, MASK: tl.constexpr, KB: tl.constexpr,
+                      UPCAST: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                      SAME: tl.constexpr):
+    # key tile j's share of dq (and of its tail)
+    k, v, k2, v2 = _kv_tiles(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB,
+                             UPCAST, BD, BR, SAME)
+    p, ds = _attn_bwd_p_ds(q, q2, do, do2, k, k2, v, v2, lse2, delta, j * KB + tl.arange(0, KB), pos, ok, qk_scale,
+                           WIN, MASK, WINDOW, BR)
+    dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+    if BR:
+        dq2 += tl.dot(ds.to(k2.dtype), k2, input_precision="ieee")
+    return dq, dq2
 
 
 @triton.jit(do_not_specialize=ATTN_GEOMETRY + ["WIN"])
@@ -482,7 +588,7 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, d
                         s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
                         T, H, KVH, G, D, PAGE, NB, qk_scale, scale, WIN,
                         BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
-                        UPCAST: tl.constexpr, WINDOW: tl.constexpr):
+                        UPCAST: tl.constexpr, WINDOW: tl.constexpr, BR: tl.constexpr, SAME: tl.constexpr):
     # Deterministic: one program per query block recomputes p from the saved log-sum-exp and
     # accumulates dq over the key tiles in order. q, do, dq share q's (B, T, H, D) strides (the
     # caller makes them contiguous). Dots take operands in the input dtype (p, ds rounded to it, as
@@ -493,19 +599,25 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, d
     t, h, ok, d, q_off, mask, pos = _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                pos_ptr, s_pb, s_pt, BT, GP, BD, D)
     q, do, lse2, delta = _attn_bwd_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, q_off, mask, ok, b, t, h, T, H, UPCAST)
+    q2 = _attn_q_tail(q, q_ptr, b, t, h, ok, s_qb, s_qt, s_qh, s_qd, D, BD, BR, UPCAST)
+    do2 = _attn_q_tail(do, do_ptr, b, t, h, ok, s_qb, s_qt, s_qh, s_qd, D, BD, BR, UPCAST)
     dq = tl.zeros((BT * GP, BD), tl.float32)
+    dq2 = dq
+    if BR:
+        dq2 = tl.zeros((BT * GP, BR), tl.float32)
     n_full, n_tiles, j_lo = _attn_span(pos, ok, WIN, KB, WINDOW)
     for j in range(j_lo, n_full):
-        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
-        p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, j * KB + tl.arange(0, KB), pos, ok, qk_scale, WIN, False,
-                               WINDOW)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+        dq, dq2 = _attn_bwd_dq_step(dq, dq2, q, q2, do, do2, lse2, delta, j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr,
+                                    v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, pos, ok, qk_scale, WIN, False, KB,
+                                    UPCAST, WINDOW, BD, BR, SAME)
     for j in range(tl.maximum(j_lo, n_full), n_tiles):
-        k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
-        p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, j * KB + tl.arange(0, KB), pos, ok, qk_scale, WIN, True,
-                               WINDOW)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+        dq, dq2 = _attn_bwd_dq_step(dq, dq2, q, q2, do, do2, lse2, delta, j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr,
+                                    v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, pos, ok, qk_scale, WIN, True, KB,
+                                    UPCAST, WINDOW, BD, BR, SAME)
     tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
+    if BR:
+        _, off2, mask2 = _attn_tail(b, t, h, ok, s_qb, s_qt, s_qh, s_qd, D, BD, BR)
+        tl.store(dq_ptr + off2, (dq2 * scale).to(dq_ptr.dtype.element_ty), mask=mask2)
 
 
 @triton.jit(do_not_specialize=ATTN_GEOMETRY + ["WIN"])
@@ -513,7 +625,7 @@ def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, 
                          s_qb, s_qt, s_qh, s_qd, s_kp, s_ks, s_kh, s_kd, s_bb, s_bn, s_pb, s_pt,
                          T, H, KVH, G, D, PAGE, NB, NKEYS, qk_scale, scale, WIN,
                          BT: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, KB: tl.constexpr,
-                         UPCAST: tl.constexpr, WINDOW: tl.constexpr):
+                         UPCAST: tl.constexpr, WINDOW: tl.constexpr, BR: tl.constexpr, SAME: tl.constexpr):
     # Deterministic, atomic-free: one program per (key tile, sequence, KV head) owns its dk/dv tile
     # and loops over the query blocks in index order, skipping the blocks that see none of its keys
     # (causal, and under a WINDOW the blocks whose smallest position's window starts past the tile).
@@ -521,10 +633,15 @@ def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, 
     pid_bh, j = tl.program_id(0), tl.program_id(1)               # key tile 0 has the most work: first
     b, kvh = (pid_bh // KVH).to(tl.int64), pid_bh % KVH
     d = tl.arange(0, BD)
-    k, v = _kv_tile(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB, UPCAST)
+    k, v, k2, v2 = _kv_tiles(j, b, kvh, bt_ptr, s_bb, s_bn, NB, k_ptr, v_ptr, s_kp, s_ks, s_kh, s_kd, PAGE, d, D, KB,
+                             UPCAST, BD, BR, SAME)
     kpos = j * KB + tl.arange(0, KB)
     dk = tl.zeros((KB, BD), tl.float32)
     dv = tl.zeros((KB, BD), tl.float32)
+    dk2, dv2 = dk, dv
+    if BR:
+        dk2 = tl.zeros((KB, BR), tl.float32)
+        dv2 = tl.zeros((KB, BR), tl.float32)
     for i in range(0, tl.cdiv(T, BT)):
         t, h, ok, d, q_off, mask, pos = _attn_rows(i, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd,
                                                    pos_ptr, s_pb, s_pt, BT, GP, BD, D)
@@ -534,12 +651,41 @@ def _attn_bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, do_ptr, lse_ptr, 
         if sees:                                                 # else this block adds exact zeros
             q, do, lse2, delta = _attn_bwd_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, q_off, mask, ok, b, t, h, T, H,
                                                 UPCAST)
-            p, ds = _attn_bwd_p_ds(q, do, k, v, lse2, delta, kpos, pos, ok, qk_scale, WIN, True, WINDOW)
+            q2 = _attn_q_tail(q, q_ptr, b, t, h, ok, s_qb, s_qt, s_qh, s_qd, D, BD, BR, UPCAST)
+            do2 = _attn_q_tail(do, do_ptr, b, t, h, ok, s_qb, s_qt, s_qh, s_qd, D, BD, BR, UPCAST)
+            p, ds = _attn_bwd_p_ds(q, q2, do, do2, k, k2, v, v2, lse2, delta, kpos, pos, ok, qk_scale, WIN, True,
+                                   WINDOW, BR)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")             # (KB, BD)
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
-    off = ((b * NKEYS + kpos[:, None]) * KVH + kvh) * D + d[None, :]
-    tl.store(dk_ptr + off, dk * scale, mask=d[None, :] < D)
-    tl.store(dv_ptr + off, dv, mask=d[None, :] < D)
+            if BR:
+                dv2 += tl.dot(tl.trans(p).to(do2.dtype), do2, input_precision="ieee")      # (KB, BR)
+                dk2 += tl.dot(tl.trans(ds).to(q2.dtype), q2, input_precision="ieee")
+    row = ((b * NKEYS + kpos[:, None]) * KVH + kvh) * D
+    tl.store(dk_ptr + row + d[None, :], dk * scale, mask=d[None, :] < D)
+    tl.store(dv_ptr + row + d[None, :], dv, mask=d[None, :] < D)
+    if BR:
+        d2 = BD + tl.arange(0, BR)
+        tl.store(dk_ptr + row + d2[None, :], dk2 * scale, mask=d2[None, :] < D)
+        tl.store(dv_ptr + row + d2[None, :], dv2, mask=d2[None, :] < D)
+
+
+def head_split(D: int) -> tuple[int, int]:
+    """Head dims D -> (BD, BR): the kernels' power-of-two part and tail (0: none). A D that is not a power
+    of two is split when that pads less than rounding D up does and both parts are at least 16 wide (a
+    dot's least): MLA's absorbed 576 -> (512, 64) instead of 1024."""
+    BD = triton.next_power_of_2(D)
+    lo = BD // 2
+    BR = max(16, triton.next_power_of_2(D - lo))
+    return (lo, BR) if D < BD and lo >= 16 and lo + BR < BD else (BD, 0)
+
+
+def attn_layout(kernel: str, D: int) -> tuple[int, int, int, int]:
+    """(query rows per program, warps, stages, keys per tile) of an attention kernel ("fwd", "bwd_dq",
+    "bwd_dkv") for heads of D dims: ATTN_TABLE's and ATTN_KEYS, or from ATTN_WIDE_DIMS on ATTN_WIDE's. It
+    depends on the model alone, never on the batch: prefill and decode of a model share one layout."""
+    if D >= ATTN_WIDE_DIMS:
+        return (*ATTN_WIDE[kernel], ATTN_WIDE["keys"])
+    return (*ATTN_TABLE[kernel], ATTN_KEYS)
 
 
 def _attn_meta(q, k_cache, rows):
@@ -548,7 +694,7 @@ def _attn_meta(q, k_cache, rows):
     G = H // KVH
     GP = triton.next_power_of_2(G)
     BT = max(1, rows // GP)
-    return B, T, H, D, PAGE, KVH, G, GP, BT, triton.next_power_of_2(D)
+    return B, T, H, D, PAGE, KVH, G, GP, BT, *head_split(D)
 
 
 def _strides(*ts):
@@ -558,32 +704,33 @@ def _strides(*ts):
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, block_table, positions, scale, sinks, window):
-        rows, warps, stages = ATTN_TABLE["fwd"]
-        B, T, H, D, PAGE, KVH, G, GP, BT, BD = _attn_meta(q, k_cache, rows)
+        rows, warps, stages, keys = attn_layout("fwd", q.shape[-1])
+        B, T, H, D, PAGE, KVH, G, GP, BT, BD, BR = _attn_meta(q, k_cache, rows)
         assert k_cache.stride() == v_cache.stride()
+        same = k_cache.data_ptr() == v_cache.data_ptr()                    # MLA: the values are the keys
         out = torch.empty_like(q)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)     # base 2, the sink's term included
         sink2 = lse if sinks is None else (sinks.float() * LOG2E).contiguous()   # the sink logits in base 2
         grid = (B * KVH, triton.cdiv(T, BT))
         NB = block_table.shape[1]
-        NS = triton.cdiv(triton.cdiv(NB * PAGE, ATTN_KEYS), ATTN_SPLIT)      # splits the table can hold
+        NS = triton.cdiv(triton.cdiv(NB * PAGE, keys), ATTN_SPLIT)           # splits the table can hold
         geometry = (T, H, KVH, G, D, PAGE, NB, scale * LOG2E, window or 1 << 30)
-        opts = dict(BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, SPLIT=ATTN_SPLIT, WINDOW=bool(window), **LAUNCH)
+        opts = dict(BT=BT, GP=GP, BD=BD, BR=BR, KB=keys, SPLIT=ATTN_SPLIT, WINDOW=bool(window), **LAUNCH)
         parts, RS = grid[0] * grid[1] * NS, min(T, BT) * GP     # RS: rows a block stores per split
         # few programs and scratch to spare: the splits in parallel
-        if NS > 1 and grid[0] * grid[1] < ATTN_SPLIT_BELOW and parts * RS * (BD + 2) * 4 <= ATTN_SPLIT_SCRATCH:
-            acc = torch.empty(parts, RS, BD, dtype=torch.float32, device=q.device)
+        if NS > 1 and grid[0] * grid[1] < ATTN_SPLIT_BELOW and parts * RS * (BD + BR + 2) * 4 <= ATTN_SPLIT_SCRATCH:
+            acc = torch.empty(parts, RS, BD + BR, dtype=torch.float32, device=q.device)
             ml = torch.empty(parts, 2, RS, dtype=torch.float32, device=q.device)
             _attn_split_kernel[(*grid, NS)](
                 q, k_cache, v_cache, block_table, positions, acc, ml, *_strides(q, k_cache, block_table, positions),
-                *geometry, RS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **opts)
+                *geometry, RS, UPCAST=UPCAST, SAME=same, num_warps=warps, num_stages=stages, **opts)
             _attn_merge_kernel[grid](acc, ml, positions, out, lse, sink2, *_strides(positions, out), T, H, KVH, G, D,
                                      NS, RS, geometry[-1], SINKS=sinks is not None, num_warps=warps, **opts)
         else:
             _attn_fwd_kernel[grid](
                 q, k_cache, v_cache, block_table, positions, out, lse, sink2,
                 *_strides(q, k_cache, block_table, positions, out), *geometry, UPCAST=UPCAST, SINKS=sinks is not None,
-                num_warps=warps, num_stages=stages, **opts)
+                SAME=same, num_warps=warps, num_stages=stages, **opts)
         ctx.save_for_backward(q, k_cache, v_cache, block_table, positions, out, lse, sink2)
         ctx.scale, ctx.window, ctx.sinks = scale, window, sinks is not None
         return out
@@ -591,30 +738,30 @@ class _PagedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k_cache, v_cache, block_table, positions, out, lse, sink2 = ctx.saved_tensors
-        B, T, H, D, PAGE, KVH, G, GP, _, BD = _attn_meta(q, k_cache, 1)
+        B, T, H, D, PAGE, KVH, G, GP, _, BD, BR = _attn_meta(q, k_cache, 1)
         q, dout = q.contiguous(), dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1).contiguous()        # (B, T, H)
         common = (*_strides(q, k_cache, block_table, positions), T, H, KVH, G, D, PAGE, block_table.shape[1])
         scales = (ctx.scale * LOG2E, ctx.scale, ctx.window or 1 << 30)
-        win = dict(WINDOW=bool(ctx.window))
+        same = k_cache.data_ptr() == v_cache.data_ptr()
+        win = dict(WINDOW=bool(ctx.window), BD=BD, BR=BR, GP=GP, UPCAST=UPCAST, SAME=same)
         dq = torch.empty_like(q)
-        rows, warps, stages = ATTN_TABLE["bwd_dq"]
+        rows, warps, stages, keys = attn_layout("bwd_dq", D)
         BT = max(1, rows // GP)
         _attn_bwd_dq_kernel[(B * KVH, triton.cdiv(T, BT))](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dq, *common, *scales,
-            BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **win, **LAUNCH)
+            BT=BT, KB=keys, num_warps=warps, num_stages=stages, **win, **LAUNCH)
         # dK, dV per sequence over every key tile the block table spans (its width, not the largest
         # position: no host sync; a tile no query sees gets zeros), then summed into the pages
         NB = block_table.shape[1]
-        nkeys = triton.cdiv(NB * PAGE, ATTN_KEYS) * ATTN_KEYS
+        rows, warps, stages, keys = attn_layout("bwd_dkv", D)
+        nkeys = triton.cdiv(NB * PAGE, keys) * keys
         dk_seq = torch.empty(B, nkeys, KVH, D, dtype=torch.float32, device=q.device)
         dv_seq = torch.empty_like(dk_seq)
-        rows, warps, stages = ATTN_TABLE["bwd_dkv"]
         BT = max(1, rows // GP)
-        _attn_bwd_dkv_kernel[(B * KVH, nkeys // ATTN_KEYS)](
+        _attn_bwd_dkv_kernel[(B * KVH, nkeys // keys)](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dk_seq, dv_seq, *common, nkeys,
-            *scales, BT=BT, GP=GP, BD=BD, KB=ATTN_KEYS, UPCAST=UPCAST, num_warps=warps, num_stages=stages, **win,
-            **LAUNCH)
+            *scales, BT=BT, KB=keys, num_warps=warps, num_stages=stages, **win, **LAUNCH)
         # a sink's gradient: d out / d sink = -p_sink * out, so -sum over queries of p_sink * (dO . out),
         # p_sink = exp2(sink2 - lse2) (deterministic torch ops)
         dsinks = -(torch.exp2(sink2 - lse) * delta).sum((0, 1)) if ctx.sinks else None

@@ -5,8 +5,9 @@
 Every rank builds the same tiny model and the same tokens, computes the EP=1 reference itself, then runs
 each EP degree that divides the world (with the contiguous and a permuted placement) on its own slice of
 the tokens and compares; and holds plan.memory_plan against the bytes an EP=2 run allocates. gpt-oss's
-experts (biases, the clamped SwiGLU) at EP=2 too, with controls: a bias or the SwiGLU lost on the
-exchanged path changes the bits. Prints one `ok ...` line per check on rank 0; any mismatch raises.
+experts (biases, the clamped SwiGLU) too: score, gradients and the sampler (fp32 and bf16) at EP=2, and
+on 4 processes at EP=4 and as two EP=2 groups; the controls (a bias or the SwiGLU lost on the exchanged
+path changes the bits) on 2. Prints one `ok ...` line per check on rank 0; any mismatch raises.
 tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
 import copy
@@ -354,13 +355,14 @@ def main():
                 check_score(tiny, dtype, n, name, placement)
                 check_grads(top4, dtype, n, name, placement)
                 check_exact_grads(top4, dtype, n, name, placement)
-        if world == 2:                                              # gpt-oss at EP=2 (the 2-process run only)
-            _, permuted = list(placements(oss.num_experts, 2))[1]
-            check_score(oss, dtype, 2, "permuted", permuted, tag="gpt-oss ")
-            check_grads(oss4, dtype, 2, "permuted", permuted, tag="gpt-oss ")
-            check_exact_grads(oss4, dtype, 2, "permuted", permuted, tag="gpt-oss ")
+        # gpt-oss: EP=2 on 2 processes; on 4, EP=4 and EP=2 twice over (two EP groups of 2)
+        for n in (2,) if world == 2 else (2, 4):
+            _, permuted = list(placements(oss.num_experts, n))[1]
+            check_score(oss, dtype, n, "permuted", permuted, tag="gpt-oss ")
+            check_grads(oss4, dtype, n, "permuted", permuted, tag="gpt-oss ")
+            check_exact_grads(oss4, dtype, n, "permuted", permuted, tag="gpt-oss ")
+        check_sampler(oss, dtype, tag="gpt-oss ")
     if world == 2:
-        check_sampler(oss, torch.float32, tag="gpt-oss ")
         check_gpt_oss_controls(oss)
         check_plan_bytes(oss, "ddp", tag="gpt-oss ")                  # b13, b2 counted as expert shards
     dist.barrier()

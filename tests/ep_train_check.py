@@ -56,21 +56,24 @@ def compare(ref, got, what):
     say(f"train {what}: every metric bit for bit, KL 0, flips 0")
 
 
-def check_fsdp_shards_experts_over_replicas():
-    """4 ranks, EP=2, FSDP2: each rank keeps 1/2 of its EP shard's rows (E/N = 4 experts over 2 replicas)."""
+def check_fsdp_shards_experts_over_replicas(preset):
+    """4 ranks, EP=2, FSDP2: each rank keeps 1/2 of its EP shard's rows (E/N = 4 experts over 2 replicas),
+    of every expert tensor (gpt-oss: the biases too)."""
     import expert_parallel
     from distributed import parallelize
     from config import ModelConfig
     from model import Transformer
-    cfg = ModelConfig.preset("tiny")
+    cfg = ModelConfig.preset(preset)
     model = expert_parallel.shard_experts(Transformer(cfg), expert_parallel.init_expert_parallel(2, n_experts=cfg.num_experts))
     d = Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
     parallelize(model, TrainConfig(parallel="fsdp"), d)
     moe = model.layers[1].mlp
-    rows = {moe.w13.to_local().shape[0], moe.w2.to_local().shape[0]}
+    names = list(expert_parallel.expert_tensors(moe))
+    rows = {getattr(moe, k).to_local().shape[0] for k in names}
     assert rows == {cfg.num_experts // 2 // 2}, rows
-    assert moe.w13.device_mesh.size() == 2 and moe.gate.weight.device_mesh.size() == 4
-    say(f"fsdp EP=2 on 4 ranks: {rows.pop()} of each rank's {cfg.num_experts // 2} experts' rows, the router over 4")
+    assert all(getattr(moe, k).device_mesh.size() == 2 for k in names) and moe.gate.weight.device_mesh.size() == 4
+    say(f"fsdp EP=2 on 4 ranks, {preset}: {rows.pop()} of each rank's {cfg.num_experts // 2} experts' rows of "
+        f"{', '.join(names)}, the router over 4")
 
 
 def check_checkpoint_folder_is_read_by_shard(out):
@@ -99,10 +102,11 @@ def check_checkpoint_folder_is_read_by_shard(out):
     say(f"checkpoint folder EP=2: each rank read {half} of {cfg.num_experts} experts from disk")
 
 
-def check_gpt_oss(out):
+def check_gpt_oss(out, **kw):
     """gpt-oss (biased experts, the clamped SwiGLU) from a checkpoint folder with drawn biases: EP=2 trains
-    as EP=1, every metric bit for bit, each rank reading its experts only. Control: the owner running
-    the experts without b2 moves the first step's metrics."""
+    as EP=1, every metric bit for bit, each rank reading its experts only (kw: on 4 ranks, FSDP2 over two
+    replicas of each EP shard). Control: the owner running the experts without b2 moves the first step's
+    metrics."""
     import safetensors
     import expert_parallel
     from config import ModelConfig
@@ -112,31 +116,34 @@ def check_gpt_oss(out):
     if dist.get_rank() == 0:
         build(cfg).save_pretrained(folder)
     dist.barrier()
-    ref = run(f"{out}/ref", init_from=folder, steps=1)             # one step: the drawn biases are in it already
+    ref = run(f"{out}/ref", init_from=folder, steps=1, **kw)       # one step: the drawn biases are in it already
     real, log = safetensors.safe_open, ReadLog(safetensors.safe_open)
     safetensors.safe_open = log
     try:
-        got = run(f"{out}/ep", init_from=folder, expert_parallel=2, steps=1)
+        got = run(f"{out}/ep", init_from=folder, expert_parallel=2, steps=1, **kw)
     finally:
         safetensors.safe_open = real
     assert len(experts_read(log.read, cfg)) == cfg.num_experts // 2, sorted(experts_read(log.read, cfg))
-    compare(ref, got, "gpt-oss from a checkpoint folder EP=2")
+    layout = " fsdp on 4 ranks" if kw else ""
+    compare(ref, got, f"gpt-oss from a checkpoint folder EP=2{layout}")
     rows = expert_parallel._rows
     expert_parallel._rows = lambda x, ws, ids, w, swiglu: rows(x, {k: v for k, v in ws.items() if k != "b2"}, ids, w, swiglu)
     try:
-        bad = run(f"{out}/bad", init_from=folder, expert_parallel=2, steps=1)
+        bad = run(f"{out}/bad", init_from=folder, expert_parallel=2, steps=1, **kw)
     finally:
         expert_parallel._rows = rows
     moved = sorted(k for k in bad[0] if k not in IGNORED and bad[0][k] != ref[0].get(k))
     assert moved, "control: no b2 on the owner changed no metric"
-    say(f"control gpt-oss EP=2: no b2 on the owner moves step 1's {', '.join(moved[:3])}, ...")
+    say(f"control gpt-oss EP=2{layout}: no b2 on the owner moves step 1's {', '.join(moved[:3])}, ...")
 
 
 def main(out):
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     if world == 4:
-        check_fsdp_shards_experts_over_replicas()
+        for preset in ("tiny", "tiny-gpt-oss"):
+            check_fsdp_shards_experts_over_replicas(preset)
+        check_gpt_oss(out, parallel="fsdp")
     # the router bias under EP: aux-loss-free balancing sums each rank's load (routes are logical ids);
     # R3 replays logical ids; a permuted placement; the device load is logged
     if world == 2:

@@ -118,10 +118,16 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     degrees = [n for n in (1, 2, 4) if nproc % n == 0]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    oss = [line for line in ok if line.startswith(("ok gpt-oss", "ok control gpt-oss"))]   # 2 processes only:
-    assert len(oss) == (9 if nproc == 2 else 0), oss                # 3 checks x 2 dtypes, sampler, controls, plan
+    # gpt-oss: 3 checks x 2 dtypes at each EP degree (2; on 4 processes 2 and 4) and the sampler in 2 dtypes;
+    # on 2 processes also the controls and the plan
+    oss = [line for line in ok if line.startswith(("ok gpt-oss", "ok control gpt-oss"))]
+    oss_degrees = [2] if nproc == 2 else [2, 4]
+    assert len(oss) == 3 * 2 * len(oss_degrees) + 2 + (2 if nproc == 2 else 0), oss
     assert len(ok) == 3 * 2 * 2 * len(degrees) + 6 + len(oss), r.stdout   # score, grads, exact grads; 2 dtypes, 2 placements
-    assert sum("b13, b2 bitwise" in line or "w13 / w2 / b13 / b2 bitwise" in line for line in oss) == len(oss) // 9 * 4
+    assert sum("b13, b2 bitwise" in line or "w13 / w2 / b13 / b2 bitwise" in line for line in oss) == 4 * len(oss_degrees)
+    for n in oss_degrees:
+        assert sum(f"EP={n} " in line for line in oss if line.startswith(("ok gpt-oss score", "ok gpt-oss grads"))) == 4
+    assert sum(line.startswith("ok gpt-oss sampler EP=2") for line in oss) == 2
     assert any(line.startswith("ok decode exchange: no host read") for line in ok)
     assert any(line.startswith("ok expert_map fault: EP=2 equals EP=1") for line in ok)
     assert sum(line.startswith("ok sampler EP=2") for line in ok) == 2
@@ -134,16 +140,21 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_training_under_ep_equals_ep1_under_torchrun(nproc, tmp_path):
     """train.py's loop at EP>1 against EP=1, bit for bit: the router bias, R3, a placement, a checkpoint
-    folder, gpt-oss's biased experts (with a control), resume at the same and another EP degree (DDP / FSDP2 x fp32 / bf16: tests/world_check.py)."""
+    folder, gpt-oss's biased experts (with a control; on 4 ranks under FSDP2 over two replicas), resume at
+    the same and another EP degree (DDP / FSDP2 x fp32 / bf16: tests/world_check.py)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "tests/ep_train_check.py", str(tmp_path)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == (12 if nproc == 2 else 3), r.stdout
-    for what in ("checkpoint folder EP=2", "gpt-oss from a checkpoint folder EP=2", "control gpt-oss EP=2", "R3 replay EP=2", "permuted placement EP=2", "device load EP=2", "expert_map fault EP=1 vs EP=2"):
+    assert len(ok) == (12 if nproc == 2 else 6), r.stdout
+    for what in ("checkpoint folder EP=2", "gpt-oss from a checkpoint folder EP=2", "control gpt-oss EP=2", "R3 replay EP=2",
+                 "permuted placement EP=2", "device load EP=2", "expert_map fault EP=1 vs EP=2"):
         assert nproc == 4 or any(what in line for line in ok), (what, r.stdout)
+    for what in ("fsdp EP=2 on 4 ranks, tiny:", "fsdp EP=2 on 4 ranks, tiny-gpt-oss:", "w13, w2, b13, b2",
+                 "gpt-oss from a checkpoint folder EP=2 fsdp on 4 ranks", "control gpt-oss EP=2 fsdp on 4 ranks"):
+        assert nproc == 2 or any(what in line for line in ok), (what, r.stdout)
     assert any("resume EP=2 -> EP=2" in line and "every metric bit for bit" in line for line in ok)
     assert "returned a view tensor" not in r.stderr        # FSDP2's warning, silenced for the Router and the MoE
 

@@ -531,13 +531,61 @@ def test_paged_attention_sinks_and_window(monkeypatch, with_sinks, window):
         assert rel(tri, cpu) < TOL and torch.equal(tri, tri2)
 
 
+def test_head_split_pads_less_than_a_power_of_two():
+    assert kt.head_split(576) == (512, 64)                 # MLA's absorbed head: not 1024
+    assert kt.head_split(48) == (32, 16) and kt.head_split(80) == (64, 16) and kt.head_split(96) == (64, 32)
+    assert kt.head_split(128) == (128, 0) and kt.head_split(64) == (64, 0)
+    assert kt.head_split(24) == (32, 0) and kt.head_split(20) == (32, 0)   # parts under 16 wide: one part
+    assert kt.attn_layout("fwd", 576) == (*kt.ATTN_WIDE["fwd"], kt.ATTN_WIDE["keys"])
+    assert kt.attn_layout("bwd_dkv", 128) == (*kt.ATTN_TABLE["bwd_dkv"], kt.ATTN_KEYS)
+
+
+@runnable
+@pytest.mark.parametrize("wide", [False, True])
+def test_paged_attention_head_split(monkeypatch, wide):
+    """Heads of 48 dims run as 32 + a 16-dim tail (MLA's 576 as 512 + 64), in the table's layout and in the
+    wide heads' one (16 rows, 16-key tiles): the torch backend's values and gradients, decode the
+    prefill's bits also through splits run in parallel, gradients run to run equal. Control: the padded
+    single part (64 dims) rounds otherwise, so trainer and sampler must split alike."""
+    monkeypatch.setattr(kt, "ATTN_SPLIT", 1)
+    if wide:
+        monkeypatch.setattr(kt, "ATTN_WIDE_DIMS", 48)
+    B, T, H, KVH, D = 2, 70, 4, 1, 48
+    q, k, v = randn(B, T, H, D, scale=2, seed=0), randn(B, T, KVH, D, scale=2, seed=1), randn(B, T, KVH, D, seed=2)
+    pos = torch.arange(T, device=DEV).expand(B, T)
+    kc, bt = lay_out(k, 16, 12, seed=3)
+    vc, _ = lay_out(v, 16, 12, seed=3)
+
+    def run(parallel, q, pos):
+        monkeypatch.setattr(kt, "ATTN_SPLIT_BELOW", 10**9 if parallel else 0)
+        return kt.paged_attention(q, kc, vc, bt, pos, D ** -0.5)
+    out = run(False, q, pos)
+    assert rel(out, kernels.paged_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), pos.cpu(), D ** -0.5)) < TOL
+    assert torch.equal(run(True, q, pos), out)
+    BT = kt.attn_layout("fwd", D)[0] // triton_next_pow2(H // KVH)
+    for p in (0, BT, 2 * BT):
+        for parallel in (False, True):
+            assert torch.equal(run(parallel, q[:, p:p + 1], torch.full((B, 1), p, device=DEV)), out[:, p:p + 1]), p
+    grads = []
+    for f in (kt.paged_attention, kt.paged_attention, kernels.paged_attention):
+        a = [t.clone().requires_grad_() for t in (q, k, v)]
+        (_trainer_attention(f, *a) * pos[..., None, None].float()).sum().backward()
+        grads.append([t.grad for t in a])
+    for tri, tri2, cpu in zip(*grads):
+        assert rel(tri, cpu) < TOL and torch.equal(tri, tri2)
+    monkeypatch.setattr(kt, "head_split", lambda D: (64, 0))
+    padded = run(False, q, pos)
+    assert rel(padded, out) < TOL and not torch.equal(padded, out)
+
+
 @runnable
 @torch.no_grad()
 def test_mla_model_score_and_sampler_with_triton():
     """MLA (DeepSeek-V3's absorbed form) on the Triton backend: the attention kernel over one latent KV
     head (values = keys) and the per-head projections through the matmul kernel; the torch backend's
-    values, and the sampler's log-probs the score's."""
-    model = _model(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, head_dim=8,
+    values, and the sampler's log-probs the score's. The latent (32) and the RoPE key (16) make a 48-dim
+    head: the kernels' split head (32 + a 16-dim tail, kernels_triton.head_split)."""
+    model = _model(model_type="deepseek_v3", kv_lora_rank=32, q_lora_rank=12, qk_nope_head_dim=8, head_dim=16,
                    v_head_dim=12, rope_interleave=True, qk_norm="none", router_scoring="sigmoid",
                    score_correction_bias=True)
     tokens = torch.randint(0, 32, (2, 19), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -871,6 +919,38 @@ def test_gpu_paged_attention(dtype):
     g = randn(B, T, H, D, seed=3, dtype=dtype)
     (_trainer_attention(kt.paged_attention, *a) * g).sum().backward()
     (_trainer_attention(kernels.paged_attention, *[t.cpu() for t in r]) * g.cpu().double()).sum().backward()
+    for x, y in zip(a, r):
+        assert rel(x.grad, y.grad) < 5 * GTOL[dtype]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_mla_attention(dtype):
+    """MLA's absorbed attention at Moonlight's sizes: 16 heads over one 576-dim latent head whose values are
+    its keys (one cache), split 512 + 64 in the wide heads' layout. Decode (its key splits in parallel)
+    has the prefill's bits at every position tried; values and gradients near a float64 reference."""
+    B, T, H, D, scale = 2, 300, 16, 576, 192 ** -0.5
+    q, k = randn(B, T, H, D, seed=0, dtype=dtype), randn(B, T, 1, D, seed=1, dtype=dtype)
+    pos = torch.arange(T, device=DEV).expand(B, T)
+    kc, bt = lay_out(k, 16, 48, seed=1)
+    out = kt.paged_attention(q, kc, kc, bt, pos, scale)
+    kd = k.double().transpose(1, 2).expand(B, H, T, D)
+    ref = F.scaled_dot_product_attention(q.double().transpose(1, 2), kd, kd, is_causal=True, scale=scale)
+    assert rel(out, ref.transpose(1, 2)) < GTOL[dtype]
+    for p in [0, 15, 16, 100, 255, 256, 299]:
+        one = kt.paged_attention(q[:, p:p + 1], kc, kc, bt, torch.full((B, 1), p, device=DEV), scale)
+        assert torch.equal(one, out[:, p:p + 1]), p
+    assert torch.equal(kt.paged_attention(q[1:, :77], kc, kc, bt[1:], pos[1:, :77], scale), out[1:, :77])
+
+    def trainer(att, q, k):                                # model.MLA's trainer path: one page tensor for both
+        kp = F.pad(k, (0, 0, 0, 0, 0, (-T) % kernels.KV_BLOCK)).reshape(-1, kernels.KV_BLOCK, 1, D)
+        return att(q, kp, kp, torch.arange(kp.shape[0], device=k.device).view(B, -1),
+                   torch.arange(T, device=k.device).expand(B, T), scale)
+    a = [t.clone().requires_grad_() for t in (q, k)]
+    r = [t.detach().cpu().double().requires_grad_() for t in (q, k)]
+    g = randn(B, T, H, D, seed=3, dtype=dtype)
+    (trainer(kt.paged_attention, *a) * g).sum().backward()
+    (trainer(kernels.paged_attention, *r) * g.cpu().double()).sum().backward()
     for x, y in zip(a, r):
         assert rel(x.grad, y.grad) < 5 * GTOL[dtype]
 
