@@ -367,6 +367,8 @@ class RolloutConfig:
     max_num_batched_tokens: int = 4096   # tokens per prefill forward (prompts right-padded to the longest);
                                          # a longer prompt or observation is prefilled in chunks of this many
     prefix_cache: bool = True         # reuse computed full KV blocks (and routes) of a seen token prefix, same weights
+    window_blocks: int = 0            # sliding-window layers' own pool, freed below the window: 0 sized from the batch
+                                      # (rollout.Sampler), -1 none (those layers keep every block, as full ones do)
     kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after grads + AdamW state) for the KV pool
     cuda_graphs: bool | None = None   # decode steps as CUDA graphs; None: where they run without host syncs
     speculative_tokens: int = 0       # k > 0: each decode step verifies k n-gram drafts of the sequence's own ids
@@ -410,6 +412,7 @@ class RolloutConfig:
                  f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
         _require_range(self, "block_size max_batch_size max_num_batched_tokens", lambda v: v > 0, "> 0")
         _require_range(self, "num_blocks max_new_tokens max_episode_tokens", lambda v: v >= 0, ">= 0")
+        _require_range(self, "window_blocks", lambda v: v >= -1, ">= -1 (0: sized from the batch, -1: none)")
         _require_range(self, "speculative_tokens", lambda v: v >= 0, ">= 0 (0: off)")
         _require_range(self, "speculative_ngram", lambda v: v >= 1, ">= 1 (the longest n-gram the drafts are looked up by)")
         from kernels import KV_BLOCK      # a page holds whole attention tiles

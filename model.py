@@ -100,11 +100,15 @@ class PagedKV:
         padding tokens point at a scratch slot that no sequence reads (writes are unconditional, so a
         decode step has no data-dependent shape and can be captured in a CUDA graph).
     positions (B, T): absolute position of each new token.
+    window_table, window_slots: the same for the sliding-window layers where their pages are a pool of
+        their own (the sampler's window pool: freed once below every query's window), else None.
     """
     caches: list[tuple[torch.Tensor, torch.Tensor]]
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     positions: torch.Tensor
+    window_table: torch.Tensor | None = None
+    window_slots: torch.Tensor | None = None
 
 
 class Linear(nn.Module):
@@ -160,23 +164,27 @@ def attend(q, k, v, positions, kv: PagedKV | PackedPages | None, layer_idx: int,
         block_table = torch.arange(k_pages.shape[0], device=q.device).view(B, -1)
     else:
         # Sampler path: write the new keys into the persistent pages, then attend over them.
-        (k_pages, v_pages), block_table = kv.caches[layer_idx], kv.block_table
-        slots = kv.slot_mapping.reshape(-1)                                            # (B*T,)
+        (k_pages, v_pages), block_table, slots = kv.caches[layer_idx], kv.block_table, kv.slot_mapping
+        if attn.get("window") and kv.window_table is not None:                        # the window pool's pages
+            block_table, slots = kv.window_table, kv.window_slots
+        slots = slots.reshape(-1)                                                      # (B*T,)
         k_pages.view(-1, KVH, D)[slots] = k.reshape(-1, KVH, D)
         if v is not None:
             v_pages.view(-1, KVH, D)[slots] = v.reshape(-1, KVH, D)
     return kernels.paged_attention(q, k_pages, v_pages, block_table, positions, scale, **attn)
 
 
-def kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-              device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype, device,
+              window_pages: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The sampler's KV pages: per layer a (k_pages, v_pages) pair (PagedKV.caches), zeroed. GQA: keys and
     values, each (num_pages, page_size, KVH, head_dim); MLA: one latent tensor (num_pages, page_size, 1,
-    kv_lora_rank + head_dim) as both halves of the pair (its keys are its values, MLA.forward)."""
+    kv_lora_rank + head_dim) as both halves of the pair (its keys are its values, MLA.forward). With
+    window_pages, a sliding-window layer has that many pages (the window pool) instead."""
     heads, dim = cfg.kv_cache_heads_dims
     caches = []
-    for _ in range(cfg.num_hidden_layers):
-        k = torch.zeros(num_pages, page_size, heads, dim, dtype=dtype, device=device)
+    for layer in range(cfg.num_hidden_layers):
+        pages = window_pages if window_pages and cfg.window(layer) else num_pages
+        k = torch.zeros(pages, page_size, heads, dim, dtype=dtype, device=device)
         caches.append((k, k) if cfg.kv_lora_rank else (k, torch.zeros_like(k)))
     return caches
 

@@ -421,6 +421,12 @@ def kv_line(cfg: ModelConfig, nbytes: int) -> str:
     per_token = cfg.num_hidden_layers * cfg.kv_numbers_per_token * nbytes
     line = (f"KV cache: {per_token:,} bytes per token ({cfg.num_hidden_layers} layers x "
             f"{cfg.kv_numbers_per_token:,} numbers")
+    windowed = sum(bool(cfg.window(i)) for i in range(cfg.num_hidden_layers))
+    if windowed:                                  # rollout.Sampler's window pool
+        return line + (f": keys and values of {cfg.num_key_value_heads} heads x {cfg.head_dim}); {windowed} sliding "
+                       f"layers keep theirs in the window pool, freed below the {cfg.sliding_window}-key window, so a "
+                       f"sequence holds {windowed * cfg.kv_numbers_per_token * nbytes:,} of those bytes per token of "
+                       f"its last window only (the plan counts every position: a bound)")
     if not cfg.kv_lora_rank:
         return line + f": keys and values of {cfg.num_key_value_heads} heads x {cfg.head_dim})"
     expanded = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.head_dim + cfg.v_head_dim)

@@ -61,6 +61,11 @@ every op is row-invariant, so a piece of a prefill has the bits of the whole pre
   not. Kept tokens have plain decoding's bits (the forward is a chunked prefill); a rejected position's
   KV and routes are rewritten by the next step before anything reads them. The step's read back
   brings each sequence's count, so a verify step's host work grows with the batch.
+* The window pool (a model with sliding-window layers; RolloutConfig.window_blocks): those layers' pages
+  are a pool of their own, a block beside each of a sequence's blocks, freed once it lies below the
+  window of every query the sequence will still feed (scheduler.BlockManager.release_window), so a
+  long sequence holds its last window's blocks there, not its whole length. A masked key is an exact
+  no-op, so a table entry naming a freed block reads nothing that counts: the same bits.
 * Sessions: with `on_turn_end`, a turn ends at a stop token or after max_new_tokens; the callback
   gets (index, the turn's ids) and returns the observation's ids to append, or None to end the
   episode. The observation and the turn's last token (sampled, never fed yet, so its route comes
@@ -174,7 +179,8 @@ class ModelRunner:
     """The device side: carries out the Scheduler's Steps (`run`); KV and route pages, per-row buffers,
     the prefill and decode (or verify: speculative decoding) steps, CUDA graphs.
 
-    The pages: per layer K and V, and beside them the routes of every fed position (n_moe, top_k) uint8
+    The pages: per layer K and V (a sliding-window layer's from the window pool, with a table of its
+    own, where there is one), and beside them the routes of every fed position (n_moe, top_k) uint8
     (int16 past 256 experts; with record_route_detail also fp32 combine weights and margins), each
     (num_blocks + 1, block_size, ...), written at the same slots. Rows 0..max_batch_size-1 hold
     sequences; one extra row (`pad_row`) feeds the padding of a batch bucket: it reads and writes only
@@ -186,13 +192,16 @@ class ModelRunner:
 
     GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
-    def __init__(self, model: Transformer, config: RolloutConfig, num_blocks: int):
+    def __init__(self, model: Transformer, config: RolloutConfig, num_blocks: int, window_blocks: int = 0):
         cfg, block_size, max_batch_size = model.config, config.block_size, config.max_batch_size
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
         self.block_size, self.num_blocks, self.max_batch_size = block_size, num_blocks, max_batch_size
         self.pad_row, self.scratch_page = max_batch_size, num_blocks
-        self.caches = kv_caches(cfg, num_blocks + 1, block_size, self.dtype, self.device)   # + the scratch page
+        # + the scratch page; sliding-window layers' pages from the window pool where there is one
+        self.window_blocks, self.window_scratch = window_blocks, window_blocks
+        self.caches = kv_caches(cfg, num_blocks + 1, block_size, self.dtype, self.device,
+                                window_pages=window_blocks + 1 if window_blocks else 0)
         self.cuda_graphs = config.cuda_graphs
         if self.cuda_graphs is None:
             self.cuda_graphs = self._graphs_usable(config.rollout_mode)
@@ -251,6 +260,8 @@ class ModelRunner:
         self.token_buf = torch.zeros(R, L + 1, dtype=torch.long, device=dev)      # +1: a finished row's last write
         self.logp_buf = torch.zeros(R, L + 1, dtype=torch.float32, device=dev)
         self.block_tables = torch.full((R, W), self.scratch_page, dtype=torch.long, device=dev)
+        self.window_tables = torch.full((R, W), self.window_scratch, dtype=torch.long, device=dev) \
+            if self.window_blocks else None
         self.num_tokens = torch.ones(R, dtype=torch.long, device=dev)             # pad row: 1 token, position 0
         self.max_len = torch.full((R,), L + 1, dtype=torch.long, device=dev)
         self.seq_id = torch.zeros(R, dtype=torch.long, device=dev)
@@ -283,19 +294,23 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
         self.block_tables[rows, :width] = table.to(dev)
+        if self.window_blocks:                                     # a freed window block (-1): the scratch page
+            table = torch.tensor([s.window_table + [-1] * (width - len(s.window_table)) for s in seqs])
+            self.window_tables[rows, :width] = torch.where(table < 0, self.window_scratch, table).to(dev)
 
-    def write_new_blocks(self, new_blocks: list[tuple[int, int, int]]) -> None:
-        """Enter blocks handed out by a decode step, (row, index in its block table, block), in the tables."""
+    def write_new_blocks(self, new_blocks: list[tuple[int, int, int]], tables: torch.Tensor) -> None:
+        """Enter blocks handed out by a decode step, (row, index in its block table, block), in `tables`."""
         if new_blocks:
             r, i, b = torch.tensor(new_blocks, device=self.device).unbind(1)
-            self.block_tables[r, i] = b
+            tables[r, i] = b
 
     def run(self, step: Step, sp: SamplingParams) -> list[bool]:
         """Carry out a scheduled step; -> for each sequence of its batch, whether it finished its turn.
         A verify step (speculative_tokens > 0) also fills in step.kept and step.drafted."""
         if step.is_prefill:
             return self.prefill(step.batch, step.prefill_ends, sp)
-        self.write_new_blocks(step.new_blocks)
+        self.write_new_blocks(step.new_blocks, self.block_tables)
+        self.write_new_blocks(step.new_window_blocks, self.window_tables)
         if self.speculative_tokens:
             return self.verify(step, sp)
         return self.decode(step.batch, step.rows_changed, sp)
@@ -308,8 +323,12 @@ class ModelRunner:
         bt = self.block_tables[rows]                                           # (B, W)
         slots = bt.gather(1, positions // bs) * bs + positions % bs            # (B, T)
         slots = torch.where(valid, slots, self.scratch_page * bs)
-        h, routes, *detail = self.model.hidden_states(tokens, kv=PagedKV(self.caches, bt, slots, positions),
-                                                      route_detail=self.record_detail)
+        kv = PagedKV(self.caches, bt, slots, positions)
+        if self.window_blocks:                                                 # the sliding layers' pages
+            wt = self.window_tables[rows]                                      # (B, W)
+            wslots = wt.gather(1, positions // bs) * bs + positions % bs       # (B, T)
+            kv.window_table, kv.window_slots = wt, torch.where(valid, wslots, self.window_scratch * bs)
+        h, routes, *detail = self.model.hidden_states(tokens, kv=kv, route_detail=self.record_detail)
         flat = slots.reshape(-1)                                               # (B*T,)
         self.route_pages.flatten(0, 1)[flat] = routes.flatten(0, 1).to(self.route_dtype)
         if detail:
@@ -317,10 +336,12 @@ class ModelRunner:
             self.margin_pages.flatten(0, 1)[flat] = detail[0].margin.flatten(0, 1)
         return h
 
-    def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole pages (KV, routes, detail): a group member's own copy of a partly filled block."""
-        for k_pages, v_pages in self.caches:
-            k_pages[dst], v_pages[dst] = k_pages[src], v_pages[src]
+    def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor, window: tuple | None = None) -> None:
+        """Copy whole pages (KV, routes, detail): a group member's own copy of a partly filled block;
+        window: the (src, dst) pages of the window pool beside them."""
+        for layer, (k_pages, v_pages) in enumerate(self.caches):
+            s, d = window if window is not None and self.model.config.window(layer) else (src, dst)
+            k_pages[d], v_pages[d] = k_pages[s], v_pages[s]
         self.route_pages[dst] = self.route_pages[src]
         if self.record_detail:
             self.weight_pages[dst], self.margin_pages[dst] = self.weight_pages[src], self.margin_pages[src]
@@ -355,10 +376,14 @@ class ModelRunner:
         last = [s for s, end in zip(seqs, ends) if end == s.num_tokens]         # they sample
         if not last:
             return [False] * len(seqs)
-        pages = [(s.parent.block_table[s.num_tokens // self.block_size], s.block_table[-1]) for s in last
-                 if s.parent is not None and s.num_tokens % self.block_size]
-        if pages:                       # members share the leader's full blocks; copy the partial one
-            self._copy_pages(*torch.tensor(pages, device=dev).unbind(1))
+        copies = [s for s in last if s.parent is not None and s.num_tokens % self.block_size]
+        if copies:                      # members share the leader's full blocks; copy the partial one
+            n = self.block_size
+            pages = [(s.parent.block_table[s.num_tokens // n], s.block_table[-1]) for s in copies]
+            window = [(s.parent.window_table[s.num_tokens // n], s.window_table[-1]) for s in copies] \
+                if self.window_blocks else None
+            self._copy_pages(*torch.tensor(pages, device=dev).unbind(1),
+                             window and torch.tensor(window, device=dev).unbind(1))
         rows = torch.tensor([s.row for s in last], device=dev)
         n_tok = torch.tensor([s.num_tokens for s in last], device=dev)
         logits = self.model.compute_logits(h_last[torch.tensor([index[id(s.parent or s)] for s in last], device=dev)])
@@ -560,8 +585,10 @@ class Sampler:
         self.variant = dict(batch_variant=self.config.rollout_mode == "fast", router_bf16=self.config.router_bf16)
         self.max_model_len = model.config.max_position_embeddings
         self.num_blocks = self.config.num_blocks or self._pool_blocks(reserve_bytes)
-        self.runner = ModelRunner(model, self.config, self.num_blocks)
-        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.prefix_cache)
+        self.window_blocks = min(self.num_blocks, self._window_blocks())
+        self.runner = ModelRunner(model, self.config, self.num_blocks, self.window_blocks)
+        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.prefix_cache,
+                                          model.config.sliding_window, self.window_blocks)
         self.weights_key = self.runner.weights_key()
         self.weights_version = 0
         self.track_weights = True
@@ -573,19 +600,39 @@ class Sampler:
         """The KV pool's size where the config leaves it (num_blocks=0): on CUDA, kv_memory_fraction of
         the free memory left after reserve_bytes; on the CPU, at most CPU_KV_BYTES; never more than
         max_batch_size full-context sequences need. A block's bytes: its K and V pages and its routes
-        (and their weights and margins where recorded)."""
+        (and their weights and margins where recorded); the window pool's pages (sliding-window layers)
+        are set aside first, and a block of the pool holds only the other layers' K and V."""
         cfg, bs = self.model.config, self.config.block_size
         p = next(self.model.parameters())
         n_moe, k = self.model.n_moe_layers, cfg.num_experts_per_tok
-        per_slot = cfg.num_hidden_layers * cfg.kv_numbers_per_token * p.element_size()      # K and V (MLA: the latent)
+        layer_bytes = cfg.kv_numbers_per_token * p.element_size()              # K and V (MLA: the latent)
+        windowed = sum(bool(cfg.window(i)) for i in range(cfg.num_hidden_layers)) if self._window_blocks() else 0
+        per_slot = (cfg.num_hidden_layers - windowed) * layer_bytes
         per_slot += n_moe * k * route_dtype(cfg.num_experts).itemsize
         per_slot += 4 * n_moe * (k + 1) if self.config.record_route_detail else 0
         block_bytes = bs * per_slot
+        window_bytes = self._window_blocks() * bs * windowed * layer_bytes
         wanted = self.config.max_batch_size * -(-self.max_model_len // bs)
         if p.device.type == "cuda":
             free = torch.cuda.mem_get_info(p.device)[0]
-            return kv_pool_blocks(free, self.config.kv_memory_fraction, reserve_bytes, block_bytes, wanted)
-        return kv_pool_blocks(CPU_KV_BYTES, 1.0, 0, block_bytes, wanted)
+            return kv_pool_blocks(free, self.config.kv_memory_fraction, reserve_bytes + window_bytes, block_bytes,
+                                  wanted)
+        return kv_pool_blocks(CPU_KV_BYTES, 1.0, window_bytes, block_bytes, wanted)
+
+    def _window_blocks(self) -> int:
+        """The window pool's blocks, 0 for none (a model without sliding-window layers, or window_blocks=-1);
+        the config's, or sized from the batch: each running sequence holds at most the blocks its window
+        spans, the one it fills, its drafts' and a spare, and a prefill step adds its tokens' blocks; at
+        least a full-context sequence's (one must fit alone, prefilled whole). Never above num_blocks."""
+        c, window = self.config, self.model.config.sliding_window
+        if not window or c.window_blocks < 0:
+            return 0
+        if c.window_blocks:
+            return c.window_blocks
+        bs = c.block_size
+        per_sequence = -(-(window - 1) // bs) + 2 + -(-c.speculative_tokens // bs)
+        batch = c.max_batch_size * per_sequence + -(-c.max_num_batched_tokens // bs)
+        return max(batch, -(-self.max_model_len // bs))
 
     @property
     def caches(self):
@@ -861,6 +908,9 @@ class Sampler:
             if -(-max_len // self.config.block_size) > self.num_blocks:
                 raise ValueError(f"prompt {i} may grow to {max_len} tokens = {-(-max_len // self.config.block_size)} "
                                  f"blocks, but the pool has {self.num_blocks}; raise num_blocks")
+            if self.window_blocks and -(-max_len // self.config.block_size) > self.window_blocks:
+                raise ValueError(f"prompt {i} may grow to {max_len} tokens = {-(-max_len // self.config.block_size)} "
+                                 f"blocks, but the window pool has {self.window_blocks}; raise window_blocks")
             out.append(prompt)
         return out
 

@@ -57,6 +57,10 @@ class Sequence:
     # its blocks hold KV that weights older than the sampler's version wrote (an in-flight keep_kv update):
     # the prefix cache must not serve them as that version's (BlockManager.register), until a recompute
     stale_kv: bool = False
+    # the window pool (sliding-window layers): one block per block of block_table, -1 once freed (wholly
+    # below the window of every query to come); the entries below window_start are all -1
+    window_table: list[int] = field(default_factory=list)
+    window_start: int = 0
 
     def __post_init__(self):
         self.limit = self.max_len if self.limit is None else self.limit
@@ -72,9 +76,11 @@ class Step:
     # prefill only, one per sequence of batch (a member: its leader's): the KV is computed up to there after
     # the step, from seq.num_computed; a sequence whose end is its num_tokens samples its next token
     prefill_ends: list[int] = field(default_factory=list)
-    # decode only: the blocks handed out this step, (row, index in its block table, block id), and
-    # whether the running set changed since the previous decode step (the runner then rewrites its rows)
+    # decode only: the blocks handed out this step, (row, index in its block table, block id), the window
+    # pool's beside them, and whether the running set changed since the previous decode step (the runner
+    # then rewrites its rows)
     new_blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    new_window_blocks: list[tuple[int, int, int]] = field(default_factory=list)
     rows_changed: bool = False
     # a verify step (speculative decoding), filled in by the runner, one per sequence of batch: the
     # tokens it kept (1 .. k + 1) and the drafts it checked
@@ -92,9 +98,18 @@ class BlockManager:
     the root, which names the weights' version (`set_version`). A key is exact (the dict compares the
     ids, and node ids are never reused), so a hit holds the KV and routes of exactly that token prefix.
     A registered block stays registered while free, until allocation takes it (eviction, LRU).
+
+    The window pool (window > 0, window_blocks > 0: a model with sliding-window layers) holds those layers'
+    pages: each block of a sequence's block_table has one beside it in its window_table, handed out and
+    shared alike, and freed early, once it lies wholly below the window of every query the sequence will
+    feed (`release_window`). Full-attention layers and the routes keep every block. A registered block
+    keeps the window block it had then (`window_of`, while neither is evicted); a prefix hit needs the
+    window blocks of its last `window` positions, so `match` shortens a hit to the longest run that has
+    them.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False, window: int = 0,
+                 window_blocks: int = 0):
         self.block_size = block_size
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # an ordered set
         self.ref_counts = [0] * num_blocks
@@ -103,9 +118,17 @@ class BlockManager:
         self.cached: dict[tuple, tuple[int, int]] = {}   # (parent node, token ids) -> (block, node)
         self.key_of: list[tuple | None] = [None] * num_blocks
         self.nodes = itertools.count()
+        self.window, self.window_blocks = (window, window_blocks) if window and window_blocks else (0, 0)
+        self.window_free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.window_blocks))
+        self.window_refs = [0] * self.window_blocks
+        self.window_of: dict[int, int] = {}              # registered block -> its window block
+        self.window_owner: list[int | None] = [None] * self.window_blocks
 
     @property
     def num_free(self) -> int:
+        """Blocks a sequence can take now: each takes a window block beside it where there is a window pool."""
+        if self.window:
+            return min(len(self.free_block_ids), len(self.window_free))
         return len(self.free_block_ids)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -130,17 +153,30 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> None:
         """Grow seq.block_table to hold positions [0, num_tokens): first the `cached` blocks (prefix-cache
-        hits, shared), then fresh ones."""
+        hits, shared), then fresh ones; the window table beside it (a hit's window blocks from the first
+        one its window needs, -1 below)."""
         n = self.blocks_needed(seq, num_tokens) - len(cached)
-        if n + sum(self.ref_counts[b] == 0 for b in cached) > self.num_free:
+        live = self._live_start(len(cached)) if self.window else len(cached)
+        window_hits = [self.window_of[b] for b in cached[live:]]
+        if n + sum(self.ref_counts[b] == 0 for b in cached) > len(self.free_block_ids) or self.window and \
+                n + sum(self.window_refs[w] == 0 for w in window_hits) > len(self.window_free):
             raise RuntimeError(f"BlockManager: need {n} blocks, {self.num_free} free (caller must preempt first)")
         for b in cached:
             if self.ref_counts[b] == 0:
                 del self.free_block_ids[b]
             self.ref_counts[b] += 1
             seq.block_table.append(b)
+        if self.window and cached:
+            seq.window_table, seq.window_start = [-1] * live, live
+            for w in window_hits:
+                if self.window_refs[w] == 0:
+                    del self.window_free[w]
+                self.window_refs[w] += 1
+                seq.window_table.append(w)
         for _ in range(n):
             seq.block_table.append(self._take_free())
+            if self.window:
+                seq.window_table.append(self._take_window())
 
     def _take_free(self) -> int:
         """The least recently freed block, evicted from the prefix cache if it was registered."""
@@ -148,8 +184,47 @@ class BlockManager:
         if self.key_of[b] is not None:
             del self.cached[self.key_of[b]]
             self.key_of[b] = None
+            w = self.window_of.pop(b, None)
+            if w is not None:
+                self.window_owner[w] = None
         self.ref_counts[b] = 1
         return b
+
+    def _take_window(self) -> int:
+        """The least recently freed window block, no longer any registered block's."""
+        w, _ = self.window_free.popitem(last=False)
+        if self.window_owner[w] is not None:
+            del self.window_of[self.window_owner[w]]
+            self.window_owner[w] = None
+        self.window_refs[w] = 1
+        return w
+
+    def _live_start(self, n_blocks: int) -> int:
+        """The first block the window of a query at position n_blocks * block_size reaches."""
+        return max(0, n_blocks * self.block_size - self.window + 1) // self.block_size
+
+    def release_window(self, seq: Sequence, first_query: int) -> None:
+        """Free seq's window blocks that lie wholly below the window of a query at first_query, the lowest
+        position it will feed: no query of it reads them again. (The runner's table may keep naming
+        them: a key outside a query's window is masked, and any page holds finite values.)"""
+        if not self.window:
+            return
+        upto = min(max(0, first_query - self.window + 1) // self.block_size, len(seq.window_table))
+        for i in range(seq.window_start, upto):
+            w = seq.window_table[i]
+            if w >= 0:
+                self.window_refs[w] -= 1
+                if self.window_refs[w] == 0:
+                    self.window_free[w] = None
+                seq.window_table[i] = -1
+        seq.window_start = max(seq.window_start, upto)
+
+    def num_shared(self, hits: list[int]) -> int:
+        """Prefix-cache hits that take no free block: held by another sequence now, and so is the window
+        block beside it where the hit needs one."""
+        live = self._live_start(len(hits)) if self.window else len(hits)
+        return sum(self.ref_counts[b] > 0 and (i < live or self.window_refs[self.window_of[b]] > 0)
+                   for i, b in enumerate(hits))
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
         """Share the parent's full blocks of positions [0, num_tokens) with child.
@@ -161,6 +236,12 @@ class BlockManager:
         for b in parent.block_table[:n_full]:
             self.ref_counts[b] += 1
             child.block_table.append(b)
+        if self.window:
+            child.window_start = parent.window_start
+            for w in parent.window_table[:n_full]:
+                if w >= 0:
+                    self.window_refs[w] += 1
+                child.window_table.append(w)
         if parent.num_hashed <= n_full:                  # the child's chain in the prefix cache starts as the parent's
             child.num_hashed, child.last_node = parent.num_hashed, parent.last_node
         if num_tokens % self.block_size:
@@ -168,6 +249,8 @@ class BlockManager:
                 raise RuntimeError("BlockManager: no free block for a forked partial block")
             dst = self._take_free()
             child.block_table.append(dst)
+            if self.window:                              # (the runner copies this one's pages too)
+                child.window_table.append(self._take_window())
             return parent.block_table[n_full], dst
         return None
 
@@ -177,7 +260,12 @@ class BlockManager:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free_block_ids[b] = None
-        seq.block_table = []
+        for w in reversed(seq.window_table):
+            if w >= 0:
+                self.window_refs[w] -= 1
+                if self.window_refs[w] == 0:
+                    self.window_free[w] = None
+        seq.block_table, seq.window_table, seq.window_start = [], [], 0
 
     # ---- the prefix cache ----
     def set_version(self, version) -> None:
@@ -187,19 +275,26 @@ class BlockManager:
             self.root = ("version", version)
             self.cached.clear()
             self.key_of = [None] * len(self.key_of)
+            self.window_of.clear()
+            self.window_owner = [None] * self.window_blocks
 
     def match(self, seq: Sequence) -> tuple[list[int], object]:
         """The longest run of seq's leading full blocks registered in the cache, up to its next-to-last
-        token (the last one is always fed, for the logits) -> (their blocks, the last one's node)."""
-        hits, node, bs = [], self.root, self.block_size
+        token (the last one is always fed, for the logits) -> (their blocks, the last one's node). With a
+        window pool the run ends where the window blocks of its last positions are not all kept (a
+        prefill from there reads them)."""
+        hits, nodes, bs = [], [self.root], self.block_size
         if self.prefix_cache:
             for b in range(min(len(seq.token_ids), seq.num_tokens - 1) // bs):
-                entry = self.cached.get((node, tuple(seq.token_ids[b * bs:(b + 1) * bs])))
+                entry = self.cached.get((nodes[-1], tuple(seq.token_ids[b * bs:(b + 1) * bs])))
                 if entry is None:
                     break
                 hits.append(entry[0])
-                node = entry[1]
-        return hits, node
+                nodes.append(entry[1])
+        while self.window and hits and any(b not in self.window_of for b in hits[self._live_start(len(hits)):]):
+            hits.pop()
+            nodes.pop()
+        return hits, nodes[-1]
 
     def register(self, seq: Sequence, num_computed: int) -> None:
         """Enter seq's full blocks whose KV is computed (positions < num_computed) and whose tokens the
@@ -215,12 +310,15 @@ class BlockManager:
                 if self.key_of[block] is not None:      # registered under another chain: stop here
                     break
                 self.cached[key], self.key_of[block] = (block, next(self.nodes)), key
+                w = seq.window_table[b] if self.window else -1
+                if w >= 0 and self.window_owner[w] is None:   # its window block, while still held
+                    self.window_of[block], self.window_owner[w] = w, block
             node = self.cached[key][1]
             seq.num_hashed, seq.last_node = b + 1, node
 
     def reset(self) -> None:
         """Every block free and unregistered (after a request was cut short)."""
-        self.__init__(len(self.ref_counts), self.block_size, self.prefix_cache)
+        self.__init__(len(self.ref_counts), self.block_size, self.prefix_cache, self.window, self.window_blocks)
 
 
 class Scheduler:
@@ -295,6 +393,7 @@ class Scheduler:
                 s.num_computed = end
                 if s.parent is None:
                     self.bm.register(s, end)
+                self.bm.release_window(s, end)                  # its next query is at end
                 if end == s.num_tokens:
                     s.num_tokens += 1                            # the token the prefill sampled
                     self._start(s)
@@ -353,7 +452,7 @@ class Scheduler:
             rows = len(group) if leader.row >= 0 else len(self.free_rows)   # a preempted one kept its row
             # (_admit has already taken the blocks of the sequences in this batch)
             holding = len(self.running) + sum(map(len, self.prefilling)) + len(batch)
-            shared = sum(self.bm.ref_counts[b] > 0 for b in hits)
+            shared = self.bm.num_shared(hits)
             take = group[:min(rows, self.bm.num_admissible(leader.num_tokens, len(group), holding, shared))]
             if not take:
                 break
@@ -428,37 +527,46 @@ class Scheduler:
         """Give a new block to each running sequence whose next position starts one, preempting the
         newest sequences while the free blocks do not suffice."""
         if self.speculative_tokens:
-            new_blocks = self._verify_blocks()
+            new_blocks, new_window = self._verify_blocks()
             changed, self.running_changed = self.running_changed, False
-            return Step(self.running, is_prefill=False, new_blocks=new_blocks, rows_changed=changed)
+            return Step(self.running, is_prefill=False, new_blocks=new_blocks, new_window_blocks=new_window,
+                        rows_changed=changed)
         need = self.by_phase[(1 - self.clock) % self.bm.block_size]    # (offset + clock - 1) % bs == 0
         while len(need) > self.bm.num_free:
             self._preempt(self.running[-1])
-        new_blocks = []
+        new_blocks, new_window = [], []
         for s in need:
             self.bm.allocate(s, len(s.block_table) * self.bm.block_size + 1)
             new_blocks.append((s.row, len(s.block_table) - 1, s.block_table[-1]))
+            if self.bm.window:                   # (so the window pool frees once per block, like it takes)
+                new_window.append((s.row, len(s.window_table) - 1, s.window_table[-1]))
+                self.bm.release_window(s, self.length(s) - 1)
         changed, self.running_changed = self.running_changed, False
-        return Step(self.running, is_prefill=False, new_blocks=new_blocks, rows_changed=changed)
+        return Step(self.running, is_prefill=False, new_blocks=new_blocks, new_window_blocks=new_window,
+                    rows_changed=changed)
 
-    def _verify_blocks(self) -> list[tuple[int, int, int]]:
+    def _verify_blocks(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         """Blocks for a verify step (speculative decoding): a running sequence of n tokens feeds
         positions n - 1 .. n - 1 + k at most, never past its turn's end (the runner drafts no more than
         that), so it holds min(n + k, max_len - 1) positions; the newest sequences are preempted while
-        the free blocks do not suffice. -> the blocks handed out. Host work grows with the batch here:
-        each sequence advanced by its own count."""
+        the free blocks do not suffice. -> the blocks handed out, and the window pool's. Host work grows
+        with the batch here: each sequence advanced by its own count."""
         k = self.speculative_tokens
         upto = [min(self.length(s) + k, s.max_len - 1) for s in self.running]
         needs = [self.bm.blocks_needed(s, n) for s, n in zip(self.running, upto)]
         while sum(needs) > self.bm.num_free:
             self._preempt(self.running[-1])
             needs.pop()
-        new_blocks = []
+        new_blocks, new_window = [], []
         for s, n, need in zip(self.running, upto, needs):
             if need:
                 self.bm.allocate(s, n)
-                new_blocks += [(s.row, i, s.block_table[i]) for i in range(len(s.block_table) - need, len(s.block_table))]
-        return new_blocks
+                fresh = range(len(s.block_table) - need, len(s.block_table))
+                new_blocks += [(s.row, i, s.block_table[i]) for i in fresh]
+                if self.bm.window:
+                    new_window += [(s.row, i, s.window_table[i]) for i in fresh]
+                    self.bm.release_window(s, self.length(s) - 1)
+        return new_blocks, new_window
 
     def _advance(self, step: Step) -> None:
         """After a verify step: each sequence moves on by the tokens it kept, the clock's one and the
