@@ -156,7 +156,7 @@ class BlockManager:
         hits, shared), then fresh ones; the window table beside it (a hit's window blocks from the first
         one its window needs, -1 below)."""
         n = self.blocks_needed(seq, num_tokens) - len(cached)
-        live = self._live_start(len(cached)) if self.window else len(cached)
+        live = self.window_first_block(len(cached) * self.block_size) if self.window else len(cached)
         window_hits = [self.window_of[b] for b in cached[live:]]
         if n + sum(self.ref_counts[b] == 0 for b in cached) > len(self.free_block_ids) or self.window and \
                 n + sum(self.window_refs[w] == 0 for w in window_hits) > len(self.window_free):
@@ -199,9 +199,9 @@ class BlockManager:
         self.window_refs[w] = 1
         return w
 
-    def _live_start(self, n_blocks: int) -> int:
-        """The first block the window of a query at position n_blocks * block_size reaches."""
-        return max(0, n_blocks * self.block_size - self.window + 1) // self.block_size
+    def window_first_block(self, position: int) -> int:
+        """The first block the window of a query at `position` reaches."""
+        return max(0, position - self.window + 1) // self.block_size
 
     def release_window(self, seq: Sequence, first_query: int) -> None:
         """Free seq's window blocks that lie wholly below the window of a query at first_query, the lowest
@@ -209,7 +209,7 @@ class BlockManager:
         them: a key outside a query's window is masked, and any page holds finite values.)"""
         if not self.window:
             return
-        upto = min(max(0, first_query - self.window + 1) // self.block_size, len(seq.window_table))
+        upto = min(self.window_first_block(first_query), len(seq.window_table))
         for i in range(seq.window_start, upto):
             w = seq.window_table[i]
             if w >= 0:
@@ -222,7 +222,7 @@ class BlockManager:
     def num_shared(self, hits: list[int]) -> int:
         """Prefix-cache hits that take no free block: held by another sequence now, and so is the window
         block beside it where the hit needs one."""
-        live = self._live_start(len(hits)) if self.window else len(hits)
+        live = self.window_first_block(len(hits) * self.block_size) if self.window else len(hits)
         return sum(self.ref_counts[b] > 0 and (i < live or self.window_refs[self.window_of[b]] > 0)
                    for i, b in enumerate(hits))
 
@@ -291,10 +291,14 @@ class BlockManager:
                     break
                 hits.append(entry[0])
                 nodes.append(entry[1])
-        while self.window and hits and any(b not in self.window_of for b in hits[self._live_start(len(hits)):]):
+        while self.window and hits and not self._window_kept(hits):
             hits.pop()
             nodes.pop()
         return hits, nodes[-1]
+
+    def _window_kept(self, hits: list[int]) -> bool:
+        """Whether the window blocks that a prefill after these hits reads are all kept."""
+        return all(b in self.window_of for b in hits[self.window_first_block(len(hits) * self.block_size):])
 
     def register(self, seq: Sequence, num_computed: int) -> None:
         """Enter seq's full blocks whose KV is computed (positions < num_computed) and whose tokens the
