@@ -62,6 +62,10 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
 * speculative (`--only speculative`): --spec-prompts copy-task prompts of --spec-digits digits decoded
   plain and with --spec-tokens n-gram drafts per step (speculative.py), interleaved; tokens/s, the
   share of drafts accepted, and a check that both gave the same ids, log-probs and routes.
+* window (`--only window`): --prompts prompts of the tiny-gpt-oss preset (a window of 8 on every other
+  layer) sampled to --window-new-tokens new tokens with the window pool (the sliding layers' blocks freed
+  below the window) and without it, interleaved; tokens/s, the most KV bytes each held at once (blocks
+  held x layers), and a check that both gave the same ids, log-probs and routes.
 * lab: train.py on the same task and seeds, invariant vs a deviating rollout (batch-variant kernels,
   lower-precision weights) without and with each fix; prints one table.
 
@@ -742,6 +746,48 @@ def bench_speculative(args) -> list[tuple[str, float, str]]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# window: the sliding layers' window pool against none (gpt-oss's attention at tiny sizes)
+# ---------------------------------------------------------------------------------------------------
+def bench_window(args) -> list[tuple[str, float, str]]:
+    """--prompts prompts of the tiny-gpt-oss preset (a window of 8 keys on every other layer), up to
+    --window-new-tokens new tokens each, with the window pool and without (window_blocks=-1), interleaved."""
+    cfg = ModelConfig.preset("tiny-gpt-oss")
+    model = Transformer(cfg)
+    model.reset_parameters(seed=args.seed)
+    model.eval()
+    prompts = make_prompts(args, cfg.vocab_size)
+    new = min(args.window_new_tokens, cfg.max_position_embeddings - args.max_prompt_len)
+    B = len(prompts)
+    samplers = {"window pool": Sampler(model, max_batch_size=B),
+                "no window pool": Sampler(model, max_batch_size=B, window_blocks=-1)}
+
+    def run(s):
+        s.block_manager.peak_held = s.block_manager.peak_window_held = 0
+        return s.generate(prompts, max_new_tokens=new, temperature=1.0, seed=args.seed)
+    res = interleaved({name: (lambda s=s: run(s)) for name, s in samplers.items()}, args.warmup, args.repeats)
+    (t_pool, pool), (t_none, none) = res.values()
+    same = all(a.tokens == b.tokens and a.logprobs == b.logprobs and torch.equal(a.routes, b.routes)
+               for a, b in zip(pool, none))
+    sliding = sum(bool(cfg.window(i)) for i in range(cfg.num_hidden_layers))
+    layer = samplers["window pool"].config.block_size * cfg.kv_numbers_per_token * 4     # a block of a layer, fp32
+    held = {}
+    for name, s in samplers.items():
+        bm = s.block_manager
+        full_layers = cfg.num_hidden_layers - (sliding if bm.window else 0)
+        held[name] = bm.peak_held * full_layers * layer + bm.peak_window_held * sliding * layer
+    n_gen = sum(len(o.tokens) for o in pool)
+    bm = samplers["window pool"].block_manager
+    print(f"window: tiny-gpt-oss, {B} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, up to {new} new; "
+          f"{sliding} of {cfg.num_hidden_layers} layers slide over {cfg.sliding_window} keys, {bm.block_size}-position "
+          f"blocks; at most {bm.peak_held} blocks held in the full pool, {bm.peak_window_held} in the window pool")
+    return [(f"window: {name}", n_gen / t, "tok/s" + ("" if same else ", outputs DIFFER from no pool"))
+            for name, (t, _) in res.items()] + [
+        (f"window: {name}, KV held at most", held[name] / 2**20, "MiB (fp32 K and V)") for name in held] + [
+        ("window: KV held, no pool / pool", held["no window pool"] / held["window pool"], "ratio"),
+        ("window: pool / no pool", t_none / t_pool, "ratio")]
+
+
+# ---------------------------------------------------------------------------------------------------
 # GPU: the rollout engine at Qwen3-30B-A3B layer shapes
 # ---------------------------------------------------------------------------------------------------
 def gpu_model(layers: int, tiny: bool) -> Transformer:
@@ -1153,7 +1199,7 @@ def bench_async(args) -> list[tuple[str, float, str]]:
 
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "packing": bench_packing, "moe": bench_moe,
               "decode": bench_decode, "sessions": bench_sessions, "async": bench_async, "ep": bench_ep, "reduce": bench_reduce,
-              "speculative": bench_speculative, "gpu": bench_gpu,
+              "speculative": bench_speculative, "window": bench_window, "gpu": bench_gpu,
               "lab": bench_lab}
 DEFAULT = "rollout,forward,fast,packing,moe,ep,decode"
 
@@ -1214,6 +1260,8 @@ def main(argv=None):
                    "on a CPU a verify step's k + 1 rows cost what one does only while they fit a matmul tile)")
     p.add_argument("--spec-digits", type=int, default=48, help="speculative: digits per copy prompt (and its answer)")
     p.add_argument("--spec-tokens", type=int, default=4, help="speculative: drafts per verify step (speculative_tokens)")
+    p.add_argument("--window-new-tokens", type=int, default=200, help="window: new tokens per sequence (at most the "
+                   "preset's context less --max-prompt-len)")
     p.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer in the moe section")
     p.add_argument("--ep-procs", type=int, default=2, help="ep: processes (ranks) of the torchrun job, the EP degree")
     worker_options(p)                                  # the ep and reduce sections' options, their workers' flags

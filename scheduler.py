@@ -123,6 +123,8 @@ class BlockManager:
         self.window_refs = [0] * self.window_blocks
         self.window_of: dict[int, int] = {}              # registered block -> its window block
         self.window_owner: list[int | None] = [None] * self.window_blocks
+        # the most blocks of each pool held at once, and the window blocks freed early (bench.py reads them)
+        self.peak_held = self.peak_window_held = self.window_released = 0
 
     @property
     def num_free(self) -> int:
@@ -177,6 +179,11 @@ class BlockManager:
             seq.block_table.append(self._take_free())
             if self.window:
                 seq.window_table.append(self._take_window())
+        self._note_held()
+
+    def _note_held(self) -> None:
+        self.peak_held = max(self.peak_held, len(self.ref_counts) - len(self.free_block_ids))
+        self.peak_window_held = max(self.peak_window_held, self.window_blocks - len(self.window_free))
 
     def _take_free(self) -> int:
         """The least recently freed block, evicted from the prefix cache if it was registered."""
@@ -217,6 +224,7 @@ class BlockManager:
                 if self.window_refs[w] == 0:
                     self.window_free[w] = None
                 seq.window_table[i] = -1
+                self.window_released += 1
         seq.window_start = max(seq.window_start, upto)
 
     def num_shared(self, hits: list[int]) -> int:
@@ -251,6 +259,7 @@ class BlockManager:
             child.block_table.append(dst)
             if self.window:                              # (the runner copies this one's pages too)
                 child.window_table.append(self._take_window())
+            self._note_held()
             return parent.block_table[n_full], dst
         return None
 

@@ -36,6 +36,16 @@ def test_bench_ep_runs_both_degrees_and_checks_their_bits():
         assert label in out, out
 
 
+def test_bench_window_holds_less_kv_with_the_same_bits():
+    """The window section: the pool and no pool give the same outputs (else a row says DIFFER), and the
+    pool holds less KV at its peak (2 of tiny-gpt-oss's 4 layers slide: less than half is impossible)."""
+    out = run("import bench\nbench.main(['--only', 'window', '--prompts=4', '--window-new-tokens=60', "
+              "'--repeats=1', '--warmup=0'])")
+    assert "DIFFER" not in out, out
+    ratio = float(next(ln for ln in out.splitlines() if "KV held, no pool / pool" in ln).split()[-1].rstrip("x"))
+    assert 1.0 < ratio <= 2.0, out
+
+
 def test_bench_reduce_errors_hold_exact_to_half_an_ulp():
     """bench.sum_errors on 12 micro-batches of cancelling terms: exact is the sum rounded once (at most
     half an fp32 ulp off the fp64 sum, nowhere worse than an fp32 sum); control: fp32 sums lose more."""
