@@ -346,7 +346,31 @@ def bench_attention(t: Timings, quick: bool, dev: str):
     t.row("attn decode, few long", f"B={Bl} ctx={ctxl} H={H} KVH={KVH} D={Dh}", bf16,
           lambda: kt.paged_attention(ql, kcl, vcl, btl, posl, Dh ** -0.5),
           {"torch SDPA (dense KV)": lambda: F.scaled_dot_product_attention(ql.transpose(1, 2), kdl, vdl, enable_gqa=True)})
+    bench_mla(t, quick, dev)
     return prefill
+
+
+def bench_mla(t: Timings, quick: bool, dev: str) -> None:
+    """MLA's absorbed attention at Moonlight-16B-A3B's sizes: 16 heads over one 576-dim latent head whose
+    values are its keys (one page tensor; the head split 512 + 64, the wide heads' layout), prefill and
+    decode, against SDPA over the same keys."""
+    import torch
+    import torch.nn.functional as F
+    import kernels_triton as kt
+    H, D = (4, 48) if t.tiny else (16, 576)
+    B, T = (1, 80) if t.tiny else (2, 1024) if quick else (4, 2048)
+    q, k, _, kp, _, bt, pos = attention_inputs(B, T, H, 1, D, torch.bfloat16, dev)
+    kt_ = k.transpose(1, 2)
+    t.row("attn prefill MLA", f"B={B} T={T} H={H} latent D={D}", torch.bfloat16,
+          lambda: kt.paged_attention(q, kp, kp, bt, pos, 192 ** -0.5),
+          {"torch SDPA": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), kt_, kt_, is_causal=True,
+                                                                 scale=192 ** -0.5, enable_gqa=True)})
+    Bd, ctx = (2, 256) if t.tiny else (32, 1024) if quick else (64, 2048)
+    qd, kc, _, btd, posd, kd, _ = decode_inputs(Bd, ctx, H, 1, D, dev)
+    t.row("attn decode MLA", f"B={Bd} ctx={ctx} H={H} latent D={D}", torch.bfloat16,
+          lambda: kt.paged_attention(qd, kc, kc, btd, posd, 192 ** -0.5),
+          {"torch SDPA (dense KV)": lambda: F.scaled_dot_product_attention(qd.transpose(1, 2), kd, kd, scale=192 ** -0.5,
+                                                                            enable_gqa=True)})
 
 
 def bench_row_ops(t: Timings, quick: bool, dev: str) -> None:
