@@ -7,7 +7,8 @@ each EP degree that divides the world (with the contiguous and a permuted placem
 the tokens and compares; and holds plan.memory_plan against the bytes an EP=2 run allocates. gpt-oss's
 experts (biases, the clamped SwiGLU) too: score, gradients and the sampler (fp32 and bf16) at EP=2, and
 on 4 processes at EP=4 and as two EP=2 groups; the controls (a bias or the SwiGLU lost on the exchanged
-path changes the bits) on 2. Prints one `ok ...` line per check on rank 0; any mismatch raises.
+path changes the bits) on 2. The MLA preset (its latent cache, GLM-4.5's router): score and the sampler
+at EP=2. Prints one `ok ...` line per check on rank 0; any mismatch raises.
 tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
 import copy
@@ -344,6 +345,7 @@ def main():
     top4 = ModelConfig(**{**tiny.__dict__, "num_experts_per_tok": 4})   # k > 2: the slot order matters
     oss = ModelConfig.preset("tiny-gpt-oss")                          # biased experts, the clamped SwiGLU
     oss4 = ModelConfig(**{**oss.__dict__, "num_experts_per_tok": 4})
+    mla = ModelConfig.preset("tiny-mla")                              # MLA's latent cache, GLM-4.5's router
     check_decode_reads_nothing_back(tiny)
     for parallel in ("ddp", "fsdp"):
         check_plan_bytes(tiny, parallel)
@@ -362,6 +364,10 @@ def main():
             check_grads(oss4, dtype, n, "permuted", permuted, tag="gpt-oss ")
             check_exact_grads(oss4, dtype, n, "permuted", permuted, tag="gpt-oss ")
         check_sampler(oss, dtype, tag="gpt-oss ")
+        if world == 2:
+            _, permuted = list(placements(mla.num_experts, 2))[1]
+            check_score(mla, dtype, 2, "permuted", permuted, tag="mla ")
+            check_sampler(mla, dtype, tag="mla ")
     if world == 2:
         check_gpt_oss_controls(oss)
         check_plan_bytes(oss, "ddp", tag="gpt-oss ")                  # b13, b2 counted as expert shards
