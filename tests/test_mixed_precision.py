@@ -157,7 +157,7 @@ def test_trainer_and_sampler_read_one_copy(tmp_path):
     assert run.policy.full.layers[1].mlp.w13.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-sigmoid"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-sigmoid", "tiny-gpt-oss", "tiny-mla"])   # + sinks, windows, MLA
 def test_contract_holds_in_bf16_compute(tmp_path, preset):
     extra = ["--expert_bias_update_rate=0.01"] if preset == "tiny-sigmoid" else []
     rows = run_train(tmp_path, "--steps=2", "--dtype=bfloat16", f"--init_from={preset}", "--minibatch_size=16",
