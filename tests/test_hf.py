@@ -550,6 +550,19 @@ def test_sink_window_and_latent_sampler_contract(family, mt, config):
 
 
 @pytest.mark.parametrize("mt", NEW_ATTENTION)
+def test_sink_window_and_latent_prefix_hits_keep_the_bits(family, mt):
+    """The same request twice on one sampler: the second is served by the prefix cache (the latent cache's
+    blocks; a window's blocks from the window pool) and gives the first one's bits."""
+    model = family(mt)[2]
+    prompts = [s.tolist() for s in seqs_(seed=6, lengths=[3, 17, 29, 40, 16])]
+    sampler = Sampler(model)
+    cold, warm = (sampler.generate(prompts, max_new_tokens=12, n=2, seed=3, progress=False) for _ in range(2))
+    assert sampler.num_cached_tokens > 0
+    for a, b in zip(cold, warm):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs and torch.equal(a.routes, b.routes)
+
+
+@pytest.mark.parametrize("mt", NEW_ATTENTION)
 def test_sink_window_and_latent_packed_score_is_the_padded_bits(family, mt):
     """Packed sequences (each its own positions, sinks and window, or latent keys) get the padded bits."""
     from packing import Packing
