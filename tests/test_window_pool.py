@@ -160,3 +160,11 @@ def test_block_manager_prefix_hits_need_the_window_blocks_of_their_last_window()
     bm.allocate(c, 48)                    # and block 1's, then block 3's
     assert bm.match(b)[0] == []           # each shorter hit needs one of those
     assert not bm.window_of.keys() - set(hits)
+
+
+def test_a_sequence_the_window_pool_cannot_hold_is_one_line():
+    """A prefill takes a window block for each of its positions (a preempted sequence: all of them), so
+    one sequence must fit the window pool alone; else generate says so before it starts."""
+    sampler = Sampler(windowed_model(8), window_blocks=2)
+    with pytest.raises(ValueError, match=r"50 tokens = 4 blocks, but the window pool has 2; raise window_blocks"):
+        sampler.generate([[1] * 20], max_new_tokens=30, progress=False)
