@@ -550,7 +550,7 @@ def test_paged_attention_head_split(monkeypatch, wide):
     monkeypatch.setattr(kt, "ATTN_SPLIT", 1)
     if wide:
         monkeypatch.setattr(kt, "ATTN_WIDE_DIMS", 48)
-    B, T, H, KVH, D = 2, 70, 4, 1, 48
+    B, T, H, KVH, D = 2, 40 if wide else 70, 4, 1, 48          # more than one key tile in either layout
     q, k, v = randn(B, T, H, D, scale=2, seed=0), randn(B, T, KVH, D, scale=2, seed=1), randn(B, T, KVH, D, seed=2)
     pos = torch.arange(T, device=DEV).expand(B, T)
     kc, bt = lay_out(k, 16, 12, seed=3)
