@@ -762,7 +762,9 @@ def bench_window(args) -> list[tuple[str, float, str]]:
                 "no window pool": Sampler(model, max_batch_size=B, window_blocks=-1)}
 
     def run(s):
-        s.block_manager.peak_held = s.block_manager.peak_window_held = 0
+        s.block_manager.peak_held = 0
+        if s.block_manager.window_pool:
+            s.block_manager.window_pool.peak_held = 0
         return s.generate(prompts, max_new_tokens=new, temperature=1.0, seed=args.seed)
     res = interleaved({name: (lambda s=s: run(s)) for name, s in samplers.items()}, args.warmup, args.repeats)
     (t_pool, pool), (t_none, none) = res.values()
@@ -773,13 +775,14 @@ def bench_window(args) -> list[tuple[str, float, str]]:
     held = {}
     for name, s in samplers.items():
         bm = s.block_manager
-        full_layers = cfg.num_hidden_layers - (sliding if bm.window else 0)
-        held[name] = bm.peak_held * full_layers * layer + bm.peak_window_held * sliding * layer
+        wp = bm.window_pool
+        full_layers = cfg.num_hidden_layers - (sliding if wp else 0)
+        held[name] = bm.peak_held * full_layers * layer + (wp.peak_held * sliding * layer if wp else 0)
     n_gen = sum(len(o.tokens) for o in pool)
     bm = samplers["window pool"].block_manager
     print(f"window: tiny-gpt-oss, {B} prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, up to {new} new; "
           f"{sliding} of {cfg.num_hidden_layers} layers slide over {cfg.sliding_window} keys, {bm.block_size}-position "
-          f"blocks; at most {bm.peak_held} blocks held in the full pool, {bm.peak_window_held} in the window pool")
+          f"blocks; at most {bm.peak_held} blocks held in the full pool, {bm.window_pool.peak_held} in the window pool")
     return [(f"window: {name}", n_gen / t, "tok/s" + ("" if same else ", outputs DIFFER from no pool"))
             for name, (t, _) in res.items()] + [
         (f"window: {name}, KV held at most", held[name] / 2**20, "MiB (fp32 K and V)") for name in held] + [

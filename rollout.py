@@ -63,7 +63,7 @@ every op is row-invariant, so a piece of a prefill has the bits of the whole pre
   brings each sequence's count, so a verify step's host work grows with the batch.
 * The window pool (a model with sliding-window layers; RolloutConfig.window_blocks): those layers' pages
   are a pool of their own, a block beside each of a sequence's blocks, freed once it lies below the
-  window of every query the sequence will still feed (scheduler.BlockManager.release_window), so a
+  window of every query the sequence will still feed (scheduler.WindowPool.release), so a
   long sequence holds its last window's blocks there, not its whole length. A masked key is an exact
   no-op, so a table entry naming a freed block reads nothing that counts: the same bits.
 * Sessions: with `on_turn_end`, a turn ends at a stop token or after max_new_tokens; the callback

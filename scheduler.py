@@ -88,6 +88,81 @@ class Step:
     drafted: list[int] = field(default_factory=list)
 
 
+class WindowPool:
+    """The sliding-window layers' blocks (BlockManager's window pool): a free list in the order they were
+    freed, reference counts, and the window block each registered block of the prefix cache kept (`of`,
+    while neither is evicted). A sequence's `window_table` has one beside each block of its block_table;
+    `release` frees those that lie wholly below the window of every query the sequence will feed."""
+
+    def __init__(self, window: int, num_blocks: int, block_size: int):
+        self.window, self.num_blocks, self.block_size = window, num_blocks, block_size
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # an ordered set
+        self.refs = [0] * num_blocks
+        self.of: dict[int, int] = {}                     # registered block -> its window block
+        self.owner: list[int | None] = [None] * num_blocks
+        self.peak_held = self.released = 0               # (bench.py reads them)
+
+    def first_block(self, position: int) -> int:
+        """The first block the window of a query at `position` reaches."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def take(self) -> int:
+        """The least recently freed window block, no longer any registered block's."""
+        w, _ = self.free.popitem(last=False)
+        if self.owner[w] is not None:
+            del self.of[self.owner[w]]
+            self.owner[w] = None
+        self.refs[w] = 1
+        self.peak_held = max(self.peak_held, self.num_blocks - len(self.free))
+        return w
+
+    def hold(self, w: int) -> None:
+        """One more holder of window block w (a prefix hit, a forked sequence); -1 (freed) holds nothing."""
+        if w >= 0:
+            if self.refs[w] == 0:
+                del self.free[w]
+            self.refs[w] += 1
+
+    def drop(self, w: int) -> None:
+        if w >= 0:
+            self.refs[w] -= 1
+            if self.refs[w] == 0:
+                self.free[w] = None
+
+    def release(self, seq: Sequence, first_query: int) -> None:
+        """Free seq's window blocks that lie wholly below the window of a query at first_query, the lowest
+        position it will feed: no query of it reads them again. (The runner's table may keep naming
+        them: a key outside a query's window is masked, and any page holds finite values.)"""
+        upto = min(self.first_block(first_query), len(seq.window_table))
+        for i in range(seq.window_start, upto):
+            if seq.window_table[i] >= 0:
+                self.drop(seq.window_table[i])
+                seq.window_table[i] = -1
+                self.released += 1
+        seq.window_start = max(seq.window_start, upto)
+
+    def hits(self, cached: list[int]) -> tuple[int, list[int]]:
+        """For prefix-cache hits: the first one a prefill after them reads through its window, and the
+        window blocks of the hits from there on."""
+        live = self.first_block(len(cached) * self.block_size)
+        return live, [self.of[b] for b in cached[live:]]
+
+    def kept(self, hits: list[int]) -> bool:
+        """Whether the window blocks a prefill after these hits reads are all kept."""
+        return all(b in self.of for b in hits[self.first_block(len(hits) * self.block_size):])
+
+    def keep(self, block: int, w: int) -> None:
+        """Registered `block` keeps its window block w (if w is still held and kept by no other)."""
+        if w >= 0 and self.owner[w] is None:
+            self.of[block], self.owner[w] = w, block
+
+    def forget(self, block: int) -> None:
+        """`block` left the prefix cache: its window block is no longer kept for it."""
+        w = self.of.pop(block, None)
+        if w is not None:
+            self.owner[w] = None
+
+
 class BlockManager:
     """Blocks (pages) of `block_size` KV positions, a free list, reference counts for sharing, and the
     prefix cache.
@@ -99,13 +174,12 @@ class BlockManager:
     ids, and node ids are never reused), so a hit holds the KV and routes of exactly that token prefix.
     A registered block stays registered while free, until allocation takes it (eviction, LRU).
 
-    The window pool (window > 0, window_blocks > 0: a model with sliding-window layers) holds those layers'
-    pages: each block of a sequence's block_table has one beside it in its window_table, handed out and
-    shared alike, and freed early, once it lies wholly below the window of every query the sequence will
-    feed (`release_window`). Full-attention layers and the routes keep every block. A registered block
-    keeps the window block it had then (`window_of`, while neither is evicted); a prefix hit needs the
-    window blocks of its last `window` positions, so `match` shortens a hit to the longest run that has
-    them.
+    The window pool (`window_pool`, a WindowPool; window > 0 and window_blocks > 0: a model with
+    sliding-window layers) holds those layers' pages: each block of a sequence's block_table has one
+    beside it in its window_table, handed out and shared alike, and freed early (WindowPool.release).
+    Full-attention layers and the routes keep every block. A registered block keeps the window block it
+    had then; a prefix hit needs the window blocks of its last `window` positions, so `match` shortens a
+    hit to the longest run that has them.
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False, window: int = 0,
@@ -118,19 +192,14 @@ class BlockManager:
         self.cached: dict[tuple, tuple[int, int]] = {}   # (parent node, token ids) -> (block, node)
         self.key_of: list[tuple | None] = [None] * num_blocks
         self.nodes = itertools.count()
-        self.window, self.window_blocks = (window, window_blocks) if window and window_blocks else (0, 0)
-        self.window_free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.window_blocks))
-        self.window_refs = [0] * self.window_blocks
-        self.window_of: dict[int, int] = {}              # registered block -> its window block
-        self.window_owner: list[int | None] = [None] * self.window_blocks
-        # the most blocks of each pool held at once, and the window blocks freed early (bench.py reads them)
-        self.peak_held = self.peak_window_held = self.window_released = 0
+        self.window_pool = WindowPool(window, window_blocks, block_size) if window and window_blocks else None
+        self.peak_held = 0                               # the most blocks held at once (bench.py reads it)
 
     @property
     def num_free(self) -> int:
         """Blocks a sequence can take now: each takes a window block beside it where there is a window pool."""
-        if self.window:
-            return min(len(self.free_block_ids), len(self.window_free))
+        if self.window_pool:
+            return min(len(self.free_block_ids), len(self.window_pool.free))
         return len(self.free_block_ids)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -157,33 +226,24 @@ class BlockManager:
         """Grow seq.block_table to hold positions [0, num_tokens): first the `cached` blocks (prefix-cache
         hits, shared), then fresh ones; the window table beside it (a hit's window blocks from the first
         one its window needs, -1 below)."""
-        n = self.blocks_needed(seq, num_tokens) - len(cached)
-        live = self.window_first_block(len(cached) * self.block_size) if self.window else len(cached)
-        window_hits = [self.window_of[b] for b in cached[live:]]
-        if n + sum(self.ref_counts[b] == 0 for b in cached) > len(self.free_block_ids) or self.window and \
-                n + sum(self.window_refs[w] == 0 for w in window_hits) > len(self.window_free):
+        n, pool = self.blocks_needed(seq, num_tokens) - len(cached), self.window_pool
+        live, window_hits = pool.hits(cached) if pool else (len(cached), [])
+        if n + sum(self.ref_counts[b] == 0 for b in cached) > len(self.free_block_ids) or pool and \
+                n + sum(pool.refs[w] == 0 for w in window_hits) > len(pool.free):
             raise RuntimeError(f"BlockManager: need {n} blocks, {self.num_free} free (caller must preempt first)")
         for b in cached:
             if self.ref_counts[b] == 0:
                 del self.free_block_ids[b]
             self.ref_counts[b] += 1
             seq.block_table.append(b)
-        if self.window and cached:
-            seq.window_table, seq.window_start = [-1] * live, live
+        if pool and cached:
+            seq.window_table, seq.window_start = [-1] * live + window_hits, live
             for w in window_hits:
-                if self.window_refs[w] == 0:
-                    del self.window_free[w]
-                self.window_refs[w] += 1
-                seq.window_table.append(w)
+                pool.hold(w)
         for _ in range(n):
             seq.block_table.append(self._take_free())
-            if self.window:
-                seq.window_table.append(self._take_window())
-        self._note_held()
-
-    def _note_held(self) -> None:
-        self.peak_held = max(self.peak_held, len(self.ref_counts) - len(self.free_block_ids))
-        self.peak_window_held = max(self.peak_window_held, self.window_blocks - len(self.window_free))
+            if pool:
+                seq.window_table.append(pool.take())
 
     def _take_free(self) -> int:
         """The least recently freed block, evicted from the prefix cache if it was registered."""
@@ -191,48 +251,24 @@ class BlockManager:
         if self.key_of[b] is not None:
             del self.cached[self.key_of[b]]
             self.key_of[b] = None
-            w = self.window_of.pop(b, None)
-            if w is not None:
-                self.window_owner[w] = None
+            if self.window_pool:
+                self.window_pool.forget(b)
         self.ref_counts[b] = 1
+        self.peak_held = max(self.peak_held, len(self.ref_counts) - len(self.free_block_ids))
         return b
 
-    def _take_window(self) -> int:
-        """The least recently freed window block, no longer any registered block's."""
-        w, _ = self.window_free.popitem(last=False)
-        if self.window_owner[w] is not None:
-            del self.window_of[self.window_owner[w]]
-            self.window_owner[w] = None
-        self.window_refs[w] = 1
-        return w
-
-    def window_first_block(self, position: int) -> int:
-        """The first block the window of a query at `position` reaches."""
-        return max(0, position - self.window + 1) // self.block_size
-
     def release_window(self, seq: Sequence, first_query: int) -> None:
-        """Free seq's window blocks that lie wholly below the window of a query at first_query, the lowest
-        position it will feed: no query of it reads them again. (The runner's table may keep naming
-        them: a key outside a query's window is masked, and any page holds finite values.)"""
-        if not self.window:
-            return
-        upto = min(self.window_first_block(first_query), len(seq.window_table))
-        for i in range(seq.window_start, upto):
-            w = seq.window_table[i]
-            if w >= 0:
-                self.window_refs[w] -= 1
-                if self.window_refs[w] == 0:
-                    self.window_free[w] = None
-                seq.window_table[i] = -1
-                self.window_released += 1
-        seq.window_start = max(seq.window_start, upto)
+        """The window blocks of seq below every window it will read, from first_query on, freed (if there
+        is a window pool)."""
+        if self.window_pool:
+            self.window_pool.release(seq, first_query)
 
     def num_shared(self, hits: list[int]) -> int:
         """Prefix-cache hits that take no free block: held by another sequence now, and so is the window
         block beside it where the hit needs one."""
-        live = self.window_first_block(len(hits) * self.block_size) if self.window else len(hits)
-        return sum(self.ref_counts[b] > 0 and (i < live or self.window_refs[self.window_of[b]] > 0)
-                   for i, b in enumerate(hits))
+        pool = self.window_pool
+        live = pool.first_block(len(hits) * self.block_size) if pool else len(hits)
+        return sum(self.ref_counts[b] > 0 and (i < live or pool.refs[pool.of[b]] > 0) for i, b in enumerate(hits))
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
         """Share the parent's full blocks of positions [0, num_tokens) with child.
@@ -244,12 +280,10 @@ class BlockManager:
         for b in parent.block_table[:n_full]:
             self.ref_counts[b] += 1
             child.block_table.append(b)
-        if self.window:
-            child.window_start = parent.window_start
-            for w in parent.window_table[:n_full]:
-                if w >= 0:
-                    self.window_refs[w] += 1
-                child.window_table.append(w)
+        if self.window_pool:
+            child.window_table, child.window_start = parent.window_table[:n_full], parent.window_start
+            for w in child.window_table:
+                self.window_pool.hold(w)
         if parent.num_hashed <= n_full:                  # the child's chain in the prefix cache starts as the parent's
             child.num_hashed, child.last_node = parent.num_hashed, parent.last_node
         if num_tokens % self.block_size:
@@ -257,9 +291,8 @@ class BlockManager:
                 raise RuntimeError("BlockManager: no free block for a forked partial block")
             dst = self._take_free()
             child.block_table.append(dst)
-            if self.window:                              # (the runner copies this one's pages too)
-                child.window_table.append(self._take_window())
-            self._note_held()
+            if self.window_pool:                         # (the runner copies this one's pages too)
+                child.window_table.append(self.window_pool.take())
             return parent.block_table[n_full], dst
         return None
 
@@ -270,10 +303,7 @@ class BlockManager:
             if self.ref_counts[b] == 0:
                 self.free_block_ids[b] = None
         for w in reversed(seq.window_table):
-            if w >= 0:
-                self.window_refs[w] -= 1
-                if self.window_refs[w] == 0:
-                    self.window_free[w] = None
+            self.window_pool.drop(w)
         seq.block_table, seq.window_table, seq.window_start = [], [], 0
 
     # ---- the prefix cache ----
@@ -284,8 +314,9 @@ class BlockManager:
             self.root = ("version", version)
             self.cached.clear()
             self.key_of = [None] * len(self.key_of)
-            self.window_of.clear()
-            self.window_owner = [None] * self.window_blocks
+            if self.window_pool:
+                self.window_pool.of.clear()
+                self.window_pool.owner = [None] * self.window_pool.num_blocks
 
     def match(self, seq: Sequence) -> tuple[list[int], object]:
         """The longest run of seq's leading full blocks registered in the cache, up to its next-to-last
@@ -300,14 +331,10 @@ class BlockManager:
                     break
                 hits.append(entry[0])
                 nodes.append(entry[1])
-        while self.window and hits and not self._window_kept(hits):
+        while self.window_pool and hits and not self.window_pool.kept(hits):
             hits.pop()
             nodes.pop()
         return hits, nodes[-1]
-
-    def _window_kept(self, hits: list[int]) -> bool:
-        """Whether the window blocks that a prefill after these hits reads are all kept."""
-        return all(b in self.window_of for b in hits[self.window_first_block(len(hits) * self.block_size):])
 
     def register(self, seq: Sequence, num_computed: int) -> None:
         """Enter seq's full blocks whose KV is computed (positions < num_computed) and whose tokens the
@@ -323,15 +350,16 @@ class BlockManager:
                 if self.key_of[block] is not None:      # registered under another chain: stop here
                     break
                 self.cached[key], self.key_of[block] = (block, next(self.nodes)), key
-                w = seq.window_table[b] if self.window else -1
-                if w >= 0 and self.window_owner[w] is None:   # its window block, while still held
-                    self.window_of[block], self.window_owner[w] = w, block
+                if self.window_pool:                    # its window block, while still held
+                    self.window_pool.keep(block, seq.window_table[b])
             node = self.cached[key][1]
             seq.num_hashed, seq.last_node = b + 1, node
 
     def reset(self) -> None:
         """Every block free and unregistered (after a request was cut short)."""
-        self.__init__(len(self.ref_counts), self.block_size, self.prefix_cache, self.window, self.window_blocks)
+        pool = self.window_pool
+        self.__init__(len(self.ref_counts), self.block_size, self.prefix_cache, pool.window if pool else 0,
+                      pool.num_blocks if pool else 0)
 
 
 class Scheduler:
@@ -551,7 +579,7 @@ class Scheduler:
         for s in need:
             self.bm.allocate(s, len(s.block_table) * self.bm.block_size + 1)
             new_blocks.append((s.row, len(s.block_table) - 1, s.block_table[-1]))
-            if self.bm.window:                   # (so the window pool frees once per block, like it takes)
+            if self.bm.window_pool:              # (so the window pool frees once per block, like it takes)
                 new_window.append((s.row, len(s.window_table) - 1, s.window_table[-1]))
                 self.bm.release_window(s, self.length(s) - 1)
         changed, self.running_changed = self.running_changed, False
@@ -576,7 +604,7 @@ class Scheduler:
                 self.bm.allocate(s, n)
                 fresh = range(len(s.block_table) - need, len(s.block_table))
                 new_blocks += [(s.row, i, s.block_table[i]) for i in fresh]
-                if self.bm.window:
+                if self.bm.window_pool:
                     new_window += [(s.row, i, s.window_table[i]) for i in fresh]
                     self.bm.release_window(s, self.length(s) - 1)
         return new_blocks, new_window

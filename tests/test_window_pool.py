@@ -1,4 +1,4 @@
-"""The window pool (scheduler.BlockManager, rollout.Sampler): a model's sliding-window layers keep their
+"""The window pool (scheduler.WindowPool, BlockManager; rollout.Sampler): a model's sliding-window layers keep their
 KV in a pool of their own, whose blocks are freed once they lie wholly below the window of every query a
 sequence will still feed; full-attention layers and the routes keep every block.
 
@@ -18,7 +18,7 @@ from conftest import assert_contract
 from test_rollout import make_model, make_prompts, seq
 from test_sessions import assert_episode_contract, assert_same, episodes
 from rollout import Sampler
-from scheduler import BlockManager, Sequence
+from scheduler import BlockManager, Sequence, WindowPool
 
 LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 PROMPT_LENGTHS = [1, 15, 16, 17, 31, 40, 5, 33]
@@ -65,18 +65,18 @@ def test_window_pool_keeps_the_no_pool_bits_and_the_contract(window, config):
     model = windowed_model(window)
     ref = sample(Sampler(model, window_blocks=-1))
     sampler = Sampler(model, **CONFIGS[config])
-    assert sampler.window_blocks > 0 and sampler.block_manager.window == window
+    assert sampler.window_blocks > 0 and sampler.block_manager.window_pool.window == window
     pages = [k.shape[0] for k, _ in sampler.caches]
     assert pages == [sampler.window_blocks + 1, sampler.num_blocks + 1, sampler.window_blocks + 1]
     outs = sample(sampler)
     assert same_outputs(ref, outs), config
     assert_contract(model, outs)
     bm = sampler.block_manager
-    assert bm.window_released > 0, "no window block was freed early"
+    assert bm.window_pool.released > 0, "no window block was freed early"
     if config == "preempt":
         assert sampler.num_preemptions > 0
     if config == "default":
-        assert 0 < bm.peak_window_held < bm.peak_held, (bm.peak_window_held, bm.peak_held)
+        assert 0 < bm.window_pool.peak_held < bm.peak_held, (bm.window_pool.peak_held, bm.peak_held)
 
 
 @pytest.mark.parametrize("frontier", ["window", "block"])
@@ -86,16 +86,16 @@ def test_control_a_block_freed_inside_the_window_changes_the_bits(monkeypatch, f
     another sequence take and overwrite keys that window still reads, and the bits change."""
     model = windowed_model(20)
     ref = sample(Sampler(model, window_blocks=-1))
-    release = BlockManager.release_window
+    release = WindowPool.release
 
     def release_first_in_line(self, s, first_query):
-        before = set(self.window_free)
+        before = set(self.free)
         release(self, s, first_query)
-        for w in set(self.window_free) - before:
-            self.window_free.move_to_end(w, last=False)
-    monkeypatch.setattr(BlockManager, "release_window", release_first_in_line)
+        for w in set(self.free) - before:
+            self.free.move_to_end(w, last=False)
+    monkeypatch.setattr(WindowPool, "release", release_first_in_line)
     if frontier == "block":
-        monkeypatch.setattr(BlockManager, "window_first_block", lambda self, position: position // self.block_size)
+        monkeypatch.setattr(WindowPool, "first_block", lambda self, position: position // self.block_size)
     outs = sample(Sampler(model, window_blocks=12, max_batch_size=6))
     assert same_outputs(ref, outs) == (frontier == "window")
 
@@ -120,21 +120,22 @@ def test_window_pool_sessions_and_prefix_hits(config):
 
 def test_block_manager_frees_window_blocks_below_the_window_and_forks_alike():
     bm = BlockManager(8, 16, window=20, window_blocks=6)
+    pool = bm.window_pool
     a = seq(0, 40)
     bm.allocate(a, 40)
     assert len(a.block_table) == len(a.window_table) == 3 and bm.num_free == 3       # min(5 full, 3 window)
     bm.release_window(a, 40)              # a query at 40 sees keys 21..40: blocks 1 and 2
     assert a.window_table[0] == -1 and a.window_table[1:] == [1, 2] and a.window_start == 1
-    assert len(bm.window_free) == 4 and bm.num_free == 4
+    assert len(pool.free) == 4 and bm.num_free == 4
     b = seq(1, 40)
     bm.fork(a, b, 40)                     # the full blocks shared, a fresh partial one in both pools
     assert b.block_table[:2] == a.block_table[:2] and b.window_table[:2] == [-1, 1] and b.window_start == 1
-    assert bm.window_refs[1] == 2 and b.window_table[2] not in a.window_table
+    assert pool.refs[1] == 2 and b.window_table[2] not in a.window_table
     bm.release_window(a, 60)              # keys 41..60: block 2 and on; a's block 1 still held by b
-    assert bm.window_refs[1] == 1 and 1 not in bm.window_free
+    assert pool.refs[1] == 1 and 1 not in pool.free
     bm.free(a)
     bm.free(b)
-    assert bm.num_free == 6 and len(bm.free_block_ids) == 8 and all(r == 0 for r in bm.window_refs)
+    assert bm.num_free == 6 and len(bm.free_block_ids) == 8 and all(r == 0 for r in pool.refs)
     assert b.window_table == [] and b.window_start == 0
 
 
@@ -142,11 +143,12 @@ def test_block_manager_prefix_hits_need_the_window_blocks_of_their_last_window()
     """A registered block keeps its window block until either is evicted; a hit of h blocks needs those
     of the blocks its window reaches from position h * 16, and is shortened where they are gone."""
     bm = BlockManager(8, 16, prefix_cache=True, window=20, window_blocks=4)
+    pool = bm.window_pool
     a = Sequence(0, list(range(64)), max_len=1000, num_tokens=64)
     bm.allocate(a, 64)
     bm.register(a, 64)
     bm.release_window(a, 64)              # keys 45.. : blocks 2 and 3 stay; 0 and 1 freed, still registered
-    window = list(bm.window_of.values())
+    window = list(pool.of.values())
     bm.free(a)
     b = Sequence(1, list(range(64)) + [5], max_len=1000, num_tokens=65)
     hits, _ = bm.match(b)
@@ -159,7 +161,7 @@ def test_block_manager_prefix_hits_need_the_window_blocks_of_their_last_window()
     assert len(bm.match(b)[0]) == 4       # (not needed by a hit of 4 blocks)
     bm.allocate(c, 48)                    # and block 1's, then block 3's
     assert bm.match(b)[0] == []           # each shorter hit needs one of those
-    assert not bm.window_of.keys() - set(hits)
+    assert not pool.of.keys() - set(hits)
 
 
 def test_a_sequence_the_window_pool_cannot_hold_is_one_line():
