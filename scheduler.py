@@ -162,6 +162,11 @@ class WindowPool:
         if w is not None:
             self.owner[w] = None
 
+    def forget_all(self) -> None:
+        """The prefix cache forgot every block (new weights)."""
+        self.of.clear()
+        self.owner = [None] * self.num_blocks
+
 
 class BlockManager:
     """Blocks (pages) of `block_size` KV positions, a free list, reference counts for sharing, and the
@@ -315,8 +320,7 @@ class BlockManager:
             self.cached.clear()
             self.key_of = [None] * len(self.key_of)
             if self.window_pool:
-                self.window_pool.of.clear()
-                self.window_pool.owner = [None] * self.window_pool.num_blocks
+                self.window_pool.forget_all()
 
     def match(self, seq: Sequence) -> tuple[list[int], object]:
         """The longest run of seq's leading full blocks registered in the cache, up to its next-to-last

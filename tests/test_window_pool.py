@@ -162,6 +162,8 @@ def test_block_manager_prefix_hits_need_the_window_blocks_of_their_last_window()
     bm.allocate(c, 48)                    # and block 1's, then block 3's
     assert bm.match(b)[0] == []           # each shorter hit needs one of those
     assert not pool.of.keys() - set(hits)
+    bm.set_version(1)                     # new weights: no block, and no window block, is kept
+    assert not pool.of and all(o is None for o in pool.owner)
 
 
 def test_a_sequence_the_window_pool_cannot_hold_is_one_line():
