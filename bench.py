@@ -771,7 +771,8 @@ def bench_window(args) -> list[tuple[str, float, str]]:
     same = all(a.tokens == b.tokens and a.logprobs == b.logprobs and torch.equal(a.routes, b.routes)
                for a, b in zip(pool, none))
     sliding = sum(bool(cfg.window(i)) for i in range(cfg.num_hidden_layers))
-    layer = samplers["window pool"].config.block_size * cfg.kv_numbers_per_token * 4     # a block of a layer, fp32
+    nbytes = next(model.parameters()).element_size()
+    layer = samplers["window pool"].config.block_size * cfg.kv_numbers_per_token * nbytes      # a block of a layer
     held = {}
     for name, s in samplers.items():
         bm = s.block_manager

@@ -76,7 +76,9 @@ ATTN_SPLIT_SCRATCH = 256 << 20     # bytes of partial results the parallel split
 # Wide heads (MLA's absorbed form: 576 dims, split 512 + 64 by head_split) take a layout of their own from
 # ATTN_WIDE_DIMS dims on: 64 query rows of 576 dims do not fit one program's registers, and ptxas does not
 # finish compiling them (tools/compile_check.py); 16 rows, 8 warps and 16-key tiles compile in seconds
-# with nothing spilled. Like the table's, one layout for prefill and decode of a model.
+# with nothing spilled. Like the table's, one layout for prefill and decode of a model. Its query rows
+# divide the table's, so the packed layout's blocks (kernels.packed_block: the table's rows) still put
+# every query at its padded place.
 ATTN_WIDE_DIMS = 512
 ATTN_WIDE = {"keys": 16, "fwd": (16, 8, 2), "bwd_dq": (16, 8, 2), "bwd_dkv": (16, 8, 2)}
 LOG2E = 1.4426950408889634         # softmax in base 2: exp2(x * log2 e) = exp(x), the scale folded in
@@ -250,7 +252,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # kvh * G + r % GP; GP = G rounded up to a power of two, extra rows masked). Decode packs the G heads
 # of a KV head into one program the same way (T = 1).
 # A head whose dims are not a power of two is two parts, each a power of two: BD dims and a tail of BR
-# (ATTN_HEAD_SPLIT; MLA's absorbed 576 = 512 + 64), each dot product the sum of the two parts' dots,
+# (head_split; MLA's absorbed 576 = 512 + 64), each dot product the sum of the two parts' dots,
 # instead of one part padded to the next power of two (1024).
 @triton.jit
 def _attn_rows(blk, b, kvh, T, G, q_ptr, s_qb, s_qt, s_qh, s_qd, pos_ptr, s_pb, s_pt,
@@ -419,7 +421,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, lse_ptr, sink_
                      BR: tl.constexpr, SAME: tl.constexpr):
     # Invariance: key tiles at absolute positions 0, KB, 2KB, ... visited upward with an fp32 online
     # softmax per split of SPLIT tiles, the splits merged in order into the running state (which starts
-    # at the sink, SINKS), in one fixed layout (ATTN_TABLE["fwd"]). The loop bounds (this program's
+    # at the sink, SINKS), in one fixed layout (attn_layout("fwd", D)). The loop bounds (this program's
     # largest position; under a WINDOW, the first tile its smallest position's window reaches) and the
     # masked/unmasked boundary cannot change a row's bits (see _attn_fwd_step and _attn_merge): decode
     # (T = 1) equals prefill, and the batch and page layout do not matter.
@@ -732,7 +734,7 @@ class _PagedAttention(torch.autograd.Function):
                 *_strides(q, k_cache, block_table, positions, out), *geometry, UPCAST=UPCAST, SINKS=sinks is not None,
                 SAME=same, num_warps=warps, num_stages=stages, **opts)
         ctx.save_for_backward(q, k_cache, v_cache, block_table, positions, out, lse, sink2)
-        ctx.scale, ctx.window, ctx.sinks = scale, window, sinks is not None
+        ctx.scale, ctx.window, ctx.sinks, ctx.same = scale, window, sinks is not None, same
         return out
 
     @staticmethod
@@ -743,14 +745,13 @@ class _PagedAttention(torch.autograd.Function):
         delta = (dout.float() * out.float()).sum(-1).contiguous()        # (B, T, H)
         common = (*_strides(q, k_cache, block_table, positions), T, H, KVH, G, D, PAGE, block_table.shape[1])
         scales = (ctx.scale * LOG2E, ctx.scale, ctx.window or 1 << 30)
-        same = k_cache.data_ptr() == v_cache.data_ptr()
-        win = dict(WINDOW=bool(ctx.window), BD=BD, BR=BR, GP=GP, UPCAST=UPCAST, SAME=same)
+        opts = dict(WINDOW=bool(ctx.window), BD=BD, BR=BR, GP=GP, UPCAST=UPCAST, SAME=ctx.same)
         dq = torch.empty_like(q)
         rows, warps, stages, keys = attn_layout("bwd_dq", D)
         BT = max(1, rows // GP)
         _attn_bwd_dq_kernel[(B * KVH, triton.cdiv(T, BT))](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dq, *common, *scales,
-            BT=BT, KB=keys, num_warps=warps, num_stages=stages, **win, **LAUNCH)
+            BT=BT, KB=keys, num_warps=warps, num_stages=stages, **opts, **LAUNCH)
         # dK, dV per sequence over every key tile the block table spans (its width, not the largest
         # position: no host sync; a tile no query sees gets zeros), then summed into the pages
         NB = block_table.shape[1]
@@ -761,7 +762,7 @@ class _PagedAttention(torch.autograd.Function):
         BT = max(1, rows // GP)
         _attn_bwd_dkv_kernel[(B * KVH, nkeys // keys)](
             q, k_cache, v_cache, block_table, positions, dout, lse, delta, dk_seq, dv_seq, *common, nkeys,
-            *scales, BT=BT, KB=keys, num_warps=warps, num_stages=stages, **win, **LAUNCH)
+            *scales, BT=BT, KB=keys, num_warps=warps, num_stages=stages, **opts, **LAUNCH)
         # a sink's gradient: d out / d sink = -p_sink * out, so -sum over queries of p_sink * (dO . out),
         # p_sink = exp2(sink2 - lse2) (deterministic torch ops)
         dsinks = -(torch.exp2(sink2 - lse) * delta).sum((0, 1)) if ctx.sinks else None
