@@ -736,8 +736,9 @@ class TrainConfig:
                  f"--agg={self.agg!r}: choose auto or one of {', '.join(AGGREGATIONS)}")
         _require(not LOSSES[self.loss].per_sequence or self.agg in ("auto", "seq_mean_token_mean"),
                  f"--loss={self.loss} is defined with per-sequence mean aggregation; drop --agg={self.agg}")
-        _require(self.dual_clip_c == 0 or (self.dual_clip_c > 1 and self.loss == "grpo"),
-                 f"--dual_clip_c={self.dual_clip_c}: 0 (off) or > 1, with --loss=grpo")
+        dual = [name for name, loss in LOSSES.items() if loss.dual_clip]
+        _require(self.dual_clip_c == 0 or (self.dual_clip_c > 1 and LOSSES[self.loss].dual_clip),
+                 f"--dual_clip_c={self.dual_clip_c}: 0 (off) or > 1, with a loss that has it ({', '.join(dual)})")
         _require(self.rejected_tokens in ("zero_weight", "drop"), "--rejected_tokens: zero_weight or drop")
         self._check_replay()
         _require(0 <= self.mis_low <= 1 <= self.mis_high,

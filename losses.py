@@ -106,10 +106,11 @@ class Loss:
     per_sequence: bool = False    # defined with the per-sequence mean only: other --agg values are refused
     weighted: Callable | None = None   # the form that carries per-token weights, if fn does not (GSPO: its
                                        # token form, equal values; see token_objective)
+    dual_clip: bool = False       # fn honours cfg.dual_clip_c (a loss built on grpo_loss does: set it True)
 
 
 LOSSES: dict[str, Loss] = {
-    "grpo": Loss(grpo_loss, "token_mean"),
+    "grpo": Loss(grpo_loss, "token_mean", dual_clip=True),
     "gspo": Loss(gspo_loss, "seq_mean_token_mean", per_sequence=True, weighted=gspo_token_loss),
     "gspo_token": Loss(gspo_token_loss, "seq_mean_token_mean", per_sequence=True),
     "sapo": Loss(sapo_loss, "seq_mean_token_mean"),      # averaged per sequence, then over sequences

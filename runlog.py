@@ -95,9 +95,9 @@ def export_identity(tcfg: TrainConfig, task) -> hf.Identity:
     return ident
 
 
-def banner(run, max_new: int) -> str:
+def banner(run, max_new: int, episode_tokens: int | None = None) -> str:
     """The start of a run in two lines: what trains where, and what the rollout stops on (at most
-    max_new tokens)."""
+    max_new tokens a response, or a turn of an episode of at most episode_tokens)."""
     tcfg, cfg, d = run.tcfg, run.policy.full.config, run.d
     n_params = sum(math.prod(shape) for shape, _ in plan.parameter_shapes(cfg))   # the whole model, also under EP
     moe = f", {cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else ""
@@ -107,7 +107,7 @@ def banner(run, max_new: int) -> str:
     name = tcfg.init_from + "".join(f" --{k}={v}" for k, v in tcfg.model_overrides.items())   # a preset, resized
     return (f"train: {name} ({cfg.model_type}, {n_params / 1e6:.2f}M parameters{moe}) on {where}, "
             f"{tcfg.dtype}; task {tcfg.task}; out_dir {tcfg.out_dir}; {start}\n"
-            f"{generation_line(run.task, max_new)}; temperature {run.rcfg.temperature}, "
+            f"{generation_line(run.task, max_new, episode_tokens)}; temperature {run.rcfg.temperature}, "
             f"{tcfg.prompts_per_step} prompts x {tcfg.group_size} responses")
 
 
@@ -314,8 +314,11 @@ def progress_line(run, row: dict) -> str:
     """Without a bar: one line every --log_every steps (a value that is null in the row shows as -)."""
     def f(key, spec):
         return "-" if row.get(key) is None else format(row[key], spec)
+    # under staleness the gap is the policy's age, not numerics: say so, with the numerics' own share
+    stale = f" (staleness; numerics {f('kl_numerics', '.1e')})" if "kl_staleness" in row else ""
     return (f"step {row['step']}/{run.tcfg.steps}: reward {f('reward_mean', '.3f')}, loss {f('loss', '.4g')}, "
-            f"train-rollout kl {f('train_rollout_kl', '.1e')}, route flips {f('route_flip_frac', '.3f')}, "
+            f"train-rollout kl {f('train_rollout_kl', '.1e')}{stale}, "
+            f"route flips {f('route_flip_frac', '.3f')}{' (staleness)' if stale else ''}, "
             f"response len {f('response_len', '.1f')}, {f('step_time', '.2f')} s"
             + "".join(f", {k} {f(k, '.3f')}" for k in row if k.startswith("eval_")))
 

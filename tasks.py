@@ -460,12 +460,16 @@ class JsonlTask:
         self._order = self._shuffle()
 
 
-def generation_line(task, max_new_tokens: int) -> str:
-    """One line: the stop ids in force, where they came from, and the response length limit."""
+def generation_line(task, max_new_tokens: int, episode_tokens: int | None = None) -> str:
+    """One line: the stop ids in force, where they came from, and the response length limits (an episode's
+    policy turns add up past one turn's limit, up to the episode's budget)."""
     names = ", ".join(repr(task.token_name(i)) for i in task.stop_token_ids)
     stops = f"stop ids {list(task.stop_token_ids)} ({names}; {task.stop_source})" if task.stop_token_ids else \
         f"no stop ids ({task.stop_source})"
-    return f"generation: {stops}, at most {max_new_tokens} new tokens (--max_new_tokens)"
+    if episode_tokens is None:
+        return f"generation: {stops}, at most {max_new_tokens} new tokens (--max_new_tokens)"
+    return (f"generation: {stops}, at most {max_new_tokens} new tokens a turn (--max_new_tokens), an episode "
+            f"at most {episode_tokens} tokens after its prompt, observations included (--max_episode_tokens)")
 
 
 def print_user_traceback(e: BaseException) -> None:

@@ -127,7 +127,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
         return []
     run = setup(tcfg, rcfg, d)
     run.outputs = open_outputs(run)
-    d.print0(banner(run, max_new_tokens(run)))
+    d.print0(banner(run, max_new_tokens(run), episode_tokens(run) if run.task.episodic else None))
     history, saved = [], run.start
     bar = tqdm(desc="train", disable=not run.outputs.bar, initial=run.start, total=run.tcfg.steps)
     exit_code = 1                                                     # what the logger is told, unless set below
@@ -157,8 +157,9 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
                 append_jsonl(run, step, "eplb.jsonl", plans)          # a resume drops the rows past its step
             history.append(log_row(run, step, row))
             warn_low_entropy(run, history)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['train_rollout_kl']:.1e}",
-                            flip=f"{row.get('route_flip_frac', 0):.3f}", refresh=False)
+            gap = "stale_" if "kl_staleness" in row else ""           # under staleness the gap is the policy's age
+            bar.set_postfix({"reward": f"{row['reward_mean']:.3f}", gap + "kl": f"{row['train_rollout_kl']:.1e}",
+                             gap + "flip": f"{row.get('route_flip_frac', 0):.3f}"}, refresh=False)
             bar.update()                                              # the step is done before its save line
             if (step + 1) % run.tcfg.save_every == 0 or step + 1 == run.tcfg.steps:
                 checkpoint(run, step + 1)

@@ -35,6 +35,19 @@ def test_tables_drive_config_validation():
         cfg(dual_clip_c=3.0, loss="gspo")
 
 
+def test_a_loss_built_on_grpo_takes_the_dual_clip(monkeypatch):
+    """The table, not a loss's name, says which losses honour --dual_clip_c: a fork's loss on grpo_loss
+    declares it in its entry (control: the same entry without the flag is refused)."""
+    def halved(logp, old_logp, A, mask, c):
+        loss, clipped = losses.grpo_loss(logp, old_logp, A, mask, c)
+        return loss / 2, clipped
+    monkeypatch.setitem(losses.LOSSES, "halved", losses.Loss(halved, "token_mean", dual_clip=True))
+    assert cfg(loss="halved", dual_clip_c=3.0).dual_clip_c == 3.0
+    monkeypatch.setitem(losses.LOSSES, "halved", losses.Loss(halved, "token_mean"))
+    with pytest.raises(ConfigError, match="dual_clip_c.*grpo"):
+        cfg(loss="halved", dual_clip_c=3.0)
+
+
 def test_auto_aggregation_follows_each_paper():
     assert cfg(loss="grpo").aggregation == "token_mean"
     assert cfg(loss="cispo").aggregation == "token_mean"
@@ -123,10 +136,11 @@ def _grad_agg(loss_name, logp0, old, mask, adv, agg):
     return logp.grad
 
 
-@pytest.mark.parametrize("loss", ["grpo", "sapo", "cispo", "gspo", "gspo_token"])
+@pytest.mark.parametrize("loss", list(losses.LOSSES))
 def test_ratio_one_reduces_to_reinforce(loss):
+    """At ratio 1 (logp == old_logp) every policy loss's gradient is REINFORCE's under its own aggregation."""
     logp0, mask, adv = _toy()
-    agg = "seq_mean_token_mean" if loss.startswith("gspo") else "token_mean"
+    agg = losses.LOSSES[loss].aggregation
     g = _grad_agg(loss, logp0, logp0.clone(), mask, adv, agg)
     # REINFORCE with the same aggregation: loss = agg(-A * logp)
     logp = logp0.clone().requires_grad_(True)

@@ -68,15 +68,25 @@ def test_generate_draws_no_progress_bar_unless_asked(capfd):
     assert "generate" in capfd.readouterr().err                      # control: the bar when asked for
 
 
-def test_reading_order_names_the_core_with_its_line_counts():
+def test_reading_order_names_the_core_files():
     """"Read in this order" lists the core (config -> kernels -> model -> rollout -> replay -> losses ->
-    train) with line counts within 10% of the files' (a count far off misleads a reader's plan); README
-    stays under 300 lines (details go to docs/)."""
-    items = re.findall(r"^\d\. (.*)$", section("Read in this order"), flags=re.M)
-    listed = [m for item in items for m in re.findall(r"`(\w+\.py)` \((\d+)\)", item.split(":")[0])]
+    train), each an existing file with a line count; README stays under 300 lines (details go to docs/).
+    Whether the counts are current is `python tools/lines.py --check`'s (the project's CI runs it): a fork
+    that grows a file keeps a passing suite."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import lines
+    listed = lines.reading_order(README)
     assert [f for f, _ in listed] == ["config.py", "kernels.py", "model.py", "rollout.py", "scheduler.py", "replay.py",
                                       "losses.py", "train.py"]
-    for name, n in listed:
-        actual = sum(1 for _ in open(os.path.join(ROOT, name), encoding="utf-8"))
-        assert abs(actual - int(n)) <= 0.1 * actual, f"{name}: README says {n} lines, it has {actual}"
+    assert all(os.path.isfile(os.path.join(ROOT, f)) and n > 0 for f, n in listed)
     assert README.count("\n") <= 300
+
+
+def test_line_count_check_finds_a_stale_count():
+    """tools/lines.py --check's comparison: a count 10% off is flagged, --write's README passes."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import lines
+    f, said = lines.reading_order(README)[0]
+    stale = README.replace(f"`{f}` ({said})", f"`{f}` ({int(lines.count_lines(f) * 1.2)})", 1)
+    assert any(abs(s - a) > 0.1 * a for _, s, a in lines.compare(stale))                  # control
+    assert all(abs(s - a) <= 0.1 * a for _, s, a in lines.compare(lines.write_counts(stale)))

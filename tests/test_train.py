@@ -394,6 +394,24 @@ def test_banner_checkpoint_lines_samples_and_progress_lines(tmp_path, capsys):
     assert "lost" not in {r["prompt"] for r in rows}
 
 
+def test_console_names_staleness_and_an_episodes_budget():
+    """Under staleness the console's gap is the policy's age, so it says so (control: a synchronous row says
+    nothing of it); an episode's banner gives a turn's limit and the episode's, since its policy tokens
+    add up past one turn's."""
+    from types import SimpleNamespace
+    from tasks import generation_line, make_task
+    run = SimpleNamespace(tcfg=SimpleNamespace(steps=9))
+    row = {"step": 3, "reward_mean": 0.5, "loss": 0.1, "train_rollout_kl": 2e-3, "route_flip_frac": 0.01,
+           "response_len": 4.0, "step_time": 1.0}
+    assert "(staleness" not in runlog.progress_line(run, row)
+    line = runlog.progress_line(run, {**row, "kl_staleness": 2e-3, "kl_numerics": None})
+    assert "train-rollout kl 2.0e-03 (staleness; numerics -), route flips 0.010 (staleness)" in line
+    task = make_task("lookup")
+    assert "at most 4 new tokens (--max_new_tokens)" in generation_line(task, 4)
+    line = generation_line(task, 4, 30)
+    assert "at most 4 new tokens a turn (--max_new_tokens), an episode at most 30 tokens" in line
+
+
 def test_log_samples_changes_no_metric(tmp_path):
     timing = set(runlog.TIMINGS)
     a = _run(tmp_path / "a", SMALL + ["--steps=2"])
