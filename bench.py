@@ -71,8 +71,13 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
 
 One intra-op thread by default (--threads): steadier on a shared machine; pass --threads 0 for all cores.
 
+Each section prints its table as soon as it finishes. A section that raises prints one line on stderr,
+`section NAME failed: TYPE: message` (--traceback adds the traceback), the other sections still run
+and report, and the exit status is 1.
+
 A new section is one `bench_<name>` function registered in BENCHMARKS: it gets the parsed args and
 returns rows (label, value, note) for the table; note "ratio" prints the value as a ratio.
+tests/test_bench.py runs the DEFAULT sections at tiny sizes (a new default section gets its row there).
 """
 from __future__ import annotations
 
@@ -86,6 +91,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 # torch.profiler's backend (libkineto) logs every profiler start and stop to stderr ("USDT: ...
 # profiler_start", "STAGE: ... Completed Stage"); 6 is above its highest level. Read when the profiler
@@ -305,8 +311,8 @@ def bench_packing(args) -> list[tuple[str, float, str]]:
     mask = torch.arange(T - 1)[None] < torch.tensor(lengths)[:, None] - 1        # (S, T-1) real targets
     real = sum(lengths)
     mbs = pack(lengths, args.micro_batch_tokens)
-    packed = [(mb.packing, mb.packing.from_padded(tokens[list(mb.indices)]),
-               mask[list(mb.indices), :max(mb.packing.lengths) - 1]) for mb in mbs]     # mask (k, L_max - 1)
+    packed = [(mb.packing, mb.packing.from_padded(tokens[mb.rows]),
+               mask[mb.rows, :max(mb.packing.lengths) - 1]) for mb in mbs]              # mask (k, L_max - 1)
     k = args.pack_micro_batch
 
     def padded_step():
@@ -1249,6 +1255,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--traceback", action="store_true", help="a failing section prints its traceback too")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's default). 1 by default: on a shared CPU, "
                         "multi-threaded runs slowed down unevenly, by up to 10x, and skewed the ratios")
@@ -1304,16 +1311,43 @@ def main(argv=None):
     if torch.get_num_threads() > 1 and load > 0.5 * cores:
         print("note: the machine is busy; multi-threaded CPU runs then slow down unevenly (OpenMP "
               "threads wait on each other), which skews ratios. --threads 1 gives steadier numbers.")
-    rows, t0 = [], time.perf_counter()
+    failed = run_sections(sections, args)
+    if failed:
+        raise SystemExit(1)
+
+
+def run_sections(sections: list[str], args) -> list[str]:
+    """Run each section and print its rows as soon as it finishes, so a later section that fails (or
+    a run stopped midway) keeps what was measured. A section that raises is one line on stderr (its
+    traceback with --traceback) and the rest still run. Returns the names of the failed sections."""
+    failed, t0 = [], time.perf_counter()
     for name in sections:
-        rows += BENCHMARKS[name](args)
-    if not rows:
+        t = time.perf_counter()
+        try:
+            rows = BENCHMARKS[name](args)
+        except (Exception, SystemExit) as e:              # SystemExit: a section's bad input or failed job
+            sys.stdout.flush()
+            if args.traceback:
+                traceback.print_exc()
+            print(f"section {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            failed.append(name)
+            continue
+        print_rows(name, rows, time.perf_counter() - t)
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    if failed:
+        print(f"{len(failed)} of {len(sections)} sections failed: {', '.join(failed)}", file=sys.stderr)
+    return failed
+
+
+def print_rows(name: str, rows: list[tuple[str, float, str]], seconds: float) -> None:
+    """One section's table: a line naming it, then its rows under the column heads."""
+    if not rows:                                         # a section that printed its own table (lab) or skipped
         return
     width = max(len(r[0]) for r in rows)
-    print(f"\n{'benchmark':<{width}}  {'tokens/s':>12}  note")
+    print(f"\n{name} section, {seconds:.0f} s:\n{'benchmark':<{width}}  {'tokens/s':>12}  note")
     for row in rows:
         print(row_text(*row, width))
-    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
