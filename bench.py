@@ -3,7 +3,7 @@
     python bench.py                        # the speed sections, CPU, about 1-3 minutes on 2 cores
     python bench.py --only rollout,moe     # a comma-separated list of sections
     python bench.py --only gpu             # on a GPU: the rollout engine at Qwen3-30B-A3B layer shapes
-    python bench.py --only lab             # the mismatch lab: 25 training runs of 150 steps a seed, ~65 minutes a seed on a core
+    python bench.py --only lab             # the mismatch lab: 50 training runs a seed (150 steps; two drift rows 450), ~2.3 hours a seed on a core
     python bench.py --only lab --lab-seeds=0,1,2   # ... each over three seeds (mean and sd of the reward)
     python bench.py --prompts 64 --max-new-tokens 96 --repeats 5 --threads 0   # 0: torch's thread default
     python bench.py --help
