@@ -4,12 +4,13 @@
     state = load_trainer_state(latest_checkpoint(out_dir))               # plain data: nothing is unpickled
     model.load_state_dict(load_weights(ckpt, model))                     # the exact weights to resume from
     resumed = resume(tcfg, model, task, experts=None, print0=print)     # all a resume loads and checks
-    python -m checkpoint export out/ckpt-000200 DIR [--save_dtype=bfloat16]   # a clean HF folder to share
+    python -m checkpoint export out DIR [--save_dtype=bfloat16]   # a clean HF folder of out's latest checkpoint
 
 A checkpoint folder is an HF folder plus what a resume needs (trainer_state.pt: AdamW's state, twice the
 weights; masters.safetensors). `export` writes a folder with only what transformers, vLLM or the Hub
 need: the weights in --save_dtype (default: the run's), config.json, generation_config.json and the
-tokenizer files (export()).
+tokenizer files (export()). It and eval.py take a checkpoint folder or a run folder, which stands for the
+checkpoint its `latest` names (checkpoint_folder).
 
 Mixed precision: the HF export is written in --save_dtype (default the compute dtype: the compute copy
 itself, as the sampler ran it); when that loses bits of the fp32 masters, they are saved beside it
@@ -171,6 +172,26 @@ def latest_checkpoint(out_dir) -> str:
     if not os.path.isdir(os.path.join(out_dir, name)):
         raise CheckpointError(f"{path} names {name}, which is not in {out_dir!r}")
     return os.path.join(out_dir, name)
+
+
+def checkpoint_folder(path: str) -> str:
+    """The checkpoint a command reads (export, eval.py): path itself when it holds config.json, the one a
+    run folder's `latest` names when it holds that; else ConfigError, one line saying what path is."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if os.path.isfile(os.path.join(path, "latest")):
+        return latest_checkpoint(path)
+    if os.path.exists(path):
+        raise ConfigError(f"{path!r} is neither a checkpoint folder (no config.json) nor a run folder (no 'latest'); "
+                          "pass out_dir (its latest checkpoint) or out_dir/ckpt-NNNNNN")
+    run = os.path.dirname(os.path.normpath(path)) or "."
+    if os.path.isfile(os.path.join(run, "latest")):                  # a checkpoint the run no longer keeps
+        hint = f"; {run!r} is a run folder: pass it for its latest checkpoint"
+    elif plan.hub_id(path):
+        hint = f"; nothing is downloaded: fetch it first (`hf download {path} --local-dir DIR`), then pass DIR"
+    else:
+        hint = ""
+    raise ConfigError(f"{path!r} does not exist{hint}")
 
 
 def load_weights(ckpt: str, model: Transformer, experts: list[int] | None = None) -> dict[str, torch.Tensor]:
@@ -430,13 +451,13 @@ EXPORT_USAGE = "usage: python -m checkpoint export CKPT DIR [--save_dtype=float3
 
 
 def export(ckpt: str, out: str, save_dtype: str = "") -> str:
-    """Write out/ from checkpoint folder ckpt: the exact weights (the masters where the checkpoint's export
-    rounded them) cast to save_dtype (default: the run's --save_dtype, else its --dtype, else the
-    checkpoint's), config.json, generation_config.json and the tokenizer files; no optimizer state, no
-    masters. Written to out.tmp and renamed; an out that holds files is refused."""
+    """Write out/ from checkpoint folder ckpt (a run folder: its latest, checkpoint_folder): the exact weights
+    (the masters where the checkpoint's export rounded them) cast to save_dtype (default: the run's
+    --save_dtype, else its --dtype, else the checkpoint's), config.json, generation_config.json and the
+    tokenizer files; no optimizer state, no masters. Written to out.tmp and renamed; an out that holds
+    files is refused."""
     from hf import config_from_hf, read_identity
-    if not os.path.isfile(os.path.join(ckpt, "config.json")):
-        raise ConfigError(f"export: {ckpt!r} is not a checkpoint folder (no config.json); pass out_dir/ckpt-NNNNNN")
+    ckpt = checkpoint_folder(ckpt)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"export: {out!r} exists and is not an empty folder; pass a new one (nothing is overwritten)")
     _require_dtype(save_dtype)
@@ -474,8 +495,11 @@ def export_cli(argv: list[str]) -> None:
         unknown = sorted(set(given) - {"save_dtype"})
         if unknown:
             raise ConfigError(f"export: unknown option --{unknown[0]} ({EXPORT_USAGE})")
-        path = export(*paths, save_dtype=given.get("save_dtype", ""))
-        print(f"exported {paths[0]} to {path}")
+        ckpt = checkpoint_folder(paths[0])
+        if ckpt != paths[0]:
+            print(f"{paths[0]} is a run folder: exporting its latest checkpoint, {ckpt}")
+        path = export(ckpt, paths[1], save_dtype=given.get("save_dtype", ""))
+        print(f"exported {ckpt} to {path}")
     except (ConfigError, CheckpointError) as e:
         sys.exit(f"error: {e}")
 

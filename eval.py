@@ -1,6 +1,6 @@
 """Evaluation on a held-out JSONL: reward and pass rates, greedy and sampled, of a model or a checkpoint.
 
-    python eval.py out/ckpt-000200 --data=heldout.jsonl        # the run's tokenizer, reward fn and limits
+    python eval.py out --data=heldout.jsonl        # out's latest checkpoint; the run's tokenizer, reward fn, limits
     python eval.py CKPT --data=FILE --reward_fn=my_mod:reward --tokenizer=dir/tokenizer.json --samples=8
 
 The file has --data's format (one {"prompt": ..., "answer": ...} a line, tasks.py) and is scored with
@@ -10,7 +10,8 @@ A response passes when its reward is >= PASS_REWARD: `eval_greedy_pass` is the f
 greedy response passes (pass@1), `eval_pass@k` the fraction with at least one passing sample of k.
 
 train.py --eval_data=FILE --eval_every=N --eval_samples=k calls the same `evaluate` and logs its keys
-into metrics.jsonl. For a checkpoint train.py wrote, the defaults come from its trainer_state.pt; the
+into metrics.jsonl. A run folder stands for the checkpoint its `latest` names (checkpoint.checkpoint_folder,
+as for export). For a checkpoint train.py wrote, the defaults come from its trainer_state.pt; the
 tokenizer from the checkpoint folder itself (exports carry tokenizer.json).
 The probe (train.py --probe_every=N) is the other held-out measure: K fixed prompts rolled out greedily
 every N steps, audited as a step's batch, and the drift of their routes since the first probe.
@@ -179,11 +180,8 @@ def parse(argv: list[str]) -> tuple[str, dict]:
     from config import ConfigError, parse_args
     if not argv or argv[0].startswith("--"):
         raise ConfigError(USAGE + " (--help describes each)")
-    ckpt, given = argv[0], parse_args(argv[1:])
-    if not os.path.isdir(ckpt):
-        from plan import hub_id
-        raise ConfigError(f"{ckpt!r}: no such checkpoint folder" + (f"; nothing is downloaded: fetch it first "
-                          f"(`hf download {ckpt} --local-dir DIR`), then pass DIR" if hub_id(ckpt) else ""))
+    from checkpoint import checkpoint_folder
+    ckpt, given = checkpoint_folder(argv[0]), parse_args(argv[1:])     # a run folder: its latest checkpoint
     unknown = sorted(set(given) - set(OPTIONS))
     if unknown:
         near = difflib.get_close_matches(unknown[0], list(OPTIONS), n=1, cutoff=0.6)
@@ -212,6 +210,8 @@ def main(argv: list[str]) -> dict:
     from tasks import make_task
     from config import ConfigError
     ckpt, o = parse(argv)
+    if ckpt != argv[0]:
+        print(f"{argv[0]} is a run folder: evaluating its latest checkpoint, {ckpt}")
     task = make_task("jsonl", data=o["data"], tokenizer=o["tokenizer"], reward_fn=o["reward_fn"],
                      max_new_tokens=o["max_new_tokens"], model_eos=hf.eos_token_ids(ckpt))
     vocab = hf.config_from_hf(ckpt).vocab_size                        # before any weight is read

@@ -15,8 +15,9 @@ where `def reward(prompt: str, response: str, answer) -> float` lives in my_mod.
 prompt text as written (not a re-decoding of its ids, nor the chat-templated text), the response decoded
 without its stop token, and the row's "answer" as parsed (any JSON value; None if absent). It must return a
 finite number (int, float, bool, or a numpy scalar): anything else (a string, None, NaN) stops the run with
-a message naming the function, the example and the value (see `check_reward`). A worked example with
-its data, tokenizer and reward: examples/arithmetic/.
+a message naming the function, the example and the value (see `check_reward`). A prompt, or a string
+answer, that holds text the tokenizer has no token for is refused at load, naming the row and the
+characters (`check_known_text`). A worked example with its data, tokenizer and reward: examples/arithmetic/.
 
 Stop tokens, in this order: --stop_tokens=ID,ID; the checkpoint's eos_token_id (hf.eos_token_ids:
 generation_config.json, then config.json; one id or a list); the tokenizer's: tokenizer_config.json's
@@ -337,8 +338,10 @@ class JsonlTask:
     def __init__(self, path: str, tokenizer_path: str, reward_fn: str, max_new_tokens: int = 0, seed: int = 0,
                  stop_tokens: tuple[int, ...] | None = None, model_eos: tuple[tuple[int, ...], str] = ((), ""),
                  chat_template: bool = False, system_prompt: str = "", checkpoint: str = "", env: str = ""):
-        self.rows = read_jsonl(path)
+        rows = numbered_rows(path)
+        self.rows = [row for _, row in rows]
         self.tok = load_tokenizer(tokenizer_path)
+        check_known_text(self.tok, path, rows)
         self.reward_fn: Callable | None = load_function(reward_fn) if reward_fn else None
         if self.reward_fn is not None:
             check_signature(self.reward_fn, reward_fn)
@@ -356,6 +359,8 @@ class JsonlTask:
         self.tok_config = read_tokenizer_config(dirs)
         self.stop_token_ids, self.stop_source = self._stop_tokens(stop_tokens, model_eos)
         self.template = load_chat_template(dirs, system_prompt) if chat_template else None
+        if self.template is not None:
+            self._check_template()
         self.seed, self.epoch, self.pos = seed, 0, 0
         self._order = self._shuffle()
 
@@ -384,6 +389,13 @@ class JsonlTask:
         if self.template is None:
             return self.tok.encode(text).ids
         return self.tok.encode(self.template(text), add_special_tokens=False).ids   # the template has its specials
+
+    def _check_template(self) -> None:
+        """The chat template's own text (and --system_prompt's) must be text the tokenizer knows, as the prompts."""
+        (pieces,) = unknown_pieces(self.tok, [self.template("")])
+        if pieces:
+            raise TaskError(f"--chat_template=true: the chat template's text {unknown_text_error(self.tok, pieces)}; "
+                            "fix the template (or --system_prompt), or pass a tokenizer that knows them")
 
     def _shuffle(self) -> list[int]:
         order = list(range(len(self.rows)))
@@ -508,6 +520,11 @@ def check_reward(value) -> float:
 
 def read_jsonl(path: str) -> list[dict]:
     """The objects of a JSONL file, one a line (blank lines skipped); errors name the file and line."""
+    return [row for _, row in numbered_rows(path)]
+
+
+def numbered_rows(path: str) -> list[tuple[int, dict]]:
+    """read_jsonl's objects with their line numbers, for messages that name a row."""
     if not os.path.isfile(path):
         raise TaskError(f"--data={path!r}: no such JSONL file")
     try:
@@ -525,7 +542,7 @@ def read_jsonl(path: str) -> list[dict]:
             raise TaskError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise TaskError(f"{path}:{lineno}: expected an object with a string 'prompt' field")
-        rows.append(row)
+        rows.append((lineno, row))
     if not rows:
         raise TaskError(f"--data={path!r}: the file holds no examples")
     return rows
@@ -546,6 +563,56 @@ def load_tokenizer(path: str):
         return Tokenizer.from_file(path)
     except Exception as e:                  # tokenizers raises a bare Exception for a malformed file
         raise TaskError(f"--tokenizer={path!r}: not a tokenizers tokenizer.json ({e})") from None
+
+
+def unknown_token_id(tok) -> int | None:
+    """The id the tokenizer's model encodes text it has no token for (None: it has no such token)."""
+    if type(tok.model).__name__ == "Unigram":                         # Unigram names it by id
+        return json.loads(tok.to_str())["model"].get("unk_id")
+    name = getattr(tok.model, "unk_token", None)                     # WordLevel, WordPiece, BPE (often None)
+    return tok.token_to_id(name) if name else None
+
+
+def unknown_pieces(tok, texts: list[str]) -> list[list[str]]:
+    """Per text, the pieces the tokenizer has no token for ([] for a text it knows whole): those it encodes
+    to its unknown token, found by the encoding's offsets. A tokenizer without an unknown token drops such
+    characters instead: those are the ones that encode to nothing on their own (whitespace aside, which
+    a pre-tokenizer may drop by design)."""
+    unk = unknown_token_id(tok)
+    if unk is None:
+        chars = sorted(c for c in set("".join(texts)) if not c.isspace())
+        dropped = [c for c, e in zip(chars, tok.encode_batch(chars, add_special_tokens=False)) if not e.ids]
+        return [[c for c in dropped if c in text] for text in texts]
+    found = []
+    for lo in range(0, len(texts), 4096):                             # bounded memory on a large file
+        chunk = texts[lo:lo + 4096]
+        for text, e in zip(chunk, tok.encode_batch(chunk, add_special_tokens=False)):
+            found.append([text[a:b] for i, (a, b) in zip(e.ids, e.offsets) if i == unk] if unk in e.ids else [])
+    return found
+
+
+def unknown_text_error(tok, pieces: list[str]) -> str:
+    """What the refusals say of the pieces a text holds: which, and what the tokenizer would make of them."""
+    pieces = list(dict.fromkeys(pieces))
+    it = "it" if len(pieces) == 1 else "them"
+    unk = unknown_token_id(tok)
+    made = (f"it would encode {it} as its unknown token {tok.id_to_token(unk)!r}, id {unk}" if unk is not None
+            else f"it would drop {it}: it has no unknown token")
+    return f"holds {', '.join(repr(p) for p in pieces)}, which the tokenizer has no token for ({made})"
+
+
+def check_known_text(tok, path: str, rows: list[tuple[int, dict]]) -> None:
+    """Refuse (TaskError, one line) a row whose prompt, or whose answer string (what a reward compares a
+    decoded response with), holds text the tokenizer has no token for: the model would see its unknown
+    token (which may be a stop token too) or nothing, and no response could spell the answer. Checked
+    once, at load. Answers of other JSON types are the reward's to read."""
+    fields = [(n, key, row[key]) for n, row in rows for key in ("prompt", "answer") if isinstance(row.get(key), str)]
+    bad = [(field, pieces) for field, pieces in zip(fields, unknown_pieces(tok, [t for _, _, t in fields])) if pieces]
+    if bad:
+        (lineno, key, text), pieces = bad[0]
+        more = f"; {len(bad)} texts of the file hold such text" if len(bad) > 1 else ""
+        raise TaskError(f"{path}:{lineno}: the {key} {text[:80]!r} {unknown_text_error(tok, pieces)}{more}; "
+                        "add what is missing to the tokenizer, or take it out of the data")
 
 
 def check_env_signature(fn: Callable, spec: str) -> None:

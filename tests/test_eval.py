@@ -99,6 +99,49 @@ def test_trainers_eval_is_eval_py_on_the_saved_checkpoint(jsonl, capsys):
     assert "pass@3" in capsys.readouterr().out
 
 
+def readme_run(jsonl):
+    """README's sequence, shortened: train, then extend with --resume=true --steps=N (one checkpoint kept)."""
+    out = jsonl / "out"
+    train.cli(args(jsonl, "--steps=1"))
+    train.cli(args(jsonl, "--steps=2", "--resume=true"))
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt")) == ["ckpt-000002"]
+    return out
+
+
+def test_export_takes_a_run_folder_after_the_readmes_own_commands(jsonl, capsys):
+    """The run folder stands for its latest checkpoint; a checkpoint the run no longer keeps, a folder that is
+    neither and a path that does not exist are one line each."""
+    import checkpoint
+    out = readme_run(jsonl)
+    with pytest.raises(SystemExit) as e:
+        checkpoint.export_cli(["export", str(out / "ckpt-000001"), str(out / "hf")])
+    assert str(e.value.code) == (f"error: '{out / 'ckpt-000001'}' does not exist; '{out}' is a run folder: pass it "
+                                 "for its latest checkpoint")
+    capsys.readouterr()
+    checkpoint.export_cli(["export", str(out), str(out / "hf")])
+    assert capsys.readouterr().out.splitlines() == [
+        f"{out} is a run folder: exporting its latest checkpoint, {out / 'ckpt-000002'}",
+        f"exported {out / 'ckpt-000002'} to {out / 'hf'}"]
+    assert Transformer.from_pretrained(str(out / "hf")).config == Transformer.from_pretrained(str(out / "ckpt-000002")).config
+    (jsonl / "empty").mkdir()
+    for name, says in [("empty", "is neither a checkpoint folder (no config.json) nor a run folder (no 'latest'); "
+                                 "pass out_dir (its latest checkpoint) or out_dir/ckpt-NNNNNN"),
+                       ("nothing", "does not exist")]:
+        with pytest.raises(SystemExit) as e:
+            checkpoint.export_cli(["export", str(jsonl / name), str(jsonl / "hf")])
+        assert str(e.value.code) == f"error: '{jsonl / name}' {says}"
+
+
+def test_eval_takes_a_run_folder_with_the_runs_reward_and_tokenizer(jsonl, capsys):
+    out = readme_run(jsonl)
+    capsys.readouterr()
+    heldout = f"--data={jsonl / 'heldout.jsonl'}"
+    got = evaluation.main([str(out), heldout, "--samples=2"])      # no --reward_fn, --tokenizer: the run's
+    assert capsys.readouterr().out.startswith(f"{out} is a run folder: evaluating its latest checkpoint, "
+                                              f"{out / 'ckpt-000002'}\n")
+    assert got == evaluation.main([str(out / "ckpt-000002"), heldout, "--samples=2"])
+
+
 def test_keep_checkpoints_keeps_the_newest_k(jsonl):
     train.cli(args(jsonl, "--steps=4", "--save_every=1", "--keep_checkpoints=3"))
     assert sorted(n for n in os.listdir(jsonl / "out") if n.startswith("ckpt")) == [
@@ -107,7 +150,7 @@ def test_keep_checkpoints_keeps_the_newest_k(jsonl):
 
 
 @pytest.mark.parametrize("argv, needle", [([], "usage: python eval.py CKPT --data=FILE"),
-                                          (["/nonexistent"], "'/nonexistent': no such checkpoint folder"),
+                                          (["/nonexistent"], "'/nonexistent' does not exist"),
                                           (["Qwen/Qwen3-30B-A3B"], "fetch it first (`hf download Qwen/Qwen3-30B-A3B --local-dir DIR`)"),
                                           (["{ck}", "--dta=x"], "unknown option --dta; did you mean --data?"),
                                           (["{ck}", "--data=x", "--reward_fn=r:f", "--tokenizer=t", "--samples=0"], "--samples=0: must be >= 1"),

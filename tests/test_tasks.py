@@ -35,8 +35,9 @@ QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|
 def folder(tmp_path):
     """A task folder: a char-level tokenizer with two eos-like specials, data.jsonl, reward.py."""
     tok = build_tokenizer.build()
-    tok.add_special_tokens(["<|im_end|>", "<|im_start|>"])       # ids 13, 14: a chat model's specials
-    tok.add_tokens(list("abcdefghijklmnopqrstuvwxyz\n"))                  # no space: it becomes <|endoftext|>
+    tok.normalizer = tk.normalizers.Replace(" ", "")              # spaces normalized away: the ids lose them
+    tok.add_special_tokens(["<|im_end|>", "<|im_start|>"])       # ids 14, 15: a chat model's specials
+    tok.add_tokens(list("abcdefghijklmnopqrstuvwxyz\n"))
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "data.jsonl").write_text('{"prompt": "12 + 34 =", "answer": "46"}\n')
     (tmp_path / "reward.py").write_text("SEEN = []\n\ndef reward(prompt, response, answer):\n"
@@ -110,9 +111,9 @@ def test_chat_template_formats_the_prompt_but_not_the_reward_text(folder):
     ck = folder / "ckpt"                                                    # or the checkpoint's chat_template.jinja
     ck.mkdir()
     (folder / "tokenizer_config.json").unlink()
-    (ck / "chat_template.jinja").write_text("Q: {{ messages[-1].content }} A:")
+    (ck / "chat_template.jinja").write_text("q= {{ messages[-1].content }} a=")
     t = task(folder, chat_template=True, checkpoint=str(ck))
-    assert t.sample(1)[0].prompt == t.tok.encode("Q: 12 + 34 = A:", add_special_tokens=False).ids
+    assert t.sample(1)[0].prompt == t.tok.encode("q= 12 + 34 = a=", add_special_tokens=False).ids
 
 
 def test_chat_template_mistakes_are_one_line(folder, monkeypatch):
@@ -161,6 +162,55 @@ def test_reward_that_raises_keeps_its_traceback_and_names_the_call(folder, capsy
     msg = str(e.value.code)
     assert msg.startswith("error: step 1: --reward_fn=") and "raised ZeroDivisionError" in msg
     assert "prompt '12 + 34 ='" in msg and "response '" in msg and "answer '46'" in msg and "\n" not in msg
+
+
+# ---- text the tokenizer has no token for -----------------------------------------------------------
+def test_the_example_tokenizer_has_an_unknown_token_of_its_own():
+    tok = build_tokenizer.build()
+    assert tok.encode("*").ids == [13] and tok.decode([2, 13, 3]) == "12"      # never the stop token 0
+    assert tok.token_to_id("<|endoftext|>") == 0 and tok.encode("0123456789+=").ids == list(range(1, 13))
+    assert tasks.unknown_token_id(tok) == 13 == tok.token_to_id("<unk>")      # appended: no id moved
+
+
+def test_a_prompt_or_answer_the_tokenizer_cannot_spell_is_one_line_naming_row_text_and_character(folder, capsys):
+    import train
+    rows = ['{"prompt": "1+2=", "answer": "3"}', "", '{"prompt": "12*34=", "answer": "408"}']
+    (folder / "data.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(TaskError) as e:
+        task(folder)
+    assert str(e.value) == (f"{folder / 'data.jsonl'}:3: the prompt '12*34=' holds '*', which the tokenizer has no "
+                            "token for (it would encode it as its unknown token '<unk>', id 13); add what is missing "
+                            "to the tokenizer, or take it out of the data")
+    (folder / "data.jsonl").write_text('{"prompt": "1+2=", "answer": "3 Apples!"}\n{"prompt": "2+2=", "answer": "4?"}\n')
+    with pytest.raises(TaskError, match=r"data.jsonl:1: the answer '3 Apples!' holds 'A', '!', which .* encode them "
+                                        r"as .*id 13\); 2 texts of the file hold such text; add"):
+        task(folder)
+    (folder / "data.jsonl").write_text('{"prompt": "1+2=", "answer": 3}\n{"prompt": "2+2=", "answer": ["?!"]}\n')
+    task(folder)                                                   # control: a reward reads other JSON as it likes
+    (folder / "data.jsonl").write_text('{"prompt": "1+2=", "answer": "3"}\n')
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "Q: {{ messages[-1].content }}"}))
+    with pytest.raises(TaskError, match=r"--chat_template=true: the chat template's text holds 'Q', ':', which"):
+        task(folder, chat_template=True)
+    (folder / "data.jsonl").write_text('{"prompt": "12*34=", "answer": "408"}\n')
+    with pytest.raises(SystemExit) as e:                           # the command line: one line, no traceback
+        train.cli(["--task=jsonl", f"--data={folder / 'data.jsonl'}", f"--tokenizer={folder / 'tokenizer.json'}",
+                   f"--reward_fn={folder / 'reward.py'}:reward", f"--out_dir={folder / 'out'}", "--vocab_size=auto"])
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg and "'12*34=' holds '*'" in msg
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_tokenizer_without_an_unknown_token_is_refused_the_characters_it_drops(tmp_path):
+    tok = tk.Tokenizer(tk.models.BPE())                            # no unk_token: an unknown character vanishes
+    tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["12+34=46", "<|endoftext|>"], tk.trainers.BpeTrainer(special_tokens=["<|endoftext|>"]))
+    assert tok.encode("1é2").ids == tok.encode("12").ids                # control: dropped without a trace
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1 + 2 =", "answer": "3"}\n{"prompt": "1é+2=", "answer": "3"}\n')
+    (tmp_path / "reward.py").write_text("def reward(prompt, response, answer):\n    return 1.0\n")
+    with pytest.raises(TaskError, match=r"data.jsonl:2: the prompt '1é\+2=' holds 'é', which the tokenizer has no "
+                                        r"token for \(it would drop it: it has no unknown token\)"):
+        task(tmp_path)
 
 
 # ---- token classes (--route_filter_tokens) --------------------------------------------------------

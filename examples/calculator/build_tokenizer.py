@@ -4,7 +4,7 @@ call ends there) and ";" (the tool's answer ends there).
     python examples/calculator/build_tokenizer.py      # -> examples/calculator/tokenizer.json
 
 Ids: <|endoftext|> 0, then one per character of "0123456789+=?;" from 1: "?" is id 13, the stop token
-of a tool call (--stop_tokens=0,13: a turn ends at <|endoftext|> or at "?").
+of a tool call (--stop_tokens=0,13: a turn ends at <|endoftext|> or at "?"); <unk> 15.
 """
 import importlib.util
 import os
