@@ -47,9 +47,12 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
     sessions                    one generate(on_turn_end=...): each observation prefilled into the live KV
     re-prefill                  one generate per turn over each episode's whole history, no prefix cache
     re-prefill + prefix cache   the same, the history's full blocks served by the prefix cache
+  then the sessions again, every prompt opened by the same --shared-prefix ids (an agent's system prompt), one
+  generate call with the prefix cache and one without (the first episode computes the shared blocks, the
+  others take them as hits);
   then long prompts (half the context and up) prefilled whole vs in chunks of --chunk-tokens, prompt +
   new tokens/s. Before each timed call the sampler's weights version is bumped (a new policy: nothing
-  cached from the previous repeat). Both comparisons check the contract: the same ids, log-probs and
+  cached from the previous repeat). Each comparison checks the contract: the same ids, log-probs and
   routes (a row says DIFFER otherwise).
 * gpu (CUDA only; --cpu-smoke runs its code on the CPU): a 4-layer model of Qwen3-30B-A3B's layer
   shapes, bf16, made on the GPU; rollout tok/s at 256, 64, 1024 sequences x 128 new tokens, invariant
@@ -694,7 +697,30 @@ def bench_sessions(args) -> list[tuple[str, float, str]]:
         rows.append((f"sessions / {name}", res[name][0] / res["sessions"][0], "ratio"))
     print(f"sessions: {len(prompts)} episodes of {args.turns} turns x {args.turn_tokens} tokens, {args.obs_tokens} "
           f"observation ids between turns; re-prefill + cache: last turn's hit rate {hit:.0%}")
-    return rows + bench_chunked(model, args)
+    return rows + bench_shared_prefix(model, prompts, args) + bench_chunked(model, args)
+
+
+def bench_shared_prefix(model: Transformer, prompts, args) -> list[tuple[str, float, str]]:
+    """The sessions above, each prompt opened by the same --shared-prefix ids (an agent's system prompt),
+    in one generate call with the prefix cache and without."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    opening = torch.randint(0, model.config.vocab_size, (args.shared_prefix,), generator=g).tolist()
+    prompts = [opening + p for p in prompts]
+    B = max(len(prompts), 1)
+    samplers = {"prefix cache": Sampler(model, max_batch_size=B),
+                "no cache": Sampler(model, max_batch_size=B, prefix_cache=False)}
+    res = interleaved({name: (lambda s=s: sessions_live(s, prompts, args)) for name, s in samplers.items()},
+                      args.warmup, args.repeats)
+    (t_hit, hit), (t_cold, cold) = res.values()
+    same = all(a.tokens == b.tokens and a.logprobs == b.logprobs and torch.equal(a.routes, b.routes)
+               for a, b in zip(hit, cold))
+    warm, n_gen = samplers["prefix cache"], len(prompts) * args.turns * args.turn_tokens
+    print(f"shared prefix: the sessions' prompts opened by the same {args.shared_prefix} ids; prefix cache: hit rate "
+          f"{warm.prefix_hit_rate:.0%}, {warm.num_cached_tokens} prefill tokens served, "
+          f"{warm.num_prefilled_tokens} fed (no cache: {samplers['no cache'].num_prefilled_tokens} fed)")
+    return [(f"shared {args.shared_prefix}-id prefix: {name}", n_gen / t,
+             "policy tok/s" + ("" if same else ", outputs DIFFER")) for name, (t, _) in res.items()] + \
+        [("shared prefix: cache / no cache", t_cold / t_hit, "ratio")]
 
 
 def bench_chunked(model: Transformer, args) -> list[tuple[str, float, str]]:
@@ -1267,6 +1293,8 @@ def main(argv=None):
     p.add_argument("--turn-tokens", type=int, default=16, help="sessions: new tokens per turn (and per chunked prompt)")
     p.add_argument("--obs-tokens", type=int, default=16, help="sessions: observation ids between two turns")
     p.add_argument("--chunk-tokens", type=int, default=64, help="sessions: the chunked prefill's max_num_batched_tokens")
+    p.add_argument("--shared-prefix", type=int, default=64, help="sessions: ids that open every prompt of the "
+                   "shared-prefix rows (an agent's system prompt)")
     p.add_argument("--spec-prompts", type=int, default=4, help="speculative: copy-task prompts (a small batch: "
                    "on a CPU a verify step's k + 1 rows cost what one does only while they fit a matmul tile)")
     p.add_argument("--spec-digits", type=int, default=48, help="speculative: digits per copy prompt (and its answer)")

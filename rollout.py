@@ -54,6 +54,10 @@ every op is row-invariant, so a piece of a prefill has the bits of the whole pre
   learns its tokens: after a prefill, at a turn's end and at a sequence's end (its generated ids are
   read then, never per decode step). `Sampler.weights_version` keys the chain and a new version
   forgets every block, so no block survives a weight update and a hit has a cold run's bits.
+  A request's groups arrive together, so a prefix they share (a system prompt, a tool schema) is
+  in no block yet: a waiting group whose next block another group's prefill is computing waits until
+  that prefill registers it, and takes it as a hit (Scheduler._admit_waiting). The others are admitted
+  past it. It does not join that forward, which pads every chunk to the longest.
 * Speculative decoding (RolloutConfig.speculative_tokens = k; speculative.py): a decode step becomes
   a verify step. Each running sequence feeds its last token and up to k drafts that an n-gram lookup
   in its own ids proposes (on the device), k + 1 positions in one forward, each sampled with its own

@@ -322,15 +322,24 @@ class BlockManager:
             if self.window_pool:
                 self.window_pool.forget_all()
 
+    def _key(self, seq: Sequence, b: int, node) -> tuple:
+        """The cache key of seq's block b: the node of its block b - 1 (the root for the first), its ids."""
+        return node, tuple(seq.token_ids[b * self.block_size:(b + 1) * self.block_size])
+
+    def _matchable(self, seq: Sequence) -> int:
+        """seq's leading full blocks a match may serve: those before its last token (always fed, for the
+        logits) whose ids the host knows."""
+        return min(len(seq.token_ids), seq.num_tokens - 1) // self.block_size
+
     def match(self, seq: Sequence) -> tuple[list[int], object]:
         """The longest run of seq's leading full blocks registered in the cache, up to its next-to-last
         token (the last one is always fed, for the logits) -> (their blocks, the last one's node). With a
         window pool the run ends where the window blocks of its last positions are not all kept (a
         prefill from there reads them)."""
-        hits, nodes, bs = [], [self.root], self.block_size
+        hits, nodes = [], [self.root]
         if self.prefix_cache:
-            for b in range(min(len(seq.token_ids), seq.num_tokens - 1) // bs):
-                entry = self.cached.get((nodes[-1], tuple(seq.token_ids[b * bs:(b + 1) * bs])))
+            for b in range(self._matchable(seq)):
+                entry = self.cached.get(self._key(seq, b, nodes[-1]))
                 if entry is None:
                     break
                 hits.append(entry[0])
@@ -340,15 +349,32 @@ class BlockManager:
             nodes.pop()
         return hits, nodes[-1]
 
+    def next_miss(self, seq: Sequence, hits: list[int], node) -> tuple | None:
+        """The key of the block a match of seq would serve after its `hits` (the last one's node), were it
+        registered; None where seq has no further block to match."""
+        if not self.prefix_cache or len(hits) >= self._matchable(seq):
+            return None
+        return self._key(seq, len(hits), node)
+
+    def next_registered(self, seq: Sequence) -> tuple | None:
+        """The key under which the prefill of seq (a leader) will register its next block, once that block
+        is computed; None where it will register none (no further full block whose ids the host knows, or
+        KV that older weights wrote)."""
+        b = seq.num_hashed
+        known = min(len(seq.token_ids), seq.num_tokens)         # (a running sequence's ids come at its turn's end)
+        if not self.prefix_cache or seq.stale_kv or (b + 1) * self.block_size > known:
+            return None
+        return self._key(seq, b, seq.last_node if b else self.root)
+
     def register(self, seq: Sequence, num_computed: int) -> None:
         """Enter seq's full blocks whose KV is computed (positions < num_computed) and whose tokens the
         host knows. A block whose key another block holds already (the same tokens, computed twice)
         stays out; the chain goes on through the registered one."""
         if not self.prefix_cache or seq.stale_kv:
             return
-        bs, node = self.block_size, seq.last_node if seq.num_hashed else self.root
-        for b in range(seq.num_hashed, min(num_computed, len(seq.token_ids)) // bs):
-            key = (node, tuple(seq.token_ids[b * bs:(b + 1) * bs]))
+        node = seq.last_node if seq.num_hashed else self.root
+        for b in range(seq.num_hashed, min(num_computed, len(seq.token_ids)) // self.block_size):
+            key = self._key(seq, b, node)
             if key not in self.cached:
                 block = seq.block_table[b]
                 if self.key_of[block] is not None:      # registered under another chain: stop here
@@ -487,10 +513,29 @@ class Scheduler:
             if self._add(batch, ends, group, chunk):
                 self.prefilling.remove(group)
             n, width = n + 1, max(width, chunk)
-        while self.waiting:
-            group = self.waiting[0]
+        self._admit_waiting(batch, ends, n, width)
+        return batch, ends
+
+    def _admit_waiting(self, batch: list[Sequence], ends: list[int], n: int, width: int) -> None:
+        """Admit waiting groups, in order, into the prefill batch while the budget, rows and blocks allow.
+
+        A group whose next block (after its prefix-cache hits) another group is computing, in this
+        prefill or in one under way, waits: that group registers the block after its chunk, and this one
+        then takes it as a hit instead of computing it again (an agent's system prompt, shared by every
+        episode). It does not join the same forward, which pads every chunk to the longest: a group
+        that shares a prefix would pay the whole prompt's width there. Only such groups wait, and only
+        until the blocks they share are computed; the others are admitted past them."""
+        leaders = [g[0] for g in self.prefilling] + [s for s in batch if s.parent is None]
+        computing = {self.bm.next_registered(s) for s in leaders}     # (None: a leader that registers none)
+        i = 0
+        while i < len(self.waiting):
+            group = self.waiting[i]
             leader = group[0]
             hits, node = self.bm.match(leader)
+            miss = self.bm.next_miss(leader, hits, node)
+            if miss is not None and miss in computing:     # it waits for that block; the next group may go
+                i += 1
+                continue
             chunk = self._chunk(leader.num_tokens - len(hits) * self.bm.block_size, n, width)
             if not chunk:
                 break
@@ -502,14 +547,14 @@ class Scheduler:
             if not take:
                 break
             if len(take) == len(group):
-                self.waiting.popleft()
+                del self.waiting[i]
             else:
-                self.waiting[0] = group[len(take):]
+                self.waiting[i] = group[len(take):]
             self._admit(take, hits, node)
+            computing.add(self.bm.next_registered(leader))
             if not self._add(batch, ends, take, chunk):
                 self.prefilling.append(take)
             n, width = n + 1, max(width, chunk)
-        return batch, ends
 
     def _chunk(self, remaining: int, n_leaders: int, width: int) -> int:
         """Tokens a leader with `remaining` left to prefill feeds this step. The forward runs every

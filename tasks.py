@@ -152,8 +152,8 @@ class Turn:
 
 class EpisodeTask(DigitTask):
     """What the built-in multi-turn tasks share: two more symbols, and every prompt opens with the same
-    instruction, a block of INSTRUCTION_LEN ids (as an agent's system prompt does), which the prefix
-    cache serves to every episode of a step (rollout.py, "The prefix cache")."""
+    instruction, a block of INSTRUCTION_LEN ids (as an agent's system prompt does): the first group of a
+    step computes it and the prefix cache serves it to the others (rollout.py, "The prefix cache")."""
     ASK, INSTRUCTION = 13, 14
     vocab_size = 15
     SYMBOLS = {**DigitTask.SYMBOLS, ASK: "?", INSTRUCTION: "#"}

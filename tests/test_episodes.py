@@ -157,12 +157,15 @@ SMALL = ["--n_digits=2", "--prompts_per_step=8", "--group_size=4", "--minibatch_
     ("fix", ["--dtype=bfloat16", "--micro_batch_tokens=40", "--block_size=16", "--max_num_batched_tokens=5"]),
 ])
 def test_episodes_train_with_the_contract(tmp_path, task, extra):
+    """KL 0 and no route flip at every step; every prompt opens with the instruction block, which the first
+    group of a step computes and the prefix cache serves to the others within the step."""
     hist = _run(tmp_path, SMALL + [f"--task={task}"] + extra)
     for h in hist:
         assert h["train_rollout_kl"] == 0 and h["logp_max_abs_diff"] == 0 and h["route_flip_frac"] == 0, h
         assert h["route_flip_frac_observation"] == 0 and h["observation_token_frac"] > 0
         assert h["episode_turns"] >= 1 and len(h["turn_reward"]) >= 2 and math.isfinite(h["final_turn_reward"])
         assert h["route_filtered_frac"] == 0 and h["prefilled_tokens"] > 0
+        assert h["prefix_cached_tokens"] > 0 and h["prefix_hit_rate"] > 0, h
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
 

@@ -21,7 +21,7 @@ from conftest import assert_contract
 from test_rollout import cuda, cuda_model, fp32_model, make_model, make_prompts, seq
 import rollout
 from rollout import OBSERVATION_LOGPROB, Sampler
-from scheduler import BlockManager, Scheduler
+from scheduler import BlockManager, Scheduler, Sequence
 
 VOCAB = 48                      # test_rollout's tiny model
 MAX_NEW = 6                     # per turn
@@ -313,6 +313,26 @@ def test_block_manager_prefix_cache():
     assert bm.match(seq(7, 40))[0] == [] and not bm.cached
 
 
+def test_only_groups_that_share_a_block_wait_for_its_prefill():
+    """Groups queued together: B opens with A's two first blocks and waits one prefill for them, then
+    takes both as hits; C shares nothing and D less than a block, so they go in A's prefill."""
+    opening = list(range(100, 132))
+
+    def group(i: int, prompt: list[int], n: int = 1) -> list[Sequence]:
+        return [Sequence(10 * i + j, prompt, max_len=len(prompt) + 8, num_tokens=len(prompt)) for j in range(n)]
+    a, b = group(0, opening + [1, 2, 3], n=2), group(1, opening + [4, 5], n=2)
+    c, d = group(2, list(range(40))), group(3, opening[:10] + [7] * 20)
+    sched = Scheduler(BlockManager(32, 16, prefix_cache=True), max_batch_size=8, max_num_batched_tokens=256)
+    for g in (a, b, c, d):
+        sched.add(g)
+    step = sched.schedule()
+    assert step.is_prefill and [s.seq_id for s in step.batch] == [0, 1, 20, 30] and sched.num_cached_tokens == 0
+    sched.postprocess(step, [False] * len(step.batch))
+    step = sched.schedule()
+    assert step.is_prefill and [s.seq_id for s in step.batch] == [10, 11] and step.prefill_ends == [34, 34]
+    assert b[0].num_computed == 32 and b[0].block_table[:2] == a[0].block_table[:2] and sched.num_cached_tokens == 32
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefix_cache_hits_give_cold_bits(block_size, monkeypatch):
     """A second request whose prompts extend the first's outputs (their generated ids included),
@@ -369,6 +389,59 @@ def test_prefix_cache_never_survives_a_weight_update():
     bad = stale.generate(prompts, **kw)                          # control: the cache kept across both updates
     assert stale.num_cached_tokens > 0
     assert any(a.logprobs != b.logprobs for a, b in zip(cold, bad)), "stale KV went unnoticed"
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """Four prompts that open with the same 40 ids (two full blocks of 16, as an agent's system prompt),
+    each with its own tail, and one prompt that shares nothing."""
+    opening = make_prompts([40], seed=21)[0]
+    return [opening + tail for tail in make_prompts([3, 9, 20, 1], seed=22)] + make_prompts([30], seed=23)
+
+
+SHARED_CONFIGS = {
+    "default": {},
+    "chunk7": dict(max_num_batched_tokens=7),
+    "preempt": dict(num_blocks=10, max_batch_size=10),
+    "speculative": dict(speculative_tokens=3),
+}
+
+
+@pytest.mark.parametrize("config", list(SHARED_CONFIGS))
+def test_groups_sharing_a_prefix_hit_it_within_one_request(config):
+    """One request, every group admitted at once: the first group whose prompt opens with the shared
+    blocks computes them; the other three wait for them and take both as hits (32 tokens each); the
+    outputs are the bits of the same request without a cache, and score's."""
+    model, prompts = fp32_model(), shared_prefix_prompts()
+    kw = dict(max_new_tokens=24, n=2, seed=4)
+    cold = Sampler(model, prefix_cache=False, **SHARED_CONFIGS[config]).generate(prompts, **kw)
+    sampler = Sampler(model, **SHARED_CONFIGS[config])
+    outs = sampler.generate(prompts, **kw)
+    assert_same(cold, outs, f"{config}: shared prefix vs no cache")
+    assert_contract(model, outs, 1.0)
+    if config == "preempt":                 # recomputed sequences hit their own blocks too
+        assert sampler.num_preemptions > 0 and sampler.num_cached_tokens > 3 * 32
+    else:
+        assert sampler.num_cached_tokens == 3 * 32 and sampler.num_preemptions == 0
+
+
+def test_control_a_shared_prefix_served_out_of_order_changes_the_bits(monkeypatch):
+    """The hits above are read, not recomputed: the same request with each hit's two blocks handed out
+    in the wrong order (each block computed right, at the other's positions) changes the bits of the
+    groups that hit them."""
+    model, prompts = fp32_model(), shared_prefix_prompts()
+    kw = dict(max_new_tokens=24, n=2, seed=4)
+    cold = Sampler(model, prefix_cache=False).generate(prompts, **kw)
+    match = BlockManager.match
+
+    def swapped(bm, seq):
+        hits, node = match(bm, seq)
+        return hits[1::-1] + hits[2:], node
+    monkeypatch.setattr(BlockManager, "match", swapped)
+    sampler = Sampler(model)
+    outs = sampler.generate(prompts, **kw)
+    assert sampler.num_cached_tokens == 3 * 32
+    differ = [a.logprobs != b.logprobs or not torch.equal(a.routes, b.routes) for a, b in zip(cold, outs)]
+    assert differ == [False, False] + [True] * 6 + [False, False], differ
 
 
 # ---------------------------------------------------------------------------------------------------

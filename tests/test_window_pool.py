@@ -5,9 +5,9 @@ sequence will still feed; full-attention layers and the routes keep every block.
     python -m pytest -q tests/test_window_pool.py
 
 The sampler's bits do not depend on it: through preemption, small pools, chunked prefill, pages of 32,
-speculative decoding, sessions and prefix-cache hits, the outputs are the no-pool run's (window_blocks=-1)
-and score's. It holds fewer blocks than the full pool, and the control (blocks freed while a window still
-reaches them) changes the bits.
+speculative decoding, sessions and prefix-cache hits (across requests and within one), the outputs are the
+no-pool run's (window_blocks=-1) and score's. It holds fewer blocks than the full pool, and the control
+(blocks freed while a window still reaches them) changes the bits.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from conftest import assert_contract
 from test_rollout import make_model, make_prompts, seq
-from test_sessions import assert_episode_contract, assert_same, episodes
+from test_sessions import assert_episode_contract, assert_same, episodes, shared_prefix_prompts
 from rollout import Sampler
 from scheduler import BlockManager, Sequence, WindowPool
 
@@ -116,6 +116,21 @@ def test_window_pool_sessions_and_prefix_hits(config):
         if run == "warm":
             assert sampler.num_cached_tokens > 0
     assert_episode_contract(model, outs)
+
+
+@pytest.mark.parametrize("window", [8, 20])
+def test_window_pool_groups_sharing_a_prefix_in_one_request(window):
+    """Groups whose prompts open with the same two blocks, in one request: the first computes them and frees
+    the window blocks its window left behind (still kept for the cache); the others take both blocks as hits
+    with the window blocks their prefill reads. The no-pool, no-cache run's bits and score's."""
+    model = windowed_model(window)
+    prompts, kw = shared_prefix_prompts(), dict(max_new_tokens=24, n=2, seed=4, progress=False)
+    ref = Sampler(model, window_blocks=-1, prefix_cache=False).generate(prompts, **kw)
+    sampler = Sampler(model)
+    outs = sampler.generate(prompts, **kw)
+    assert same_outputs(ref, outs)
+    assert_contract(model, outs)
+    assert sampler.num_cached_tokens == 3 * 32 and sampler.block_manager.window_pool.released > 0
 
 
 def test_block_manager_frees_window_blocks_below_the_window_and_forks_alike():
