@@ -90,3 +90,16 @@ def test_line_count_check_finds_a_stale_count():
     stale = README.replace(f"`{f}` ({said})", f"`{f}` ({int(lines.count_lines(f) * 1.2)})", 1)
     assert any(abs(s - a) > 0.1 * a for _, s, a in lines.compare(stale))                  # control
     assert all(abs(s - a) <= 0.1 * a for _, s, a in lines.compare(lines.write_counts(stale)))
+
+
+def test_line_trace_counts_each_function_that_ran_whole():
+    """tools/lines.py --trace's rule: a function whose body ran counts from its def to its last line
+    (docstring and comments too), one whose body never ran counts nothing (not even its def line, which
+    ran at import), a wrapped statement all its lines."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import lines
+    source = ('def ran(x):\n    """Doc."""\n    # why\n    return x\n\n\ndef idle():\n    return 0\n\n\n'
+              'y = ran(\n    1)\n')
+    executed = {1, 4, 7, 11}                        # the defs, ran's body, the call's first line
+    assert lines.read_lines(source, executed) == {1, 2, 3, 4, 11, 12}
+    assert lines.read_lines(source, {1, 7}) == set()                        # control: no body ran
