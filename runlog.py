@@ -310,15 +310,26 @@ def network_reachable(host: str) -> bool:
         return False
 
 
+def stale(row: dict) -> bool:
+    """Whether the row's train-rollout gap is staleness (the policy's age), not numerics: the console says so."""
+    return "kl_staleness" in row
+
+
+def bar_postfix(row: dict) -> dict:
+    """The progress bar's postfix: the reward and the train-rollout gap (stale_ under staleness)."""
+    gap = "stale_" if stale(row) else ""
+    return {"reward": f"{row['reward_mean']:.3f}", gap + "kl": f"{row['train_rollout_kl']:.1e}",
+            gap + "flip": f"{row.get('route_flip_frac', 0):.3f}"}
+
+
 def progress_line(run, row: dict) -> str:
     """Without a bar: one line every --log_every steps (a value that is null in the row shows as -)."""
     def f(key, spec):
         return "-" if row.get(key) is None else format(row[key], spec)
-    # under staleness the gap is the policy's age, not numerics: say so, with the numerics' own share
-    stale = f" (staleness; numerics {f('kl_numerics', '.1e')})" if "kl_staleness" in row else ""
+    stale_ = f" (staleness; numerics {f('kl_numerics', '.1e')})" if stale(row) else ""
     return (f"step {row['step']}/{run.tcfg.steps}: reward {f('reward_mean', '.3f')}, loss {f('loss', '.4g')}, "
-            f"train-rollout kl {f('train_rollout_kl', '.1e')}{stale}, "
-            f"route flips {f('route_flip_frac', '.3f')}{' (staleness)' if stale else ''}, "
+            f"train-rollout kl {f('train_rollout_kl', '.1e')}{stale_}, "
+            f"route flips {f('route_flip_frac', '.3f')}{' (staleness)' if stale_ else ''}, "
             f"response len {f('response_len', '.1f')}, {f('step_time', '.2f')} s"
             + "".join(f", {k} {f(k, '.3f')}" for k in row if k.startswith("eval_")))
 

@@ -70,9 +70,9 @@ from partial_rollout import PartialRollouts
 from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
                       staleness_split)
 from rollout import Sampler
-from runlog import (Interrupted, LengthSurge, Outputs, StopRequest, append_jsonl, banner, episode_metrics,
-                    latency_metrics, log_routes, log_row, log_samples, open_logger, open_outputs, run_cli, say,
-                    stop_requested, summary, warn_low_entropy)
+from runlog import (Interrupted, LengthSurge, Outputs, StopRequest, append_jsonl, banner, bar_postfix,
+                    episode_metrics, latency_metrics, log_routes, log_row, log_samples, open_logger, open_outputs,
+                    run_cli, say, stop_requested, summary, warn_low_entropy)
 from tasks import Episodes, TaskError, compute_rewards
 
 
@@ -157,9 +157,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
                 append_jsonl(run, step, "eplb.jsonl", plans)          # a resume drops the rows past its step
             history.append(log_row(run, step, row))
             warn_low_entropy(run, history)
-            gap = "stale_" if "kl_staleness" in row else ""           # under staleness the gap is the policy's age
-            bar.set_postfix({"reward": f"{row['reward_mean']:.3f}", gap + "kl": f"{row['train_rollout_kl']:.1e}",
-                             gap + "flip": f"{row.get('route_flip_frac', 0):.3f}"}, refresh=False)
+            bar.set_postfix(bar_postfix(row), refresh=False)
             bar.update()                                              # the step is done before its save line
             if (step + 1) % run.tcfg.save_every == 0 or step + 1 == run.tcfg.steps:
                 checkpoint(run, step + 1)

@@ -406,6 +406,8 @@ def test_console_names_staleness_and_an_episodes_budget():
     assert "(staleness" not in runlog.progress_line(run, row)
     line = runlog.progress_line(run, {**row, "kl_staleness": 2e-3, "kl_numerics": None})
     assert "train-rollout kl 2.0e-03 (staleness; numerics -), route flips 0.010 (staleness)" in line
+    assert set(runlog.bar_postfix(row)) == {"reward", "kl", "flip"}
+    assert set(runlog.bar_postfix({**row, "kl_staleness": 2e-3})) == {"reward", "stale_kl", "stale_flip"}
     task = make_task("lookup")
     assert "at most 4 new tokens (--max_new_tokens)" in generation_line(task, 4)
     line = generation_line(task, 4, 30)
