@@ -5,7 +5,7 @@
 
 Field names follow Hugging Face's Qwen3-MoE config; the knobs of other families (sigmoid routing, a
 score-correction bias, grouped top-k, shared experts, biases, partial RoPE; gpt-oss's sinks, windows,
-YaRN and experts; DeepSeek's MLA) are extra fields that are off by default. hf.py translates each
+YaRN and experts; DeepSeek's MLA) are extra fields that are off by default. families/hf.py translates each
 family's config.json onto them (hf.config_from_hf) and checks model_type; this file imports nothing of it.
 Every dataclass validates itself in `__post_init__`; `apply_overrides` turns command-line
 `--key=value` strings into typed fields and rejects unknown keys and bad values by name (with the
@@ -24,7 +24,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from tasks import SUPERVISED_TASKS, TASKS     # the task table (tasks.py imports nothing of this module)
+from support.tasks import SUPERVISED_TASKS, TASKS     # the task table (support/tasks.py imports nothing of this module)
 
 
 class ConfigError(ValueError):
@@ -70,7 +70,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False    # the LM head shares the embedding's weights
     max_position_embeddings: int = 256   # the longest sequence (prompt + response)
     initializer_range: float = 0.02      # std of the random initial weights
-    # other families (hf.py); every default below is Qwen3-MoE, which uses none of them
+    # other families (families/hf.py); every default below is Qwen3-MoE, which uses none of them
     model_type: str = "qwen3_moe"        # the HF family (hf.FAMILIES): config names and weight keys on load and save
     router_scoring: str = "softmax"      # softmax | sigmoid (DeepSeek-V3, GLM-4.5), in fp32
     score_correction_bias: bool = False  # a per-expert bias added to the scores for the choice only
@@ -318,7 +318,7 @@ def preset_summary(name: str) -> str:
 
 
 QUANT_FORMATS = ("int8", "fp8_e4m3")   # --rollout_dtype's quantized formats
-INFLIGHT_UPDATES = ("off", "keep_kv", "recompute_kv")   # --inflight_update (pipeline.py)
+INFLIGHT_UPDATES = ("off", "keep_kv", "recompute_kv")   # --inflight_update (asynchrony/pipeline.py)
 # The mismatch lab's episode faults (RolloutConfig.rollout_episode_fault; lab.episode_fault applies them to the
 # sampler's outputs or cache from outside): where shipped systems break a multi-turn episode's consistency.
 EPISODE_FAULTS = ("none",
@@ -372,8 +372,8 @@ class RolloutConfig:
     kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after grads + AdamW state) for the KV pool
     cuda_graphs: bool | None = None   # decode steps as CUDA graphs; None: where they run without host syncs
     speculative_tokens: int = 0       # k > 0: each decode step verifies k n-gram drafts of the sequence's own ids
-                                      # (speculative.py): the tokens, log-probs and routes of plain decoding, faster
-                                      # where the text repeats; 0: off
+                                      # (sampling/speculative.py): the tokens, log-probs and routes of plain decoding,
+                                      # faster where the text repeats; 0: off
     speculative_ngram: int = 3        # the drafts are the ids that followed an earlier place of the sequence's
                                       # last n ids, the longest n from this down to 1 that has one
     temperature: float = 1.0          # sampling temperature (0: greedy); log-probs are of softmax(logits / T)
@@ -395,7 +395,7 @@ class RolloutConfig:
     rollout_router_fault: str = "none"  # none | no_bias | bias_sign | bias_in_weights | no_renorm | expert_map: the
                                         # rollout's routing wrong in that one way (ROUTER_FAULTS), the trainer's right
     rollout_episode_fault: str = "none"  # none | retokenize | dummy_last_route | stale_prefix_kv: an episode's
-                                        # consistency broken as shipped systems break it (EPISODE_FAULTS, lab.py)
+                                        # consistency broken as shipped systems break it (EPISODE_FAULTS, lab/faults.py)
     record_route_detail: bool = False  # the sampler also keeps each route's combine weights and margin (fp32)
 
     def __post_init__(self):
@@ -432,7 +432,7 @@ class RolloutConfig:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...] | None:
-        """--stop_tokens as ids, or None when not given (the task's then: tasks.py, "Stop tokens")."""
+        """--stop_tokens as ids, or None when not given (the task's then: support/tasks.py, "Stop tokens")."""
         if not self.stop_tokens.strip():
             return None
         items = [t.strip() for t in self.stop_tokens.split(",")]
@@ -455,12 +455,12 @@ class TrainConfig:
     overwrite: bool = False           # start over in an out_dir that holds a run (deletes its metrics and checkpoints)
     parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
     grad_reduce: str = "exact"        # exact: gradients summed as fixed-point integers, the same bits at any
-                                      # world size (exact_sum.py) | fast: fp32 accumulation and all-reduce
-    expert_parallel: int = 1          # N ranks per EP group, each holding E/N experts (expert_parallel.py)
+                                      # world size (support/exact_sum.py) | fast: fp32 accumulation and all-reduce
+    expert_parallel: int = 1          # N ranks per EP group, each holding E/N experts (parallel/expert_parallel.py)
     expert_placement: list[int] = field(default_factory=list)   # "" contiguous | physical slot of each logical
                                       # expert, comma-separated (a permutation; slot p on rank p // (E/N))
     eplb_redundant: int = 0           # EPLB: R more expert slots per MoE layer, replicas of the most loaded experts,
-                                      # all slots packed onto the EP ranks by measured load (eplb.py); 0: off
+                                      # all slots packed onto the EP ranks by measured load (parallel/eplb.py); 0: off
     eplb_interval: int = 1            # EPLB: re-plan every N steps, from the rollouts' load since the last plan
     kernels_backend: str = ""         # "" (KERNELS_BACKEND, default auto: Triton on CUDA) | auto | torch | triton
     # data
@@ -477,7 +477,8 @@ class TrainConfig:
     # batch
     steps: int = 200                  # RL steps (one rollout batch each)
     sft_steps: int = 0                # before RL: N optimizer steps of cross-entropy on the task's reference answers
-                                      # (minibatch_size examples each; sft.py), then a checkpoint at step 0; 0: off
+                                      # (minibatch_size examples each; tooling/sft.py), then a checkpoint at step 0;
+                                      # 0: off
     prompts_per_step: int = 32        # prompts sampled per step (each gets group_size responses)
     group_size: int = 8               # G responses per prompt
     epochs: int = 1                   # passes over each rollout batch
@@ -553,18 +554,18 @@ class TrainConfig:
                                           # ceil(C * tokens * k / E) (token, slot) rows (model.capacity_limit);
                                           # 0: dropless. The rollout is always dropless
     expert_bias_update_rate: float = 0.0  # > 0: after each optimizer step, router bias += rate * sign(mean load - load)
-    # asynchrony (pipeline.py)
+    # asynchrony (asynchrony/pipeline.py)
     max_staleness: int = 0            # K: a batch is generated by a policy at most K updates older than the one that
                                       # trains on it (batch j by version j - K); 0: the synchronous loop
     rollout_ranks: int = 0            # under torchrun: the last R ranks generate, the others train (weights and batches
-                                      # cross between them; pipeline.py); 0: every rank does both, in turn
+                                      # cross between them; asynchrony/pipeline.py); 0: every rank does both, in turn
     inflight_update: str = "off"      # off | keep_kv | recompute_kv: with K >= 1, the next batch is generated during
                                       # the update and takes the new weights halfway, on the KV the old ones wrote
                                       # (keep_kv) or on KV recomputed by the new ones (recompute_kv)
     partial_rollout: bool = False     # a response unfinished after --rollout_token_budget new tokens is carried over and
                                       # continues in the next batch's generation, by the version then current; a batch
                                       # trains the first prompts_per_step groups whose members have all ended
-                                      # (partial_rollout.py); false: every response ends in its own batch
+                                      # (asynchrony/partial_rollout.py); false: every response ends in its own batch
     rollout_token_budget: int = 0     # --partial_rollout: the new tokens a sequence draws per round (0: half the
                                       # response budget, max_new_tokens // 2)
     # logging
@@ -590,7 +591,7 @@ class TrainConfig:
     resume_changes: str = "refuse"    # --resume with settings that change the run's numbers (lr, the loss, the
                                       # task, ...): refuse | allow; either way each changed setting is printed
                                       # (docs/design.md, "Reliability")
-    # evaluation (eval.py): greedy and sampled reward and pass@k on a held-out JSONL
+    # evaluation (tooling/eval.py): greedy and sampled reward and pass@k on a held-out JSONL
     eval_data: str = ""               # a JSONL file in --data's format, scored with --reward_fn
     eval_every: int = 0               # evaluate every N steps and at the last (0: at the last step only)
     eval_samples: int = 4             # k sampled responses per eval prompt (pass@k)
@@ -687,7 +688,7 @@ class TrainConfig:
                  "--halving_start=surge waits for a response-length surge: it needs --surge_window >= 1")
 
     def _check_eplb(self):
-        """--eplb_redundant / --eplb_interval (eplb.py); the checks that need the model: eplb.check."""
+        """--eplb_redundant / --eplb_interval (parallel/eplb.py); the checks that need the model: eplb.check."""
         R = self.eplb_redundant
         _require(R >= 0, f"--eplb_redundant={R}: must be >= 0 (0: off)")
         _require(self.eplb_interval >= 1, f"--eplb_interval={self.eplb_interval}: must be >= 1 (steps between re-plans)")
@@ -697,7 +698,7 @@ class TrainConfig:
                  "into their experts' exact sums; it needs --grad_reduce=exact")
 
     def _check_async(self):
-        """Where the batches come from: bounded staleness, in-flight updates, rollout ranks (pipeline.py)."""
+        """Where the batches come from: bounded staleness, in-flight updates, rollout ranks (asynchrony/pipeline.py)."""
         _require(self.max_staleness >= 0, f"--max_staleness={self.max_staleness}: must be >= 0 (0: synchronous)")
         _require(self.rollout_ranks >= 0, f"--rollout_ranks={self.rollout_ranks}: must be >= 0")
         _require(not self.rollout_ranks or self.rollout_ranks % self.expert_parallel == 0,

@@ -26,7 +26,7 @@ How each op keeps the contract on the CPU (torch backend; each rule is checked b
              cumsum); row-local ops, so a sequence's token never depends on its neighbours.
 
 Backward passes of the torch backend come from autograd on these ops: correct and deterministic, not
-batch-invariant (kernels_triton.py writes its own, also deterministic).
+batch-invariant (kernels_triton/ops.py writes its own, also deterministic).
 
 Backends: KERNELS_BACKEND=torch|triton|auto (default auto: the Triton kernels of kernels_triton*.py
 for CUDA tensors, this torch code otherwise); `set_backend(name)` overrides it, also as a context
@@ -80,7 +80,7 @@ def _triton_for(t: torch.Tensor):
     """The kernels_triton module if tensor t goes to the Triton backend, else None (lazy import)."""
     if _backend == "torch" or (_backend == "auto" and not t.is_cuda):
         return None
-    import kernels_triton
+    from kernels_triton import ops as kernels_triton
     return kernels_triton
 
 
@@ -91,15 +91,15 @@ def load_tuning(path: str | dict) -> dict:
     `python tools/gpu_check.py --tuning-out tuning.json` writes the file: per table the fastest
     candidate that kept the contract on that GPU (a matmul config gives every row the table's bits; an
     attention forward config gives decode the bits of prefill, also through parallel splits). The
-    benchmarks and the CUDA tests then run with it (`bench.py --tuning`, `pytest --kernels-tuning`);
+    benchmarks and the CUDA tests then run with it (`tooling/bench.py --tuning`, `pytest --kernels-tuning`);
     to keep it, paste it into the tables (kernels_triton.MM_TABLE, ATTN_KEYS, ATTN_TABLE,
     ATTN_SPLIT_BELOW; kernels_triton_moe.MOE_TILES). Sampler and trainer must load the same file: the
     attention and MoE configs decide bits. Returns the tuning; a malformed file raises ValueError and
     changes nothing.
     """
     import json
-    import kernels_triton as kt
-    import kernels_triton_moe as ktm
+    from kernels_triton import ops as kt
+    from kernels_triton import moe as ktm
     tuning, path = (path, "(dict)") if isinstance(path, dict) else (None, path)
     try:
         if tuning is None:
@@ -583,14 +583,14 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x (M, D); w13 (E, 2I, D) gate rows first; w2 (E, D, I); ids (M, k); weights (M, k) fp32.
     gpt-oss's experts: b13 (E, 2I) and b2 (E, D) biases after each matmul (in x.dtype, as Linear's), and
     swiglu = (alpha, limit), its clamped SwiGLU (clamped_swiglu) in place of silu(gate) * up.
-    The torch path is the three steps below; expert_parallel.py runs the same three with an exchange
+    The torch path is the three steps below; parallel/expert_parallel.py runs the same three with an exchange
     between them (sort_slots and grouped_experts on the expert's owner, combine_slots on the token's rank).
     """
     extras = dict(b13=b13, b2=b2, swiglu=swiglu)
     if _fast():
         return _fast_moe_experts(x, w13, w2, ids, weights, **extras)
     if _triton_for(x) is not None:            # triton backend dispatch (the fused MoE has its own file)
-        import kernels_triton_moe
+        from kernels_triton import moe as kernels_triton_moe
         return kernels_triton_moe.moe_experts(x, w13, w2, ids, weights, **extras)
     M, k = ids.shape
     order, counts = sort_slots(ids, w13.shape[0])                   # slot s = token s // k
@@ -610,7 +610,7 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     """
     extras = dict(b13=b13, b2=b2, swiglu=swiglu)
     if _triton_for(x) is not None:            # the fused Triton MoE, a slot per row
-        import kernels_triton_moe
+        from kernels_triton import moe as kernels_triton_moe
         return kernels_triton_moe.expert_rows(x, w13, w2, ids, weights, **extras)
     order, counts = sort_slots(ids.reshape(-1, 1), w13.shape[0])
     return grouped_experts(x, 1, order, counts, w13, w2, weights.reshape(-1), **extras)
@@ -692,7 +692,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     gradient: it is for logging); logp is bitwise the same with or without it.
     """
     if _triton_for(logits) is not None:       # triton backend dispatch (the vocabulary ops have their own file)
-        import kernels_triton_vocab
+        from kernels_triton import vocab as kernels_triton_vocab
         return kernels_triton_vocab.token_logprobs(logits, targets, temperature, with_entropy)
     logp_all = torch.log_softmax(_scaled(logits, temperature), dim=-1)
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
@@ -737,7 +737,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
     agree except where u * total falls within rounding of a token's boundary.
     """
     if top_k == 0 and top_p >= 1.0 and _triton_for(logits) is not None:
-        import kernels_triton_vocab
+        from kernels_triton import vocab as kernels_triton_vocab
         return kernels_triton_vocab.sample_tokens(logits, temperature, u)
     z = logits.float()
     if temperature != 1.0:

@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts transformer (Qwen3-MoE semantics), its checkpoints (via hf.py), and forced routes.
+"""The Mixture-of-Experts transformer (Qwen3-MoE semantics), its checkpoints (via families/hf.py), and forced routes.
 
     from config import ModelConfig
     from model import Transformer
@@ -12,14 +12,14 @@
 There is one forward. The trainer calls it with no cache (keys and values of the call itself are laid
 out as pages); the sampler (rollout.py) calls it with a `PagedKV` batch whose pages persist across
 decode steps. Both go through the same kernels.py functions, so both compute the same bits.
-The trainer may pack several sequences into a row (`score(tokens, packing=...)`, see packing.py): each
+The trainer may pack several sequences into a row (`score(tokens, packing=...)`, see support/packing.py): each
 sequence keeps its own positions and pages, so every token gets the padded forward's bits.
 
 Layer: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)), where mlp is MoE on layers chosen by
 ModelConfig.is_moe_layer and a dense SwiGLU elsewhere. Attention: GQA, per-head RMSNorm on q and k
 before NeoX RoPE, scale head_dim^-0.5, no biases. Router: softmax(gate(x)) in fp32, top-k,
 optional renormalisation. Experts are stacked: w13 (E, 2I, D) with gate rows first, w2 (E, D, I).
-That is Qwen3-MoE; the other families (hf.py) switch on config knobs, each off by default:
+That is Qwen3-MoE; the other families (families/hf.py) switch on config knobs, each off by default:
 q/k/v and o biases (added after the matmul, in the model dtype), q/k norm over the whole projection or
 none, partial RoPE (the first rotary_dim dims of each head), YaRN RoPE tables, sigmoid routing with a
 score-correction bias and grouped top-k (kernels.route), routed_scaling_factor, shared experts (see MoE);
@@ -37,11 +37,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import expert_parallel
-import hf
 import kernels
 from config import ModelConfig
-from packing import PackedPages, Packing, packed_attention
+from families import hf
+from parallel import expert_parallel
+from support.packing import PackedPages, Packing, packed_attention
 
 
 def lm_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -400,7 +400,7 @@ class MoE(nn.Module):
     n_shared_experts * moe_intermediate_size) or, for Qwen2-MoE, sigmoid(shared_expert_gate x) (fp32,
     row-invariant) times the shared MLP, multiplied in fp32 and rounded. transformers adds them in this
     order too. The router (`route`) and the routed experts (`experts`) are methods of their own: the
-    mismatch lab's router faults (lab.py) override them on the rollout's copy, never here.
+    mismatch lab's router faults (lab/faults.py) override them on the rollout's copy, never here.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -663,7 +663,7 @@ class Transformer(nn.Module):
         logits_chunk: if > 0, at most that many positions' logits exist at a time (forward and
         backward, which recomputes them): the (B, T-1, V) logits of long responses need not fit. The
         same bits (every op is row-invariant); one more LM-head matmul in the backward.
-        packing: tokens hold several sequences a row (see packing.py); logp and routes keep
+        packing: tokens hold several sequences a row (see support/packing.py); logp and routes keep
         the packed layout (packing.to_padded lays them out per sequence), and each sequence token gets
         the bits of the padded forward. A log-prob at a sequence's last token is not one of its own.
         check: check tokens and routes first (ValueError / TypeError naming the problem). The checks
@@ -698,7 +698,7 @@ class Transformer(nn.Module):
                 entropy = kernels.softmax_entropy(logits, temperature)
         return (logp, used) + ((entropy,) if with_entropy else ()) + tuple(detail)
 
-    # ---- Hugging Face checkpoints: the translation lives in hf.py ----
+    # ---- Hugging Face checkpoints: the translation lives in families/hf.py ----
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype | None = None, device="cpu",
                         experts: list[int] | None = None) -> "Transformer":

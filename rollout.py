@@ -58,7 +58,7 @@ every op is row-invariant, so a piece of a prefill has the bits of the whole pre
   in no block yet: a waiting group whose next block another group's prefill is computing waits until
   that prefill registers it, and takes it as a hit (Scheduler._admit_waiting). The others are admitted
   past it. It does not join that forward, which pads every chunk to the longest.
-* Speculative decoding (RolloutConfig.speculative_tokens = k; speculative.py): a decode step becomes
+* Speculative decoding (RolloutConfig.speculative_tokens = k; sampling/speculative.py): a decode step becomes
   a verify step. Each running sequence feeds its last token and up to k drafts that an n-gram lookup
   in its own ids proposes (on the device), k + 1 positions in one forward, each sampled with its own
   draw; the drafts that equal the tokens sampled before them are kept, and the first token that does
@@ -102,11 +102,11 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-import expert_parallel
 import kernels
-import speculative
 from config import RolloutConfig, check_sampling
 from model import PagedKV, Transformer, kv_caches
+from parallel import expert_parallel
+from sampling import speculative
 from scheduler import BlockManager, Scheduler, Sequence, Step
 
 CPU_KV_BYTES = 1 << 30            # the KV pool's cap on the CPU, where there is no free-memory query

@@ -12,7 +12,7 @@ engine: sessions, the prefix cache, chunked prefill). A `Sequence` owns a `block
 (pages) of `block_size` positions; the `BlockManager` hands them out from a free list with reference
 counts (a GRPO group shares its prompt's full blocks) and keeps the prefix cache; the `Scheduler` owns
 the sequence lifecycle. Nothing here touches a tensor: host work per decode step does not grow with
-the batch (Scheduler's clock and phase table). With speculative decoding (speculative.py) a decode
+the batch (Scheduler's clock and phase table). With speculative decoding (sampling/speculative.py) a decode
 step is a verify step: each running sequence holds blocks for its drafts too and moves on by the
 tokens it kept, which come back with the step (`Step.kept`), so that step's host work is per sequence.
 """
@@ -100,7 +100,7 @@ class WindowPool:
         self.refs = [0] * num_blocks
         self.of: dict[int, int] = {}                     # registered block -> its window block
         self.owner: list[int | None] = [None] * num_blocks
-        self.peak_held = self.released = 0               # (bench.py reads them)
+        self.peak_held = self.released = 0               # (tooling/bench.py reads them)
 
     def first_block(self, position: int) -> int:
         """The first block the window of a query at `position` reaches."""
@@ -198,7 +198,7 @@ class BlockManager:
         self.key_of: list[tuple | None] = [None] * num_blocks
         self.nodes = itertools.count()
         self.window_pool = WindowPool(window, window_blocks, block_size) if window and window_blocks else None
-        self.peak_held = 0                               # the most blocks held at once (bench.py reads it)
+        self.peak_held = 0                               # the most blocks held at once (tooling/bench.py reads it)
 
     @property
     def num_free(self) -> int:

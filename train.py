@@ -14,16 +14,17 @@ Each step reads top to bottom as its phases (`_train`):
 4. the updates: optimizer steps over minibatches of the batch, each a loss over micro-batches of
    `model.score` (losses.token_objective), the routes replayed or filtered as asked (replay.py); under
    torchrun the batch is global and the micro-batches are dealt to the ranks, their gradients summed
-   exactly (exact_sum.py): the same run at every world size;
+   exactly (support/exact_sum.py): the same run at every world size;
 5. metrics and log: one row of metrics.jsonl, the route audit included; an eval, a probe, a checkpoint.
 In the default invariant mode the rollout log-probs ARE the old policy's log-probs, so the logged
 train-rollout KL, max |logp diff| and route flip fraction are exactly 0 (replay.route_audit).
 Formulas: docs/design.md, "RL losses" (ratio r_t = exp(logp_t - old_logp_t)).
 
 Where the rest lives: the objectives' tables, losses.py; a route's life, replay.py; the batch and its
-micro-batches, packing.py; where a batch comes from (bounded staleness, in-flight updates, rollout
-ranks), pipeline.py; the weights' copies and the end of an optimizer step, distributed.Policy; the
-lab's faults, lab.py; checkpoints and resume, checkpoint.py; what a run shows and writes, runlog.py.
+micro-batches, support/packing.py; where a batch comes from (bounded staleness, in-flight updates, rollout
+ranks), asynchrony/pipeline.py; the weights' copies and the end of an optimizer step, distributed.Policy;
+the lab's faults, lab/faults.py; checkpoints and resume, support/checkpoint.py; what a run shows and writes,
+support/runlog.py.
 
 Reliability (docs/design.md, "Reliability"): a non-finite reward, loss or gradient norm stops the run
 (or skips the step, --skip_nonfinite_steps) before it reaches the weights; checkpoints are written only
@@ -49,31 +50,31 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-import eplb
-import eval as evaluation
-import expert_parallel
 import kernels
-import lab
-import plan
 import replay
-import sft
-from checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, load_optimizer_state,
-                        optimizer_state, prepare_out_dir, resume, run_task, save_checkpoint, trim_metrics)
+from asynchrony.partial_rollout import PartialRollouts
+from asynchrony.pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve,
+                                 staleness_metrics, staleness_split)
 from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
-from distributed import (Dist, Policy, all_cat, all_owned, all_sum_counts, check_in_sync, gather_scored, global_batch,
-                         init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
+from lab import faults as lab
 from losses import (Normalisers, correction_weights, group_advantages, rejects, router_metrics, router_objective,
                     token_objective)
 from model import CapacityLimit, Transformer, capacity_limit
-from packing import Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks, unpack
-from partial_rollout import PartialRollouts
-from pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve, staleness_metrics,
-                      staleness_split)
+from parallel import eplb, expert_parallel
 from rollout import Sampler
-from runlog import (Interrupted, LengthSurge, Outputs, StopRequest, append_jsonl, banner, bar_postfix,
-                    episode_metrics, latency_metrics, log_routes, log_row, log_samples, open_logger, open_outputs,
-                    run_cli, say, stop_requested, summary, warn_low_entropy)
-from tasks import Episodes, TaskError, compute_rewards
+from support.checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, load_optimizer_state,
+                                optimizer_state, prepare_out_dir, resume, run_task, save_checkpoint, trim_metrics)
+from support.distributed import (Dist, Policy, all_cat, all_owned, all_sum_counts, check_in_sync, gather_scored,
+                                 global_batch, init_distributed, lr_at, on_host, reduce_metrics, store_routers,
+                                 update_is_finite)
+from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
+                             unpack)
+from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, append_jsonl, banner, bar_postfix,
+                            episode_metrics, latency_metrics, log_routes, log_row, log_samples, open_logger,
+                            open_outputs, run_cli, say, stop_requested, summary, warn_low_entropy)
+from support.tasks import Episodes, TaskError, compute_rewards
+from tooling import eval as evaluation
+from tooling import plan, sft
 
 
 @dataclasses.dataclass
@@ -92,10 +93,10 @@ class Run:
     key_tokens: torch.Tensor | None = None   # --route_filter_tokens' ids, a (V,) bool table (replay.key_token_table)
     outputs: Outputs | None = None   # identity of the exports, eval task, logger (set by open_outputs)
     capacity: CapacityLimit | None = None   # --train_capacity_factor's drop counts (see trainer_capacity)
-    rollouts: Colocated | None = None       # where each step's batch comes from (pipeline.py; set by setup)
+    rollouts: Colocated | None = None       # where each step's batch comes from (asynchrony/pipeline.py; set by setup)
     probe: "evaluation.Probe | None" = None   # --probe_every: the fixed probe set, drawn at the first probe
     surge: LengthSurge = dataclasses.field(default_factory=LengthSurge)   # --surge_window's detector (lr_at reads it)
-    sft_done: int = 0                # --sft_steps' supervised steps the weights have had (sft.py)
+    sft_done: int = 0                # --sft_steps' supervised steps the weights have had (tooling/sft.py)
     balancer: eplb.Balancer | None = None   # --eplb_redundant: the experts' replicas and their layouts
 
     @property
@@ -249,7 +250,7 @@ def rollout(run: Run, j: int, version: int, on_step=None, recompute_kv: bool = F
 def sample(run: Run, j: int, prompts: list[list[int]], max_new: int | list[int], draw: int | None = None,
            **kw) -> tuple[list, dict]:
     """Sampler.generate of batch j's prompts under the run's settings -> (outputs, the sampler's counters).
-    draw: what keys the random draws (the batch j, or a partial rollout's round: partial_rollout.py); kw:
+    draw: what keys the random draws (the batch j, or a partial rollout's round: asynchrony/partial_rollout.py); kw:
     generate's others (n, index_offset, on_turn_end, max_episode_tokens, version, on_step, recompute_kv)."""
     tcfg, rcfg = run.tcfg, run.rcfg
     run.policy.refresh()
@@ -639,7 +640,7 @@ def main(argv: list[str]) -> None:
     if "--help" in argv or "-h" in argv:
         print("\n".join([__doc__, help_text(TrainConfig(), RolloutConfig()), model_help(), plan.help_text()]))
         return
-    if "--plan" in argv:                        # bytes per rank, nothing loaded (plan.py)
+    if "--plan" in argv:                        # bytes per rank, nothing loaded (tooling/plan.py)
         return plan.cli([a for a in argv if a != "--plan"])
     rank0 = int(os.environ.get("RANK", "0")) == 0
     # the defaults, or on --resume the saved run's configs, with this command line's options on top

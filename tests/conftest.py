@@ -17,7 +17,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from config import ModelConfig  # noqa: E402
-from model import Transformer  # noqa: E402
+from model import Transformer   # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption("--kernels-tuning", default="", metavar="FILE",
@@ -134,8 +134,8 @@ def hf_checkpoint(tmp_path):
 def tables(monkeypatch):
     """The Triton tile tables, restored after the test (kernels.load_tuning and gpu_check's sweep change
     them for the process). For tests that already imported kernels_triton (under the interpreter)."""
-    import kernels_triton as kt
-    import kernels_triton_moe as ktm
+    from kernels_triton import ops as kt
+    from kernels_triton import moe as ktm
     for module, names in ((kt, ("MM_TABLE", "ATTN_TABLE")), (ktm, ("MOE_TILES",))):
         for name in names:
             monkeypatch.setattr(module, name, dict(getattr(module, name)))

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import ModelConfig                                    # noqa: E402
-import expert_parallel                                            # noqa: E402
-import lab                                                        # noqa: E402
-from expert_parallel import Placement, gather_experts, init_expert_parallel, shard_experts   # noqa: E402
+from lab import faults as lab                                     # noqa: E402
 from model import Transformer                                     # noqa: E402
+from parallel import expert_parallel                              # noqa: E402
+from parallel.expert_parallel import Placement, gather_experts, init_expert_parallel, shard_experts  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The router's gradient sums over tokens: each rank sums its own, then the ranks add up (the reduction
@@ -143,7 +143,7 @@ def check_exact_grads(cfg, dtype, n, name, placement, tag=""):
     weight gradient on the owner, are bitwise EP=1's of that slice alone, so their exact sum is EP=1's.
     Control: the one call over every source's rows (--grad_reduce=fast) sums the slices inside the
     expert kernel's backward, in fp32: not the exact sum of the slices' gradients."""
-    import exact_sum
+    from support import exact_sum
     moe = build(cfg, dtype).layers[1].mlp
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 37, cfg.hidden_size, generator=g).to(dtype)
@@ -175,7 +175,7 @@ def check_exact_grads(cfg, dtype, n, name, placement, tag=""):
 
 def check_decode_reads_nothing_back(cfg):
     """The decode step's exchange (fixed buffers) reads nothing back to the host: no count exchange, no
-    value read in expert_parallel.py or model.py (the torch backend's per-expert loop reads its counts
+    value read in parallel/expert_parallel.py or model.py (the torch backend's per-expert loop reads its counts
     in kernels.py; the Triton backend's fused kernel does not). Control: the counted exchange of prefill
     and training reads the counts (send and receive)."""
     from host_reads import HostReads
@@ -194,10 +194,10 @@ def check_decode_reads_nothing_back(cfg):
         finally:
             ep.capacity = 0
     assert torch.equal(out, ref), "the fixed-size exchange changed the bits"
-    mine = {f: n for f, n in fixed.by_file.items() if f in ("expert_parallel.py", "model.py")}
+    mine = {f: n for f, n in fixed.by_file.items() if f in ("parallel/expert_parallel.py", "model.py")}
     assert mine == {}, f"decode exchange reads back: {fixed.by_file}"
-    assert counted.by_file.get("expert_parallel.py", 0) >= 2, counted.by_file
-    say(f"decode exchange: no host read (counted exchange: {counted.by_file['expert_parallel.py']}); same bits")
+    assert counted.by_file.get("parallel/expert_parallel.py", 0) >= 2, counted.by_file
+    say(f"decode exchange: no host read (counted exchange: {counted.by_file['parallel/expert_parallel.py']}); same bits")
 
 
 def check_expert_map_fault(cfg):
@@ -312,9 +312,9 @@ def check_plan_bytes(cfg, parallel, tag=""):
     """plan.memory_plan against the bytes this run allocates at EP=2 (DDP or FSDP2 over every rank): the
     parameters, their gradients after a backward, AdamW's two moments after a step. The plan counts the
     most loaded rank (FSDP2's first shards): rank 0's bytes equal it, no rank's exceed it."""
-    import plan
     from config import TrainConfig
-    from distributed import Dist, parallelize
+    from support.distributed import Dist, parallelize
+    from tooling import plan
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = shard_experts(Transformer(cfg), init_expert_parallel(2, n_experts=cfg.num_experts))

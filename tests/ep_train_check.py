@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import runlog                                                      # noqa: E402
 import train                                                       # noqa: E402
 from config import RolloutConfig, TrainConfig                      # noqa: E402
-from distributed import Dist                                       # noqa: E402
+from support import runlog                                         # noqa: E402
+from support.distributed import Dist                               # noqa: E402
 
 BASE = dict(device="cpu", task="copy", n_digits=2, prompts_per_step=8, group_size=4, minibatch_size=32,
             micro_batch_size=8, progress=False, lr=1e-2, warmup_steps=1, logits_chunk=24, steps=2)
@@ -59,10 +59,10 @@ def compare(ref, got, what):
 def check_fsdp_shards_experts_over_replicas(preset):
     """4 ranks, EP=2, FSDP2: each rank keeps 1/2 of its EP shard's rows (E/N = 4 experts over 2 replicas),
     of every expert tensor (gpt-oss: the biases too)."""
-    import expert_parallel
-    from distributed import parallelize
     from config import ModelConfig
     from model import Transformer
+    from parallel import expert_parallel
+    from support.distributed import parallelize
     cfg = ModelConfig.preset(preset)
     model = expert_parallel.shard_experts(Transformer(cfg), expert_parallel.init_expert_parallel(2, n_experts=cfg.num_experts))
     d = Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
@@ -108,8 +108,8 @@ def check_gpt_oss(out, **kw):
     replicas of each EP shard). Control: the owner running the experts without b2 moves the first step's
     metrics."""
     import safetensors
-    import expert_parallel
     from config import ModelConfig
+    from parallel import expert_parallel
     from disk_reads import ReadLog, experts_read
     from ep_check import build
     folder, cfg = f"{out}/oss", ModelConfig.preset("tiny-gpt-oss")

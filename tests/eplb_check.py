@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import eplb                                                       # noqa: E402
-import exact_sum                                                  # noqa: E402
-from config import ModelConfig                                    # noqa: E402
-from distributed import Dist                                      # noqa: E402
+from config import ModelConfig                                                  # noqa: E402
+from parallel import eplb                                                       # noqa: E402
+from support import exact_sum                                                   # noqa: E402
+from support.distributed import Dist                                            # noqa: E402
 from ep_check import build                                        # noqa: E402
-from expert_parallel import Placement, Replicas, expert_tensors, init_expert_parallel, is_expert, shard_experts   # noqa: E402
+from parallel.expert_parallel import (Placement, Replicas, expert_tensors, init_expert_parallel, is_expert,
+                                      shard_experts)                                                                       # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -183,7 +184,7 @@ def check_training(out):
     diagnostics rows; a resume continues every metric (the eplb ones too) and eplb.jsonl; the control:
     one ulp on every replica's weights moves the run."""
     import json
-    import expert_parallel
+    from parallel import expert_parallel
     from ep_train_check import compare, resume, run
     for kw in (dict(), dict(dtype="bfloat16")):
         ref, got = run(f"{out}/ref", **kw), run(f"{out}/eplb", expert_parallel=2, eplb_redundant=2, **kw)
@@ -237,7 +238,7 @@ def check_training_fsdp(out):
 
 
 def runlog_timings():
-    import runlog
+    from support import runlog
     return set(runlog.TIMINGS) | set(runlog.PER_RANK)
 
 

@@ -26,7 +26,7 @@ class HostReads(TorchDispatchMode):
     def _count(self):
         for frame in reversed(traceback.extract_stack()):
             if frame.filename.startswith(ROOT) and "/tests/" not in frame.filename:
-                name = os.path.basename(frame.filename)
+                name = os.path.relpath(frame.filename, ROOT)   # model.py, parallel/expert_parallel.py
                 self.by_file[name] = self.by_file.get(name, 0) + 1
                 return
 

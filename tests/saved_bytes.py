@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import kernels  # noqa: E402
 from config import ModelConfig  # noqa: E402
 from model import Transformer  # noqa: E402
-from packing import Packing  # noqa: E402
+from support.packing import Packing  # noqa: E402
 
 
 def saved_bytes_per_token(cfg: ModelConfig, length: int, n_seqs: int, backend: str = "torch",

@@ -17,13 +17,13 @@ import sys
 import pytest
 import torch
 
-import tasks
 import train
 from config import ConfigError, RolloutConfig, TrainConfig, apply_overrides, parse_args
+from support import tasks
 from conftest import ROOT
-from packing import make_batch
 from rollout import Sampler
-from tasks import Episodes, FixTask, LookupTask, TaskError, Turn
+from support.packing import make_batch
+from support.tasks import Episodes, FixTask, LookupTask, TaskError, Turn
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -116,8 +116,8 @@ def test_episode_rewards_sum_the_turns():
 # ---- the trainer's batch: observations in the forward, out of the loss --------------------------------
 def test_make_batch_masks_the_environments_tokens():
     torch.manual_seed(0)
-    from model import Transformer
     from config import ModelConfig
+    from model import Transformer
     model = Transformer(ModelConfig.preset("tiny"))
     task = LookupTask(n_digits=2, seed=1)
     examples = task.sample(3)
@@ -241,7 +241,7 @@ def test_episode_faults_are_refused_where_they_mean_nothing(tmp_path):
 
 
 def test_retokenize_merges_repeated_digits_of_earlier_turns_only():
-    import lab
+    from lab import faults as lab
     from rollout import SequenceOutput
     prompt = [11, 3, 3, 13]
     tokens = [5, 5, 7, 12, 10, 2, 2, 13, 4, 4, 12]               # turn [0, 4), observation [4, 8), turn [8, 11)

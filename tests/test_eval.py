@@ -1,5 +1,5 @@
-"""eval.py and the exports' identity: pass rates by hand, the trainer's eval equal to eval.py on the saved
-checkpoint, --keep_checkpoints, and transformers' generate stopping at the EOS an export carries.
+"""tooling/eval.py and the exports' identity: pass rates by hand, the trainer's eval equal to tooling/eval.py on the
+saved checkpoint, --keep_checkpoints, and transformers' generate stopping at the EOS an export carries.
 
     python -m pytest -q tests/test_eval.py
 """
@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-import eval as evaluation
 import train
 from config import ModelConfig
 from model import Transformer
-from tasks import Example
+from support.tasks import Example
+from tooling import eval as evaluation
 
 FAST = ["--task=copy", "--n_digits=2", "--prompts_per_step=2", "--group_size=2", "--minibatch_size=4",
         "--warmup_steps=1", "--progress=false"]
@@ -92,7 +92,7 @@ def test_trainers_eval_is_eval_py_on_the_saved_checkpoint(jsonl, capsys):
     assert all(set(keys) <= set(r) for r in rows)
     assert sorted(os.listdir(jsonl / "out")) == ["ckpt-000001", "ckpt-000002", "latest", "metrics.jsonl", "routes.jsonl",
                                                  "run.json"]
-    for step in (1, 2):                            # eval.py scores each kept checkpoint as the trainer did
+    for step in (1, 2):                            # tooling/eval.py scores each kept checkpoint as the trainer did
         got = evaluation.main([str(jsonl / "out" / f"ckpt-{step:06d}"), f"--data={jsonl / 'heldout.jsonl'}",
                                "--samples=3"])     # tokenizer and reward fn from the checkpoint
         assert got == {k: rows[step - 1][k] for k in keys}
@@ -111,7 +111,7 @@ def readme_run(jsonl):
 def test_export_takes_a_run_folder_after_the_readmes_own_commands(jsonl, capsys):
     """The run folder stands for its latest checkpoint; a checkpoint the run no longer keeps, a folder that is
     neither and a path that does not exist are one line each."""
-    import checkpoint
+    from support import checkpoint
     out = readme_run(jsonl)
     with pytest.raises(SystemExit) as e:
         checkpoint.export_cli(["export", str(out / "ckpt-000001"), str(out / "hf")])
@@ -149,7 +149,7 @@ def test_keep_checkpoints_keeps_the_newest_k(jsonl):
     assert open(jsonl / "out" / "latest").read() == "ckpt-000004"
 
 
-@pytest.mark.parametrize("argv, needle", [([], "usage: python eval.py CKPT --data=FILE"),
+@pytest.mark.parametrize("argv, needle", [([], "usage: python -m tooling.eval CKPT --data=FILE"),
                                           (["/nonexistent"], "'/nonexistent' does not exist"),
                                           (["Qwen/Qwen3-30B-A3B"], "fetch it first (`hf download Qwen/Qwen3-30B-A3B --local-dir DIR`)"),
                                           (["{ck}", "--dta=x"], "unknown option --dta; did you mean --data?"),
@@ -241,11 +241,11 @@ def test_eval_with_a_tokenizer_larger_than_the_model_is_one_line(jsonl, tmp_path
 
 
 def test_export_is_a_clean_hf_folder_transformers_loads_with_our_logits(tmp_path):
-    """python -m checkpoint export: the weights in --save_dtype (the masters' exact bits in float32), config,
+    """python -m support.checkpoint export: the weights in --save_dtype (the masters' exact bits in float32), config,
     generation_config and tokenizer files, nothing of the optimizer; transformers' logits equal ours within
     1e-5 relative (fp32), and the bf16 default equals the checkpoint's own export bit for bit."""
     transformers = pytest.importorskip("transformers")
-    import checkpoint
+    from support import checkpoint
     from safetensors.torch import load_file
     train.cli(FAST + ["--steps=1", "--dtype=bfloat16", f"--out_dir={tmp_path / 'run'}"])
     ck = tmp_path / "run" / "ckpt-000001"

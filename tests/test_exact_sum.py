@@ -7,9 +7,9 @@ from fractions import Fraction
 import pytest
 import torch
 
-import exact_sum
-from distributed import Dist
-from exact_sum import FRAC_BITS, LIMB_BITS, LIMIT, Limbs, from_limbs, grad_norm, to_limbs
+from support import exact_sum
+from support.distributed import Dist
+from support.exact_sum import FRAC_BITS, LIMB_BITS, LIMIT, Limbs, from_limbs, grad_norm, to_limbs
 
 EXACT_FROM = 2.0 ** (23 - FRAC_BITS)      # the smallest |g| whose 24 bits all lie on the 2^-72 grid
 

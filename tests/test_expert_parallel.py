@@ -11,9 +11,9 @@ import torch
 
 import kernels
 from config import ConfigError, ModelConfig
-import eplb
-from expert_parallel import ExpertParallel, Placement, check_degree, placement_of, shard_experts
 from model import Transformer
+from parallel import eplb
+from parallel.expert_parallel import ExpertParallel, Placement, check_degree, placement_of, shard_experts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""hf.py (model families, config.json, weight keys, safetensors) and the router semantics the families
+"""families/hf.py (model families, config.json, weight keys, safetensors) and the router semantics the families
 need: each family against transformers, the contract for every new op, and the score-correction bias
 as state.
 
@@ -30,14 +30,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import distributed
 import kernels
-import lab
 import train
+from lab import faults as lab
+from support import distributed
 from conftest import (FAMILY_HF, assert_contract, assert_same_weights, hf_classes, load_hf, load_hf_auto,
                       make_hf_family, make_model, rel_err, tiny_config)
 from config import MODEL_PRESETS, ConfigError, ModelConfig
-from hf import CheckpointError, config_from_hf, config_to_hf, hf_to_state
+from families.hf import CheckpointError, config_from_hf, config_to_hf, hf_to_state
 from model import Transformer
 from rollout import Sampler
 
@@ -565,7 +565,7 @@ def test_sink_window_and_latent_prefix_hits_keep_the_bits(family, mt):
 @pytest.mark.parametrize("mt", NEW_ATTENTION)
 def test_sink_window_and_latent_packed_score_is_the_padded_bits(family, mt):
     """Packed sequences (each its own positions, sinks and window, or latent keys) get the padded bits."""
-    from packing import Packing
+    from support.packing import Packing
     model = family(mt)[2]
     seqs = seqs_(seed=8, lengths=[30, 5, 19, 40])
     batch = torch.zeros(len(seqs), 40, dtype=torch.long)
@@ -583,7 +583,7 @@ def test_sink_window_and_latent_packed_score_is_the_padded_bits(family, mt):
 
 def test_mla_caches_the_latent_and_rope_key_only(family):
     """The sampler's pages of an MLA layer: one (pages, block, 1, kv_lora_rank + head_dim) tensor, both
-    halves of the (k, v) pair, holding each token's normed latent and RoPE'd key; what plan.py counts."""
+    halves of the (k, v) pair, holding each token's normed latent and RoPE'd key; what tooling/plan.py counts."""
     model = family("deepseek_v3")[2]
     cfg = model.config
     sampler = Sampler(model, num_blocks=8)
@@ -654,7 +654,7 @@ def test_gpt_oss_expert_shard_reads_only_its_experts(tmp_path, monkeypatch, mxfp
     whole load's rows, biases too. Control: the whole load reads every expert."""
     import safetensors
     from disk_reads import ReadLog, experts_read
-    from expert_parallel import is_expert
+    from parallel.expert_parallel import is_expert
     cfg = ModelConfig.preset("tiny-gpt-oss")
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -703,7 +703,7 @@ def _mxfp4_checkpoint(src: str, dst: str, seed: int = 0) -> dict:
 def test_mxfp4_dequantize_is_transformers_bits():
     """hf.mxfp4_dequantize against transformers' own dequantizer, every code and scales from the
     subnormal range to near overflow, in bf16 and fp32."""
-    from hf import mxfp4_dequantize
+    from families.hf import mxfp4_dequantize
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=g, dtype=torch.uint8)
@@ -741,7 +741,7 @@ def test_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path, dtype):
 
 
 def test_mxfp4_errors(tmp_path, family):
-    from hf import dequantize_mxfp4, mxfp4_dequantize
+    from families.hf import dequantize_mxfp4, mxfp4_dequantize
     with pytest.raises(CheckpointError, match="no .*_scales"):
         dequantize_mxfp4({"a_blocks": torch.zeros(1, 2, 1, 16, dtype=torch.uint8)})
     with pytest.raises(CheckpointError, match="do not match"):
@@ -868,7 +868,7 @@ def test_validation_of_the_new_fields(overrides, needle):
 
 
 def test_unknown_model_type_is_refused_where_config_json_is_read_or_written(tmp_path):
-    """ModelConfig takes model_type as a plain name; hf.py refuses one it has no family for, naming the
+    """ModelConfig takes model_type as a plain name; families/hf.py refuses one it has no family for, naming the
     supported ones, before anything is written."""
     cfg = tiny_config(model_type="llama")
     for call in (lambda: config_to_hf(cfg), lambda: make_model(cfg).save_pretrained(str(tmp_path / "out"))):
@@ -1046,9 +1046,9 @@ def test_an_expert_shard_reads_only_its_experts(tmp_path, monkeypatch, layout):
     """An expert-parallel rank's load (Transformer.from_pretrained(experts=...), checkpoint.load_weights)
     reads its experts' rows, in its order, and not one byte of the others; the rest is the whole load's."""
     import safetensors
-    from checkpoint import load_weights
+    from support.checkpoint import load_weights
     from disk_reads import ReadLog, experts_read
-    from expert_parallel import keep_experts
+    from parallel.expert_parallel import keep_experts
     model = make_model()
     cfg, ckpt = model.config, tmp_path / "ckpt"
     model.save_pretrained(str(ckpt), **({"max_shard_bytes": 20_000} if layout == "sharded" else {}))

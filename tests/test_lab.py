@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import kernels
-import lab
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
+from lab import faults as lab
 from model import Transformer
 from rollout import Sampler
 
@@ -98,8 +98,8 @@ def test_correction_without_recompute_is_an_error(tmp_path):
 
 
 def _lab(tmp_path, runs: str, seeds: str, *extra: str) -> list[str]:
-    """bench.py's lab at 1 step of 4 groups of 4 -> its table's lines (header first)."""
-    r = subprocess.run([sys.executable, "bench.py", "--only", "lab", "--lab-steps", "1", "--lab-out", str(tmp_path),
+    """tooling/bench.py's lab at 1 step of 4 groups of 4 -> its table's lines (header first)."""
+    r = subprocess.run([sys.executable, "-m", "tooling.bench", "--only", "lab", "--lab-steps", "1", "--lab-out", str(tmp_path),
                         "--lab-seeds", seeds, "--lab-runs", runs, *extra,
                         "--lab-args", "--prompts_per_step=4 --group_size=4 --n_digits=2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -111,7 +111,7 @@ def _lab(tmp_path, runs: str, seeds: str, *extra: str) -> list[str]:
 
 def test_lab_command_runs_every_row_end_to_end(tmp_path):
     """Every row of bench.LAB runs (one seed), in the table's order, its columns filled."""
-    import bench
+    from tooling import bench
     table = _lab(tmp_path, "", "0")
     names = [line.split("|")[1].strip() for line in table[1:]]
     assert names == list(bench.LAB) and names[:9] == ["invariant", "fast", "fast+tis", "fast+reject", "fast+icepop",
@@ -141,7 +141,7 @@ def test_lab_command_pools_seeds_from_one_supervised_start(tmp_path):
             assert run["train"]["init_from"] == str(start), (name, seed)
     sft = [json.loads(line) for line in open(tmp_path / "sft-tiny" / "metrics.jsonl")]
     assert [row.get("sft_step") for row in sft if row.get("phase") == "sft"] == [1, 2]
-    r = subprocess.run([sys.executable, "bench.py", "--only", "lab", "--lab-runs", "lookup", "--lab-sft-steps", "2",
+    r = subprocess.run([sys.executable, "-m", "tooling.bench", "--only", "lab", "--lab-runs", "lookup", "--lab-sft-steps", "2",
                         "--lab-out", str(tmp_path / "refused")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--lab-sft-steps: ['lookup']" in r.stderr and "Traceback" not in r.stderr
 
@@ -150,7 +150,7 @@ def test_lab_docs_name_bench_rows_and_count_them():
     """README's and docs/results.md's lab tables and commands speak of bench.LAB's rows: the names as the
     table prints them, the counts the commands run."""
     import re
-    import bench
+    from tooling import bench
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     results = open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8").read()
     lab = results.split("## The mismatch lab\n", 1)[1].split("\n## ", 1)[0]
@@ -197,7 +197,7 @@ def test_true_entropy_is_logged_beside_the_sampled_logprob():
 
 # ---- quantized rollouts, router faults, trainer-side token dropping, the dense control --------------
 def test_fake_quantize_by_hand():
-    from lab import fake_quantize
+    from lab.faults import fake_quantize
     # scales chosen as powers of two, so every expected value is exact: int8 absmax 127/16, fp8 448/16
     w = torch.tensor([[127 / 16, 0.1, -3.03], [0.0, 0.0, 0.0]])
     assert torch.equal(fake_quantize(w, "int8"), torch.tensor([[127 / 16, 2 / 16, -48 / 16], [0.0, 0.0, 0.0]]))
@@ -213,7 +213,7 @@ def test_fake_quantize_by_hand():
 
 
 def test_quantized_rollout_has_a_mismatch_and_the_trainer_stays_exact():
-    from lab import quantized_copy
+    from lab.faults import quantized_copy
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     q, sync = quantized_copy(model, "int8", lambda: None)
@@ -245,7 +245,7 @@ def test_quantized_rollout_has_a_mismatch_and_the_trainer_stays_exact():
 
 
 def _fq(w):
-    from lab import fake_quantize
+    from lab.faults import fake_quantize
     return fake_quantize(w, "int8")
 
 
@@ -398,9 +398,9 @@ def test_lab_options_refuse_bad_values():
 
 
 def test_the_core_carries_no_fault_branch():
-    """The lab's faults live in lab.py and act on the rollout's copy from outside: no name in model.py's
-    or distributed.py's code speaks of a fault or a quantized copy, and no branch of train.py tests a
-    lab option (it hands the copy's choice to lab.rollout_copy). Control: lab.py itself is full of them."""
+    """The lab's faults live in lab/faults.py and act on the rollout's copy from outside: no name in model.py's
+    or support/distributed.py's code speaks of a fault or a quantized copy, and no branch of train.py tests a
+    lab option (it hands the copy's choice to lab.rollout_copy). Control: lab/faults.py itself is full of them."""
     import ast
     import tokenize
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -410,9 +410,9 @@ def test_the_core_carries_no_fault_branch():
             return {t.string for t in tokenize.tokenize(f.readline) if t.type == tokenize.NAME}
     import re
     lab_word = re.compile(r"(^|_)(fault|quantiz|lower_precision|rollout_dtype|rollout_mode)", re.I)   # not setdefault
-    for core in ("model.py", "distributed.py"):
+    for core in ("model.py", "support/distributed.py"):
         assert not [n for n in names(core) if lab_word.search(n)], core
-    assert len([n for n in names("lab.py") if lab_word.search(n)]) > 10
+    assert len([n for n in names("lab/faults.py") if lab_word.search(n)]) > 10
     tree = ast.parse(open(os.path.join(root, "train.py")).read())
     tests = [node.test for node in ast.walk(tree) if isinstance(node, (ast.If, ast.IfExp, ast.While))]
     tested = {n.attr if isinstance(n, ast.Attribute) else n.id for t in tests for n in ast.walk(t)

@@ -22,13 +22,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import runlog  # noqa: E402
-import train  # noqa: E402
-from checkpoint import latest_checkpoint, load_trainer_state, saved_configs  # noqa: E402
+import kernels                                                          # noqa: E402
+import train                                                            # noqa: E402
 from config import ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args  # noqa: E402
-from distributed import Dist, MixedPrecision, cast_for_compute  # noqa: E402
-import kernels  # noqa: E402
-from model import Transformer  # noqa: E402
+from model import Transformer                                           # noqa: E402
+from support import runlog                                              # noqa: E402
+from support.checkpoint import latest_checkpoint, load_trainer_state, saved_configs  # noqa: E402
+from support.distributed import Dist, MixedPrecision, cast_for_compute  # noqa: E402
 
 SMALL = ["--device=cpu", "--task=copy", "--n_digits=2", "--prompts_per_step=8", "--group_size=4",
          "--minibatch_size=32", "--progress=false"]
@@ -362,7 +362,7 @@ def fsdp_cast_check():
     """Under torchrun: FSDP2's bf16 all-gather (what a block computes with), the sampler's gathered
     copy and the fp32 masters gathered then cast, all bit for bit; the router gathered in fp32."""
     import torch.distributed as dist
-    from distributed import init_distributed
+    from support.distributed import init_distributed
     d = init_distributed("cpu")
     tcfg, _ = configs("--dtype=bfloat16", "--parallel=fsdp")
     master = initial("tiny-sigmoid")

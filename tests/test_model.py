@@ -575,7 +575,7 @@ def test_multi_head_attention_scores_packed_and_padded():
     """As many KV heads as query heads (OLMoE's layout): a query block of 16 positions is a whole tile of
     attention rows, so the torch kernel's scaled queries are a strided view; the packed and the padded
     forwards (16 and 32 tokens: whole tiles) run and give the same bits. It raised before."""
-    from packing import Packing
+    from support.packing import Packing
     model = make_model(tiny_config(num_attention_heads=2, num_key_value_heads=2), seed=5)
     tokens = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     logp, routes = model.score(tokens)

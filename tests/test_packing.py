@@ -17,8 +17,8 @@ import torch
 
 import kernels
 from conftest import ROOT, make_model, rel_err, tiny_config
-from packing import Packing, deal, in_row_order, null_micro_batch, pack
 from rollout import Sampler
+from support.packing import Packing, deal, in_row_order, null_micro_batch, pack
 
 LENGTHS = [5, 17, 33, 1, 20, 16]       # across tiles, a one-token sequence, one exactly a tile
 
@@ -169,7 +169,7 @@ import sys, torch
 sys.path[:0] = [{root!r}, {tests!r}]
 import kernels
 from conftest import make_model, rel_err, tiny_config
-from packing import Packing
+from support.packing import Packing
 from test_packing import padded_batch
 lengths = [5, 40, 1, 23]                        # 40: across the interpreter's 32-query tile (2 heads a KV head)
 model = make_model(tiny_config(num_hidden_layers=2, mlp_only_layers=[])).eval()

@@ -1,4 +1,4 @@
-"""partial_rollout.py: partial rollouts. A sequence continued from its tokens so far (a per-prompt budget,
+"""asynchrony/partial_rollout.py: partial rollouts. A sequence continued from its tokens so far (a per-prompt budget,
 the same draws) is the uninterrupted sequence bitwise; off, and a budget past max_new_tokens, are the loop
 without them; carried groups train whole, within the staleness bound, and a resume continues the run
 exactly; the config's one-line errors; --rollout_ranks=1 is the colocated run. (The contract for carried
@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
+from asynchrony.partial_rollout import extend
 from config import ConfigError, ModelConfig, TrainConfig
 from model import Transformer
-from partial_rollout import extend
 from rollout import Sampler
 from test_pipeline import SMALL, _run, _same, _same_but_waits, _torchrun
 

@@ -1,4 +1,4 @@
-"""pipeline.py: bounded staleness and in-flight updates. The schedule (which version generates which
+"""asynchrony/pipeline.py: bounded staleness and in-flight updates. The schedule (which version generates which
 batch), provenance per token under every --inflight_update mode, the contract across versions (the
 trainer's forward at the version that drew a token recomputes its log-prob bitwise; keep_kv's tokens
 are another function: the control; partial rollouts' carried tokens too), the routes that drew each
@@ -15,13 +15,13 @@ import json
 import pytest
 import torch
 
-import runlog
 import train
+from asynchrony.pipeline import Colocated, Rollout, rollout_from_state, rollout_state
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
 from model import Transformer
-from pipeline import Colocated, Rollout, rollout_from_state, rollout_state
 from rollout import Sampler
 from scheduler import Scheduler
+from support import runlog
 
 
 # ---- the schedule ---------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def test_rollout_state_round_trips(tmp_path):
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("tiny"))
     outs = Sampler(model).generate([[11, 3, 10]], max_new_tokens=4, n=2, version=3)
-    import tasks
+    from support import tasks
     r = Rollout([tasks.Example([11, 3, 10], [3, 12])], outs, [[0.5], [0.25]], 3, 1.5)
     torch.save(rollout_state(r), tmp_path / "r.pt")
     back = rollout_from_state(torch.load(tmp_path / "r.pt", weights_only=True))
@@ -164,15 +164,15 @@ def _perturbed(model, seed):
 
 @pytest.mark.parametrize("mode", ["keep_kv", "recompute_kv"])
 def test_carried_tokens_keep_the_bits_of_the_version_that_drew_them(mode):
-    """Partial rollouts (partial_rollout.py): batch 0 by version 5, batch 1 by version 6, which an in-flight
+    """Partial rollouts (asynchrony/partial_rollout.py): batch 0 by version 5, batch 1 by version 6, which an in-flight
     update moves to 7 after its first engine step. A token whose version and KV version agree (drawn in
     its batch, or after a carry's recompute under new weights) has the trainer's bits at its version:
     log-prob, and the route that drew it; the earlier tokens of a carried sequence keep theirs, and so
     do the positions that batch 1's first step fed under version 6 when recompute_kv prefills them again.
     The controls: a carried token is not its earlier version's function, and (keep_kv) a token drawn on KV
     an older version wrote is neither version's."""
-    from partial_rollout import PartialRollouts
-    from tasks import DigitTask
+    from asynchrony.partial_rollout import PartialRollouts
+    from support.tasks import DigitTask
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("tiny"))
     sampler = Sampler(model, max_batch_size=16)

@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-import exact_sum
-import plan
 from config import ConfigError, ModelConfig
-from distributed import Dist
-from expert_parallel import ExpertParallel, Placement, shard_experts
 from model import Transformer
+from parallel.expert_parallel import ExpertParallel, Placement, shard_experts
+from support import exact_sum
+from support.distributed import Dist
+from tooling import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,7 +108,7 @@ def test_kv_pool_from_tokens_or_the_room_left():
 
 
 def test_qwen3_30b_a3b_on_eight_96gb_gpus_fits_only_with_expert_parallelism(tmp_path):
-    from hf import config_to_hf
+    from families.hf import config_to_hf
     folder = tmp_path / "qwen3-30b-a3b"                # a checkpoint folder's config.json: the plan reads no weight
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config_to_hf(ModelConfig.preset("qwen3-30b-a3b"))))

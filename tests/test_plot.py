@@ -1,4 +1,4 @@
-"""plot.py: figures from metrics.jsonl, and its one-line errors.
+"""tooling/plot.py: figures from metrics.jsonl, and its one-line errors.
 
     python -m pytest -q tests/test_plot.py
 """
@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import plot  # noqa: E402
+from tooling import plot  # noqa: E402
 
 
 def write_run(path, n=12, nan_at=None):
@@ -34,7 +34,7 @@ def write_run(path, n=12, nan_at=None):
 def test_plot_writes_a_png_per_call(tmp_path):
     pytest.importorskip("matplotlib")
     a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b", nan_at=3)
-    r = subprocess.run([sys.executable, "plot.py", a, b, "--labels", "invariant,fast"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "tooling.plot", a, b, "--labels", "invariant,fast"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     png = os.path.join(a, "plots", "metrics.png")
@@ -65,7 +65,7 @@ def test_plot_errors_are_one_line(tmp_path, case, message):
             f.writelines([lines[0], lines[-1]])
     elif case == "labels":
         argv = [run, "--labels", "a,b"]
-    r = subprocess.run([sys.executable, "plot.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "tooling.plot", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().startswith("error:") and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -162,7 +162,7 @@ def test_eval_expert_load_and_latency_panels_whenever_their_keys_exist(tmp_path,
 
 
 def test_observations_figure_has_reward_length_latency_tail_and_load(tmp_path, monkeypatch):
-    """plot.py --observations writes one PNG of four panels: reward, response length (the run's detected
+    """tooling/plot.py --observations writes one PNG of four panels: reward, response length (the run's detected
     surge marked at its step), rollout latency p95 and p99, expert load."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
@@ -173,7 +173,7 @@ def test_observations_figure_has_reward_length_latency_tail_and_load(tmp_path, m
                  rollout_latency_p95=0.2 * r["step"], rollout_latency_p99=0.3 * r["step"],
                  expert_load_max=2.0 + r["step"] / 10, load_imbalance_layer=[1.5, 2.5])
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = subprocess.run([sys.executable, "plot.py", str(path), "--observations"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "tooling.plot", str(path), "--observations"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     with open(path / "plots" / "observations.png", "rb") as f:

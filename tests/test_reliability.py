@@ -18,12 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import tasks
-import runlog
 import train
 from config import ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
-from hf import CheckpointError
+from families.hf import CheckpointError
 from model import Transformer
+from support import tasks, runlog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--task=copy", "--n_digits=2", "--prompts_per_step=2", "--group_size=2", "--minibatch_size=4",
@@ -642,7 +641,7 @@ def expected_scalars(row: dict) -> dict:
 
 def test_logged_scalars_flatten_lists_of_lists():
     """EP's device load (ep_rows: per layer, per rank) reaches the loggers as ep_rows/layer/rank."""
-    from runlog import logged_scalars
+    from support.runlog import logged_scalars
     row = {"step": 3, "a": 1.5, "ep_rows": [[3, 5], [8, 0]], "b": None, "c": [0.5, None]}
     assert logged_scalars(row) == {"a": 1.5, "ep_rows/0/0": 3.0, "ep_rows/0/1": 5.0, "ep_rows/1/0": 8.0,
                                    "ep_rows/1/1": 0.0, "c/0": 0.5}

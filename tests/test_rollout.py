@@ -29,8 +29,8 @@ if ROOT not in sys.path:
 import rollout  # noqa: E402
 from conftest import assert_contract, rel_err  # noqa: E402
 from config import ConfigError, ModelConfig, RolloutConfig  # noqa: E402
-from model import Transformer  # noqa: E402
 from kernels import sample_tokens  # noqa: E402
+from model import Transformer      # noqa: E402
 from rollout import Sampler, SamplingParams, draw_keys, kv_pool_blocks  # noqa
 from scheduler import BlockManager, Scheduler, Sequence  # noqa: E402
 
@@ -864,7 +864,7 @@ def test_check_outputs_sees_one_ulp():
 # ---------------------------------------------------------------------------------------------------
 def _ops_per_decode_step(n_seqs: int) -> int:
     """Top-level torch ops (what the host calls, not the ops those run inside) of one decode step."""
-    from bench import decode_step_profile
+    from tooling.bench import decode_step_profile
     sampler = Sampler(fp32_model(), max_batch_size=n_seqs)
     return decode_step_profile(sampler, make_prompts([10] * n_seqs, seed=2), 8)[0]
 
@@ -948,13 +948,13 @@ def test_draws_depend_on_seed_index_and_position_only():
 
 
 def test_bench_gpu_section_runs_on_cpu(tmp_path):
-    """`bench.py --only gpu` is only measured on a GPU (tools/gpu_check.sh); its code runs here at
+    """`tooling/bench.py --only gpu` is only measured on a GPU (tools/gpu_check.sh); its code runs here at
     tiny sizes so that the call cannot fail on a stale path: the contract rows must read 0. It takes
     the sweep's tile configs (--tuning); a bad tuning file is one line of error, not a traceback."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     tuning = tmp_path / "tuning.json"
     tuning.write_text('{"attn_split_below": 1, "mm": {"float32": [[null, 32, 32, 32, 4, 3]]}}')
-    r = subprocess.run([sys.executable, "bench.py", "--only", "gpu", "--cpu-smoke", "--tuning", str(tuning)],
+    r = subprocess.run([sys.executable, "-m", "tooling.bench", "--only", "gpu", "--cpu-smoke", "--tuning", str(tuning)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert f"tile configs from {tuning}: {{'attn_split_below': 1" in r.stdout
@@ -962,7 +962,7 @@ def test_bench_gpu_section_runs_on_cpu(tmp_path):
     assert contract and all(line.split()[-4] == "0.0" for line in contract), contract
     assert "one invariant eager decode step" in r.stdout and "one fast decode step" in r.stdout
     tuning.write_text('{"attn_split_below": 0}')
-    r = subprocess.run([sys.executable, "bench.py", "--only", "gpu", "--tuning", str(tuning)], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "tooling.bench", "--only", "gpu", "--tuning", str(tuning)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("bench.py: error: tuning file"), r.stderr
 

@@ -19,8 +19,8 @@ import train
 from config import ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args
 from losses import Normalisers, load_balancing_loss, router_objective, router_probs, router_z_loss, token_objective
 from model import Transformer
-from packing import pack, unpack
 from rollout import Sampler
+from support.packing import pack, unpack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E, K = 6, 2

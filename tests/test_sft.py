@@ -1,4 +1,4 @@
-"""sft.py (--sft_steps): the supervised loss and its gradient against a hand-written cross-entropy, the tasks'
+"""tooling/sft.py (--sft_steps): the supervised loss and its gradient against a hand-written cross-entropy, the tasks'
 reference answers, a supervised start that makes the first RL step better, resume across the phase's end
 and inside it, --init_from its checkpoint, and the refusals.
 
@@ -20,15 +20,15 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples", "arithmetic"))
-import checkpoint  # noqa: E402
-import distributed  # noqa: E402
-import plot  # noqa: E402
-import runlog  # noqa: E402
-import sft  # noqa: E402
-import tasks  # noqa: E402
-import train  # noqa: E402
+import train                    # noqa: E402
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides  # noqa: E402
-from runlog import Interrupted  # noqa: E402
+from support import checkpoint  # noqa: E402
+from support import distributed  # noqa: E402
+from support import runlog      # noqa: E402
+from support import tasks       # noqa: E402
+from support.runlog import Interrupted  # noqa: E402
+from tooling import plot        # noqa: E402
+from tooling import sft         # noqa: E402
 
 SMALL = ["--task=copy", "--n_digits=2", "--prompts_per_step=16", "--group_size=8", "--minibatch_size=64",
          "--lr=1e-2", "--warmup_steps=2", "--seed=0"]

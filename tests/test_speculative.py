@@ -1,4 +1,4 @@
-"""Speculative decoding (speculative.py, rollout.ModelRunner._verify_step): nothing changes but speed.
+"""Speculative decoding (sampling/speculative.py, rollout.ModelRunner._verify_step): nothing changes but speed.
 
     python -m pytest -q tests/test_speculative.py
 
@@ -20,15 +20,15 @@ import random
 import pytest
 import torch
 
-import runlog
-import speculative
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
+from sampling import speculative
+from support import runlog
 from conftest import assert_contract
-from distributed import sampler_rates
 from model import Transformer
 from rollout import Sampler
 from scheduler import BlockManager, Scheduler, Sequence, Step
+from support.distributed import sampler_rates
 from test_rollout import cuda, make_model
 from test_sessions import ToyEnv, assert_episode_contract
 
@@ -395,7 +395,7 @@ def test_a_train_run_logs_the_same_metrics(tmp_path):
 
 def test_bench_section_runs_and_checks_the_outputs():
     import argparse
-    import bench
+    from tooling import bench
     args = argparse.Namespace(preset="tiny", seed=0, spec_prompts=2, spec_digits=12, spec_tokens=K, temperature=0.0,
                               warmup=0, repeats=1)
     rows = bench.bench_speculative(args)

@@ -1,4 +1,4 @@
-"""tasks.py and its options: stop tokens, chat templates, the reward's inputs and errors, --vocab_size,
+"""support/tasks.py and its options: stop tokens, chat templates, the reward's inputs and errors, --vocab_size,
 --help's descriptions, nearest-name suggestions and range messages (config.py).
 
     python -m pytest -q tests/test_tasks.py
@@ -19,10 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples", "arithmetic"))
 import config  # noqa: E402
-import hf  # noqa: E402
-import tasks  # noqa: E402
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides  # noqa: E402
-from tasks import JsonlTask, TaskError  # noqa: E402
+from families import hf  # noqa: E402
+from support import tasks  # noqa: E402
+from support.tasks import JsonlTask, TaskError  # noqa: E402
 
 tk = pytest.importorskip("tokenizers")
 import build_tokenizer  # noqa: E402  (examples/arithmetic)
@@ -158,7 +158,7 @@ def test_reward_that_raises_keeps_its_traceback_and_names_the_call(folder, capsy
         train.cli(argv)
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "return 1 / 0" in err and "ZeroDivisionError" in err
-    assert "train.py" not in err and "tasks.py" not in err                  # the user's frames only
+    assert "train.py" not in err and "support/tasks.py" not in err                  # the user's frames only
     msg = str(e.value.code)
     assert msg.startswith("error: step 1: --reward_fn=") and "raised ZeroDivisionError" in msg
     assert "prompt '12 + 34 ='" in msg and "response '" in msg and "answer '46'" in msg and "\n" not in msg
@@ -273,7 +273,7 @@ def test_help_describes_every_option_once():
 def test_help_lists_every_option_the_command_line_takes():
     """train.py --help: every TrainConfig and RolloutConfig option, every ModelConfig field a preset takes,
     the presets, and --plan with its own keys, each once."""
-    import plan
+    from tooling import plan
     r = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
     listed = re.findall(r"^  --(\w+)=", r.stdout, flags=re.M)

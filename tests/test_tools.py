@@ -30,9 +30,9 @@ if TOOLS not in sys.path:
     sys.path.insert(0, TOOLS)
 
 import gpu_check  # noqa: E402
-import kernels_triton as kt  # noqa: E402
-import kernels_triton_moe as ktm  # noqa: E402
-import kernels_triton_vocab as ktv  # noqa: E402
+from kernels_triton import ops as kt     # noqa: E402
+from kernels_triton import moe as ktm    # noqa: E402
+from kernels_triton import vocab as ktv  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

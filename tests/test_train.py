@@ -12,15 +12,13 @@ import sys
 import pytest
 import torch
 
-import checkpoint
-import distributed
-import runlog
 import kernels
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
 from model import Transformer
 from replay import pack_routes, route_audit
 from rollout import Sampler
+from support import checkpoint, distributed, runlog
 from host_reads import HostReads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,10 +77,10 @@ def test_r3_replays_recorded_routes_and_router_learns():
 def test_trainers_forward_under_r3_reads_nothing_back():
     """model.score's checks read the inputs back (a sync per micro-batch on a GPU); the trainer's
     forward (distributed.Scorer, as train.forward calls it, R3 replay, entropy, logits chunks,
-    backward) makes none of them: no read from model.py, distributed.py, train.py or replay.py. The
+    backward) makes none of them: no read from model.py, support/distributed.py, train.py or replay.py. The
     torch backend's own grouping of MoE rows by expert and its attention's tile count read on the
     host (kernels.py, the CPU backend); the Triton backend's do not."""
-    from distributed import Scorer
+    from support.distributed import Scorer
     model = _model()
     outs = Sampler(model).generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=6, n=2, progress=False)
     batch = train.make_batch(outs, torch.zeros(len(outs)))
@@ -95,7 +93,7 @@ def test_trainers_forward_under_r3_reads_nothing_back():
     assert ours == {}, ours
     # packed, as the trainer runs by default: the Packing's index tensors are built from its lengths on the
     # host (no read), the forward and backward read nothing either
-    from packing import Packing
+    from support.packing import Packing
     pk = Packing.concat([len(o.prompt) + len(o.tokens) for o in outs])
     packed_tokens, packed_routes = pk.from_padded(batch.tokens), pk.from_padded(batch.routes, fill=-1)
     with HostReads() as packed:
@@ -399,7 +397,7 @@ def test_console_names_staleness_and_an_episodes_budget():
     nothing of it); an episode's banner gives a turn's limit and the episode's, since its policy tokens
     add up past one turn's."""
     from types import SimpleNamespace
-    from tasks import generation_line, make_task
+    from support.tasks import generation_line, make_task
     run = SimpleNamespace(tcfg=SimpleNamespace(steps=9))
     row = {"step": 3, "reward_mean": 0.5, "loss": 0.1, "train_rollout_kl": 2e-3, "route_flip_frac": 0.01,
            "response_len": 4.0, "step_time": 1.0}

@@ -1,4 +1,4 @@
-"""The Triton backend (kernels_triton.py): agreement with the torch backend, and the invariance contract.
+"""The Triton backend (kernels_triton/ops.py): agreement with the torch backend, and the invariance contract.
 
     python -m pytest -q tests/test_triton.py
 
@@ -32,9 +32,9 @@ if not CUDA:
 pytest.importorskip("triton")
 
 import kernels  # noqa: E402
-import kernels_triton as kt  # noqa: E402
-import kernels_triton_moe as ktm  # noqa: E402
-import kernels_triton_vocab as ktv  # noqa: E402
+from kernels_triton import ops as kt  # noqa: E402
+from kernels_triton import moe as ktm  # noqa: E402
+from kernels_triton import vocab as ktv  # noqa: E402
 from conftest import assert_contract, make_model, tiny_config  # noqa: E402
 from rollout import Sampler  # noqa: E402
 
@@ -332,18 +332,18 @@ def test_sample_tokens_dispatch(monkeypatch):
 
 
 def test_triton_modules_do_not_import_kernels_or_each_other():
-    """The dependencies run one way: kernels.py -> kernels_triton*.py -> kernels_triton_base.py."""
+    """The dependencies run one way: kernels.py -> kernels_triton/{ops,moe,vocab}.py -> kernels_triton/base.py."""
     import ast
     imported = {}
-    backend = ("kernels_triton", "kernels_triton_moe", "kernels_triton_vocab")
-    for name in backend + ("kernels_triton_base",):
-        tree = ast.parse(open(os.path.join(ROOT, name + ".py")).read())
-        imported[name] = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
-                         {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    backend = ("kernels_triton.ops", "kernels_triton.moe", "kernels_triton.vocab")
+    for name in backend + ("kernels_triton.base",):
+        tree = ast.parse(open(os.path.join(ROOT, name.replace(".", "/") + ".py")).read())
+        imported[name] = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+                         {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert all("kernels" not in deps for deps in imported.values()), imported
     for name in backend:                                     # each imports the base and nothing of the backend
-        assert not set(backend) & imported[name], (name, imported[name])
-    assert not set(backend) & imported["kernels_triton_base"]
+        assert "kernels_triton.base" in imported[name] and not set(backend) & imported[name], (name, imported[name])
+    assert not {m for m in imported["kernels_triton.base"] if m.startswith("kernels")}
 
 
 # ---------------------------------------------------------------------------------------------------

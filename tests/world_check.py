@@ -24,8 +24,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train                                                       # noqa: E402
 from config import RolloutConfig, TrainConfig                      # noqa: E402
-import runlog                                                      # noqa: E402
-from distributed import Dist                                       # noqa: E402
+from support import runlog                                         # noqa: E402
+from support.distributed import Dist                               # noqa: E402
 
 STEPS = 10
 BASE = dict(device="cpu", task="copy", n_digits=2, prompts_per_step=8, group_size=4, minibatch_size=32,

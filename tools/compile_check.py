@@ -36,10 +36,10 @@ from triton.compiler.compiler import ASTSource, make_backend       # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature   # noqa: E402
 
 import kernels                                                     # noqa: E402
-import kernels_triton as kt                                        # noqa: E402
-import kernels_triton_moe as ktm                                   # noqa: E402
-import kernels_triton_vocab as ktv                                 # noqa: E402
 from config import ModelConfig                                     # noqa: E402
+from kernels_triton import ops as kt                               # noqa: E402
+from kernels_triton import moe as ktm                              # noqa: E402
+from kernels_triton import vocab as ktv                            # noqa: E402
 from model import Transformer                                      # noqa: E402
 from rollout import Sampler                                        # noqa: E402
 

@@ -6,7 +6,7 @@
     python tools/gpu_check.py --sweep       # only the sweep;  --no-sweep: tests + table (of the committed tables,
                                             # or of --tuning FILE's)
     python tools/gpu_check.py --quick       # smaller benchmark shapes
-    bash tools/gpu_check.sh                 # the whole GPU check: this, the sampler's CUDA tests, bench.py --only gpu
+    bash tools/gpu_check.sh                 # the whole GPU check: this, the sampler's CUDA tests, bench --only gpu
 
 The tests are tests/test_triton.py run on CUDA (the interpreter tests on the GPU, plus the `gpu`
 tests in bf16 and fp32 at larger shapes); while they run, three processes compile the sweep's
@@ -154,7 +154,7 @@ def attention_fwd_bwd(att, which):
     """A callable running forward + backward of causal attention: "triton", "sdpa" or flash_attn_func."""
     import torch
     import torch.nn.functional as F
-    import kernels_triton as kt
+    from kernels_triton import ops as kt
     q, k, v, kp, vp, bt, pos = att
     B, T, H, D = q.shape
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -257,7 +257,7 @@ def bench(quick: bool, dev: str = "cuda") -> None:
 def bench_matmul(t: Timings, dev: str) -> None:
     """matmul: the model's real shapes (Qwen3-30B-A3B), rows M of decode to prefill."""
     import torch
-    import kernels_triton as kt
+    from kernels_triton import ops as kt
     bf16, fp32 = torch.bfloat16, torch.float32
     for name, K, N in MM_SHAPES:
         if t.tiny:
@@ -278,7 +278,7 @@ def bench_moe(t: Timings, quick: bool, dev: str) -> None:
     import torch
     import torch.nn.functional as F
     import kernels
-    import kernels_triton_moe as ktm
+    from kernels_triton import moe as ktm
     bf16 = torch.bfloat16
     M, E, k, D, I = (16, 4, 2, 32, 32) if t.tiny else (1024, 32, 4, 1024, 512) if quick else (4096, 128, 8, 2048, 768)
     x = torch.randn(M, D, device=dev, dtype=bf16)
@@ -312,7 +312,7 @@ def bench_attention(t: Timings, quick: bool, dev: str):
     a long paged context. Returns the bf16 prefill inputs (for flash_decode_check)."""
     import torch
     import torch.nn.functional as F
-    import kernels_triton as kt
+    from kernels_triton import ops as kt
     bf16, fp32 = torch.bfloat16, torch.float32
     flash_attn_func, flash_attn_with_kvcache, fa = flash_attn_fns()
     B, T, H, KVH, Dh = (1, 80, 4, 2, 16) if t.tiny else (2, 1024, 32, 4, 128) if quick else (4, 2048, 32, 4, 128)
@@ -356,7 +356,7 @@ def bench_mla(t: Timings, quick: bool, dev: str) -> None:
     decode, against SDPA over the same keys."""
     import torch
     import torch.nn.functional as F
-    import kernels_triton as kt
+    from kernels_triton import ops as kt
     H, D = (4, 48) if t.tiny else (16, 576)
     B, T = (1, 80) if t.tiny else (2, 1024) if quick else (4, 2048)
     q, k, _, kp, _, bt, pos = attention_inputs(B, T, H, 1, D, torch.bfloat16, dev)
@@ -378,8 +378,8 @@ def bench_row_ops(t: Timings, quick: bool, dev: str) -> None:
     import torch
     import torch.nn.functional as F
     import kernels
-    import kernels_triton as kt
-    import kernels_triton_vocab as ktv
+    from kernels_triton import ops as kt
+    from kernels_triton import vocab as ktv
     bf16 = torch.bfloat16
     Mr, Nr = (16, 64) if t.tiny else (8192, 4096)
     xr, wr = torch.randn(Mr, Nr, device=dev, dtype=bf16), torch.ones(Nr, device=dev, dtype=bf16)
@@ -576,7 +576,7 @@ def sweep_matmul(dev, ms) -> dict:
     that gave the table config's bits at every one of them; a row not timed keeps its config."""
     import math
     import torch
-    import kernels_triton as kt
+    from kernels_triton import ops as kt
     tiny = dev == "cpu"
     print("\nsweep: matmul (ms; bits = equal to the table config's result)", flush=True)
     ratios: dict[tuple, dict[tuple, list[float]]] = {}      # (dtype, table row) -> config -> [ms / cuBLAS ms]
@@ -643,7 +643,7 @@ def sweep_moe(dev, ms) -> list[int]:
     printed, but a token's row may not depend on its batch)."""
     import torch
     import kernels
-    import kernels_triton_moe as ktm
+    from kernels_triton import moe as ktm
     tiny = dev == "cpu"
     M, E, k, D, I = (16, 4, 2, 32, 32) if tiny else (4096, 128, 8, 2048, 768)
     Md = 4 if tiny else 256
@@ -684,7 +684,7 @@ def decode_equals_prefill(q, kc, vc, bt, pos, D, parallel=False) -> bool:
     """One sequence's prefill (one program per query block) against decode at four positions, bitwise;
     parallel: the decode steps run their key splits as separate programs plus the merge kernel."""
     import torch
-    import kernels_triton as kt
+    from kernels_triton import ops as kt
     below = kt.ATTN_SPLIT_BELOW
     try:
         kt.ATTN_SPLIT_BELOW = 0
@@ -703,7 +703,7 @@ def sweep_attention(dev, ms) -> dict:
     configs: forward+backward time. Returns the fastest forward config that keeps the contract
     (smallest product of prefill and decode time), ATTN_SPLIT_BELOW, and the fastest backward configs."""
     import torch
-    import kernels_triton as kt
+    from kernels_triton import ops as kt
     tiny = dev == "cpu"
     B, T, H, KVH, D = (1, 80, 4, 2, 16) if tiny else (4, 2048, 32, 4, 128)
     att = attention_inputs(B, T, H, KVH, D, torch.bfloat16, dev)
@@ -769,7 +769,7 @@ def sweep_splits(dev, ms, H, KVH, D) -> int:
     """Decode of B sequences of ctx keys with the key splits run in parallel (two kernels) or in one
     program; returns ATTN_SPLIT_BELOW: the fewest programs at which one program was as fast (the
     splits run in parallel below it), or the table's value if the splits won everywhere."""
-    import kernels_triton as kt
+    from kernels_triton import ops as kt
     below = kt.ATTN_SPLIT_BELOW
     print("\nsweep: decode with the key splits in parallel (two kernels) or in one program "
           f"(kernels_triton.ATTN_SPLIT_BELOW = {below} programs picks)", flush=True)

@@ -4,9 +4,9 @@
 #      checked to keep the contract, goes to $LOG_DIR/tuning.json), then the kernel timing table with it
 #   2. the sampler's and the model families' CUDA tests (graph replay == eager == score, row
 #      invariance), with the sweep's tile configs
-#   3. bench.py --only gpu, with them: the rollout engine at Qwen3-30B-A3B layer shapes (tok/s,
+#   3. tooling/bench.py --only gpu, with them: the rollout engine at Qwen3-30B-A3B layer shapes (tok/s,
 #      bandwidth share, the fast path, the contract)
-# Paste tuning.json into the tables (kernels_triton.py, kernels_triton_moe.py; see kernels.load_tuning)
+# Paste tuning.json into the tables (kernels_triton/ops.py, kernels_triton/moe.py; see kernels.load_tuning)
 # to keep what was measured. Logs go to $LOG_DIR (default out/gpu); each part has its own time limit,
 # so one slow part cannot take the others' time. Extra arguments go to gpu_check.py.
 set -o pipefail
@@ -45,6 +45,6 @@ xdist=()
 python -c "import xdist" 2>/dev/null && xdist=(-n 4)
 part "sampler and families CUDA tests" rollout_cuda.log "${ROLLOUT_TIMEOUT:-70}" \
     python -m pytest -q -rfEs "${xdist[@]}" tests/test_rollout.py tests/test_hf.py -k cuda "${tests_with[@]}"
-part "bench.py --only gpu" bench_gpu.log "${BENCH_TIMEOUT:-150}" python bench.py --only gpu "${bench_with[@]}"
+part "tooling/bench.py --only gpu" bench_gpu.log "${BENCH_TIMEOUT:-150}" python -m tooling.bench --only gpu "${bench_with[@]}"
 echo "gpu_check.sh: exit $rc (logs in $LOG_DIR)"
 exit $rc

@@ -3,7 +3,7 @@
     python examples/arithmetic/build_tokenizer.py      # -> examples/arithmetic/tokenizer.json
 
 One token per character of "0123456789+=", <|endoftext|> (id 0) as the special token that ends a
-response (train.py finds it by name and stops there: tasks.py, "Stop tokens"), and <unk> (the last id)
+response (train.py finds it by name and stops there: support/tasks.py, "Stop tokens"), and <unk> (the last id)
 for a character outside those: a token of its own, never a stop token, so train.py can tell it apart
 and refuse a prompt that holds one (tasks.check_known_text).
 """

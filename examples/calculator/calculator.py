@@ -1,4 +1,4 @@
-"""A calculator tool as a multi-turn environment for train.py --env (tasks.py, "Environments").
+"""A calculator tool as a multi-turn environment for train.py --env (support/tasks.py, "Environments").
 
     python examples/calculator/build_tokenizer.py
     python train.py --task=jsonl --data=examples/arithmetic/train.jsonl --tokenizer=examples/calculator/tokenizer.json \

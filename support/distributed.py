@@ -31,13 +31,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import exact_sum
-import expert_parallel
-import hf
-from checkpoint import RunError
 from config import ConfigError, TrainConfig
+from families import hf
 from model import MoE, RouteDetail, Transformer
-from packing import Scored, deal
+from parallel import expert_parallel
+from support import exact_sum
+from support.checkpoint import RunError
+from support.packing import Scored, deal
 
 
 @dataclasses.dataclass

@@ -45,10 +45,10 @@ from typing import Callable
 
 import torch
 
+from asynchrony.pipeline import Rollout
 from config import ConfigError
-from pipeline import Rollout
 from rollout import SequenceOutput
-from tasks import Example
+from support.tasks import Example
 
 UNFINISHED = "partial"      # an in-flight output's finish_reason until its sequence ends ("stop" / "length")
 
@@ -169,7 +169,7 @@ def extend(before: SequenceOutput | None, new: SequenceOutput, start: float = 0.
 
 def summed(parts: list[dict]) -> dict:
     """The rounds' sampler counters as the batch's: the counts added, the rates of the sums."""
-    from distributed import sampler_rates
+    from support.distributed import sampler_rates
     out = {k: sum(p[k] for p in parts) for k in parts[0]}
     return out | sampler_rates(out)
 

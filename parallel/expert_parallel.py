@@ -22,7 +22,7 @@ w13, w2), cut, gathered, exchanged and saved together; the owner runs them with 
 (Exchange below): gradients of x and of the routing weights return to the token's rank, the expert
 tensors' gradients stay with their owner.
 
-EPLB (--eplb_redundant=R; eplb.py plans the layouts, this file runs them): each MoE layer has E + R
+EPLB (--eplb_redundant=R; parallel/eplb.py plans the layouts, this file runs them): each MoE layer has E + R
 physical slots, replicas of its most loaded experts among them, (E+R)/N a rank (ExpertParallel.eplb,
 a Placement per layer). The trained weights stay as the placement puts them, E/N a rank, so the
 optimizer, checkpoints and FSDP2 never see a replica; each model copy that runs a forward gathers its
@@ -145,7 +145,7 @@ class Placement:
 
 class Replicas:
     """EPLB's compute layout (--eplb_redundant): per MoE layer a Placement of the E + R slots with
-    replicas (eplb.py plans them from the measured load). Each model copy that runs a forward keeps its
+    replicas (parallel/eplb.py plans them from the measured load). Each model copy that runs a forward keeps its
     slots' weights, (S/N, ...) of each expert tensor gathered from the home shards (ExpertParallel.placement, the
     trained ones), and gathers them again at its first forward after `version` moved: the weights
     changed (weights_changed) or the layouts did (set)."""

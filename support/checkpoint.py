@@ -4,12 +4,12 @@
     state = load_trainer_state(latest_checkpoint(out_dir))               # plain data: nothing is unpickled
     model.load_state_dict(load_weights(ckpt, model))                     # the exact weights to resume from
     resumed = resume(tcfg, model, task, experts=None, print0=print)     # all a resume loads and checks
-    python -m checkpoint export out DIR [--save_dtype=bfloat16]   # a clean HF folder of out's latest checkpoint
+    python -m support.checkpoint export out DIR [--save_dtype=bfloat16]   # a clean HF folder of out's latest checkpoint
 
 A checkpoint folder is an HF folder plus what a resume needs (trainer_state.pt: AdamW's state, twice the
 weights; masters.safetensors). `export` writes a folder with only what transformers, vLLM or the Hub
 need: the weights in --save_dtype (default: the run's), config.json, generation_config.json and the
-tokenizer files (export()). It and eval.py take a checkpoint folder or a run folder, which stands for the
+tokenizer files (export()). It and tooling/eval.py take a checkpoint folder or a run folder, which stands for the
 checkpoint its `latest` names (checkpoint_folder).
 
 Mixed precision: the HF export is written in --save_dtype (default the compute dtype: the compute copy
@@ -35,16 +35,16 @@ import sys
 
 import torch
 
-import expert_parallel
-import plan
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args, parse_bool
-from hf import (CheckpointError, Identity, eos_token_ids, expert_rows, hf_to_state, read_safetensors_dir,
-                read_safetensors_file, write_identity)
+from families.hf import (CheckpointError, Identity, eos_token_ids, expert_rows, hf_to_state, read_safetensors_dir,
+                         read_safetensors_file, write_identity)
 from model import Transformer
-from tasks import make_task
+from parallel import expert_parallel
+from support.tasks import make_task
+from tooling import plan
 
 MASTERS = "masters.safetensors"                                       # the exact weights, when the export rounds
-SFT_CKPT = "ckpt-000000"                                               # the end of --sft_steps' phase (sft.py)
+SFT_CKPT = "ckpt-000000"                                               # the end of --sft_steps' phase (tooling/sft.py)
 
 
 class RunError(RuntimeError):
@@ -175,7 +175,7 @@ def latest_checkpoint(out_dir) -> str:
 
 
 def checkpoint_folder(path: str) -> str:
-    """The checkpoint a command reads (export, eval.py): path itself when it holds config.json, the one a
+    """The checkpoint a command reads (export, tooling/eval.py): path itself when it holds config.json, the one a
     run folder's `latest` names when it holds that; else ConfigError, one line saying what path is."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
@@ -261,7 +261,7 @@ def write_run_json(out_dir: str, tcfg: TrainConfig, rcfg: RolloutConfig, model_c
 
 def trim_metrics(path: str, last_step: int, sft_done: int | None = None) -> None:
     """On resume: keep the rows up to the checkpoint's step (and drop a line cut short by a kill); sft_done:
-    also the supervised rows (step 0, sft.py) up to the checkpoint's supervised step."""
+    also the supervised rows (step 0, tooling/sft.py) up to the checkpoint's supervised step."""
     kept = []
     if os.path.exists(path):
         with open(path) as f:
@@ -322,7 +322,7 @@ class Resumed:
     optimizer: dict                  # AdamW's saved state (checkpoint.optimizer_state's layout)
     rollouts: dict | None = None     # the batches generated ahead of the step (pipeline.Colocated.state_dict)
     surge: dict | None = None        # the response-length surge detector's state (runlog.LengthSurge.state_dict)
-    sft_done: int = 0                # --sft_steps' supervised steps the weights have had (sft.py)
+    sft_done: int = 0                # --sft_steps' supervised steps the weights have had (tooling/sft.py)
     eplb: dict | None = None         # --eplb_redundant's layouts and the load since their plan (eplb.Balancer)
 
 
@@ -445,9 +445,9 @@ def saved_configs(state: dict, ckpt: str) -> tuple[TrainConfig, RolloutConfig]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# python -m checkpoint export CKPT DIR: a clean HF folder
+# python -m support.checkpoint export CKPT DIR: a clean HF folder
 # ---------------------------------------------------------------------------------------------------
-EXPORT_USAGE = "usage: python -m checkpoint export CKPT DIR [--save_dtype=float32|bfloat16]"
+EXPORT_USAGE = "usage: python -m support.checkpoint export CKPT DIR [--save_dtype=float32|bfloat16]"
 
 
 def export(ckpt: str, out: str, save_dtype: str = "") -> str:
@@ -456,7 +456,7 @@ def export(ckpt: str, out: str, save_dtype: str = "") -> str:
     --save_dtype, else its --dtype, else the checkpoint's), config.json, generation_config.json and the
     tokenizer files; no optimizer state, no masters. Written to out.tmp and renamed; an out that holds
     files is refused."""
-    from hf import config_from_hf, read_identity
+    from families.hf import config_from_hf, read_identity
     ckpt = checkpoint_folder(ckpt)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"export: {out!r} exists and is not an empty folder; pass a new one (nothing is overwritten)")
@@ -483,7 +483,7 @@ def _require_dtype(save_dtype: str) -> None:
 
 
 def export_cli(argv: list[str]) -> None:
-    """`python -m checkpoint export CKPT DIR [--save_dtype=...]`: one `error:` line per mistake, exit 1."""
+    """`python -m support.checkpoint export CKPT DIR [--save_dtype=...]`: one `error:` line per mistake, exit 1."""
     if not argv or argv[0] in ("-h", "--help"):
         return print(EXPORT_USAGE + "\n\n" + __doc__)
     try:

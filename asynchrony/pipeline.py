@@ -23,7 +23,7 @@ a token the trainer recomputes its log-prob bitwise (tests/test_pipeline.py), an
 train-rollout gap by whether the token's version is the trainer's (`staleness_metrics`).
 A checkpoint holds the batches generated ahead (state_dict), so a resume continues the same run.
 
-Partial rollouts (--partial_rollout, partial_rollout.py): the generate of batch j is then an object that
+Partial rollouts (--partial_rollout, asynchrony/partial_rollout.py): the generate of batch j is then an object that
 keeps P groups in flight across batches. A response unfinished after --rollout_token_budget new tokens
 (a round) is carried over and continues in the next batch's generation by the version current then,
 on KV its prefill recomputes; batch j trains the first P groups whose members have all ended, so a long
@@ -70,7 +70,7 @@ class Recorded:
 
 
 # generate(batch index, version, on_step=None, recompute_kv=False) -> Rollout, called for j = 0, 1, ... in order; a
-# function, or an object with state_dict() / load_state_dict() saved with the pipeline's (partial_rollout.py)
+# function, or an object with state_dict() / load_state_dict() saved with the pipeline's (asynchrony/partial_rollout.py)
 Generate = Callable[..., Rollout]
 
 
@@ -120,7 +120,7 @@ class Colocated:
         pass
 
     def state_dict(self) -> dict:
-        """The batches generated ahead (and partial rollouts' groups in flight), as plain data (checkpoint.py
+        """The batches generated ahead (and partial rollouts' groups in flight), as plain data (support/checkpoint.py
         saves it with weights_only)."""
         state = {"next": self.next, "ahead": {j: rollout_state(r) for j, r in self.ahead.items()}}
         if hasattr(self.generate, "state_dict"):
@@ -147,7 +147,7 @@ def rollout_state(r: Rollout) -> dict:
 
 
 def rollout_from_state(state: dict) -> Rollout:
-    from tasks import Example
+    from support.tasks import Example
     return Rollout([Example(**ex) for ex in state["examples"]], [SequenceOutput(**o) for o in state["outs"]],
                    state["turn_rewards"], state["version"], state["seconds"], state.get("counters", {}),
                    state.get("metrics", {}), state.get("carry"))
@@ -205,7 +205,7 @@ def version_masks(step: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
 def flat_buffers(model) -> list[torch.Tensor]:
     """The model's parameters and buffers (distributed.model_state's order) as one flat tensor per dtype:
     what a weights broadcast carries (a few large messages, not one per tensor)."""
-    from distributed import model_state
+    from support.distributed import model_state
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in model_state(model):
         groups.setdefault(t.dtype, []).append(t.detach().reshape(-1).cpu())
@@ -215,7 +215,7 @@ def flat_buffers(model) -> list[torch.Tensor]:
 @torch.no_grad()
 def load_flat(model, buffers: list[torch.Tensor]) -> None:
     """flat_buffers' inverse: each of the model's tensors copied from its place in its dtype's buffer."""
-    from distributed import model_state
+    from support.distributed import model_state
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in model_state(model):
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -272,8 +272,8 @@ class RolloutWeights:
     `master` for the loop's calls) and the sampler's, the lab's copy of it or itself (`sampler`)."""
 
     def __init__(self, model, tcfg, rcfg):
-        import lab
-        from distributed import cast_for_compute, router_dtype, store_routers
+        from lab import faults as lab
+        from support.distributed import cast_for_compute, router_dtype, store_routers
         if tcfg.mixed_precision:
             model = cast_for_compute(model, getattr(torch, tcfg.dtype), router_dtype(tcfg, model.config.model_type))
         else:
@@ -346,7 +346,7 @@ class Remote:
         n = len(examples) // d.world                              # this trainer's slice, as data-parallel rollout
         G = tcfg.group_size
         lo, hi = d.rank * n, (d.rank + 1) * n
-        from distributed import SAMPLER_RATES, sampler_rates
+        from support.distributed import SAMPLER_RATES, sampler_rates
         counters = {k: sum(p.counters[k] for p in parts) / (d.world if k != "rollout_idle_s" else len(parts))
                     for k in parts[0].counters if k not in SAMPLER_RATES}  # a trainer's share: reduce_metrics sums them
         counters.update(sampler_rates(counters))

@@ -65,9 +65,9 @@ import dataclasses
 import math
 import os
 
-import hf
 from config import (MODEL_PRESETS, QUANT_FORMATS, ConfigError, ModelConfig, RolloutConfig, TrainConfig,
                     apply_command_line, parse_args)
+from families import hf
 
 GB = 1e9
 # --plan's own keys: type, default, what it says
@@ -217,7 +217,7 @@ def triton_layer_bytes(cfg: ModelConfig, b: int, seq_len: int, slots: int, dense
 def triton_query_block() -> int:
     """The Triton forward's query rows per program, the packed layout's block (kernels.packed_block)."""
     try:
-        import kernels_triton
+        from kernels_triton import ops as kernels_triton
     except ImportError:                                              # no triton here: its table's value
         return 64
     return max(16, kernels_triton.ATTN_TABLE["fwd"][0])
@@ -275,8 +275,8 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
     """(shape, is_expert) of every parameter of the model, from a meta-device build (no memory)."""
     import torch
 
-    from expert_parallel import is_expert
     from model import Transformer
+    from parallel.expert_parallel import is_expert
     with torch.device("meta"):
         model = Transformer(cfg)
     return [(tuple(p.shape), is_expert(n)) for n, p in model.named_parameters()]
@@ -309,7 +309,7 @@ def hub_id(name: str) -> bool:
 def run_lengths(tcfg: TrainConfig, rcfg: RolloutConfig) -> tuple[int, int]:
     """(the longest prompt, the response limit) of the run: a digit task's are fixed; --task=jsonl's
     prompts are tokenized (as the run formats them), which needs --data and --tokenizer."""
-    from tasks import JSONL_MAX_NEW_TOKENS, load_chat_template, load_tokenizer, read_jsonl
+    from support.tasks import JSONL_MAX_NEW_TOKENS, load_chat_template, load_tokenizer, read_jsonl
     if tcfg.task != "jsonl":
         return tcfg.n_digits + 2, rcfg.max_new_tokens or tcfg.n_digits + 1
     if not (tcfg.data and tcfg.tokenizer):
@@ -359,8 +359,8 @@ def backend_of(tcfg: TrainConfig) -> str:
 
 def main(argv: list[str]) -> tuple[str, bool]:
     """The table for the command line's configs (plus PLAN_KEYS), and whether the run fits."""
-    import eplb
-    from expert_parallel import check_degree, placement_of
+    from parallel import eplb
+    from parallel.expert_parallel import check_degree, placement_of
     overrides = parse_args(argv)
     world, gpu_gb, kv_tokens = plan_options(overrides)
     tcfg, rcfg = TrainConfig(), RolloutConfig()
@@ -478,7 +478,7 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
 def help_text() -> str:
     """--plan and its own keys, for train.py --help."""
     lines = ["--plan (python train.py --plan [options]): the memory per rank of the run these options describe, "
-             "nothing loaded (plan.py);", "  exits 1 when it does not fit. Its own keys:"]
+             "nothing loaded (tooling/plan.py);", "  exits 1 when it does not fit. Its own keys:"]
     opts = [(f"--{k}={'$WORLD_SIZE or 1' if d is None else repr(d)}", doc) for k, (_, d, doc) in PLAN_KEYS.items()]
     width = max(len(o) for o, _ in opts)
     return "\n".join(lines + [f"  {o:<{width}}  {doc}" for o, doc in opts])

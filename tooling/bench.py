@@ -1,12 +1,13 @@
 """Benchmarks, each measured side by side in one run so the ratios mean something on a noisy machine.
 
-    python bench.py                        # the speed sections, CPU, about 1-3 minutes on 2 cores
-    python bench.py --only rollout,moe     # a comma-separated list of sections
-    python bench.py --only gpu             # on a GPU: the rollout engine at Qwen3-30B-A3B layer shapes
-    python bench.py --only lab             # the mismatch lab: 50 training runs a seed (150 steps; two drift rows 450), ~2.3 hours a seed on a core
-    python bench.py --only lab --lab-seeds=0,1,2   # ... each over three seeds (mean and sd of the reward)
-    python bench.py --prompts 64 --max-new-tokens 96 --repeats 5 --threads 0   # 0: torch's thread default
-    python bench.py --help
+    python -m tooling.bench                        # the speed sections, CPU, about 1-3 minutes on 2 cores
+    python -m tooling.bench --only rollout,moe     # a comma-separated list of sections
+    python -m tooling.bench --only gpu             # on a GPU: the rollout engine at Qwen3-30B-A3B layer shapes
+    python -m tooling.bench --only lab             # the mismatch lab: 50 training runs a seed (150 steps; two drift
+                                                   # rows 450), ~2.3 hours a seed on a core
+    python -m tooling.bench --only lab --lab-seeds=0,1,2   # ... each over three seeds (mean and sd of the reward)
+    python -m tooling.bench --prompts 64 --max-new-tokens 96 --repeats 5 --threads 0   # 0: torch's thread default
+    python -m tooling.bench --help
 
 What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random weights, fp32, CPU):
 * rollout: the same prompts (random token ids of mixed lengths) decoded three ways; tokens/s counts
@@ -33,13 +34,13 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   rank holds all experts and runs its own tokens, EP=N = each holds E/N and the rows travel
   (all_to_all_single, counts first). Forward and forward+backward, tokens/s per rank, interleaved;
   the worker checks that both give the same bits.
-* reduce (`--only reduce`): the gradient sum, --grad_reduce=exact (fixed-point int64 limbs, exact_sum.py)
+* reduce (`--only reduce`): the gradient sum, --grad_reduce=exact (fixed-point int64 limbs, support/exact_sum.py)
   against fast (fp32 accumulation and all-reduce): (1) the main job's step time and update time under
   --reduce-procs gloo processes (torchrun, DDP), the two modes alternating in one job, at the default
   micro-batch budget and at --reduce-budget tokens; (2) the error of each against the fp64 sum of the
   same micro-batch gradients (the main job's first minibatch at its initial weights, and at a held-out
   checkpoint: 20 steps of --task=reverse --seed=1), fast as 1, 2 and 4 ranks would add them; (3) the
-  bytes the sum moves per optimizer step, for the main job and for Qwen3-30B-A3B (plan.py's shapes).
+  bytes the sum moves per optimizer step, for the main job and for Qwen3-30B-A3B (tooling/plan.py's shapes).
 * decode: one decode step at 16 and at 256 sequences: the torch ops the host dispatches (the same
   count: host work does not grow with the batch) and its time under the profiler.
 * sessions (`--only sessions`): --prompts episodes of --turns turns of --turn-tokens tokens, --obs-tokens
@@ -63,7 +64,7 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   as they are measured (a GPU run has a hard time limit); --tuning FILE takes the tile configs of
   tools/gpu_check.py's sweep.
 * speculative (`--only speculative`): --spec-prompts copy-task prompts of --spec-digits digits decoded
-  plain and with --spec-tokens n-gram drafts per step (speculative.py), interleaved; tokens/s, the
+  plain and with --spec-tokens n-gram drafts per step (sampling/speculative.py), interleaved; tokens/s, the
   share of drafts accepted, and a check that both gave the same ids, log-probs and routes.
 * window (`--only window`): --prompts prompts of the tiny-gpt-oss preset (a window of 8 on every other
   layer) sampled to --window-new-tokens new tokens with the window pool (the sliding layers' blocks freed
@@ -105,10 +106,12 @@ import torch  # noqa: E402
 
 import kernels
 from config import ModelConfig
-from hf import config_to_hf
+from families.hf import config_to_hf
 from model import Transformer
-from packing import pack
 from rollout import Sampler
+from support.packing import pack
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository: train.py, the packages
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -376,10 +379,12 @@ def bench_moe(args) -> list[tuple[str, float, str]]:
 # ---------------------------------------------------------------------------------------------------
 def bench_ep(args) -> list[tuple[str, float, str]]:
     n = args.ep_procs
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", os.path.abspath(__file__),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           "-m", "tooling.bench",
            "--ep-worker", f"--preset={args.preset}", f"--moe-tokens={args.moe_tokens}", f"--warmup={args.warmup}",
            f"--repeats={args.repeats}", f"--seed={args.seed}", f"--threads={args.threads}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)})
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)})
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     if r.returncode or not lines:
         raise SystemExit(f"bench ep: the torchrun job failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
@@ -394,7 +399,7 @@ def bench_ep(args) -> list[tuple[str, float, str]]:
 def ep_worker(args) -> None:
     """One rank of bench_ep's job: prints rank 0's tokens/s (median over ranks' medians) as one JSON line."""
     import torch.distributed as dist
-    import expert_parallel
+    from parallel import expert_parallel
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -439,9 +444,10 @@ def bench_reduce(args) -> list[tuple[str, float, str]]:
     rows = []
     for budget in (4096, args.reduce_budget):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               os.path.abspath(__file__), "--reduce-worker", f"--reduce-budget={budget}", f"--repeats={args.repeats}",
+               "-m", "tooling.bench", "--reduce-worker", f"--reduce-budget={budget}", f"--repeats={args.repeats}",
                f"--reduce-steps={args.reduce_steps}", f"--threads={args.threads}"]
-        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)})
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)})
         lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
         if r.returncode or not lines:
             raise SystemExit(f"bench reduce: the torchrun job failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
@@ -459,7 +465,7 @@ def reduce_worker(args) -> None:
     import torch.distributed as dist
     import train
     from config import RolloutConfig, TrainConfig
-    from distributed import Dist
+    from support.distributed import Dist
     dist.init_process_group("gloo")
     d = Dist(dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
     update, cut, spent, micro = train.update, train.trainer_micro_batches, [], []
@@ -498,8 +504,8 @@ def micro_batch_grads(init_from: str, task: str, seed: int, budget: int) -> list
     backward, one micro-batch at a time): what a gradient sum adds up."""
     import train
     from config import RolloutConfig, TrainConfig
-    from distributed import Dist
     from losses import Normalisers
+    from support.distributed import Dist
     with tempfile.TemporaryDirectory() as tmp:
         tcfg = TrainConfig(device="cpu", init_from=init_from, task=task, seed=seed, grad_reduce="fast", progress=False,
                            micro_batch_tokens=budget, out_dir=tmp, steps=1)
@@ -524,8 +530,8 @@ def sum_errors(grads: list[list[torch.Tensor]]) -> dict:
     """Each way of summing the micro-batch gradients against their fp64 sum -> name: (the error's norm
     over the gradient's, the worst element's error in fp32 ulps of the sum, the elements on which exact's
     error is larger than this way's)."""
-    import exact_sum
-    from packing import deal
+    from support import exact_sum
+    from support.packing import deal
     flat = [torch.cat([g.reshape(-1) for g in mb]) for mb in grads]
     ref = torch.stack(flat).double().sum(0)
     ulp = (torch.nextafter(ref.float().abs(), torch.tensor(float("inf"))) - ref.float().abs()).double()
@@ -572,7 +578,7 @@ def reduce_byte_rows(world: int) -> list[tuple[str, float, str]]:
     (16), once a minibatch under DDP, every micro-batch step under FSDP2. Experts are summed over their
     replicas only: at EP = world none leave their rank. And exact's accumulators, 16 bytes an element a
     rank sums (FSDP2: its shard of the dense ones; an EP rank's expert shard whole)."""
-    import plan
+    from tooling import plan
     rows = []
     for preset, n, ep, parallel in (("tiny", world, 1, "ddp"), ("qwen3-30b-a3b", 8, 1, "ddp"),
                                     ("qwen3-30b-a3b", 8, 8, "ddp"), ("qwen3-30b-a3b", 8, 8, "fsdp")):
@@ -753,7 +759,7 @@ def bench_chunked(model: Transformer, args) -> list[tuple[str, float, str]]:
 def bench_speculative(args) -> list[tuple[str, float, str]]:
     """--spec-prompts copy-task prompts of --spec-digits digits (the answer repeats the prompt), their
     answers' length in new tokens, plain and with --spec-tokens drafts, interleaved."""
-    from tasks import DigitTask
+    from support.tasks import DigitTask
     model = build_model(args)
     prompts = [ex.prompt for ex in DigitTask("copy", n_digits=args.spec_digits, seed=args.seed).sample(args.spec_prompts)]
     B, new = len(prompts), args.spec_digits + 1
@@ -1078,8 +1084,8 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
        for f in ("retokenize", "dummy_last_route", "stale_prefix_kv")},
     "lookup dummy_last_route+r3": ["--recompute_old_logp=true", "--task=lookup", "--n_digits=3",
                                    "--rollout_episode_fault=dummy_last_route", "--replay=r3"],
-    # asynchronous RL (pipeline.py) on the invariant rollout: batch j generated by version j - K and trained at
-    # step j, so the train-rollout gap is staleness alone (the numerics are exactly zero); in flight, the next
+    # asynchronous RL (asynchrony/pipeline.py) on the invariant rollout: batch j generated by version j - K and
+    # trained at step j, so the train-rollout gap is staleness alone (the numerics are exactly zero); in flight, the next
     # batch takes the new version halfway through its decode steps, on the old KV or recomputing it
     **{f"stale K={k}": [f"--max_staleness={k}"] for k in (1, 2, 4)},
     **{f"stale K=2 {m}": ["--max_staleness=2", f"--inflight_update={m}"] for m in ("keep_kv", "recompute_kv")},
@@ -1156,11 +1162,11 @@ def lab_preset(row: list[str]) -> str:
 def lab_sft_starts(args, runs: list[str], seed: int) -> dict[str, str]:
     """--lab-sft-steps=N: the rows start from supervised weights, as post-training does, not from random
     ones (a frozen router is then a trained router frozen). One checkpoint per model preset among the rows,
-    --lab-sft-steps steps of sft.py at the first seed (then one RL step, whose checkpoint is not used):
+    --lab-sft-steps steps of tooling/sft.py at the first seed (then one RL step, whose checkpoint is not used):
     preset -> the folder of its ckpt-000000, which every row and seed of that preset starts from."""
     import train
     from config import RolloutConfig, TrainConfig, apply_overrides, parse_args
-    from tasks import SUPERVISED_TASKS
+    from support.tasks import SUPERVISED_TASKS
     rows = {name: [a.format(steps=args.lab_steps) for a in LAB[name]] for name in runs}
     unsupervised = [name for name, row in rows.items()
                     if next((a.split("=", 1)[1] for a in row if a.startswith("--task=")), "copy") not in SUPERVISED_TASKS]
@@ -1183,7 +1189,7 @@ def lab_sft_starts(args, runs: list[str], seed: int) -> dict[str, str]:
 
 def lab_figure(results: dict, out: str, seed: int) -> None:
     """The lab's runs (first seed) in one figure next to the table; skipped, with a note, without matplotlib."""
-    import plot
+    from tooling import plot
     try:
         path = plot.plot_runs({name: runs[0][0] for name, runs in results.items()}, os.path.join(out, "lab.png"),
                               f"mismatch lab, seed {seed}")
@@ -1198,7 +1204,6 @@ def lab_figure(results: dict, out: str, seed: int) -> None:
 ASYNC_RUNS = {"synchronous, 2 ranks": [], "rollout_ranks=1, K=1": ["--rollout_ranks=1", "--max_staleness=1"]}
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def bench_async(args) -> list[tuple[str, float, str]]:
@@ -1218,8 +1223,9 @@ def bench_async(args) -> list[tuple[str, float, str]]:
             for name, extra in ASYNC_RUNS.items():
                 out = os.path.join(tmp, f"run{len(rates[name])}")
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                       os.path.join(HERE, "train.py"), *common, f"--out_dir={out}", *extra]
-                r = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                       os.path.join(ROOT, "train.py"), *common, f"--out_dir={out}", *extra]
+                r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
                 if r.returncode:
                     raise SystemExit(f"bench async: {name} failed:\n{r.stderr[-2000:]}")
                 rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
@@ -1252,7 +1258,7 @@ def worker_options(p: argparse.ArgumentParser) -> None:
 
 
 def lab_options(p) -> None:
-    """The lab section's options (bench.py --only lab)."""
+    """The lab section's options (tooling/bench.py --only lab)."""
     p.add_argument("--lab-steps", type=int, default=150, help="train.py steps per mismatch-lab run")
     p.add_argument("--lab-rollout-dtype", default="bfloat16", help="the fast rollout's weight dtype")
     p.add_argument("--lab-router-bf16", action="store_true", help="also round the fast rollout's router logits to bf16")
@@ -1260,7 +1266,7 @@ def lab_options(p) -> None:
     p.add_argument("--lab-runs", default="", help=f"comma-separated subset of the lab runs (default all: {','.join(LAB)})")
     p.add_argument("--lab-args", default="", help="extra train.py overrides for every lab run, space-separated")
     p.add_argument("--lab-sft-steps", type=int, default=0, help="start every row from one supervised checkpoint "
-                   "per model preset, this many sft.py steps (0: from the preset's random weights)")
+                   "per model preset, this many tooling/sft.py steps (0: from the preset's random weights)")
     p.add_argument("--lab-seeds", default="", help="comma-separated seeds, each lab run repeated per seed "
                    "(default: --seed alone); the table gives the reward's mean and sd over seeds")
 

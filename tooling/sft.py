@@ -33,9 +33,9 @@ import torch
 
 import replay
 from config import ConfigError
-from distributed import all_owned, lr_at, on_host, update_is_finite
-from packing import Batch, lockstep
-from runlog import Interrupted, json_row, say, stop_requested
+from support.distributed import all_owned, lr_at, on_host, update_is_finite
+from support.packing import Batch, lockstep
+from support.runlog import Interrupted, json_row, say, stop_requested
 
 
 def supervised_phase(run, forward, micro_batches, save) -> None:

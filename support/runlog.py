@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-import hf
-import plan
 import replay
-from checkpoint import RunError, latest_checkpoint, trim_metrics, write_run_json
 from config import ConfigError, TrainConfig
-from distributed import PER_RANK, Dist, all_cat
-from hf import CheckpointError
-from tasks import TaskError, generation_line, make_task
+from families import hf
+from families.hf import CheckpointError
+from support.checkpoint import RunError, latest_checkpoint, trim_metrics, write_run_json
+from support.distributed import PER_RANK, Dist, all_cat
+from support.tasks import TaskError, generation_line, make_task
+from tooling import plan
 
 
 # ---- the run's outputs besides metrics.jsonl -------------------------------------------------------

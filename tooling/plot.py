@@ -1,9 +1,9 @@
 """Figures of one or more runs' metrics (out_dir/metrics.jsonl), one line per run.
 
-    python plot.py out                         # -> out/plots/metrics.png
-    python plot.py out/lab/invariant/seed0 out/lab/fast/seed0 --labels invariant,fast
-    python plot.py RUN [RUN ...] --out fig.png
-    python plot.py out --observations          # -> out/plots/observations.png (OBSERVATIONS)
+    python -m tooling.plot out                         # -> out/plots/metrics.png
+    python -m tooling.plot out/lab/invariant/seed0 out/lab/fast/seed0 --labels invariant,fast
+    python -m tooling.plot RUN [RUN ...] --out fig.png
+    python -m tooling.plot out --observations          # -> out/plots/observations.png (OBSERVATIONS)
 
 Panels against the training step: reward (mean, and its std within the batch), response length, loss,
 clip fraction, train-rollout KL (k3), max |logp diff|, route flips, the IS ratio range (min and max,
@@ -172,7 +172,7 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "", shown
 
 
 def plot_observations(runs: dict[str, list[dict]], out_path: str, title: str = "") -> str:
-    """The OBSERVATIONS panels for every run into one PNG (plot.py --observations); returns its path."""
+    """The OBSERVATIONS panels for every run into one PNG (tooling/plot.py --observations); returns its path."""
     return plot_runs(runs, out_path, title, OBSERVATIONS)
 
 

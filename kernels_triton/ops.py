@@ -17,8 +17,8 @@ Ops (one section each: kernel(s), then the autograd Function):
                     sinks and sliding windows (gpt-oss) as constexpr variants; a head that is not
                     a power of two as two parts (head_split), wide heads in a layout of their own
                     (ATTN_WIDE: MLA's 576-dim latent head)
-Two more files hold the rest, each importing only kernels_triton_base.py (interpreter switch, launch
-options), never kernels.py: kernels_triton_moe.py (the fused MoE) and kernels_triton_vocab.py (the
+Two more files hold the rest, each importing only kernels_triton/base.py (interpreter switch, launch
+options), never kernels.py: kernels_triton/moe.py (the fused MoE) and kernels_triton/vocab.py (the
 ops over the vocabulary: token log-probs and the sampler's draw).
 The router softmax/top-k, RoPE and the dense SiLU*up stay torch ops (elementwise or tiny, and
 row-local); tests/test_triton.py checks their invariance on CUDA.
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels_triton_base import INTERPRET, LAUNCH, UPCAST, aligned as _aligned, operand_dtype  # sets up the interpreter
+from kernels_triton.base import INTERPRET, LAUNCH, UPCAST, aligned as _aligned, operand_dtype  # sets up the interpreter
 
 import triton                      # noqa: E402
 import triton.language as tl       # noqa: E402

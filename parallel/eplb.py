@@ -16,7 +16,7 @@ each, so that every rank computes about the mean's rows:
 The load is measured: per MoE layer, the (token, slot) rows of the rollouts since the last plan, each
 counted at the group rank that sampled its sequence (the rollout is most of a step's MoE rows). The
 first plan, before any measure, takes every (source, expert) pair alike. Why no bit moves under any
-layout: expert_parallel.py's docstring; the rule and its costs: docs/design.md, "Redundant experts by
+layout: parallel/expert_parallel.py's docstring; the rule and its costs: docs/design.md, "Redundant experts by
 measured load (EPLB)".
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import math
 import torch
 
 from config import ConfigError
-from expert_parallel import ExpertParallel, Placement, Replicas
+from parallel.expert_parallel import ExpertParallel, Placement, Replicas
 
 
 def check(n_extra: int, n: int, n_experts: int) -> None:

@@ -1,6 +1,6 @@
 """Packed micro-batches: several sequences in one row, each with positions from 0, attending only to itself.
 
-    from packing import Packing, pack, micro_batches
+    from support.packing import Packing, pack, micro_batches
     mbs = pack(lengths, micro_batch_tokens=4096)           # first fit decreasing: [MicroBatch(rows, packing)]
     logp, routes = model.score(tokens, packing=mbs[0].packing)   # tokens (1, sum of its lengths)
     logp = mbs[0].packing.to_padded(logp)                  # back to (S, max length) right-padded
@@ -239,7 +239,7 @@ def make_batch(outs, adv: torch.Tensor) -> Batch:
     observed = torch.cat([torch.zeros(len(outs), 1, dtype=torch.bool),                 # (B, T): by token position
                           rows(False, [[m == 0 for m in pm] for pm in policy])], dim=1)
     versions = rows(0, [list(o.token_versions or ()) or [0] * len(o.tokens) for o in outs])   # provenance
-    kv_versions = rows(0, [list(o.kv_versions or ()) or [0] * len(o.tokens) for o in outs])   # (pipeline.py)
+    kv_versions = rows(0, [list(o.kv_versions or ()) or [0] * len(o.tokens) for o in outs])   # (asynchrony/pipeline.py)
     route_mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None] - 1
     routes = pack_routes([o.routes for o in outs], lengths, T)
     return Batch(tokens, mask, rollout_logp, routes, route_mask, adv, torch.tensor(lengths), observed, versions,

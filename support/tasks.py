@@ -30,7 +30,7 @@ one user message (after --system_prompt's system message) with the generation pr
 
 A new built-in task is one entry in TASKS (at the bottom): --task=NAME builds it, and config.py checks
 --task against the same table. A task's `reference(example)` is the response that earns the full reward, stop
-token included: what --sft_steps trains on (sft.py; SUPERVISED_TASKS names the tasks that have one).
+token included: what --sft_steps trains on (tooling/sft.py; SUPERVISED_TASKS names the tasks that have one).
 A task's `token_class(name)` gives the ids of a class of tokens (TOKEN_CLASSES: digits) that
 --route_filter_tokens may name instead of ids. Mistakes in a task's files raise TaskError (one line `error: ...`).
 """
@@ -99,7 +99,7 @@ class DigitTask:
         return accuracy(response, ex.answer)
 
     def reference(self, ex: Example) -> list[int]:
-        """The response that earns the full reward, stop token included (--sft_steps' target, sft.py)."""
+        """The response that earns the full reward, stop token included (--sft_steps' target, tooling/sft.py)."""
         return list(ex.answer)
 
     def decode(self, ids: list[int]) -> str:
@@ -188,7 +188,7 @@ class LookupTask(EpisodeTask):
             out.append(Example([*self.opening(), *keys, self.ASK], {"keys": keys, "table_seed": self.rng.randrange(2 ** 31)}))
         return out
 
-    reference = None        # an answer needs the episode's tool call first: no single-response reference (sft.py)
+    reference = None        # the answer needs the episode's tool call first: no one-response reference (tooling/sft.py)
 
     def make_env(self, ex: Example) -> "LookupEnv":
         return LookupEnv(self, ex.answer["keys"], random.Random(ex.answer["table_seed"]).sample(range(10), 10))
@@ -438,7 +438,7 @@ class JsonlTask:
         return self.reward_fn(ex.text, self.response_text(response), ex.answer)
 
     def reference(self, ex: Example) -> list[int]:
-        """The row's answer as a response (--sft_steps' target, sft.py): its text (a string as written, any other
+        """The row's answer as a response (--sft_steps' target, tooling/sft.py): its text (a string as written, any other
         JSON value as JSON) encoded without special tokens, then the first stop token, so that response_text
         gives the reward function that text back."""
         if ex.answer is None:
@@ -484,12 +484,21 @@ def generation_line(task, max_new_tokens: int, episode_tokens: int | None = None
             f"at most {episode_tokens} tokens after its prompt, observations included (--max_episode_tokens)")
 
 
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository's root
+
+
+def is_ours(filename: str) -> bool:
+    """Whether a frame's file is this project's code: a top-level module or one of its packages' (a
+    user's reward or environment, in examples/ or anywhere, is not)."""
+    folder = os.path.dirname(os.path.abspath(filename))
+    package = os.path.dirname(folder) == PROJECT and os.path.isfile(os.path.join(folder, "__init__.py"))
+    return folder == PROJECT or package
+
+
 def print_user_traceback(e: BaseException) -> None:
     """The traceback of an exception raised in the user's code, without the frames of this project above it."""
-    ours = {os.path.dirname(os.path.abspath(__file__))}
     tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None and \
-            os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) in ours:
+    while tb is not None and tb.tb_next is not None and is_ours(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     traceback.print_exception(type(e), e, tb, file=sys.stderr)
 
@@ -746,9 +755,9 @@ def user_frame(e: BaseException) -> str:
     SyntaxError: its own file and line)."""
     if isinstance(e, SyntaxError) and e.filename:
         return f"{e.filename}, line {e.lineno}"
-    skip = (os.path.dirname(os.path.abspath(__file__)), sys.prefix, sys.base_prefix)   # ours, the stdlib, packages
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(skip)]
+    skip = (sys.prefix, sys.base_prefix)                              # the stdlib, packages
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")
+              and not is_ours(f.filename) and not os.path.abspath(f.filename).startswith(skip)]
     return f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else "at import"
 
 

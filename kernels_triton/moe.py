@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels_triton_base import LAUNCH, UPCAST, aligned as _aligned, operand_dtype  # sets up the interpreter
+from kernels_triton.base import LAUNCH, UPCAST, aligned as _aligned, operand_dtype  # sets up the interpreter
 
 import triton                      # noqa: E402
 import triton.language as tl       # noqa: E402

@@ -8,13 +8,13 @@ decode step's few rows still fill the GPU and a row's result depends on its own 
                   optionally the entropy from the same pass; backward: one program per row
 * sample_tokens   the inverse-CDF draw without top-k / top-p: per-segment max and float64 mass,
                   then per row the segment and the token (the logits are read about once)
-Like kernels_triton.py, this file imports only kernels_triton_base.py.
+Like kernels_triton/ops.py, this file imports only kernels_triton/base.py.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels_triton_base import LAUNCH, aligned as _aligned  # sets up the interpreter
+from kernels_triton.base import LAUNCH, aligned as _aligned  # sets up the interpreter
 
 import triton                      # noqa: E402
 import triton.language as tl       # noqa: E402

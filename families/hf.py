@@ -1,6 +1,6 @@
 """Everything Hugging Face: the family table, config.json <-> ModelConfig, weight keys, safetensors.
 
-    import hf
+    from families import hf
     cfg = hf.config_from_hf("path/to/config.json")     # a model_type of FAMILIES (qwen3_moe, gpt_oss, deepseek_v3, ...)
     hf.config_to_hf(cfg)                               # the config.json dict transformers reads
     state = hf.hf_to_state(hf.read_safetensors_dir(path), model)   # HF tensors -> model.state_dict() keys

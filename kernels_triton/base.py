@@ -1,6 +1,6 @@
 """What the Triton files share: the interpreter switch, the launch options and two small helpers.
 
-kernels_triton.py (dense ops, attention), kernels_triton_moe.py (fused MoE) and kernels_triton_vocab.py
+kernels_triton/ops.py (dense ops, attention), kernels_triton/moe.py (fused MoE) and kernels_triton/vocab.py
 (log-probs, the draw) import from here and from nowhere else in the project, so the dependencies run
 one way:
     kernels.py --(lazy, on first Triton use)--> kernels_triton*.py --> this file

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from config import ConfigError
-from expert_parallel import expert_tensors, fold_slots
+from parallel.expert_parallel import expert_tensors, fold_slots
 
 FRAC_BITS = 72                      # n counts units of 2^-72
 LIMB_BITS = 52                      # lo holds n's low 52 bits, hi the rest

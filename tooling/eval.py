@@ -1,9 +1,9 @@
 """Evaluation on a held-out JSONL: reward and pass rates, greedy and sampled, of a model or a checkpoint.
 
-    python eval.py out --data=heldout.jsonl        # out's latest checkpoint; the run's tokenizer, reward fn, limits
-    python eval.py CKPT --data=FILE --reward_fn=my_mod:reward --tokenizer=dir/tokenizer.json --samples=8
+    python -m tooling.eval out --data=heldout.jsonl   # out's latest checkpoint; the run's tokenizer, reward fn, limits
+    python -m tooling.eval CKPT --data=FILE --reward_fn=my_mod:reward --tokenizer=dir/tokenizer.json --samples=8
 
-The file has --data's format (one {"prompt": ..., "answer": ...} a line, tasks.py) and is scored with
+The file has --data's format (one {"prompt": ..., "answer": ...} a line, support/tasks.py) and is scored with
 the same reward function as training. Every prompt is answered once greedily (temperature 0) and k times
 sampled (at the run's temperature, from a fixed seed, so two evaluations differ only by the weights).
 A response passes when its reward is >= PASS_REWARD: `eval_greedy_pass` is the fraction of prompts whose
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:                                                     # annotations only: the CLI stays light
     import torch
-    from packing import Batch
+    from support.packing import Batch
 
 PASS_REWARD = 1.0             # a response with reward >= this counts as solved
 EVAL_SEED = 1_000_003         # the sampled responses' seed: the same draws at every evaluation
@@ -39,8 +39,8 @@ def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: f
     are gathered in the examples' order before they are summed, so every rank returns the same dict, the
     same at every world size."""
     import torch
-    from distributed import all_gather_rows
-    from tasks import compute_rewards
+    from support.distributed import all_gather_rows
+    from support.tasks import compute_rewards
 
     def score(examples, outs, n):
         return torch.tensor(compute_rewards(task, examples, outs, n, step))
@@ -98,7 +98,7 @@ def probe(run, step: int) -> dict:
     run: train.Run (its configs, task, sampler, policy)."""
     import torch
     import replay
-    from packing import make_batch
+    from support.packing import make_batch
     tcfg = run.tcfg
     if not tcfg.probe_every or (step + 1) % tcfg.probe_every:
         return {}
@@ -139,7 +139,7 @@ def format_result(result: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# python eval.py CKPT --data=FILE
+# python -m tooling.eval CKPT --data=FILE
 # ---------------------------------------------------------------------------------------------------
 OPTIONS = {"data": "", "reward_fn": "", "tokenizer": "", "samples": 4, "max_new_tokens": 0, "temperature": 1.0,
            "device": "cpu"}
@@ -152,7 +152,7 @@ OPTION_DOCS = {   # --help's line per option; the run's own value is the default
     "temperature": "the sampled responses' temperature (the greedy ones use 0); default: the run's",
     "device": "cpu or cuda",
 }
-USAGE = ("usage: python eval.py CKPT --data=FILE [--reward_fn=mod:fn] [--tokenizer=FILE] [--samples=k] "
+USAGE = ("usage: python -m tooling.eval CKPT --data=FILE [--reward_fn=mod:fn] [--tokenizer=FILE] [--samples=k] "
          "[--max_new_tokens=N] [--temperature=T] [--device=cpu|cuda]")
 
 
@@ -164,7 +164,7 @@ def help_text() -> str:
 
 def checkpoint_defaults(ckpt: str) -> dict:
     """What the run that wrote ckpt used (its trainer_state.pt), where this command line says nothing."""
-    from checkpoint import load_trainer_state
+    from support.checkpoint import load_trainer_state
     out = {"tokenizer": ckpt if os.path.isfile(os.path.join(ckpt, "tokenizer.json")) else ""}
     if os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):
         state = load_trainer_state(ckpt)
@@ -180,13 +180,13 @@ def parse(argv: list[str]) -> tuple[str, dict]:
     from config import ConfigError, parse_args
     if not argv or argv[0].startswith("--"):
         raise ConfigError(USAGE + " (--help describes each)")
-    from checkpoint import checkpoint_folder
+    from support.checkpoint import checkpoint_folder
     ckpt, given = checkpoint_folder(argv[0]), parse_args(argv[1:])     # a run folder: its latest checkpoint
     unknown = sorted(set(given) - set(OPTIONS))
     if unknown:
         near = difflib.get_close_matches(unknown[0], list(OPTIONS), n=1, cutoff=0.6)
         raise ConfigError(f"unknown option --{unknown[0]}" + (f"; did you mean --{near[0]}?" if near else "")
-                          + f" (eval.py takes {', '.join('--' + k for k in OPTIONS)})")
+                          + f" (tooling/eval.py takes {', '.join('--' + k for k in OPTIONS)})")
     opts = {**OPTIONS, **{k: v for k, v in checkpoint_defaults(ckpt).items() if v}}
     for k, raw in given.items():
         try:
@@ -204,11 +204,11 @@ def parse(argv: list[str]) -> tuple[str, dict]:
 
 
 def main(argv: list[str]) -> dict:
-    import hf
+    from config import ConfigError
+    from families import hf
     from model import Transformer
     from rollout import Sampler
-    from tasks import make_task
-    from config import ConfigError
+    from support.tasks import make_task
     ckpt, o = parse(argv)
     if ckpt != argv[0]:
         print(f"{argv[0]} is a run folder: evaluating its latest checkpoint, {ckpt}")
@@ -229,10 +229,10 @@ def main(argv: list[str]) -> dict:
 
 
 def cli(argv: list[str]) -> None:
-    from checkpoint import RunError
     from config import ConfigError
-    from hf import CheckpointError
-    from tasks import TaskError
+    from families.hf import CheckpointError
+    from support.checkpoint import RunError
+    from support.tasks import TaskError
     if "--help" in argv or "-h" in argv:
         return print(help_text())
     try:

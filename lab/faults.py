@@ -1,10 +1,10 @@
 """The mismatch lab's deliberate faults: the rollout's copy of the weights made to differ on purpose.
 
-    from lab import rollout_copy
+    from lab.faults import rollout_copy
     sampler_model, refresh = rollout_copy(full, tcfg, rcfg, refresh)   # full itself when nothing differs
 
 In the default (invariant) run the sampler reads the trainer's own compute weights and the mismatch is
-exactly zero. The lab (`python bench.py --only lab`, README "The mismatch lab") makes the rollout side
+exactly zero. The lab (`python -m tooling.bench --only lab`, README "The mismatch lab") makes the rollout side
 differ in one way at a time, while the trainer stays invariant, to measure the mismatch and the fixes:
 * precision: a bf16 / fp16 copy of the weights (--rollout_dtype=bfloat16), or matmul weights rounded
   to int8 / fp8_e4m3 per output channel and dequantized (--rollout_dtype=int8|fp8_e4m3,
@@ -26,8 +26,8 @@ import torch
 
 import kernels
 from config import QUANT_FORMATS, ConfigError, RolloutConfig, TrainConfig
-from distributed import model_state
 from model import Transformer
+from support.distributed import model_state
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ The drafts are any function of the sequence: they decide how many tokens a step 
 A longer n-gram wins (it predicts better, as in vLLM's and transformers' prompt lookup). Among its
 places the most recent that k ids follow (the text just written predicts the next best), else the
 earliest (in a loop shorter than k the most recent place is followed by fewer ids than the earliest);
-vLLM and transformers take the earliest always. On bench.py's copy section (`--only speculative`)
+vLLM and transformers take the earliest always. On tooling/bench.py's copy section (`--only speculative`)
 this rule was faster than the most recent place alone at 4, 8 and 32 sequences. The lookup is a few
 tensor ops over the rows' token buffers on the device, no host read, like the rest of a step.
 
