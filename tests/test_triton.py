@@ -677,7 +677,8 @@ def test_moe_expert_rows_are_its_slots():
 BAD_IDS = """
 import sys, torch
 sys.path.insert(0, {root!r})
-import kernels, kernels_triton_moe as ktm
+import kernels
+from kernels_triton import moe as ktm
 g = torch.Generator().manual_seed(0)
 x, w13, w2 = torch.randn(6, 32, generator=g), torch.randn(4, 48, 32, generator=g), torch.randn(4, 32, 24, generator=g)
 ids, wt, _ = kernels.route(torch.randn(6, 4, generator=g), 2, True)
