@@ -523,6 +523,10 @@ class TrainOptions(Options):
         _require(self.chat_template or not self.system_prompt,
                  "--system_prompt goes into the checkpoint's chat template: add --chat_template=true")
         self._check_precision()
+        _require(self.diagnostics >= 0, f"--diagnostics={self.diagnostics}: must be >= 0 (0: off)")
+        _require(not self.diagnostics_holdout or (self.recompute_old_logp and self.diagnostics > 0),
+                 "--diagnostics_holdout=true holds out the sequences --diagnostics=N picks before the update, from the "
+                 "recomputed old policy: add --recompute_old_logp=true and --diagnostics=N (N > 0)")
         _check_groups(self, "check")
 
     def _check_schedule(self):
@@ -758,7 +762,7 @@ class RouteOptions(Options):
 
 @dataclass
 class LogOptions(Options):
-    """What a run shows and writes beyond metrics.jsonl (support/runlog.py), the lr's halving."""
+    """What a run shows and writes beyond metrics.jsonl (support/runlog.py, replay.py's diagnostics)."""
     log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
     log_to: str = ""                  # "" (metrics.jsonl only) | tensorboard | wandb: a copy of each row
     entropy_warn: float = 0.05        # one warning line when the mean entropy stays below this for
@@ -772,6 +776,10 @@ class LogOptions(Options):
     halving_start: str = "warmup"     # --lr_schedule=halving counts its periods from: warmup (its end) | surge (lr
                                       # holds until a response-length surge, halves on the next step, then every
                                       # period)
+    diagnostics: int = 0              # > 0: each step, the N most mismatched sequences to diagnostics.jsonl
+    diagnostics_holdout: bool = False  # --diagnostics' sequences, chosen from the recomputed old policy, are held
+                                       # out of the update (diagnostics_held_out counts them; needs
+                                       # --recompute_old_logp)
 
 # ---------------------------------------------------------------------------------------------------
 # the configs: the core's groups, then each plug-in folder's options.py
@@ -779,11 +787,17 @@ class LogOptions(Options):
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def plugin_options(kind: str) -> list[type]:
-    """The option groups the plug-in folders declare beside their code: each <folder>/options.py's TRAIN or
-    ROLLOUT list, folders by name. A deleted folder takes its options with it (its --keys become unknown)."""
+def plugin_modules() -> list:
+    """Each plug-in folder's options.py, folders by name: its option groups (TRAIN, ROLLOUT) and, where it
+    has any, its step hooks (`hooks`, support/hooks.py). A deleted folder takes both with it."""
     folders = sorted(n for n in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, n, "options.py")))
-    return [g for n in folders for g in getattr(importlib.import_module(f"{n}.options"), kind)]
+    return [importlib.import_module(f"{n}.options") for n in folders]
+
+
+def plugin_options(kind: str) -> list[type]:
+    """The option groups the plug-in folders declare beside their code (their --keys; a deleted folder's
+    become unknown keys)."""
+    return [g for m in plugin_modules() for g in getattr(m, kind)]
 
 
 def compose(name: str, core: type, groups: list[type]) -> type:

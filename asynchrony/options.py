@@ -51,5 +51,13 @@ class AsyncOptions:
                      "--partial_rollout=true")
 
 
+def hooks(tcfg, rcfg) -> list:
+    """The step hooks of the options that are set (support/hooks.py), their code imported only then."""
+    if not (tcfg.max_staleness or tcfg.partial_rollout):
+        return []
+    from asynchrony.pipeline import Provenance
+    return [Provenance()]
+
+
 TRAIN = [AsyncOptions]
 ROLLOUT = []

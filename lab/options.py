@@ -1,8 +1,7 @@
-"""The lab's options: its rollout-side faults (lab/faults.py) and its observations (the probe set,
-the most mismatched sequences: tooling/eval.py's probe, replay.py's and support/runlog.py's diagnostics).
+"""The lab's options: its rollout-side faults (lab/faults.py).
 
-config.py composes the faults' fields into RolloutConfig and the observations' into TrainConfig (one flat
---key=value namespace; --help lists them under their class).
+config.py composes these fields into RolloutConfig (one flat --key=value namespace; --help lists them under
+this class).
 Nothing of the project is imported at this module's top: deleting the folder takes its options with it."""
 from __future__ import annotations
 
@@ -60,24 +59,5 @@ class FaultOptions:
                      f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
 
 
-@dataclass
-class ObservationOptions:
-    """The lab's observations: the probe set, the most mismatched sequences."""
-    probe_every: int = 0              # > 0: every N steps, roll out a fixed probe set greedily and audit it
-    probe_prompts: int = 8            # the probe set's size (drawn once from the task)
-    diagnostics: int = 0              # > 0: each step, the N most mismatched sequences to diagnostics.jsonl
-    diagnostics_holdout: bool = False  # --diagnostics' sequences, chosen from the recomputed old policy, are held
-                                       # out of the update (diagnostics_held_out counts them; needs
-                                       # --recompute_old_logp)
-
-    def check(self):
-        self.require(self.probe_every >= 0 and self.diagnostics >= 0,
-                     f"--probe_every={self.probe_every}, --diagnostics={self.diagnostics}: must be >= 0 (0: off)")
-        self.require(self.probe_prompts > 0, f"--probe_prompts={self.probe_prompts}: must be >= 1")
-        self.require(not self.diagnostics_holdout or (self.recompute_old_logp and self.diagnostics > 0),
-                     "--diagnostics_holdout=true holds out the sequences --diagnostics=N picks before the update, "
-                     "from the recomputed old policy: add --recompute_old_logp=true and --diagnostics=N (N > 0)")
-
-
-TRAIN = [ObservationOptions]
+TRAIN = []
 ROLLOUT = [FaultOptions]

@@ -39,9 +39,21 @@ class ParallelOptions:
                      f"--train_capacity_factor={self.train_capacity_factor}: 0 (dropless) or > 0")
 
     def check_with_model(self, model):
+        if self.eplb_redundant:                                       # the replicas against the experts
+            from parallel.eplb import check
+            check(self.eplb_redundant, self.expert_parallel, model.num_experts)
         self.require(self.train_capacity_factor == 0 or bool(model.moe_layers),
                      f"--train_capacity_factor={self.train_capacity_factor}: the model has no MoE layer (no "
                      "routes); drop it")
+
+
+def hooks(tcfg, rcfg) -> list:
+    """The step hooks of the options that are set (support/hooks.py), their code imported only then."""
+    if not (tcfg.train_capacity_factor or tcfg.expert_parallel > 1):
+        return []
+    from parallel.hooks import DeviceLoad, Eplb, TokenDropping
+    return ([TokenDropping(tcfg.train_capacity_factor)] if tcfg.train_capacity_factor else []) + \
+        ([DeviceLoad()] if tcfg.expert_parallel > 1 else []) + ([Eplb()] if tcfg.eplb_redundant else [])
 
 
 TRAIN = [ParallelOptions]
