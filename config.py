@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import inspect
 import math
 import os
@@ -24,7 +25,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from support.tasks import SUPERVISED_TASKS, TASKS     # the task table (support/tasks.py imports nothing of this module)
+from support.tasks import TASKS     # the task table (support/tasks.py imports nothing of this module)
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,22 @@ def _require_finite(cfg) -> None:
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         _require(not isinstance(v, float) or math.isfinite(v), f"--{f.name}={v}: must be a finite number")
+
+
+class Options:
+    """What an options group's checks call as methods, so that a plug-in's options module imports nothing
+    of the project (its `check`, `check_with_model`, `check_with_training` run on the whole config)."""
+    require = staticmethod(_require)
+    require_range = _require_range
+
+
+def _check_groups(cfg, hook: str, *args) -> None:
+    """Each option group's own `hook` on the whole config, the core's groups first (a plug-in's check may
+    read the core's fields; another plug-in's only with getattr and that plug-in's default)."""
+    for cls in reversed(type(cfg).__mro__):
+        fn = vars(cls).get(hook)
+        if fn is not None:
+            fn(cfg, *args)
 
 
 @dataclass
@@ -244,28 +261,21 @@ MODEL_PRESETS: dict[str, dict] = {
     # ~1.5M parameters: 4 layers (1 dense + 3 MoE with 8 experts, top-2); trains in minutes on 2 CPU cores.
     "tiny": dict(),
     # The tiny model with DeepSeek-V3 / GLM-4.5 routing, for the mismatch lab: sigmoid scores, a
-    # score-correction bias (zero until --expert_bias_update_rate moves it), 2 expert groups of 4 (top-2
-    # inside the best one), one shared expert; layer 0 dense through first_k_dense_replace (GLM's spelling).
     "tiny-sigmoid": dict(model_type="glm4_moe", router_scoring="sigmoid", score_correction_bias=True, n_group=2,
                          topk_group=1, n_shared_experts=1, mlp_only_layers=[], first_k_dense_replace=1),
     # The dense control of the lab: tiny's width and active parameters, every layer a dense SwiGLU MLP of
-    # intermediate_size = top_k * moe_intermediate_size (2 * 128), so a numeric gap meets no router.
     "tiny-dense": dict(num_experts=0, num_experts_per_tok=1, moe_intermediate_size=0, intermediate_size=256,
                        mlp_only_layers=[]),                        # the expert knobs as config.json gives them back
     # The tiny model in the two 2026 lines' attention, for the lab's family rows. gpt-oss: sinks, a window of 8
     # (shorter than a prompt and its answer) on every other layer, q/k/v/o biases, a biased router taking the
-    # softmax over the chosen top-k, biased clamped-SwiGLU experts, every layer MoE.
     "tiny-gpt-oss": dict(model_type="gpt_oss", attention_bias=True, attention_out_bias=True, qk_norm="none",
                          attention_sinks=True, sliding_window=8, mlp_only_layers=[], intermediate_size=128,
                          layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(4)],
                          router_bias=True, router_scoring="topk_softmax", expert_bias=True, moe_act="clamped_swiglu"),
     # DeepSeek-V3's: MLA (a 32-wide kv latent and a 16-wide RoPE key cached per token, interleaved RoPE), the
-    # sigmoid router with its score-correction bias, 2 groups, one shared expert, the first layer dense.
     "tiny-mla": dict(model_type="deepseek_v3", qk_norm="none", kv_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32,
                      head_dim=16, rope_interleave=True, router_scoring="sigmoid", score_correction_bias=True,
                      n_group=2, topk_group=1, n_shared_experts=1, mlp_only_layers=[], first_k_dense_replace=1),
-    # gpt-oss-20b's shapes (24 layers, 32 experts, top-4, 21B parameters, 3.6B active): sinks, a window of 128
-    # on every other layer, YaRN x32, biased router and clamped-SwiGLU experts (its MXFP4 experts load dequantized).
     "gpt-oss-20b": dict(
         model_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
         num_key_value_heads=8, head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
@@ -276,7 +286,6 @@ MODEL_PRESETS: dict[str, dict] = {
         rope_type="yarn", yarn_factor=32.0, yarn_original_max_position_embeddings=4096, yarn_truncate=False,
         router_bias=True, router_scoring="topk_softmax", expert_bias=True, moe_act="clamped_swiglu"),
     # Moonlight-16B-A3B's shapes (DeepSeek-V3's architecture: 27 layers, the first dense, 64 experts top-6 + 2
-    # shared, 16B parameters, 3B active): MLA with a 512 latent and q_proj (no q low-rank), sigmoid routing.
     "moonlight-16b-a3b": dict(
         model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
         num_key_value_heads=16, head_dim=64, num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
@@ -317,14 +326,7 @@ def preset_summary(name: str) -> str:
             f"{c.num_attention_heads} heads, vocab {c.vocab_size}")
 
 
-QUANT_FORMATS = ("int8", "fp8_e4m3")   # --rollout_dtype's quantized formats
-INFLIGHT_UPDATES = ("off", "keep_kv", "recompute_kv")   # --inflight_update (asynchrony/pipeline.py)
-# The mismatch lab's episode faults (RolloutConfig.rollout_episode_fault; lab.episode_fault applies them to the
-# sampler's outputs or cache from outside): where shipped systems break a multi-turn episode's consistency.
-EPISODE_FAULTS = ("none",
-                  "retokenize",         # the history decoded and re-encoded between turns: other ids for the trainer
-                  "dummy_last_route",   # each turn's last token recorded with a dummy route (it was never fed alone)
-                  "stale_prefix_kv")    # the prefix cache kept across weight updates: KV of an older policy
+
 
 
 def check_sampling(temperature, top_p, top_k) -> None:
@@ -344,23 +346,15 @@ def check_sampling(temperature, top_p, top_k) -> None:
              f"--top_k={top_k!r}: must be an integer >= 0 (0 turns it off)")
 
 
-# The mismatch lab's router faults (RolloutConfig.rollout_router_fault), set on the rollout copy's MoE
-# modules only (lab.set_router_fault, lab.FaultyRouting applies them): what a conversion bug or a
-# second engine gets wrong.
-ROUTER_FAULTS = ("none",
-                 "no_bias",            # the score-correction bias lost: the choice on the raw scores
-                 "bias_sign",          # the bias subtracted instead of added
-                 "bias_in_weights",    # the combine weights taken from the biased scores
-                 "no_renorm",          # the top-k weights not renormalised (norm_topk_prob ignored)
-                 "shared_in_topk",     # the shared expert fused into the top-k as one more slot of weight 1,
-                                       # renormalised with the routed ones (each weight over 1 + their sum)
-                 "expert_map")         # a wrong logical-to-physical expert table (expert_map_fault): the
-                                       # router is right, its ids reach the wrong experts, routes are logged as chosen
+
 
 
 @dataclass
-class RolloutConfig:
-    """The sampler's settings (rollout.Sampler reads the engine's, train.py passes the sampling ones)."""
+class RolloutOptions(Options):
+    """The sampler's settings: the paged KV, sampling, lengths.
+
+    rollout.Sampler reads the engine's, train.py passes the sampling ones; the plug-ins' rollout options
+    join them in RolloutConfig (the end of this section)."""
     block_size: int = 16              # KV positions per page
     num_blocks: int = 0               # 0: sized from the device (see rollout.Sampler)
     max_batch_size: int = 256         # running sequences at most
@@ -371,11 +365,6 @@ class RolloutConfig:
                                       # (rollout.Sampler), -1 none (those layers keep every block, as full ones do)
     kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after grads + AdamW state) for the KV pool
     cuda_graphs: bool | None = None   # decode steps as CUDA graphs; None: where they run without host syncs
-    speculative_tokens: int = 0       # k > 0: each decode step verifies k n-gram drafts of the sequence's own ids
-                                      # (sampling/speculative.py): the tokens, log-probs and routes of plain decoding,
-                                      # faster where the text repeats; 0: off
-    speculative_ngram: int = 3        # the drafts are the ids that followed an earlier place of the sequence's
-                                      # last n ids, the longest n from this down to 1 that has one
     temperature: float = 1.0          # sampling temperature (0: greedy); log-probs are of softmax(logits / T)
     top_p: float = 1.0                # nucleus sampling (1: off)
     top_k: int = 0                    # sample among the k most likely tokens (0: off)
@@ -385,50 +374,23 @@ class RolloutConfig:
                                       # environment's; 0: the task's (lookup, fix: their length; --env: 4 x max_new_tokens)
     stop_tokens: str = ""             # comma-separated ids that end a response, instead of the checkpoint's /
                                       # tokenizer's eos (the digit tasks: their EOS)
-    # the mismatch lab: deviations on the rollout side only (the trainer always stays invariant)
-    rollout_mode: str = "invariant"   # invariant | fast (batch-variant torch / cuBLAS / SDPA ops)
-    router_bf16: bool = False         # round the rollout's router logits to bf16
-    rollout_dtype: str = ""           # "" (the trainer's) | bfloat16 | float16: a lower-precision weight copy |
-                                      # int8 | fp8_e4m3: matmul weights rounded to that format per output channel
-                                      # (absmax scales) and dequantized (lab.quantized_copy)
-    rollout_quant_router: bool = True   # int8 / fp8_e4m3: quantize the router gate too (false: full precision)
-    rollout_router_fault: str = "none"  # none | no_bias | bias_sign | bias_in_weights | no_renorm | expert_map: the
-                                        # rollout's routing wrong in that one way (ROUTER_FAULTS), the trainer's right
-    rollout_episode_fault: str = "none"  # none | retokenize | dummy_last_route | stale_prefix_kv: an episode's
-                                        # consistency broken as shipped systems break it (EPISODE_FAULTS, lab/faults.py)
-    record_route_detail: bool = False  # the sampler also keeps each route's combine weights and margin (fp32)
 
     def __post_init__(self):
         _require_finite(self)
-        _require(self.rollout_mode in ("invariant", "fast"), f"--rollout_mode={self.rollout_mode!r}: invariant or fast")
-        _require(self.rollout_dtype in ("", "float32", "bfloat16", "float16") + QUANT_FORMATS,
-                 f"--rollout_dtype={self.rollout_dtype!r}: '', float32, bfloat16, float16, int8 or fp8_e4m3")
-        _require(self.rollout_quant_router or self.rollout_dtype in QUANT_FORMATS,
-                 f"--rollout_quant_router=false: only a quantized rollout (--rollout_dtype=int8 or fp8_e4m3) "
-                 f"quantizes the router (this one's is {self.rollout_dtype or 'the trainer dtype'})")
-        _require(self.rollout_episode_fault in EPISODE_FAULTS,
-                 f"--rollout_episode_fault={self.rollout_episode_fault!r}: choose one of {', '.join(EPISODE_FAULTS)}")
-        _require(self.rollout_router_fault in ROUTER_FAULTS,
-                 f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
         _require_range(self, "block_size max_batch_size max_num_batched_tokens", lambda v: v > 0, "> 0")
         _require_range(self, "num_blocks max_new_tokens max_episode_tokens", lambda v: v >= 0, ">= 0")
         _require_range(self, "window_blocks", lambda v: v >= -1, ">= -1 (0: sized from the batch, -1: none)")
-        _require_range(self, "speculative_tokens", lambda v: v >= 0, ">= 0 (0: off)")
-        _require_range(self, "speculative_ngram", lambda v: v >= 1, ">= 1 (the longest n-gram the drafts are looked up by)")
         from kernels import KV_BLOCK      # a page holds whole attention tiles
         _require(self.block_size % KV_BLOCK == 0,
                  f"--block_size={self.block_size}: must be a multiple of kernels.KV_BLOCK={KV_BLOCK}")
         _require(0 < self.kv_memory_fraction <= 1, f"--kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
         check_sampling(self.temperature, self.top_p, self.top_k)
         self.stop_token_ids                                          # parses --stop_tokens (errors name it)
+        _check_groups(self, "check")
 
     def check_training(self, tcfg: "TrainConfig") -> None:
-        """The rollout settings against the training's (train.py, every rank): an in-flight update lands
-        after a number of engine steps and a verify step samples several tokens, so speculative decoding
-        would change which policy version samples a token."""
-        _require(not (self.speculative_tokens and tcfg.inflight_update != "off"),
-                 f"--speculative_tokens={self.speculative_tokens} with --inflight_update={tcfg.inflight_update}: "
-                 "an update lands after a number of engine steps, which speculative decoding changes; drop one")
+        """The rollout settings against the training's (train.py, every rank): the groups' own."""
+        _check_groups(self, "check_with_training", tcfg)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...] | None:
@@ -442,7 +404,10 @@ class RolloutConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainOptions(Options):
+    """The core's options: the run, precision, the batch, the optimizer, the loss and its correction.
+
+    The core's other groups (below) and each plug-in folder's options.py join them in TrainConfig."""
     init_from: str = "tiny"           # a model preset name or an HF checkpoint directory
     out_dir: str = "out"               # the run folder: metrics.jsonl, ckpt-NNNNNN/, latest
     device: str = "auto"              # auto: cuda if available, else cpu
@@ -453,32 +418,11 @@ class TrainConfig:
     seed: int = 0                     # initial weights, data order and sampling noise
     resume: bool = False              # continue the run in out_dir from its latest checkpoint
     overwrite: bool = False           # start over in an out_dir that holds a run (deletes its metrics and checkpoints)
-    parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
     grad_reduce: str = "exact"        # exact: gradients summed as fixed-point integers, the same bits at any
                                       # world size (support/exact_sum.py) | fast: fp32 accumulation and all-reduce
-    expert_parallel: int = 1          # N ranks per EP group, each holding E/N experts (parallel/expert_parallel.py)
-    expert_placement: list[int] = field(default_factory=list)   # "" contiguous | physical slot of each logical
-                                      # expert, comma-separated (a permutation; slot p on rank p // (E/N))
-    eplb_redundant: int = 0           # EPLB: R more expert slots per MoE layer, replicas of the most loaded experts,
-                                      # all slots packed onto the EP ranks by measured load (parallel/eplb.py); 0: off
-    eplb_interval: int = 1            # EPLB: re-plan every N steps, from the rollouts' load since the last plan
     kernels_backend: str = ""         # "" (KERNELS_BACKEND, default auto: Triton on CUDA) | auto | torch | triton
-    # data
-    task: str = "copy"                # a name in tasks.TASKS: copy | reverse | lookup | fix (multi-turn) | jsonl
-    n_digits: int = 4                 # copy / reverse / lookup / fix: digits per prompt
-    data: str = ""                    # --task=jsonl: the JSONL file
-    tokenizer: str = ""               # --task=jsonl: an HF tokenizer.json
-    reward_fn: str = ""               # --task=jsonl: module:function or file.py:function, reward(prompt, response, answer)
-    env: str = ""                     # --task=jsonl: episodes, file.py:make_env or module:make_env; make_env(prompt, answer)
-                                      # -> an environment, env.step(response) -> (observation, reward, done)
-    chat_template: bool = False       # --task=jsonl: format each prompt with tokenizer_config.json's chat_template
-    system_prompt: str = ""           # --chat_template=true: a system message before each prompt
-    vocab_size: str = ""              # a preset's vocabulary: '' (the preset's) | auto (the task's tokenizer) | N
     # batch
     steps: int = 200                  # RL steps (one rollout batch each)
-    sft_steps: int = 0                # before RL: N optimizer steps of cross-entropy on the task's reference answers
-                                      # (minibatch_size examples each; tooling/sft.py), then a checkpoint at step 0;
-                                      # 0: off
     prompts_per_step: int = 32        # prompts sampled per step (each gets group_size responses)
     group_size: int = 8               # G responses per prompt
     epochs: int = 1                   # passes over each rollout batch
@@ -496,12 +440,6 @@ class TrainConfig:
     lr_schedule: str = "cosine"       # cosine | constant | halving (after warmup, halve every lr_decay_period
                                       # steps, never below lr * min_lr_ratio)
     lr_decay_steps: int = 0           # the cosine's horizon; 0: --steps (on resume: docs/design.md, "The learning-rate horizon")
-    lr_decay_period: int = 0          # --lr_schedule=halving: steps per halving (required there, 0 elsewhere)
-    halving_start: str = "warmup"     # --lr_schedule=halving counts its periods from: warmup (its end) | surge (lr
-                                      # holds until a response-length surge, halves on the next step, then every
-                                      # period)
-    router_lr_scale: float = 1.0      # the MoE router gate weights train at lr * S (0 freezes them; the
-                                      # score-correction bias is --expert_bias_update_rate's)
     weight_decay: float = 0.0         # AdamW's decoupled weight decay
     beta1: float = 0.9                # AdamW's first-moment decay
     beta2: float = 0.99               # AdamW's second-moment decay
@@ -514,87 +452,25 @@ class TrainConfig:
     adv_std_norm: bool = True         # False: Dr.GRPO advantages (no division by the group std)
     eps_low: float = 0.2              # PPO-clip: ratios below 1 - eps_low are clipped
     eps_high: float = 0.28            # ... above 1 + eps_high (DAPO clip-higher)
-    dual_clip_c: float = 0.0          # > 1: GRPO tokens with A < 0 lose at most -A * c (0: off)
-    gspo_eps_low: float = 3e-4        # GSPO's clip range on the sequence ratio: below 1 - this ...
-    gspo_eps_high: float = 4e-4       # ... and above 1 + this
-    gspo_log_ratio_max: float = 20.0  # GSPO's sequence log-ratio clamped to [-20, this] (verl: 10)
-    sapo_tau_pos: float = 1.0         # SAPO's gate temperature for A > 0
-    sapo_tau_neg: float = 1.05        # ... for A < 0
     kl_coef: float = 0.0              # KL to the frozen initial policy
     kl_estimator: str = "k3"          # k1 | k2 | k3 | k3_clamped (k3 at most 10, as verl's low_var_kl)
-    entropy_coef: float = 0.0         # an entropy bonus: minus this times the entropy of softmax(logits / T) at each
-                                      # response token, aggregated as the loss (0: off; e.g. 1e-3 against a collapse)
-    router_aux_loss_coef: float = 0.0 # + this times Switch's load-balancing loss E sum_i f_i P_i (1 when balanced;
-                                      # per sequence and MoE layer; losses.load_balancing_loss; 0: off; e.g. 1e-3)
-    router_z_loss_coef: float = 0.0   # + this times ST-MoE's router z-loss, the mean of logsumexp(router logits)^2
-                                      # (losses.router_z_loss; 0: off; e.g. 1e-3)
     # train-inference mismatch
     recompute_old_logp: bool = False  # recompute old log-probs with the trainer (default: use the rollout's)
     correction: str = "none"          # none | is (rho) | tis (min(rho, tis_cap)) | mis (rho up to mis_high, else 0) |
     #                                   reject (1 inside [mis_low, mis_high], else 0) | icepop (rho inside, else 0)
     #                                   | seq_<each>: on the sequence's rho (losses.TOKEN_CORRECTIONS)
     tis_cap: float = 2.0              # tis: the cap C of min(rho, C)
-    mis_low: float = 0.5              # reject and icepop keep rho inside [mis_low, mis_high]
-    mis_high: float = 5.0             # ... (mis keeps rho <= mis_high: masked IS's C)
-    seq_rho: str = "geo_mean"         # seq_*: the sequence's rho as the geometric mean of its tokens' rho, or
-                                      # their product (the papers' Seq-TIS / Seq-MIS, verl's rollout_is=sequence)
-    rejected_tokens: str = "zero_weight"   # zero_weight (still counted in the token mean, still carry KL) | drop
     replay: str = "none"              # none | r3 (the rollout's routes) | old (the recomputed old policy's routes,
                                       # "vanilla routing replay"; needs --recompute_old_logp)
-    replay_steps: int = 0             # > 0: replay on the first N optimizer steps of each batch only (bounded
-                                      # replay), then the router's own routes (0: on every one)
-    route_filter: str = "none"        # none | mask | downweight: the loss of tokens whose rollout/trainer top-k
-                                      # overlap is below --route_filter_threshold (masked, or times the overlap)
-    route_filter_threshold: float = 0.9    # --route_filter: the overlap (mean over MoE layers) a token needs
-    route_filter_level: str = "token"      # token | sequence: filter whole responses by their mean overlap
-    route_filter_tokens: str = ""     # key tokens: comma-separated ids and / or a task's token class (digits); such a
-                                      # response token gets loss weight 0 where its top-1 expert flipped in any MoE
-                                      # layer (times --route_filter's weight if both are on); "": off
-    train_capacity_factor: float = 0.0    # > 0: in the trainer's forwards each expert takes at most
-                                          # ceil(C * tokens * k / E) (token, slot) rows (model.capacity_limit);
-                                          # 0: dropless. The rollout is always dropless
-    expert_bias_update_rate: float = 0.0  # > 0: after each optimizer step, router bias += rate * sign(mean load - load)
-    # asynchrony (asynchrony/pipeline.py)
-    max_staleness: int = 0            # K: a batch is generated by a policy at most K updates older than the one that
-                                      # trains on it (batch j by version j - K); 0: the synchronous loop
-    rollout_ranks: int = 0            # under torchrun: the last R ranks generate, the others train (weights and batches
-                                      # cross between them; asynchrony/pipeline.py); 0: every rank does both, in turn
-    inflight_update: str = "off"      # off | keep_kv | recompute_kv: with K >= 1, the next batch is generated during
-                                      # the update and takes the new weights halfway, on the KV the old ones wrote
-                                      # (keep_kv) or on KV recomputed by the new ones (recompute_kv)
-    partial_rollout: bool = False     # a response unfinished after --rollout_token_budget new tokens is carried over and
-                                      # continues in the next batch's generation, by the version then current; a batch
-                                      # trains the first prompts_per_step groups whose members have all ended
-                                      # (asynchrony/partial_rollout.py); false: every response ends in its own batch
-    rollout_token_budget: int = 0     # --partial_rollout: the new tokens a sequence draws per round (0: half the
-                                      # response budget, max_new_tokens // 2)
     # logging
     log_every: int = 1                # write a metrics.jsonl row every N steps
     save_every: int = 50              # checkpoint every N steps (and at the end)
     keep_checkpoints: int = 1         # the newest K checkpoints are kept, older ones deleted
     progress: str = "auto"            # auto: a progress bar when stdout and stderr are a terminal, else a line
                                       # every --log_every steps (a log file gets lines, not bar frames) | true | false
-    probe_every: int = 0              # > 0: every N steps, roll out a fixed probe set greedily and audit it
-    probe_prompts: int = 8            # the probe set's size (drawn once from the task)
-    diagnostics: int = 0              # > 0: each step, the N most mismatched sequences to diagnostics.jsonl
-    diagnostics_holdout: bool = False  # --diagnostics' sequences, chosen from the recomputed old policy, are held out of
-                                       # the update (diagnostics_held_out counts them; needs --recompute_old_logp)
-    log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
-    log_to: str = ""                  # "" (metrics.jsonl only) | tensorboard | wandb: a copy of each row
-    entropy_warn: float = 0.05        # one warning line when the mean entropy stays below this for
-                                      # --entropy_warn_steps steps in a row (0: never)
-    entropy_warn_steps: int = 10      # ... that many consecutive steps
-    surge_window: int = 10            # W: a response-length surge is the mean response_len of the last W steps over
-                                      # (1 + surge_ratio) times that of the W before; one warning line, length_surge
-                                      # 1 on that step (once a run; 0: off)
-    surge_ratio: float = 0.5          # ... r: the growth that counts as a surge
     resume_changes: str = "refuse"    # --resume with settings that change the run's numbers (lr, the loss, the
                                       # task, ...): refuse | allow; either way each changed setting is printed
                                       # (docs/design.md, "Reliability")
-    # evaluation (tooling/eval.py): greedy and sampled reward and pass@k on a held-out JSONL
-    eval_data: str = ""               # a JSONL file in --data's format, scored with --reward_fn
-    eval_every: int = 0               # evaluate every N steps and at the last (0: at the last step only)
-    eval_samples: int = 4             # k sampled responses per eval prompt (pass@k)
     model_overrides: dict = field(default_factory=dict, metadata={"cli": False})  # the preset's fields set by --name=value
 
     def __post_init__(self):
@@ -610,10 +486,8 @@ class TrainConfig:
                  f"--device={self.device!r}: choose auto, cpu, cuda or cuda:N")
         _require(not (self.resume and self.overwrite), "--resume and --overwrite contradict each other: pick one")
         self._check_objective()
-        for name in ("keep_checkpoints", "eval_samples"):
-            _require(getattr(self, name) >= 1, f"--{name}={getattr(self, name)}: must be >= 1")
-        for name in ("log_samples", "eval_every"):
-            _require(getattr(self, name) >= 0, f"--{name}={getattr(self, name)}: must be >= 0")
+        _require(self.keep_checkpoints >= 1, f"--keep_checkpoints={self.keep_checkpoints}: must be >= 1")
+        _require(self.log_samples >= 0, f"--log_samples={self.log_samples}: must be >= 0")
         _require(self.log_to in ("", "tensorboard", "wandb"), f"--log_to={self.log_to!r}: '', tensorboard or wandb")
         for name in ("data", "tokenizer", "reward_fn"):                 # else the digit task runs, ignoring them
             _require(self.task == "jsonl" or not getattr(self, name),
@@ -624,13 +498,7 @@ class TrainConfig:
         _require(self.resume_changes in ("refuse", "allow"), f"--resume_changes={self.resume_changes!r}: refuse or allow")
         bad = sorted(set(self.model_overrides) - set(MODEL_OPTIONS))
         _require(not bad, f"model_overrides {bad}: not ModelConfig fields the command line can set")
-        _require(not self.eval_every or self.eval_data,
-                 f"--eval_every={self.eval_every}: needs --eval_data=FILE (a held-out JSONL)")
-        _require(not self.eval_data or self.task == "jsonl",
-                 f"--eval_data={self.eval_data!r}: needs --task=jsonl (its --tokenizer and --reward_fn score it)")
         _require(not self.env or self.task == "jsonl", f"--env={self.env!r}: needs --task=jsonl (its prompts and tokenizer)")
-        _require(not (self.env and self.eval_data), "--eval_data scores single responses with --reward_fn; it does not "
-                 "run --env's episodes yet: drop one of the two")
         _require_range(self, "route_filter_threshold", lambda v: 0 <= v <= 1, "in [0, 1]")
         _require_range(self, "save_every log_every", lambda v: v > 0, ">= 1")
         _require_range(self, "lr", lambda v: v >= 0, ">= 0 (0: a frozen policy)")
@@ -639,20 +507,12 @@ class TrainConfig:
         _require_range(self, "router_aux_loss_coef router_z_loss_coef", lambda v: v >= 0, ">= 0 (0: off)")
         _require_range(self, "eps_low gspo_eps_low", lambda v: 0 <= v < 1, "in [0, 1)")
         _require_range(self, "beta1 beta2", lambda v: 0 <= v < 1, "in [0, 1)")
-        _require(self.probe_every >= 0 and self.diagnostics >= 0,
-                 f"--probe_every={self.probe_every}, --diagnostics={self.diagnostics}: must be >= 0 (0: off)")
-        _require(self.probe_prompts > 0, f"--probe_prompts={self.probe_prompts}: must be >= 1")
-        _require(self.train_capacity_factor >= 0,
-                 f"--train_capacity_factor={self.train_capacity_factor}: 0 (dropless) or > 0")
         self._check_schedule()
         _require(self.router_lr_scale >= 0,
                  f"--router_lr_scale={self.router_lr_scale}: must be >= 0 (0 freezes the router)")
         _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
         _require_range(self, "group_size", lambda v: v >= 2, ">= 2: advantages compare responses within a group")
-        _require(self.parallel in ("ddp", "fsdp"), f"--parallel={self.parallel!r}: ddp or fsdp")
         _require(self.grad_reduce in ("exact", "fast"), f"--grad_reduce={self.grad_reduce!r}: exact or fast")
-        _require(self.expert_parallel >= 1, f"--expert_parallel={self.expert_parallel}: must be >= 1")
-        self._check_eplb()
         _require(self.kernels_backend in ("", "auto", "torch", "triton"),
                  f"--kernels_backend={self.kernels_backend!r}: auto, torch or triton (or '' for KERNELS_BACKEND)")
         _require_range(self, "expert_bias_update_rate", lambda v: v >= 0, ">= 0 (0: the bias is frozen)")
@@ -662,9 +522,12 @@ class TrainConfig:
                  "--chat_template and --system_prompt format JSONL prompts: add --task=jsonl")
         _require(self.chat_template or not self.system_prompt,
                  "--system_prompt goes into the checkpoint's chat template: add --chat_template=true")
-        self._check_async()
         self._check_precision()
-        self._check_sft()
+        _require(self.diagnostics >= 0, f"--diagnostics={self.diagnostics}: must be >= 0 (0: off)")
+        _require(not self.diagnostics_holdout or (self.recompute_old_logp and self.diagnostics > 0),
+                 "--diagnostics_holdout=true holds out the sequences --diagnostics=N picks before the update, from the "
+                 "recomputed old policy: add --recompute_old_logp=true and --diagnostics=N (N > 0)")
+        _check_groups(self, "check")
 
     def _check_schedule(self):
         """The lr schedule (distributed.lr_at) and the response-length surge that can start its halving
@@ -686,47 +549,6 @@ class TrainConfig:
                  f"{self.lr_schedule})")
         _require(self.halving_start == "warmup" or self.surge_window >= 1,
                  "--halving_start=surge waits for a response-length surge: it needs --surge_window >= 1")
-
-    def _check_eplb(self):
-        """--eplb_redundant / --eplb_interval (parallel/eplb.py); the checks that need the model: eplb.check."""
-        R = self.eplb_redundant
-        _require(R >= 0, f"--eplb_redundant={R}: must be >= 0 (0: off)")
-        _require(self.eplb_interval >= 1, f"--eplb_interval={self.eplb_interval}: must be >= 1 (steps between re-plans)")
-        _require(R == 0 or self.expert_parallel > 1,
-                 f"--eplb_redundant={R}: replicas spread experts over EP ranks; it needs --expert_parallel > 1")
-        _require(R == 0 or self.grad_reduce == "exact", f"--eplb_redundant={R}: the replicas' gradients are folded "
-                 "into their experts' exact sums; it needs --grad_reduce=exact")
-
-    def _check_async(self):
-        """Where the batches come from: bounded staleness, in-flight updates, rollout ranks (asynchrony/pipeline.py)."""
-        _require(self.max_staleness >= 0, f"--max_staleness={self.max_staleness}: must be >= 0 (0: synchronous)")
-        _require(self.rollout_ranks >= 0, f"--rollout_ranks={self.rollout_ranks}: must be >= 0")
-        _require(not self.rollout_ranks or self.rollout_ranks % self.expert_parallel == 0,
-                 f"--rollout_ranks={self.rollout_ranks} with --expert_parallel={self.expert_parallel}: the rollout ranks "
-                 "form EP groups of their own, so the EP degree must divide them")
-        _require(not (self.rollout_ranks and self.eplb_redundant),
-                 f"--rollout_ranks with --eplb_redundant={self.eplb_redundant}: the rollout ranks receive the trained "
-                 "experts, not replicas; drop one")
-        _require(self.inflight_update in INFLIGHT_UPDATES,
-                 f"--inflight_update={self.inflight_update!r}: choose one of {', '.join(INFLIGHT_UPDATES)}")
-        _require(self.inflight_update == "off" or self.max_staleness >= 1,
-                 f"--inflight_update={self.inflight_update}: the update overlaps the next batch's generation only "
-                 "with --max_staleness >= 1")
-        _require(self.rollout_token_budget >= 0,
-                 f"--rollout_token_budget={self.rollout_token_budget}: must be >= 0 (0: half of max_new_tokens)")
-        _require(self.partial_rollout or not self.rollout_token_budget,
-                 f"--rollout_token_budget={self.rollout_token_budget} is the budget of a partial rollout: add "
-                 "--partial_rollout=true")
-
-    def _check_sft(self):
-        """--sft_steps: the task needs reference answers (tasks.SUPERVISED_TASKS), the trainers the sampler."""
-        _require(self.sft_steps >= 0, f"--sft_steps={self.sft_steps}: must be >= 0 (0: no supervised steps)")
-        if self.sft_steps:
-            _require(self.task in SUPERVISED_TASKS and not self.env,
-                     f"--sft_steps={self.sft_steps}: --task={self.task}{' with --env' if self.env else ''} has no reference "
-                     f"answers to train on; the tasks that have them: {', '.join(SUPERVISED_TASKS)} (jsonl without --env)")
-            _require(not self.rollout_ranks, f"--sft_steps={self.sft_steps} with --rollout_ranks: the rollout ranks would "
-                     "not see the supervised weights; not yet supported")
 
     def _check_objective(self):
         """The objective against losses.py's tables: the loss, its aggregation over minibatches, the corrections, the
@@ -773,9 +595,6 @@ class TrainConfig:
         _require(all(re.fullmatch(r"\d+|[A-Za-z_]\w*", t) for t in self._key_token_items()),
                  f"--route_filter_tokens={self.route_filter_tokens!r}: comma-separated token ids and / or a task's "
                  "token class, e.g. --route_filter_tokens=digits or --route_filter_tokens=15,16")
-        _require(not self.diagnostics_holdout or (self.recompute_old_logp and self.diagnostics > 0),
-                 "--diagnostics_holdout=true holds out the sequences --diagnostics=N picks before the update, from the "
-                 "recomputed old policy: add --recompute_old_logp=true and --diagnostics=N (N > 0)")
 
     def _key_token_items(self) -> list[str]:
         return [t.strip() for t in self.route_filter_tokens.split(",")] if self.route_filter_tokens.strip() else []
@@ -807,7 +626,7 @@ class TrainConfig:
         """The options that need the model: the route options refuse a model without a router (they
         would do nothing), the bias update needs a bias, and the task's ids must fit the vocabulary."""
         if not model.moe_layers:
-            for name, off in (("train_capacity_factor", 0.0), ("replay", "none"), ("route_filter", "none"),
+            for name, off in (("replay", "none"), ("route_filter", "none"),
                               ("route_filter_tokens", ""), ("router_aux_loss_coef", 0.0), ("router_z_loss_coef", 0.0)):
                 _require(getattr(self, name) == off,
                          f"--{name}={getattr(self, name)}: the model has no MoE layer (no routes); drop it")
@@ -816,6 +635,7 @@ class TrainConfig:
                  "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")
         _require(task_vocab <= model.vocab_size,
                  f"task {self.task!r} uses {task_vocab} token ids, the model has vocab_size={model.vocab_size}")
+        _check_groups(self, "check_with_model", model)
 
     def _check_precision(self):
         """--dtype / --master_dtype / --router_dtype / --save_dtype (docs/design.md, "Mixed precision")."""
@@ -884,6 +704,123 @@ class TrainConfig:
         """--agg with auto resolved to the loss's own (GSPO and SAPO per sequence, the others per token)."""
         from losses import LOSSES
         return LOSSES[self.loss].aggregation if self.agg == "auto" else self.agg
+
+
+@dataclass
+class TaskOptions(Options):
+    """The task (support/tasks.py): built-in or your JSONL, its reward or environment."""
+    task: str = "copy"                # a name in tasks.TASKS: copy | reverse | lookup | fix (multi-turn) | jsonl
+    n_digits: int = 4                 # copy / reverse / lookup / fix: digits per prompt
+    data: str = ""                    # --task=jsonl: the JSONL file
+    tokenizer: str = ""               # --task=jsonl: an HF tokenizer.json
+    reward_fn: str = ""               # --task=jsonl: module:function or file.py:function, reward(prompt, response, answer)
+    env: str = ""                     # --task=jsonl: episodes, file.py:make_env or module:make_env; make_env(prompt, answer)
+                                      # -> an environment, env.step(response) -> (observation, reward, done)
+    chat_template: bool = False       # --task=jsonl: format each prompt with tokenizer_config.json's chat_template
+    system_prompt: str = ""           # --chat_template=true: a system message before each prompt
+    vocab_size: str = ""              # a preset's vocabulary: '' (the preset's) | auto (the task's tokenizer) | N
+
+
+@dataclass
+class ObjectiveOptions(Options):
+    """The objectives' other knobs (losses.py's tables) and the router's training."""
+    dual_clip_c: float = 0.0          # > 1: GRPO tokens with A < 0 lose at most -A * c (0: off)
+    gspo_eps_low: float = 3e-4        # GSPO's clip range on the sequence ratio: below 1 - this ...
+    gspo_eps_high: float = 4e-4       # ... and above 1 + this
+    gspo_log_ratio_max: float = 20.0  # GSPO's sequence log-ratio clamped to [-20, this] (verl: 10)
+    sapo_tau_pos: float = 1.0         # SAPO's gate temperature for A > 0
+    sapo_tau_neg: float = 1.05        # ... for A < 0
+    entropy_coef: float = 0.0         # an entropy bonus: minus this times the entropy of softmax(logits / T) at each
+                                      # response token, aggregated as the loss (0: off; e.g. 1e-3 against a collapse)
+    router_aux_loss_coef: float = 0.0 # + this times Switch's load-balancing loss E sum_i f_i P_i (1 when balanced;
+                                      # per sequence and MoE layer; losses.load_balancing_loss; 0: off; e.g. 1e-3)
+    router_z_loss_coef: float = 0.0   # + this times ST-MoE's router z-loss, the mean of logsumexp(router logits)^2
+                                      # (losses.router_z_loss; 0: off; e.g. 1e-3)
+    mis_low: float = 0.5              # reject and icepop keep rho inside [mis_low, mis_high]
+    mis_high: float = 5.0             # ... (mis keeps rho <= mis_high: masked IS's C)
+    seq_rho: str = "geo_mean"         # seq_*: the sequence's rho as the geometric mean of its tokens' rho, or
+                                      # their product (the papers' Seq-TIS / Seq-MIS, verl's rollout_is=sequence)
+    rejected_tokens: str = "zero_weight"   # zero_weight (still counted in the token mean, still carry KL) | drop
+    router_lr_scale: float = 1.0      # the MoE router gate weights train at lr * S (0 freezes them; the
+                                      # score-correction bias is --expert_bias_update_rate's)
+    expert_bias_update_rate: float = 0.0  # > 0: after each optimizer step, router bias += rate * sign(mean load - load)
+
+
+@dataclass
+class RouteOptions(Options):
+    """A route's life beyond R3 (replay.py): bounded replay, the route filters."""
+    replay_steps: int = 0             # > 0: replay on the first N optimizer steps of each batch only (bounded
+                                      # replay), then the router's own routes (0: on every one)
+    route_filter: str = "none"        # none | mask | downweight: the loss of tokens whose rollout/trainer top-k
+                                      # overlap is below --route_filter_threshold (masked, or times the overlap)
+    route_filter_threshold: float = 0.9    # --route_filter: the overlap (mean over MoE layers) a token needs
+    route_filter_level: str = "token"      # token | sequence: filter whole responses by their mean overlap
+    route_filter_tokens: str = ""     # key tokens: comma-separated ids and / or a task's token class (digits); such a
+                                      # response token gets loss weight 0 where its top-1 expert flipped in any MoE
+                                      # layer (times --route_filter's weight if both are on); "": off
+
+
+@dataclass
+class LogOptions(Options):
+    """What a run shows and writes beyond metrics.jsonl (support/runlog.py, replay.py's diagnostics)."""
+    log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
+    log_to: str = ""                  # "" (metrics.jsonl only) | tensorboard | wandb: a copy of each row
+    entropy_warn: float = 0.05        # one warning line when the mean entropy stays below this for
+                                      # --entropy_warn_steps steps in a row (0: never)
+    entropy_warn_steps: int = 10      # ... that many consecutive steps
+    surge_window: int = 10            # W: a response-length surge is the mean response_len of the last W steps over
+                                      # (1 + surge_ratio) times that of the W before; one warning line, length_surge
+                                      # 1 on that step (once a run; 0: off)
+    surge_ratio: float = 0.5          # ... r: the growth that counts as a surge
+    lr_decay_period: int = 0          # --lr_schedule=halving: steps per halving (required there, 0 elsewhere)
+    halving_start: str = "warmup"     # --lr_schedule=halving counts its periods from: warmup (its end) | surge (lr
+                                      # holds until a response-length surge, halves on the next step, then every
+                                      # period)
+    diagnostics: int = 0              # > 0: each step, the N most mismatched sequences to diagnostics.jsonl
+    diagnostics_holdout: bool = False  # --diagnostics' sequences, chosen from the recomputed old policy, are held
+                                       # out of the update (diagnostics_held_out counts them; needs
+                                       # --recompute_old_logp)
+
+# ---------------------------------------------------------------------------------------------------
+# the configs: the core's groups, then each plug-in folder's options.py
+# ---------------------------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def plugin_modules() -> list:
+    """Each plug-in folder's options.py, folders by name: its option groups (TRAIN, ROLLOUT) and, where it
+    has any, its step hooks (`hooks`, support/hooks.py). A deleted folder takes both with it."""
+    folders = sorted(n for n in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, n, "options.py")))
+    return [importlib.import_module(f"{n}.options") for n in folders]
+
+
+def plugin_options(kind: str) -> list[type]:
+    """The option groups the plug-in folders declare beside their code (their --keys; a deleted folder's
+    become unknown keys)."""
+    return [g for m in plugin_modules() for g in getattr(m, kind)]
+
+
+def compose(name: str, core: type, groups: list[type]) -> type:
+    """One dataclass with the core's fields, then each group's: one flat --key=value namespace, one run.json,
+    one resume check. Two groups may not declare the same option."""
+    owner = {}
+    for g in (core, *groups):
+        for f in dataclasses.fields(g):
+            if f.name in owner:
+                raise TypeError(f"option {f.name!r} is declared by {owner[f.name].__name__} and {g.__name__}")
+            owner[f.name] = g
+    return dataclass(type(name, (*reversed(groups), core), {"__doc__": core.__doc__, "__module__": __name__,
+                                                            "__qualname__": name}))
+
+
+def option_groups(cls) -> list[type]:
+    """A config's groups in --help's order: the core's, then each plug-in's ([cls] for a plain dataclass)."""
+    return [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c) and vars(c).get("__annotations__")]
+
+
+TrainConfig = compose("TrainConfig", TrainOptions, [TaskOptions, ObjectiveOptions, RouteOptions, LogOptions,
+                                                    *plugin_options("TRAIN")])
+RolloutConfig = compose("RolloutConfig", RolloutOptions, plugin_options("ROLLOUT"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1000,7 +937,9 @@ def _shown(v) -> str:
 def field_docs(cls) -> dict[str, str]:
     """{field: its description}: the trailing comment of the field's line in the class source, with the
     comment-only lines that continue it (indented past the field, or `#` then aligned text). The one place
-    an option is described: --help prints these."""
+    an option is described: --help prints these. A composed config's are its groups'."""
+    if cls in (TrainConfig, RolloutConfig):
+        return {k: v for g in option_groups(cls) for k, v in field_docs(g).items()}
     docs, last = {}, None
     for line in inspect.getsource(cls).splitlines():
         m = re.match(r"    (\w+): [^#]*?(?:#\s?(.*))?$", line)
@@ -1017,14 +956,16 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def help_text(*configs) -> str:
-    """Every option: `--name=default  description`, grouped by dataclass."""
+    """Every option: `--name=default  description`, under its group and the file that declares it."""
     lines = []
     for c in configs:
-        lines.append(f"{type(c).__name__}:")
-        docs = field_docs(type(c))
-        opts = [(f"--{name}={getattr(c, name)!r}", docs.get(name, "")) for name in _cli_fields(type(c))]
-        width = max(len(o) for o, _ in opts)
-        lines += [f"  {o:<{width}}  {d}".rstrip() for o, d in opts]
+        for group in option_groups(type(c)):
+            docs, names = field_docs(group), [f.name for f in dataclasses.fields(group) if f.metadata.get("cli", True)]
+            where = os.path.relpath(inspect.getsourcefile(group), ROOT)
+            lines.append(f"{group.__name__} ({where}): {group.__doc__.split(chr(10))[0]}")
+            opts = [(f"--{name}={getattr(c, name)!r}", docs.get(name, "")) for name in names]
+            width = max(len(o) for o, _ in opts)
+            lines += [f"  {o:<{width}}  {d}".rstrip() for o, d in opts]
     return "\n".join(lines)
 
 

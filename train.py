@@ -34,7 +34,6 @@ SIGINT / SIGTERM save the step under way and exit 130 / 143.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import gc
@@ -53,27 +52,25 @@ from tqdm.auto import tqdm
 import kernels
 import replay
 from asynchrony.partial_rollout import PartialRollouts
-from asynchrony.pipeline import (Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve,
-                                 staleness_metrics, staleness_split)
+from asynchrony.pipeline import Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve
 from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
 from lab import faults as lab
 from losses import (Normalisers, correction_weights, group_advantages, rejects, router_metrics, router_objective,
                     token_objective)
-from model import CapacityLimit, Transformer, capacity_limit
-from parallel import eplb, expert_parallel
+from model import Transformer
+from parallel import expert_parallel
 from rollout import Sampler
 from support.checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, load_optimizer_state,
                                 optimizer_state, prepare_out_dir, resume, run_task, save_checkpoint, trim_metrics)
-from support.distributed import (Dist, Policy, all_cat, all_owned, all_sum_counts, check_in_sync, gather_scored,
-                                 global_batch, init_distributed, lr_at, on_host, reduce_metrics, store_routers,
-                                 update_is_finite)
+from support.distributed import (Dist, Policy, all_cat, all_owned, check_in_sync, gather_scored, global_batch,
+                                 init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
+from support.hooks import Hooks, plugin_hooks, trainer_forward
 from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
                              unpack)
-from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, append_jsonl, banner, bar_postfix,
-                            episode_metrics, latency_metrics, log_routes, log_row, log_samples, open_logger,
-                            open_outputs, run_cli, say, stop_requested, summary, warn_low_entropy)
+from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, bar_postfix, episode_metrics,
+                            latency_metrics, log_routes, log_row, log_samples, open_logger, open_outputs, run_cli, say,
+                            stop_requested, summary, warn_low_entropy)
 from support.tasks import Episodes, TaskError, compute_rewards
-from tooling import eval as evaluation
 from tooling import plan, sft
 
 
@@ -92,12 +89,10 @@ class Run:
     metrics_path: str
     key_tokens: torch.Tensor | None = None   # --route_filter_tokens' ids, a (V,) bool table (replay.key_token_table)
     outputs: Outputs | None = None   # identity of the exports, eval task, logger (set by open_outputs)
-    capacity: CapacityLimit | None = None   # --train_capacity_factor's drop counts (see trainer_capacity)
     rollouts: Colocated | None = None       # where each step's batch comes from (asynchrony/pipeline.py; set by setup)
-    probe: "evaluation.Probe | None" = None   # --probe_every: the fixed probe set, drawn at the first probe
     surge: LengthSurge = dataclasses.field(default_factory=LengthSurge)   # --surge_window's detector (lr_at reads it)
     sft_done: int = 0                # --sft_steps' supervised steps the weights have had (tooling/sft.py)
-    balancer: eplb.Balancer | None = None   # --eplb_redundant: the experts' replicas and their layouts
+    hooks: list[Hooks] = dataclasses.field(default_factory=list)   # the plug-ins' (support/hooks.py)
 
     @property
     def fsdp(self) -> bool:
@@ -147,15 +142,11 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             audited = old.audit or first                                             # 5. metrics and log
             row = step_metrics(run, step, batch, outs, rewards, audited, stats, ro, t0)
             row.update(episode_metrics(run, batch, outs, episodes, audited))
-            row.update(evaluation.maybe_evaluate(run, step))
-            row.update(evaluation.probe(run, step))                   # --probe_every: the fixed probe's audit
+            for hook in run.hooks:                                    # the plug-ins': evaluations, re-plans
+                row.update(hook.after_step(run, step, batch))
             mine, seen = this_ranks(batch, audited, run.d.rank, len(outs))   # per-rank files: this rank's sequences
             row.update(log_routes(run, step, mine, outs, rewards, seen, old.held_out))   # routes, diagnostics.jsonl
             row.update(run.surge.watch(run, row))                     # --surge_window: a response-length surge
-            if run.balancer is not None:                              # EPLB: the load before / after; a re-plan
-                metrics, plans = run.balancer.step(step, batch, run.d.world)
-                row.update(metrics)
-                append_jsonl(run, step, "eplb.jsonl", plans)          # a resume drops the rows past its step
             history.append(log_row(run, step, row))
             warn_low_entropy(run, history)
             bar.set_postfix(bar_postfix(row), refresh=False)
@@ -474,14 +465,14 @@ def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bo
     """One forward of the micro-batch mb (rows micro.rows of the rollout batch) through score: the
     trainer's module (DDP / FSDP2 hook its call) or model.score unchecked (the old and reference policies),
     replaying `routes` (replay.routes_to_replay; -1 where unrecorded), packed or not. counted=False (a
-    null micro-batch): outside --train_capacity_factor's counts.
+    null micro-batch): outside the hooks' contexts (token dropping's counts).
     Returns logp (k, T-1), routes (k, T, n_moe, k) and the route detail per sequence. Nothing here reads
     a tensor back from the device: make_batch and pack_routes checked the batch on the host."""
     dev, T, pk, tokens = run.d.device, mb.tokens.shape[1], micro.packing, mb.tokens
     if pk is not None:
         tokens = pk.from_padded(tokens)                               # (1, sum of lengths)
         routes = None if routes is None else pk.from_padded(routes, fill=-1)
-    with torch.set_grad_enabled(grad), trainer_capacity(run) if counted else contextlib.nullcontext():
+    with torch.set_grad_enabled(grad), trainer_forward(run, counted):
         out = score(tokens.to(dev), temperature=run.rcfg.temperature, routes=None if routes is None else routes.to(dev),
                     with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk, packing=pk, route_detail=True,
                     entropy_grad=entropy_grad, router_logits=grad and run.tcfg.router_losses)   # their losses' logits
@@ -491,15 +482,6 @@ def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bo
             entropy = None if entropy is None else unpack(pk, entropy, T - 1)
             detail = detail.map(lambda x: unpack(pk, x, T))
     return Scored(logp, used, entropy, micro.rows, detail)
-
-
-def trainer_capacity(run: Run):
-    """The trainer's forwards under --train_capacity_factor (model.capacity_limit); dropless at 0."""
-    if run.tcfg.train_capacity_factor == 0:
-        return contextlib.nullcontext()
-    if run.capacity is None:
-        run.capacity = CapacityLimit(run.tcfg.train_capacity_factor)
-    return capacity_limit(run.capacity)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -527,16 +509,8 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "lr": lr_at(step, run.tcfg, run.surge.step), "rollout_tokens_per_s": lengths.sum().item() / ro.seconds,
            **latency_metrics(outs, run.d),
            "step_time": time.perf_counter() - t0, "skipped_steps": run.skipped, **ro.counters, **ro.metrics}
-    if run.capacity is not None:                                      # --train_capacity_factor's drops, all ranks'
-        c = run.capacity
-        c.rows, c.dropped = all_sum_counts([int(c.rows), int(c.dropped)], run.d)
-        row.update(c.pop_metrics())
-    if run.tcfg.max_staleness or run.tcfg.partial_rollout:            # provenance: how old, and the gap by it
-        row.update(staleness_metrics(step, batch))
-        row.update(staleness_split(step, batch, rows, audited.logp, audited.routes, n_experts))
-    ep = expert_parallel.of(run.policy.master)
-    if ep is not None:                                                # rows per rank: the device load
-        row.update(expert_parallel.device_load(audited.routes[batch.route_mask[rows]], ep))
+    for hook in run.hooks:                        # the plug-ins': drops, staleness, the EP ranks' load
+        row.update(hook.step_metrics(run, step, batch, audited))
     return reduce_metrics(row, run.d)
 
 
@@ -556,7 +530,7 @@ def checkpoint(run: Run, step: int) -> None:
     if run.d.master:
         extra = {"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict(),
                  "length_surge": run.surge.state_dict(), "sft_done": run.sft_done,
-                 "eplb": run.balancer and run.balancer.state_dict()}
+                 "plugins": {h.name: h.state_dict() for h in run.hooks if h.name}}
         path = save_checkpoint(run.tcfg.out_dir, step, full, opt_state, run.tcfg, run.rcfg, run.task, extra=extra,
                                masters=masters, save_dtype=run.tcfg.save_dtype or run.tcfg.dtype,
                                keep=run.tcfg.keep_checkpoints, identity=run.outputs and run.outputs.identity)
@@ -579,7 +553,6 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
     task, preset, config = run_task(tcfg, rcfg)
     ep, experts = expert_parallel.layout(tcfg, config.num_experts, d.world)
-    eplb.check(tcfg.eplb_redundant, tcfg.expert_parallel, config.num_experts)
     tcfg.check_model(config, task.vocab_size)
     key_tokens = replay.key_token_table(tcfg.route_filter_token_ids(task, config.vocab_size), config.vocab_size, d.device)
     lab.check_router_fault(config, rcfg.rollout_router_fault)
@@ -606,13 +579,14 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
         load_optimizer_state(policy.trainer, policy.optimizer, resumed.optimizer, d.world > 1 and tcfg.parallel == "fsdp")
         if d.master:
             trim_metrics(metrics_path, start, sft_done)
-    balancer = eplb.balancer(ep, tcfg, len(config.moe_layers), resumed)   # EPLB's layouts, before any forward
     # the gradients and AdamW's moments are allocated after the sampler sizes its KV pool from the free
     # memory: set aside (Policy.reserve_bytes); activations and temporaries come out of the rest
     sampler = lab.episode_fault(Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes()),
                                 rcfg.rollout_episode_fault)
     run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, key_tokens, sft_done=sft_done,
-              balancer=balancer)
+              hooks=plugin_hooks(tcfg, rcfg))
+    for hook in run.hooks:                                            # before any forward (EPLB's layouts)
+        hook.setup(run, resumed)
     midpoint = max(1, max_new_tokens(run) // 2)                       # an in-flight update lands halfway
     run.rollouts = (Remote(run, stop=lambda: StopRequest.signum != 0) if d.bridge is not None else
                     Colocated(batches(run), tcfg.max_staleness, tcfg.inflight_update, midpoint, refresh=policy.refresh))

@@ -41,6 +41,7 @@ import torch
 
 import replay
 from rollout import SequenceOutput
+from support.hooks import Hooks
 
 
 @dataclasses.dataclass
@@ -181,6 +182,16 @@ def staleness_split(step: int, batch, rows: torch.Tensor, train_logp, train_rout
             kl = flips = float("nan")                                  # no such token in this batch
         row[f"kl_{name}"], row[f"route_flip_frac_{name}"] = kl, flips
     return row
+
+
+class Provenance(Hooks):
+    """--max_staleness / --partial_rollout: the step's metrics say how old its tokens are, and split the
+    train-rollout gap by provenance (staleness_metrics, staleness_split)."""
+
+    def step_metrics(self, run, step: int, batch, audited) -> dict:
+        n_experts = run.policy.master.config.num_experts
+        return {**staleness_metrics(step, batch),
+                **staleness_split(step, batch, audited.rows, audited.logp, audited.routes, n_experts)}
 
 
 def version_masks(step: int, batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ differ in one way at a time, while the trainer stays invariant, to measure the m
 * precision: a bf16 / fp16 copy of the weights (--rollout_dtype=bfloat16), or matmul weights rounded
   to int8 / fp8_e4m3 per output channel and dequantized (--rollout_dtype=int8|fp8_e4m3,
   `fake_quantize`), the router kept exact with --rollout_quant_router=false;
-* routing: the sampler's router wrong in one way (--rollout_router_fault, config.ROUTER_FAULTS), by a
+* routing: the sampler's router wrong in one way (--rollout_router_fault, lab/options.py's ROUTER_FAULTS), by a
   subclass of model.MoE that overrides its `route` / `experts` seams on the copy's MoE layers;
 * kernels: --rollout_mode=fast and --router_bf16 are kernels.variant's batch-variant ops, chosen by
   the sampler (rollout.Sampler), not a copy of the weights.
@@ -25,7 +25,8 @@ import copy
 import torch
 
 import kernels
-from config import QUANT_FORMATS, ConfigError, RolloutConfig, TrainConfig
+from config import ConfigError, RolloutConfig, TrainConfig
+from lab.options import QUANT_FORMATS
 from model import Transformer
 from support.distributed import model_state
 
@@ -231,7 +232,7 @@ def check_episode_fault(task, fault: str) -> None:
 
 
 def episode_fault(sampler, fault: str):
-    """The sampler train.py rolls out with under --rollout_episode_fault (config.EPISODE_FAULTS):
+    """The sampler train.py rolls out with under --rollout_episode_fault (lab/options.py's EPISODE_FAULTS):
     stale_prefix_kv: the sampler is never told that the weights changed, so its prefix cache serves KV
         (and routes) computed by an older policy;
     dummy_last_route, retokenize: its outputs rewritten as such an engine would hand them over

@@ -1,8 +1,8 @@
 """EPLB: redundant experts placed by measured load under expert parallelism (--eplb_redundant=R).
 
     layout = place(load, n_extra=R)                  # load (N, E): rows group rank s sent to expert e
-    run.balancer = balancer(ep, tcfg, n_moe)         # train.setup: sets ep.eplb, the layouts the layers run
-    row.update(balancer.step(run, step, batch))      # each step: the load before / after; a re-plan
+    b = balancer(ep, tcfg, n_moe)                    # parallel/hooks.Eplb.setup: sets ep.eplb, the layouts
+    metrics, rows = b.step(step, batch, world)       # each step: the load before / after; a re-plan
 
 Under EP a layer's exchange waits for its busiest rank, and the routes are skewed: a few hot experts
 take several times the mean's rows. As DeepSeek's EPLB does, R more physical slots per MoE layer hold
@@ -119,7 +119,7 @@ def balancer(ep: ExpertParallel | None, tcfg, n_moe: int, resumed=None) -> "Bala
         return None
     out = Balancer(ep, n_moe, tcfg.eplb_redundant, tcfg.eplb_interval)
     if resumed is not None:
-        out.resume(resumed.start, resumed.eplb)
+        out.resume(resumed.start, resumed.plugins.get("eplb"))
     return out
 
 

@@ -323,7 +323,7 @@ class Resumed:
     rollouts: dict | None = None     # the batches generated ahead of the step (pipeline.Colocated.state_dict)
     surge: dict | None = None        # the response-length surge detector's state (runlog.LengthSurge.state_dict)
     sft_done: int = 0                # --sft_steps' supervised steps the weights have had (tooling/sft.py)
-    eplb: dict | None = None         # --eplb_redundant's layouts and the load since their plan (eplb.Balancer)
+    plugins: dict = dataclasses.field(default_factory=dict)   # each plug-in hook's saved state, by its name
 
 
 def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | None, print0) -> Resumed:
@@ -340,7 +340,7 @@ def resume(tcfg: TrainConfig, model: Transformer, task, experts: list[int] | Non
                            for k, v in load_weights(ckpt, model, experts).items()})
     task.load_state_dict(state["task"])
     return Resumed(tcfg, state["step"], state.get("skipped_steps", 0), state["optimizer"], state.get("rollouts"),
-                   state.get("length_surge"), state.get("sft_done", 0), state.get("eplb"))
+                   state.get("length_surge"), state.get("sft_done", 0), state.get("plugins") or {})
 
 
 def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:

@@ -219,9 +219,8 @@ def log_diagnostics(run, step: int, batch, outs, rewards, audited, held_out: tor
     if held_out is not None:                                          # the holdout's order, at every world size
         order = {r: i for i, r in enumerate(held_out.tolist())}
         found.sort(key=lambda row: order[row["sequence"]])
-    if run.balancer is not None:                                      # EPLB: the layouts' row in eplb.jsonl
-        for row in found:
-            row["eplb_plan"] = run.balancer.plan_step
+    for hook in run.hooks:                                            # a plug-in's keys (EPLB: the layouts' plan)
+        hook.diagnostics(found)
     append_jsonl(run, step, "diagnostics.jsonl", found)
 
 

@@ -189,3 +189,72 @@ def test_the_command_line_sets_a_presets_fields_typed_and_checked():
             apply_command_line(bad, TrainConfig(), RolloutConfig())
     with pytest.raises(ConfigError, match=r"--num_experts=4 sets a preset's field; --init_from='nope' is not a preset"):
         apply_command_line({"num_experts": "4", "init_from": "nope"}, TrainConfig(), RolloutConfig())
+
+
+# ---------------------------------------------------------------------------------------------------
+# options by owner: the core's groups and each plug-in folder's options.py, one command line
+# ---------------------------------------------------------------------------------------------------
+def test_every_option_keeps_its_name_and_default():
+    """tests/cli_options.json holds every --key and its default as they were when the options moved to
+    their owners: a renamed, lost or changed option fails here (a new one is added to the file)."""
+    import json
+    import os
+    from config import RolloutConfig, TrainConfig, _cli_fields
+    with open(os.path.join(os.path.dirname(__file__), "cli_options.json")) as f:
+        pinned = json.load(f)
+    now = {n: getattr(c, n) for c in (TrainConfig(), RolloutConfig()) for n in _cli_fields(type(c))}
+    assert {k: now.get(k, "missing") for k in pinned} == pinned
+
+
+def test_help_lists_each_option_under_the_group_that_declares_it():
+    from config import RolloutConfig, TrainConfig
+    text = config.help_text(TrainConfig(), RolloutConfig())
+    group = None
+    where = {}
+    for line in text.splitlines():
+        if not line.startswith("  "):
+            group = line.split(":")[0]
+        else:
+            where[line.split("=")[0].strip()] = group
+    assert where["--max_staleness"] == "AsyncOptions (asynchrony/options.py)"
+    assert where["--expert_parallel"] == "ParallelOptions (parallel/options.py)"
+    assert where["--rollout_dtype"] == "FaultOptions (lab/options.py)"
+    assert where["--speculative_tokens"] == "SpeculativeOptions (sampling/options.py)"
+    assert where["--lr"] == "TrainOptions (config.py)" and where["--temperature"] == "RolloutOptions (config.py)"
+
+
+def test_two_groups_may_not_declare_one_option():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Twice:
+        lr: float = 1.0                   # the core's --lr again
+    with pytest.raises(TypeError, match="'lr' is declared by TrainOptions and Twice"):
+        config.compose("TrainConfig", config.TrainOptions, [Twice])
+
+
+def test_a_deleted_plugin_folder_takes_its_options_with_it(tmp_path):
+    """config.py composes whatever */options.py exist: without asynchrony/ its options are unknown keys and
+    the rest still parse and check (control: with the folder they are there)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(root, tmp_path, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git", "out", "tests", "docs"))
+    probe = ("import config\n"
+             "t = config.TrainConfig()\n"
+             "print(hasattr(t, 'max_staleness'), hasattr(t, 'expert_parallel'))\n"
+             "try:\n"
+             "    config.apply_overrides({'max_staleness': '1'}, t, config.RolloutConfig())\n"
+             "except config.ConfigError as e:\n"
+             "    print(e)\n")
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+    assert run() == ["True True"]                                     # control: the folder is there
+    shutil.rmtree(tmp_path / "asynchrony")
+    lines = run()
+    assert lines[0] == "False True" and lines[1].startswith("unknown config key --max_staleness")

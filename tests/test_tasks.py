@@ -266,7 +266,8 @@ def test_help_describes_every_option_once():
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("--route_filter_threshold="))
     assert line.split(None, 1)[1] == config.field_docs(TrainConfig)["route_filter_threshold"]
     hidden = ["model_overrides"]                                      # set through the ModelConfig options
-    assert len(text.splitlines()) == 2 + len(dataclasses.fields(TrainConfig)) - len(hidden) + \
+    groups = len(config.option_groups(TrainConfig)) + len(config.option_groups(RolloutConfig))   # a header each
+    assert len(text.splitlines()) == groups + len(dataclasses.fields(TrainConfig)) - len(hidden) + \
         len(dataclasses.fields(RolloutConfig)) and "--model_overrides" not in text
 
 

@@ -23,6 +23,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from support.hooks import Hooks
+
 if TYPE_CHECKING:                                                     # annotations only: the CLI stays light
     import torch
     from support.packing import Batch
@@ -90,24 +92,41 @@ class Probe:
     first_routes: "torch.Tensor | None" = None     # (K, T, n_moe, k)
 
 
-def probe(run, step: int) -> dict:
+class Evaluation(Hooks):
+    """--eval_data: the held-out set's keys every --eval_every steps and at the last (maybe_evaluate)."""
+
+    def after_step(self, run, step: int, batch) -> dict:
+        return maybe_evaluate(run, step)
+
+
+class Probing(Hooks):
+    """--probe_every: the fixed probe set's audit and route drift (probe); the set drawn at the first."""
+
+    def __init__(self):
+        self.probe: Probe | None = None
+
+    def after_step(self, run, step: int, batch) -> dict:
+        return probe(run, step, self)
+
+
+def probe(run, step: int, holder) -> dict:
     """--probe_every=N: every N steps the probe prompts are rolled out greedily by the current weights
     and re-scored by the trainer: probe_* is the audit of that rollout (as the step's), and
     probe_route_drift the share of (token, layer) of the first probe's sequences whose top-k set the
     current weights change. Drawing the prompts leaves the task's own stream where it was.
-    run: train.Run (its configs, task, sampler, policy)."""
+    run: train.Run (its configs, task, sampler, policy); holder: what keeps the Probe (Probing)."""
     import torch
     import replay
     from support.packing import make_batch
     tcfg = run.tcfg
     if not tcfg.probe_every or (step + 1) % tcfg.probe_every:
         return {}
-    if run.probe is None:
+    if holder.probe is None:
         state = run.task.state_dict()
-        run.probe = Probe([ex.prompt for ex in run.task.sample(tcfg.probe_prompts)])
+        holder.probe = Probe([ex.prompt for ex in run.task.sample(tcfg.probe_prompts)])
         run.task.load_state_dict(state)
     run.policy.refresh()
-    outs = run.sampler.generate(run.probe.prompts, max_new_tokens=run.rcfg.max_new_tokens or run.task.max_new_tokens,
+    outs = run.sampler.generate(holder.probe.prompts, max_new_tokens=run.rcfg.max_new_tokens or run.task.max_new_tokens,
                                 temperature=0.0,
                                 stop_token_ids=run.task.stop_token_ids, progress=False)
     batch = make_batch(outs, torch.zeros(len(outs)))
@@ -115,10 +134,10 @@ def probe(run, step: int) -> dict:
     E = run.policy.full.config.num_experts
     row = {**replay.mismatch_metrics(logp, batch.rollout_logp, batch.mask),
            **replay.route_audit(batch.routes, routes, batch.route_mask, E, detail)}
-    if run.probe.first is None:
-        run.probe.first, run.probe.first_routes = batch, routes
-    _, now, _ = probe_score(run, run.probe.first.tokens)
-    row["route_drift"] = replay.route_drift(run.probe.first_routes, now, run.probe.first.route_mask)
+    if holder.probe.first is None:
+        holder.probe.first, holder.probe.first_routes = batch, routes
+    _, now, _ = probe_score(run, holder.probe.first.tokens)
+    row["route_drift"] = replay.route_drift(holder.probe.first_routes, now, holder.probe.first.route_mask)
     return {f"probe_{k}": v for k, v in row.items()}
 
 

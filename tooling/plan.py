@@ -65,9 +65,10 @@ import dataclasses
 import math
 import os
 
-from config import (MODEL_PRESETS, QUANT_FORMATS, ConfigError, ModelConfig, RolloutConfig, TrainConfig,
-                    apply_command_line, parse_args)
+from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line,
+                    parse_args)
 from families import hf
+from lab.options import QUANT_FORMATS
 
 GB = 1e9
 # --plan's own keys: type, default, what it says

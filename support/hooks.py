@@ -1,0 +1,54 @@
+"""The step's seams: what a plug-in does in a run, at fixed points of train.py's loop.
+
+A plug-in folder's options.py may define `hooks(tcfg, rcfg) -> list[Hooks]`: the hooks its set options ask
+for, importing the plug-in's code only then. train.py calls every hook at its point, in the folders' order,
+on every rank (a hook may run collectives); the loop itself never tests a plug-in's option.
+
+    setup(run, resumed)      the run is built, no forward has run; resumed: checkpoint.Resumed or None
+    trainer_forward(run)     a context around each counted trainer forward (not the null micro-batches)
+    step_metrics(run, step, batch, audited)   keys beside the step's metrics, before their reduction
+    after_step(run, step, batch)              keys after the step's metrics: evaluations, re-plans
+    diagnostics(rows)        its keys on diagnostics.jsonl's rows
+    state_dict()             saved in the checkpoint under `name`, handed back as resumed.plugins[name]
+"""
+from __future__ import annotations
+
+import contextlib
+
+import config
+
+
+class Hooks:
+    """A plug-in's hooks; each does nothing here."""
+    name = ""                        # its key in a checkpoint's plugin state ("": it keeps none)
+
+    def setup(self, run, resumed) -> None:
+        pass
+
+    def trainer_forward(self, run):
+        return contextlib.nullcontext()
+
+    def step_metrics(self, run, step: int, batch, audited) -> dict:
+        return {}
+
+    def after_step(self, run, step: int, batch) -> dict:
+        return {}
+
+    def diagnostics(self, rows: list[dict]) -> None:
+        pass
+
+    def state_dict(self):
+        return None
+
+
+def plugin_hooks(tcfg, rcfg) -> list[Hooks]:
+    """Every plug-in's hooks for this run's options, in the folders' order (config.plugin_modules)."""
+    return [h for m in config.plugin_modules() if hasattr(m, "hooks") for h in m.hooks(tcfg, rcfg)]
+
+
+def trainer_forward(run, counted: bool) -> contextlib.ExitStack:
+    """The hooks' contexts around one trainer forward; none around a null micro-batch's (counted=False)."""
+    stack = contextlib.ExitStack()
+    for h in run.hooks if counted else ():
+        stack.enter_context(h.trainer_forward(run))
+    return stack
