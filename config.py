@@ -374,6 +374,7 @@ class RolloutOptions(Options):
                                       # environment's; 0: the task's (lookup, fix: their length; --env: 4 x max_new_tokens)
     stop_tokens: str = ""             # comma-separated ids that end a response, instead of the checkpoint's /
                                       # tokenizer's eos (the digit tasks: their EOS)
+    record_route_detail: bool = False  # the sampler also keeps each route's combine weights and margin (fp32)
 
     def __post_init__(self):
         _require_finite(self)
@@ -391,6 +392,11 @@ class RolloutOptions(Options):
     def check_training(self, tcfg: "TrainConfig") -> None:
         """The rollout settings against the training's (train.py, every rank): the groups' own."""
         _check_groups(self, "check_with_training", tcfg)
+
+    def rollout_ops(self) -> dict:
+        """The op set the sampler's steps run (kernels.op_set): the invariant one; a plug-in's options
+        group may return another (the lab's fast ops)."""
+        return {}
 
     @property
     def stop_token_ids(self) -> tuple[int, ...] | None:

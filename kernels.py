@@ -34,6 +34,7 @@ manager. Triton is imported only when the triton backend is first used.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -161,34 +162,27 @@ def load_tuning(path: str | dict) -> dict:
 
 # --- end backend selection --------------------------------------------------------------------------
 
-# --- rollout variants (the mismatch lab): off unless a `with variant(...)` block is active ----------
-_variant: dict | None = None
+# --- another op set: the rollout's, from outside (the lab's fast ops, lab/fast_ops.py) ------------------
+SWAPPABLE = ("linear", "linear_heads", "rms_norm", "silu_mul", "paged_attention", "sigmoid", "moe_experts",
+             "ranked", "round_router_logits")
 
 
-class variant:
-    """`with kernels.variant(batch_variant=True, router_bf16=False):` computes the way a typical fast
-    inference engine does, on purpose, so the trainer (outside the block) sees a mismatch.
-
-    batch_variant: plain torch ops (F.linear / cuBLAS, SDPA, F.silu, rsqrt, a per-expert MoE loop
-        with index_add_, torch.topk), whose bits depend on the batch. router_bf16: round the router
-        logits to bf16 before the softmax. With neither set, nothing changes.
-    """
-
-    def __init__(self, batch_variant: bool = False, router_bf16: bool = False):
-        self.state = {"batch_variant": batch_variant, "router_bf16": router_bf16}
-
-    def __enter__(self):
-        global _variant
-        self.previous, _variant = _variant, self.state
-        return self
-
-    def __exit__(self, *exc):
-        global _variant
-        _variant = self.previous
-
-
-def _fast() -> bool:
-    return _variant is not None and _variant["batch_variant"]
+@contextlib.contextmanager
+def op_set(ops: dict):
+    """`with kernels.op_set(ops):` runs the block with some of SWAPPABLE's ops replaced by others (ops:
+    {name: function}; {} changes nothing). The model and this module call each op by its name at call
+    time, so a replaced one serves every caller. The sampler runs its steps so (rollout.Sampler.ops); the
+    trainer never runs inside such a block, and INVARIANT_OPS restores the invariant set within one."""
+    unknown = sorted(set(ops) - set(SWAPPABLE))
+    if unknown:
+        raise ValueError(f"kernels.op_set: {unknown} are not replaceable ops (kernels.SWAPPABLE)")
+    here = globals()
+    saved = {name: here[name] for name in ops}
+    here.update(ops)
+    try:
+        yield
+    finally:
+        here.update(saved)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,8 +193,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     x (..., K), w (N, K) -> (..., N) in x.dtype.
     """
-    if _fast():
-        return F.linear(x, w)
     if (kt := _triton_for(x)) is not None:    # triton backend dispatch
         return kt.linear(x, w)
     lead, K = x.shape[:-1], x.shape[-1]
@@ -221,8 +213,6 @@ def linear_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per head h, y[..., h, :] = x[..., h, :] @ w[h].T with fp32 accumulation, bitwise independent of the
     number of rows. x (..., H, K), w (H, N, K) -> (..., H, N) in x.dtype (MLA's absorbed key and value
     projections). The torch path is linear()'s: fixed ROW_CHUNK-row tiles, one batched matmul for all heads."""
-    if _fast():
-        return torch.einsum("...hk,hnk->...hn", x, w)
     if (kt := _triton_for(x)) is not None:    # triton backend: the matmul kernel, one launch per head
         return torch.stack([kt.linear(x[..., h, :], w[h]) for h in range(w.shape[0])], -2)
     lead, (H, K), N = x.shape[:-2], x.shape[-2:], w.shape[1]
@@ -241,9 +231,6 @@ def linear_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3 RMSNorm: normalise in fp32, round to x.dtype, then scale (as transformers does)."""
-    if _fast():                                                     # transformers' formula, rsqrt
-        xf = x.float()
-        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     if (kt := _triton_for(x)) is not None:    # triton backend dispatch
         return kt.rms_norm(x, weight, eps)
     xf = x.float()
@@ -253,8 +240,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in fp32 with the row-invariant x / (1 + exp(-x))."""
-    if _fast():
-        return F.silu(gate) * up
     g = gate.float()
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
 
@@ -361,8 +346,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     and stops does not change its bits: a decode step skips the tiles below its window, and gives the
     bits of the prefill that walked them.
     """
-    if _fast():
-        return _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks, window)
     if (kt := _triton_for(q)) is not None:    # triton backend dispatch
         return kt.paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks, window)
     assert k_cache.shape[1] % KV_BLOCK == 0, "page_size must be a multiple of KV_BLOCK"
@@ -485,8 +468,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     on CUDA, where no Triton kernel replaces it; tests/test_hf.py's GPU test shows the row
     invariance there. With the defaults this runs exactly the softmax ops it always ran.
     """
-    if _variant is not None and _variant["router_bf16"]:
-        logits = logits.to(torch.bfloat16)                           # an injected rounding (mismatch lab)
+    logits = round_router_logits(logits)                             # as it is (another op set may round it)
     if scoring == "softmax":
         probs = torch.softmax(logits.float(), dim=-1)
     elif scoring == "sigmoid":
@@ -498,10 +480,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     choice = probs if bias is None else probs + bias.float()
     if n_group > 1:
         choice = _group_limit(choice, n_group, topk_group, group_score)
-    if _fast():
-        ids = torch.topk(choice, top_k, dim=-1).indices              # no tie-break guarantee
-    else:
-        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    ids = ranked(choice, top_k)[1]
     chosen = ids
     if detail:
         margin = route_margin(choice, top_k)
@@ -533,13 +512,24 @@ def route_margin(choice: torch.Tensor, top_k: int) -> torch.Tensor:
     fewer than k+1 experts could be chosen (E == k, or groups that leave only k).
 
     Values of a sort, then one subtraction: elementwise, so row-invariant, the same bits in the sampler
-    and the trainer (the fast mode's torch.topk gives the same values as the stable sort)."""
+    and the trainer (another op set's `ranked`, torch.topk, gives the same values as the stable sort)."""
     choice = choice.detach()
     if top_k >= choice.shape[-1]:
         return torch.full(choice.shape[:-1], float("inf"), device=choice.device)
-    top = (torch.topk(choice, top_k + 1, dim=-1) if _fast()
-           else torch.sort(choice, dim=-1, descending=True, stable=True)).values
+    top = ranked(choice, top_k + 1)[0]
     return top[:, top_k - 1] - top[:, top_k]
+
+
+def ranked(choice: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row, (values, indices) (M, k), best first, ties to the lower index (a stable
+    sort: row-local, the same choice in the sampler and the trainer)."""
+    top = torch.sort(choice, dim=-1, descending=True, stable=True)
+    return top.values[:, :k], top.indices[:, :k]
+
+
+def round_router_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The router's logits as they are; another op set may round them (the lab's --router_bf16)."""
+    return logits
 
 
 def router_entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -556,8 +546,6 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     x is clamped at -80 (sigmoid < 2e-35 there) so exp(-x) never overflows, which would make the
     gradient inf / inf = nan. Used by the router's sigmoid scoring and Qwen2-MoE's shared-expert gate.
     """
-    if _fast():
-        return torch.sigmoid(x.float())
     z = x.float().clamp(min=-80.0)
     return 1.0 / (1.0 + torch.exp(-z))
 
@@ -587,8 +575,6 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     between them (sort_slots and grouped_experts on the expert's owner, combine_slots on the token's rank).
     """
     extras = dict(b13=b13, b2=b2, swiglu=swiglu)
-    if _fast():
-        return _fast_moe_experts(x, w13, w2, ids, weights, **extras)
     if _triton_for(x) is not None:            # triton backend dispatch (the fused MoE has its own file)
         from kernels_triton import moe as kernels_triton_moe
         return kernels_triton_moe.moe_experts(x, w13, w2, ids, weights, **extras)
@@ -768,60 +754,6 @@ def _truncate(p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     return torch.zeros_like(p).scatter(-1, idx, torch.where(keep, sorted_p, 0.0))
 
 
-# ---------------------------------------------------------------------------------------------------
-# the batch-variant fast path of `variant(batch_variant=True)`: what a rollout engine typically runs
-# ---------------------------------------------------------------------------------------------------
-def _fast_paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks=None, window=0):
-    """Gather the sequences' pages, then one SDPA call (its kernel and split choices depend on the
-    shapes). Every page of the block table is gathered (its width, not positions.max(): no host sync,
-    so a decode step can be a CUDA graph); the mask hides what lies past each query. The G query heads
-    of a KV head are folded into its query rows, so SDPA sees no GQA: with a mask only its
-    memory-efficient CUDA kernel applies, and whether that one takes enable_gqa depends on the torch
-    version (else the math fallback would be the baseline). flash-attn's paged decode is not used: it
-    needs pages of >= 256 positions, ours are block_size (16 by default)."""
-    B, T, H, D = q.shape
-    KVH = k_cache.shape[2]
-    G = H // KVH
-    keys = gather_pages(k_cache, block_table).transpose(1, 2)        # (B, KVH, L, D)
-    vals = gather_pages(v_cache, block_table).transpose(1, 2)
-    key = torch.arange(keys.shape[2], device=q.device)[None, None, :]
-    visible = key <= positions[:, :, None]                            # (B, T, L)
-    if window:
-        visible = visible & (key > positions[:, :, None] - window)
-    rows = q.reshape(B, T, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * T, D)  # head kvh*G+g, query t
-    mask = visible[:, None, None].expand(B, 1, G, T, keys.shape[2]).reshape(B, 1, G * T, -1)   # (B, 1, G*T, L)
-    if sinks is None:
-        out = F.scaled_dot_product_attention(rows, keys, vals, attn_mask=mask, scale=scale)     # (B, KVH, G*T, D)
-    else:   # SDPA has no sinks: transformers' eager gpt-oss attention (the sink a last logit, then dropped)
-        s = (rows @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))         # (B, KVH, G*T, L)
-        sink = sinks.to(s.dtype).view(1, KVH, G, 1, 1).expand(B, KVH, G, T, 1).reshape(B, KVH, G * T, 1)
-        out = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1] @ vals
-    return out.view(B, KVH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
-
-
-def _fast_moe_experts(x, w13, w2, ids, weights, b13=None, b2=None, swiglu=None):
-    """What a fast engine runs: torch._grouped_mm over expert-sorted rows (bf16 on a GPU; no host
-    sync), else a per-expert loop accumulating with index_add_ in the model dtype (as transformers;
-    gpt-oss's biased, clamped experts always take the loop)."""
-    plain = b13 is None and b2 is None and swiglu is None
-    if plain and grouped_mm_usable(x.device, x.dtype, x.shape[1], w2.shape[2]):
-        return _grouped_mm_moe(x, w13, w2, ids, weights)
-    I = w2.shape[2]
-    out = torch.zeros_like(x)
-    for e in ids.unique().tolist():
-        token, slot = torch.where(ids == e)
-        h = F.linear(x[token], w13[e], None if b13 is None else b13[e])
-        if swiglu is None:
-            a = F.silu(h[:, :I]) * h[:, I:]
-        else:
-            alpha, limit = swiglu
-            g, u = h[:, :I].clamp(max=limit), h[:, I:].clamp(-limit, limit)
-            a = (u + 1) * g * torch.sigmoid(g * alpha)
-        y = F.linear(a, w2[e], None if b2 is None else b2[e])
-        out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
-    return out
-
-
 def grouped_mm_usable(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:
     """Whether the fast MoE takes torch._grouped_mm, which runs without a host sync (so a decode step
     can be a CUDA graph) only on sm90 / sm100 in bf16 (elsewhere PyTorch loops over the experts on the
@@ -830,13 +762,4 @@ def grouped_mm_usable(device: torch.device, dtype: torch.dtype, D: int, I: int) 
             and torch.cuda.get_device_capability(device)[0] in (9, 10) and D % 8 == 0 and I % 8 == 0)
 
 
-def _grouped_mm_moe(x, w13, w2, ids, weights):
-    M, k = ids.shape
-    E, I = w13.shape[0], w2.shape[2]
-    flat = ids.reshape(-1)                                           # (M*k,) slot s = token s // k
-    order = torch.argsort(flat, stable=True)
-    ends = torch.searchsorted(flat[order], torch.arange(1, E + 1, device=x.device)).to(torch.int32)  # (E,)
-    h = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=ends)             # (M*k, 2I)
-    y = torch._grouped_mm(F.silu(h[:, :I]) * h[:, I:], w2.transpose(1, 2), offs=ends)   # (M*k, D)
-    per_slot = torch.empty_like(y).index_copy_(0, order, y)          # back to slot order
-    return (per_slot.view(M, k, -1) * weights[..., None].to(x.dtype)).sum(1)
+INVARIANT_OPS = {name: globals()[name] for name in SWAPPABLE}   # this module's own: what op_set restores

@@ -208,7 +208,7 @@ class ModelRunner:
                                 window_pages=window_blocks + 1 if window_blocks else 0)
         self.cuda_graphs = config.cuda_graphs
         if self.cuda_graphs is None:
-            self.cuda_graphs = self._graphs_usable(config.rollout_mode)
+            self.cuda_graphs = self._graphs_usable("moe_experts" in config.rollout_ops())
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         self.pad_to_buckets = self.cuda_graphs     # tests set it on the CPU: padded steps without graphs
@@ -227,9 +227,10 @@ class ModelRunner:
         self.weight_pages = torch.zeros(*detail, k, dtype=torch.float32, device=self.device)
         self.margin_pages = torch.zeros(*detail, dtype=torch.float32, device=self.device)
 
-    def _graphs_usable(self, mode: str) -> bool:
-        """Whether decode steps can be CUDA graphs: not with the torch backend or the fast MoE's host-side
-        expert loop (kernels.grouped_mm_usable), which read the device inside a step. Under expert
+    def _graphs_usable(self, other_moe: bool) -> bool:
+        """Whether decode steps can be CUDA graphs: not with the torch backend or another op set's MoE (the
+        lab's fast one: a host-side expert loop unless kernels.grouped_mm_usable), which read the device
+        inside a step. Under expert
         parallelism the decode step reads nothing back either (fixed exchange buffers), but graphs that
         capture NCCL collectives, replayed by ranks that captured different batch buckets, are not yet
         tested on GPUs: off by default there (cuda_graphs=True turns them on)."""
@@ -237,7 +238,7 @@ class ModelRunner:
         if expert_parallel.of(self.model) is not None:
             return False
         return self.device.type == "cuda" and kernels.get_backend() != "torch" and (
-            mode == "invariant" or not self.model.n_moe_layers
+            not other_moe or not self.model.n_moe_layers
             or kernels.grouped_mm_usable(self.device, self.dtype, cfg.hidden_size, cfg.moe_intermediate_size))
 
     def bucket(self, n: int) -> int:
@@ -586,7 +587,7 @@ class Sampler:
             raise TypeError(f"config must be a config.RolloutConfig, got {type(config).__name__}")
         self.config = RolloutConfig(**overrides) if config is None else dataclasses.replace(config, **overrides)
         self.model = model
-        self.variant = dict(batch_variant=self.config.rollout_mode == "fast", router_bf16=self.config.router_bf16)
+        self.ops = self.config.rollout_ops()            # the op set its steps run (kernels.op_set): invariant: {}
         self.max_model_len = model.config.max_position_embeddings
         self.num_blocks = self.config.num_blocks or self._pool_blocks(reserve_bytes)
         self.window_blocks = min(self.num_blocks, self._window_blocks())
@@ -746,7 +747,7 @@ class Sampler:
         self.runner.reserve(max(s.limit for s in seqs), sp)
         self._start = time.perf_counter()       # finish_time's origin: read when a step's finished flags come back
         try:
-            with kernels.variant(**self.variant):
+            with kernels.op_set(self.ops):
                 self._run(sched, req)
         except BaseException:
             self.block_manager.reset()          # a request cut short (the callback raised, ^C) holds no block
@@ -819,10 +820,10 @@ class Sampler:
                 self._step_hook(sched, req)
 
     def _step_hook(self, sched: Scheduler, req: Request) -> None:
-        """Between two steps: the in-flight update's hook, outside the rollout's kernel variant (the
+        """Between two steps: the in-flight update's hook, under the invariant ops whatever the rollout's (the
         trainer computes invariantly); new weights are a new version for the prefix cache and the
         sequences under way (Scheduler.new_version)."""
-        with kernels.variant():
+        with kernels.op_set(kernels.INVARIANT_OPS if self.ops else {}):
             version = req.on_step()
         if version is None:
             return

@@ -54,7 +54,6 @@ import replay
 from asynchrony.partial_rollout import PartialRollouts
 from asynchrony.pipeline import Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve
 from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
-from lab import faults as lab
 from losses import (Normalisers, correction_weights, group_advantages, rejects, router_metrics, router_objective,
                     token_objective)
 from model import Transformer
@@ -64,7 +63,7 @@ from support.checkpoint import (RunError, build_model, check_finite_weights, com
                                 optimizer_state, prepare_out_dir, resume, run_task, save_checkpoint, trim_metrics)
 from support.distributed import (Dist, Policy, all_cat, all_owned, check_in_sync, gather_scored, global_batch,
                                  init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
-from support.hooks import Hooks, plugin_hooks, trainer_forward
+from support.hooks import Hooks, plugin_hooks, sampler_model, trainer_forward, wrap_sampler
 from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
                              unpack)
 from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, bar_postfix, episode_metrics,
@@ -190,6 +189,7 @@ def serve_rollouts(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
     and its trainers' pipeline state: batches ahead, partial rollouts), the sampler, then pipeline.serve."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     task, preset, config = run_task(tcfg, rcfg)
+    hooks = plugin_hooks(tcfg, rcfg)                                  # the lab's copy and sampler, if any
     ep, experts = expert_parallel.layout(tcfg, config.num_experts, d.world)   # the rollout ranks' own groups
     model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts)
     start, saved = 0, {}
@@ -199,9 +199,8 @@ def serve_rollouts(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
         start, tcfg, saved = resumed.start, resumed.tcfg, resumed.rollouts or {}
     if ep is not None:
         expert_parallel.shard_experts(model, ep, loaded=True)
-    weights = RolloutWeights(model, tcfg, rcfg)
-    sampler = lab.episode_fault(Sampler(weights.sampler, rcfg), rcfg.rollout_episode_fault)
-    run = Run(tcfg, rcfg, d, task, weights, None, sampler, start, 0, "")
+    weights = RolloutWeights(model, tcfg, partial(sampler_model, hooks))
+    run = Run(tcfg, rcfg, d, task, weights, None, wrap_sampler(hooks, Sampler(weights.sampler, rcfg)), start, 0, "")
     try:
         serve(run, batches(run), start, saved, stop=lambda: StopRequest.signum != 0)
     except PeerLost as e:
@@ -555,8 +554,9 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     ep, experts = expert_parallel.layout(tcfg, config.num_experts, d.world)
     tcfg.check_model(config, task.vocab_size)
     key_tokens = replay.key_token_table(tcfg.route_filter_token_ids(task, config.vocab_size), config.vocab_size, d.device)
-    lab.check_router_fault(config, rcfg.rollout_router_fault)
-    lab.check_episode_fault(task, rcfg.rollout_episode_fault)
+    hooks = plugin_hooks(tcfg, rcfg)
+    for hook in hooks:
+        hook.check_build(task, config)
     model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts)
     resumed = None
     if tcfg.resume:
@@ -570,7 +570,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     for m in (model, ref_model) if ep else ():
         if m is not None:
             expert_parallel.shard_experts(m, ep, loaded=True)         # route its MoE layers through the exchange
-    policy = Policy(model, tcfg, d, sampler_copy=lambda full, refresh: lab.rollout_copy(full, tcfg, rcfg, refresh))
+    policy = Policy(model, tcfg, d, sampler_copy=partial(sampler_model, hooks))
     if ref_model is not None:                                         # mixed precision: the reference computes in bf16
         ref_model = policy.compute_copy(ref_model)
     start, skipped, sft_done = (resumed.start, resumed.skipped, resumed.sft_done) if resumed is not None else (0, 0, 0)
@@ -581,10 +581,9 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
             trim_metrics(metrics_path, start, sft_done)
     # the gradients and AdamW's moments are allocated after the sampler sizes its KV pool from the free
     # memory: set aside (Policy.reserve_bytes); activations and temporaries come out of the rest
-    sampler = lab.episode_fault(Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes()),
-                                rcfg.rollout_episode_fault)
+    sampler = wrap_sampler(hooks, Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes()))
     run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, key_tokens, sft_done=sft_done,
-              hooks=plugin_hooks(tcfg, rcfg))
+              hooks=hooks)
     for hook in run.hooks:                                            # before any forward (EPLB's layouts)
         hook.setup(run, resumed)
     midpoint = max(1, max_new_tokens(run) // 2)                       # an in-flight update lands halfway

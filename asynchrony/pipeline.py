@@ -282,15 +282,15 @@ class RolloutWeights:
     """A rollout rank's weights (disaggregated): the compute copy the weights broadcasts update (`full`,
     `master` for the loop's calls) and the sampler's, the lab's copy of it or itself (`sampler`)."""
 
-    def __init__(self, model, tcfg, rcfg):
-        from lab import faults as lab
+    def __init__(self, model, tcfg, sampler_copy):
+        """sampler_copy(full, refresh) -> (the sampler's model, its refresh): the hooks' (support/hooks.py)."""
         from support.distributed import cast_for_compute, router_dtype, store_routers
         if tcfg.mixed_precision:
             model = cast_for_compute(model, getattr(torch, tcfg.dtype), router_dtype(tcfg, model.config.model_type))
         else:
             store_routers(model, tcfg)
         self.master = self.full = model.requires_grad_(False)
-        self.sampler, self._refresh = lab.rollout_copy(model, tcfg, rcfg, lambda: None)
+        self.sampler, self._refresh = sampler_copy(model, lambda: None)
 
     def refresh(self) -> None:
         self._refresh()

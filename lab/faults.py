@@ -11,7 +11,7 @@ differ in one way at a time, while the trainer stays invariant, to measure the m
   `fake_quantize`), the router kept exact with --rollout_quant_router=false;
 * routing: the sampler's router wrong in one way (--rollout_router_fault, lab/options.py's ROUTER_FAULTS), by a
   subclass of model.MoE that overrides its `route` / `experts` seams on the copy's MoE layers;
-* kernels: --rollout_mode=fast and --router_bf16 are kernels.variant's batch-variant ops, chosen by
+* kernels: --rollout_mode=fast and --router_bf16 are lab/fast_ops.py's op set, swapped in by
   the sampler (rollout.Sampler), not a copy of the weights.
 Every fault acts on a copy of its own, refreshed from the compute weights before each rollout, so the
 trainer's model never carries one. The trainer-side source, --train_capacity_factor, is the model's
@@ -29,6 +29,7 @@ from config import ConfigError, RolloutConfig, TrainConfig
 from lab.options import QUANT_FORMATS
 from model import Transformer
 from support.distributed import model_state
+from support.hooks import Hooks
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -45,6 +46,25 @@ def rollout_copy(full: Transformer, tcfg: TrainConfig, rcfg: RolloutConfig, refr
     if rcfg.rollout_router_fault != "none":
         model, refresh = router_fault_copy(model, full, rcfg.rollout_router_fault, refresh)
     return model, refresh
+
+
+class Faults(Hooks):
+    """The lab's faults through the step's seams (support/hooks.py): checked against the task and the model
+    before anything is built, the sampler's model a copy of the compute weights (rollout_copy), the sampler
+    wrapped (episode_fault). The trainer's side is never touched."""
+
+    def __init__(self, tcfg: TrainConfig, rcfg: RolloutConfig):
+        self.tcfg, self.rcfg = tcfg, rcfg
+
+    def check_build(self, task, config) -> None:
+        check_router_fault(config, self.rcfg.rollout_router_fault)
+        check_episode_fault(task, self.rcfg.rollout_episode_fault)
+
+    def sampler_model(self, full, refresh):
+        return rollout_copy(full, self.tcfg, self.rcfg, refresh)
+
+    def wrap_sampler(self, sampler):
+        return episode_fault(sampler, self.rcfg.rollout_episode_fault)
 
 
 def lower_precision_copy(source: Transformer, dtype: torch.dtype | None, sync_source):

@@ -42,7 +42,14 @@ class FaultOptions:
                                         # rollout's routing wrong in that one way (ROUTER_FAULTS), the trainer's right
     rollout_episode_fault: str = "none"  # none | retokenize | dummy_last_route | stale_prefix_kv: an episode's
                                         # consistency broken as shipped systems break it (EPISODE_FAULTS, lab/faults.py)
-    record_route_detail: bool = False  # the sampler also keeps each route's combine weights and margin (fp32)
+
+    def rollout_ops(self) -> dict:
+        """The sampler's op set (kernels.op_set): the fast ops under --rollout_mode=fast, the bf16 router
+        rounding under --router_bf16 (lab/fast_ops.py, imported only then)."""
+        if self.rollout_mode == "invariant" and not self.router_bf16:
+            return {}
+        from lab.fast_ops import op_set
+        return op_set(self.rollout_mode == "fast", self.router_bf16)
 
     def check(self):
         self.require(self.rollout_mode in ("invariant", "fast"),
@@ -57,6 +64,15 @@ class FaultOptions:
                      f"{', '.join(EPISODE_FAULTS)}")
         self.require(self.rollout_router_fault in ROUTER_FAULTS,
                      f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
+
+
+def hooks(tcfg, rcfg) -> list:
+    """The faults' hooks when one is set (support/hooks.py; lab/faults.py imported only then). The fast
+    kernels (--rollout_mode, --router_bf16) are the sampler's op set: rollout.Sampler reads them itself."""
+    if not (rcfg.rollout_dtype or rcfg.rollout_router_fault != "none" or rcfg.rollout_episode_fault != "none"):
+        return []
+    from lab.faults import Faults
+    return [Faults(tcfg, rcfg)]
 
 
 TRAIN = []

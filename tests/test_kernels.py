@@ -195,7 +195,7 @@ def test_paged_attention(page_size, H, KVH):
 
 @pytest.mark.parametrize("H, KVH", [(4, 4), (8, 2)])
 def test_fast_paged_attention_matches_reference(H, KVH):
-    """The fast path's attention (kernels.variant(batch_variant=True): SDPA over gathered pages, the GQA
+    """The lab's fast attention (lab/fast_ops.paged_attention: SDPA over gathered pages, the GQA
     heads folded into query rows) against fp64 attention: prefill, a decode step at mixed positions,
     and garbage in the block table's columns past a sequence's end."""
     B, T, D = 2, 45, 16
@@ -204,7 +204,8 @@ def test_fast_paged_attention_matches_reference(H, KVH):
     kc, bt = lay_out(k, KV_BLOCK, 12, perm_seed=1)
     vc, _ = lay_out(v, KV_BLOCK, 12, perm_seed=1)
     ref = naive_attention(q, k, v, D ** -0.5)
-    with kernels.variant(batch_variant=True):
+    from lab import fast_ops
+    with kernels.op_set(fast_ops.op_set(batch_variant=True, router_bf16=False)):
         out = kernels.paged_attention(q, kc, vc, bt, torch.arange(T).expand(B, T), D ** -0.5)
         steps = torch.tensor([[3], [T - 1]])                     # one query per sequence, different lengths
         one = kernels.paged_attention(q[torch.arange(B), steps[:, 0]][:, None], kc, vc, bt, steps, D ** -0.5)

@@ -15,6 +15,7 @@ import kernels
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
 from lab import faults as lab
+from lab import fast_ops
 from model import Transformer
 from rollout import Sampler
 
@@ -66,8 +67,8 @@ def test_variant_is_scoped():
     m = _model()
     t = torch.randint(0, 32, (2, 30))
     before = m.score(t)[0]
-    with kernels.variant(batch_variant=True, router_bf16=True):
-        m.score(t)
+    with kernels.op_set(fast_ops.op_set(batch_variant=True, router_bf16=True)):
+        assert not torch.equal(m.score(t)[0], before)                # control: the block computes otherwise
     assert torch.equal(m.score(t)[0], before)
 
 

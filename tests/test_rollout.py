@@ -971,10 +971,11 @@ def test_bench_gpu_section_runs_on_cpu(tmp_path):
 # the fast path's grouped-GEMM MoE (CUDA-only in the sampler; this torch runs torch._grouped_mm on CPU)
 # ---------------------------------------------------------------------------------------------------
 def test_grouped_mm_moe_matches_the_expert_loop():
-    """kernels._grouped_mm_moe: slots sorted by expert, int32 cumulative group ends as offs, the weights
+    """The lab's fast MoE on torch._grouped_mm (lab/fast_ops.grouped_mm_moe): slots sorted by expert, int32 cumulative group ends as offs, the weights
     as (E, K, N) transposed views, results scattered back to slot order and combined over k. Against
     the invariant MoE in fp32 on the same bf16 weights, within bf16 rounding; expert 3 gets no token."""
     import kernels
+    from lab import fast_ops
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
     g = torch.Generator().manual_seed(0)
@@ -987,7 +988,7 @@ def test_grouped_mm_moe_matches_the_expert_loop():
     ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = torch.softmax(torch.randn(M, k, generator=g), dim=-1)
     try:
-        out = kernels._grouped_mm_moe(x, w13, w2, ids, weights)
+        out = fast_ops.grouped_mm_moe(x, w13, w2, ids, weights)
     except (RuntimeError, NotImplementedError) as e:
         pytest.skip(f"torch._grouped_mm does not run on this CPU build: {e}")
     ref = kernels.moe_experts(x.float(), w13.float(), w2.float(), ids, weights)

@@ -22,7 +22,7 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   script checks that they produced the same tokens.
 * forward: model.score on a (batch, seq) = (64, 64) batch of random tokens: tokens/s.
 * fast: rollout tokens/s and trainer forward+backward tokens/s with the invariant kernels vs the
-  batch-variant ones of kernels.variant (what the contract costs).
+  batch-variant ones of lab/fast_ops.py (what the contract costs).
 * packing: trainer forward+backward over 32 responses of a long-tailed length mix (lognormal
   quantiles, the longest 10x the median, up to the model's max_position_embeddings): padded micro-batches
   of --pack-micro-batch sequences (slices of one (B, T_max) tensor) vs packed micro-batches of at most
@@ -107,6 +107,7 @@ import torch  # noqa: E402
 import kernels
 from config import ModelConfig
 from families.hf import config_to_hf
+from lab import fast_ops
 from model import Transformer
 from rollout import Sampler
 from support.packing import pack
@@ -271,7 +272,7 @@ def bench_forward(args) -> list[tuple[str, float, str]]:
 # invariant vs fast (batch-variant) kernels: what the contract costs
 # ---------------------------------------------------------------------------------------------------
 def bench_fast(args) -> list[tuple[str, float, str]]:
-    """Rollout tokens/s and trainer forward+backward tokens/s, invariant vs kernels.variant(batch_variant)."""
+    """Rollout tokens/s and trainer forward+backward tokens/s, invariant vs the lab's fast ops (lab/fast_ops.py)."""
     model = build_model(args)
     prompts = make_prompts(args, model.config.vocab_size)
     n_gen = len(prompts) * args.max_new_tokens
@@ -282,7 +283,7 @@ def bench_fast(args) -> list[tuple[str, float, str]]:
     tokens = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(args.seed))
 
     def step(batch_variant):
-        with kernels.variant(batch_variant=batch_variant):
+        with kernels.op_set(fast_ops.op_set(batch_variant, router_bf16=False)):
             model.zero_grad(set_to_none=True)
             model.score(tokens)[0].sum().backward()
     tres = interleaved({"invariant": lambda: step(False), "fast": lambda: step(True)}, args.warmup, args.repeats)
@@ -367,7 +368,7 @@ def bench_moe(args) -> list[tuple[str, float, str]]:
         sync()
 
     def loop():
-        kernels._fast_moe_experts(x, w13, w2, ids, weights)
+        fast_ops.moe_experts(x, w13, w2, ids, weights)
         sync()
     res = interleaved({"fused": fused, "loop": loop}, args.warmup, args.repeats)
     return [(f"moe {n} ({M} tokens, {E} experts, top-{k}, {dev})", M / t, "") for n, (t, _) in res.items()] + \

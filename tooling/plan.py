@@ -68,7 +68,6 @@ import os
 from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line,
                     parse_args)
 from families import hf
-from lab.options import QUANT_FORMATS
 
 GB = 1e9
 # --plan's own keys: type, default, what it says
@@ -373,9 +372,10 @@ def main(argv: list[str]) -> tuple[str, bool]:
     if tcfg.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) must be divisible by --world_size ({world})")
     nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
-    quantized = rcfg.rollout_dtype in QUANT_FORMATS                     # stored in --dtype, dequantized
-    sampler_dtype = tcfg.dtype if quantized else rcfg.rollout_dtype or tcfg.dtype
-    lab_copy = quantized or sampler_dtype != tcfg.dtype or rcfg.rollout_router_fault != "none"   # lab.rollout_copy
+    rollout_dtype, fault = lab_options(rcfg)
+    quantized = rollout_dtype in quant_formats(rollout_dtype)           # stored in --dtype, dequantized
+    sampler_dtype = tcfg.dtype if quantized else rollout_dtype or tcfg.dtype
+    lab_copy = quantized or sampler_dtype != tcfg.dtype or fault != "none"   # lab.rollout_copy
     prompt_len, max_new = run_lengths(tcfg, rcfg)
     kv_per_token = kv_bytes_per_token(cfg, nbytes[sampler_dtype], rcfg.record_route_detail)
     need = rollout_positions(tcfg, rcfg, world, prompt_len + max_new)
@@ -391,10 +391,23 @@ def main(argv: list[str]) -> tuple[str, bool]:
     plan.activations = act
     parts = [tcfg.dtype] if tcfg.parallel == "fsdp" and world > 1 else []        # FSDP2's whole copy
     if lab_copy:
-        parts.append(f"{rcfg.rollout_dtype} as {tcfg.dtype}" if quantized else
+        parts.append(f"{rollout_dtype} as {tcfg.dtype}" if quantized else
                      sampler_dtype if sampler_dtype != tcfg.dtype else f"{tcfg.dtype}, its router faulted")
     return format_plan(plan, tcfg, world, gpu_gb, " + ".join(parts) or tcfg.dtype, backend_of(tcfg),
                        kv_line(cfg, nbytes[sampler_dtype]))
+
+
+def lab_options(rcfg: RolloutConfig) -> tuple[str, str]:
+    """--rollout_dtype and --rollout_router_fault: the lab's options ('' and none where lab/ was deleted)."""
+    return getattr(rcfg, "rollout_dtype", ""), getattr(rcfg, "rollout_router_fault", "none")
+
+
+def quant_formats(rollout_dtype: str) -> tuple[str, ...]:
+    """The lab's quantized formats, asked of the lab only when it set a rollout dtype."""
+    if not rollout_dtype:
+        return ()
+    from lab.options import QUANT_FORMATS
+    return QUANT_FORMATS
 
 
 def one_term(tcfg: TrainConfig, world: int, act: Activations, longest: int) -> bool:

@@ -1,0 +1,88 @@
+"""The core and its plug-ins (docs/design.md, "The core and its plug-ins"): a plug-in folder deleted from a
+scratch copy leaves a default run with the same metrics; what the core still imports of the plug-ins, and
+which plug-in options train.py still reads, may only shrink.
+
+    python -m pytest -q tests/test_layout.py
+"""
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORE = ["config.py", "kernels.py", "model.py", "rollout.py", "scheduler.py", "replay.py", "losses.py", "train.py"]
+PLUGINS = sorted(n for n in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, n, "__init__.py")) and n != "support")
+# what the core imports of each plug-in today: the seams still to build (docs/design.md lists them)
+CORE_IMPORTS = {"asynchrony": {"train.py"}, "families": {"model.py", "support/checkpoint.py", "support/distributed.py",
+                                                         "support/runlog.py"},
+                "parallel": {"model.py", "rollout.py", "train.py", "support/checkpoint.py", "support/distributed.py",
+                             "support/exact_sum.py"},
+                "sampling": {"rollout.py"}, "tooling": {"train.py", "support/checkpoint.py", "support/runlog.py"},
+                "kernels_triton": {"kernels.py"}}                    # lazily, for CUDA tensors (or the interpreter)
+DELETABLE = ["kernels_triton", "lab"]          # on the CPU: the default run imports neither
+
+
+def core_files() -> list[str]:
+    support = sorted(f"support/{n}" for n in os.listdir(os.path.join(ROOT, "support")) if n.endswith(".py"))
+    return CORE + support
+
+
+def imported_packages(path: str) -> set[str]:
+    """The top-level names a file imports, at its top or inside functions (a lazy import is an import)."""
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return names | {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+
+def test_the_core_imports_no_more_of_the_plugins_than_listed():
+    """A new import of a plug-in from the core fails here: it would take the plug-in's folder out of the
+    deletable ones. One that goes away fails too, so the list (and DELETABLE) keeps up."""
+    found = {}
+    for path in core_files():
+        for p in imported_packages(path) & set(PLUGINS):
+            found.setdefault(p, set()).add(path)
+    assert found == CORE_IMPORTS
+
+
+def test_train_reads_no_more_plugin_options_than_listed():
+    """train.py's reads of a plug-in's options (`cfg.<field>` of a plug-in folder's options.py): only those
+    still waiting for their seam. Everything else a plug-in does in a step comes through support/hooks.py."""
+    import config
+    plugin_fields = {f for m in config.plugin_modules() for g in m.TRAIN + m.ROLLOUT for f in g.__dataclass_fields__}
+    tree = ast.parse(open(os.path.join(ROOT, "train.py")).read())
+    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in plugin_fields}
+    assert read == {"rollout_ranks", "expert_parallel", "partial_rollout", "max_staleness", "inflight_update",
+                    "parallel"}
+
+
+def run_default(cwd, out) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "train.py", "--steps=3", "--prompts_per_step=4", "--group_size=4",
+                        "--minibatch_size=8", f"--out_dir={out}", "--progress=false"], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_default(ROOT, tmp_path_factory.mktemp("whole") / "out")
+
+
+@pytest.mark.parametrize("plugin", DELETABLE)
+def test_a_deleted_plugin_leaves_the_default_run_and_its_bits(plugin, reference, tmp_path):
+    """The repository without the folder, in a scratch copy: the default run works and its metrics equal
+    the whole repository's on every key but the timings."""
+    from support.runlog import TIMINGS
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "out", "tests", "docs", "__pycache__"))
+    shutil.rmtree(copy / plugin)
+    rows = run_default(copy, tmp_path / "out")
+    strip = [{k: v for k, v in row.items() if k not in TIMINGS} for row in rows]
+    assert strip == [{k: v for k, v in row.items() if k not in TIMINGS} for row in reference]
+    assert len(rows) == 3 and all(r["train_rollout_kl"] == 0 for r in rows)
