@@ -142,7 +142,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
             row = step_metrics(run, step, batch, outs, rewards, audited, stats, ro, t0)
             row.update(episode_metrics(run, batch, outs, episodes, audited))
             for hook in run.hooks:                                    # the plug-ins': evaluations, re-plans
-                row.update(hook.after_step(run, step, batch))
+                row.update(hook.after_step(run, step, batch, rewards))
             mine, seen = this_ranks(batch, audited, run.d.rank, len(outs))   # per-rank files: this rank's sequences
             row.update(log_routes(run, step, mine, outs, rewards, seen, old.held_out))   # routes, diagnostics.jsonl
             row.update(run.surge.watch(run, row))                     # --surge_window: a response-length surge

@@ -66,14 +66,26 @@ class FaultOptions:
                      f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
 
 
+@dataclass
+class ObservationOptions:
+    """The lab's observations of every request."""
+    log_hotness: bool = False         # each sequence's expert hotness (the busiest expert's share of its routed
+                                      # choices, per MoE layer and their mean) to hotness.jsonl, with its reward;
+                                      # request_hot_frac_* quantiles in metrics.jsonl (lab/observe.py)
+
+
 def hooks(tcfg, rcfg) -> list:
-    """The faults' hooks when one is set (support/hooks.py; lab/faults.py imported only then). The fast
-    kernels (--rollout_mode, --router_bf16) are the sampler's op set: rollout.Sampler reads them itself."""
-    if not (rcfg.rollout_dtype or rcfg.rollout_router_fault != "none" or rcfg.rollout_episode_fault != "none"):
-        return []
-    from lab.faults import Faults
-    return [Faults(tcfg, rcfg)]
+    """The hooks of the options that are set (support/hooks.py), their code imported only then. The fast
+    kernels (--rollout_mode, --router_bf16) are the sampler's op set: rollout.Sampler asks rollout_ops."""
+    out = []
+    if rcfg.rollout_dtype or rcfg.rollout_router_fault != "none" or rcfg.rollout_episode_fault != "none":
+        from lab.faults import Faults
+        out.append(Faults(tcfg, rcfg))
+    if tcfg.log_hotness:
+        from lab.observe import Hotness
+        out.append(Hotness())
+    return out
 
 
-TRAIN = []
+TRAIN = [ObservationOptions]
 ROLLOUT = [FaultOptions]

@@ -44,7 +44,7 @@ class Eplb(Hooks):
         n_moe = len(run.policy.master.config.moe_layers)
         self.balancer = eplb.balancer(ep, run.tcfg, n_moe, resumed)
 
-    def after_step(self, run, step: int, batch) -> dict:
+    def after_step(self, run, step: int, batch, rewards) -> dict:
         metrics, plans = self.balancer.step(step, batch, run.d.world)
         append_jsonl(run, step, "eplb.jsonl", plans)                  # a resume drops the rows past its step
         return metrics

@@ -77,8 +77,8 @@ def load_optimizer_state(scorer, opt, state, full: bool):
 
 CKPT_NAME = re.compile(r"ckpt-\d{6}")                               # the only names `latest` may hold
 RUN_JSON = "run.json"                                                 # the configs in force, readable
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "routes.jsonl", "diagnostics.jsonl", "eplb.jsonl", "latest",
-             "latest.tmp", RUN_JSON)                                  # with ckpt-*: what makes a folder a run
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "routes.jsonl", "diagnostics.jsonl", "eplb.jsonl", "hotness.jsonl",
+             "latest", "latest.tmp", RUN_JSON)                                  # with ckpt-*: what makes a folder a run
 
 
 def check_finite_weights(model: Transformer, step: int) -> None:

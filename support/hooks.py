@@ -10,7 +10,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     setup(run, resumed)      the run is built, no forward has run; resumed: checkpoint.Resumed or None
     trainer_forward(run)     a context around each counted trainer forward (not the null micro-batches)
     step_metrics(run, step, batch, audited)   keys beside the step's metrics, before their reduction
-    after_step(run, step, batch)              keys after the step's metrics: evaluations, re-plans
+    after_step(run, step, batch, rewards)     keys after the step's metrics: evaluations, re-plans (rewards:
+                             this rank's, (n,); batch: the global one)
     diagnostics(rows)        its keys on diagnostics.jsonl's rows
     state_dict()             saved in the checkpoint under `name`, handed back as resumed.plugins[name]
 """
@@ -43,7 +44,7 @@ class Hooks:
     def step_metrics(self, run, step: int, batch, audited) -> dict:
         return {}
 
-    def after_step(self, run, step: int, batch) -> dict:
+    def after_step(self, run, step: int, batch, rewards) -> dict:
         return {}
 
     def diagnostics(self, rows: list[dict]) -> None:

@@ -419,3 +419,45 @@ def test_the_core_carries_no_fault_branch():
     tested = {n.attr if isinstance(n, ast.Attribute) else n.id for t in tests for n in ast.walk(t)
               if isinstance(n, (ast.Attribute, ast.Name))}
     assert tests and not [n for n in tested if lab_word.search(n)], tested
+
+
+# ---------------------------------------------------------------------------------------------------
+# per-request expert hotness (--log_hotness, lab/observe.py)
+# ---------------------------------------------------------------------------------------------------
+def test_request_hotness_counts_the_fed_positions_by_hand():
+    """A sequence's row from its routes at Batch.route_mask's positions: layer 0 always picks experts 0
+    and 1 (each takes half its choices), layer 1 picks expert 2 in slot 0 and a different expert in slot 1
+    at each of its 3 positions (2 takes half); an unrecorded position holding other experts counts nothing."""
+    from types import SimpleNamespace
+    from lab.observe import request_row
+    routes = torch.tensor([[[0, 1], [2, 3]], [[1, 0], [2, 4]], [[0, 1], [2, 5]], [[3, 3], [3, 3]]])  # (T, 2, k=2)
+    mask = torch.tensor([True, True, True, False])
+    batch = SimpleNamespace(routes=routes[None], route_mask=mask[None], mask=torch.tensor([[0, 1, 1]]))
+    row = request_row(4, 0, batch, 0.5, n_experts=8)
+    assert row["layer_hot_frac"] == [0.5, 0.5] and row["expert_hot_frac"] == 0.5
+    assert row["step"] == 5 and row["reward"] == 0.5 and row["response_tokens"] == 2
+    batch.route_mask = torch.ones(1, 4, dtype=torch.bool)             # control: the fourth position counted
+    assert request_row(4, 0, batch, 0.5, n_experts=8)["layer_hot_frac"] == [0.375, 0.375]   # 3 of 8 each
+
+
+def test_log_hotness_writes_every_sequence_and_its_quantiles(tmp_path):
+    """--log_hotness: hotness.jsonl holds every sequence of each step in the batch's order, with the rewards
+    metrics.jsonl's reward_mean is the mean of; request_hot_frac_* are those rows' quantiles. Off (the
+    default): no file, no keys, and the other metrics are the same bits."""
+    on = _run(tmp_path / "on", ["--log_hotness=true"])
+    rows = [json.loads(line) for line in open(tmp_path / "on" / "hotness.jsonl")]
+    B = 8 * TrainConfig().group_size
+    assert [(r["step"], r["sequence"]) for r in rows] == [(s, i) for s in (1, 2) for i in range(B)]
+    for step, h in enumerate(on, 1):
+        mine = [r for r in rows if r["step"] == step]
+        assert torch.tensor([r["reward"] for r in mine]).mean().item() == h["reward_mean"]
+        fracs = torch.tensor([r["expert_hot_frac"] for r in mine], dtype=torch.float64)
+        assert h["request_hot_frac_p50"] == torch.quantile(fracs, 0.5).item()
+        assert h["request_hot_frac_max"] == fracs.max().item()
+        top_k, E = ModelConfig.preset("tiny").num_experts_per_tok, ModelConfig.preset("tiny").num_experts
+        assert all(1 / E - 1e-9 <= f <= 1 / top_k + 1e-9 for f in fracs.tolist())
+    off = _run(tmp_path / "off", [])
+    assert not (tmp_path / "off" / "hotness.jsonl").exists() and not any("request_hot" in k for k in off[0])
+    timing = ("step_time", "rollout_tokens_per_s", "rollout_latency_p50", "rollout_latency_p95", "rollout_latency_p99")
+    strip = [{k: v for k, v in h.items() if k not in timing and not k.startswith("request_hot")} for h in on]
+    assert strip == [{k: v for k, v in h.items() if k not in timing} for h in off]

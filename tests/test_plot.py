@@ -190,3 +190,24 @@ def test_observations_figure_has_reward_length_latency_tail_and_load(tmp_path, m
     marks = [line for line in axes["response length (tokens)"].get_lines() if list(line.get_xdata()) == [8, 8]]
     assert len(marks) == 1 and marks[0].get_linestyle() == ":"              # the surge, at its step
     plt.close(figs[0])
+
+
+def test_observations_add_per_request_hotness_where_logged(tmp_path, monkeypatch):
+    """--log_hotness's quantiles (request_hot_frac_*) add a panel beside reward and load, one line style each;
+    a run without them keeps the four panels (the test above)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    path = tmp_path / "h"
+    rows = [json.loads(line) for line in open(os.path.join(write_run(path), "metrics.jsonl"))]
+    for r in rows:
+        r.update(request_hot_frac_p50=0.3, request_hot_frac_p90=0.3 + r["step"] / 100, request_hot_frac_max=0.5)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    plot.plot_observations({"h": plot.read_metrics(str(path))}, str(tmp_path / "x.png"))
+    axes = {ax.get_title(): ax for ax in figs[0].axes if ax.get_title()}
+    hot = axes["per-request hotness (busiest expert's share)"]
+    assert list(axes)[:4] == ["reward (mean)", "response length (tokens)", "rollout latency tail per sequence (s)",
+                              "expert load (busiest / mean)"]
+    assert [t.get_text() for t in hot.get_legend().get_texts()] == ["p50", "p90", "max"]
+    plt.close(figs[0])

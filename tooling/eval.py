@@ -95,7 +95,7 @@ class Probe:
 class Evaluation(Hooks):
     """--eval_data: the held-out set's keys every --eval_every steps and at the last (maybe_evaluate)."""
 
-    def after_step(self, run, step: int, batch) -> dict:
+    def after_step(self, run, step: int, batch, rewards) -> dict:
         return maybe_evaluate(run, step)
 
 
@@ -105,7 +105,7 @@ class Probing(Hooks):
     def __init__(self):
         self.probe: Probe | None = None
 
-    def after_step(self, run, step: int, batch) -> dict:
+    def after_step(self, run, step: int, batch, rewards) -> dict:
         return probe(run, step, self)
 
 

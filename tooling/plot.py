@@ -20,7 +20,8 @@ Multi-turn runs add turns per episode, each turn's reward, the environment's sha
 prefix cache's hits (EPISODE_PANELS). A response-length surge (length_surge, --surge_window) is marked on
 the response length panel by a dotted vertical line in the run's color.
 --observations draws one figure of what a long run is watched for instead: reward, response length, the
-rollout latency's tail (p95 / p99) and the expert load, side by side (OBSERVATIONS).
+rollout latency's tail (p95 / p99) and the expert load, side by side (OBSERVATIONS), and with --log_hotness
+the per-request hotness's p50 / p90 / max beside them.
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ LINE_SETS = {
     "rollout_latency": (("rollout_latency_p50", "-", "p50"), ("rollout_latency_p95", "--", "p95"),
                         ("rollout_latency_p99", ":", "p99")),
     "rollout_tail": (("rollout_latency_p95", "--", "p95"), ("rollout_latency_p99", ":", "p99")),
+    "request_hot_frac": (("request_hot_frac_p50", "-", "p50"), ("request_hot_frac_p90", "--", "p90"),
+                         ("request_hot_frac_max", ":", "max")),
 }
 OPTIONAL = [("eval_reward", "held-out reward (--eval_data)", "linear"),
             ("eval_pass", "held-out pass rate", "linear"),
@@ -66,6 +69,8 @@ OBSERVATIONS = [("reward_mean", "reward (mean)", "linear"),
                 ("response_len", "response length (tokens)", "linear"),
                 ("rollout_tail", "rollout latency tail per sequence (s)", "log"),
                 ("expert_load", "expert load (busiest / mean)", "linear")]
+# beside them when a run logged it (--log_hotness): the spread of its requests' hotness, step by step
+OBSERVED_REQUESTS = [("request_hot_frac", "per-request hotness (busiest expert's share)", "linear")]
 # single metrics drawn when a run logged them: multi-turn episodes (runlog.episode_metrics), the prefix cache
 EPISODE_PANELS = [("episode_turns", "turns per episode", "linear"),
                   ("turn_reward", "reward of each turn (mean)", "linear"),
@@ -172,8 +177,9 @@ def plot_runs(runs: dict[str, list[dict]], out_path: str, title: str = "", shown
 
 
 def plot_observations(runs: dict[str, list[dict]], out_path: str, title: str = "") -> str:
-    """The OBSERVATIONS panels for every run into one PNG (tooling/plot.py --observations); returns its path."""
-    return plot_runs(runs, out_path, title, OBSERVATIONS)
+    """The OBSERVATIONS panels (and OBSERVED_REQUESTS' where logged) for every run into one PNG (tooling/plot.py
+    --observations); returns its path."""
+    return plot_runs(runs, out_path, title, OBSERVATIONS + [p for p in OBSERVED_REQUESTS if panel_values(runs, p[0])])
 
 
 def draw_panel(ax, runs: dict[str, list[dict]], key, name: str, scale: str) -> None:
