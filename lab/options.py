@@ -72,6 +72,9 @@ class ObservationOptions:
     log_hotness: bool = False         # each sequence's expert hotness (the busiest expert's share of its routed
                                       # choices, per MoE layer and their mean) to hotness.jsonl, with its reward;
                                       # request_hot_frac_* quantiles in metrics.jsonl (lab/observe.py)
+    mismatch_split: bool = False      # the train-rollout gap (k3 KL, extreme tokens, route flips) split by a response
+                                      # token's index (1-8, 9-32, 33-128, later) and an episode's turn (1, 2, 3,
+                                      # 4 and later): *_by_position, *_by_turn lists in metrics.jsonl
 
 
 def hooks(tcfg, rcfg) -> list:
@@ -84,6 +87,9 @@ def hooks(tcfg, rcfg) -> list:
     if tcfg.log_hotness:
         from lab.observe import Hotness
         out.append(Hotness())
+    if tcfg.mismatch_split:
+        from lab.observe import MismatchSplit
+        out.append(MismatchSplit())
     return out
 
 

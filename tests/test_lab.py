@@ -461,3 +461,34 @@ def test_log_hotness_writes_every_sequence_and_its_quantiles(tmp_path):
     timing = ("step_time", "rollout_tokens_per_s", "rollout_latency_p50", "rollout_latency_p95", "rollout_latency_p99")
     strip = [{k: v for k, v in h.items() if k not in timing and not k.startswith("request_hot")} for h in on]
     assert strip == [{k: v for k, v in h.items() if k not in timing} for h in off]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the gap by position and by turn (--mismatch_split, lab/observe.py)
+# ---------------------------------------------------------------------------------------------------
+def test_token_places_count_policy_tokens_and_turns_by_hand():
+    """A prompt of 2 ids, a policy turn of 2, an observation of 2, a policy turn of 1, padding: log-prob
+    column j scores token j + 1."""
+    from lab.observe import token_places
+    observed = torch.tensor([[0, 0, 0, 0, 1, 1, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0]])                      # tokens 2, 3 and 6 are the policy's
+    index, turn = token_places(mask, observed)
+    assert (index * mask).tolist() == [[0, 1, 2, 0, 0, 3, 0]]
+    assert (turn * mask).tolist() == [[0, 1, 1, 0, 0, 2, 0]]
+
+
+def test_mismatch_split_buckets_sum_to_the_steps_gap(tmp_path):
+    """--mismatch_split on the fast rollout: each bucket's values are the audit's over its tokens, so turn 1
+    of a single-turn task (every token) equals the step's own keys, bit for bit, and the buckets no token
+    reaches are None; on the invariant rollout every bucket is exactly 0 (control)."""
+    fast = ["--rollout_mode=fast", "--rollout_dtype=bfloat16", "--recompute_old_logp=true", "--mismatch_split=true",
+            "--n_digits=12"]
+    tcfg, rcfg = TrainConfig(), RolloutConfig()
+    apply_overrides(parse_args(fast + [f"--out_dir={tmp_path / 'f'}", "--progress=false", "--steps=1",
+                                       "--prompts_per_step=8", "--task=copy"]), tcfg, rcfg)
+    h = train.train(tcfg, rcfg)[0]
+    assert h["kl_by_turn"][0] == h["train_rollout_k3"] and h["extreme_by_turn"][0] == h["extreme_token_frac"]
+    assert h["kl_by_turn"][1:] == [None, None, None] and h["kl_by_position"][3] is None   # 13 tokens at most
+    assert all(v is not None for v in h["kl_by_position"][:2]) and h["train_rollout_k3"] > 0
+    inv = _run(tmp_path / "i", ["--recompute_old_logp=true", "--mismatch_split=true"])[0]
+    assert inv["kl_by_position"][0] == 0 and inv["flips_by_position"][0] == 0 and inv["extreme_by_turn"][0] == 0
