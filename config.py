@@ -398,6 +398,11 @@ class RolloutOptions(Options):
         group may return another (the lab's fast ops)."""
         return {}
 
+    def draft_policy(self):
+        """What drafts tokens for the sampler's verify steps (rollout.ModelRunner): none, plain decoding; a
+        plug-in's options group may return one (sampling's n-gram drafts): .k, .propose, .accept."""
+        return None
+
     @property
     def stop_token_ids(self) -> tuple[int, ...] | None:
         """--stop_tokens as ids, or None when not given (the task's then: support/tasks.py, "Stop tokens")."""

@@ -106,7 +106,6 @@ import kernels
 from config import RolloutConfig, check_sampling
 from model import PagedKV, Transformer, kv_caches
 from parallel import expert_parallel
-from sampling import speculative
 from scheduler import BlockManager, Scheduler, Sequence, Step
 
 CPU_KV_BYTES = 1 << 30            # the KV pool's cap on the CPU, where there is no free-memory query
@@ -196,7 +195,8 @@ class ModelRunner:
 
     GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
-    def __init__(self, model: Transformer, config: RolloutConfig, num_blocks: int, window_blocks: int = 0):
+    def __init__(self, model: Transformer, config: RolloutConfig, num_blocks: int, window_blocks: int = 0,
+                 drafts=None):
         cfg, block_size, max_batch_size = model.config, config.block_size, config.max_batch_size
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
@@ -212,7 +212,8 @@ class ModelRunner:
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         self.pad_to_buckets = self.cuda_graphs     # tests set it on the CPU: padded steps without graphs
-        self.speculative_tokens, self.speculative_ngram = config.speculative_tokens, config.speculative_ngram
+        self.drafts = drafts                       # the draft policy (RolloutConfig.draft_policy): verify steps
+        self.speculative_tokens = 0 if drafts is None else drafts.k
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warm: set[tuple] = set()                              # buckets run once eagerly (compiled)
         self.pool = None                                           # the captured graphs' shared memory pool
@@ -456,13 +457,13 @@ class ModelRunner:
     def _verify_step(self, n: int, sp: SamplingParams) -> torch.Tensor:
         """Feed each row's last token and up to k n-gram drafts (k + 1 positions; past its drafts,
         padding that repeats its last one and writes to the scratch page), sample every position with
-        its own draw, keep what speculative.accept keeps. -> (n, 3): finished, tokens kept, drafts.
+        its own draw, keep what the policy's accept keeps. -> (n, 3): finished, tokens kept, drafts.
         A fixed set of tensor ops like _decode_step (no host read), so graphs capture it the same way."""
         k, rows = self.speculative_tokens, self.rows[:n]
         real = rows != self.pad_row
         n_tok = self.num_tokens[rows]                                           # (n,)
         room = (self.max_len[rows] - n_tok - 1).clamp(min=0) * real             # drafts the turn has room for
-        drafts, n_draft = speculative.propose(self.token_buf[rows], n_tok, room, k, self.speculative_ngram)
+        drafts, n_draft = self.drafts.propose(self.token_buf[rows], n_tok, room)
         t = torch.arange(k + 1, device=self.device)
         pos = (n_tok - 1)[:, None] + torch.minimum(t[None, :], n_draft[:, None])   # (n, k+1)
         tokens = torch.cat([self.token_buf[rows, n_tok - 1][:, None], drafts], 1)  # (n, k+1)
@@ -470,7 +471,7 @@ class ModelRunner:
         logits = self.model.compute_logits(h).flatten(0, 1)                    # (n*(k+1), V)
         sampled, logp = self._sample(logits, rows.repeat_interleave(k + 1), (pos + 1).flatten(), sp)
         sampled, logp = sampled.view(n, k + 1), logp.view(n, k + 1)
-        kept, stopped = speculative.accept(drafts, n_draft, sampled, self.stop_ids)     # a padding row: 1, no draft
+        kept, stopped = self.drafts.accept(drafts, n_draft, sampled, self.stop_ids)   # a padding row: 1, no draft
         # write positions n_tok .. n_tok + kept - 1; the columns past the kept ones repeat the last kept
         # one's value at its position (a duplicate index of equal values: one result on every device)
         j = torch.minimum(t[None, :], (kept - 1)[:, None])                     # (n, k+1)
@@ -589,9 +590,11 @@ class Sampler:
         self.model = model
         self.ops = self.config.rollout_ops()            # the op set its steps run (kernels.op_set): invariant: {}
         self.max_model_len = model.config.max_position_embeddings
+        drafts = self.config.draft_policy()
+        self.draft_tokens = 0 if drafts is None else drafts.k        # a verify step's drafts (0: plain decoding)
         self.num_blocks = self.config.num_blocks or self._pool_blocks(reserve_bytes)
         self.window_blocks = min(self.num_blocks, self._window_blocks())
-        self.runner = ModelRunner(model, self.config, self.num_blocks, self.window_blocks)
+        self.runner = ModelRunner(model, self.config, self.num_blocks, self.window_blocks, drafts)
         self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.prefix_cache,
                                           model.config.sliding_window, self.window_blocks)
         self.weights_key = self.runner.weights_key()
@@ -635,7 +638,7 @@ class Sampler:
         if c.window_blocks:
             return c.window_blocks
         bs = c.block_size
-        per_sequence = -(-(window - 1) // bs) + 2 + -(-c.speculative_tokens // bs)
+        per_sequence = -(-(window - 1) // bs) + 2 + -(-self.draft_tokens // bs)
         batch = c.max_batch_size * per_sequence + -(-c.max_num_batched_tokens // bs)
         return max(batch, -(-self.max_model_len // bs))
 
@@ -659,7 +662,7 @@ class Sampler:
         """The last request's counters, as a run logs them."""
         out = {"preemptions": self.num_preemptions, "prefix_hit_rate": self.prefix_hit_rate,
                "prefix_cached_tokens": self.num_cached_tokens, "prefilled_tokens": self.num_prefilled_tokens}
-        if self.config.speculative_tokens:                             # a default run's keys stay as they were
+        if self.draft_tokens:                                          # a default run's keys stay as they were
             out.update(spec_drafted_tokens=self.num_drafted_tokens, spec_accepted_tokens=self.num_accepted_tokens,
                        spec_accept_rate=self.spec_accept_rate)
         return out
@@ -718,9 +721,9 @@ class Sampler:
                             f"got {type(on_turn_end).__name__}")
         if max_episode_tokens is not None and (not _is_int(max_episode_tokens) or max_episode_tokens < 1):
             raise ValueError(f"max_episode_tokens={max_episode_tokens!r}: need an integer >= 1, or None")
-        if on_step is not None and self.config.speculative_tokens:
+        if on_step is not None and self.draft_tokens:
             raise ValueError(f"on_step (an in-flight weight update) with speculative_tokens="
-                             f"{self.config.speculative_tokens}: the update lands after a number of engine steps "
+                             f"{self.draft_tokens}: the update lands after a number of engine steps "
                              f"and a verify step samples several tokens, so which version samples a token would "
                              f"change; use speculative_tokens=0")
         seqs = self._sequences(prompts, sp, n, index_offset, on_turn_end is not None, max_episode_tokens, budgets)
@@ -734,7 +737,7 @@ class Sampler:
         bar = tqdm(total=sum(s.limit - s.num_tokens for s in seqs), desc="generate", disable=not progress, leave=False)
         cfg, req = self.config, Request(sp, on_turn_end, index_offset, bar, on_step, recompute_kv)
         sched = Scheduler(self.block_manager, cfg.max_batch_size, cfg.max_num_batched_tokens,
-                          end_turn=functools.partial(self._end_turn, req), speculative_tokens=cfg.speculative_tokens,
+                          end_turn=functools.partial(self._end_turn, req), speculative_tokens=self.draft_tokens,
                           keep=self.runner.keep_routes)
         sched.version = version
         for s in seqs:

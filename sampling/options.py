@@ -17,6 +17,13 @@ class SpeculativeOptions:
     speculative_ngram: int = 3        # the drafts are the ids that followed an earlier place of the sequence's
                                       # last n ids, the longest n from this down to 1 that has one
 
+    def draft_policy(self):
+        """The n-gram drafts (sampling/speculative.NgramDrafts) when --speculative_tokens > 0."""
+        if not self.speculative_tokens:
+            return None
+        from sampling.speculative import NgramDrafts
+        return NgramDrafts(self.speculative_tokens, self.speculative_ngram)
+
     def check(self):
         self.require_range("speculative_tokens", lambda v: v >= 0, ">= 0 (0: off)")
         self.require_range("speculative_ngram", lambda v: v >= 1,

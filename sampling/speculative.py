@@ -84,3 +84,18 @@ def accept(drafts: torch.Tensor, n_draft: torch.Tensor, sampled: torch.Tensor,
     stop = (sampled[..., None] == stop_ids[None, None, :]).any(-1) & (t[None, :] <= accepted[:, None])   # (B, k+1)
     first_stop = torch.where(stop, t, k + 1).amin(1)                            # (B,) k+1: none among the kept
     return torch.minimum(accepted, first_stop) + 1, first_stop <= k
+
+
+class NgramDrafts:
+    """The sampler's draft policy (RolloutConfig.draft_policy): k drafts a verify step, looked up by the
+    longest n-gram from `ngram` down (propose), kept while they match the sampled tokens (accept)."""
+
+    def __init__(self, k: int, ngram: int):
+        self.k, self.ngram = k, ngram
+
+    def propose(self, tokens: torch.Tensor, n_tok: torch.Tensor, room: torch.Tensor):
+        return propose(tokens, n_tok, room, self.k, self.ngram)
+
+    def accept(self, drafts: torch.Tensor, n_draft: torch.Tensor, sampled: torch.Tensor, stop_ids: torch.Tensor):
+        return accept(drafts, n_draft, sampled, stop_ids)
+

@@ -21,9 +21,9 @@ CORE_IMPORTS = {"asynchrony": {"train.py"}, "families": {"model.py", "support/ch
                                                          "support/runlog.py"},
                 "parallel": {"model.py", "rollout.py", "train.py", "support/checkpoint.py", "support/distributed.py",
                              "support/exact_sum.py"},
-                "sampling": {"rollout.py"}, "tooling": {"train.py", "support/checkpoint.py", "support/runlog.py"},
+                "tooling": {"train.py", "support/checkpoint.py", "support/runlog.py"},
                 "kernels_triton": {"kernels.py"}}                    # lazily, for CUDA tensors (or the interpreter)
-DELETABLE = ["kernels_triton", "lab"]          # on the CPU: the default run imports neither
+DELETABLE = ["kernels_triton", "lab", "sampling"]   # on the CPU the default run imports none of them
 
 
 def core_files() -> list[str]:
