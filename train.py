@@ -70,7 +70,6 @@ from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, bann
                             latency_metrics, log_routes, log_row, log_samples, open_logger, open_outputs, run_cli, say,
                             stop_requested, summary, warn_low_entropy)
 from support.tasks import Episodes, TaskError, compute_rewards
-from tooling import plan, sft
 
 
 @dataclasses.dataclass
@@ -127,7 +126,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     bar = tqdm(desc="train", disable=not run.outputs.bar, initial=run.start, total=run.tcfg.steps)
     exit_code = 1                                                     # what the logger is told, unless set below
     try:
-        sft.supervised_phase(run, forward, trainer_micro_batches, checkpoint)   # --sft_steps: before RL step 1
+        for hook in run.hooks:                                        # the supervised phase (--sft_steps)
+            hook.before_steps(run, forward, trainer_micro_batches, checkpoint)
         for step in range(run.start, run.tcfg.steps):
             t0 = time.perf_counter()
             ro = take_or_stop(run, step, saved)        # 1. rollout: batch `step`, now or (--max_staleness) earlier
@@ -611,9 +611,10 @@ def check_ranks(tcfg: TrainConfig, d: Dist) -> None:
 # ---------------------------------------------------------------------------------------------------
 def main(argv: list[str]) -> None:
     if "--help" in argv or "-h" in argv:
-        print("\n".join([__doc__, help_text(TrainConfig(), RolloutConfig()), model_help(), plan.help_text()]))
+        print("\n".join([__doc__, help_text(TrainConfig(), RolloutConfig()), model_help(), *plugin_help()]))
         return
     if "--plan" in argv:                        # bytes per rank, nothing loaded (tooling/plan.py)
+        from tooling import plan
         return plan.cli([a for a in argv if a != "--plan"])
     rank0 = int(os.environ.get("RANK", "0")) == 0
     # the defaults, or on --resume the saved run's configs, with this command line's options on top
@@ -622,6 +623,14 @@ def main(argv: list[str]) -> None:
     history = train(tcfg, rcfg)
     if history and int(os.environ.get("RANK", "0")) == 0:
         print(summary(history, time.time() - t0, tcfg.out_dir))
+
+
+def plugin_help() -> list[str]:
+    """--plan's own keys, where the tooling that answers it is there."""
+    if not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tooling", "plan.py")):
+        return []
+    from tooling import plan
+    return [plan.help_text()]
 
 
 def cli(argv: list[str]) -> None:

@@ -35,13 +35,13 @@ import sys
 
 import torch
 
-from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args, parse_bool
-from families.hf import (CheckpointError, Identity, eos_token_ids, expert_rows, hf_to_state, read_safetensors_dir,
-                         read_safetensors_file, write_identity)
+from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args,
+                    parse_bool)
+from families.hf import (CheckpointError, Identity, config_from_hf, eos_token_ids, expert_rows, hf_to_state,
+                         read_safetensors_dir, read_safetensors_file, write_identity)
 from model import Transformer
 from parallel import expert_parallel
 from support.tasks import make_task
-from tooling import plan
 
 MASTERS = "masters.safetensors"                                       # the exact weights, when the export rounds
 SFT_CKPT = "ckpt-000000"                                               # the end of --sft_steps' phase (tooling/sft.py)
@@ -187,7 +187,7 @@ def checkpoint_folder(path: str) -> str:
     run = os.path.dirname(os.path.normpath(path)) or "."
     if os.path.isfile(os.path.join(run, "latest")):                  # a checkpoint the run no longer keeps
         hint = f"; {run!r} is a run folder: pass it for its latest checkpoint"
-    elif plan.hub_id(path):
+    elif hub_id(path):
         hint = f"; nothing is downloaded: fetch it first (`hf download {path} --local-dir DIR`), then pass DIR"
     else:
         hint = ""
@@ -277,12 +277,36 @@ def trim_metrics(path: str, last_step: int, sft_done: int | None = None) -> None
 # ---------------------------------------------------------------------------------------------------
 # the model --init_from names: a checkpoint folder or a preset
 # ---------------------------------------------------------------------------------------------------
+def model_config(init_from: str) -> ModelConfig:
+    """The config --init_from names, no weights read: a checkpoint folder's config.json, or a preset's."""
+    if os.path.isdir(init_from):
+        return config_from_hf(init_from)
+    if init_from in MODEL_PRESETS:
+        return ModelConfig.preset(init_from)
+    if os.path.exists(init_from):
+        raise ConfigError(f"--init_from={init_from!r} is a file; pass the checkpoint's folder (config.json and *.safetensors)")
+    if hub_id(init_from):
+        raise ConfigError(f"--init_from={init_from!r}: no such folder; nothing is downloaded at run time: fetch the "
+                          f"checkpoint first (`hf download {init_from} --local-dir DIR`, huggingface_hub's command "
+                          "line), then pass --init_from=DIR")
+    if os.sep in init_from or init_from.startswith((".", "~")):
+        raise ConfigError(f"--init_from={init_from!r}: no such checkpoint folder")
+    raise ConfigError(f"--init_from={init_from!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) "
+                      "nor a checkpoint folder")
+
+
+def hub_id(name: str) -> bool:
+    """Whether name reads as a Hugging Face Hub id (owner/model), not a local path."""
+    owner, slash, model = name.partition("/")
+    return bool(slash and owner and model and "/" not in model and not name.startswith((".", "~", "/")))
+
+
 def initial_config(tcfg: TrainConfig, preset: ModelConfig | None = None) -> ModelConfig:
     """The model config --init_from names, read before any weight: a checkpoint's config.json, or a
     preset (given: with --vocab_size applied, TrainConfig.model_preset)."""
     if preset is not None and not os.path.isdir(tcfg.init_from):
         return preset
-    return plan.model_config(tcfg.init_from)
+    return model_config(tcfg.init_from)
 
 
 def run_task(tcfg: TrainConfig, rcfg: RolloutConfig):

@@ -8,6 +8,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     sampler_model(full, refresh)   -> (the model the sampler runs, its refresh): a copy of the compute weights
     wrap_sampler(sampler)    -> the sampler the run rolls out with
     setup(run, resumed)      the run is built, no forward has run; resumed: checkpoint.Resumed or None
+    before_steps(run, forward, micro_batches, save)   before RL step 1 (the supervised phase), with train.py's
+                             forward, trainer_micro_batches and checkpoint: no second training path
     trainer_forward(run)     a context around each counted trainer forward (not the null micro-batches)
     step_metrics(run, step, batch, audited)   keys beside the step's metrics, before their reduction
     after_step(run, step, batch, rewards)     keys after the step's metrics: evaluations, re-plans (rewards:
@@ -36,6 +38,9 @@ class Hooks:
         return sampler
 
     def setup(self, run, resumed) -> None:
+        pass
+
+    def before_steps(self, run, forward, micro_batches, save) -> None:
         pass
 
     def trainer_forward(self, run):

@@ -32,19 +32,18 @@ import replay
 from config import ConfigError, TrainConfig
 from families import hf
 from families.hf import CheckpointError
+from model import Transformer
 from support.checkpoint import RunError, latest_checkpoint, trim_metrics, write_run_json
 from support.distributed import PER_RANK, Dist, all_cat
-from support.tasks import TaskError, generation_line, make_task
-from tooling import plan
+from support.tasks import TaskError, generation_line
 
 
 # ---- the run's outputs besides metrics.jsonl -------------------------------------------------------
 @dataclasses.dataclass
 class Outputs:
-    """The run's other outputs: its exports' identity, the eval task, the optional logger (rank 0), and
-    whether this process draws a progress bar (else progress lines: progress_bar)."""
+    """The run's other outputs: its exports' identity, the optional logger (rank 0), and whether this
+    process draws a progress bar (else progress lines: progress_bar)."""
     identity: hf.Identity
-    eval_task: object | None
     logger: object | None
     bar: bool = False
 
@@ -55,10 +54,6 @@ class Outputs:
 
 def open_outputs(run) -> Outputs:
     tcfg = run.tcfg
-    eval_task = None
-    if tcfg.eval_data:                                                # the training task's tokenizer and reward
-        eval_task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.eval_data, tcfg.tokenizer, tcfg.reward_fn,
-                              run.rcfg.max_new_tokens, stop_tokens=tuple(run.task.stop_token_ids) or None)
     config = {"train": dataclasses.asdict(tcfg), "rollout": dataclasses.asdict(run.rcfg)}
     logger = open_logger(tcfg.log_to, tcfg.out_dir, config=config) if tcfg.log_to and run.d.master else None
     samples = os.path.join(tcfg.out_dir, "samples.jsonl")
@@ -66,7 +61,7 @@ def open_outputs(run) -> Outputs:
         trim_metrics(samples, run.start)
     if run.d.master:                                                  # the configs in force, readable
         write_run_json(tcfg.out_dir, tcfg, run.rcfg, run.policy.full.config, run.start)
-    return Outputs(export_identity(tcfg, run.task), eval_task, logger, bar=run.d.master and progress_bar(tcfg))
+    return Outputs(export_identity(tcfg, run.task), logger, bar=run.d.master and progress_bar(tcfg))
 
 
 def progress_bar(tcfg: TrainConfig) -> bool:
@@ -99,7 +94,8 @@ def banner(run, max_new: int, episode_tokens: int | None = None) -> str:
     """The start of a run in two lines: what trains where, and what the rollout stops on (at most
     max_new tokens a response, or a turn of an episode of at most episode_tokens)."""
     tcfg, cfg, d = run.tcfg, run.policy.full.config, run.d
-    n_params = sum(math.prod(shape) for shape, _ in plan.parameter_shapes(cfg))   # the whole model, also under EP
+    with torch.device("meta"):                                        # the whole model, also under EP
+        n_params = sum(p.numel() for p in Transformer(cfg).parameters())
     moe = f", {cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else ""
     where = f"{d.device}" + (f" x {d.world} ranks ({tcfg.parallel})" if d.world > 1 else "")
     start = (f"resume: continuing from step {run.start} ({latest_checkpoint(tcfg.out_dir)}) to step {tcfg.steps}"

@@ -21,9 +21,9 @@ CORE_IMPORTS = {"asynchrony": {"train.py"}, "families": {"model.py", "support/ch
                                                          "support/runlog.py"},
                 "parallel": {"model.py", "rollout.py", "train.py", "support/checkpoint.py", "support/distributed.py",
                              "support/exact_sum.py"},
-                "tooling": {"train.py", "support/checkpoint.py", "support/runlog.py"},
+                "tooling": {"train.py"},                             # lazily: --plan, --help's plan keys
                 "kernels_triton": {"kernels.py"}}                    # lazily, for CUDA tensors (or the interpreter)
-DELETABLE = ["kernels_triton", "lab", "sampling"]   # on the CPU the default run imports none of them
+DELETABLE = ["kernels_triton", "lab", "sampling", "tooling"]   # on the CPU the default run imports none
 
 
 def core_files() -> list[str]:

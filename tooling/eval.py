@@ -68,18 +68,19 @@ def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: f
             f"eval_pass@{samples}": (sampled >= PASS_REWARD).any(1).sum().item() / n}
 
 
-def maybe_evaluate(run, step: int) -> dict:
-    """--eval_data: eval.evaluate's keys every --eval_every steps and at the last step, else nothing."""
+def maybe_evaluate(run, step: int, task) -> dict:
+    """--eval_data: eval.evaluate's keys of `task` (the held-out set) every --eval_every steps and at the last
+    step, else nothing."""
     tcfg = run.tcfg
     every = tcfg.eval_every or tcfg.steps
-    if run.outputs.eval_task is None or not ((step + 1) % every == 0 or step + 1 == tcfg.steps):
+    if not ((step + 1) % every == 0 or step + 1 == tcfg.steps):
         return {}
     run.policy.refresh()
     run.policy.master.eval()
-    return evaluate(run.sampler, run.outputs.eval_task, samples=tcfg.eval_samples,
-                               max_new_tokens=run.rcfg.max_new_tokens or run.task.max_new_tokens, temperature=run.rcfg.temperature,
-                               top_p=run.rcfg.top_p, top_k=run.rcfg.top_k,
-                               stop_token_ids=run.task.stop_token_ids, step=step + 1, d=run.d)
+    return evaluate(run.sampler, task, samples=tcfg.eval_samples,
+                    max_new_tokens=run.rcfg.max_new_tokens or run.task.max_new_tokens, temperature=run.rcfg.temperature,
+                    top_p=run.rcfg.top_p, top_k=run.rcfg.top_k, stop_token_ids=run.task.stop_token_ids, step=step + 1,
+                    d=run.d)
 
 
 # ---- the fixed probe (--probe_every): route drift on the same prompts ------------------------------
@@ -93,10 +94,17 @@ class Probe:
 
 
 class Evaluation(Hooks):
-    """--eval_data: the held-out set's keys every --eval_every steps and at the last (maybe_evaluate)."""
+    """--eval_data: the held-out set's keys every --eval_every steps and at the last (maybe_evaluate); the
+    set read at setup, with the training task's tokenizer and reward."""
+
+    def setup(self, run, resumed) -> None:
+        from support.tasks import make_task
+        tcfg = run.tcfg
+        self.task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.eval_data, tcfg.tokenizer, tcfg.reward_fn,
+                              run.rcfg.max_new_tokens, stop_tokens=tuple(run.task.stop_token_ids) or None)
 
     def after_step(self, run, step: int, batch, rewards) -> dict:
-        return maybe_evaluate(run, step)
+        return maybe_evaluate(run, step, self.task)
 
 
 class Probing(Hooks):

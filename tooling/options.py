@@ -47,12 +47,16 @@ class EvalOptions:
 
 
 def hooks(tcfg, rcfg) -> list:
-    """The step hooks of the options that are set (support/hooks.py), their code imported only then:
-    the held-out evaluation first, then the probe (the order the step's metrics show them)."""
-    if not (tcfg.eval_data or tcfg.probe_every):
-        return []
-    from tooling.eval import Evaluation, Probing
-    return ([Evaluation()] if tcfg.eval_data else []) + ([Probing()] if tcfg.probe_every else [])
+    """The step hooks of the options that are set (support/hooks.py), their code imported only then: the
+    supervised phase; the held-out evaluation, then the probe (the order the step's metrics show them)."""
+    out = []
+    if tcfg.sft_steps or tcfg.resume:             # a resume checks that RL did not begin under other --sft_steps
+        from tooling.sft import Supervised
+        out.append(Supervised())
+    if tcfg.eval_data or tcfg.probe_every:
+        from tooling.eval import Evaluation, Probing
+        out += ([Evaluation()] if tcfg.eval_data else []) + ([Probing()] if tcfg.probe_every else [])
+    return out
 
 
 TRAIN = [EvalOptions]

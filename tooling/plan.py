@@ -65,9 +65,8 @@ import dataclasses
 import math
 import os
 
-from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line,
-                    parse_args)
-from families import hf
+from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args
+from support.checkpoint import model_config
 
 GB = 1e9
 # --plan's own keys: type, default, what it says
@@ -280,30 +279,6 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
     with torch.device("meta"):
         model = Transformer(cfg)
     return [(tuple(p.shape), is_expert(n)) for n, p in model.named_parameters()]
-
-
-def model_config(init_from: str) -> ModelConfig:
-    """The config --init_from names, no weights read: a checkpoint folder's config.json, or a preset's."""
-    if os.path.isdir(init_from):
-        return hf.config_from_hf(init_from)
-    if init_from in MODEL_PRESETS:
-        return ModelConfig.preset(init_from)
-    if os.path.exists(init_from):
-        raise ConfigError(f"--init_from={init_from!r} is a file; pass the checkpoint's folder (config.json and *.safetensors)")
-    if hub_id(init_from):
-        raise ConfigError(f"--init_from={init_from!r}: no such folder; nothing is downloaded at run time: fetch the "
-                          f"checkpoint first (`hf download {init_from} --local-dir DIR`, huggingface_hub's command "
-                          "line), then pass --init_from=DIR")
-    if os.sep in init_from or init_from.startswith((".", "~")):
-        raise ConfigError(f"--init_from={init_from!r}: no such checkpoint folder")
-    raise ConfigError(f"--init_from={init_from!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) "
-                      "nor a checkpoint folder")
-
-
-def hub_id(name: str) -> bool:
-    """Whether name reads as a Hugging Face Hub id (owner/model), not a local path."""
-    owner, slash, model = name.partition("/")
-    return bool(slash and owner and model and "/" not in model and not name.startswith((".", "~", "/")))
 
 
 def run_lengths(tcfg: TrainConfig, rcfg: RolloutConfig) -> tuple[int, int]:

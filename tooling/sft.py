@@ -34,8 +34,16 @@ import torch
 import replay
 from config import ConfigError
 from support.distributed import all_owned, lr_at, on_host, update_is_finite
+from support.hooks import Hooks
 from support.packing import Batch, lockstep
 from support.runlog import Interrupted, json_row, say, stop_requested
+
+
+class Supervised(Hooks):
+    """--sft_steps as a step hook (support/hooks.py): the supervised phase before RL step 1."""
+
+    def before_steps(self, run, forward, micro_batches, save) -> None:
+        supervised_phase(run, forward, micro_batches, save)
 
 
 def supervised_phase(run, forward, micro_batches, save) -> None:
