@@ -26,7 +26,6 @@ import torch
 
 import kernels
 from config import ConfigError, RolloutConfig, TrainConfig
-from lab.options import QUANT_FORMATS
 from model import Transformer
 from support.distributed import model_state
 from support.hooks import Hooks
@@ -39,7 +38,7 @@ def rollout_copy(full: Transformer, tcfg: TrainConfig, rcfg: RolloutConfig, refr
     """-> (the model the sampler runs, the refresh that brings it up to date before a rollout).
     full: the compute weights (the trainer's full copy), refresh: its own refresh (full <- masters)."""
     model = full
-    if rcfg.rollout_dtype in QUANT_FORMATS:                          # the quantized copy
+    if rcfg.quantized:                                               # the quantized copy
         model, refresh = quantized_copy(full, rcfg.rollout_dtype, refresh, rcfg.rollout_quant_router)
     elif rcfg.rollout_dtype and rcfg.rollout_dtype != tcfg.dtype:    # the lower-precision copy
         model, refresh = lower_precision_copy(full, getattr(torch, rcfg.rollout_dtype), refresh)

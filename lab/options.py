@@ -43,6 +43,11 @@ class FaultOptions:
     rollout_episode_fault: str = "none"  # none | retokenize | dummy_last_route | stale_prefix_kv: an episode's
                                         # consistency broken as shipped systems break it (EPISODE_FAULTS, lab/faults.py)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the rollout's matmul weights are rounded to a quantized format (lab.quantized_copy)."""
+        return self.rollout_dtype in QUANT_FORMATS
+
     def rollout_ops(self) -> dict:
         """The sampler's op set (kernels.op_set): the fast ops under --rollout_mode=fast, the bf16 router
         rounding under --router_bf16 (lab/fast_ops.py, imported only then)."""

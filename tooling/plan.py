@@ -348,7 +348,7 @@ def main(argv: list[str]) -> tuple[str, bool]:
         raise ConfigError(f"prompts_per_step ({tcfg.prompts_per_step}) must be divisible by --world_size ({world})")
     nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
     rollout_dtype, fault = lab_options(rcfg)
-    quantized = rollout_dtype in quant_formats(rollout_dtype)           # stored in --dtype, dequantized
+    quantized = getattr(rcfg, "quantized", False)                      # stored in --dtype, dequantized
     sampler_dtype = tcfg.dtype if quantized else rollout_dtype or tcfg.dtype
     lab_copy = quantized or sampler_dtype != tcfg.dtype or fault != "none"   # lab.rollout_copy
     prompt_len, max_new = run_lengths(tcfg, rcfg)
@@ -375,14 +375,6 @@ def main(argv: list[str]) -> tuple[str, bool]:
 def lab_options(rcfg: RolloutConfig) -> tuple[str, str]:
     """--rollout_dtype and --rollout_router_fault: the lab's options ('' and none where lab/ was deleted)."""
     return getattr(rcfg, "rollout_dtype", ""), getattr(rcfg, "rollout_router_fault", "none")
-
-
-def quant_formats(rollout_dtype: str) -> tuple[str, ...]:
-    """The lab's quantized formats, asked of the lab only when it set a rollout dtype."""
-    if not rollout_dtype:
-        return ()
-    from lab.options import QUANT_FORMATS
-    return QUANT_FORMATS
 
 
 def one_term(tcfg: TrainConfig, world: int, act: Activations, longest: int) -> bool:
