@@ -5,6 +5,7 @@ index in its response and by its turn (--mismatch_split, lab/observe.MismatchSpl
 
     python -m lab.lengths                              # 30 steps, seeds 0,1,2 -> out/lab-lengths/
     python -m lab.lengths --steps 2 --seeds 0 --runs "fast copy 8,fast lookup"
+    python -m lab.lengths --report                     # the tables and figure of the runs already in --out
 
 Prints one table by position and one by turn (the mean over steps and seeds of each bucket's k3 KL,
 extreme-token fraction and route-flip fraction; "-" where no token fell in it) and draws lab-lengths.png.
@@ -44,6 +45,21 @@ def run_all(runs: list[str], seeds: list[int], steps: int, prompts: int, group: 
             t0 = time.perf_counter()
             rows[name] += train.train(tcfg, rcfg)
             print(f"lab.lengths: {name} seed {seed} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
+
+
+def read_runs(runs: list[str], seeds: list[int], out: str) -> dict:
+    """{run: rows} of the runs --out already holds (a run's seeds that are missing are left out)."""
+    import json
+    rows = {}
+    for name in runs:
+        for seed in seeds:
+            path = os.path.join(out, name.replace(" ", "_"), f"seed{seed}", "metrics.jsonl")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    rows.setdefault(name, []).extend(json.loads(line) for line in f if line.strip())
+    if not rows:
+        raise SystemExit(f"error: no run of {runs} under {out}: run python -m lab.lengths first")
     return rows
 
 
@@ -93,8 +109,9 @@ def figure(results: dict, path: str) -> str | None:
             ax.set_title(f"{label} by {split}", fontsize=10)
             ax.set_yscale("symlog", linthresh=1e-6)
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7, frameon=False)
-    axes[1][0].legend(fontsize=7, frameon=False)
+    for ax in (axes[0][0], axes[1][0]):
+        if ax.get_legend_handles_labels()[0]:                         # the by-turn row: multi-turn runs only
+            ax.legend(fontsize=7, frameon=False)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -111,6 +128,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--group", type=int, default=8, help="responses per prompt")
     p.add_argument("--out", default="out/lab-lengths")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--report", action="store_true", help="only the tables and figure of the runs in --out")
     args = p.parse_args(argv)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()] or list(RUNS)
     unknown = [r for r in runs if r not in RUNS]
@@ -120,7 +138,8 @@ def main(argv: list[str]) -> None:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    results = run_all(runs, seeds, args.steps, args.prompts, args.group, args.out)
+    results = (read_runs(runs, seeds, args.out) if args.report else
+               run_all(runs, seeds, args.steps, args.prompts, args.group, args.out))
     print(f"\nthe gap by a token's index in its response ({args.steps} steps x seeds {seeds}; mean over steps):")
     print(table(results, "position", POSITION_NAMES))
     print("\nthe gap by turn (a single-turn response is all turn 1):")

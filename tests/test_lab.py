@@ -492,3 +492,21 @@ def test_mismatch_split_buckets_sum_to_the_steps_gap(tmp_path):
     assert all(v is not None for v in h["kl_by_position"][:2]) and h["train_rollout_k3"] > 0
     inv = _run(tmp_path / "i", ["--recompute_old_logp=true", "--mismatch_split=true"])[0]
     assert inv["kl_by_position"][0] == 0 and inv["flips_by_position"][0] == 0 and inv["extreme_by_turn"][0] == 0
+
+
+def test_lab_lengths_runs_and_reports(tmp_path):
+    """python -m lab.lengths at tiny sizes: a copy run and a multi-turn run, their tables by position and by
+    turn (the lookup run reaches turn 2, the copy run only turn 1), and --report reads the same back."""
+    argv = [sys.executable, "-m", "lab.lengths", "--runs", "fast copy 8,int8 lookup", "--steps", "1", "--seeds", "0",
+            "--prompts", "2", "--group", "2", "--out", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split(" | ")[0].strip("| "): line for line in run.stdout.splitlines() if line.startswith("| ")}
+    by_turn = run.stdout.split("the gap by turn")[1]
+    lookup = next(line for line in by_turn.splitlines() if line.startswith("| int8 lookup")).split(" | ")
+    copy = next(line for line in by_turn.splitlines() if line.startswith("| fast copy 8")).split(" | ")
+    assert lookup[2] != "-" and copy[1] != "-" and copy[2] == "-"     # k3 KL at turn 2: lookup's only
+    assert "fast copy 8" in rows
+    again = subprocess.run(argv + ["--report"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0 and again.stdout.split("the gap by")[1:] == run.stdout.split("the gap by")[1:]
