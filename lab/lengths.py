@@ -98,6 +98,7 @@ def figure(results: dict, path: str) -> str | None:
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for row, (split, names) in enumerate((("position", POSITION_NAMES), ("turn", TURN_NAMES))):
         for ax, (key, label) in zip(axes[row], MEASURES):
+            drawn = []
             for i, (name, rows) in enumerate(results.items()):
                 means = bucket_means(rows, f"{key}_by_{split}")
                 pts = [(b, v) for b, v in enumerate(means) if v is not None]
@@ -105,9 +106,12 @@ def figure(results: dict, path: str) -> str | None:
                     continue
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i % 10}",
                         ls="-" if name.startswith("fast") else "--", label=name)
+                drawn += [p[1] for p in pts]
             ax.set_xticks(range(len(names)), names, fontsize=8)
             ax.set_title(f"{label} by {split}", fontsize=10)
-            ax.set_yscale("symlog", linthresh=1e-6)
+            if drawn and not any(drawn):                                  # a flat zero line would hide that it is exact
+                ax.text(0.5, 0.75, "0 in every bucket of every run", ha="center", va="center", transform=ax.transAxes)
+            ax.set_yscale("log" if drawn and min(drawn) > 0 else "linear")
             ax.grid(alpha=0.3)
     for ax in (axes[0][0], axes[1][0]):
         if ax.get_legend_handles_labels()[0]:                         # the by-turn row: multi-turn runs only
