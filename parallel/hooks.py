@@ -36,7 +36,7 @@ class DeviceLoad(Hooks):
 
 class Eplb(Hooks):
     """--eplb_redundant: the experts' replicas (eplb.Balancer), set before any forward; each step the load
-    before / after and a re-plan when due (eplb.jsonl); diagnostics.jsonl's rows name the layouts' plan."""
+    before / after and a re-plan when due (eplb.jsonl); diagnostics.jsonl's rows name the plan their step ran."""
     name = "eplb"
 
     def setup(self, run, resumed) -> None:
@@ -45,13 +45,14 @@ class Eplb(Hooks):
         self.balancer = eplb.balancer(ep, run.tcfg, n_moe, resumed)
 
     def after_step(self, run, step: int, batch, rewards) -> dict:
+        self.ran = self.balancer.plan_step                            # the layouts this step's forwards ran
         metrics, plans = self.balancer.step(step, batch, run.d.world)
         append_jsonl(run, step, "eplb.jsonl", plans)                  # a resume drops the rows past its step
         return metrics
 
     def diagnostics(self, rows: list[dict]) -> None:
-        for row in rows:
-            row["eplb_plan"] = self.balancer.plan_step
+        for row in rows:                                              # the step's own plan, not the next one's
+            row["eplb_plan"] = self.ran
 
     def state_dict(self):
         return self.balancer.state_dict()

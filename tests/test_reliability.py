@@ -413,7 +413,7 @@ CLI_CASES = {   # argv -> what the one line must say
     "no ckpt": (["--resume=true"], "--resume: no checkpoint in"),
     "prompt": (["--n_digits=300"], "step 1: the sampler refused this step's prompts: prompt 0 has 302 tokens"),
     "filter level": (["--route_filter_level=batch"], "--route_filter_level='batch': token or sequence"),
-    "probe": (["--probe_every=-1"], "--probe_every=-1, --diagnostics=0: must be >= 0 (0: off)"),
+    "probe": (["--probe_every=-1"], "--probe_every=-1: must be >= 0 (0: off)"),
     "probe size": (["--probe_every=2", "--probe_prompts=0"], "--probe_prompts=0: must be >= 1"),
     "diagnostics": (["--diagnostics=-2"], "--diagnostics=-2: must be >= 0"),
     "detail": (["--record_route_detail=maybe"], "--record_route_detail"),
