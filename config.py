@@ -355,6 +355,11 @@ class RolloutOptions(Options):
 
     rollout.Sampler reads the engine's, train.py passes the sampling ones; the plug-ins' rollout options
     join them in RolloutConfig (the end of this section)."""
+    # a group's FREE_ON_RESUME: what a resume may change without changing the run's numbers (the engine's:
+    # the contract keeps its bits at any of them); FIXED_ON_RESUME: what it may not change even when asked
+    # (support/checkpoint.check_resume_changes reads both from every group)
+    FREE_ON_RESUME = ("block_size", "num_blocks", "max_batch_size", "max_num_batched_tokens", "prefix_cache",
+                      "kv_memory_fraction", "cuda_graphs", "record_route_detail")
     block_size: int = 16              # KV positions per page
     num_blocks: int = 0               # 0: sized from the device (see rollout.Sampler)
     max_batch_size: int = 256         # running sequences at most
@@ -419,6 +424,9 @@ class TrainOptions(Options):
     """The core's options: the run, precision, the batch, the optimizer, the loss and its correction.
 
     The core's other groups (below) and each plug-in folder's options.py join them in TrainConfig."""
+    FREE_ON_RESUME = ("steps", "lr_decay_steps",            # the run's length, its lr plan: resume_plan explains them
+                      "out_dir", "save_every", "keep_checkpoints", "save_dtype", "log_every", "progress",
+                      "skip_nonfinite_steps", "resume_changes")   # what it writes and how
     init_from: str = "tiny"           # a model preset name or an HF checkpoint directory
     out_dir: str = "out"               # the run folder: metrics.jsonl, ckpt-NNNNNN/, latest
     device: str = "auto"              # auto: cuda if available, else cpu
@@ -629,9 +637,7 @@ class TrainOptions(Options):
         _require(not n_rollout or self.prompts_per_step % n_rollout == 0,
                  f"prompts_per_step ({self.prompts_per_step}) must be divisible by --rollout_ranks={n_rollout}: "
                  "each rollout rank samples an equal share")
-        _require(not self.partial_rollout or (n_rollout or n_train) == 1,   # one queue of groups in flight
-                 f"--partial_rollout keeps its groups in flight in the one process that generates: run one process, or "
-                 f"--rollout_ranks=1 (this job: {n_rollout or n_train} {'rollout' if n_rollout else 'training'} ranks)")
+        _check_groups(self, "check_with_ranks", n_train, n_rollout)
 
     def check_model(self, model: ModelConfig, task_vocab: int) -> None:
         """The options that need the model: the route options refuse a model without a router (they
@@ -774,6 +780,7 @@ class RouteOptions(Options):
 @dataclass
 class LogOptions(Options):
     """What a run shows and writes beyond metrics.jsonl (support/runlog.py, replay.py's diagnostics)."""
+    FREE_ON_RESUME = ("log_samples", "log_to", "diagnostics", "entropy_warn", "entropy_warn_steps")
     log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
     log_to: str = ""                  # "" (metrics.jsonl only) | tensorboard | wandb: a copy of each row
     entropy_warn: float = 0.05        # one warning line when the mean entropy stays below this for

@@ -51,8 +51,6 @@ from tqdm.auto import tqdm
 
 import kernels
 import replay
-from asynchrony.partial_rollout import PartialRollouts
-from asynchrony.pipeline import Colocated, PeerLost, Remote, Rollout, RolloutWeights, Stopped, serve
 from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
 from losses import (Normalisers, correction_weights, group_advantages, rejects, router_metrics, router_objective,
                     token_objective)
@@ -63,7 +61,8 @@ from support.checkpoint import (RunError, build_model, check_finite_weights, com
                                 optimizer_state, prepare_out_dir, resume, run_task, save_checkpoint, trim_metrics)
 from support.distributed import (Dist, Policy, all_cat, all_owned, check_in_sync, gather_scored, global_batch,
                                  init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
-from support.hooks import Hooks, plugin_hooks, sampler_model, trainer_forward, wrap_sampler
+from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, batch_source, plugin_hooks, sampler_model,
+                           serving_hook, trainer_forward, wrap_sampler)
 from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
                              unpack)
 from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, bar_postfix, episode_metrics,
@@ -87,7 +86,7 @@ class Run:
     metrics_path: str
     key_tokens: torch.Tensor | None = None   # --route_filter_tokens' ids, a (V,) bool table (replay.key_token_table)
     outputs: Outputs | None = None   # identity of the exports, eval task, logger (set by open_outputs)
-    rollouts: Colocated | None = None       # where each step's batch comes from (asynchrony/pipeline.py; set by setup)
+    rollouts: Synchronous | None = None     # where each step's batch comes from (support/hooks.py; set by setup)
     surge: LengthSurge = dataclasses.field(default_factory=LengthSurge)   # --surge_window's detector (lr_at reads it)
     sft_done: int = 0                # --sft_steps' supervised steps the weights have had (tooling/sft.py)
     hooks: list[Hooks] = dataclasses.field(default_factory=list)   # the plug-ins' (support/hooks.py)
@@ -101,7 +100,8 @@ class Run:
 # the loop
 # ---------------------------------------------------------------------------------------------------
 def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
-    d = init_distributed(tcfg.device, tcfg.rollout_ranks, tcfg.expert_parallel)
+    # the plug-ins' splits of the ranks (asynchrony/'s rollout ranks, parallel/'s EP groups; none without them)
+    d = init_distributed(tcfg.device, getattr(tcfg, "rollout_ranks", 0), getattr(tcfg, "expert_parallel", 1))
     try:
         # one kernel backend for sampler and trainer: --kernels_backend, else KERNELS_BACKEND, else auto
         with kernels.set_backend(tcfg.kernels_backend or kernels.get_backend()):
@@ -116,10 +116,11 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
     """The loop: each step reads top to bottom as its phases. A SIGINT / SIGTERM (runlog.run_cli) ends
     the step under way, then the run saves it and stops (Interrupted)."""
     rcfg.check_training(tcfg)
-    if d.role == "rollout":                                           # --rollout_ranks: this rank generates
-        serve_rollouts(tcfg, rcfg, d)
+    hooks = plugin_hooks(tcfg, rcfg)
+    if d.role != "train":                              # a rank a plug-in runs (--rollout_ranks: it generates)
+        serving_hook(hooks, d.role).serve(tcfg, rcfg, d, hooks, Run=Run, rollout=rollout, sample=sample)
         return []
-    run = setup(tcfg, rcfg, d)
+    run = setup(tcfg, rcfg, d, hooks)
     run.outputs = open_outputs(run)
     d.print0(banner(run, max_new_tokens(run), episode_tokens(run) if run.task.episodic else None))
     history, saved = [], run.start
@@ -184,34 +185,6 @@ def take_or_stop(run: Run, step: int, saved: int) -> Rollout:
         raise Interrupted(step, StopRequest.signum or signal.SIGTERM) from None
 
 
-def serve_rollouts(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> None:
-    """A rollout rank's whole run (--rollout_ranks): the model in its compute dtypes (a resume's weights
-    and its trainers' pipeline state: batches ahead, partial rollouts), the sampler, then pipeline.serve."""
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    task, preset, config = run_task(tcfg, rcfg)
-    hooks = plugin_hooks(tcfg, rcfg)                                  # the lab's copy and sampler, if any
-    ep, experts = expert_parallel.layout(tcfg, config.num_experts, d.world)   # the rollout ranks' own groups
-    model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts)
-    start, saved = 0, {}
-    if tcfg.resume:
-        store_routers(model, tcfg)
-        resumed = resume(tcfg, model, task, experts, d.print0)
-        start, tcfg, saved = resumed.start, resumed.tcfg, resumed.rollouts or {}
-    if ep is not None:
-        expert_parallel.shard_experts(model, ep, loaded=True)
-    weights = RolloutWeights(model, tcfg, partial(sampler_model, hooks))
-    run = Run(tcfg, rcfg, d, task, weights, None, wrap_sampler(hooks, Sampler(weights.sampler, rcfg)), start, 0, "")
-    try:
-        serve(run, batches(run), start, saved, stop=lambda: StopRequest.signum != 0)
-    except PeerLost as e:
-        raise RunError(f"rollout rank {d.rank}: the trainers stopped ({e})") from None
-    except Stopped:
-        raise Interrupted(start, StopRequest.signum or signal.SIGTERM) from None
-    except (ConfigError, TaskError) as e:          # only this rank saw it: its line, then the launcher stops the job
-        print(f"error: rollout rank {d.rank}: {e}", file=sys.stderr, flush=True)
-        raise
-
-
 # ---------------------------------------------------------------------------------------------------
 # 1. rollout, 2. the batch
 # ---------------------------------------------------------------------------------------------------
@@ -254,11 +227,6 @@ def sample(run: Run, j: int, prompts: list[list[int]], max_new: int | list[int],
     except ValueError as e:                                           # the sampler's input checks: a prompt too long...
         raise ConfigError(f"step {j + 1}: the sampler refused this step's prompts: {e}") from None
     return outs, run.sampler.counters
-
-
-def batches(run: Run):
-    """What makes batch j (a pipeline.Generate): rollout, or with --partial_rollout the groups in flight."""
-    return PartialRollouts.of(run, sample, max_new_tokens(run)) if run.tcfg.partial_rollout else partial(rollout, run)
 
 
 def episode_tokens(run: Run) -> int:
@@ -516,8 +484,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
 def checkpoint(run: Run, step: int) -> None:
     """Check the weights (finite, the same on every rank), then rank 0 writes the checkpoint."""
     p = run.policy
-    if isinstance(run.rollouts, Remote) and run.tcfg.max_staleness and not StopRequest.signum:
-        run.rollouts.prefetch(min(step + run.tcfg.max_staleness, run.tcfg.steps) - 1, step)   # an exact resume
+    run.rollouts.before_save(step)                                    # the batches the checkpoint holds
     p.refresh()
     check_finite_weights(p.full, step)                                # on every rank: they stop together
     digest = check_in_sync(p.full, run.d)                             # mixed precision: the compute copy
@@ -542,9 +509,11 @@ def checkpoint(run: Run, step: int) -> None:
 # ---------------------------------------------------------------------------------------------------
 # setup: the model, its weights' copies, the sampler (or a resume of all of them)
 # ---------------------------------------------------------------------------------------------------
-def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
+def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | None = None) -> Run:
     """Check the configs against the ranks and the model, build (or resume) the model, the policy's
-    copies and optimizer (distributed.Policy) and the sampler."""
+    copies and optimizer (distributed.Policy), the sampler and where the batches come from; hooks: the
+    plug-ins' (None: those of the options)."""
+    hooks = plugin_hooks(tcfg, rcfg) if hooks is None else hooks
     check_ranks(tcfg, d)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     prepare_out_dir(tcfg, d.master)
@@ -554,7 +523,6 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
     ep, experts = expert_parallel.layout(tcfg, config.num_experts, d.world)
     tcfg.check_model(config, task.vocab_size)
     key_tokens = replay.key_token_table(tcfg.route_filter_token_ids(task, config.vocab_size), config.vocab_size, d.device)
-    hooks = plugin_hooks(tcfg, rcfg)
     for hook in hooks:
         hook.check_build(task, config)
     model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts)
@@ -586,9 +554,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> Run:
               hooks=hooks)
     for hook in run.hooks:                                            # before any forward (EPLB's layouts)
         hook.setup(run, resumed)
-    midpoint = max(1, max_new_tokens(run) // 2)                       # an in-flight update lands halfway
-    run.rollouts = (Remote(run, stop=lambda: StopRequest.signum != 0) if d.bridge is not None else
-                    Colocated(batches(run), tcfg.max_staleness, tcfg.inflight_update, midpoint, refresh=policy.refresh))
+    run.rollouts = batch_source(hooks, run, partial(rollout, run), partial(sample, run))   # staleness: asynchrony/
     run.surge.load_state_dict(resumed.surge if resumed is not None else None)   # where a surge was seen, if one was
     if resumed is not None and resumed.rollouts is not None:        # the batches generated ahead of the step
         run.rollouts.load_state_dict(resumed.rollouts)

@@ -39,15 +39,14 @@ the loop without partial rollouts bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Callable
 
 import torch
 
-from asynchrony.pipeline import Rollout
 from config import ConfigError
 from rollout import SequenceOutput
+from support.hooks import Rollout
 from support.tasks import Example
 
 UNFINISHED = "partial"      # an in-flight output's finish_reason until its sequence ends ("stop" / "length")
@@ -84,10 +83,10 @@ class PartialRollouts:
         self.rounds = 0                   # rounds run so far: round r's draws are keyed by r
 
     @classmethod
-    def of(cls, run, sample, max_new_tokens: int) -> "PartialRollouts":
-        """A run's (train.py): its task, sample(run, ...), --rollout_token_budget (0: max_new_tokens // 2)."""
+    def of(cls, run, sample: Sample, max_new_tokens: int) -> "PartialRollouts":
+        """A run's (train.py): its task, its sample, --rollout_token_budget (0: max_new_tokens // 2)."""
         tcfg = run.tcfg
-        return cls(run.task, functools.partial(sample, run), tcfg.prompts_per_step, tcfg.group_size,
+        return cls(run.task, sample, tcfg.prompts_per_step, tcfg.group_size,
                    tcfg.rollout_token_budget or max(1, max_new_tokens // 2), max_new_tokens,
                    run.policy.master.config.max_position_embeddings)
 

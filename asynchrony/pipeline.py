@@ -41,33 +41,7 @@ import torch
 
 import replay
 from rollout import SequenceOutput
-from support.hooks import Hooks
-
-
-@dataclasses.dataclass
-class Rollout:
-    """One batch as the trainer takes it: the examples, the sampler's outputs, each episode's turn rewards."""
-    examples: list
-    outs: list[SequenceOutput]
-    turn_rewards: list[list[float]] | None      # episodes: each one's turns' rewards (tasks.Episodes.rewards)
-    version: int                                # the version that started it
-    seconds: float                              # its generation, wall clock
-    counters: dict = dataclasses.field(default_factory=dict)   # the sampler's (preemptions, prefix cache), waits
-    metrics: dict = dataclasses.field(default_factory=dict)    # the batch's own, global (partial_carried_seqs, ...)
-    carry: dict | None = None                   # --partial_rollout on a rollout rank: what is in flight after it
-
-    @property
-    def episodes(self) -> "Recorded | None":
-        return None if self.turn_rewards is None else Recorded(self.turn_rewards)
-
-
-@dataclasses.dataclass
-class Recorded:
-    """An earlier batch's episodes as tasks.compute_rewards and the metrics read them: their turns' rewards."""
-    rewards: list[list[float]]
-
-    def episode_rewards(self) -> list[float]:
-        return [sum(r) for r in self.rewards]
+from support.hooks import Hooks, PeerLost, Rollout, Stopped
 
 
 # generate(batch index, version, on_step=None, recompute_kv=False) -> Rollout, called for j = 0, 1, ... in order; a
@@ -116,6 +90,9 @@ class Colocated:
         self.ahead[j] = self.generate(j, version=step, on_step=on_step, recompute_kv=self.inflight == "recompute_kv")
         self.next = j + 1
         return out[0] if out else fn()
+
+    def before_save(self, step: int) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -270,14 +247,6 @@ def wait(work, stop=None) -> float:
     return time.perf_counter() - t0
 
 
-class Stopped(Exception):
-    """A wait on the other side ended by a stop request."""
-
-
-class PeerLost(Stopped):
-    """A wait on the other side ended because it is gone (the message: gloo's)."""
-
-
 class RolloutWeights:
     """A rollout rank's weights (disaggregated): the compute copy the weights broadcasts update (`full`,
     `master` for the loop's calls) and the sampler's, the lab's copy of it or itself (`sampler`)."""
@@ -333,6 +302,14 @@ class Remote:
         buffers = flat_buffers(self.run.policy.full)
         works = [self.bridge.weights.broadcast(b, 0) for b in buffers]
         self.sending = (_All(works), buffers)
+
+    def before_save(self, step: int) -> None:
+        """The checkpoint of `step` holds the batches up to step + K - 1 (an exact resume): receive them now,
+        unless the run is stopping (a rollout rank may be gone)."""
+        from support.runlog import StopRequest
+        K = self.run.tcfg.max_staleness
+        if K and not StopRequest.signum:
+            self.prefetch(min(step + K, self.run.tcfg.steps) - 1, step)
 
     def prefetch(self, upto: int, first: int) -> None:
         """Receive the batches [first, upto] ahead of the step (a checkpoint keeps them: an exact resume);
@@ -457,7 +434,7 @@ def serve(run, generate: Generate, start: int, saved: dict, stop=None) -> None:
             run.task.sample(tcfg.prompts_per_step)
     weights = WeightsReceiver(run.policy.full, bridge, run.start, tcfg.steps, stop)   # the weights of step `start`
     group, root, sends = next(iter(bridge.batches.values())), bridge.n_train, []
-    midpoint = max(1, (run.rcfg.max_new_tokens or run.task.max_new_tokens) // 2)
+    midpoint = max(1, max_new_tokens(run) // 2)
     for j in range(first, tcfg.steps):
         version = weights.advance(max(0, j - K))
         run.policy.refresh()                                    # the lab's rollout copy, from the new weights
@@ -490,3 +467,78 @@ def _halfway(weights: WeightsReceiver, policy, version: int, midpoint: int):
         policy.refresh()
         return version
     return on_step
+
+
+# ---------------------------------------------------------------------------------------------------
+# the plug-in's seams: the batch source of a training process, the job of a rollout rank
+# ---------------------------------------------------------------------------------------------------
+class Sources(Hooks):
+    """--max_staleness, --inflight_update, --partial_rollout, --rollout_ranks: each step's batch from
+    Colocated (in the trainer's process) or Remote (a disaggregated job's trainers), and the rollout
+    ranks' whole job (serve_rollouts)."""
+
+    def batch_source(self, run, generate, sample):
+        from support.runlog import StopRequest
+        if run.d.bridge is not None:
+            return Remote(run, stop=lambda: StopRequest.signum != 0)
+        tcfg = run.tcfg
+        midpoint = max(1, max_new_tokens(run) // 2)                  # an in-flight update lands halfway
+        return Colocated(batches(run, generate, sample), tcfg.max_staleness, tcfg.inflight_update, midpoint,
+                         refresh=run.policy.refresh)
+
+    def serves(self, role: str) -> bool:
+        return role == "rollout"
+
+    def serve(self, tcfg, rcfg, d, hooks, **loop) -> None:
+        serve_rollouts(tcfg, rcfg, d, hooks, **loop)
+
+
+def max_new_tokens(run) -> int:
+    return run.rcfg.max_new_tokens or run.task.max_new_tokens
+
+
+def batches(run, generate: Generate, sample) -> Generate:
+    """What makes batch j: the loop's rollout, or with --partial_rollout the groups in flight."""
+    from asynchrony.partial_rollout import PartialRollouts
+    return PartialRollouts.of(run, sample, max_new_tokens(run)) if run.tcfg.partial_rollout else generate
+
+
+def serve_rollouts(tcfg, rcfg, d, hooks, Run, rollout, sample) -> None:
+    """A rollout rank's whole run (--rollout_ranks): the model in its compute dtypes (a resume's weights
+    and its trainers' pipeline state: batches ahead, partial rollouts), the sampler, then serve.
+    Run, rollout, sample: train.py's (the loop's run and its generation)."""
+    import functools
+    import signal
+    import sys
+
+    from config import ConfigError
+    from parallel import expert_parallel
+    from rollout import Sampler
+    from support.checkpoint import RunError, build_model, resume, run_task
+    from support.distributed import store_routers
+    from support.hooks import sampler_model, wrap_sampler
+    from support.runlog import Interrupted, StopRequest
+    from support.tasks import TaskError
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    task, preset, config = run_task(tcfg, rcfg)
+    ep, experts = expert_parallel.layout(tcfg, config.num_experts, d.world)   # the rollout ranks' own groups
+    model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts)
+    start, saved = 0, {}
+    if tcfg.resume:
+        store_routers(model, tcfg)
+        resumed = resume(tcfg, model, task, experts, d.print0)
+        start, tcfg, saved = resumed.start, resumed.tcfg, resumed.rollouts or {}
+    if ep is not None:
+        expert_parallel.shard_experts(model, ep, loaded=True)
+    weights = RolloutWeights(model, tcfg, functools.partial(sampler_model, hooks))
+    run = Run(tcfg, rcfg, d, task, weights, None, wrap_sampler(hooks, Sampler(weights.sampler, rcfg)), start, 0, "")
+    try:
+        serve(run, batches(run, functools.partial(rollout, run), functools.partial(sample, run)), start, saved,
+              stop=lambda: StopRequest.signum != 0)
+    except PeerLost as e:
+        raise RunError(f"rollout rank {d.rank}: the trainers stopped ({e})") from None
+    except Stopped:
+        raise Interrupted(start, StopRequest.signum or signal.SIGTERM) from None
+    except (ConfigError, TaskError) as e:          # only this rank saw it: its line, then the launcher stops the job
+        print(f"error: rollout rank {d.rank}: {e}", file=sys.stderr, flush=True)
+        raise

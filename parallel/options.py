@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 @dataclass
 class ParallelOptions:
     """FSDP2, expert parallelism, EPLB, token dropping."""
+    FREE_ON_RESUME = ("parallel", "expert_parallel", "expert_placement",   # the layout, like the world size
+                      "eplb_redundant", "eplb_interval")                   # where EPLB's replicas compute: no bit moves
     parallel: str = "ddp"             # under torchrun: ddp (full model per rank) | fsdp (FSDP2 sharding)
     expert_parallel: int = 1          # N ranks per EP group, each holding E/N experts (parallel/expert_parallel.py)
     expert_placement: list[int] = field(default_factory=list)   # "" contiguous | physical slot of each logical

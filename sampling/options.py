@@ -11,6 +11,7 @@ from dataclasses import dataclass
 @dataclass
 class SpeculativeOptions:
     """The sampler's n-gram drafts (sampling/speculative.py)."""
+    FREE_ON_RESUME = ("speculative_tokens", "speculative_ngram")   # the contract keeps plain decoding's bits
     speculative_tokens: int = 0       # k > 0: each decode step verifies k n-gram drafts of the sequence's own ids
                                       # (sampling/speculative.py): the tokens, log-probs and routes of plain decoding,
                                       # faster where the text repeats; 0: off

@@ -386,12 +386,12 @@ def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
     if was != now:
         print0(f"resume: the lr schedule changes from {schedule_words(*was)} to {schedule_words(*now)}: lr is re-planned "
                f"from step {done + 1}")
-    schedule = (("max_staleness", 0), ("inflight_update", "off"), ("partial_rollout", False), ("rollout_token_budget", 0))
-    for name, default in schedule:                                   # the batches ahead (and in flight) were made so
-        if ckpt_cfg.get(name, default) != getattr(tcfg, name):
-            raise ConfigError(f"--{name}={getattr(tcfg, name)}: the run was saved with {name}="
-                              f"{ckpt_cfg.get(name, default)} and its batches generated ahead by that schedule; "
-                              "resume with the same value")
+    fields = {f.name: f for f in dataclasses.fields(tcfg)}
+    for name in resume_rule(tcfg, "FIXED_ON_RESUME"):               # the batches ahead (and in flight) were made so
+        was = ckpt_cfg.get(name, fields[name].default)
+        if was != getattr(tcfg, name):
+            raise ConfigError(f"--{name}={getattr(tcfg, name)}: the run was saved with {name}={was} and its batches "
+                              "generated ahead by that schedule; resume with the same value")
     scale = ckpt_cfg.get("router_lr_scale", 1.0)
     if (scale == 1) != (tcfg.router_lr_scale == 1):          # one param group or two: distributed.build_optimizer
         raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the checkpoint's optimizer was built with "
@@ -404,19 +404,13 @@ def schedule_words(schedule: str, period: int, start: str) -> str:
     return f"{schedule} (period {period}" + (f", from the {start})" if schedule == "halving" else ")")
 
 
-# What a resume may change without changing the run's numbers (docs/design.md, "Reliability"); any other
-# setting that differs is refused unless --resume_changes=allow. Every difference is printed either way.
-FREE_ON_RESUME = frozenset((
-    "steps", "lr_decay_steps",            # the run's length and its lr plan: resume_plan keeps and explains them
-    "out_dir", "save_every", "keep_checkpoints", "save_dtype", "log_every", "progress", "log_samples", "log_to",
-    "diagnostics", "probe_every", "probe_prompts", "eval_data", "eval_every", "eval_samples", "entropy_warn",
-    "entropy_warn_steps", "skip_nonfinite_steps", "resume_changes",   # what it writes, shows and evaluates
-    "parallel", "expert_parallel", "expert_placement",                # the layout, like the world size
-    "eplb_redundant", "eplb_interval",                                # where EPLB's replicas compute: no bit moves
-    # the sampler's engine: the contract keeps its bits at any of these
-    "block_size", "num_blocks", "max_batch_size", "max_num_batched_tokens", "prefix_cache", "kv_memory_fraction",
-    "cuda_graphs", "record_route_detail", "speculative_tokens", "speculative_ngram",
-))
+def resume_rule(cfg, rule: str) -> set[str]:
+    """The option names every group of cfg's class lists under `rule`: FREE_ON_RESUME (what a resume may
+    change without changing the run's numbers; any other setting that differs is refused unless
+    --resume_changes=allow, docs/design.md "Reliability") or FIXED_ON_RESUME (never changed on resume)."""
+    return {name for cls in type(cfg).__mro__ for name in vars(cls).get(rule, ())}
+
+
 ACTS = ("resume", "overwrite")           # the command itself, not a setting of the run
 
 
@@ -433,10 +427,11 @@ def check_resume_changes(saved: tuple, now: tuple, print0) -> None:
     """Print each setting the resume changes; refuse (ConfigError, one line) those that would change the
     run's numbers, unless --resume_changes=allow."""
     changes = config_changes(saved, now)
+    free = resume_rule(now[0], "FREE_ON_RESUME") | resume_rule(now[1], "FREE_ON_RESUME")
     for name, was, new in changes:
         print0(f"resume: --{name}={new!r} (the saved run's: {was!r})"
-               + ("" if name in FREE_ON_RESUME else ": changes the run's numbers"))
-    breaking = [name for name, _, _ in changes if name not in FREE_ON_RESUME]
+               + ("" if name in free else ": changes the run's numbers"))
+    breaking = [name for name, _, _ in changes if name not in free]
     if breaking and now[0].resume_changes != "allow":
         raise ConfigError(f"--resume: {', '.join('--' + n for n in breaking)} differ from the saved run and would change "
                           "its numbers; drop them to continue it exactly, or pass --resume_changes=allow to continue "

@@ -16,10 +16,17 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
                              this rank's, (n,); batch: the global one)
     diagnostics(rows)        its keys on diagnostics.jsonl's rows
     state_dict()             saved in the checkpoint under `name`, handed back as resumed.plugins[name]
+    batch_source(run, generate, sample)   -> where each step's batch comes from (Synchronous's methods), or
+                             None: the core's own, Synchronous (generate: train.rollout of the run; sample:
+                             train.sample of the run)
+    serves(role)             whether the hook runs this rank's whole job (a Dist.role other than "train")
+    serve(tcfg, rcfg, d, run_of)   that job; run_of(tcfg, rcfg, d, task, weights, sampler, start) -> train.Run
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from typing import Callable
 
 import config
 
@@ -58,6 +65,15 @@ class Hooks:
     def state_dict(self):
         return None
 
+    def batch_source(self, run, generate, sample):
+        return None
+
+    def serves(self, role: str) -> bool:
+        return False
+
+    def serve(self, tcfg, rcfg, d, run_of) -> None:
+        raise NotImplementedError
+
 
 def plugin_hooks(tcfg, rcfg) -> list[Hooks]:
     """Every plug-in's hooks for this run's options, in the folders' order (config.plugin_modules)."""
@@ -84,3 +100,86 @@ def trainer_forward(run, counted: bool) -> contextlib.ExitStack:
     for h in run.hooks if counted else ():
         stack.enter_context(h.trainer_forward(run))
     return stack
+
+
+# ---------------------------------------------------------------------------------------------------
+# the batch source: where each step's batch comes from
+# ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Rollout:
+    """One batch as the trainer takes it: the examples, the sampler's outputs, each episode's turn rewards."""
+    examples: list
+    outs: list                                  # rollout.SequenceOutput, group_size per example
+    turn_rewards: list[list[float]] | None      # episodes: each one's turns' rewards (tasks.Episodes.rewards)
+    version: int                                # the version that started it
+    seconds: float                              # its generation, wall clock
+    counters: dict = dataclasses.field(default_factory=dict)   # the sampler's (preemptions, prefix cache), waits
+    metrics: dict = dataclasses.field(default_factory=dict)    # the batch's own, global (partial_carried_seqs, ...)
+    carry: dict | None = None                   # --partial_rollout on a rollout rank: what is in flight after it
+
+    @property
+    def episodes(self) -> "Recorded | None":
+        return None if self.turn_rewards is None else Recorded(self.turn_rewards)
+
+
+@dataclasses.dataclass
+class Recorded:
+    """An earlier batch's episodes as tasks.compute_rewards and the metrics read them: their turns' rewards."""
+    rewards: list[list[float]]
+
+    def episode_rewards(self) -> list[float]:
+        return [sum(r) for r in self.rewards]
+
+
+class Stopped(Exception):
+    """A batch source's wait ended by a stop request (^C, or the launcher stopping the job)."""
+
+
+class PeerLost(Stopped):
+    """A batch source's wait ended because the ranks it waited on are gone (the message: the backend's)."""
+
+
+class Synchronous:
+    """The core's batch source: batch `step` generated now, by the weights now (version `step`), then
+    trained on. A plug-in's source (Hooks.batch_source) has the same methods."""
+
+    def __init__(self, generate: Callable[..., Rollout]):
+        self.generate = generate             # generate(j, version=v) -> Rollout: train.rollout of the run
+
+    def take(self, step: int) -> Rollout:
+        return self.generate(step, version=step)
+
+    def update(self, step: int, fn: Callable[[], object]):
+        """fn(): the update of `step`."""
+        return fn()
+
+    def before_save(self, step: int) -> None:
+        """The checkpoint of `step` is about to be written (a source holding batches ahead completes them)."""
+
+    def close(self) -> None:
+        pass
+
+    def state_dict(self) -> None:
+        return None                          # nothing generated ahead
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("ahead") or "partial" in state:
+            raise config.ConfigError("the checkpoint holds batches generated ahead (--max_staleness or "
+                                     "--partial_rollout) and no plug-in here takes them: resume with its options")
+
+
+def batch_source(hooks: list[Hooks], run, generate, sample):
+    """The first plug-in's batch source for this run, else the core's (Synchronous)."""
+    for h in hooks:
+        source = h.batch_source(run, generate, sample)
+        if source is not None:
+            return source
+    return Synchronous(generate)
+
+
+def serving_hook(hooks: list[Hooks], role: str) -> Hooks:
+    """The plug-in that runs a rank of this role (Dist.role: --rollout_ranks' "rollout")."""
+    for h in hooks:
+        if h.serves(role):
+            return h
+    raise config.ConfigError(f"this rank's role is {role!r} and no plug-in here serves it")

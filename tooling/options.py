@@ -12,6 +12,7 @@ from dataclasses import dataclass
 @dataclass
 class EvalOptions:
     """Evaluation on a held-out JSONL and the fixed probe set (tooling/eval.py); supervised steps (tooling/sft.py)."""
+    FREE_ON_RESUME = ("eval_data", "eval_every", "eval_samples", "probe_every", "probe_prompts")   # what it evaluates
     eval_data: str = ""               # a JSONL file in --data's format, scored with --reward_fn
     eval_every: int = 0               # evaluate every N steps and at the last (0: at the last step only)
     eval_samples: int = 4             # k sampled responses per eval prompt (pass@k)
