@@ -29,8 +29,6 @@ its absorbed form: the sampler caches one latent per token, kv_caches).
 """
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +38,6 @@ import torch.nn.functional as F
 import kernels
 from config import ModelConfig
 from families import hf
-from parallel import expert_parallel
 from support.packing import PackedPages, Packing, packed_attention
 
 
@@ -351,43 +348,6 @@ class MLP(nn.Module):
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-class CapacityLimit:
-    """--train_capacity_factor: under `with capacity_limit(limit):` each MoE layer's forward lets every
-    expert take at most ceil(factor * M * k / E) of its M tokens' (token, slot) rows, kept in slot order
-    (kernels.capacity_keep: earlier token positions of the flattened (B, T) batch first, padding
-    included, then slots j ascending); a dropped row gets weight 0, so its token keeps the other
-    experts' outputs (and the residual). Counts accumulate on the device (no host sync) until read."""
-
-    def __init__(self, factor: float):
-        self.factor, self.rows, self.dropped = factor, 0, 0
-
-    def apply(self, ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> torch.Tensor:
-        M, k = ids.shape
-        keep = kernels.capacity_keep(ids, n_experts, math.ceil(self.factor * M * k / n_experts))
-        self.rows, self.dropped = self.rows + M * k, self.dropped + (~keep).sum()
-        return weights * keep
-
-    def pop_metrics(self) -> dict:
-        """The counts since the last call: dropped (token, slot) rows and their share of all rows."""
-        dropped = float(self.dropped)
-        out = {"capacity_dropped": dropped, "capacity_drop_frac": dropped / self.rows if self.rows else 0.0}
-        self.rows, self.dropped = 0, 0
-        return out
-
-
-_capacity: CapacityLimit | None = None       # set only inside capacity_limit (the trainer's forwards)
-
-
-@contextlib.contextmanager
-def capacity_limit(limit: CapacityLimit):
-    global _capacity
-    previous, _capacity = _capacity, limit
-    try:
-        yield limit
-    finally:
-        _capacity = previous
-
-
 class MoE(nn.Module):
     """Routed experts, plus the shared experts of some families.
 
@@ -426,9 +386,6 @@ class MoE(nn.Module):
                              scaling=cfg.routed_scaling_factor)
         if cfg.group_score != "top2_sum":                      # DeepSeek-V2 ranks a group by its best score
             self.route_kw["group_score"] = cfg.group_score
-        # expert_parallel.ExpertParallel when the expert tensors hold only this rank's E/N experts (shard_experts),
-        # and the layer's index among the MoE layers (its EPLB layout)
-        self.ep, self.ep_layer = None, 0
         self.n_experts = E
 
     def expert_extras(self) -> dict:
@@ -446,8 +403,6 @@ class MoE(nn.Module):
         forced = None if forced_ids is None else forced_ids.reshape(B * T, -1)
         logits = self.gate(x2)                                  # (M, E)
         ids, weights, chosen, *extra = self.route(logits, forced, detail is not None)
-        if _capacity is not None:                               # trainer-side token dropping
-            weights = _capacity.apply(ids, weights, self.n_experts)
         if detail is not None:                                  # the combine weights used, the margin, entropy
             margin, entropy = extra
             detail.append((weights.detach().view(B, T, -1), margin.view(B, T), entropy.view(B, T)))
@@ -479,12 +434,23 @@ class MoE(nn.Module):
         return kernels.route(logits, self.top_k, norm, forced, bias=bias, detail=detail, **self.route_kw)
 
     def experts(self, x2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts' fp32 combine over k of rows x2 (M, D), in x2's dtype: here, or on the
-        experts' owner ranks under EP (the same bits)."""
-        if self.ep is None:
-            return kernels.moe_experts(x2, self.w13, self.w2, ids, weights, **self.expert_extras())
-        return expert_parallel.moe_experts(x2, self.w13, self.w2, ids, weights, self.ep, moe=self,
-                                           **self.expert_extras())
+        """The routed experts' fp32 combine over k of rows x2 (M, D), in x2's dtype, by experts_op."""
+        return self.experts_op(x2, self.w13, self.w2, ids, weights, **self.expert_extras())
+
+    @staticmethod
+    def experts_op(*args, **kw) -> torch.Tensor:
+        """kernels.moe_experts (looked up at each call: an op set may swap it). A sharded layer holds its own
+        (parallel/expert_parallel.shard_experts): the same bits, computed on the experts' owner ranks."""
+        return kernels.moe_experts(*args, **kw)
+
+    @torch.no_grad()
+    def keep_experts(self, experts: list[int]) -> None:
+        """Keep only these experts' rows, in this order, of the expert tensors (an EP rank's shard; in place)."""
+        ids = torch.tensor(experts, device=self.w13.device)
+        for name in ("w13", "w2", "b13", "b2"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, nn.Parameter(t[ids].clone(), requires_grad=t.requires_grad))
 
 
 class Block(nn.Module):
@@ -532,6 +498,12 @@ class Transformer(nn.Module):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def keep_experts(self, experts: list[int]) -> None:
+        """Every MoE layer keeps only these experts, in this order (MoE.keep_experts)."""
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.mlp.keep_experts(experts)
 
     def lm_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -707,14 +679,14 @@ class Transformer(nn.Module):
 
         dtype: None keeps the checkpoint's (that of its embedding); any other is converted to.
         experts: keep only these logical experts of every MoE layer, in this order (an expert-parallel
-        rank's shard, expert_parallel.shard_experts): the others are never read from disk.
+        rank's shard, parallel/expert_parallel.shard_experts): the others are never read from disk.
         Raises ConfigError for a config.json it cannot read, hf.CheckpointError for weights that do not fit.
         """
         config = hf.config_from_hf(path)
         with torch.device("meta"):
             model = cls(config)
         if experts is not None:
-            expert_parallel.keep_experts(model, experts)   # on the meta device: nothing allocated
+            model.keep_experts(experts)                    # on the meta device: nothing allocated
         state = hf.hf_to_state(hf.read_safetensors_dir(path, hf.expert_rows(config, experts)), model, experts)
         dtype = dtype or state["embed_tokens.weight"].dtype   # the weights' dtype (norms are often fp32)
         model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True)

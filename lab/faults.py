@@ -15,7 +15,7 @@ differ in one way at a time, while the trainer stays invariant, to measure the m
   the sampler (rollout.Sampler), not a copy of the weights.
 Every fault acts on a copy of its own, refreshed from the compute weights before each rollout, so the
 trainer's model never carries one. The trainer-side source, --train_capacity_factor, is the model's
-capacity limit (model.capacity_limit).
+capacity limit (parallel/hooks.capacity_limit).
 """
 from __future__ import annotations
 

@@ -39,6 +39,7 @@ Run: tests/test_expert_parallel.py launches tests/ep_check.py and tests/eplb_che
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -567,10 +568,7 @@ def _moe_layers(model: nn.Module):
 def keep_experts(model: nn.Module, experts: list[int]) -> None:
     """Keep only these experts' rows, in this order, of every MoE layer's expert tensors (in place)."""
     for _, m in _moe_layers(model):
-        ids = torch.tensor(experts, device=m.w13.device)
-        with torch.no_grad():
-            for name, t in expert_tensors(m).items():
-                setattr(m, name, nn.Parameter(t[ids].clone(), requires_grad=t.requires_grad))
+        m.keep_experts(experts)
 
 
 def shard_experts(model: nn.Module, ep: ExpertParallel, loaded: bool = False) -> nn.Module:
@@ -590,6 +588,7 @@ def shard_experts(model: nn.Module, ep: ExpertParallel, loaded: bool = False) ->
         for t in expert_tensors(m).values():
             t.expert_shard = True                                    # what the optimizer's state knows them by
         m.ep, m.ep_layer = ep, j                                     # EPLB: the layer's layout is ep.eplb.layouts[j]
+        m.experts_op = functools.partial(moe_experts, ep=ep, moe=m)  # its experts on their owners (model.MoE.experts)
     return model
 
 

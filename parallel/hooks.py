@@ -1,22 +1,79 @@
 """The parallel plug-in's step hooks (support/hooks.py): token dropping's counts, the EP ranks' load, EPLB."""
 from __future__ import annotations
 
-from model import CapacityLimit, capacity_limit
+import contextlib
+import math
+
+import torch
+
+import kernels
+from model import MoE
 from parallel import eplb, expert_parallel
 from support.distributed import all_sum_counts
 from support.hooks import Hooks
 from support.runlog import append_jsonl
 
 
+class CapacityLimit:
+    """--train_capacity_factor: under `with capacity_limit(limit, *models):` each of the models' MoE layers
+    lets every expert take at most ceil(factor * M * k / E) of its M tokens' (token, slot) rows, kept in
+    slot order (kernels.capacity_keep: earlier token positions of the flattened (B, T) batch first, padding
+    included, then slots j ascending); a dropped row gets weight 0, so its token keeps the other
+    experts' outputs (and the residual). Counts accumulate on the device (no host sync) until read."""
+
+    def __init__(self, factor: float):
+        self.factor, self.rows, self.dropped = factor, 0, 0
+
+    def apply(self, ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> torch.Tensor:
+        M, k = ids.shape
+        keep = kernels.capacity_keep(ids, n_experts, math.ceil(self.factor * M * k / n_experts))
+        self.rows, self.dropped = self.rows + M * k, self.dropped + (~keep).sum()
+        return weights * keep
+
+    def pop_metrics(self) -> dict:
+        """The counts since the last call: dropped (token, slot) rows and their share of all rows."""
+        dropped = float(self.dropped)
+        out = {"capacity_dropped": dropped, "capacity_drop_frac": dropped / self.rows if self.rows else 0.0}
+        self.rows, self.dropped = 0, 0
+        return out
+
+
+@contextlib.contextmanager
+def capacity_limit(limit: CapacityLimit, *models):
+    """The models' MoE layers route under the limit inside the block: each layer's `route` (model.MoE.route)
+    replaced by one that drops the overflow from its combine weights, the layer's own restored after."""
+    layers = {id(m): m for model in models if model is not None for m in model.modules() if isinstance(m, MoE)}
+    own = {i: moe.__dict__.get("route") for i, moe in layers.items()}   # a route set on the layer itself, if any
+    for moe in layers.values():
+        moe.route = _capped(moe, moe.route, limit)
+    try:
+        yield limit
+    finally:
+        for i, moe in layers.items():
+            if own[i] is None:
+                del moe.route                                         # the class's route again
+            else:
+                moe.route = own[i]
+
+
+def _capped(moe: MoE, route, limit: CapacityLimit):
+    def capped(logits, forced, detail):
+        ids, weights, chosen, *extra = route(logits, forced, detail)
+        return (ids, limit.apply(ids, weights, moe.n_experts), chosen, *extra)
+    return capped
+
+
 class TokenDropping(Hooks):
-    """--train_capacity_factor: the trainer's counted forwards under model.capacity_limit; the step's drops,
-    summed over the ranks (every rank calls: the limit exists from the start, forwards or not)."""
+    """--train_capacity_factor: the trainer's counted forwards under capacity_limit (the trainer's module,
+    the old policy's and the reference's); the step's drops, summed over the ranks (every rank calls: the
+    limit exists from the start, forwards or not)."""
 
     def __init__(self, factor: float):
         self.limit = CapacityLimit(factor)
 
     def trainer_forward(self, run):
-        return capacity_limit(self.limit)
+        p = run.policy
+        return capacity_limit(self.limit, p.trainer, p.full, p.master, run.ref_model)
 
     def step_metrics(self, run, step: int, batch, audited) -> dict:
         c = self.limit

@@ -1,5 +1,5 @@
 """The parallel plug-in's options: FSDP2, expert parallelism, EPLB, token dropping
-(support/distributed.py's FSDP2 path, parallel/expert_parallel.py, parallel/eplb.py, model.capacity_limit).
+(support/distributed.py's FSDP2 path, parallel/expert_parallel.py, parallel/eplb.py, parallel/hooks.capacity_limit).
 
 config.py composes these fields into TrainConfig (one flat --key=value namespace; --help lists them under
 this class).
@@ -22,7 +22,7 @@ class ParallelOptions:
                                       # all slots packed onto the EP ranks by measured load (parallel/eplb.py); 0: off
     eplb_interval: int = 1            # EPLB: re-plan every N steps, from the rollouts' load since the last plan
     train_capacity_factor: float = 0.0    # > 0: in the trainer's forwards each expert takes at most
-                                          # ceil(C * tokens * k / E) (token, slot) rows (model.capacity_limit);
+                                          # ceil(C * tokens * k / E) (token, slot) rows (parallel/hooks.py);
                                           # 0: dropless. The rollout is always dropless
 
     def check(self):

@@ -360,15 +360,15 @@ def test_capacity_keep_by_hand():
 
 
 def test_train_capacity_drops_only_inside_the_trainers_forward(tmp_path):
-    from model import CapacityLimit, capacity_limit
+    from parallel.hooks import CapacityLimit, capacity_limit
     model = _model()
     t = torch.randint(0, 32, (3, 20))
     free = model.score(t)[0]
-    with capacity_limit(CapacityLimit(100.0)) as big:                             # nothing overflows
+    with capacity_limit(CapacityLimit(100.0), model) as big:                             # nothing overflows
         assert torch.equal(model.score(t)[0], free)
     assert big.pop_metrics()["capacity_dropped"] == 0
     limit = CapacityLimit(0.5)
-    with capacity_limit(limit):
+    with capacity_limit(limit, model):
         dropped = model.score(t)[0]
     m = limit.pop_metrics()
     assert not torch.equal(dropped, free) and m["capacity_dropped"] > 0
