@@ -91,10 +91,6 @@ class Run:
     sft_done: int = 0                # --sft_steps' supervised steps the weights have had (tooling/sft.py)
     hooks: list[Hooks] = dataclasses.field(default_factory=list)   # the plug-ins' (support/hooks.py)
 
-    @property
-    def fsdp(self) -> bool:
-        return self.d.world > 1 and self.tcfg.parallel == "fsdp"
-
 
 # ---------------------------------------------------------------------------------------------------
 # the loop
@@ -488,10 +484,10 @@ def checkpoint(run: Run, step: int) -> None:
     p.refresh()
     check_finite_weights(p.full, step)                                # on every rank: they stop together
     digest = check_in_sync(p.full, run.d)                             # mixed precision: the compute copy
-    if p.mp is not None and not run.fsdp:                             # mixed precision: and the masters
+    if p.mp is not None and not p.fsdp:                             # mixed precision: and the masters
         check_in_sync(p.mp.master, run.d)
     masters = p.mp.master_state() if p.mp is not None else None       # collective under FSDP2 and EP
-    opt_state = optimizer_state(p.trainer, p.optimizer, run.fsdp)     # collective under FSDP2 and EP
+    opt_state = optimizer_state(p.trainer, p.optimizer, p.fsdp)     # collective under FSDP2 and EP
     full = expert_parallel.whole_model(p.full)                        # EP: whole experts (collective)
     if run.d.master:
         extra = {"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict(),
@@ -544,7 +540,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
     start, skipped, sft_done = (resumed.start, resumed.skipped, resumed.sft_done) if resumed is not None else (0, 0, 0)
     metrics_path = os.path.join(tcfg.out_dir, "metrics.jsonl")
     if resumed is not None:
-        load_optimizer_state(policy.trainer, policy.optimizer, resumed.optimizer, d.world > 1 and tcfg.parallel == "fsdp")
+        load_optimizer_state(policy.trainer, policy.optimizer, resumed.optimizer, policy.fsdp)
         if d.master:
             trim_metrics(metrics_path, start, sft_done)
     # the gradients and AdamW's moments are allocated after the sampler sizes its KV pool from the free

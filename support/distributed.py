@@ -453,6 +453,7 @@ class Policy:
               themselves with one dtype and no FSDP2)
     sampler   what the rollout runs: `full`, or the mismatch lab's copy of it (lab.rollout_copy)
     mp        MixedPrecision when the compute weights are a copy of the masters, else None
+    fsdp      whether FSDP2 shards the masters (--parallel=fsdp on more than one rank)
     optimizer AdamW over the masters (build_optimizer)
     refresh() brings full and sampler up to date before anything reads them (a rollout, a checkpoint);
     step() is the end of an optimizer step: the step, the router bias update, the compute copy recast.
@@ -462,6 +463,7 @@ class Policy:
         """sampler_copy(full, refresh) -> (sampler model, its refresh): the lab's rollout copy, or None."""
         self.master, self.tcfg, self.d = model, tcfg, d
         self.trainer, self.full, self._refresh, self.mp = place_weights(model, tcfg, d)
+        self.fsdp = is_fsdp(model)
         self.sampler = self.full
         if sampler_copy is not None:
             self.sampler, self._refresh = sampler_copy(self.full, self._refresh)
