@@ -5,11 +5,12 @@
     torchrun --standalone --nproc_per_node=4 tests/world_check.py OUT
 
 Runs train.py's loop in-process for each layout of this world size (LAYOUTS: DDP or FSDP2, with or
-without --expert_parallel=2) of each run (RUNS: fp32 with packed micro-batches, bf16 compute over fp32
+without --expert_parallel=2; at 2 ranks FSDP2 with each block recomputed in the backward and EP=2 with
+each MoE layer, --activation_checkpointing) of each run (RUNS: fp32 with packed micro-batches, bf16 compute over fp32
 masters with padded ones and the router bias, and --grad_reduce=fast, the control), and writes
 OUT/world{N}.json: per layout, every metrics row without its per-layout keys, and the SHA-256 of the
 checkpoint's tensors (whole experts). The 1- and 4-rank launches also resume the 2-rank DDP EP=2 fp32
-run from its step-5 checkpoint. tests/test_distributed.py compares the files.
+run from its step-3 checkpoint. tests/test_distributed.py compares the files.
 """
 import gc
 import hashlib
@@ -27,7 +28,7 @@ from config import RolloutConfig, TrainConfig                      # noqa: E402
 from support import runlog                                         # noqa: E402
 from support.distributed import Dist                               # noqa: E402
 
-STEPS = 10
+STEPS = 6
 BASE = dict(device="cpu", task="copy", n_digits=2, prompts_per_step=8, group_size=4, minibatch_size=32,
             progress=False, lr=1e-2, warmup_steps=1, logits_chunk=24, steps=STEPS, save_every=STEPS // 2,
             keep_checkpoints=2)
@@ -39,13 +40,14 @@ RUNS = {   # what defines a run: the micro-batches (--micro_batch_tokens / --mic
 }
 DDP, FSDP = dict(parallel="ddp"), dict(parallel="fsdp")
 EP2 = dict(expert_parallel=2)
+AC = dict(activation_checkpointing="full"), dict(activation_checkpointing="moe")   # memory/: the same bits
 LAYOUTS = {   # world size -> (run, layout name, layout): DDP and FSDP2, EP=2 with one and with two EP groups
     1: [("fp32", "one", {}), ("bf16", "one", {}), ("fast", "one", {})],
-    2: [("fp32", "fsdp", FSDP), ("fp32", "ddp-ep2", {**DDP, **EP2}), ("bf16", "ddp-ep2", {**DDP, **EP2}),
-        ("fast", "ddp", DDP)],
+    2: [("fp32", "fsdp", {**FSDP, **AC[0]}), ("fp32", "ddp-ep2", {**DDP, **EP2}),
+        ("bf16", "ddp-ep2", {**DDP, **EP2, **AC[1]}), ("fast", "ddp", DDP)],
     4: [("bf16", "fsdp-ep2", {**FSDP, **EP2})],
 }
-LEG = "w2-fp32-ddp-ep2"                   # its step-5 checkpoint, resumed by 1 rank and by 4 (DDP, EP=2:
+LEG = "w2-fp32-ddp-ep2"                   # its step-3 checkpoint, resumed by 1 rank and by 4 (DDP, EP=2:
 RESUMED = {1: {}, 4: dict(DDP, **EP2)}    # two EP groups, the experts' sums all-reduced over their replicas)
 PER_LAYOUT = runlog.PER_LAYOUT                                       # what a layout means by itself
 
@@ -81,11 +83,11 @@ def main(out: str) -> None:
     for name, layout, kw in LAYOUTS[world]:
         rows = run(f"{out}/w{world}-{name}-{layout}", d, **RUNS[name], **kw)
         found[f"{name}/{layout}"] = summary(rows, f"{out}/w{world}-{name}-{layout}")
-    if world in RESUMED:                              # the 2-rank fp32 run from its step-5 checkpoint
+    if world in RESUMED:                              # the 2-rank fp32 run from its step-3 checkpoint
         mine = f"{out}/w{world}-resumed"
         if d.rank == 0:
             shutil.copytree(f"{out}/{LEG}", mine)
-            shutil.rmtree(f"{mine}/ckpt-{STEPS:06d}")                  # as if the run had stopped at step 5
+            shutil.rmtree(f"{mine}/ckpt-{STEPS:06d}")                  # as if the run had stopped at step 3
             with open(f"{mine}/latest", "w") as f:
                 f.write(f"ckpt-{STEPS // 2:06d}")
         if world > 1:

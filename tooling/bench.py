@@ -295,6 +295,36 @@ def bench_fast(args) -> list[tuple[str, float, str]]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# activation checkpointing: what recomputing in the backward costs (memory/checkpointing.py)
+# ---------------------------------------------------------------------------------------------------
+def bench_memory(args) -> list[tuple[str, float, str]]:
+    """The trainer's forward+backward with each layer kept (none), each MoE layer recomputed (moe) and
+    each block (full), side by side on copies of one model; the gradients are the same bits."""
+    import copy
+
+    from memory.checkpointing import checkpoint_layers
+    base = build_model(args)
+    B, T = args.score_batch, args.score_len
+    tokens = torch.randint(0, base.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(args.seed))
+    models = {"none": base}
+    for kind in ("moe", "full"):
+        models[kind] = copy.deepcopy(base)
+        checkpoint_layers(models[kind], kind)
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        model.score(tokens)[0].sum().backward()
+    res = interleaved({k: (lambda m=m: step(m)) for k, m in models.items()}, args.warmup, args.repeats)
+    same = all(torch.equal(p.grad, q.grad) for kind in ("moe", "full")
+               for p, q in zip(base.parameters(), models[kind].parameters()))
+    rows = [(f"trainer fwd+bwd, {k} recomputed ({B}, {T})", B * T / t, f"{t * 1e3:.0f} ms per step")
+            for k, (t, _) in res.items()]
+    rows += [(f"{k} / none", res[k][0] / res["none"][0], "ratio" + ("" if same else "; GRADIENTS DIFFER"))
+             for k in ("moe", "full")]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
 # packed vs padded micro-batches: the trainer's forward+backward on a long-tailed length mix
 # ---------------------------------------------------------------------------------------------------
 def long_tail_lengths(n: int, longest: int, spread: float = 10.0) -> list[int]:
@@ -1243,7 +1273,7 @@ def bench_async(args) -> list[tuple[str, float, str]]:
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "packing": bench_packing, "moe": bench_moe,
               "decode": bench_decode, "sessions": bench_sessions, "async": bench_async, "ep": bench_ep, "reduce": bench_reduce,
               "speculative": bench_speculative, "window": bench_window, "gpu": bench_gpu,
-              "lab": bench_lab}
+              "lab": bench_lab, "memory": bench_memory}
 DEFAULT = "rollout,forward,fast,packing,moe,ep,decode"
 
 

@@ -46,6 +46,8 @@ intermediate size of the layer's experts (dense MLP: intermediate_size), V = voc
     softmax and a dense SwiGLU are torch ops): b (4D + 4Q + 3K + p (2Q + 2K)) + 4 (Q + K) a layer, p the
     padding of a sequence to whole 64-position query blocks; MoE + 12E + 16 + 8k (the routing plan);
     dense + 3bI + 4I (3 in fp32, 5 in bf16: SwiGLU's fp32 temporaries); then 2bD;
+  with --activation_checkpointing a recomputed block (full) or MoE layer (moe) keeps only its input, bD
+  a token, and the backward holds the largest recomputed one's whole terms once more;
 * the sampler, with no gradient, holds one layer's temporaries at a time: P tokens of a prefill (P =
   min(max_num_batched_tokens, S x the longest prompt)) or R = min(max_batch_size, S) decode rows, 4 bytes
   x (k (3I + 2D) + 6D + 2 (Q + 2K)) a token, plus 16 V bytes of logits for each of its rows.
@@ -98,6 +100,7 @@ class MemoryPlan:
     buffers: int = 0               # the sampler's per-row token ids and log-probs
     grad_sums: int = 0             # --grad_reduce=exact's int64 accumulators (exact_sum.Reducer.reserve_bytes)
     activations: "Activations | None" = None
+    recompute_saves: int = 0       # what --activation_checkpointing=full would take off the total
 
     @property
     def total(self) -> int:
@@ -181,36 +184,53 @@ def mlp_terms(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     return cfg.num_experts_per_tok, cfg.moe_intermediate_size, shared
 
 
-def train_bytes_per_token(cfg: ModelConfig, backend: str, dtype_bytes: int, seq_len: int) -> float:
-    """A: what the trainer's forward keeps for the backward per token, over every layer (the docstring)."""
-    D, Q, K = layer_widths(cfg)
-    total = 0.0
+def train_bytes_per_token(cfg: ModelConfig, backend: str, dtype_bytes: int, seq_len: int,
+                          recompute: str = "none") -> float:
+    """A: what the trainer's forward keeps for the backward per token, over every layer (the docstring).
+    recompute (--activation_checkpointing): a recomputed block (full) or MoE layer (moe) keeps its input
+    alone, b D, and the backward holds one of them whole again at a time (the largest)."""
+    D = cfg.hidden_size
+    kept = again = 0.0
     for layer in range(cfg.num_hidden_layers):
-        slots, I, dense = mlp_terms(cfg, layer)
-        router = cfg.is_moe_layer(layer)
-        if backend == "torch":                                       # 4-byte values
-            total += 4 * (8 * D + 6 * Q + 5 * K + key_tiles(cfg, seq_len) + slots * (2 * D + 6 * I)
-                          + (4 * cfg.num_experts + D if router else 0) + (2 * D + 6 * dense if dense else 0))
+        attn, mlp = layer_bytes(cfg, backend, dtype_bytes, seq_len, layer)
+        if recompute == "full":
+            kept, again = kept + dtype_bytes * D, max(again, attn + mlp)
+        elif recompute == "moe" and cfg.is_moe_layer(layer):
+            kept, again = kept + attn + dtype_bytes * D, max(again, mlp)
         else:
-            total += triton_layer_bytes(cfg, dtype_bytes, seq_len, slots, dense, router)
-    return total + (4 * (3 * D + cfg.head_dim) if backend == "torch" else 2 * dtype_bytes * D)
+            kept += attn + mlp
+    return kept + again + (4 * (3 * D + cfg.head_dim) if backend == "torch" else 2 * dtype_bytes * D)
 
 
-def triton_layer_bytes(cfg: ModelConfig, b: int, seq_len: int, slots: int, dense: int, router: bool) -> float:
-    """One layer on the Triton backend, per token: the kernels keep their inputs (the norms' and the
-    projections', the attention's q, k, v and output in its query-block layout, padded to whole blocks of
-    triton_query_block() positions), the fused MoE its routing plan (16 + 8 k bytes) and recomputes the
-    experts; RoPE (fp32 input), the router's fp32 softmax (12 E) and a dense SwiGLU (fp32 temporaries)
-    are torch ops."""
+def layer_bytes(cfg: ModelConfig, backend: str, b: int, seq_len: int, layer: int) -> tuple[float, float]:
+    """(attention and the norms, the MLP) of one layer's A, per token."""
+    D, Q, K = layer_widths(cfg)
+    slots, I, dense = mlp_terms(cfg, layer)
+    router = cfg.is_moe_layer(layer)
+    if backend == "torch":                                           # 4-byte values
+        return (4 * (8 * D + 6 * Q + 5 * K + key_tiles(cfg, seq_len)),
+                4 * (slots * (2 * D + 6 * I) + (4 * cfg.num_experts + D if router else 0)
+                     + (2 * D + 6 * dense if dense else 0)))
+    return triton_layer_bytes(cfg, b, seq_len, slots, dense, router)
+
+
+def triton_layer_bytes(cfg: ModelConfig, b: int, seq_len: int, slots: int, dense: int,
+                       router: bool) -> tuple[float, float]:
+    """One layer on the Triton backend, per token, (attention and the norms, the MLP): the kernels keep
+    their inputs (the norms' and the projections', the attention's q, k, v and output in its query-block
+    layout, padded to whole blocks of triton_query_block() positions), the fused MoE its routing plan
+    (16 + 8 k bytes) and recomputes the experts; RoPE (fp32 input), the router's fp32 softmax (12 E) and
+    a dense SwiGLU (fp32 temporaries) are torch ops."""
     D, Q, K = layer_widths(cfg)
     blk = triton_query_block()
     pad = -(-seq_len // blk) * blk / seq_len
-    out = b * (4 * D + 4 * Q + 3 * K + pad * (2 * Q + 2 * K)) + 4 * (Q + K)
+    attn = b * (4 * D + 4 * Q + 3 * K + pad * (2 * Q + 2 * K)) + 4 * (Q + K)
+    mlp = 0.0
     if router:
-        out += 12 * cfg.num_experts + 16 + 8 * slots
+        mlp += 12 * cfg.num_experts + 16 + 8 * slots
     if dense:
-        out += b * 3 * dense + 4 * dense * (5 if b < 4 else 3)      # bf16: fp32 copies of gate and up too
-    return out
+        mlp += b * 3 * dense + 4 * dense * (5 if b < 4 else 3)      # bf16: fp32 copies of gate and up too
+    return attn, mlp
 
 
 def triton_query_block() -> int:
@@ -257,7 +277,8 @@ def activations(cfg: ModelConfig, tcfg: TrainConfig, rcfg: RolloutConfig, backen
     else:                                                            # padded: rows x the longest
         M = (tcfg.micro_batch_size or mb_seqs) * L
     b = {"float32": 4, "bfloat16": 2}[tcfg.dtype]
-    train = M * train_bytes_per_token(cfg, backend, b, L)
+    recompute = getattr(tcfg, "activation_checkpointing", "none")   # memory/'s option ("none" without it)
+    train = M * train_bytes_per_token(cfg, backend, b, L, recompute)
     train += logits_bytes(cfg, backend, b, min(M, tcfg.logits_chunk or M))
     prefill = min(rcfg.max_num_batched_tokens, seqs * prompt_len)
     decode = min(rcfg.max_batch_size, seqs)
@@ -364,6 +385,10 @@ def main(argv: list[str]) -> tuple[str, bool]:
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
     plan.activations = act
+    if getattr(tcfg, "activation_checkpointing", "full") != "full":   # memory/'s option, where it is there
+        full = activations(cfg, dataclasses.replace(tcfg, activation_checkpointing="full"), rcfg, backend_of(tcfg),
+                           world, prompt_len, max_new)
+        plan.recompute_saves = max(0, act.peak - full.peak)
     parts = [tcfg.dtype] if tcfg.parallel == "fsdp" and world > 1 else []        # FSDP2's whole copy
     if lab_copy:
         parts.append(f"{rollout_dtype} as {tcfg.dtype}" if quantized else
@@ -427,7 +452,9 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
                                                           not plan.grad_sums else ")"), plan.grad_sums),
             (f"KV pool ({plan.kv_tokens:,} tokens)", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
     if act is not None:
-        rows += [(f"activations, trainer ({act.train_tokens:,}-token micro-batch, {backend})", act.train),
+        recompute = getattr(tcfg, "activation_checkpointing", "none")
+        how = backend + ("" if recompute == "none" else f", {recompute} recomputed")
+        rows += [(f"activations, trainer ({act.train_tokens:,}-token micro-batch, {how})", act.train),
                  (f"activations, sampler ({act.sampler_tokens:,}-token step, apart from the trainer's)", act.sampler)]
     rows.append(("total (with the larger activations)", plan.total))
     gpu = gpu_gb * GB
@@ -449,7 +476,9 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
                  f"does not fit: {what} needs {peak / GB:.2f} GB per GPU, {(peak - gpu) / GB:.2f} GB more than "
                  f"{gpu_gb:g} GB" + (f"; --grad_reduce=fast saves the {plan.grad_sums / GB:.2f} GB of exact sums "
                                      "(the run's bits then follow the world size)" if plan.grad_sums and
-                                     max(plan.total - plan.grad_sums, startup) <= gpu else ""))
+                                     max(plan.total - plan.grad_sums, startup) <= gpu else "")
+                 + (f"; --activation_checkpointing=full saves {plan.recompute_saves / GB:.2f} GB of activations (the "
+                    "same bits, one more forward a layer)" if plan.recompute_saves >= 0.01 * GB else ""))
     if plan.host_peak > plan.load_peak:                               # cut to this rank's experts
         lines.append(f"host memory: a preset is drawn whole on each rank's CPU first ({plan.host_peak / GB:.2f} GB a rank "
                      f"in {m}), then cut to its experts; a checkpoint folder of it is read by shard")

@@ -1,0 +1,128 @@
+"""memory/: activation checkpointing recomputes a layer's forward in the backward with the same kernels on
+the same inputs, so its gradients are the run's without it, bit for bit (FSDP2 and EP: tests/world_check.py).
+
+    python -m pytest -q tests/test_memory.py
+"""
+import copy
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointError
+
+import kernels
+from config import ConfigError, ModelConfig, TrainConfig
+from memory.checkpointing import checkpoint_layers
+from model import Transformer
+from support.packing import Packing
+
+LENGTHS = (9, 5, 12)
+
+
+def make_model(dtype, preset="tiny"):
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset(preset)
+    return Transformer(cfg).to(dtype)
+
+
+def batch(vocab):
+    g = torch.Generator().manual_seed(1)
+    tok = torch.randint(0, vocab, (len(LENGTHS), max(LENGTHS)), generator=g)
+    return tok
+
+
+def grads_of(model, tok, packed: bool):
+    """Every parameter's gradient of a loss over the log-probs, the entropy and the router logits (the
+    router losses' path: logits kept by the forward, outside the checkpointed region's outputs)."""
+    model.zero_grad(set_to_none=True)
+    if packed:
+        pk = Packing.concat(LENGTHS)
+        tok = pk.from_padded(tok)
+        out = model.score(tok, with_entropy=True, packing=pk, route_detail=True, router_logits=True)
+    else:
+        out = model.score(tok, with_entropy=True, route_detail=True, router_logits=True)
+    logp, routes, entropy, detail = out
+    w = torch.linspace(-1, 1, logp.numel()).view(logp.shape)
+    loss = (logp.float() * w).sum() + entropy.float().sum() + detail.logits.float().square().mean()
+    loss.backward()
+    return (logp, routes, detail.weights), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["moe", "full"])
+@pytest.mark.parametrize("dtype,packed", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_checkpointed_gradients_are_the_plain_ones(kind, dtype, packed):
+    plain = make_model(dtype)
+    ckpt = copy.deepcopy(plain)
+    assert checkpoint_layers(ckpt, kind) == (len(plain.config.moe_layers) if kind == "moe" else len(plain.layers))
+    tok = batch(plain.config.vocab_size)
+    outs, grads = grads_of(plain, tok, packed)
+    outs2, grads2 = grads_of(ckpt, tok, packed)
+    for a, b in zip(outs, outs2):
+        assert torch.equal(a, b)
+    assert grads.keys() == grads2.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads2[name]), name
+    # control: a recompute by other kernels (the lab's batch-variant ops) is not the forward it replays:
+    # torch's check sees other tensors saved, or the gradients differ
+    from lab.fast_ops import op_set
+    ckpt.zero_grad(set_to_none=True)
+    logp = ckpt.score(tok)[0]
+    try:
+        with kernels.op_set(op_set(batch_variant=True, router_bf16=False)):
+            logp.float().sum().backward()
+    except CheckpointError:
+        return
+    plain.zero_grad(set_to_none=True)
+    plain.score(tok)[0].float().sum().backward()
+    assert any(not torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), ckpt.parameters()))
+
+
+def test_checkpointed_layers_leave_no_grad_forwards_and_copies_alone():
+    """Without autograd (the sampler, the old policy) the layer's forward runs as is; a deepcopy of a
+    checkpointed model (the lab's rollout copy) recomputes its own layers, not the original's."""
+    model = make_model(torch.float32)
+    checkpoint_layers(model, "full")
+    tok = batch(model.config.vocab_size)
+    with torch.no_grad():
+        ref = model.score(tok)[0]
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+        assert torch.equal(model.score(tok)[0], ref) and not torch.equal(twin.score(tok)[0], ref)
+    (twin.score(tok)[0].sum()).backward()
+    assert all(p.grad is None for p in model.parameters()) and all(p.grad is not None for p in twin.parameters())
+
+
+def test_train_with_checkpointing_is_the_run_without(tmp_path):
+    """Two steps of train.py's loop with --activation_checkpointing=full and =moe: the same metrics but
+    the timings, and the same weights, as without."""
+    import train
+    from config import RolloutConfig
+    from support.runlog import TIMINGS
+    runs = {}
+    for kind in ("none", "moe", "full"):
+        tcfg = TrainConfig(steps=2, prompts_per_step=4, group_size=4, minibatch_size=8, micro_batch_tokens=48,
+                           out_dir=str(tmp_path / kind), progress=False, activation_checkpointing=kind)
+        rows = train.train(tcfg, RolloutConfig())
+        from safetensors.torch import load_file
+        runs[kind] = ([{k: v for k, v in r.items() if k not in TIMINGS} for r in rows],
+                      load_file(str(tmp_path / kind / "ckpt-000002" / "model.safetensors")))
+    for kind in ("moe", "full"):
+        assert runs[kind][0] == runs["none"][0], kind
+        assert all(torch.equal(runs[kind][1][k], v) for k, v in runs["none"][1].items()), kind
+
+
+def test_checkpointing_options_refuse_what_cannot_apply():
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        TrainConfig(activation_checkpointing="some")
+    with pytest.raises(ConfigError, match="train_capacity_factor"):
+        TrainConfig(activation_checkpointing="moe", train_capacity_factor=1.0)
+    with pytest.raises(ConfigError, match="no MoE layer"):
+        TrainConfig(activation_checkpointing="moe").check_model(ModelConfig.preset("tiny-dense"), 32)
+
+
+def test_bench_memory_section_times_the_three_and_finds_the_same_gradients(capsys):
+    from tooling import bench
+    bench.main(["--only", "memory", "--score-batch=2", "--score-len=8", "--repeats=1", "--warmup=0", "--threads=1"])
+    out = capsys.readouterr().out
+    assert "full / none" in out and "moe / none" in out and "DIFFER" not in out
