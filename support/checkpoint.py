@@ -404,11 +404,11 @@ def schedule_words(schedule: str, period: int, start: str) -> str:
     return f"{schedule} (period {period}" + (f", from the {start})" if schedule == "halving" else ")")
 
 
-def resume_rule(cfg, rule: str) -> set[str]:
+def resume_rule(cfg, rule: str) -> tuple[str, ...]:
     """The option names every group of cfg's class lists under `rule`: FREE_ON_RESUME (what a resume may
     change without changing the run's numbers; any other setting that differs is refused unless
     --resume_changes=allow, docs/design.md "Reliability") or FIXED_ON_RESUME (never changed on resume)."""
-    return {name for cls in type(cfg).__mro__ for name in vars(cls).get(rule, ())}
+    return tuple(dict.fromkeys(n for cls in reversed(type(cfg).__mro__) for n in vars(cls).get(rule, ())))   # in order
 
 
 ACTS = ("resume", "overwrite")           # the command itself, not a setting of the run
@@ -427,7 +427,7 @@ def check_resume_changes(saved: tuple, now: tuple, print0) -> None:
     """Print each setting the resume changes; refuse (ConfigError, one line) those that would change the
     run's numbers, unless --resume_changes=allow."""
     changes = config_changes(saved, now)
-    free = resume_rule(now[0], "FREE_ON_RESUME") | resume_rule(now[1], "FREE_ON_RESUME")
+    free = resume_rule(now[0], "FREE_ON_RESUME") + resume_rule(now[1], "FREE_ON_RESUME")
     for name, was, new in changes:
         print0(f"resume: --{name}={new!r} (the saved run's: {was!r})"
                + ("" if name in free else ": changes the run's numbers"))
