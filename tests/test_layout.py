@@ -62,7 +62,7 @@ def test_train_reads_no_more_plugin_options_than_listed():
 
 def run_default(cwd, out) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "train.py", "--steps=3", "--prompts_per_step=4", "--group_size=4",
+    r = subprocess.run([sys.executable, "train.py", "--steps=2", "--prompts_per_step=4", "--group_size=4",
                         "--minibatch_size=8", f"--out_dir={out}", "--progress=false"], cwd=cwd, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -86,4 +86,4 @@ def test_a_deleted_plugin_leaves_the_default_run_and_its_bits(plugin, reference,
     rows = run_default(copy, tmp_path / "out")
     strip = [{k: v for k, v in row.items() if k not in TIMINGS} for row in rows]
     assert strip == [{k: v for k, v in row.items() if k not in TIMINGS} for row in reference]
-    assert len(rows) == 3 and all(r["train_rollout_kl"] == 0 for r in rows)
+    assert len(rows) == 2 and all(r["train_rollout_kl"] == 0 for r in rows)

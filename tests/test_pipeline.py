@@ -412,11 +412,11 @@ def test_rollout_ranks_run_the_colocated_schedule_bit_for_bit(tmp_path, trainers
     """The last ranks generate, the others train: the run equals the colocated run of the same trainers
     at the same K, every metric (the waits aside), and each side logs how long it waited."""
     if trainers == 1:
-        colocated = _run(tmp_path / "c", SMALL + ["--steps=4"] + extra)
+        colocated = _run(tmp_path / "c", SMALL + ["--steps=3"] + extra)
     else:
-        _, colocated = _torchrun(tmp_path / "c", trainers, "--steps=4", *extra)
-    _, split = _torchrun(tmp_path / "s", trainers + rollout_ranks, "--steps=4", f"--rollout_ranks={rollout_ranks}", *extra)
-    assert _same_but_waits(colocated, split) and len(split) == 4
+        _, colocated = _torchrun(tmp_path / "c", trainers, "--steps=3", *extra)
+    _, split = _torchrun(tmp_path / "s", trainers + rollout_ranks, "--steps=3", f"--rollout_ranks={rollout_ranks}", *extra)
+    assert _same_but_waits(colocated, split) and len(split) == 3
     assert all(r["trainer_idle_s"] >= 0 and r["rollout_idle_s"] >= 0 for r in split)
     if extra == ["--max_staleness=0"]:
         assert all(r["train_rollout_kl"] == 0 and r["route_flip_frac"] == 0 for r in split)
