@@ -55,14 +55,13 @@ from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_hel
 from losses import (Normalisers, correction_weights, group_advantages, rejects, router_metrics, router_objective,
                     token_objective)
 from model import Transformer
-from parallel import expert_parallel
 from rollout import Sampler
 from support.checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, load_optimizer_state,
                                 optimizer_state, prepare_out_dir, resume, run_task, save_checkpoint, trim_metrics)
 from support.distributed import (Dist, Policy, all_cat, all_owned, check_in_sync, gather_scored, global_batch,
                                  init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
-from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, batch_source, plugin_hooks, sampler_model,
-                           serving_hook, trainer_forward, wrap_sampler)
+from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, batch_source, held_experts, plugin_hooks,
+                           sampler_model, serving_hook, shard, trainer_forward, whole_model, wrap_sampler)
 from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
                              unpack)
 from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, bar_postfix, episode_metrics,
@@ -488,7 +487,7 @@ def checkpoint(run: Run, step: int) -> None:
         check_in_sync(p.mp.master, run.d)
     masters = p.mp.master_state() if p.mp is not None else None       # collective under FSDP2 and EP
     opt_state = optimizer_state(p.trainer, p.optimizer, p.fsdp)     # collective under FSDP2 and EP
-    full = expert_parallel.whole_model(p.full)                        # EP: whole experts (collective)
+    full = whole_model(run.hooks, p.full)                             # EP: whole experts (collective)
     if run.d.master:
         extra = {"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict(),
                  "length_surge": run.surge.state_dict(), "sft_done": run.sft_done,
@@ -516,7 +515,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
     if not tcfg.resume:                                               # the lr horizon, saved with the run
         tcfg = dataclasses.replace(tcfg, lr_decay_steps=tcfg.lr_decay_steps or tcfg.steps)
     task, preset, config = run_task(tcfg, rcfg)
-    ep, experts = expert_parallel.layout(tcfg, config.num_experts, d.world)
+    experts = held_experts(hooks, tcfg, config.num_experts, d.world)   # EP: this rank's (parallel/); None: all
     tcfg.check_model(config, task.vocab_size)
     key_tokens = replay.key_token_table(tcfg.route_filter_token_ids(task, config.vocab_size), config.vocab_size, d.device)
     for hook in hooks:
@@ -531,9 +530,9 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
         ref_model = (build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts) if tcfg.resume
                      else copy.deepcopy(model)).requires_grad_(False)
-    for m in (model, ref_model) if ep else ():
+    for m in (model, ref_model):
         if m is not None:
-            expert_parallel.shard_experts(m, ep, loaded=True)         # route its MoE layers through the exchange
+            shard(hooks, m)                                           # EP: route its MoE layers through the exchange
     policy = Policy(model, tcfg, d, sampler_copy=partial(sampler_model, hooks))
     if ref_model is not None:                                         # mixed precision: the reference computes in bf16
         ref_model = policy.compute_copy(ref_model)

@@ -512,24 +512,22 @@ def serve_rollouts(tcfg, rcfg, d, hooks, Run, rollout, sample) -> None:
     import sys
 
     from config import ConfigError
-    from parallel import expert_parallel
     from rollout import Sampler
     from support.checkpoint import RunError, build_model, resume, run_task
     from support.distributed import store_routers
-    from support.hooks import sampler_model, wrap_sampler
+    from support.hooks import held_experts, sampler_model, shard, wrap_sampler
     from support.runlog import Interrupted, StopRequest
     from support.tasks import TaskError
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     task, preset, config = run_task(tcfg, rcfg)
-    ep, experts = expert_parallel.layout(tcfg, config.num_experts, d.world)   # the rollout ranks' own groups
+    experts = held_experts(hooks, tcfg, config.num_experts, d.world)   # EP: the rollout ranks' own groups
     model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts)
     start, saved = 0, {}
     if tcfg.resume:
         store_routers(model, tcfg)
         resumed = resume(tcfg, model, task, experts, d.print0)
         start, tcfg, saved = resumed.start, resumed.tcfg, resumed.rollouts or {}
-    if ep is not None:
-        expert_parallel.shard_experts(model, ep, loaded=True)
+    shard(hooks, model)
     weights = RolloutWeights(model, tcfg, functools.partial(sampler_model, hooks))
     run = Run(tcfg, rcfg, d, task, weights, None, wrap_sampler(hooks, Sampler(weights.sampler, rcfg)), start, 0, "")
     try:

@@ -81,6 +81,25 @@ class TokenDropping(Hooks):
         return c.pop_metrics()
 
 
+class ExpertLayout(Hooks):
+    """--expert_parallel / --expert_placement: this rank's EP group and experts (expert_parallel.layout, a
+    collective), the model's MoE layers sharded onto them, whole experts gathered for a checkpoint."""
+
+    def __init__(self):
+        self.ep = None
+
+    def experts(self, tcfg, n_experts: int, world: int):
+        self.ep, experts = expert_parallel.layout(tcfg, n_experts, world)
+        return experts
+
+    def shard(self, model) -> None:
+        if self.ep is not None:
+            expert_parallel.shard_experts(model, self.ep, loaded=True)
+
+    def whole_model(self, model):
+        return expert_parallel.whole_model(model)
+
+
 class DeviceLoad(Hooks):
     """--expert_parallel > 1: the audited forward's routed rows per EP rank (expert_parallel.device_load)."""
 

@@ -51,10 +51,12 @@ class ParallelOptions:
 
 def hooks(tcfg, rcfg) -> list:
     """The step hooks of the options that are set (support/hooks.py), their code imported only then."""
-    if not (tcfg.train_capacity_factor or tcfg.expert_parallel > 1):
+    layout = tcfg.expert_parallel > 1 or bool(tcfg.expert_placement)
+    if not (tcfg.train_capacity_factor or layout):
         return []
-    from parallel.hooks import DeviceLoad, Eplb, TokenDropping
-    return ([TokenDropping(tcfg.train_capacity_factor)] if tcfg.train_capacity_factor else []) + \
+    from parallel.hooks import DeviceLoad, Eplb, ExpertLayout, TokenDropping
+    return ([ExpertLayout()] if layout else []) + \
+        ([TokenDropping(tcfg.train_capacity_factor)] if tcfg.train_capacity_factor else []) + \
         ([DeviceLoad()] if tcfg.expert_parallel > 1 else []) + ([Eplb()] if tcfg.eplb_redundant else [])
 
 

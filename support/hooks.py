@@ -19,6 +19,10 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     batch_source(run, generate, sample)   -> where each step's batch comes from (Synchronous's methods), or
                              None: the core's own, Synchronous (generate: train.rollout of the run; sample:
                              train.sample of the run)
+    experts(tcfg, n_experts, world)   -> the logical experts this rank holds (expert parallelism; a collective),
+                             or None: every one
+    shard(model)             the model was built with those experts only: route its layers to their owners
+    whole_model(model)       -> the model with whole experts, for a checkpoint (a collective; None off rank 0)
     serves(role)             whether the hook runs this rank's whole job (a Dist.role other than "train")
     serve(tcfg, rcfg, d, run_of)   that job; run_of(tcfg, rcfg, d, task, weights, sampler, start) -> train.Run
 """
@@ -68,6 +72,15 @@ class Hooks:
     def batch_source(self, run, generate, sample):
         return None
 
+    def experts(self, tcfg, n_experts: int, world: int):
+        return None
+
+    def shard(self, model) -> None:
+        pass
+
+    def whole_model(self, model):
+        return model
+
     def serves(self, role: str) -> bool:
         return False
 
@@ -85,6 +98,24 @@ def sampler_model(hooks: list[Hooks], full, refresh):
     model = full, refresh
     for h in hooks:
         model = h.sampler_model(*model)
+    return model
+
+
+def held_experts(hooks: list[Hooks], tcfg, n_experts: int, world: int) -> list[int] | None:
+    """The experts this rank holds (a plug-in's layout: parallel/'s EP), or None: every one. Every hook is
+    asked (each may run a collective), the first answer counts."""
+    held = [h.experts(tcfg, n_experts, world) for h in hooks]
+    return next((e for e in held if e is not None), None)
+
+
+def shard(hooks: list[Hooks], model) -> None:
+    for h in hooks:
+        h.shard(model)
+
+
+def whole_model(hooks: list[Hooks], model):
+    for h in hooks:
+        model = h.whole_model(model)
     return model
 
 
