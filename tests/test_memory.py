@@ -126,3 +126,25 @@ def test_bench_memory_section_times_the_three_and_finds_the_same_gradients(capsy
     bench.main(["--only", "memory", "--score-batch=2", "--score-len=8", "--repeats=1", "--warmup=0", "--threads=1"])
     out = capsys.readouterr().out
     assert "full / none" in out and "moe / none" in out and "DIFFER" not in out
+
+
+def test_a_resume_may_switch_checkpointing_and_continues_the_run(tmp_path):
+    """--activation_checkpointing is free on resume (MemoryOptions.FREE_ON_RESUME): two steps without it,
+    resumed with each block recomputed, equal three steps straight, metrics and weights."""
+    import train
+    from safetensors.torch import load_file
+    from support.checkpoint import command_line_configs
+    from support.runlog import TIMINGS
+    common = ["--prompts_per_step=4", "--group_size=4", "--minibatch_size=8", "--progress=false"]
+
+    def run(out, *extra):
+        from config import parse_args
+        tcfg, rcfg = command_line_configs(parse_args(common + [f"--out_dir={out}", *extra]), lambda *a: None)
+        return train.train(tcfg, rcfg)
+    straight = run(tmp_path / "a", "--steps=3")
+    run(tmp_path / "b", "--steps=2")
+    resumed = run(tmp_path / "b", "--steps=3", "--resume=true", "--activation_checkpointing=full")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
+    assert strip(resumed) == strip(straight[2:])
+    a, b = (load_file(str(p / "ckpt-000003" / "model.safetensors")) for p in (tmp_path / "a", tmp_path / "b"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
