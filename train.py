@@ -61,7 +61,7 @@ from support.checkpoint import (RunError, build_model, check_finite_weights, com
 from support.distributed import (Dist, Policy, all_cat, all_owned, check_in_sync, gather_scored, global_batch,
                                  init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
 from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, batch_source, held_experts, plugin_hooks,
-                           sampler_model, serving_hook, shard, trainer_forward, whole_model, wrap_sampler)
+                           rank_split, sampler_model, serving_hook, shard, trainer_forward, whole_model, wrap_sampler)
 from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
                              unpack)
 from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, bar_postfix, episode_metrics,
@@ -95,23 +95,23 @@ class Run:
 # the loop
 # ---------------------------------------------------------------------------------------------------
 def train(tcfg: TrainConfig, rcfg: RolloutConfig) -> list[dict]:
-    # the plug-ins' splits of the ranks (asynchrony/'s rollout ranks, parallel/'s EP groups; none without them)
-    d = init_distributed(tcfg.device, getattr(tcfg, "rollout_ranks", 0), getattr(tcfg, "expert_parallel", 1))
+    hooks = plugin_hooks(tcfg, rcfg)
+    d = init_distributed(tcfg.device, rank_split(hooks))              # a plug-in's sides (--rollout_ranks), or one
     try:
         # one kernel backend for sampler and trainer: --kernels_backend, else KERNELS_BACKEND, else auto
         with kernels.set_backend(tcfg.kernels_backend or kernels.get_backend()):
-            return _train(tcfg, rcfg, d)
+            return _train(tcfg, rcfg, d, hooks)
     finally:
         if dist.is_initialized():                                     # torchrun, even with one rank
             gc.collect()           # the run's cycles (DDP's buckets, their gloo work) go while Python is alive
             dist.destroy_process_group()
 
 
-def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist) -> list[dict]:
+def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | None = None) -> list[dict]:
     """The loop: each step reads top to bottom as its phases. A SIGINT / SIGTERM (runlog.run_cli) ends
     the step under way, then the run saves it and stops (Interrupted)."""
     rcfg.check_training(tcfg)
-    hooks = plugin_hooks(tcfg, rcfg)
+    hooks = plugin_hooks(tcfg, rcfg) if hooks is None else hooks
     if d.role != "train":                              # a rank a plug-in runs (--rollout_ranks: it generates)
         serving_hook(hooks, d.role).serve(tcfg, rcfg, d, hooks, Run=Run, rollout=rollout, sample=sample)
         return []

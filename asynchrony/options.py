@@ -65,7 +65,7 @@ def hooks(tcfg, rcfg) -> list:
     if not (tcfg.max_staleness or tcfg.partial_rollout or tcfg.rollout_ranks):
         return []
     from asynchrony.pipeline import Provenance, Sources
-    return [Sources()] + ([Provenance()] if tcfg.max_staleness or tcfg.partial_rollout else [])
+    return [Sources(tcfg)] + ([Provenance()] if tcfg.max_staleness or tcfg.partial_rollout else [])
 
 
 TRAIN = [AsyncOptions]

@@ -189,7 +189,7 @@ def version_masks(step: int, batch) -> tuple[torch.Tensor, torch.Tensor]:
 # batch j when they need it (batches generated earlier wait in gloo's buffers). Neither side waits while
 # the other keeps up: with K >= 1 the rollout ranks generate batch step + K while the trainers train step.
 # Under EP both sides shard the experts alike (rollout rank r holds trainer r mod N's), so each trainer of
-# the first EP group sends its own weights to its rollout ranks (distributed.Bridge), shard to shard.
+# the first EP group sends its own weights to its rollout ranks (asynchrony/ranks.Bridge), shard to shard.
 def flat_buffers(model) -> list[torch.Tensor]:
     """The model's parameters and buffers (distributed.model_state's order) as one flat tensor per dtype:
     what a weights broadcast carries (a few large messages, not one per tensor)."""
@@ -485,6 +485,13 @@ class Sources(Hooks):
         midpoint = max(1, max_new_tokens(run) // 2)                  # an in-flight update lands halfway
         return Colocated(batches(run, generate, sample), tcfg.max_staleness, tcfg.inflight_update, midpoint,
                          refresh=run.policy.refresh)
+
+    def __init__(self, tcfg):
+        self.rollout_ranks, self.ep_size = tcfg.rollout_ranks, getattr(tcfg, "expert_parallel", 1)   # parallel/'s
+
+    def split_ranks(self):
+        from asynchrony.ranks import RolloutRanks
+        return RolloutRanks(self.rollout_ranks, self.ep_size) if self.rollout_ranks else None
 
     def serves(self, role: str) -> bool:
         return role == "rollout"

@@ -48,7 +48,7 @@ class Dist:
     world: int
     device: torch.device
     role: str = "train"              # train | rollout (disaggregated: the last --rollout_ranks ranks generate)
-    bridge: "Bridge | None" = None   # disaggregated: the process groups between the two sides
+    bridge: object = None            # disaggregated: the process groups between the sides (asynchrony/ranks.py)
 
     @property
     def master(self) -> bool:
@@ -70,71 +70,28 @@ def check_device(device: str) -> None:
             raise ConfigError(f"--device={device}: only {torch.cuda.device_count()} CUDA device(s) visible")
 
 
-def init_distributed(device: str, rollout_ranks: int = 0, ep_size: int = 1) -> Dist:
+def init_distributed(device: str, split=None) -> Dist:
     """NCCL with one GPU per local rank, or gloo on CPU; a single process when not under torchrun.
 
-    rollout_ranks=R > 0 (disaggregated): the last R ranks generate and the others train; each side is
-    its own default process group (so every collective of one side runs among its ranks only, DDP,
-    FSDP2 and EP included), and a Bridge of gloo groups joins them (weights one way, batches the other).
-    ep_size: the EP degree of both sides (the weights travel shard by shard, Bridge)."""
+    split: a plug-in's division of a torchrun job's ranks into sides (Hooks.split_ranks: asynchrony's
+    rollout ranks), called as split(rank, world, device, backend, init_kw) -> this rank's Dist, each side
+    its own default process group; split.single() is its one line when there is no torchrun job."""
     check_device(device)
     use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ:
-        if rollout_ranks:
-            raise ConfigError(f"--rollout_ranks={rollout_ranks} splits the ranks of a torchrun job: launch it with "
-                              f"torchrun --nproc_per_node=N (N > {rollout_ranks}), or drop it")
+        if split is not None:
+            split.single()
         return Dist(0, 1, torch.device(("cuda" if use_cuda else "cpu") if device == "auto" else device))
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    if rollout_ranks >= world:
-        raise ConfigError(f"--rollout_ranks={rollout_ranks}: the job has {world} ranks; at least one must train")
     dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     kw = {"device_id": dev} if use_cuda else {}
     if use_cuda:
         torch.cuda.set_device(dev)
     backend = "nccl" if use_cuda else "gloo"
-    if not rollout_ranks:
-        dist.init_process_group(backend, **kw)
-        return Dist(rank, world, dev)
-    store = launcher_store(world)
-    n_train = world - rollout_ranks
-    role, side_rank, side_world = ("train", rank, n_train) if rank < n_train else ("rollout", rank - n_train, rollout_ranks)
-    dist.init_process_group(backend, store=dist.PrefixStore(role, store), rank=side_rank, world_size=side_world, **kw)
-    return Dist(side_rank, side_world, dev, role, Bridge(store, rank, n_train, rollout_ranks, ep_size))
-
-
-def launcher_store(world: int):
-    """torchrun's key-value store (its agent's, or the one rank 0 serves), to build more process groups on."""
-    from datetime import timedelta
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         not agent and int(os.environ["RANK"]) == 0, timedelta(minutes=30))
-
-
-class Bridge:
-    """The gloo groups between the trainers and the rollout ranks (disaggregated, --rollout_ranks):
-    `weights`: trainer 0 and the rollout ranks (trainer 0 broadcasts each new version's compute weights);
-    under EP of degree N, one such group per EP rank s: trainer s and the rollout ranks r with r % N == s,
-    since both sides form EP groups of N consecutive ranks with the same placement, so trainer s's weights
-    (the dense ones and its E/N experts) are exactly what those rollout ranks hold;
-    `batches[r]`: rollout rank r and every trainer (rank r broadcasts each batch it generated).
-    Each is a group of its own, so its broadcasts pair up in their own order whatever the other does."""
-
-    def __init__(self, store, rank: int, n_train: int, n_rollout: int, ep_size: int = 1):
-        from datetime import timedelta
-        self.n_train, self.n_rollout, self.global_rank = n_train, n_rollout, rank
-        timeout = timedelta(minutes=30)
-        self.weights = None
-        for s in range(ep_size):
-            members = [s] + [n_train + r for r in range(n_rollout) if r % ep_size == s]
-            if rank in members:
-                self.weights = dist.ProcessGroupGloo(dist.PrefixStore(f"bridge/weights/{s}", store),
-                                                     members.index(rank), len(members), timeout)
-        self.batches = {}
-        for r in range(n_rollout):
-            members = list(range(n_train)) + [n_train + r]
-            if rank in members:
-                self.batches[r] = dist.ProcessGroupGloo(dist.PrefixStore(f"bridge/batches/{r}", store),
-                                                        members.index(rank), len(members), timeout)
+    if split is not None:
+        return split(rank, world, dev, backend, kw)
+    dist.init_process_group(backend, **kw)
+    return Dist(rank, world, dev)
 
 
 class Scorer(nn.Module):

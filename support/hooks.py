@@ -23,6 +23,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
                              or None: every one
     shard(model)             the model was built with those experts only: route its layers to their owners
     whole_model(model)       -> the model with whole experts, for a checkpoint (a collective; None off rank 0)
+    split_ranks()            -> how a torchrun job's ranks divide into sides (support/distributed.init_distributed's
+                             split), or None: one side; called before any process group exists
     serves(role)             whether the hook runs this rank's whole job (a Dist.role other than "train")
     serve(tcfg, rcfg, d, run_of)   that job; run_of(tcfg, rcfg, d, task, weights, sampler, start) -> train.Run
 """
@@ -80,6 +82,9 @@ class Hooks:
 
     def whole_model(self, model):
         return model
+
+    def split_ranks(self):
+        return None
 
     def serves(self, role: str) -> bool:
         return False
@@ -206,6 +211,14 @@ def batch_source(hooks: list[Hooks], run, generate, sample):
         if source is not None:
             return source
     return Synchronous(generate)
+
+
+def rank_split(hooks: list[Hooks]):
+    """The one plug-in split of the job's ranks, or None."""
+    splits = [s for s in (h.split_ranks() for h in hooks) if s is not None]
+    if len(splits) > 1:
+        raise config.ConfigError("two plug-ins split the ranks of this job; set the options of one")
+    return splits[0] if splits else None
 
 
 def serving_hook(hooks: list[Hooks], role: str) -> Hooks:
