@@ -179,7 +179,7 @@ def test_kernels_backend_field(monkeypatch):
     """--kernels_backend picks the backend for the whole run (sampler and trainer) and restores the
     previous one after; '' keeps KERNELS_BACKEND's choice; anything else is a clear error."""
     seen = []
-    monkeypatch.setattr(train, "_train", lambda tcfg, rcfg, d: seen.append(kernels.get_backend()) or [])
+    monkeypatch.setattr(train, "_train", lambda tcfg, rcfg, d, hooks=None: seen.append(kernels.get_backend()) or [])
     before = kernels.get_backend()
     for choice, want in [("torch", "torch"), ("triton", "triton"), ("", before)]:
         tcfg = TrainConfig(device="cpu")
