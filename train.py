@@ -483,10 +483,10 @@ def checkpoint(run: Run, step: int) -> None:
     p.refresh()
     check_finite_weights(p.full, step)                                # on every rank: they stop together
     digest = check_in_sync(p.full, run.d)                             # mixed precision: the compute copy
-    if p.mp is not None and not p.fsdp:                             # mixed precision: and the masters
+    if p.mp is not None and not p.fsdp:                               # mixed precision: and the masters
         check_in_sync(p.mp.master, run.d)
     masters = p.mp.master_state() if p.mp is not None else None       # collective under FSDP2 and EP
-    opt_state = optimizer_state(p.trainer, p.optimizer, p.fsdp)     # collective under FSDP2 and EP
+    opt_state = optimizer_state(p.trainer, p.optimizer, p.fsdp)       # collective under FSDP2 and EP
     full = whole_model(run.hooks, p.full)                             # EP: whole experts (collective)
     if run.d.master:
         extra = {"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict(),

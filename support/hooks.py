@@ -26,7 +26,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     split_ranks()            -> how a torchrun job's ranks divide into sides (support/distributed.init_distributed's
                              split), or None: one side; called before any process group exists
     serves(role)             whether the hook runs this rank's whole job (a Dist.role other than "train")
-    serve(tcfg, rcfg, d, run_of)   that job; run_of(tcfg, rcfg, d, task, weights, sampler, start) -> train.Run
+    serve(tcfg, rcfg, d, hooks, Run=, rollout=, sample=)   that job, given the run's hooks and train.py's Run,
+                             rollout and sample (a plug-in does not import train.py: it runs as __main__)
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ class Hooks:
     def serves(self, role: str) -> bool:
         return False
 
-    def serve(self, tcfg, rcfg, d, run_of) -> None:
+    def serve(self, tcfg, rcfg, d, hooks, **loop) -> None:
         raise NotImplementedError
 
 
