@@ -60,8 +60,9 @@ from support.checkpoint import (RunError, build_model, check_finite_weights, com
                                 optimizer_state, prepare_out_dir, resume, run_task, save_checkpoint, trim_metrics)
 from support.distributed import (Dist, Policy, all_cat, all_owned, check_in_sync, gather_scored, global_batch,
                                  init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
-from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, batch_source, held_experts, plugin_hooks,
-                           rank_split, sampler_model, serving_hook, shard, trainer_forward, whole_model, wrap_sampler)
+from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, batch_source, held_experts, master_device,
+                           plugin_hooks, rank_split, sampler_model, serving_hook, shard, trainer_forward, whole_model,
+                           wrap_sampler)
 from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
                              unpack)
 from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, bar_postfix, episode_metrics,
@@ -520,7 +521,8 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
     key_tokens = replay.key_token_table(tcfg.route_filter_token_ids(task, config.vocab_size), config.vocab_size, d.device)
     for hook in hooks:
         hook.check_build(task, config)
-    model = build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts)
+    home = master_device(hooks, d)                                    # offload: the host (memory/)
+    model = build_model(tcfg, home or d.device, getattr(torch, tcfg.master_dtype), preset, experts)
     resumed = None
     if tcfg.resume:
         store_routers(model, tcfg)                                    # an fp32 router keeps its saved bits
@@ -528,12 +530,12 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
         tcfg = resumed.tcfg
     ref_model = None
     if tcfg.kl_coef > 0:                  # a frozen copy of the initial policy (rebuilt from init_from on resume)
-        ref_model = (build_model(tcfg, d.device, getattr(torch, tcfg.master_dtype), preset, experts) if tcfg.resume
+        ref_model = (build_model(tcfg, home or d.device, getattr(torch, tcfg.master_dtype), preset, experts) if tcfg.resume
                      else copy.deepcopy(model)).requires_grad_(False)
     for m in (model, ref_model):
         if m is not None:
             shard(hooks, m)                                           # EP: route its MoE layers through the exchange
-    policy = Policy(model, tcfg, d, sampler_copy=partial(sampler_model, hooks))
+    policy = Policy(model, tcfg, d, sampler_copy=partial(sampler_model, hooks), apart=home is not None)
     if ref_model is not None:                                         # mixed precision: the reference computes in bf16
         ref_model = policy.compute_copy(ref_model)
     start, skipped, sft_done = (resumed.start, resumed.skipped, resumed.sft_done) if resumed is not None else (0, 0, 0)

@@ -270,15 +270,15 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 
 
 @torch.no_grad()
-def reduce_expert_grads(experts: list[nn.Parameter], ep: ExpertParallel, world: int) -> None:
+def reduce_expert_grads(experts: list[nn.Parameter], ep: ExpertParallel, world: int, device=None) -> None:
     """Average the expert shards' gradients as DDP averages the rest. Each owner's gradient already
     sums its EP group's tokens (the exchange brought them), so it is summed over the replicas of the
-    shard only (fp32 where the master is) and divided by the world size."""
+    shard only (fp32 where the master is, sent from device) and divided by the world size."""
     for p in experts:
         if p.grad is None:                                            # no rows reached it: every replica reduces
             p.grad = torch.zeros_like(p)
     if ep.n_replicas > 1:
-        flat = torch.cat([p.grad.reshape(-1) for p in experts])
+        flat = torch.cat([p.grad.reshape(-1) for p in experts]).to(device)
         dist.all_reduce(flat, group=ep.replicas)
         for p, part in zip(experts, flat.split([p.numel() for p in experts])):
             p.grad.copy_(part.view_as(p))

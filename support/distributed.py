@@ -149,8 +149,10 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
 
 
 def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, router_policy=None,
-               router_apart: bool = False) -> None:
-    """FSDP2 over every rank: each block, then the rest (scorer); policy: a MixedPrecisionPolicy.
+               router_apart: bool = False, offload: bool = False) -> None:
+    """FSDP2 over every rank: each block, then the rest (scorer); policy: a MixedPrecisionPolicy;
+    offload: the shards, their gradients and so AdamW's state on the host (CPUOffloadPolicy, pinned
+    when the device is a GPU), each copied to the device before its all-gather.
 
     The router gets a group of its own when its dtype differs (router_policy, one dtype per group) and
     under EP. Sharded experts (expert_parallel.shard_experts) are sharded over their replicas, the ranks
@@ -159,7 +161,7 @@ def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, rout
     replicas; finish_grads divides it by N too, DDP's mean over the world (each owner's gradient already
     sums its EP group's tokens). A custom divide factor would need PREMUL_SUM, which gloo lacks.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     # FSDP2 warns when a wrapped module returns a view: an in-place op on it would skip the module's
     # pre-backward all-gather. The router and the MoE layer return reshaped views, and every caller
     # uses them out of place (x = x + mlp(...)); tests/ep_train_check.py holds these gradients against
@@ -169,6 +171,9 @@ def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, rout
     ep = expert_parallel.of(model)
     kw = {} if policy is None else {"mp_policy": policy}
     router_kw = kw if router_policy is None else {"mp_policy": router_policy}
+    if offload:
+        kw = {**kw, "offload_policy": CPUOffloadPolicy(pin_memory=d.device.type == "cuda")}
+        router_kw = {**router_kw, "offload_policy": kw["offload_policy"]}
     for layer in model.layers:
         if layer.is_moe:
             mlp = layer.mlp
@@ -236,10 +241,10 @@ def routers(model: Transformer) -> list[nn.Module]:
     return [layer.mlp.gate for layer in model.layers if layer.is_moe]
 
 
-def cast_for_compute(model: Transformer, dtype: torch.dtype, router: torch.dtype) -> Transformer:
-    """A copy of `model` in `dtype`, its routers (gate weight, bias) in `router`; a cast is elementwise,
-    so the copy's bits are those of each master tensor rounded on its own."""
-    out = copy.deepcopy(model).to(dtype)
+def cast_for_compute(model: Transformer, dtype: torch.dtype, router: torch.dtype, device=None) -> Transformer:
+    """A copy of `model` in `dtype` (on `device`, else where model is), its routers (gate weight, bias) in
+    `router`; a cast is elementwise, so the copy's bits are those of each master tensor rounded on its own."""
+    out = copy.deepcopy(model).to(dtype=dtype, device=device)
     with torch.no_grad():
         for src, dst in zip(routers(model), routers(out)):
             dst.to(router)
@@ -248,11 +253,12 @@ def cast_for_compute(model: Transformer, dtype: torch.dtype, router: torch.dtype
     return out
 
 
-def place_weights(model: Transformer, tcfg: TrainConfig, d: Dist):
+def place_weights(model: Transformer, tcfg: TrainConfig, d: Dist, apart: bool = False):
     """-> (scorer, full_model, sync_full_weights, mp): parallelize's three, and the MixedPrecision
-    object when --dtype computes on a copy of the --master_dtype weights (None: one set of weights)."""
-    if tcfg.mixed_precision:
-        mp = MixedPrecision(model, tcfg, d)
+    object when --dtype computes on a copy of the --master_dtype weights, or the masters are kept apart
+    from the compute weights (apart: on the host, memory/offload.py); None: one set of weights."""
+    if tcfg.mixed_precision or apart:
+        mp = MixedPrecision(model, tcfg, d, apart)
         return mp.scorer, mp.full_model, mp.sync_full_weights, mp
     if tcfg.master_dtype == "bfloat16":
         d.print0("--master_dtype=bfloat16: the optimizer updates bf16 weights; an update smaller than half a bf16 "
@@ -274,7 +280,7 @@ def store_routers(model: Transformer, tcfg: TrainConfig) -> None:
 
 def _accumulate_into(master: torch.Tensor, p: torch.Tensor) -> None:
     """After autograd accumulated p.grad (compute dtype): add it to the master's fp32 grad, free it."""
-    g = p.grad.to(master.dtype)                                       # an fp32 router's grad: itself
+    g = p.grad.to(master.device, master.dtype)                        # an fp32 router's grad: itself
     if master.grad is None:
         master.grad = g
     else:
@@ -294,14 +300,17 @@ class MixedPrecision:
     parameter to its master). FSDP2: the masters are sharded with MixedPrecisionPolicy(param_dtype=--dtype,
     reduce_dtype=fp32) (routers: param_dtype = the router's), so FSDP2 casts each shard and all-gathers
     the compute dtype for the forward; the sampler's full copy is the same cast shards all-gathered.
+    apart (offload): the masters, their gradients and AdamW's state stay where they were built (the host)
+    and the compute copy is made on d.device, also in the masters' dtype; FSDP2 keeps the shards there
+    (CPUOffloadPolicy) and copies each to the device before its all-gather.
     """
 
-    def __init__(self, master: Transformer, tcfg: TrainConfig, d: Dist):
-        self.master, self.d = master, d
+    def __init__(self, master: Transformer, tcfg: TrainConfig, d: Dist, apart: bool = False):
+        self.master, self.d, self.apart = master, d, apart
         self.dtype = getattr(torch, tcfg.dtype)
         self.router = router_dtype(tcfg, master.config.model_type)
         self.fsdp = d.world > 1 and tcfg.parallel == "fsdp"
-        self.full_model = cast_for_compute(master, self.dtype, self.router)
+        self.full_model = cast_for_compute(master, self.dtype, self.router, d.device)
         if self.fsdp:
             self.scorer = self._shard()
             self.sync_full_weights = self._gather
@@ -313,6 +322,9 @@ class MixedPrecision:
             for name, p in self.full_model.named_parameters():
                 p.register_post_accumulate_grad_hook(functools.partial(_accumulate_into, masters[name]))
         self._pairs = list(zip(model_state(master), model_state(self.full_model)))
+        if apart and d.device.type == "cuda":                        # pinned: the recast's copies run async
+            for t in model_state(master):
+                t.data = t.data.pin_memory()
 
     def parameters(self) -> list[nn.Parameter]:
         """What the optimizer updates and clipping measures: the masters (sharded under FSDP2)."""
@@ -325,7 +337,8 @@ class MixedPrecision:
         policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=f32, cast_forward_inputs=False)
         router = MixedPrecisionPolicy(param_dtype=self.router, reduce_dtype=f32, cast_forward_inputs=False)
         scorer = Scorer(self.master)
-        fsdp_shard(self.master, scorer, self.d, policy, router, router_apart=self.router != self.dtype)
+        fsdp_shard(self.master, scorer, self.d, policy, router, router_apart=self.router != self.dtype,
+                   offload=self.apart)
         self.full_model.requires_grad_(False)
         self._full = dict(self.full_model.named_parameters())
         self._full_buffers = dict(self.full_model.named_buffers())
@@ -337,7 +350,7 @@ class MixedPrecision:
         bytes of gathering fp32; the same bits, a cast being elementwise)."""
         for name, p in self.master.named_parameters():
             full = self._full[name]
-            full.copy_(p.to(full.dtype).full_tensor())
+            full.copy_(p.to(full.device, full.dtype).full_tensor())
         for name, b in self.master.named_buffers():                  # whole on every rank (the router bias)
             self._full_buffers[name].copy_(b)
 
@@ -347,7 +360,7 @@ class MixedPrecision:
         FSDP2 casts at each all-gather and the full copy is gathered before a rollout: nothing to do."""
         if not self.fsdp:
             for m, c in self._pairs:
-                c.copy_(m)
+                c.copy_(m, non_blocking=True)                     # host to device: from pinned memory, queued
 
     @torch.no_grad()
     def reduce_grads(self, bucket_bytes: int = 64 << 20) -> None:
@@ -358,7 +371,7 @@ class MixedPrecision:
         ep = expert_parallel.of(self.master)
         if ep is not None:                                            # experts: over their replicas only
             params, experts = expert_parallel.split_params(self.master)
-            expert_parallel.reduce_expert_grads(experts, ep, self.d.world)
+            expert_parallel.reduce_expert_grads(experts, ep, self.d.world, self.d.device)
         for p in params:
             if p.grad is None:                                        # every rank reduces the same tensors
                 p.grad = torch.zeros_like(p)
@@ -367,7 +380,7 @@ class MixedPrecision:
             bucket.append(p.grad)
             size += p.grad.nbytes
             if size >= bucket_bytes or i == len(params) - 1:
-                flat = torch.cat([g.reshape(-1) for g in bucket])
+                flat = torch.cat([g.reshape(-1) for g in bucket]).to(self.d.device)   # offload: from the host
                 dist.all_reduce(flat)
                 flat.div_(self.d.world)
                 for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
@@ -384,13 +397,14 @@ class MixedPrecision:
 
     def cast(self, model: Transformer) -> Transformer:
         """Another model (the frozen reference) in the compute dtypes."""
-        return cast_for_compute(model, self.dtype, self.router).requires_grad_(False)
+        return cast_for_compute(model, self.dtype, self.router, self.d.device).requires_grad_(False)
 
     def reserve_bytes(self, opt_has_state: bool) -> int:
-        """Bytes still to come after the sampler is built: fp32 master grads and AdamW's two moments
-        (this rank's shard under FSDP2) and the compute grads in flight (the largest one; under FSDP2 a
-        block's unsharded fp32 grads kept while micro-batches accumulate, bounded by the full model)."""
-        local = sum(getattr(p, "to_local", lambda: p)().nbytes for p in self.parameters())
+        """Bytes still to come on the device after the sampler is built: fp32 master grads and AdamW's two
+        moments (this rank's shard under FSDP2; none when they are apart, on the host) and the compute
+        grads in flight (the largest one; under FSDP2 a block's unsharded fp32 grads kept while
+        micro-batches accumulate, bounded by the full model)."""
+        local = 0 if self.apart else sum(getattr(p, "to_local", lambda: p)().nbytes for p in self.parameters())
         extra = (sum(p.numel() for p in self.full_model.parameters()) * 4 if self.fsdp
                  else max(p.nbytes for p in self.full_model.parameters()))
         return (1 if opt_has_state else 3) * local + extra
@@ -416,10 +430,11 @@ class Policy:
     step() is the end of an optimizer step: the step, the router bias update, the compute copy recast.
     """
 
-    def __init__(self, model: Transformer, tcfg: TrainConfig, d: Dist, sampler_copy=None):
-        """sampler_copy(full, refresh) -> (sampler model, its refresh): the lab's rollout copy, or None."""
+    def __init__(self, model: Transformer, tcfg: TrainConfig, d: Dist, sampler_copy=None, apart: bool = False):
+        """sampler_copy(full, refresh) -> (sampler model, its refresh): the lab's rollout copy, or None;
+        apart: the model (the masters) stays where it is, the compute weights are a copy on d.device."""
         self.master, self.tcfg, self.d = model, tcfg, d
-        self.trainer, self.full, self._refresh, self.mp = place_weights(model, tcfg, d)
+        self.trainer, self.full, self._refresh, self.mp = place_weights(model, tcfg, d, apart)
         self.fsdp = is_fsdp(model)
         self.sampler = self.full
         if sampler_copy is not None:
@@ -570,7 +585,7 @@ def update_expert_bias(model: Transformer, load: torch.Tensor, rate: float, d: D
     step = rate * torch.sign(load.mean(-1, keepdim=True) - load)    # (n_moe, E): underloaded experts go up
     for j, i in enumerate(model.config.moe_layers):
         bias = model.layers[i].mlp.gate.e_score_correction_bias
-        bias.add_(step[j].to(bias.dtype))
+        bias.add_(step[j].to(bias.device, bias.dtype))
 
 
 def model_state(model: nn.Module) -> list[torch.Tensor]:

@@ -195,9 +195,10 @@ class Limbs:
         return 16 * math.prod(self.shape)
 
 
-def all_reduce_limbs(sums: list[Limbs], group=None, bucket_bytes: int = 64 << 20) -> None:
+def all_reduce_limbs(sums: list[Limbs], group=None, bucket_bytes: int = 64 << 20, device=None) -> None:
     """Sum each Limbs over the ranks of group, in place (int64 all-reduce: exact, in any order), in
-    buckets of about bucket_bytes; every rank passes the same list."""
+    buckets of about bucket_bytes, each sent from `device` (the limbs may be on the host); every rank
+    passes the same list."""
     bucket, size = [], 0
     for i, s in enumerate(sums):
         s.carry()                                                     # lo below 2^52 on every rank
@@ -205,7 +206,7 @@ def all_reduce_limbs(sums: list[Limbs], group=None, bucket_bytes: int = 64 << 20
         size += s.nbytes
         if size >= bucket_bytes or i == len(sums) - 1:
             limbs = [t for b in bucket for t in (b.hi, b.lo)]
-            flat = torch.cat([t.reshape(-1) for t in limbs])
+            flat = torch.cat([t.reshape(-1) for t in limbs]).to(device)
             dist.all_reduce(flat, group=group)
             for t, part in zip(limbs, flat.split([t.numel() for t in limbs])):
                 t.copy_(part.view_as(t))
@@ -229,7 +230,8 @@ class Reducer:
     source rank's rows, kept apart (expert_parallel._owner_rows), through ep.grad_sink; (3) FSDP2: its
     reduce-scatter, replaced by ExactReduceScatter (every micro-batch step: an int64 reduce-scatter of
     the step's unsharded gradients into a sharded accumulator; the last step writes the sum).
-    finish() sums (1) and (2) over the ranks and writes fp32 .grad on every master parameter.
+    finish() sums (1) and (2) over the ranks and writes fp32 .grad on every master parameter. The sums
+    live where the masters do (offload: on the host, memory/offload.py), each term copied there.
     """
 
     def __init__(self, masters: nn.Module, d, *, trained: nn.Module, master_of: dict | None = None,
@@ -240,6 +242,7 @@ class Reducer:
             raise ConfigError(f"--grad_reduce=exact sums over at most {MAX_RANKS} ranks ({d.world} here); "
                               "use --grad_reduce=fast")
         self.masters, self.d, self.ep, self.fsdp = masters, d, ep, fsdp
+        self.home = next(masters.parameters()).device                 # offload: the host
         self.experts = experts or set()
         self.sums: dict[int, Limbs] = {}                             # id(master parameter) -> its sum
         self.pieces: dict[tuple[int, str], Limbs] = {}               # EP: (id(MoE module), 'w13' | ...) -> sum
@@ -268,7 +271,7 @@ class Reducer:
     def _hook(self, master: nn.Parameter):
         def take(p):
             if p.grad is not None:                                    # an EP shard's: _Sink passed nothing on
-                self.sum_of(master).add(p.grad, own=True)   # .grad is dropped: the sum's now
+                self.sum_of(master).add(p.grad.to(master.device), own=True)   # .grad is dropped: the sum's now
                 p.grad = None
         return take
 
@@ -290,8 +293,8 @@ class Reducer:
 
     def __call__(self, key: tuple[int, str], g: torch.Tensor) -> None:
         if key not in self.pieces:
-            self.pieces[key] = Limbs(g.shape, g.device)
-        self.pieces[key].add(g, own=True)               # autograd's, handed over
+            self.pieces[key] = Limbs(g.shape, self.home)
+        self.pieces[key].add(g.to(self.home), own=True)   # autograd's, handed over
 
     # ---- the minibatch ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -307,7 +310,7 @@ class Reducer:
         if not self.fsdp:
             sums = [self.sum_of(p) for p in dense]
             if self.d.world > 1:
-                all_reduce_limbs(sums)
+                all_reduce_limbs(sums, device=self.d.device)
             for p, s in zip(dense, sums):
                 p.grad = s.value().to(p.dtype)                       # bf16 masters: one more rounding
         bad = [s.bad for s in self.sums.values()] + [c.sum.bad for c in self.comms if c.sum is not None]
@@ -334,10 +337,10 @@ class Reducer:
                 found.append((p, self.pieces[(id(m), name)]))
         if self.fsdp:
             for p, s in found:
-                _reduce_scatter_into(p, s)
+                _reduce_scatter_into(p, s, self.d.device)
         else:
             if self.ep.n_replicas > 1:
-                all_reduce_limbs([s for _, s in found], group=self.ep.replicas)
+                all_reduce_limbs([s for _, s in found], group=self.ep.replicas, device=self.d.device)
             for p, s in found:
                 p.grad = s.value().to(p.dtype)
         return [s.bad for _, s in found]
@@ -370,20 +373,20 @@ class Reducer:
         return 16 * mine
 
 
-def _reduce_scatter_into(p: nn.Parameter, s: Limbs) -> None:
-    """An FSDP2 expert shard's sum: reduce-scatter the (E/N, ...) limbs over its mesh, rows in
-    torch.chunk's pieces as FSDP2 shards them (dim 0, the last piece short), into p.grad."""
+def _reduce_scatter_into(p: nn.Parameter, s: Limbs, device) -> None:
+    """An FSDP2 expert shard's sum: reduce-scatter the (E/N, ...) limbs over its mesh (sent from device),
+    rows in torch.chunk's pieces as FSDP2 shards them (dim 0, the last piece short), into p.grad."""
     from torch.distributed.tensor import DTensor
     s.carry()                                                         # lo below 2^52 on every rank
     mesh, local = p.device_mesh, p.to_local()
     n, R = mesh.size(), s.hi.shape[0]
     chunk = -(-R // n)
     limbs = []
-    for t in (s.hi, s.lo):
+    for t in (s.hi.to(device), s.lo.to(device)):
         padded = torch.cat([t, t.new_zeros(chunk * n - R, *t.shape[1:])]) if chunk * n > R else t
         out = t.new_empty(chunk, *t.shape[1:])
         dist.reduce_scatter_single(out, padded.contiguous(), group=mesh.get_group())
-        limbs.append(out[:local.shape[0]])
+        limbs.append(out[:local.shape[0]].to(local.device))
     value = from_limbs(*limbs).to(local.dtype)
     p.grad = DTensor.from_local(value, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
@@ -409,8 +412,8 @@ class ExactReduceScatter:
         dist.reduce_scatter_single(out_hi, hi, group=group)
         dist.reduce_scatter_single(out_lo, lo, group=group)
         if self.sum is None:
-            self.sum = Limbs(output_tensor.shape, output_tensor.device)
-        self.sum.add_limbs(out_hi, out_lo, terms=group.size())
+            self.sum = Limbs(output_tensor.shape, self.reducer.home)
+        self.sum.add_limbs(out_hi.to(self.reducer.home), out_lo.to(self.reducer.home), terms=group.size())
         self.sum.bad |= bad
         if self.reducer.last:
             output_tensor.copy_(self.sum.value())

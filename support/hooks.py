@@ -19,6 +19,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     batch_source(run, generate, sample)   -> where each step's batch comes from (Synchronous's methods), or
                              None: the core's own, Synchronous (generate: train.rollout of the run; sample:
                              train.sample of the run)
+    master_device(d)         -> where the optimizer's weights live, apart from the compute weights on d.device (their
+                             fp32 masters, gradient sums and AdamW's moments: memory/offload.py's host), or None
     experts(tcfg, n_experts, world)   -> the logical experts this rank holds (expert parallelism; a collective),
                              or None: every one
     shard(model)             the model was built with those experts only: route its layers to their owners
@@ -75,6 +77,9 @@ class Hooks:
     def batch_source(self, run, generate, sample):
         return None
 
+    def master_device(self, d):
+        return None
+
     def experts(self, tcfg, n_experts: int, world: int):
         return None
 
@@ -112,6 +117,11 @@ def held_experts(hooks: list[Hooks], tcfg, n_experts: int, world: int) -> list[i
     asked (each may run a collective), the first answer counts."""
     held = [h.experts(tcfg, n_experts, world) for h in hooks]
     return next((e for e in held if e is not None), None)
+
+
+def master_device(hooks: list[Hooks], d):
+    """Where a plug-in keeps the optimizer's weights apart from the compute weights, or None: with them."""
+    return next((where for where in (h.master_device(d) for h in hooks) if where is not None), None)
 
 
 def shard(hooks: list[Hooks], model) -> None:

@@ -128,9 +128,10 @@ def test_bench_memory_section_times_the_three_and_finds_the_same_gradients(capsy
     assert "full / none" in out and "moe / none" in out and "DIFFER" not in out
 
 
-def test_a_resume_may_switch_checkpointing_and_continues_the_run(tmp_path):
-    """--activation_checkpointing is free on resume (MemoryOptions.FREE_ON_RESUME): two steps without it,
-    resumed with each block recomputed, equal three steps straight, metrics and weights."""
+def test_a_resume_may_switch_checkpointing_and_offload_and_continues_the_run(tmp_path):
+    """--activation_checkpointing and --offload_optimizer are free on resume (MemoryOptions.FREE_ON_RESUME):
+    two steps without them, resumed with each block recomputed and the saved AdamW state loaded onto host
+    masters, equal three steps straight, metrics and weights."""
     import train
     from safetensors.torch import load_file
     from support.checkpoint import command_line_configs
@@ -143,8 +144,59 @@ def test_a_resume_may_switch_checkpointing_and_continues_the_run(tmp_path):
         return train.train(tcfg, rcfg)
     straight = run(tmp_path / "a", "--steps=3")
     run(tmp_path / "b", "--steps=2")
-    resumed = run(tmp_path / "b", "--steps=3", "--resume=true", "--activation_checkpointing=full")
+    resumed = run(tmp_path / "b", "--steps=3", "--resume=true", "--activation_checkpointing=full",
+                  "--offload_optimizer=true")
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
     assert strip(resumed) == strip(straight[2:])
     a, b = (load_file(str(p / "ckpt-000003" / "model.safetensors")) for p in (tmp_path / "a", tmp_path / "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_offload_keeps_the_masters_apart_and_the_run_bitwise(tmp_path, monkeypatch):
+    """--offload_optimizer on the CPU device, fp32: the masters (the optimizer's) are a second set apart
+    from the compute copy the trainer and the sampler run (on a GPU: host and device), and two steps give
+    the same metrics but the timings, and the same weights, as without. Control: the host's update by
+    another AdamW kernel (torch's fused one, as a step on another device may be) is another run."""
+    import train
+    from config import RolloutConfig
+    from safetensors.torch import load_file
+    from support import distributed
+    from support.distributed import Dist
+    from support.runlog import TIMINGS
+    common = dict(steps=2, prompts_per_step=4, group_size=4, minibatch_size=8, micro_batch_tokens=48, progress=False)
+    run = train.setup(TrainConfig(**common, out_dir=str(tmp_path / "setup"), offload_optimizer=True), RolloutConfig(),
+                      Dist(0, 1, torch.device("cpu")))
+    p = run.policy
+    assert p.mp is not None and p.sampler is p.full and p.full is not p.master
+    masters = {t.data_ptr() for t in p.master.parameters()}
+    assert not masters & {t.data_ptr() for t in p.full.parameters()}
+    assert {id(t) for g in p.optimizer.param_groups for t in g["params"]} == {id(t) for t in p.master.parameters()}
+
+    def two_steps(name, **kw):
+        rows = train.train(TrainConfig(**common, out_dir=str(tmp_path / name), **kw), RolloutConfig())
+        return ([{k: v for k, v in r.items() if k not in TIMINGS} for r in rows],
+                load_file(str(tmp_path / name / "ckpt-000002" / "model.safetensors")))
+    plain, offloaded = two_steps("plain"), two_steps("offload", offload_optimizer=True)
+    assert offloaded[0] == plain[0]
+    assert all(torch.equal(offloaded[1][k], v) for k, v in plain[1].items())
+    build = distributed.build_optimizer
+    monkeypatch.setattr(distributed, "build_optimizer", lambda model, tcfg: torch.optim.AdamW(
+        model.parameters(), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay, fused=True))
+    fused = two_steps("fused", offload_optimizer=True)
+    monkeypatch.setattr(distributed, "build_optimizer", build)
+    assert not all(torch.equal(fused[1][k], v) for k, v in plain[1].items())
+
+
+def test_offload_refuses_a_host_too_small_and_eplb(tmp_path, monkeypatch):
+    """A host without the memory for the optimizer's state is one line before the first step; EPLB (its
+    replicas' sums folded on the device) with offload is refused at the options."""
+    import train
+    from config import RolloutConfig
+    from memory import offload
+    from support.distributed import Dist
+    monkeypatch.setattr(offload, "available_host_bytes", lambda: 10_000)
+    tcfg = TrainConfig(steps=1, out_dir=str(tmp_path / "small"), progress=False, offload_optimizer=True)
+    with pytest.raises(ConfigError, match=r"--offload_optimizer: the host has 0.0 GB available"):
+        train.setup(tcfg, RolloutConfig(), Dist(0, 1, torch.device("cpu")))
+    with pytest.raises(ConfigError, match="--offload_optimizer with --eplb_redundant"):
+        TrainConfig(offload_optimizer=True, eplb_redundant=2, expert_parallel=2)

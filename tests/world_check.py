@@ -6,7 +6,7 @@
 
 Runs train.py's loop in-process for each layout of this world size (LAYOUTS: DDP or FSDP2, with or
 without --expert_parallel=2; at 2 ranks FSDP2 with each block recomputed in the backward and EP=2 with
-each MoE layer, --activation_checkpointing) of each run (RUNS: fp32 with packed micro-batches, bf16 compute over fp32
+each MoE layer, --activation_checkpointing, both with the optimizer on the host, --offload_optimizer) of each run (RUNS: fp32 with packed micro-batches, bf16 compute over fp32
 masters with padded ones and the router bias, and --grad_reduce=fast, the control), and writes
 OUT/world{N}.json: per layout, every metrics row without its per-layout keys, and the SHA-256 of the
 checkpoint's tensors (whole experts). The 1- and 4-rank launches also resume the 2-rank DDP EP=2 fp32
@@ -41,10 +41,11 @@ RUNS = {   # what defines a run: the micro-batches (--micro_batch_tokens / --mic
 DDP, FSDP = dict(parallel="ddp"), dict(parallel="fsdp")
 EP2 = dict(expert_parallel=2)
 AC = dict(activation_checkpointing="full"), dict(activation_checkpointing="moe")   # memory/: the same bits
+OFF = dict(offload_optimizer=True)        # memory/: the masters apart (FSDP2's CPUOffloadPolicy; a copy under DDP)
 LAYOUTS = {   # world size -> (run, layout name, layout): DDP and FSDP2, EP=2 with one and with two EP groups
     1: [("fp32", "one", {}), ("bf16", "one", {}), ("fast", "one", {})],
-    2: [("fp32", "fsdp", {**FSDP, **AC[0]}), ("fp32", "ddp-ep2", {**DDP, **EP2}),
-        ("bf16", "ddp-ep2", {**DDP, **EP2, **AC[1]}), ("fast", "ddp", DDP)],
+    2: [("fp32", "fsdp", {**FSDP, **AC[0], **OFF}), ("fp32", "ddp-ep2", {**DDP, **EP2}),
+        ("bf16", "ddp-ep2", {**DDP, **EP2, **AC[1], **OFF}), ("fast", "ddp", DDP)],
     4: [("bf16", "fsdp-ep2", {**FSDP, **EP2})],
 }
 LEG = "w2-fp32-ddp-ep2"                   # its step-3 checkpoint, resumed by 1 rank and by 4 (DDP, EP=2:

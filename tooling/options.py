@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 @dataclass
 class EvalOptions:
-    """Evaluation on a held-out JSONL and the fixed probe set (tooling/eval.py); supervised steps (tooling/sft.py)."""
-    FREE_ON_RESUME = ("eval_data", "eval_every", "eval_samples", "probe_every", "probe_prompts")   # what it evaluates
+    """Evaluation on a held-out JSONL and the fixed probe set (tooling/eval.py); supervised steps (tooling/sft.py);
+    the plan before a GPU run (tooling/plan.py)."""
+    FREE_ON_RESUME = ("eval_data", "eval_every", "eval_samples", "probe_every", "probe_prompts",   # what it evaluates
+                      "preflight")
     eval_data: str = ""               # a JSONL file in --data's format, scored with --reward_fn
     eval_every: int = 0               # evaluate every N steps and at the last (0: at the last step only)
     eval_samples: int = 4             # k sampled responses per eval prompt (pass@k)
@@ -21,6 +23,9 @@ class EvalOptions:
     sft_steps: int = 0                # before RL: N optimizer steps of cross-entropy on the task's reference answers
                                       # (minibatch_size examples each; tooling/sft.py), then a checkpoint at step 0;
                                       # 0: off
+
+    preflight: bool = True            # a GPU run: the run's --plan against the GPU's memory before loading; a run that
+                                      # does not fit ends in one line naming what would (tooling/plan.py)
 
     def check(self):
         """The held-out set needs a JSONL task's tokenizer and reward; supervised steps need reference answers
@@ -49,11 +54,20 @@ class EvalOptions:
 
 def hooks(tcfg, rcfg) -> list:
     """The step hooks of the options that are set (support/hooks.py), their code imported only then: the
-    supervised phase; the held-out evaluation, then the probe (the order the step's metrics show them)."""
+    supervised phase; the plan before a GPU run; the held-out evaluation, then the probe (the order the
+    step's metrics show them)."""
     out = []
     if tcfg.sft_steps or tcfg.resume:             # a resume checks that RL did not begin under other --sft_steps
         from tooling.sft import Supervised
         out.append(Supervised())
+    if tcfg.preflight and tcfg.device != "cpu":   # a GPU run: its plan against this rank's GPU, before loading
+        import os
+
+        import torch
+        if torch.cuda.is_available():
+            from tooling.plan import Preflight
+            gpu = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+            out.append(Preflight(tcfg, rcfg, gpu.total_memory))
     if tcfg.eval_data or tcfg.probe_every:
         from tooling.eval import Evaluation, Probing
         out += ([Evaluation()] if tcfg.eval_data else []) + ([Probing()] if tcfg.probe_every else [])

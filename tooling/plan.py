@@ -69,6 +69,7 @@ import os
 
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args
 from support.checkpoint import model_config
+from support.hooks import Hooks
 
 GB = 1e9
 # --plan's own keys: type, default, what it says
@@ -100,12 +101,19 @@ class MemoryPlan:
     buffers: int = 0               # the sampler's per-row token ids and log-probs
     grad_sums: int = 0             # --grad_reduce=exact's int64 accumulators (exact_sum.Reducer.reserve_bytes)
     activations: "Activations | None" = None
-    recompute_saves: int = 0       # what --activation_checkpointing=full would take off the total
+    offload: bool = False          # --offload_optimizer: masters, gradients, AdamW state and exact sums on the host
+
+    @property
+    def host(self) -> int:
+        """What the host holds for the optimizer (--offload_optimizer), else 0."""
+        return self.masters + self.grads + self.adamw + self.grad_sums if self.offload else 0
 
     @property
     def total(self) -> int:
-        return (self.masters + self.grads + self.adamw + self.compute_copy + self.sampler_copy + self.reference
-                + self.grad_sums + self.kv_pool + self.buffers + (self.activations.peak if self.activations else 0))
+        """The GPU's bytes."""
+        optimizer = 0 if self.offload else self.masters + self.grads + self.adamw + self.grad_sums
+        return (optimizer + self.compute_copy + self.sampler_copy + self.reference + self.kv_pool + self.buffers
+                + (self.activations.peak if self.activations else 0))
 
 
 @dataclasses.dataclass
@@ -129,14 +137,17 @@ def shard_rows(rows: int, ways: int) -> int:
 def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel: str, expert_parallel: int,
                 dtype_bytes: int, sampler_bytes: int, kv_bytes_per_token: int, kv_tokens: int = 0,
                 gpu_bytes: int = 0, kv_fraction: float = 0.5, kv_cap_tokens: int = 0, master_bytes: int = 4,
-                sampler_apart: bool = False, from_checkpoint: bool = True, exact: bool = False) -> MemoryPlan:
+                sampler_apart: bool = False, from_checkpoint: bool = True, exact: bool = False,
+                offload: bool = False) -> MemoryPlan:
     """The weights' arithmetic. shapes: (shape, is_expert) of every parameter, experts stacked (E, ...).
     dtype_bytes: the compute dtype's size (== master_bytes: the masters compute); sampler_bytes: the
     rollout's; sampler_apart: the rollout has a copy of its own even in sampler_bytes == dtype_bytes.
     kv_tokens 0: kv_fraction of what gpu_bytes leaves, at most kv_cap_tokens (how the sampler sizes its
     pool on a GPU). from_checkpoint: read by shard (else a preset, drawn whole on the host). exact:
     --grad_reduce=exact's accumulators, 16 bytes an element of this rank's share, its E/N experts whole
-    under EP (exact_sum.Reducer.reserve_bytes)."""
+    under EP (exact_sum.Reducer.reserve_bytes). offload: the masters, gradients, AdamW's state and the
+    exact sums on the host (MemoryPlan.host), a compute copy on the GPU also when the masters' dtype
+    computes (memory/offload.py)."""
     N, fsdp = expert_parallel, parallel == "fsdp" and world > 1
     dense = sum(math.prod(s) for s, e in shapes if not e)
     expert = sum(math.prod(s) for s, e in shapes if e)
@@ -151,7 +162,7 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
         ways = (world // N if is_expert else world) if fsdp else 1
         mine += shard_rows(rows, ways) * rest
         sums += shard_rows(rows, ways) * rest if not (is_expert and N > 1) else rows * rest   # an EP shard: whole
-    compute = mine * dtype_bytes if dtype_bytes != master_bytes else 0
+    compute = mine * dtype_bytes if dtype_bytes != master_bytes or offload else 0
     # FSDP2's whole-weights copy in --dtype; the lab's rollout copy (another dtype, quantized) on top of it
     whole = whole_dense + local_experts
     lab = sampler_apart or sampler_bytes != dtype_bytes
@@ -160,6 +171,7 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     plan = MemoryPlan(dense, expert, mine, mb * mine, mb * mine, 2 * mb * mine, compute, sampler, 0, kv_tokens,
                       whole * mb, 0 if from_checkpoint else (dense + expert) * mb)
     plan.grad_sums = 16 * sums if exact else 0
+    plan.offload = offload
     if not kv_tokens and gpu_bytes and kv_bytes_per_token:
         room = max(0, gpu_bytes - plan.total) * kv_fraction
         plan.kv_tokens = min(int(room // kv_bytes_per_token), kv_cap_tokens or math.inf)
@@ -354,13 +366,57 @@ def backend_of(tcfg: TrainConfig) -> str:
 
 
 def main(argv: list[str]) -> tuple[str, bool]:
-    """The table for the command line's configs (plus PLAN_KEYS), and whether the run fits."""
-    from parallel import eplb
-    from parallel.expert_parallel import check_degree, placement_of
+    """The table for the command line's configs (plus PLAN_KEYS), and whether the run fits (if not, the
+    verdict names the memory options that would make it fit, or says none can)."""
     overrides = parse_args(argv)
     world, gpu_gb, kv_tokens = plan_options(overrides)
     tcfg, rcfg = TrainConfig(), RolloutConfig()
     apply_command_line(overrides, tcfg, rcfg)
+    plan, copy, kv = plan_of(tcfg, rcfg, world, kv_tokens)
+    table, fits = format_plan(plan, tcfg, world, gpu_gb, copy, backend_of(tcfg), kv)
+    if not fits:
+        lines = table.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("does not fit"))
+        lines[at] += "; " + what_would_fit(tcfg, rcfg, world, gpu_gb, kv_tokens)
+        table = "\n".join(lines)
+    return table, fits
+
+
+# the settings that trade memory, the run's bits kept first: (option, value, what it costs)
+REMEDIES = [("offload_optimizer", True, "the same bits"), ("activation_checkpointing", "full", "the same bits"),
+            ("grad_reduce", "fast", "the bits then follow the world size"),
+            ("master_dtype", "bfloat16", "updates below half a bf16 ulp are lost")]
+
+
+def what_would_fit(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, gpu_gb: float, kv_tokens: int) -> str:
+    """The fewest REMEDIES (those not set already, whose plug-in is there) that make the plan fit, bits-keeping
+    ones first, up to three such sets; or that none does."""
+    import itertools
+    free = [(k, v, why) for k, v, why in REMEDIES if hasattr(tcfg, k) and getattr(tcfg, k) != v
+            and not (k == "master_dtype" and tcfg.dtype == "float32")]
+    found = []
+    for n in range(1, len(free) + 1):
+        for chosen in itertools.combinations(free, n):
+            try:
+                changed = dataclasses.replace(tcfg, **{k: v for k, v, _ in chosen})
+            except ConfigError:                                      # a pair the options refuse
+                continue
+            plan, _, _ = plan_of(changed, rcfg, world, kv_tokens)
+            if max(plan.total, startup_bytes(plan, changed, world)) <= gpu_gb * GB:
+                options = " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v, _ in chosen)
+                found.append(f"{options} ({max(plan.total, startup_bytes(plan, changed, world)) / GB:.2f} GB; "
+                             f"{', '.join(sorted({why for _, _, why in chosen}))})")
+        if found:
+            return "it fits with " + " or ".join(found[:3])
+    names = ", ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v, _ in free)
+    return (f"no setting of {names} makes it fit: more ranks, a larger --expert_parallel or larger GPUs"
+            if names else "more ranks, a larger --expert_parallel or larger GPUs")
+
+
+def plan_of(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, kv_tokens: int = 0) -> tuple[MemoryPlan, str, str]:
+    """The plan of these configs at `world` ranks -> (the plan, the sampler copy's dtypes, the KV line)."""
+    from parallel import eplb
+    from parallel.expert_parallel import check_degree, placement_of
     cfg = preset_or_folder(tcfg)
     check_degree(tcfg.expert_parallel, cfg.num_experts, world)
     placement_of(tcfg.expert_placement, tcfg.expert_parallel, cfg.num_experts)   # the run's one-line errors
@@ -380,21 +436,23 @@ def main(argv: list[str]) -> tuple[str, bool]:
                        nbytes[sampler_dtype], kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size or need,
                        master_bytes=nbytes[tcfg.master_dtype], sampler_apart=lab_copy,
                        from_checkpoint=os.path.isdir(tcfg.init_from),
-                       exact=tcfg.grad_reduce == "exact" and not one_term(tcfg, world, act, prompt_len + max_new))
+                       exact=tcfg.grad_reduce == "exact" and not one_term(tcfg, world, act, prompt_len + max_new),
+                       offload=getattr(tcfg, "offload_optimizer", False))          # memory/'s option, where it is
     whole = plan.load_peak // nbytes[tcfg.master_dtype]                 # dense + this rank's experts
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
     plan.activations = act
-    if getattr(tcfg, "activation_checkpointing", "full") != "full":   # memory/'s option, where it is there
-        full = activations(cfg, dataclasses.replace(tcfg, activation_checkpointing="full"), rcfg, backend_of(tcfg),
-                           world, prompt_len, max_new)
-        plan.recompute_saves = max(0, act.peak - full.peak)
     parts = [tcfg.dtype] if tcfg.parallel == "fsdp" and world > 1 else []        # FSDP2's whole copy
     if lab_copy:
         parts.append(f"{rollout_dtype} as {tcfg.dtype}" if quantized else
                      sampler_dtype if sampler_dtype != tcfg.dtype else f"{tcfg.dtype}, its router faulted")
-    return format_plan(plan, tcfg, world, gpu_gb, " + ".join(parts) or tcfg.dtype, backend_of(tcfg),
-                       kv_line(cfg, nbytes[sampler_dtype]))
+    return plan, " + ".join(parts) or tcfg.dtype, kv_line(cfg, nbytes[sampler_dtype])
+
+
+def startup_bytes(plan: MemoryPlan, tcfg: TrainConfig, world: int) -> int:
+    """The GPU's start-up peak: FSDP2 shards a model first held whole (dense and this rank's experts) on
+    each GPU; with the masters on the host (--offload_optimizer) it is sharded there."""
+    return plan.load_peak if tcfg.parallel == "fsdp" and world > 1 and not plan.offload else 0
 
 
 def lab_options(rcfg: RolloutConfig) -> tuple[str, str]:
@@ -446,24 +504,28 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     layout = "FSDP2" if tcfg.parallel == "fsdp" and world > 1 else "DDP" if world > 1 else "one process"
     m = {"float32": "fp32", "bfloat16": "bf16"}[tcfg.master_dtype]
     act = plan.activations
-    rows = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads), (f"AdamW state ({m} x 2)", plan.adamw),
-            (f"compute copy ({tcfg.dtype})", plan.compute_copy), (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
-            ("reference policy (--kl_coef)", plan.reference), ("exact gradient sums (--grad_reduce=exact" + ("; one term: none)" if tcfg.grad_reduce == "exact" and
-                                                          not plan.grad_sums else ")"), plan.grad_sums),
-            (f"KV pool ({plan.kv_tokens:,} tokens)", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
+    sums = "exact gradient sums (--grad_reduce=exact" + ("; one term: none)" if tcfg.grad_reduce == "exact" and
+                                                         not plan.grad_sums else ")")
+    optimizer = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads),
+                 (f"AdamW state ({m} x 2)", plan.adamw), (sums, plan.grad_sums)]
+    rows = [] if plan.offload else optimizer[:3]
+    rows += [(f"compute copy ({tcfg.dtype})", plan.compute_copy), (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
+             ("reference policy (--kl_coef)", plan.reference)] + ([] if plan.offload else optimizer[3:])
+    rows += [(f"KV pool ({plan.kv_tokens:,} tokens)", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
     if act is not None:
         recompute = getattr(tcfg, "activation_checkpointing", "none")
         how = backend + ("" if recompute == "none" else f", {recompute} recomputed")
         rows += [(f"activations, trainer ({act.train_tokens:,}-token micro-batch, {how})", act.train),
                  (f"activations, sampler ({act.sampler_tokens:,}-token step, apart from the trainer's)", act.sampler)]
     rows.append(("total (with the larger activations)", plan.total))
+    if plan.offload:                                                  # --offload_optimizer: apart, on the host
+        rows += [(f"on the host: {name}", b) for name, b in optimizer] + [("on the host: total", plan.host)]
     gpu = gpu_gb * GB
     lines = [f"plan: {tcfg.init_from}, {plan.dense_params / 1e9:.2f}B dense + {plan.expert_params / 1e9:.2f}B expert "
              f"parameters; {world} rank(s), {layout}, --expert_parallel={tcfg.expert_parallel}, --dtype={tcfg.dtype}",
              f"per rank: {plan.params_per_rank / 1e9:.2f}B parameters"]
-    fsdp = tcfg.parallel == "fsdp" and world > 1
-    startup = plan.load_peak if fsdp else 0                           # before FSDP2 shards (DDP: the masters)
-    if fsdp:
+    startup = startup_bytes(plan, tcfg, world)                        # before FSDP2 shards (DDP: the masters)
+    if startup:
         rows.append((f"start-up, before FSDP2 shards: dense weights and this rank's experts ({m})", startup))
     width = max(len(name) for name, _ in rows)
     lines += [f"  {name:<{width}} {b / GB:9.2f} GB" for name, b in rows]
@@ -474,15 +536,35 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     lines.append(f"fits: {what} needs {peak / GB:.2f} GB of the {gpu_gb:g} GB per GPU ({(gpu - peak) / GB:.2f} GB spare)"
                  if fits else
                  f"does not fit: {what} needs {peak / GB:.2f} GB per GPU, {(peak - gpu) / GB:.2f} GB more than "
-                 f"{gpu_gb:g} GB" + (f"; --grad_reduce=fast saves the {plan.grad_sums / GB:.2f} GB of exact sums "
-                                     "(the run's bits then follow the world size)" if plan.grad_sums and
-                                     max(plan.total - plan.grad_sums, startup) <= gpu else "")
-                 + (f"; --activation_checkpointing=full saves {plan.recompute_saves / GB:.2f} GB of activations (the "
-                    "same bits, one more forward a layer)" if plan.recompute_saves >= 0.01 * GB else ""))
+                 f"{gpu_gb:g} GB")
+    if plan.offload:
+        node = min(world, 8)
+        lines.append(f"host memory (--offload_optimizer): {max(plan.host, plan.load_peak) / GB:.2f} GB a rank, "
+                     f"{node * max(plan.host, plan.load_peak) / GB:.2f} GB for {node} rank(s) on a host of 8 GPUs"
+                     + (" (the start-up's whole weights, before FSDP2 shards them)" if plan.load_peak > plan.host else ""))
     if plan.host_peak > plan.load_peak:                               # cut to this rank's experts
         lines.append(f"host memory: a preset is drawn whole on each rank's CPU first ({plan.host_peak / GB:.2f} GB a rank "
                      f"in {m}), then cut to its experts; a checkpoint folder of it is read by shard")
     return "\n".join(lines), fits
+
+
+class Preflight(Hooks):
+    """--preflight (a GPU run): the plan of the run's own configs against this GPU's memory, before the
+    model is loaded; a run that does not fit ends in one line that says what would make it fit."""
+
+    def __init__(self, tcfg: TrainConfig, rcfg: RolloutConfig, gpu_bytes: int):
+        self.tcfg, self.rcfg, self.gpu_bytes = tcfg, rcfg, gpu_bytes
+
+    def check_build(self, task, config) -> None:
+        world = int(os.environ.get("WORLD_SIZE", "1")) - getattr(self.tcfg, "rollout_ranks", 0)
+        plan, copy, _ = plan_of(self.tcfg, self.rcfg, world)
+        gpu_gb = self.gpu_bytes / GB
+        _, fits = format_plan(plan, self.tcfg, world, gpu_gb, copy, backend_of(self.tcfg))
+        if not fits:
+            need = max(plan.total, startup_bytes(plan, self.tcfg, world))
+            raise ConfigError(f"this run needs {need / GB:.2f} GB per GPU by its plan, more than this GPU's "
+                              f"{gpu_gb:.2f} GB; {what_would_fit(self.tcfg, self.rcfg, world, gpu_gb, 0)} (the table: "
+                              "the same options with --plan; to start anyway: --preflight=false)")
 
 
 def help_text() -> str:
@@ -499,6 +581,6 @@ def cli(argv: list[str]) -> None:
     table, fits = main(argv)
     print(table, flush=True)
     if not fits:
-        raise ConfigError("--plan: this run does not fit (the table above); lower --micro_batch_tokens or "
-                          "--logits_chunk, shard more (--parallel=fsdp, --expert_parallel, more ranks), or pass "
-                          "--kv_tokens / --gpu_memory_gb for another pool or GPU")
+        raise ConfigError("--plan: this run does not fit (the table above; its verdict names the memory options that "
+                          "would make it fit, if any); also: lower --micro_batch_tokens or --logits_chunk, shard more "
+                          "(--parallel=fsdp, --expert_parallel, more ranks), or pass --kv_tokens / --gpu_memory_gb")
