@@ -414,7 +414,7 @@ class ExactReduceScatter:
         if self.sum is None:
             self.sum = Limbs(output_tensor.shape, self.reducer.home)
         self.sum.add_limbs(out_hi.to(self.reducer.home), out_lo.to(self.reducer.home), terms=group.size())
-        self.sum.bad |= bad
+        self.sum.bad |= bad.to(self.reducer.home)
         if self.reducer.last:
             output_tensor.copy_(self.sum.value())
         else:

@@ -18,6 +18,9 @@ adds the reference policy: whole dense weights and E/N experts in --dtype. --gra
 default) adds its int64 accumulators: 16 bytes an element of this rank's share, and of its E/N experts
 whole under EP, also when FSDP2 shards them over their replicas (exact_sum.Reducer.reserve_bytes);
 none when every sum has one term (one process, a minibatch in one micro-batch: plan.one_term).
+--offload_optimizer (memory/offload.py) moves the masters, gradients, AdamW state and exact sums to the
+host (their own rows, "on the host"), and keeps a compute copy on the GPU also where the masters' dtype
+computes; the start-up then shards on the host.
 
 The rollout: the KV pool holds --kv_tokens positions, else --num_blocks pages, else what this rank's
 rollout needs: its S = prompts_per_step / world x group_size sequences at the run's longest, L = the
@@ -51,9 +54,18 @@ intermediate size of the layer's experts (dense MLP: intermediate_size), V = voc
 * the sampler, with no gradient, holds one layer's temporaries at a time: P tokens of a prefill (P =
   min(max_num_batched_tokens, S x the longest prompt)) or R = min(max_batch_size, S) decode rows, 4 bytes
   x (k (3I + 2D) + 6D + 2 (Q + 2K)) a token, plus 16 V bytes of logits for each of its rows.
+The phases come one after the other, so the total counts the largest: the trainer's (its activations,
+and the exact sums' conversion of a gradient in flight: 24 bytes an element of the largest tensor), the
+sampler's, or the optimizer step's temporaries (AdamW's foreach: one tensor the size of a moment; the
+norm's fp64 rows and the gradient scan's int32 buffer of the largest tensor: 12 bytes an element); with
+--offload_optimizer the step's and the conversion's are the host's.
 The real peak also holds allocator slack and the runtime's own (on the CPU, about 50 MB): tests/test_plan.py
 holds the formula against the bytes autograd saves (both backends) and the whole plan against a training
-run's peak memory at two sizes (docs/results.md, "Memory plan"). On a GPU the sampler then takes
+run's peak memory at two sizes, and within 10% at four memory settings (docs/results.md, "Memory plan").
+
+Where the run does not fit, the verdict names the fewest of --offload_optimizer, --activation_checkpointing
+=full, --grad_reduce=fast and --master_dtype=bfloat16 that would make it fit (those that keep the run's
+bits first), or says that none does. A GPU run checks its own plan before loading (Preflight). On a GPU the sampler then takes
 --kv_memory_fraction of the memory it finds free for its pool (at least what is counted here).
 
 The start-up: every rank holds its dense weights and its E/N experts in --master_dtype on the GPU before
@@ -102,18 +114,35 @@ class MemoryPlan:
     grad_sums: int = 0             # --grad_reduce=exact's int64 accumulators (exact_sum.Reducer.reserve_bytes)
     activations: "Activations | None" = None
     offload: bool = False          # --offload_optimizer: masters, gradients, AdamW state and exact sums on the host
+    sum_temps: int = 0             # exact sums: a gradient's conversion in flight (fp64 copy, two limbs: 24 bytes an
+                                   # element of the largest tensor), during the backward
+    step_temps: int = 0            # the step: AdamW's (foreach: one tensor the size of the state's moment), and the
+                                   # norm's fp64 rows and the gradient scan's int32 buffer of the largest tensor
+
+    @property
+    def optimizer(self) -> int:
+        """The optimizer's own: masters, gradients, moments, exact sums (on the host with --offload_optimizer)."""
+        return self.masters + self.grads + self.adamw + self.grad_sums
 
     @property
     def host(self) -> int:
-        """What the host holds for the optimizer (--offload_optimizer), else 0."""
-        return self.masters + self.grads + self.adamw + self.grad_sums if self.offload else 0
+        """What the host holds for the optimizer (--offload_optimizer), its phases' temporaries too; else 0."""
+        return self.optimizer + max(self.sum_temps, self.step_temps) if self.offload else 0
+
+    @property
+    def phase(self) -> int:
+        """The GPU's largest phase, one after the other: the trainer's activations (and, on the GPU, the exact
+        sums' conversion), the sampler's, the optimizer step's temporaries (on the GPU)."""
+        act = self.activations or Activations(0, 0, 0, 0)
+        if self.offload:
+            return act.peak
+        return max(act.train + self.sum_temps, act.sampler, self.step_temps)
 
     @property
     def total(self) -> int:
         """The GPU's bytes."""
-        optimizer = 0 if self.offload else self.masters + self.grads + self.adamw + self.grad_sums
-        return (optimizer + self.compute_copy + self.sampler_copy + self.reference + self.kv_pool + self.buffers
-                + (self.activations.peak if self.activations else 0))
+        return ((0 if self.offload else self.optimizer) + self.compute_copy + self.sampler_copy + self.reference
+                + self.kv_pool + self.buffers + self.phase)
 
 
 @dataclasses.dataclass
@@ -151,7 +180,7 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     N, fsdp = expert_parallel, parallel == "fsdp" and world > 1
     dense = sum(math.prod(s) for s, e in shapes if not e)
     expert = sum(math.prod(s) for s, e in shapes if e)
-    mine = whole_dense = local_experts = sums = 0
+    mine = whole_dense = local_experts = sums = largest = largest_sum = 0
     for shape, is_expert in shapes:
         rows, rest = shape[0], math.prod(shape[1:])
         if is_expert:
@@ -161,7 +190,9 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
             whole_dense += rows * rest
         ways = (world // N if is_expert else world) if fsdp else 1
         mine += shard_rows(rows, ways) * rest
-        sums += shard_rows(rows, ways) * rest if not (is_expert and N > 1) else rows * rest   # an EP shard: whole
+        summed = shard_rows(rows, ways) * rest if not (is_expert and N > 1) else rows * rest   # an EP shard: whole
+        sums += summed
+        largest, largest_sum = max(largest, shard_rows(rows, ways) * rest), max(largest_sum, summed)
     compute = mine * dtype_bytes if dtype_bytes != master_bytes or offload else 0
     # FSDP2's whole-weights copy in --dtype; the lab's rollout copy (another dtype, quantized) on top of it
     whole = whole_dense + local_experts
@@ -172,6 +203,8 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
                       whole * mb, 0 if from_checkpoint else (dense + expert) * mb)
     plan.grad_sums = 16 * sums if exact else 0
     plan.offload = offload
+    plan.sum_temps = 24 * largest_sum if exact else 0
+    plan.step_temps = mb * mine + 12 * largest
     if not kv_tokens and gpu_bytes and kv_bytes_per_token:
         room = max(0, gpu_bytes - plan.total) * kv_fraction
         plan.kv_tokens = min(int(room // kv_bytes_per_token), kv_cap_tokens or math.inf)
@@ -507,7 +540,9 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     sums = "exact gradient sums (--grad_reduce=exact" + ("; one term: none)" if tcfg.grad_reduce == "exact" and
                                                          not plan.grad_sums else ")")
     optimizer = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads),
-                 (f"AdamW state ({m} x 2)", plan.adamw), (sums, plan.grad_sums)]
+                 (f"AdamW state ({m} x 2)", plan.adamw), (sums, plan.grad_sums),
+                 ("exact sums' conversion in flight (the largest tensor; in the backward)", plan.sum_temps),
+                 ("the step's temporaries (AdamW's, the norm's)", plan.step_temps)]
     rows = [] if plan.offload else optimizer[:3]
     rows += [(f"compute copy ({tcfg.dtype})", plan.compute_copy), (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
              ("reference policy (--kl_coef)", plan.reference)] + ([] if plan.offload else optimizer[3:])
@@ -517,7 +552,7 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
         how = backend + ("" if recompute == "none" else f", {recompute} recomputed")
         rows += [(f"activations, trainer ({act.train_tokens:,}-token micro-batch, {how})", act.train),
                  (f"activations, sampler ({act.sampler_tokens:,}-token step, apart from the trainer's)", act.sampler)]
-    rows.append(("total (with the larger activations)", plan.total))
+    rows.append(("total (the largest phase: the trainer's, the sampler's or the step's)", plan.total))
     if plan.offload:                                                  # --offload_optimizer: apart, on the host
         rows += [(f"on the host: {name}", b) for name, b in optimizer] + [("on the host: total", plan.host)]
     gpu = gpu_gb * GB
