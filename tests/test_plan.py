@@ -292,32 +292,34 @@ def test_the_plan_holds_a_real_runs_peak_memory_at_two_sizes(tmp_path):
     assert not any(close(p, a) for p, a in zip(no_act, added)), (no_act, added)
 
 
-def test_the_plan_within_15_percent_with_and_without_recompute_and_offload(tmp_path):
-    """A model whose weights' state is most of its memory (38M parameters, 32 experts a layer) and a
-    2,816-token micro-batch, at the four settings of --activation_checkpointing (none, full) and
-    --offload_optimizer: the plan within 15% of the peak RSS less the runtime's own 50 MB (the plan's
-    docstring; measured 3-11% apart, and up to 8% from one run to the next: glibc keeps or returns freed
-    pages by its history). On the CPU the GPU's and the host's rows are one memory: the plan of the run with
-    everything on one device (MemoryPlan.offload off), its offloaded compute copy included. The recompute
-    lowers both the peak and the plan; offload raises both by the copy."""
+def test_the_plan_within_10_percent_with_and_without_recompute_and_offload(tmp_path):
+    """A model whose weights' state is most of its memory (38M parameters, 32 experts a layer), a 2,816-token
+    micro-batch, two steps (the second runs with AdamW's moments, the plan's steady state), at three memory
+    settings: none, every block recomputed (--activation_checkpointing=full), the optimizer on the host
+    (--offload_optimizer). The plan within 10% of the peak RSS less the runtime's own 50 MB (the plan's
+    docstring), with glibc's mmap threshold fixed so that a freed tensor leaves RSS at once (RSS then follows
+    the live tensors, as a GPU's allocated bytes do; glibc's default keeps freed pages by its history, up to
+    8% one launch from the next). On the CPU the GPU's and the host's rows are one memory: the plan of the run
+    with everything on one device (MemoryPlan.offload off), its offloaded compute copy included. The
+    recompute lowers both the peak and the plan; offload raises both by the copy."""
     import dataclasses
     from config import RolloutConfig, TrainConfig, apply_command_line, parse_args
-    big = RSS_RUN + ["--hidden_size=256", "--num_experts=32", "--moe_intermediate_size=512",
+    big = RSS_RUN + ["--steps=2", "--hidden_size=256", "--num_experts=32", "--moe_intermediate_size=512",
                      "--intermediate_size=512", "--micro_batch_tokens=4096"]
-    found = {}
-    for i, extra in enumerate([[], ["--activation_checkpointing=full"], ["--offload_optimizer=true"],
-                               ["--offload_optimizer=true", "--activation_checkpointing=full"]]):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
+    found = []
+    for i, extra in enumerate([[], ["--activation_checkpointing=full"], ["--offload_optimizer=true"]]):
         r = subprocess.run([sys.executable, "tests/peak_rss.py", *big, *extra, f"--out_dir={tmp_path / str(i)}"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr[-2000:]
         rss = json.loads(r.stdout.splitlines()[-1])
         tcfg, rcfg = TrainConfig(), RolloutConfig()
         apply_command_line(parse_args(big + extra), tcfg, rcfg)
         p, _, _ = plan.plan_of(tcfg, rcfg, 1)
-        found[" ".join(extra)] = (dataclasses.replace(p, offload=False).total, rss["peak"] - rss["baseline"] - 50e6)
-    assert all(abs(p - real) <= 0.15 * real for p, real in found.values()), found
-    (none, a), (full, b), (off, c), (both, d) = found.values()
-    assert full < 0.9 * none and b < 0.9 * a and off > none and c > a and both < off and d < c, found
+        found.append((dataclasses.replace(p, offload=False).total, rss["peak"] - rss["baseline"] - 50e6))
+    assert all(abs(p - real) <= 0.1 * real for p, real in found), found
+    (none, a), (full, b), (off, c) = found
+    assert full < 0.9 * none and b < 0.9 * a and off > none and c > a, found
 
 
 def test_train_plan_entry_prints_the_table():

@@ -61,7 +61,7 @@ norm's fp64 rows and the gradient scan's int32 buffer of the largest tensor: 12 
 --offload_optimizer the step's and the conversion's are the host's.
 The real peak also holds allocator slack and the runtime's own (on the CPU, about 50 MB): tests/test_plan.py
 holds the formula against the bytes autograd saves (both backends) and the whole plan against a training
-run's peak memory at two sizes, and within 15% at four memory settings (docs/results.md, "Memory plan").
+run's peak memory at two sizes, and within 10% at three memory settings (docs/results.md, "Memory plan").
 
 Where the run does not fit, the verdict names the fewest of --offload_optimizer, --activation_checkpointing
 =full, --grad_reduce=fast and --master_dtype=bfloat16 that would make it fit (those that keep the run's
