@@ -204,8 +204,6 @@ class ModelRunner:
         self.pad_row, self.scratch_page = max_batch_size, num_blocks
         # + the scratch page; sliding-window layers' pages from the window pool where there is one
         self.window_blocks, self.window_scratch = window_blocks, window_blocks
-        self.caches = kv_caches(cfg, num_blocks + 1, block_size, self.dtype, self.device,
-                                window_pages=window_blocks + 1 if window_blocks else 0)
         self.cuda_graphs = config.cuda_graphs
         if self.cuda_graphs is None:
             self.cuda_graphs = self._graphs_usable("moe_experts" in config.rollout_ops())
@@ -221,12 +219,30 @@ class ModelRunner:
         self.stop_ids = torch.zeros(0)
         self.route_dtype = route_dtype(cfg.num_experts)
         self.record_detail = config.record_route_detail            # route weights and margins beside them
-        n_moe, k = model.n_moe_layers, cfg.num_experts_per_tok
-        pages = (num_blocks + 1, block_size, n_moe)
+        self.caches = None
+        self.allocate_pages()
+
+    def allocate_pages(self) -> None:
+        """The KV pages (the window pool's beside them) and the routes recorded per position, and their
+        detail, for num_blocks blocks and the scratch page; nothing where they are there."""
+        if self.caches is not None:
+            return
+        cfg, n_moe, k = self.model.config, self.model.n_moe_layers, self.model.config.num_experts_per_tok
+        self.caches = kv_caches(cfg, self.num_blocks + 1, self.block_size, self.dtype, self.device,
+                                window_pages=self.window_blocks + 1 if self.window_blocks else 0)
+        pages = (self.num_blocks + 1, self.block_size, n_moe)
         self.route_pages = torch.zeros(*pages, k, dtype=self.route_dtype, device=self.device)
-        detail = pages if self.record_detail else (0, block_size, n_moe)
+        detail = pages if self.record_detail else (0, self.block_size, n_moe)
         self.weight_pages = torch.zeros(*detail, k, dtype=torch.float32, device=self.device)
         self.margin_pages = torch.zeros(*detail, dtype=torch.float32, device=self.device)
+
+    def release_pages(self) -> None:
+        """Free the pages until allocate_pages (the synchronous loop's update reuses their memory); graphs
+        captured over them go with them."""
+        self.caches = self.route_pages = self.weight_pages = self.margin_pages = None
+        self.graphs.clear()
+        self.warm.clear()
+        self.pool = None
 
     def _graphs_usable(self, other_moe: bool) -> bool:
         """Whether decode steps can be CUDA graphs: not with the torch backend or another op set's MoE (the
@@ -671,6 +687,18 @@ class Sampler:
         """The model's weights changed: no prefix-cache block computed before may serve a request after."""
         self.weights_version += 1
 
+    def release_kv(self) -> None:
+        """Free the KV pool (and the routes recorded beside it) until the next generate(), which allocates
+        it again: between requests nothing lives in it but the prefix cache, which is emptied. The
+        synchronous loop calls it after each rollout, so the update's activations take the pool's memory
+        (support/hooks.Synchronous). A sampler not tracking its weights (track_weights False: its caller
+        says when they change) keeps the pool and its cache, as asked."""
+        if not self.track_weights:
+            return
+        self.runner.release_pages()
+        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.prefix_cache,
+                                          self.model.config.sliding_window, self.window_blocks)
+
     def _weights_counter(self) -> int:
         """The sum of torch's version counters of the model's tensors: an in-place write raises it."""
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
@@ -733,6 +761,7 @@ class Sampler:
         if self.track_weights and self._weights_counter() != self._weights_seen:
             self._weights_seen = self._weights_counter()
             self.weights_updated()
+        self.runner.allocate_pages()                               # released after the last request, if it was
         self.block_manager.set_version((self.weights_version, kernels.get_backend()))
         bar = tqdm(total=sum(s.limit - s.num_tokens for s in seqs), desc="generate", disable=not progress, leave=False)
         cfg, req = self.config, Request(sp, on_turn_end, index_offset, bar, on_step, recompute_kv)

@@ -188,13 +188,18 @@ class PeerLost(Stopped):
 
 class Synchronous:
     """The core's batch source: batch `step` generated now, by the weights now (version `step`), then
-    trained on. A plug-in's source (Hooks.batch_source) has the same methods."""
+    trained on; the sampler's KV pool is freed while the update runs (nothing in it outlives a step:
+    the next weights make every cached prefix stale), so the update's activations take its memory. A
+    plug-in's source (Hooks.batch_source) has the same methods."""
 
-    def __init__(self, generate: Callable[..., Rollout]):
+    def __init__(self, generate: Callable[..., Rollout], release: Callable[[], None] = lambda: None):
         self.generate = generate             # generate(j, version=v) -> Rollout: train.rollout of the run
+        self.release = release               # the sampler's release_kv
 
     def take(self, step: int) -> Rollout:
-        return self.generate(step, version=step)
+        batch = self.generate(step, version=step)
+        self.release()
+        return batch
 
     def update(self, step: int, fn: Callable[[], object]):
         """fn(): the update of `step`."""
@@ -221,7 +226,7 @@ def batch_source(hooks: list[Hooks], run, generate, sample):
         source = h.batch_source(run, generate, sample)
         if source is not None:
             return source
-    return Synchronous(generate)
+    return Synchronous(generate, run.sampler.release_kv)
 
 
 def rank_split(hooks: list[Hooks]):

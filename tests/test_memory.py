@@ -228,3 +228,49 @@ def test_offload_on_cuda_keeps_the_contract_and_the_masters_on_the_host(tmp_path
         assert r["train_rollout_kl"] == 0 and r["logp_max_abs_diff"] == 0 and r["route_flip_frac"] == 0
     assert peaks["offload"] < peaks["plain"], peaks
     assert abs(rows["offload"][-1]["loss"] - rows["plain"][-1]["loss"]) < 1e-2
+
+
+def test_the_kv_pool_is_freed_between_requests_when_asked_and_comes_back_the_same():
+    """Sampler.release_kv: the pages and their routes go (their memory is the update's in the synchronous
+    loop), the next generate() allocates them again and samples the same tokens, log-probs and routes as a
+    sampler that kept them; the prefix cache goes with them (a repeated request hits before, not after).
+    A sampler not tracking its weights keeps both (the lab's stale prefix)."""
+    from rollout import Sampler
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig()).eval()
+    prompts = [[1, 2, 3, 4] * 5, [5, 6, 7] * 6]
+    kept, freed = Sampler(model, num_blocks=32), Sampler(model, num_blocks=32)
+    first = [sampler.generate(prompts, max_new_tokens=6, n=2, seed=3) for sampler in (kept, freed)]
+    freed.release_kv()
+    assert freed.caches is None and freed.runner.route_pages is None
+    again = [sampler.generate(prompts, max_new_tokens=6, n=2, seed=4) for sampler in (kept, freed)]
+    assert freed.caches is not None
+    assert kept.prefix_hit_rate > 0 == freed.prefix_hit_rate                 # the cache went with the pages
+    for a, b in zip(*(first[i] + again[i] for i in (0, 1))):
+        assert a.tokens == b.tokens and torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+        assert torch.equal(a.routes, b.routes)
+    kept.track_weights = False
+    kept.release_kv()
+    assert kept.caches is not None
+
+
+def test_the_synchronous_loop_frees_the_pool_for_the_update_and_the_plan_counts_the_larger(tmp_path):
+    """After each synchronous rollout the run's sampler holds no KV pool (train.py's update runs without it);
+    an asynchronous source keeps it. The plan counts the pool within the sampler's phase then, beside the
+    trainer's otherwise."""
+    import train
+    from config import RolloutConfig
+    from support.distributed import Dist
+    from tooling import plan
+    run = train.setup(TrainConfig(steps=1, prompts_per_step=4, group_size=2, minibatch_size=8, progress=False,
+                                  out_dir=str(tmp_path / "sync")), RolloutConfig(), Dist(0, 1, torch.device("cpu")))
+    assert run.sampler.caches is not None
+    run.rollouts.take(1)
+    assert run.sampler.caches is None
+    common = ["--init_from=qwen3-30b-a3b", "--world_size=8", "--parallel=fsdp", "--expert_parallel=8",
+              "--dtype=bfloat16", "--max_new_tokens=8192", "--offload_optimizer=true"]
+    sync, stale = (plan.main(common + extra)[0] for extra in ([], ["--max_staleness=1"]))
+    gb = lambda text, row: float(next(l for l in text.splitlines() if l.strip().startswith(row)).split()[-2])
+    kv, act = gb(sync, "KV pool"), gb(sync, "activations, trainer")
+    assert "freed while the update runs" in sync and "freed" not in stale and kv > 1
+    assert abs(gb(stale, "total") - gb(sync, "total") - kv) < 0.03 and act > kv + gb(sync, "activations, sampler")

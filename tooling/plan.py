@@ -65,8 +65,10 @@ run's peak memory at two sizes, and within 10% at three memory settings (docs/re
 
 Where the run does not fit, the verdict names the fewest of --offload_optimizer, --activation_checkpointing
 =full, --grad_reduce=fast and --master_dtype=bfloat16 that would make it fit (those that keep the run's
-bits first), or says that none does. A GPU run checks its own plan before loading (Preflight). On a GPU the sampler then takes
---kv_memory_fraction of the memory it finds free for its pool (at least what is counted here).
+bits first), or says that none does. A GPU run checks its own plan before loading (Preflight).
+The synchronous loop frees the KV pool while the update runs (rollout.Sampler.release_kv): the pool is then
+part of the sampler's phase, not beside the trainer's. On a GPU the sampler takes --kv_memory_fraction of
+the memory it finds free for its pool (at least what is counted here).
 
 The start-up: every rank holds its dense weights and its E/N experts in --master_dtype on the GPU before
 FSDP2 shards them (from a checkpoint folder only those are read from disk); that peak must fit too. A
@@ -114,6 +116,7 @@ class MemoryPlan:
     grad_sums: int = 0             # --grad_reduce=exact's int64 accumulators (exact_sum.Reducer.reserve_bytes)
     activations: "Activations | None" = None
     offload: bool = False          # --offload_optimizer: masters, gradients, AdamW state and exact sums on the host
+    kv_released: bool = False      # the synchronous loop: the KV pool is freed while the update runs
     sum_temps: int = 0             # exact sums: a gradient's conversion in flight (fp64 copy, two limbs: 24 bytes an
                                    # element of the largest tensor), during the backward
     step_temps: int = 0            # the step: AdamW's (foreach: one tensor the size of the state's moment), and the
@@ -131,18 +134,19 @@ class MemoryPlan:
 
     @property
     def phase(self) -> int:
-        """The GPU's largest phase, one after the other: the trainer's activations (and, on the GPU, the exact
-        sums' conversion), the sampler's, the optimizer step's temporaries (on the GPU)."""
+        """The GPU's largest phase, one after the other: the sampler's (its activations, and the KV pool where
+        the update frees it), the trainer's activations (and, on the GPU, the exact sums' conversion), the
+        optimizer step's temporaries (on the GPU)."""
         act = self.activations or Activations(0, 0, 0, 0)
-        if self.offload:
-            return act.peak
-        return max(act.train + self.sum_temps, act.sampler, self.step_temps)
+        sampler = act.sampler + (self.kv_pool if self.kv_released else 0)
+        train, step = act.train + (0 if self.offload else self.sum_temps), 0 if self.offload else self.step_temps
+        return max(sampler, train, step)
 
     @property
     def total(self) -> int:
         """The GPU's bytes."""
         return ((0 if self.offload else self.optimizer) + self.compute_copy + self.sampler_copy + self.reference
-                + self.kv_pool + self.buffers + self.phase)
+                + (0 if self.kv_released else self.kv_pool) + self.buffers + self.phase)
 
 
 @dataclasses.dataclass
@@ -475,6 +479,7 @@ def plan_of(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, kv_tokens: int =
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
     plan.activations = act
+    plan.kv_released = not any(getattr(tcfg, k, 0) for k in ("max_staleness", "partial_rollout", "rollout_ranks"))
     parts = [tcfg.dtype] if tcfg.parallel == "fsdp" and world > 1 else []        # FSDP2's whole copy
     if lab_copy:
         parts.append(f"{rollout_dtype} as {tcfg.dtype}" if quantized else
@@ -544,9 +549,11 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
                  ("exact sums' conversion in flight (the largest tensor; in the backward)", plan.sum_temps),
                  ("the step's temporaries (AdamW's, the norm's)", plan.step_temps)]
     rows = [] if plan.offload else optimizer[:3]
-    rows += [(f"compute copy ({tcfg.dtype})", plan.compute_copy), (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
+    rows += [(f"compute copy ({tcfg.dtype})", plan.compute_copy),
+             (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
              ("reference policy (--kl_coef)", plan.reference)] + ([] if plan.offload else optimizer[3:])
-    rows += [(f"KV pool ({plan.kv_tokens:,} tokens)", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
+    freed = "; freed while the update runs" if plan.kv_released else ""
+    rows += [(f"KV pool ({plan.kv_tokens:,} tokens{freed})", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
     if act is not None:
         recompute = getattr(tcfg, "activation_checkpointing", "none")
         how = backend + ("" if recompute == "none" else f", {recompute} recomputed")
