@@ -12,7 +12,9 @@ no compute copy: the masters compute). Dense parameters (attention, router, norm
 shared experts) are whole on every rank under DDP and sharded over the world under FSDP2; expert
 parameters are divided by --expert_parallel=N, and under FSDP2 also by world / N. The sampler reads whole
 dense weights and this rank's E/N experts: under DDP the compute copy (no more bytes), under FSDP2 a
-copy of its own in --dtype; the mismatch lab's rollout copy (--rollout_dtype other than --dtype, int8 and
+copy of its own in --dtype, the one kept: FSDP2's trainer has no compute copy but what its all-gathers
+hold at once, cast from the shards as they go (the root group's embeddings and head, kept from the forward
+to the end of the backward, and two blocks: the one computing and the next, prefetched); the mismatch lab's rollout copy (--rollout_dtype other than --dtype, int8 and
 fp8_e4m3 stored dequantized in --dtype; --rollout_router_fault) comes on top of either. --kl_coef > 0
 adds the reference policy: whole dense weights and E/N experts in --dtype. --grad_reduce=exact (the
 default) adds its int64 accumulators: 16 bytes an element of this rank's share, and of its E/N experts
@@ -117,6 +119,7 @@ class MemoryPlan:
     activations: "Activations | None" = None
     offload: bool = False          # --offload_optimizer: masters, gradients, AdamW state and exact sums on the host
     kv_released: bool = False      # the synchronous loop: the KV pool is freed while the update runs
+    reduce_on_device: bool = False   # FSDP2: the reduction in flight is on the GPU, also with offload
     sum_temps: int = 0             # exact sums: a gradient's conversion in flight (fp64 copy, two limbs: 24 bytes an
                                    # element of the largest tensor), during the backward
     step_temps: int = 0            # the step: AdamW's (foreach: one tensor the size of the state's moment), and the
@@ -130,7 +133,8 @@ class MemoryPlan:
     @property
     def host(self) -> int:
         """What the host holds for the optimizer (--offload_optimizer), its phases' temporaries too; else 0."""
-        return self.optimizer + max(self.sum_temps, self.step_temps) if self.offload else 0
+        host_sums = 0 if self.reduce_on_device else self.sum_temps
+        return self.optimizer + max(host_sums, self.step_temps) if self.offload else 0
 
     @property
     def phase(self) -> int:
@@ -139,7 +143,8 @@ class MemoryPlan:
         optimizer step's temporaries (on the GPU)."""
         act = self.activations or Activations(0, 0, 0, 0)
         sampler = act.sampler + (self.kv_pool if self.kv_released else 0)
-        train, step = act.train + (0 if self.offload else self.sum_temps), 0 if self.offload else self.step_temps
+        on_device = self.sum_temps if self.reduce_on_device or not self.offload else 0
+        train, step = act.train + on_device, 0 if self.offload else self.step_temps
         return max(sampler, train, step)
 
     @property
@@ -171,7 +176,7 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
                 dtype_bytes: int, sampler_bytes: int, kv_bytes_per_token: int, kv_tokens: int = 0,
                 gpu_bytes: int = 0, kv_fraction: float = 0.5, kv_cap_tokens: int = 0, master_bytes: int = 4,
                 sampler_apart: bool = False, from_checkpoint: bool = True, exact: bool = False,
-                offload: bool = False) -> MemoryPlan:
+                offload: bool = False, groups: tuple[int, int] = (0, 0)) -> MemoryPlan:
     """The weights' arithmetic. shapes: (shape, is_expert) of every parameter, experts stacked (E, ...).
     dtype_bytes: the compute dtype's size (== master_bytes: the masters compute); sampler_bytes: the
     rollout's; sampler_apart: the rollout has a copy of its own even in sampler_bytes == dtype_bytes.
@@ -180,7 +185,10 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     --grad_reduce=exact's accumulators, 16 bytes an element of this rank's share, its E/N experts whole
     under EP (exact_sum.Reducer.reserve_bytes). offload: the masters, gradients, AdamW's state and the
     exact sums on the host (MemoryPlan.host), a compute copy on the GPU also when the masters' dtype
-    computes (memory/offload.py)."""
+    computes (memory/offload.py). groups (FSDP2, gathered_groups): the elements of its root group and of
+    its largest block, unsharded; FSDP2 casts each shard to --dtype as it gathers it, so the root and two
+    blocks in --dtype are the trainer's compute copy: there is no copy of the shards (the sampler's whole
+    copy is the one kept); a block's fp32 gradients (and exact: their limbs) are its reduction in flight."""
     N, fsdp = expert_parallel, parallel == "fsdp" and world > 1
     dense = sum(math.prod(s) for s, e in shapes if not e)
     expert = sum(math.prod(s) for s, e in shapes if e)
@@ -198,6 +206,9 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
         sums += summed
         largest, largest_sum = max(largest, shard_rows(rows, ways) * rest), max(largest_sum, summed)
     compute = mine * dtype_bytes if dtype_bytes != master_bytes or offload else 0
+    root, block = groups
+    if fsdp:
+        compute = (root + 2 * block) * dtype_bytes
     # FSDP2's whole-weights copy in --dtype; the lab's rollout copy (another dtype, quantized) on top of it
     whole = whole_dense + local_experts
     lab = sampler_apart or sampler_bytes != dtype_bytes
@@ -208,6 +219,8 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     plan.grad_sums = 16 * sums if exact else 0
     plan.offload = offload
     plan.sum_temps = 24 * largest_sum if exact else 0
+    if fsdp:                                  # a block's unsharded fp32 gradients, reduce-scattered (exact: as limbs)
+        plan.sum_temps, plan.reduce_on_device = (4 + (24 if exact else 0)) * block, True
     plan.step_temps = mb * mine + 12 * largest
     if not kv_tokens and gpu_bytes and kv_bytes_per_token:
         room = max(0, gpu_bytes - plan.total) * kv_fraction
@@ -351,6 +364,27 @@ def parameter_shapes(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
     return [(tuple(p.shape), is_expert(n)) for n, p in model.named_parameters()]
 
 
+def gathered_groups(cfg: ModelConfig, expert_parallel: int) -> tuple[int, int]:
+    """FSDP2's groups, unsharded, in elements: (the root group's: embeddings, final norm, head, gathered
+    for the forward and kept until the backward is done; the largest block's, with this rank's E/N
+    experts whole)."""
+    import torch
+
+    from model import Transformer
+    from parallel.expert_parallel import is_expert
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    blocks = [0] * cfg.num_hidden_layers
+    root = 0
+    for name, p in model.named_parameters():
+        n = p.numel() // expert_parallel if is_expert(name) else p.numel()
+        if name.startswith("layers."):
+            blocks[int(name.split(".")[1])] += n
+        else:
+            root += n
+    return root, max(blocks)
+
+
 def run_lengths(tcfg: TrainConfig, rcfg: RolloutConfig) -> tuple[int, int]:
     """(the longest prompt, the response limit) of the run: a digit task's are fixed; --task=jsonl's
     prompts are tokenized (as the run formats them), which needs --data and --tokenizer."""
@@ -441,8 +475,9 @@ def what_would_fit(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, gpu_gb: f
             plan, _, _ = plan_of(changed, rcfg, world, kv_tokens)
             if max(plan.total, startup_bytes(plan, changed, world)) <= gpu_gb * GB:
                 options = " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v, _ in chosen)
+                costs = sorted({why for _, _, why in chosen if why != "the same bits"}) or ["the same bits"]
                 found.append(f"{options} ({max(plan.total, startup_bytes(plan, changed, world)) / GB:.2f} GB; "
-                             f"{', '.join(sorted({why for _, _, why in chosen}))})")
+                             f"{', '.join(costs)})")
         if found:
             return "it fits with " + " or ".join(found[:3])
     names = ", ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v, _ in free)
@@ -474,7 +509,8 @@ def plan_of(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, kv_tokens: int =
                        master_bytes=nbytes[tcfg.master_dtype], sampler_apart=lab_copy,
                        from_checkpoint=os.path.isdir(tcfg.init_from),
                        exact=tcfg.grad_reduce == "exact" and not one_term(tcfg, world, act, prompt_len + max_new),
-                       offload=getattr(tcfg, "offload_optimizer", False))          # memory/'s option, where it is
+                       offload=getattr(tcfg, "offload_optimizer", False),          # memory/'s option, where it is
+                       groups=gathered_groups(cfg, tcfg.expert_parallel))
     whole = plan.load_peak // nbytes[tcfg.master_dtype]                 # dense + this rank's experts
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
@@ -544,14 +580,19 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     act = plan.activations
     sums = "exact gradient sums (--grad_reduce=exact" + ("; one term: none)" if tcfg.grad_reduce == "exact" and
                                                          not plan.grad_sums else ")")
+    fsdp = tcfg.parallel == "fsdp" and world > 1
+    in_flight = ("gradients in flight (a block's fp32" + (" and their limbs" if plan.grad_sums else "") + ")" if fsdp
+                 else "exact sums' conversion in flight (the largest tensor's limbs)", plan.sum_temps)
     optimizer = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads),
-                 (f"AdamW state ({m} x 2)", plan.adamw), (sums, plan.grad_sums),
-                 ("exact sums' conversion in flight (the largest tensor; in the backward)", plan.sum_temps),
-                 ("the step's temporaries (AdamW's, the norm's)", plan.step_temps)]
+                 (f"AdamW state ({m} x 2)", plan.adamw), (sums, plan.grad_sums)]
+    optimizer += ([] if plan.reduce_on_device else [in_flight]) + [("the step's temporaries (AdamW's, the norm's)",
+                                                                    plan.step_temps)]
     rows = [] if plan.offload else optimizer[:3]
-    rows += [(f"compute copy ({tcfg.dtype})", plan.compute_copy),
+    gathered = f"FSDP2's gathered weights ({tcfg.dtype}: embeddings and head, two blocks)"
+    rows += [(gathered if fsdp else f"compute copy ({tcfg.dtype})", plan.compute_copy),
              (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
              ("reference policy (--kl_coef)", plan.reference)] + ([] if plan.offload else optimizer[3:])
+    rows += [in_flight] if plan.reduce_on_device else []
     freed = "; freed while the update runs" if plan.kv_released else ""
     rows += [(f"KV pool ({plan.kv_tokens:,} tokens{freed})", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
     if act is not None:
