@@ -166,9 +166,12 @@ class Limbs:
         self.bad |= bad
         self.add_limbs(hi, lo)
 
-    def add_limbs(self, hi: torch.Tensor, lo: torch.Tensor, terms: int = 1) -> None:
-        """Add limbs holding the sum of `terms` terms (a reduce-scatter's output: one per rank)."""
+    def add_limbs(self, hi: torch.Tensor, lo: torch.Tensor, terms: int = 1, at: int | None = None) -> None:
+        """Add limbs holding the sum of `terms` terms (a reduce-scatter's output: one per rank); at: into the
+        flat elements from `at` on (a piece; its terms counted with the last piece)."""
         mine_hi, mine_lo = self._limbs()
+        if at is not None:
+            mine_hi, mine_lo = (t.view(-1)[at:at + hi.numel()] for t in (mine_hi, mine_lo))
         mine_hi += hi
         mine_lo += lo
         self.terms += terms
@@ -396,9 +399,11 @@ class ExactReduceScatter:
 
     FSDP2 hands over the step's unsharded fp32 gradients, flat and laid out by rank; they are converted
     elementwise (the grid is the same for every element, so the layout does not matter), reduce-
-    scattered as int64 limbs and added to this group's sharded sum. FSDP2 accumulates what is written
-    into `output` onto the sharded .grad: zeros until the minibatch's last step, then the sum (0 + x
-    is exact)."""
+    scattered as int64 limbs and added to this group's sharded sum, CHUNK elements of each rank's piece
+    at a time (so the limbs in flight are 16 x ranks x CHUNK bytes, not 16 a gradient of the whole
+    block; integers add the same in pieces). FSDP2 accumulates what is written into `output` onto the
+    sharded .grad: zeros until the minibatch's last step, then the sum (0 + x is exact)."""
+    CHUNK = 1 << 20
 
     def __init__(self, reducer: Reducer):
         self.reducer, self.sum = reducer, None
@@ -407,14 +412,18 @@ class ExactReduceScatter:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
-        hi, lo, bad = to_limbs(input_tensor)
-        out_hi, out_lo = hi.new_empty(output_tensor.shape), lo.new_empty(output_tensor.shape)
-        dist.reduce_scatter_single(out_hi, hi, group=group)
-        dist.reduce_scatter_single(out_lo, lo, group=group)
+        n, shard, home = group.size(), output_tensor.numel(), self.reducer.home
         if self.sum is None:
-            self.sum = Limbs(output_tensor.shape, self.reducer.home)
-        self.sum.add_limbs(out_hi.to(self.reducer.home), out_lo.to(self.reducer.home), terms=group.size())
-        self.sum.bad |= bad.to(self.reducer.home)
+            self.sum = Limbs(output_tensor.shape, home)
+        by_rank = input_tensor.view(n, shard)                         # (ranks, shard): rank r's piece in row r
+        for at in range(0, shard, self.CHUNK):
+            hi, lo, bad = to_limbs(by_rank[:, at:at + self.CHUNK])    # (ranks, c), contiguous
+            out_hi, out_lo = hi.new_empty(hi.shape[1]), lo.new_empty(lo.shape[1])
+            dist.reduce_scatter_single(out_hi, hi.reshape(-1), group=group)
+            dist.reduce_scatter_single(out_lo, lo.reshape(-1), group=group)
+            last = at + self.CHUNK >= shard
+            self.sum.add_limbs(out_hi.to(home), out_lo.to(home), terms=n if last else 0, at=at)
+            self.sum.bad |= bad.to(home)
         if self.reducer.last:
             output_tensor.copy_(self.sum.value())
         else:

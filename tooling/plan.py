@@ -188,7 +188,8 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     computes (memory/offload.py). groups (FSDP2, gathered_groups): the elements of its root group and of
     its largest block, unsharded; FSDP2 casts each shard to --dtype as it gathers it, so the root and two
     blocks in --dtype are the trainer's compute copy: there is no copy of the shards (the sampler's whole
-    copy is the one kept); a block's fp32 gradients (and exact: their limbs) are its reduction in flight."""
+    copy is the one kept); a block's fp32 gradients (and exact: the limbs of a piece of them,
+    exact_sum.ExactReduceScatter.CHUNK elements a rank) are its reduction in flight."""
     N, fsdp = expert_parallel, parallel == "fsdp" and world > 1
     dense = sum(math.prod(s) for s, e in shapes if not e)
     expert = sum(math.prod(s) for s, e in shapes if e)
@@ -219,8 +220,10 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     plan.grad_sums = 16 * sums if exact else 0
     plan.offload = offload
     plan.sum_temps = 24 * largest_sum if exact else 0
-    if fsdp:                                  # a block's unsharded fp32 gradients, reduce-scattered (exact: as limbs)
-        plan.sum_temps, plan.reduce_on_device = (4 + (24 if exact else 0)) * block, True
+    if fsdp:         # a block's unsharded fp32 gradients, reduce-scattered (exact: as limbs, a piece at a time)
+        from support.exact_sum import ExactReduceScatter
+        piece = min(block, world * ExactReduceScatter.CHUNK)
+        plan.sum_temps, plan.reduce_on_device = 4 * block + (24 * piece if exact else 0), True
     plan.step_temps = mb * mine + 12 * largest
     if not kv_tokens and gpu_bytes and kv_bytes_per_token:
         room = max(0, gpu_bytes - plan.total) * kv_fraction
@@ -581,7 +584,7 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     sums = "exact gradient sums (--grad_reduce=exact" + ("; one term: none)" if tcfg.grad_reduce == "exact" and
                                                          not plan.grad_sums else ")")
     fsdp = tcfg.parallel == "fsdp" and world > 1
-    in_flight = ("gradients in flight (a block's fp32" + (" and their limbs" if plan.grad_sums else "") + ")" if fsdp
+    in_flight = ("gradients in flight (a block's fp32" + (", a piece's limbs" if plan.grad_sums else "") + ")" if fsdp
                  else "exact sums' conversion in flight (the largest tensor's limbs)", plan.sum_temps)
     optimizer = [(f"masters ({m})", plan.masters), (f"gradients ({m})", plan.grads),
                  (f"AdamW state ({m} x 2)", plan.adamw), (sums, plan.grad_sums)]
