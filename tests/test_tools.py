@@ -61,8 +61,8 @@ def test_gpu_check_script_runs_on_cpu(tmp_path):
         rows = [tuple(row) for row in tuning["mm"][name]]                           # rows not timed (M > 1) as
         assert [r[0] for r in rows] == [r[0] for r in kt.MM_TABLE[dtype]] and rows[1:] == list(kt.MM_TABLE[dtype][1:])   # committed
     # with its time budget spent at once, the sweep times nothing and keeps every table as committed
-    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--cpu-smoke", "--sweep-budget", "0", "--tuning-out",
-                        str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--cpu-smoke", "--sweep", "--sweep-budget", "0",
+                        "--tuning-out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "time budget spent" in r.stdout, r.stderr[-3000:]
     committed = {"moe": {"bfloat16": list(ktm.MOE_TILES[torch.bfloat16])},
                  "mm": {name: [list(row) for row in kt.MM_TABLE[dtype]]

@@ -64,7 +64,8 @@ def main() -> int:
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         tune(sweep(dev="cpu", budget_s=args.sweep_budget), args.tuning_out)
-        bench(quick=True, dev="cpu")
+        if not args.sweep:                                            # --sweep: only the sweep, as on a GPU
+            bench(quick=True, dev="cpu")
         return 0
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device (torch.cuda.is_available() is False). This check needs one GPU; "
