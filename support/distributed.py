@@ -257,13 +257,13 @@ def place_weights(model: Transformer, tcfg: TrainConfig, d: Dist, apart: bool = 
     """-> (scorer, full_model, sync_full_weights, mp): parallelize's three, and the MixedPrecision
     object when --dtype computes on a copy of the --master_dtype weights, or the masters are kept apart
     from the compute weights (apart: on the host, memory/offload.py); None: one set of weights."""
+    if tcfg.master_dtype == "bfloat16" and not tcfg.mixed_precision:
+        d.print0("--master_dtype=bfloat16: the optimizer updates bf16 weights; an update smaller than half a bf16 "
+                 "ulp of its weight (2e-3 to 4e-3 relative) is lost (float32 masters keep it)")
+    store_routers(model, tcfg)                     # one dtype: the masters' gates as one set of weights keeps them
     if tcfg.mixed_precision or apart:
         mp = MixedPrecision(model, tcfg, d, apart)
         return mp.scorer, mp.full_model, mp.sync_full_weights, mp
-    if tcfg.master_dtype == "bfloat16":
-        d.print0("--master_dtype=bfloat16: the optimizer updates bf16 weights; an update smaller than half a bf16 "
-                 "ulp of its weight (2e-3 to 4e-3 relative) is lost (float32 masters keep it)")
-    store_routers(model, tcfg)
     return (*parallelize(model, tcfg, d), None)
 
 

@@ -155,7 +155,8 @@ def test_a_resume_may_switch_checkpointing_and_offload_and_continues_the_run(tmp
 def test_offload_keeps_the_masters_apart_and_the_run_bitwise(tmp_path, monkeypatch):
     """--offload_optimizer on the CPU device, fp32: the masters (the optimizer's) are a second set apart
     from the compute copy the trainer and the sampler run (on a GPU: host and device), and two steps give
-    the same metrics but the timings, and the same weights, as without. Control: the host's update by
+    the same metrics but the timings, and the same weights, as without; so do bf16 weights with fp32 gates
+    (--master_dtype=bfloat16, GLM's router) and the router bias. Control: the host's update by
     another AdamW kernel (torch's fused one, as a step on another device may be) is another run."""
     import train
     from config import RolloutConfig
@@ -179,6 +180,11 @@ def test_offload_keeps_the_masters_apart_and_the_run_bitwise(tmp_path, monkeypat
     plain, offloaded = two_steps("plain"), two_steps("offload", offload_optimizer=True)
     assert offloaded[0] == plain[0]
     assert all(torch.equal(offloaded[1][k], v) for k, v in plain[1].items())
+    bf16 = dict(dtype="bfloat16", master_dtype="bfloat16", init_from="tiny-sigmoid", router_dtype="float32",
+                expert_bias_update_rate=1e-3)
+    plain16, offloaded16 = two_steps("plain16", **bf16), two_steps("offload16", offload_optimizer=True, **bf16)
+    assert offloaded16[0] == plain16[0]                          # bf16 weights, fp32 gates and bias, offloaded too
+    assert all(torch.equal(offloaded16[1][k], v) for k, v in plain16[1].items())
     build = distributed.build_optimizer
     monkeypatch.setattr(distributed, "build_optimizer", lambda model, tcfg: torch.optim.AdamW(
         model.parameters(), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay, fused=True))
