@@ -71,7 +71,8 @@ def check_device(device: str) -> None:
 
 
 def init_distributed(device: str, split=None) -> Dist:
-    """NCCL with one GPU per local rank, or gloo on CPU; a single process when not under torchrun.
+    """NCCL with one GPU per local rank (gloo beside it for host tensors), or gloo on CPU; a single process
+    when not under torchrun.
 
     split: a plug-in's division of a torchrun job's ranks into sides (Hooks.split_ranks: asynchrony's
     rollout ranks), called as split(rank, world, device, backend, init_kw) -> this rank's Dist, each side
@@ -87,7 +88,9 @@ def init_distributed(device: str, split=None) -> Dist:
     kw = {"device_id": dev} if use_cuda else {}
     if use_cuda:
         torch.cuda.set_device(dev)
-    backend = "nccl" if use_cuda else "gloo"
+    # on a GPU, CUDA tensors reduce over NCCL and host ones over gloo: the optimizer's state on the host
+    # (memory/offload.py) has its norms, checkpoint gathers and sums there
+    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     if split is not None:
         return split(rank, world, dev, backend, kw)
     dist.init_process_group(backend, **kw)

@@ -120,6 +120,7 @@ class MemoryPlan:
     offload: bool = False          # --offload_optimizer: masters, gradients, AdamW state and exact sums on the host
     kv_released: bool = False      # the synchronous loop: the KV pool is freed while the update runs
     reduce_on_device: bool = False   # FSDP2: the reduction in flight is on the GPU, also with offload
+    largest_group: int = 0         # FSDP2: its largest group (root or block) whole, in --master_dtype
     sum_temps: int = 0             # exact sums: a gradient's conversion in flight (fp64 copy, two limbs: 24 bytes an
                                    # element of the largest tensor), during the backward
     step_temps: int = 0            # the step: AdamW's (foreach: one tensor the size of the state's moment), and the
@@ -224,6 +225,7 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
         from support.exact_sum import ExactReduceScatter
         piece = min(block, world * ExactReduceScatter.CHUNK)
         plan.sum_temps, plan.reduce_on_device = 4 * block + (24 * piece if exact else 0), True
+        plan.largest_group = max(root, block) * mb
     plan.step_temps = mb * mine + 12 * largest
     if not kv_tokens and gpu_bytes and kv_bytes_per_token:
         room = max(0, gpu_bytes - plan.total) * kv_fraction
@@ -457,7 +459,8 @@ def main(argv: list[str]) -> tuple[str, bool]:
 
 
 # the settings that trade memory, the run's bits kept first: (option, value, what it costs)
-REMEDIES = [("offload_optimizer", True, "the same bits"), ("activation_checkpointing", "full", "the same bits"),
+REMEDIES = [("offload_optimizer", True, "the same update, on the host"),
+            ("activation_checkpointing", "full", "the same bits"),
             ("grad_reduce", "fast", "the bits then follow the world size"),
             ("master_dtype", "bfloat16", "updates below half a bf16 ulp are lost")]
 
@@ -518,7 +521,8 @@ def plan_of(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, kv_tokens: int =
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
     plan.activations = act
-    plan.kv_released = not any(getattr(tcfg, k, 0) for k in ("max_staleness", "partial_rollout", "rollout_ranks"))
+    plan.kv_released = not (any(getattr(tcfg, k, 0) for k in ("max_staleness", "partial_rollout", "rollout_ranks"))
+                            or getattr(rcfg, "rollout_episode_fault", "") == "stale_prefix_kv")   # its cache stays
     parts = [tcfg.dtype] if tcfg.parallel == "fsdp" and world > 1 else []        # FSDP2's whole copy
     if lab_copy:
         parts.append(f"{rollout_dtype} as {tcfg.dtype}" if quantized else
@@ -528,8 +532,11 @@ def plan_of(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, kv_tokens: int =
 
 def startup_bytes(plan: MemoryPlan, tcfg: TrainConfig, world: int) -> int:
     """The GPU's start-up peak: FSDP2 shards a model first held whole (dense and this rank's experts) on
-    each GPU; with the masters on the host (--offload_optimizer) it is sharded there."""
-    return plan.load_peak if tcfg.parallel == "fsdp" and world > 1 and not plan.offload else 0
+    each GPU; with the masters on the host (--offload_optimizer) it moves one group at a time to the GPU to
+    shard it (the largest: the root's embeddings and head, or a block), in --master_dtype."""
+    if not (tcfg.parallel == "fsdp" and world > 1):
+        return 0
+    return plan.largest_group if plan.offload else plan.load_peak
 
 
 def lab_options(rcfg: RolloutConfig) -> tuple[str, str]:
@@ -612,7 +619,8 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
              f"per rank: {plan.params_per_rank / 1e9:.2f}B parameters"]
     startup = startup_bytes(plan, tcfg, world)                        # before FSDP2 shards (DDP: the masters)
     if startup:
-        rows.append((f"start-up, before FSDP2 shards: dense weights and this rank's experts ({m})", startup))
+        rows.append((f"start-up, FSDP2 sharding from the host: its largest group ({m})" if plan.offload else
+                     f"start-up, before FSDP2 shards: dense weights and this rank's experts ({m})", startup))
     width = max(len(name) for name, _ in rows)
     lines += [f"  {name:<{width}} {b / GB:9.2f} GB" for name, b in rows]
     lines += [kv] if kv else []
