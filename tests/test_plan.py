@@ -131,7 +131,8 @@ def test_qwen3_30b_a3b_on_eight_96gb_gpus_fits_only_with_expert_parallelism(tmp_
     assert gb(exact, "exact gradient sums") == 61.06 and gb(with_ep, "exact gradient sums") == 0
     assert abs(gb(exact, "total") - gb(with_ep, "total") - 61.06) < 0.015 and not fits_exact   # rows rounded
     verdict = next(line for line in exact.splitlines() if line.startswith("does not fit"))
-    assert "it fits with --offload_optimizer=true (14.16 GB; the same update, on the host) or --grad_reduce=fast (88.89 GB" in verdict
+    assert ("it fits with --offload_optimizer=true (14.16 GB; the same update, on the host) or "
+            "--grad_reduce=fast (88.89 GB") in verdict
     # the start-up, before FSDP2 shards: each rank holds its dense weights and its 16 of 128 experts in fp32
     # (20.66 GB) at EP=8, all 30.5B parameters (122.13 GB) at EP=1: part of the verdict, never beside it
     assert gb(with_ep, "start-up") == 20.66 and gb(without, "start-up") == 122.13

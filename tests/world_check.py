@@ -6,8 +6,9 @@
 
 Runs train.py's loop in-process for each layout of this world size (LAYOUTS: DDP or FSDP2, with or
 without --expert_parallel=2; at 2 ranks FSDP2 with each block recomputed in the backward and EP=2 with
-each MoE layer, --activation_checkpointing, both with the optimizer on the host, --offload_optimizer) of each run (RUNS: fp32 with packed micro-batches, bf16 compute over fp32
-masters with padded ones and the router bias, and --grad_reduce=fast, the control), and writes
+each MoE layer, --activation_checkpointing, both with the optimizer on the host, --offload_optimizer)
+of each run (RUNS: fp32 with packed micro-batches, bf16 compute over fp32 masters with padded ones and the
+router bias, and --grad_reduce=fast, the control), and writes
 OUT/world{N}.json: per layout, every metrics row without its per-layout keys, and the SHA-256 of the
 checkpoint's tensors (whole experts). The 1- and 4-rank launches also resume the 2-rank DDP EP=2 fp32
 run from its step-3 checkpoint. tests/test_distributed.py compares the files.

@@ -14,8 +14,9 @@ parameters are divided by --expert_parallel=N, and under FSDP2 also by world / N
 dense weights and this rank's E/N experts: under DDP the compute copy (no more bytes), under FSDP2 a
 copy of its own in --dtype, the one kept: FSDP2's trainer has no compute copy but what its all-gathers
 hold at once, cast from the shards as they go (the root group's embeddings and head, kept from the forward
-to the end of the backward, and two blocks: the one computing and the next, prefetched); the mismatch lab's rollout copy (--rollout_dtype other than --dtype, int8 and
-fp8_e4m3 stored dequantized in --dtype; --rollout_router_fault) comes on top of either. --kl_coef > 0
+to the end of the backward, and two blocks: the one computing and the next, prefetched); the mismatch
+lab's rollout copy (--rollout_dtype other than --dtype, int8 and fp8_e4m3 stored dequantized in --dtype;
+--rollout_router_fault) comes on top of either. --kl_coef > 0
 adds the reference policy: whole dense weights and E/N experts in --dtype. --grad_reduce=exact (the
 default) adds its int64 accumulators: 16 bytes an element of this rank's share, and of its E/N experts
 whole under EP, also when FSDP2 shards them over their replicas (exact_sum.Reducer.reserve_bytes);
