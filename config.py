@@ -300,14 +300,10 @@ MODEL_PRESETS: dict[str, dict] = {
         moe_intermediate_size=768, intermediate_size=6144, norm_topk_prob=True, mlp_only_layers=[],
         decoder_sparse_step=1, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         max_position_embeddings=40960),
-    # Qwen3-235B-A22B's (94 layers, 128 experts of 1536, top-8, 22B active), for --plan at scale.
-    "qwen3-235b-a22b": dict(
-        vocab_size=151936, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
-        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=1536, intermediate_size=12288, norm_topk_prob=True, mlp_only_layers=[],
-        decoder_sparse_step=1, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        max_position_embeddings=40960),
 }
+# Qwen3-235B-A22B's: Qwen3-30B-A3B's family at 94 layers, 128 experts of 1536, 22B active (for --plan at scale).
+MODEL_PRESETS["qwen3-235b-a22b"] = dict(MODEL_PRESETS["qwen3-30b-a3b"], hidden_size=4096, num_hidden_layers=94,
+                                        num_attention_heads=64, moe_intermediate_size=1536, intermediate_size=12288)
 
 
 # The ModelConfig fields a preset takes from the command line (--num_hidden_layers=2): all but vocab_size

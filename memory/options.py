@@ -30,7 +30,6 @@ class MemoryOptions:
         self.require(self.activation_checkpointing == "none" or not getattr(self, "train_capacity_factor", 0),
                      f"--activation_checkpointing={self.activation_checkpointing} with --train_capacity_factor: "
                      "the recompute would count the dropped tokens twice; drop one")
-
         self.require(not (self.offload_optimizer and getattr(self, "eplb_redundant", 0)),
                      "--offload_optimizer with --eplb_redundant: EPLB folds its replicas' sums on the device; "
                      "drop one")

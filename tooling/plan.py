@@ -359,31 +359,31 @@ def activations(cfg: ModelConfig, tcfg: TrainConfig, rcfg: RolloutConfig, backen
 # ---------------------------------------------------------------------------------------------------
 # the run's shapes: the model, the rollout's lengths
 # ---------------------------------------------------------------------------------------------------
-def parameter_shapes(cfg: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
-    """(shape, is_expert) of every parameter of the model, from a meta-device build (no memory)."""
+def named_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the model, from a meta-device build (no memory)."""
     import torch
 
     from model import Transformer
-    from parallel.expert_parallel import is_expert
     with torch.device("meta"):
         model = Transformer(cfg)
-    return [(tuple(p.shape), is_expert(n)) for n, p in model.named_parameters()]
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
-def gathered_groups(cfg: ModelConfig, expert_parallel: int) -> tuple[int, int]:
+def parameter_shapes(cfg: ModelConfig, named: list | None = None) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, is_expert) of every parameter of the model (named: named_shapes(cfg), if made already)."""
+    from parallel.expert_parallel import is_expert
+    return [(shape, is_expert(n)) for n, shape in named or named_shapes(cfg)]
+
+
+def gathered_groups(cfg: ModelConfig, expert_parallel: int, named: list | None = None) -> tuple[int, int]:
     """FSDP2's groups, unsharded, in elements: (the root group's: embeddings, final norm, head, gathered
     for the forward and kept until the backward is done; the largest block's, with this rank's E/N
-    experts whole)."""
-    import torch
-
-    from model import Transformer
+    experts whole). named: named_shapes(cfg), if made already."""
     from parallel.expert_parallel import is_expert
-    with torch.device("meta"):
-        model = Transformer(cfg)
     blocks = [0] * cfg.num_hidden_layers
     root = 0
-    for name, p in model.named_parameters():
-        n = p.numel() // expert_parallel if is_expert(name) else p.numel()
+    for name, shape in named or named_shapes(cfg):
+        n = math.prod(shape) // expert_parallel if is_expert(name) else math.prod(shape)
         if name.startswith("layers."):
             blocks[int(name.split(".")[1])] += n
         else:
@@ -480,10 +480,11 @@ def what_would_fit(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, gpu_gb: f
             except ConfigError:                                      # a pair the options refuse
                 continue
             plan, _, _ = plan_of(changed, rcfg, world, kv_tokens)
-            if max(plan.total, startup_bytes(plan, changed, world)) <= gpu_gb * GB:
+            need = peak_bytes(plan, changed, world)
+            if need <= gpu_gb * GB:
                 options = " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v, _ in chosen)
                 costs = sorted({why for _, _, why in chosen if why != "the same bits"}) or ["the same bits"]
-                found.append(f"{options} ({max(plan.total, startup_bytes(plan, changed, world)) / GB:.2f} GB; "
+                found.append(f"{options} ({need / GB:.2f} GB; "
                              f"{', '.join(costs)})")
         if found:
             return "it fits with " + " or ".join(found[:3])
@@ -511,13 +512,14 @@ def plan_of(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, kv_tokens: int =
     kv_per_token = kv_bytes_per_token(cfg, nbytes[sampler_dtype], rcfg.record_route_detail)
     need = rollout_positions(tcfg, rcfg, world, prompt_len + max_new)
     act = activations(cfg, tcfg, rcfg, backend_of(tcfg), world, prompt_len, max_new)
-    plan = memory_plan(parameter_shapes(cfg), world, tcfg.parallel, tcfg.expert_parallel, nbytes[tcfg.dtype],
+    named = named_shapes(cfg)
+    plan = memory_plan(parameter_shapes(cfg, named), world, tcfg.parallel, tcfg.expert_parallel, nbytes[tcfg.dtype],
                        nbytes[sampler_dtype], kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size or need,
                        master_bytes=nbytes[tcfg.master_dtype], sampler_apart=lab_copy,
                        from_checkpoint=os.path.isdir(tcfg.init_from),
                        exact=tcfg.grad_reduce == "exact" and not one_term(tcfg, world, act, prompt_len + max_new),
                        offload=getattr(tcfg, "offload_optimizer", False),          # memory/'s option, where it is
-                       groups=gathered_groups(cfg, tcfg.expert_parallel))
+                       groups=gathered_groups(cfg, tcfg.expert_parallel, named))
     whole = plan.load_peak // nbytes[tcfg.master_dtype]                 # dense + this rank's experts
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
@@ -529,6 +531,11 @@ def plan_of(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, kv_tokens: int =
         parts.append(f"{rollout_dtype} as {tcfg.dtype}" if quantized else
                      sampler_dtype if sampler_dtype != tcfg.dtype else f"{tcfg.dtype}, its router faulted")
     return plan, " + ".join(parts) or tcfg.dtype, kv_line(cfg, nbytes[sampler_dtype])
+
+
+def peak_bytes(plan: MemoryPlan, tcfg: TrainConfig, world: int) -> int:
+    """What the GPU must hold: the run's total, or the start-up's where that is more."""
+    return max(plan.total, startup_bytes(plan, tcfg, world))
 
 
 def startup_bytes(plan: MemoryPlan, tcfg: TrainConfig, world: int) -> int:
@@ -625,7 +632,7 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     width = max(len(name) for name, _ in rows)
     lines += [f"  {name:<{width}} {b / GB:9.2f} GB" for name, b in rows]
     lines += [kv] if kv else []
-    peak = max(plan.total, startup)
+    peak = peak_bytes(plan, tcfg, world)
     fits = peak <= gpu
     what = "the start-up" if startup > plan.total else "the run"
     lines.append(f"fits: {what} needs {peak / GB:.2f} GB of the {gpu_gb:g} GB per GPU ({(gpu - peak) / GB:.2f} GB spare)"
@@ -652,11 +659,9 @@ class Preflight(Hooks):
 
     def check_build(self, task, config) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1")) - getattr(self.tcfg, "rollout_ranks", 0)
-        plan, copy, _ = plan_of(self.tcfg, self.rcfg, world)
-        gpu_gb = self.gpu_bytes / GB
-        _, fits = format_plan(plan, self.tcfg, world, gpu_gb, copy, backend_of(self.tcfg))
-        if not fits:
-            need = max(plan.total, startup_bytes(plan, self.tcfg, world))
+        plan, _, _ = plan_of(self.tcfg, self.rcfg, world)
+        need, gpu_gb = peak_bytes(plan, self.tcfg, world), self.gpu_bytes / GB
+        if need > self.gpu_bytes:
             raise ConfigError(f"this run needs {need / GB:.2f} GB per GPU by its plan, more than this GPU's "
                               f"{gpu_gb:.2f} GB; {what_would_fit(self.tcfg, self.rcfg, world, gpu_gb, 0)} (the table: "
                               "the same options with --plan; to start anyway: --preflight=false)")
