@@ -60,9 +60,9 @@ from support.checkpoint import (RunError, build_model, check_finite_weights, com
                                 optimizer_state, prepare_out_dir, resume, run_task, save_checkpoint, trim_metrics)
 from support.distributed import (Dist, Policy, all_cat, all_owned, check_in_sync, gather_scored, global_batch,
                                  init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
-from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, batch_source, held_experts, master_device,
-                           plugin_hooks, rank_split, sampler_model, serving_hook, shard, trainer_forward, whole_model,
-                           wrap_sampler)
+from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, adapt, batch_source, exported, held_experts,
+                           master_device, plugin_hooks, rank_split, sampler_model, serving_hook, shard, trainer_forward,
+                           whole_model, wrap_sampler)
 from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
                              unpack)
 from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, bar_postfix, episode_metrics,
@@ -494,7 +494,7 @@ def checkpoint(run: Run, step: int) -> None:
                  "length_surge": run.surge.state_dict(), "sft_done": run.sft_done,
                  "plugins": {h.name: h.state_dict() for h in run.hooks if h.name}}
         path = save_checkpoint(run.tcfg.out_dir, step, full, opt_state, run.tcfg, run.rcfg, run.task, extra=extra,
-                               masters=masters, save_dtype=run.tcfg.save_dtype or run.tcfg.dtype,
+                               masters=masters, exported=exported(run.hooks, full), save_dtype=run.tcfg.save_dtype or run.tcfg.dtype,
                                keep=run.tcfg.keep_checkpoints, identity=run.outputs and run.outputs.identity)
         say(run, f"step {step}: saved {path}")
     if run.d.world > 1:
@@ -523,6 +523,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
         hook.check_build(task, config)
     home = master_device(hooks, d)                                    # offload: the host (memory/)
     model = build_model(tcfg, home or d.device, getattr(torch, tcfg.master_dtype), preset, experts)
+    adapt(hooks, model)                                               # LoRA: its adapters, the base frozen (lora/)
     resumed = None
     if tcfg.resume:
         store_routers(model, tcfg)                                    # an fp32 router keeps its saved bits

@@ -45,7 +45,7 @@ class Offload(Hooks):
 def host_bytes_to_come(policy) -> int:
     """What the host will still allocate: the masters' gradients (or the exact sums' limbs) and AdamW's two
     moments (unless a resume loaded them), this rank's share."""
-    local = [getattr(p, "to_local", lambda: p)() for p in policy.master.parameters()]
+    local = [getattr(p, "to_local", lambda: p)() for p in policy.master.parameters() if p.requires_grad]
     grads = policy.reducer.reserve_bytes() if policy.reducer is not None else sum(t.nbytes for t in local)
     moments = 0 if policy.optimizer.state else 2 * sum(t.nbytes for t in local)
     return grads + moments

@@ -104,14 +104,15 @@ def export_model(model: Transformer, masters: dict | None, save_dtype: str) -> T
 
 def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: dict | None = None,
                     masters: dict | None = None, save_dtype: str = "", identity: Identity | None = None,
-                    keep: int = 1) -> str:
+                    keep: int = 1, exported: Transformer | None = None) -> str:
     """Write ckpt-NNNNNN via a .tmp folder renamed into place, point `latest` at it, keep the `keep`
     newest; returns its path. `identity` (token ids, tokenizer files) makes the weights a checkpoint
     transformers' generate stops on (hf.write_identity).
 
     model: the full weights (the compute copy); masters: the fp32 master state when it is another
     (mixed precision); save_dtype: the HF export's dtype ("" = model's). The masters are saved beside
-    the export when the export does not hold their exact bits.
+    the export when the export does not hold their exact bits. exported: the model the export is written
+    from when it is not `model` (LoRA's merged weights); model's own state (the masters) is then kept too.
 
     A failed write (a full disk) removes the partial .tmp and raises RunError: `latest` and the
     checkpoint it names are untouched until the new one is complete.
@@ -121,11 +122,11 @@ def save_checkpoint(out_dir, step, model, opt_state, tcfg, rcfg, task, extra: di
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        export = export_model(model, masters, save_dtype)
+        export = export_model(model, masters, save_dtype) if exported is None else export_model(exported, None, save_dtype)
         export.save_pretrained(tmp)
         exact = masters if masters is not None else model.state_dict()
         saved = export.state_dict()
-        if any(saved[k].dtype != v.dtype for k, v in exact.items()):    # the export rounds: keep the masters
+        if set(saved) != set(exact) or any(saved[k].dtype != v.dtype for k, v in exact.items()):   # keep the masters
             from safetensors.torch import save_file
             save_file({k: v.detach().cpu().contiguous() for k, v in exact.items()}, os.path.join(tmp, MASTERS))
         if identity is not None:

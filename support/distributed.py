@@ -246,8 +246,11 @@ def routers(model: Transformer) -> list[nn.Module]:
 
 def cast_for_compute(model: Transformer, dtype: torch.dtype, router: torch.dtype, device=None) -> Transformer:
     """A copy of `model` in `dtype` (on `device`, else where model is), its routers (gate weight, bias) in
-    `router`; a cast is elementwise, so the copy's bits are those of each master tensor rounded on its own."""
-    out = copy.deepcopy(model).to(dtype=dtype, device=device)
+    `router`; a cast is elementwise, so the copy's bits are those of each master tensor rounded on its own.
+    A frozen parameter already in `dtype` there (LoRA's base, lora/) is shared, not copied: one copy."""
+    where = device or next(model.parameters()).device
+    shared = {id(p): p for p in model.parameters() if not p.requires_grad and p.dtype == dtype and p.device == where}
+    out = copy.deepcopy(model, memo=dict(shared)).to(dtype=dtype, device=device)
     with torch.no_grad():
         for src, dst in zip(routers(model), routers(out)):
             dst.to(router)
@@ -323,15 +326,16 @@ class MixedPrecision:
         self.master_of = {id(p): masters[name] for name, p in self.full_model.named_parameters()}
         if tcfg.grad_reduce == "fast":                                # exact: exact_sum.Reducer's hooks instead
             for name, p in self.full_model.named_parameters():
-                p.register_post_accumulate_grad_hook(functools.partial(_accumulate_into, masters[name]))
-        self._pairs = list(zip(model_state(master), model_state(self.full_model)))
+                if p.requires_grad:                                   # LoRA: not the frozen base
+                    p.register_post_accumulate_grad_hook(functools.partial(_accumulate_into, masters[name]))
+        self._pairs = [(m, c) for m, c in zip(model_state(master), model_state(self.full_model)) if m is not c]
         if apart and d.device.type == "cuda":                        # pinned: the recast's copies run async
             for t in model_state(master):
                 t.data = t.data.pin_memory()
 
     def parameters(self) -> list[nn.Parameter]:
-        """What the optimizer updates and clipping measures: the masters (sharded under FSDP2)."""
-        return list(self.scorer.parameters()) if self.fsdp else list(self.master.parameters())
+        """What the optimizer updates and clipping measures: the trained masters (sharded under FSDP2)."""
+        return [p for p in (self.scorer if self.fsdp else self.master).parameters() if p.requires_grad]
 
     def _shard(self) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -375,6 +379,7 @@ class MixedPrecision:
         if ep is not None:                                            # experts: over their replicas only
             params, experts = expert_parallel.split_params(self.master)
             expert_parallel.reduce_expert_grads(experts, ep, self.d.world, self.d.device)
+            params = [p for p in params if p.requires_grad]                # LoRA: not the frozen base
         for p in params:
             if p.grad is None:                                        # every rank reduces the same tensors
                 p.grad = torch.zeros_like(p)
@@ -520,12 +525,12 @@ def build_optimizer(model: Transformer, tcfg: TrainConfig) -> torch.optim.Optimi
     gates get a second group whose lr is S times the first's, set just before each step (the loop sets
     every group's lr); S = 0 also drops their weight decay, so frozen gates keep their bits."""
     kw = dict(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]     # LoRA: the adapters (the base is frozen)
     if tcfg.router_lr_scale == 1:
-        return torch.optim.AdamW(model.parameters(), **kw)
+        return torch.optim.AdamW(params, **kw)
     gates = {id(p) for m in model.modules() if isinstance(m, MoE) for p in m.gate.parameters()}
     if not gates:
         raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the model has no MoE layer (no router)")
-    params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if id(p) not in gates]},
                              {"params": [p for p in params if id(p) in gates]}], **kw)
 

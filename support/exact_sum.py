@@ -309,7 +309,7 @@ class Reducer:
     def finish(self) -> None:
         """The sums over ranks, as fp32 .grad of every master parameter (zeros where nothing arrived);
         self.bad on every rank if any term anywhere was out of range."""
-        dense = [p for p in self.masters.parameters() if id(p) not in self.experts]
+        dense = [p for p in self.masters.parameters() if id(p) not in self.experts and p.requires_grad]
         if not self.fsdp:
             sums = [self.sum_of(p) for p in dense]
             if self.d.world > 1:
@@ -369,7 +369,7 @@ class Reducer:
         """The accumulators' bytes on this rank: 16 per element it sums (its shard of an FSDP2 tensor;
         an expert shard whole, also when FSDP2 cuts it over its replicas; EPLB: its slots' too)."""
         mine = sum(p.numel() if id(p) in self.experts or not hasattr(p, "to_local") else p.to_local().numel()
-                   for p in self.masters.parameters())
+                   for p in self.masters.parameters() if p.requires_grad)
         if self.ep is not None and self.ep.eplb is not None:            # (E+R)/N slots of each expert weight
             mine += sum(t.numel() // t.shape[0] * pl.per_rank
                         for m, pl in zip(self.moes, self.ep.eplb.layouts) for t in expert_tensors(m).values())

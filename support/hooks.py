@@ -7,6 +7,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     check_build(task, config)   before the model is built: the options against the task and the model
     sampler_model(full, refresh)   -> (the model the sampler runs, its refresh): a copy of the compute weights
     wrap_sampler(sampler)    -> the sampler the run rolls out with
+    adapt(model)             the model was built, no weight is loaded yet (a resume's come next): add to its
+                             layers (LoRA's adapters, lora/), freeze what stays fixed
     setup(run, resumed)      the run is built, no forward has run; resumed: checkpoint.Resumed or None
     before_steps(run, forward, micro_batches, save)   before RL step 1 (the supervised phase), with train.py's
                              forward, trainer_micro_batches and checkpoint: no second training path
@@ -25,6 +27,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
                              or None: every one
     shard(model)             the model was built with those experts only: route its layers to their owners
     whole_model(model)       -> the model with whole experts, for a checkpoint (a collective; None off rank 0)
+    exported(model)          -> the model a checkpoint's HF export is written from (LoRA: merged), or None: model;
+                             the checkpoint keeps model's own state beside it when the two differ
     split_ranks()            -> how a torchrun job's ranks divide into sides (support/distributed.init_distributed's
                              split), or None: one side; called before any process group exists
     serves(role)             whether the hook runs this rank's whole job (a Dist.role other than "train")
@@ -52,6 +56,9 @@ class Hooks:
 
     def wrap_sampler(self, sampler):
         return sampler
+
+    def adapt(self, model) -> None:
+        pass
 
     def setup(self, run, resumed) -> None:
         pass
@@ -88,6 +95,9 @@ class Hooks:
 
     def whole_model(self, model):
         return model
+
+    def exported(self, model):
+        return None
 
     def split_ranks(self):
         return None
@@ -127,6 +137,16 @@ def master_device(hooks: list[Hooks], d):
 def shard(hooks: list[Hooks], model) -> None:
     for h in hooks:
         h.shard(model)
+
+
+def adapt(hooks: list[Hooks], model) -> None:
+    for h in hooks:
+        h.adapt(model)
+
+
+def exported(hooks: list[Hooks], model):
+    """The model a checkpoint's HF export is written from: a hook's (LoRA's merged), else model itself."""
+    return next((m for m in (h.exported(model) for h in hooks) if m is not None), model)
 
 
 def whole_model(hooks: list[Hooks], model):

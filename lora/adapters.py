@@ -1,0 +1,226 @@
+"""LoRA adapters, unmerged: y = x W + s (x A) B with s = alpha / r, W frozen, A and B trained.
+
+Each adapted layer keeps its weight where it was (the same state_dict key, requires_grad off) and gains
+`lora_A` (r, in) and `lora_B` (out, r), PEFT's layout; the routed experts gain them stacked by expert
+(`lora_A13` (E, r, D), `lora_B13` (E, 2I, r), `lora_A2` (E, r, I), `lora_B2` (E, D, r); with
+--lora_expert_factors=shared_outer the hidden side's factors, A13 and B2, have one expert row shared by all).
+Both products run through kernels.linear, the row-invariant matmul (Triton's on a GPU), in the sampler and
+the trainer alike: the adapter adds no op that depends on the batch, so the contract holds as it does
+without it. Merging the adapter into bf16 weights (what engines' refits do) rounds W + s B A once more; the
+lab's `lora_merged` fault measures what that costs (lab/faults.py).
+
+The base is frozen in its compute dtype: under mixed precision (bf16 over fp32 masters) the frozen weights
+are cast to bf16 in the masters' model and shared with the compute copy (one copy, no fp32 master, no
+gradient, no AdamW state); the adapters keep fp32 masters like any trained weight. B starts at zero, so
+step 0's policy is the base's, bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import kernels
+from config import ConfigError
+from model import MLP, MoE, Linear, Router, Transformer
+from support.hooks import Hooks
+
+EXPERT_FACTORS = ("lora_A13", "lora_B13", "lora_A2", "lora_B2")
+
+
+class Adapted:
+    """Mixed into a Linear (or the Router) by adapt(): the layer's own forward, plus s (x A) B."""
+    scale: float
+
+    def forward(self, x):
+        y = super().forward(x)
+        x = x.to(self.lora_A.dtype)                          # the router runs in its own dtype, as its weight
+        return y + (kernels.linear(kernels.linear(x, self.lora_A), self.lora_B) * self.scale).to(y.dtype)
+
+
+class AdaptedExperts:
+    """Mixed into a MoE layer by adapt(): its routed experts with per-expert adapters (lora_experts)."""
+    scale: float
+
+    def experts(self, x2, ids, weights):
+        factors = [getattr(self, n) for n in EXPERT_FACTORS]
+        return lora_experts(x2, self.w13, self.w2, ids, weights, factors, self.scale, **self.expert_extras())
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _adapted_class(cls: type, mixin: type) -> type:
+    """cls with the mixin's forward (one class per base class, so copies and pickles see one type)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Lora{cls.__name__}", (mixin, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+def lora_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 factors: list[torch.Tensor], scale: float, b13=None, b2=None, swiglu=None) -> torch.Tensor:
+    """kernels.moe_experts with each expert's adapters: gate/up = x W13[e] + s (x A13[e]) B13[e], down
+    likewise. x (M, D); ids (M, k); weights (M, k) fp32; factors: A13 (E or 1, r, D), B13 (E, 2I, r),
+    A2 (E, r, I), B2 (E or 1, D, r) -> (M, D) in x.dtype. The steps are kernels.moe_experts' torch path
+    (sort, per expert the row-chunked linear, the fixed-order combine), so a row's bits depend on no other row."""
+    A13, B13, A2, B2 = factors
+    M, k = ids.shape
+    I = w2.shape[2]
+    order, counts = kernels.sort_slots(ids, w13.shape[0])
+    outs, start = [], 0
+    for e, n in enumerate(counts):                                   # empty experts too: the same ops
+        slots = order[start:start + n]
+        start += n
+        xe = x[slots // k]                                           # (n, D)
+        h = _adapted(xe, w13[e], A13[e % len(A13)], B13[e], scale)   # (n, 2I)
+        if b13 is not None:
+            h = h + b13[e]
+        a = kernels.silu_mul(h[:, :I], h[:, I:]) if swiglu is None else kernels.clamped_swiglu(h[:, :I], h[:, I:], *swiglu)
+        y = _adapted(a, w2[e], A2[e], B2[e % len(B2)], scale)       # (n, D)
+        if b2 is not None:
+            y = y + b2[e]
+        outs.append(y.float() * weights.reshape(-1)[slots, None])
+    per_slot = torch.cat(outs)[torch.argsort(order)]                # (M*k, D) fp32, slot order
+    return kernels.combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
+
+
+def _adapted(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """x w.T + s (x a.T) b.T, each product the row-invariant linear: x (n, in), w (out, in), a (r, in), b (out, r)."""
+    return kernels.linear(x, w) + kernels.linear(kernels.linear(x, a), b) * scale
+
+
+# ---------------------------------------------------------------------------------------------------
+# which layers, and adding the adapters
+# ---------------------------------------------------------------------------------------------------
+def targets(model: Transformer, words: set[str]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the layers --lora_targets names: Linears (attention, mlp: dense MLPs and shared
+    experts, not the shared expert's 1-wide gate), Routers (router), MoE layers (experts)."""
+    found = []
+    for i, block in enumerate(model.layers):
+        groups = {"attention": [(f"layers.{i}.self_attn", block.self_attn)]}
+        mlp, pre = block.mlp, f"layers.{i}.mlp"
+        if isinstance(mlp, MLP):
+            groups["mlp"] = [(pre, mlp)]
+        else:
+            groups["mlp"] = [(f"{pre}.{n}", getattr(mlp, n)) for n in ("shared_experts", "shared_expert")
+                             if getattr(mlp, n) is not None]
+            groups["router"] = [(f"{pre}.gate", mlp.gate)]
+            groups["experts"] = [(pre, mlp)]
+        for word in sorted(words & set(groups)):
+            for pre, m in groups[word]:
+                if word in ("experts", "router"):
+                    found.append((pre, m))
+                    continue
+                found += [(f"{pre}.{n}", sub) for n, sub in m.named_modules()
+                          if type(sub) is Linear and n and not n.endswith("shared_expert_gate")]
+    return found
+
+
+def check_targets(model: Transformer, words: set[str], rank: int) -> None:
+    """One line for targets that match nothing and for a rank above a targeted weight's dimensions."""
+    found = targets(model, words)
+    if not found:
+        raise ConfigError(f"--lora_targets={','.join(sorted(words))}: no layer of this model matches; "
+                          "try attention")
+    dims = [(name, min(m.w13.shape[1:] + m.w2.shape[1:]) if isinstance(m, MoE) else min(m.weight.shape))
+            for name, m in found]
+    name, small = min(dims, key=lambda t: t[1])
+    if rank > small:
+        raise ConfigError(f"--lora_rank={rank} is above {name}'s smaller dimension ({small}): a rank-{rank} "
+                          f"adapter there is not low-rank; use --lora_rank <= {small} or drop its target")
+
+
+def adapt(model: Transformer, rank: int, alpha: float, words: set[str], shared_outer: bool, seed: int,
+          frozen_dtype: torch.dtype, router_dtype: torch.dtype) -> list[str]:
+    """Freeze every weight, cast the frozen ones to their compute dtype (routers: router_dtype), add the
+    adapters (A: PEFT's kaiming-uniform init from `seed`, the same on every rank; B: zeros) in the
+    masters' dtype -> the adapted layers' names."""
+    master = next(model.parameters()).dtype
+    found = targets(model, words)
+    model.requires_grad_(False)
+    gates = {id(p) for b in model.layers if b.is_moe for p in b.mlp.gate.parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(router_dtype if id(p) in gates else frozen_dtype)
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+
+    def new(shape, fan_in, zero=False):
+        t = torch.zeros(shape) if zero else (torch.rand(shape, generator=g) * 2 - 1) / math.sqrt(fan_in)
+        return nn.Parameter(t.to(device=device, dtype=master))       # kaiming_uniform(a=sqrt(5)): bound 1/sqrt(fan_in)
+
+    for _, m in found:
+        m.scale = alpha / rank
+        if isinstance(m, MoE):
+            (E, I2, D), I = m.w13.shape, m.w2.shape[2]
+            outer = 1 if shared_outer else E
+            m.lora_A13, m.lora_B13 = new((outer, rank, D), D), new((E, I2, rank), rank, zero=True)
+            m.lora_A2, m.lora_B2 = new((E, rank, I), I), new((outer, D, rank), rank, zero=True)
+            m.__class__ = _adapted_class(type(m), AdaptedExperts)
+        else:
+            out, inp = m.weight.shape
+            m.lora_A, m.lora_B = new((rank, inp), inp), new((out, rank), rank, zero=True)
+            if isinstance(m, Router):                              # the gate's adapters in its dtype
+                m.lora_A.data, m.lora_B.data = m.lora_A.data.to(router_dtype), m.lora_B.data.to(router_dtype)
+            m.__class__ = _adapted_class(type(m), Adapted)
+    return [name for name, _ in found]
+
+
+def is_adapter(name: str) -> bool:
+    return name.rsplit(".", 1)[-1].startswith("lora_")
+
+
+# ---------------------------------------------------------------------------------------------------
+# merging: the adapter folded into the weights (the export; the lab's fault)
+# ---------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights with each adapter folded in, W + s B A computed in fp32 and rounded once to W's dtype;
+    the adapters' own keys dropped: a plain model's state_dict."""
+    state = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
+    for name, m in model.named_modules():
+        if isinstance(m, Adapted):
+            w = m.weight
+            state[f"{name}.weight"] = (w.float() + m.scale * (m.lora_B.float() @ m.lora_A.float())).to(w.dtype)
+        elif isinstance(m, AdaptedExperts):
+            A13, B13, A2, B2 = (getattr(m, n).float() for n in EXPERT_FACTORS)
+            state[f"{name}.w13"] = (m.w13.float() + m.scale * (B13 @ A13)).to(m.w13.dtype)   # (E, 2I, D)
+            state[f"{name}.w2"] = (m.w2.float() + m.scale * (B2 @ A2)).to(m.w2.dtype)       # (E, D, I)
+    return state
+
+
+def merged(model: Transformer) -> Transformer:
+    """A plain Transformer with the adapter merged into its weights (merged_state), on the meta-built
+    model's device and dtypes of the weights."""
+    state = merged_state(model)
+    with torch.device("meta"):
+        out = Transformer(model.config)
+    out.load_state_dict(state, assign=True)
+    return out.requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the plug-in's hook
+# ---------------------------------------------------------------------------------------------------
+class Lora(Hooks):
+    """--lora_rank: the adapters added before any weight is loaded (a resume reads them back with the
+    rest), the base frozen; a checkpoint's HF export holds the merged weights (exported), its masters
+    file the base and the adapter apart (what a resume reads)."""
+
+    def __init__(self, tcfg):
+        self.tcfg = tcfg
+        self.words = tcfg.lora_target_set()
+
+    def check_build(self, task, config) -> None:
+        with torch.device("meta"):
+            check_targets(Transformer(config), self.words, self.tcfg.lora_rank)
+
+    def adapt(self, model) -> None:
+        from support.distributed import router_dtype                 # a hook's code may read the core's rules
+        t = self.tcfg
+        adapt(model, t.lora_rank, t.lora_alpha, self.words, t.lora_expert_factors == "shared_outer", t.seed + 1,
+              getattr(torch, t.dtype), router_dtype(t, model.config.model_type))
+
+    def exported(self, model):
+        return None if model is None else merged(model)

@@ -1,0 +1,141 @@
+"""A LoRA checkpoint out: a PEFT adapter folder that `peft` loads onto transformers' model of the base, and
+the merged HF checkpoint.
+
+    python -m lora.export CKPT OUT
+
+writes OUT/adapter (adapter_config.json, adapter_model.safetensors) and OUT/merged (config.json, the merged
+weights, the tokenizer files). CKPT: a checkpoint folder of a --lora_rank run, or its run folder (its latest).
+
+PEFT's layout (0.21, transformers 5): a Linear's adapter is `<module>.lora_A.weight` (r, in) and
+`<module>.lora_B.weight` (out, r), matched by target_modules; the fused experts (`mlp.experts.gate_up_proj`
+(E, 2I, D), `down_proj` (E, D, I)) are target_parameters, one wrapper around the other: gate_up's factors
+under `experts.base_layer`, down's under `experts`, A as (E*r, in) expert-major and B as (out, r*E)
+expert-minor. The base's identity is a sha256 of its weights in adapter_config.json (base_sha256), which
+lora.export.check_base compares before an adapter is used on a checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+
+import torch
+
+from config import ConfigError
+from families import hf
+from lora.adapters import EXPERT_FACTORS, Adapted, AdaptedExperts, is_adapter, merged
+from model import Transformer
+
+USAGE = "usage: python -m lora.export CKPT OUT   (CKPT: a --lora_rank run's checkpoint or run folder)"
+
+
+def base_sha256(model: Transformer) -> str:
+    """A hash of the frozen weights (every tensor but the adapters', by name, as stored)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        if not is_adapter(name):
+            h.update(name.encode())
+            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def peft_state(model: Transformer) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """-> (PEFT's adapter tensors by key, target module names, target parameter names)."""
+    fam = hf.family(model.config.model_type)
+    state, modules, params = {}, set(), []
+    for name, m in model.named_modules():
+        if isinstance(m, AdaptedExperts):
+            if fam.architecture == "GptOssForCausalLM":
+                raise ConfigError("lora.export: gpt-oss's experts are stored (E, D, 2I) with gate and up interleaved; "
+                                  "PEFT's expert layout for them is not written yet: train without experts in "
+                                  "--lora_targets, or use the merged checkpoint")
+            pre = "base_model.model." + hf.our_key_to_hf(fam, name) + ".experts"
+            A13, B13, A2, B2 = (getattr(m, n).detach().float() for n in EXPERT_FACTORS)
+            E = m.w13.shape[0]
+            A13, B2 = A13.expand(E, *A13.shape[1:]), B2.expand(E, *B2.shape[1:])   # shared_outer: one row each
+            for where, A, B in ((f"{pre}.base_layer", A13, B13), (pre, A2, B2)):
+                state[f"{where}.lora_A.weight"] = A.reshape(-1, A.shape[-1]).contiguous()          # (E*r, in)
+                state[f"{where}.lora_B.weight"] = B.permute(1, 2, 0).reshape(B.shape[1], -1).contiguous()  # (out, r*E)
+            params += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        elif isinstance(m, Adapted):
+            path = hf.our_key_to_hf(fam, name + ".weight").removesuffix(".weight")
+            state[f"base_model.model.{path}.lora_A.weight"] = m.lora_A.detach().float()
+            state[f"base_model.model.{path}.lora_B.weight"] = m.lora_B.detach().float()
+            if ".self_attn." in path:
+                modules.add(path)
+            else:       # the router, dense MLPs, shared experts: PEFT 0.21 would read their names as v4 experts
+                params.append(re.sub(r"^model\.layers\.\d+\.", "", path) + ".weight")
+    return state, sorted(modules), list(dict.fromkeys(params))
+
+
+def write_adapter(model: Transformer, out: str, rank: int, alpha: float, base: str = "") -> None:
+    """OUT: adapter_config.json and adapter_model.safetensors (fp32) of model's adapters."""
+    from safetensors.torch import save_file
+    state, modules, params = peft_state(model)
+    # full module paths as one regex: PEFT then matches exactly these (a list would match by suffix, and
+    # PEFT 0.21 rewrites gate_proj / up_proj / down_proj entries into transformers 5's fused experts)
+    shapes = sorted({re.sub(r"layers\.\d+\.", "layers.N.", p) for p in modules})
+    pattern = "|".join(re.escape(p).replace("N", r"\d+") for p in shapes) if shapes else None
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+              "target_modules": pattern, "target_parameters": params or None, "base_model_name_or_path": base,
+              "base_sha256": base_sha256(model)}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(state, os.path.join(out, "adapter_model.safetensors"))
+
+
+def check_base(adapter_dir: str, model: Transformer) -> None:
+    """One line when an adapter folder was trained on other base weights than model's."""
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        want = json.load(f).get("base_sha256")
+    if want and want != base_sha256(model):
+        raise ConfigError(f"{adapter_dir}: this adapter was trained on another base (base_sha256 {want[:12]}..., this "
+                          f"checkpoint's is {base_sha256(model)[:12]}...); load it onto the checkpoint it names")
+
+
+def export(ckpt: str, out: str) -> str:
+    """OUT/adapter (PEFT) and OUT/merged (HF) from a LoRA run's checkpoint folder."""
+    from support.checkpoint import checkpoint_folder, load_trainer_state, load_weights
+    from lora.adapters import adapt
+    ckpt = checkpoint_folder(ckpt)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError(f"lora.export: {out!r} exists and is not an empty folder; pass a new one")
+    run = load_trainer_state(ckpt)["train_config"]
+    if not run.get("lora_rank"):
+        raise ConfigError(f"lora.export: {ckpt} is not a --lora_rank run's checkpoint; use "
+                          "python -m support.checkpoint export")
+    with torch.device("meta"):
+        model = Transformer(hf.config_from_hf(ckpt))
+    words = {w.strip() for w in run["lora_targets"].split(",") if w.strip()}
+    adapt(model, run["lora_rank"], run["lora_alpha"], words, run["lora_expert_factors"] == "shared_outer", 0,
+          torch.float32, torch.float32)
+    model.load_state_dict(load_weights(ckpt, model), assign=True)      # the masters: base and adapter apart
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_adapter(model, os.path.join(tmp, "adapter"), run["lora_rank"], run["lora_alpha"], run.get("init_from", ""))
+    merged(model).save_pretrained(os.path.join(tmp, "merged"))
+    hf.write_identity(os.path.join(tmp, "merged"), hf.read_identity(ckpt))
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2 or argv[0] in ("-h", "--help"):
+        print(USAGE + "\n\n" + __doc__)
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 1)
+    try:
+        print(f"wrote {export(*argv)}")
+    except ConfigError as e:
+        print(f"error: {e}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
