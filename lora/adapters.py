@@ -17,6 +17,7 @@ step 0's policy is the base's, bit for bit.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -147,6 +148,8 @@ def adapt(model: Transformer, rank: int, alpha: float, words: set[str], shared_o
     device = next(model.parameters()).device
 
     def new(shape, fan_in, zero=False):
+        if device.type == "meta":                                    # a plan's or an export's build: no values
+            return nn.Parameter(torch.empty(shape, device=device, dtype=master))
         t = torch.zeros(shape) if zero else (torch.rand(shape, generator=g) * 2 - 1) / math.sqrt(fan_in)
         return nn.Parameter(t.to(device=device, dtype=master))       # kaiming_uniform(a=sqrt(5)): bound 1/sqrt(fan_in)
 
@@ -165,6 +168,17 @@ def adapt(model: Transformer, rank: int, alpha: float, words: set[str], shared_o
                 m.lora_A.data, m.lora_B.data = m.lora_A.data.to(router_dtype), m.lora_B.data.to(router_dtype)
             m.__class__ = _adapted_class(type(m), Adapted)
     return [name for name, _ in found]
+
+
+def adapted_shapes(cfg, tcfg) -> tuple[list[tuple[str, tuple[int, ...]]], list[tuple[str, tuple[int, ...]]]]:
+    """(trained, frozen): (name, shape) of the adapters and of the base weights of a --lora_rank run, from a
+    meta-device build (no memory; tooling/plan.py's)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    adapt(model, tcfg.lora_rank, tcfg.lora_alpha, tcfg.lora_target_set(),
+          tcfg.lora_expert_factors == "shared_outer", 0, torch.float32, torch.float32)
+    named = [(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+    return [(n, s) for n, s, g in named if g], [(n, s) for n, s, g in named if not g]
 
 
 def is_adapter(name: str) -> bool:
@@ -201,6 +215,36 @@ def merged(model: Transformer) -> Transformer:
 
 
 # ---------------------------------------------------------------------------------------------------
+# starting from a LoRA run's checkpoint
+# ---------------------------------------------------------------------------------------------------
+def is_lora_checkpoint(path: str) -> bool:
+    """Whether path is a checkpoint folder whose masters file holds adapters (a --lora_rank run's)."""
+    from safetensors import safe_open
+    from support.checkpoint import MASTERS
+    file = os.path.join(path, MASTERS) if os.path.isdir(path) else ""
+    if not os.path.isfile(file):
+        return False
+    with safe_open(file, "pt") as f:
+        return any(is_adapter(k) for k in f.keys())
+
+
+@torch.no_grad()
+def continue_from(model: Transformer, ckpt: str, tcfg) -> None:
+    """The base and the adapters of a LoRA run's checkpoint into the adapted model, at their saved bits
+    (its HF export, which from_pretrained read, is the merged weights)."""
+    from support.checkpoint import load_trainer_state, load_weights
+    saved = load_trainer_state(ckpt)["train_config"]
+    for key in ("lora_rank", "lora_targets", "lora_expert_factors"):
+        if saved.get(key) != getattr(tcfg, key):
+            raise ConfigError(f"--init_from={ckpt} holds adapters of --{key}={saved.get(key)!r}, this run asks for "
+                              f"{getattr(tcfg, key)!r}: pass the checkpoint's to continue them (or init from its "
+                              "merged weights without --lora_rank)")
+    state = load_weights(ckpt, model)
+    for k, t in model.state_dict().items():
+        t.copy_(state[k])
+
+
+# ---------------------------------------------------------------------------------------------------
 # the plug-in's hook
 # ---------------------------------------------------------------------------------------------------
 class Lora(Hooks):
@@ -208,8 +252,8 @@ class Lora(Hooks):
     rest), the base frozen; a checkpoint's HF export holds the merged weights (exported), its masters
     file the base and the adapter apart (what a resume reads)."""
 
-    def __init__(self, tcfg):
-        self.tcfg = tcfg
+    def __init__(self, tcfg, rcfg=None):
+        self.tcfg, self.merged_rollout = tcfg, getattr(rcfg, "lora_rollout", "adapter") == "merged"
         self.words = tcfg.lora_target_set()
 
     def check_build(self, task, config) -> None:
@@ -221,6 +265,26 @@ class Lora(Hooks):
         t = self.tcfg
         adapt(model, t.lora_rank, t.lora_alpha, self.words, t.lora_expert_factors == "shared_outer", t.seed + 1,
               getattr(torch, t.dtype), router_dtype(t, model.config.model_type))
+        if is_lora_checkpoint(t.init_from):
+            continue_from(model, t.init_from, t)
+        if t.lora_init:
+            from lora.export import read_adapter
+            read_adapter(model, t.lora_init, t.lora_rank, t.lora_alpha)
+
+    def sampler_model(self, model, refresh):
+        """--lora_rollout=merged (the lab's fault): the sampler runs a plain copy, the adapter merged into its
+        weights' dtype after each update, as an engine's refit does; else the adapted model itself."""
+        if not self.merged_rollout:
+            return model, refresh
+        copy = merged(model)
+        state = copy.state_dict()
+
+        @torch.no_grad()
+        def sync():
+            refresh()
+            for k, v in merged_state(model).items():
+                state[k].copy_(v)
+        return copy, sync
 
     def exported(self, model):
         return None if model is None else merged(model)

@@ -89,6 +89,42 @@ def write_adapter(model: Transformer, out: str, rank: int, alpha: float, base: s
     save_file(state, os.path.join(out, "adapter_model.safetensors"))
 
 
+@torch.no_grad()
+def read_adapter(model: Transformer, adapter_dir: str, rank: int, alpha: float) -> None:
+    """An adapter folder (write_adapter's layout) into model's adapters (added by adapt, same targets and
+    rank): one line for another base, rank, scale or set of adapted layers."""
+    from safetensors.torch import load_file
+    check_base(adapter_dir, model)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    if (config.get("r"), float(config.get("lora_alpha", 0))) != (rank, float(alpha)):
+        raise ConfigError(f"--lora_init={adapter_dir}: rank {config.get('r')}, alpha {config.get('lora_alpha')}; this "
+                          f"run has --lora_rank={rank} --lora_alpha={alpha}: pass the adapter's")
+    saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    want = peft_state(model)[0]
+    if set(saved) != set(want) or any(saved[k].shape != v.shape for k, v in want.items()):
+        raise ConfigError(f"--lora_init={adapter_dir}: its adapted layers are not this run's --lora_targets "
+                          f"({len(saved)} tensors, this model's adapters make {len(want)}); pass the same targets")
+    fam = hf.family(model.config.model_type)
+    for name, m in model.named_modules():
+        if isinstance(m, AdaptedExperts):
+            pre = "base_model.model." + hf.our_key_to_hf(fam, name) + ".experts"
+            E = m.w13.shape[0]
+            for where, (a, b) in ((f"{pre}.base_layer", ("lora_A13", "lora_B13")), (pre, ("lora_A2", "lora_B2"))):
+                A = saved[f"{where}.lora_A.weight"].view(E, rank, -1)                  # (E, r, in)
+                B = saved[f"{where}.lora_B.weight"].view(-1, rank, E).permute(2, 0, 1)  # (E, out, r)
+                for n, t in ((a, A), (b, B)):
+                    ours = getattr(m, n)
+                    if len(ours) == 1 and not torch.equal(t, t[:1].expand_as(t)):
+                        raise ConfigError(f"--lora_init={adapter_dir}: {name}'s {n} differs by expert; this run "
+                                          "shares it (--lora_expert_factors=shared_outer): use per_expert")
+                    ours.copy_(t[:len(ours)])
+        elif isinstance(m, Adapted):
+            path = "base_model.model." + hf.our_key_to_hf(fam, name + ".weight").removesuffix(".weight")
+            m.lora_A.copy_(saved[f"{path}.lora_A.weight"])
+            m.lora_B.copy_(saved[f"{path}.lora_B.weight"])
+
+
 def check_base(adapter_dir: str, model: Transformer) -> None:
     """One line when an adapter folder was trained on other base weights than model's."""
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:

@@ -14,7 +14,8 @@ FACTORS = ("per_expert", "shared_outer")              # --lora_expert_factors
 
 @dataclass
 class LoraOptions:
-    """Low-rank adapters: y = x W + (alpha / r) (x A) B, W frozen; only A and B are trained."""
+    """Low-rank adapters: y = x W + (alpha / r) (x A) B, W frozen; only A and B are trained. --init_from a
+    --lora_rank run's checkpoint continues its adapters on its base (without --lora_rank: its merged weights)."""
     lora_rank: int = 0                        # r > 0: train LoRA adapters of rank r, the weights frozen; 0: off
     lora_alpha: float = 32.0                  # the adapters' scale is alpha / r (PEFT's lora_alpha)
     lora_targets: str = "attention,mlp,experts"   # comma-separated: attention (every projection), mlp (dense MLPs
@@ -22,6 +23,8 @@ class LoraOptions:
                                               # expert), router (the MoE gate)
     lora_expert_factors: str = "per_expert"   # per_expert: A and B for every expert | shared_outer: the factors on
                                               # the hidden side (gate/up's A, down's B) shared by all experts
+    lora_init: str = ""                       # a PEFT adapter folder (python -m lora.export's) to start the adapters
+                                              # from; its base must be --init_from's weights (adapter_config's hash)
 
     def lora_target_set(self) -> set[str]:
         return {t.strip() for t in self.lora_targets.split(",") if t.strip()}
@@ -34,6 +37,7 @@ class LoraOptions:
                      f"--lora_targets={self.lora_targets!r}: a comma-separated subset of {', '.join(TARGETS)}")
         self.require(self.lora_expert_factors in FACTORS,
                      f"--lora_expert_factors={self.lora_expert_factors!r}: choose one of {', '.join(FACTORS)}")
+        self.require(not self.lora_init or self.lora_rank, "--lora_init needs --lora_rank (the adapters' rank)")
         if self.lora_rank:
             self.require(getattr(self, "expert_parallel", 1) == 1 or "experts" not in targets,
                          "--lora_rank with --expert_parallel > 1 and experts among --lora_targets: the exchange "
@@ -43,13 +47,25 @@ class LoraOptions:
                          "not sharded: one copy a rank)")
 
 
+@dataclass
+class LoraRolloutOptions:
+    """The mismatch lab's LoRA fault: the rollout's weights with the adapter merged in, as engines refit."""
+    lora_rollout: str = "adapter"             # adapter: the sampler runs the adapters unmerged, as the trainer does |
+                                              # merged: a copy with W + s B A folded into the weights' dtype after each
+                                              # update (an engine's refit; bf16 weights round it)
+
+    def check(self):
+        self.require(self.lora_rollout in ("adapter", "merged"),
+                     f"--lora_rollout={self.lora_rollout!r}: adapter or merged")
+
+
 def hooks(tcfg, rcfg) -> list:
     """The step hooks of the options that are set (support/hooks.py), their code imported only then."""
     if not tcfg.lora_rank:
         return []
     from lora.adapters import Lora
-    return [Lora(tcfg)]
+    return [Lora(tcfg, rcfg)]
 
 
 TRAIN = [LoraOptions]
-ROLLOUT = []
+ROLLOUT = [LoraRolloutOptions]

@@ -209,6 +209,16 @@ def load_weights(ckpt: str, model: Transformer, experts: list[int] | None = None
     return state
 
 
+def plugin_tensors(ckpt: str, model: Transformer) -> bool:
+    """Whether the checkpoint's masters file holds tensors the plain model has none of (a plug-in's)."""
+    from safetensors import safe_open
+    path = os.path.join(ckpt, MASTERS)
+    if not os.path.isfile(path):
+        return False
+    with safe_open(path, "pt") as f:
+        return bool(set(f.keys()) - set(model.state_dict()))
+
+
 def load_trainer_state(ckpt: str) -> dict:
     """trainer_state.pt, unpickling only tensors and plain data (weights_only=True: no code runs)."""
     path = os.path.join(ckpt, "trainer_state.pt")
@@ -486,7 +496,12 @@ def export(ckpt: str, out: str, save_dtype: str = "") -> str:
         save_dtype = run.get("save_dtype") or run.get("dtype", "")
     with torch.device("meta"):
         model = Transformer(config_from_hf(ckpt))
-    model.load_state_dict(load_weights(ckpt, model), assign=True)     # the exact bits, masters first
+    if plugin_tensors(ckpt, model):                                   # LoRA's adapters: the export merged them
+        print(f"{ckpt}: its masters hold a plug-in's tensors (LoRA's adapters: python -m lora.export writes them "
+              "as a PEFT adapter); exporting its HF weights, which fold them in")
+        model.load_state_dict(hf_to_state(read_safetensors_dir(ckpt), model), assign=True)
+    else:
+        model.load_state_dict(load_weights(ckpt, model), assign=True)     # the exact bits, masters first
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     export_model(model, None, save_dtype).save_pretrained(tmp)

@@ -136,11 +136,12 @@ def test_merged_state_folds_each_adapter_once():
     assert torch.equal(state["layers.1.mlp.w13"], w)
 
 
-def lora_run(tmp_path, name, steps=3, resume=False, **kw):
+def lora_run(tmp_path, name, steps=3, resume=False, fault=False, **kw):
     import train
     tcfg = TrainConfig(out_dir=str(tmp_path / name), steps=steps, prompts_per_step=4, group_size=4, minibatch_size=8,
                        lora_rank=4, resume=resume, progress=False, **kw)
-    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in train.train(tcfg, RolloutConfig())]
+    rcfg = RolloutConfig(lora_rollout="merged" if fault else "adapter")
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in train.train(tcfg, rcfg)]
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(dtype="bfloat16", micro_batch_tokens=40, grad_reduce="fast",
@@ -217,6 +218,77 @@ def test_export_cli_from_a_run(tmp_path):
     again = subprocess.run([sys.executable, "-m", "lora.export", str(tmp_path / "run"), str(tmp_path / "out")],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 1 and again.stdout.startswith("error:") and "not an empty folder" in again.stdout
+
+
+def test_a_lora_checkpoint_and_its_exported_adapter_start_new_runs(tmp_path):
+    """--init_from a LoRA run's checkpoint continues its base and adapters at their saved bits; --lora_init
+    of its exported adapter over the same base gives the same adapters; another base, rank or a plain
+    export are one line each, and support.checkpoint's export of it is the merged weights."""
+    import subprocess
+    from safetensors.torch import load_file
+    from lora.adapters import Lora
+    from support.checkpoint import build_model, export, run_task
+    lora_run(tmp_path, "run", steps=2)
+    ckpt = tmp_path / "run" / "ckpt-000002"
+    masters = load_file(str(ckpt / "masters.safetensors"))
+
+    def started(**kw):
+        tcfg = TrainConfig(**{"lora_rank": 4, **kw})
+        model = build_model(tcfg, "cpu", torch.float32, run_task(tcfg, RolloutConfig())[1])
+        Lora(tcfg).adapt(model)
+        return model.state_dict()
+    assert all(torch.equal(v, masters[k]) for k, v in started(init_from=str(ckpt)).items())
+    with pytest.raises(ConfigError, match="holds adapters of --lora_rank=4"):
+        started(init_from=str(ckpt), lora_rank=2)
+    r = subprocess.run([sys.executable, "-m", "lora.export", str(ckpt), str(tmp_path / "out")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    adapter = str(tmp_path / "out" / "adapter")
+    assert all(torch.equal(v, masters[k]) for k, v in started(lora_init=adapter).items())
+    with pytest.raises(ConfigError, match="trained on another base"):
+        started(lora_init=adapter, seed=1)
+    with pytest.raises(ConfigError, match="rank 4, alpha 32"):
+        started(lora_init=adapter, lora_alpha=16.0)
+    export(str(ckpt), str(tmp_path / "plain"))
+    plain, merged_hf = load_file(str(tmp_path / "plain" / "model.safetensors")), load_file(str(ckpt / "model.safetensors"))
+    assert plain.keys() == merged_hf.keys() and all(torch.equal(v, merged_hf[k]) for k, v in plain.items())
+
+
+def test_the_plan_counts_the_frozen_base_once_and_the_adapters_state():
+    """Qwen3-30B-A3B, rank 32 on every target, bf16 over fp32 adapter masters, 1,024-token responses, one
+    141 GB GPU: the plan fits; its base is one bf16 copy of every base weight, its masters 4 bytes an adapter
+    parameter of the adapted model (a meta build), and the adapters' factors shared cost less."""
+    from config import apply_command_line, parse_args
+    from lora.adapters import adapted_shapes
+    from tooling import plan
+    args = ["--init_from=qwen3-30b-a3b", "--dtype=bfloat16", "--max_new_tokens=1024", "--gpu_memory_gb=141",
+            "--lora_rank=32"]
+    text, fits = plan.main(args + ["--world_size=1"])
+    assert fits and "frozen base" in text and "fits: the run needs" in text
+    tcfg, rcfg = TrainConfig(), RolloutConfig()
+    apply_command_line(parse_args([a for a in args if "gpu_memory_gb" not in a]), tcfg, rcfg)
+    p, _, _ = plan.plan_of(tcfg, rcfg, 1)
+    trained, frozen = adapted_shapes(plan.preset_or_folder(tcfg), tcfg)
+    n_trained = sum(torch.Size(s).numel() for _, s in trained)
+    assert p.frozen == 2 * sum(torch.Size(s).numel() for _, s in frozen) and p.frozen_params * 2 == p.frozen
+    assert p.masters == 4 * n_trained and p.compute_copy == 2 * n_trained and 60e9 < p.frozen < 62e9
+    apply_command_line(parse_args(["--lora_expert_factors=shared_outer"]), tcfg, rcfg)
+    assert plan.plan_of(tcfg, rcfg, 1)[0].masters < p.masters / 2
+
+
+def test_bench_lora_section_times_both_steps_and_both_samplers(capsys):
+    from tooling import bench
+    bench.main(["--only", "lora", "--score-batch=2", "--score-len=8", "--prompts=2", "--max-new-tokens=3",
+                "--repeats=1", "--warmup=0", "--threads=1", "--lora-rank=4"])
+    out = capsys.readouterr().out
+    assert "LoRA / full, trainer step time" in out and "rollout, LoRA r4 unmerged" in out
+
+
+def test_the_merged_rollout_fault_samples_from_merged_weights_and_breaks_the_contract(tmp_path):
+    """--lora_rollout=merged (the lab's fault): the sampler's copy is the merged weights, refreshed after each
+    update; in a bf16 run the train-rollout gap is then not zero, where the unmerged adapter's is."""
+    rows = lora_run(tmp_path, "merged", steps=2, dtype="bfloat16", lr=1e-2, fault=True)
+    assert rows[-1]["logp_max_abs_diff"] > 0 and rows[-1]["train_rollout_kl"] != 0
 
 
 @pytest.mark.parametrize("args, words", [

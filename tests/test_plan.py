@@ -318,7 +318,8 @@ def test_the_plan_within_10_percent_with_and_without_recompute_and_offload(tmp_p
                      "--intermediate_size=512", "--micro_batch_tokens=4096"]
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
     found = []
-    for i, extra in enumerate([[], ["--activation_checkpointing=full"], ["--offload_optimizer=true"]]):
+    for i, extra in enumerate([[], ["--activation_checkpointing=full"], ["--offload_optimizer=true"],
+                               ["--lora_rank=16"]]):
         r = subprocess.run([sys.executable, "tests/peak_rss.py", *big, *extra, f"--out_dir={tmp_path / str(i)}"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr[-2000:]
@@ -328,8 +329,8 @@ def test_the_plan_within_10_percent_with_and_without_recompute_and_offload(tmp_p
         p, _, _ = plan.plan_of(tcfg, rcfg, 1)
         found.append((dataclasses.replace(p, offload=False).total, rss["peak"] - rss["baseline"] - 50e6))
     assert all(abs(p - real) <= 0.1 * real for p, real in found), found
-    (none, a), (full, b), (off, c) = found
-    assert full < 0.9 * none and b < 0.9 * a and off > none and c > a, found
+    (none, a), (full, b), (off, c), (lora, d) = found
+    assert full < 0.9 * none and b < 0.9 * a and off > none and c > a and lora < none and d < a, found
 
 
 def test_train_plan_entry_prints_the_table():

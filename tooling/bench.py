@@ -70,6 +70,8 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   layer) sampled to --window-new-tokens new tokens with the window pool (the sliding layers' blocks freed
   below the window) and without it, interleaved; tokens/s, the most KV bytes each held at once (blocks
   held x layers), and a check that both gave the same ids, log-probs and routes.
+* lora (`--only lora`): the trainer's forward+backward with every weight trained against --lora-rank adapters
+  (the base frozen), and the sampler's tokens/s on the base against the base with the adapters unmerged.
 * lab: train.py on the same task and seeds, invariant vs a deviating rollout (batch-variant kernels,
   lower-precision weights) without and with each fix; prints one table.
 
@@ -322,6 +324,41 @@ def bench_memory(args) -> list[tuple[str, float, str]]:
     rows += [(f"{k} / none", res[k][0] / res["none"][0], "ratio" + ("" if same else "; GRADIENTS DIFFER"))
              for k in ("moe", "full")]
     return rows
+
+
+def bench_lora(args) -> list[tuple[str, float, str]]:
+    """LoRA (lora/): the trainer's forward+backward with every weight trained against rank --lora-rank adapters
+    on attention, dense MLPs and experts (the base frozen), and the sampler's tokens/s on the base against
+    the same base with the adapters unmerged; interleaved on one model's copies."""
+    import copy
+
+    from lora.adapters import adapt
+    base = build_model(args)
+    lora = copy.deepcopy(base)
+    adapt(lora, args.lora_rank, 32.0, {"attention", "mlp", "experts"}, False, args.seed, torch.float32, torch.float32)
+    with torch.no_grad():                                              # trained adapters: B away from zero
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    B, T = args.score_batch, args.score_len
+    tokens = torch.randint(0, base.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(args.seed))
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        model.score(tokens)[0].sum().backward()
+    train = interleaved({"full": lambda: step(base), "lora": lambda: step(lora)}, args.warmup, args.repeats)
+    prompts = make_prompts(args, base.config.vocab_size)
+    samplers = {"base": Sampler(base, max_batch_size=len(prompts)), "lora": Sampler(lora, max_batch_size=len(prompts))}
+    roll = interleaved({k: (lambda s=s: run_ours(s, prompts, args)) for k, s in samplers.items()}, args.warmup,
+                       args.repeats)
+    n_gen = len(prompts) * args.max_new_tokens
+    n = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    return [(f"trainer fwd+bwd, every weight trained ({B}, {T})", B * T / train["full"][0], "tokens/s"),
+            (f"trainer fwd+bwd, LoRA r{args.lora_rank} ({n:,} adapter parameters)", B * T / train["lora"][0], "tokens/s"),
+            ("LoRA / full, trainer step time", train["lora"][0] / train["full"][0], "ratio"),
+            ("rollout, the base", n_gen / roll["base"][0], "tokens/s"),
+            (f"rollout, LoRA r{args.lora_rank} unmerged", n_gen / roll["lora"][0], "tokens/s"),
+            ("LoRA / base, rollout time", roll["lora"][0] / roll["base"][0], "ratio")]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1125,6 +1162,11 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     "lookup K=2": ["--recompute_old_logp=true", "--task=lookup", "--n_digits=3", "--max_staleness=2"],
     # partial rollouts: a response unfinished after max_new_tokens // 2 tokens continues in the next batch
     "stale K=1 partial": ["--max_staleness=1", "--partial_rollout=true"],
+    # LoRA (lora/) in a bf16 trainer: the adapter run unmerged by the sampler, and merged into the bf16 weights
+    # after each update as engines refit (--lora_rollout=merged); LoRA's learning rate, ten times full fine-tuning's
+    "lora bf16": ["--recompute_old_logp=true", "--dtype=bfloat16", "--lora_rank=16", "--lr=1e-2"],
+    "lora bf16 merged": ["--recompute_old_logp=true", "--dtype=bfloat16", "--lora_rank=16", "--lr=1e-2",
+                         "--lora_rollout=merged"],
     # the 2026 families' attention at tiny sizes: gpt-oss (sinks, a sliding window) and MLA (a latent KV cache),
     # invariant and on the fast rollout (SDPA with the sink as an extra key / the expanded MLA, in bf16)
     **{f"{family}{fast}": ["--recompute_old_logp=true", f"--init_from=tiny-{preset}"]
@@ -1273,7 +1315,7 @@ def bench_async(args) -> list[tuple[str, float, str]]:
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "packing": bench_packing, "moe": bench_moe,
               "decode": bench_decode, "sessions": bench_sessions, "async": bench_async, "ep": bench_ep, "reduce": bench_reduce,
               "speculative": bench_speculative, "window": bench_window, "gpu": bench_gpu,
-              "lab": bench_lab, "memory": bench_memory}
+              "lab": bench_lab, "memory": bench_memory, "lora": bench_lora}
 DEFAULT = "rollout,forward,fast,packing,moe,ep,decode"
 
 
@@ -1314,6 +1356,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then tokens are cross-checked)")
     p.add_argument("--score-batch", type=int, default=64)
+    p.add_argument("--lora-rank", type=int, default=16, help="lora: the adapters' rank")
     p.add_argument("--score-len", type=int, default=64)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)

@@ -126,6 +126,8 @@ class MemoryPlan:
                                    # element of the largest tensor), during the backward
     step_temps: int = 0            # the step: AdamW's (foreach: one tensor the size of the state's moment), and the
                                    # norm's fp64 rows and the gradient scan's int32 buffer of the largest tensor
+    frozen: int = 0                # --lora_rank: the frozen base in --dtype, one copy the trainer and the sampler read
+    frozen_params: int = 0         # its parameters (whole); the fields above are then the adapters'
 
     @property
     def optimizer(self) -> int:
@@ -136,7 +138,8 @@ class MemoryPlan:
     def host(self) -> int:
         """What the host holds for the optimizer (--offload_optimizer), its phases' temporaries too; else 0."""
         host_sums = 0 if self.reduce_on_device else self.sum_temps
-        return self.optimizer + max(host_sums, self.step_temps) if self.offload else 0
+        # LoRA: the masters' model keeps its frozen base on the host too (the device's is a copy of it)
+        return self.optimizer + self.frozen + max(host_sums, self.step_temps) if self.offload else 0
 
     @property
     def phase(self) -> int:
@@ -152,7 +155,7 @@ class MemoryPlan:
     @property
     def total(self) -> int:
         """The GPU's bytes."""
-        return ((0 if self.offload else self.optimizer) + self.compute_copy + self.sampler_copy + self.reference
+        return ((0 if self.offload else self.optimizer) + self.frozen + self.compute_copy + self.sampler_copy + self.reference
                 + (0 if self.kv_released else self.kv_pool) + self.buffers + self.phase)
 
 
@@ -512,15 +515,24 @@ def plan_of(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, kv_tokens: int =
     kv_per_token = kv_bytes_per_token(cfg, nbytes[sampler_dtype], rcfg.record_route_detail)
     need = rollout_positions(tcfg, rcfg, world, prompt_len + max_new)
     act = activations(cfg, tcfg, rcfg, backend_of(tcfg), world, prompt_len, max_new)
-    named = named_shapes(cfg)
-    plan = memory_plan(parameter_shapes(cfg, named), world, tcfg.parallel, tcfg.expert_parallel, nbytes[tcfg.dtype],
+    named = trained = named_shapes(cfg)
+    frozen = []
+    if getattr(tcfg, "lora_rank", 0):                  # lora/'s option, where it is: the adapters train, the base not
+        from lora.adapters import adapted_shapes
+        trained, frozen = adapted_shapes(cfg, tcfg)
+    plan = memory_plan(parameter_shapes(cfg, trained), world, tcfg.parallel, tcfg.expert_parallel, nbytes[tcfg.dtype],
                        nbytes[sampler_dtype], kv_per_token, kv_tokens or rcfg.num_blocks * rcfg.block_size or need,
                        master_bytes=nbytes[tcfg.master_dtype], sampler_apart=lab_copy,
                        from_checkpoint=os.path.isdir(tcfg.init_from),
                        exact=tcfg.grad_reduce == "exact" and not one_term(tcfg, world, act, prompt_len + max_new),
                        offload=getattr(tcfg, "offload_optimizer", False),          # memory/'s option, where it is
                        groups=gathered_groups(cfg, tcfg.expert_parallel, named))
-    whole = plan.load_peak // nbytes[tcfg.master_dtype]                 # dense + this rank's experts
+    from parallel.expert_parallel import is_expert
+    plan.frozen_params = sum(math.prod(shape) for _, shape in frozen)
+    base = sum(math.prod(shape) // (tcfg.expert_parallel if is_expert(n) else 1) for n, shape in frozen)
+    plan.frozen = base * nbytes[tcfg.dtype]
+    plan.sampler_copy += plan.frozen if lab_copy else 0               # the lab's copy copies the base too
+    whole = plan.load_peak // nbytes[tcfg.master_dtype] + base          # dense + this rank's experts
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
     plan.activations = act
@@ -607,7 +619,9 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
                                                                     plan.step_temps)]
     rows = [] if plan.offload else optimizer[:3]
     gathered = f"FSDP2's gathered weights ({tcfg.dtype}: embeddings and head, two blocks)"
-    rows += [(gathered if fsdp else f"compute copy ({tcfg.dtype})", plan.compute_copy),
+    rows += [(f"frozen base (--lora_rank, {tcfg.dtype}: the trainer's and the sampler's)", plan.frozen)] if plan.frozen else []
+    rows += [(gathered if fsdp else f"compute copy ({tcfg.dtype})" + (" of the adapters" if plan.frozen else ""),
+              plan.compute_copy),
              (f"sampler's copy ({sampler_dtype})", plan.sampler_copy),
              ("reference policy (--kl_coef)", plan.reference)] + ([] if plan.offload else optimizer[3:])
     rows += [in_flight] if plan.reduce_on_device else []
@@ -625,6 +639,11 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     lines = [f"plan: {tcfg.init_from}, {plan.dense_params / 1e9:.2f}B dense + {plan.expert_params / 1e9:.2f}B expert "
              f"parameters; {world} rank(s), {layout}, --expert_parallel={tcfg.expert_parallel}, --dtype={tcfg.dtype}",
              f"per rank: {plan.params_per_rank / 1e9:.2f}B parameters"]
+    if plan.frozen:
+        lines[0] = (f"plan: {tcfg.init_from}, {plan.frozen_params / 1e9:.2f}B parameters frozen, LoRA rank {tcfg.lora_rank}: "
+                    f"{(plan.dense_params + plan.expert_params) / 1e9:.3f}B adapter parameters; {world} rank(s), {layout}, "
+                    f"--expert_parallel={tcfg.expert_parallel}, --dtype={tcfg.dtype}")
+        lines[1] = f"per rank: {plan.params_per_rank / 1e9:.3f}B parameters trained (masters, gradients, AdamW)"
     startup = startup_bytes(plan, tcfg, world)                        # before FSDP2 shards (DDP: the masters)
     if startup:
         rows.append((f"start-up, FSDP2 sharding from the host: its largest group ({m})" if plan.offload else
