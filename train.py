@@ -523,7 +523,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
         hook.check_build(task, config)
     home = master_device(hooks, d)                                    # offload: the host (memory/)
     model = build_model(tcfg, home or d.device, getattr(torch, tcfg.master_dtype), preset, experts)
-    adapt(hooks, model)                                               # LoRA: its adapters, the base frozen (lora/)
+    adapt(hooks, model, experts)                                      # LoRA: its adapters, the base frozen (lora/)
     resumed = None
     if tcfg.resume:
         store_routers(model, tcfg)                                    # an fp32 router keeps its saved bits

@@ -696,7 +696,9 @@ def read_safetensors_file(file: str, rows: Rows | None = None) -> dict[str, torc
 
 _PER_EXPERT = re.compile(r"layers\.\d+\.mlp\.experts\.(\d+)\.")              # ours: one expert's tensor
 # (E, ...) stacked: fused experts (gpt-oss's with their biases, MXFP4 blocks and scales), ours with biases
-_FUSED = re.compile(r"layers\.\d+\.mlp\.(experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?|w13|w2|b13|b2)$")
+# and LoRA's adapters stacked by expert (lora/adapters.py, in a masters file)
+_FUSED = re.compile(r"layers\.\d+\.mlp\.(experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?"
+                    r"|w13|w2|b13|b2|lora_A13|lora_B13|lora_A2|lora_B2)$")
 
 
 def expert_rows(cfg: ModelConfig, experts: list[int] | None, hf_keys: bool = True) -> Rows | None:

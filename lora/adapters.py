@@ -16,6 +16,7 @@ step 0's policy is the base's, bit for bit.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -41,12 +42,26 @@ class Adapted:
 
 
 class AdaptedExperts:
-    """Mixed into a MoE layer by adapt(): its routed experts with per-expert adapters (lora_experts)."""
+    """Mixed into a MoE layer by adapt(): its routed experts with per-expert adapters (lora_experts); a
+    sharded layer (expert parallelism, parallel/) sends its adapters' rows with the experts' and runs each
+    row on its owner by lora_rows."""
     scale: float
 
     def experts(self, x2, ids, weights):
+        if getattr(self, "ep", None) is not None:                    # sharded: experts_op is the exchange's
+            factors = {n: getattr(self, n) for n in EXPERT_FACTORS}
+            return self.experts_op(x2, self.w13, self.w2, ids, weights, **self.expert_extras(), extra=factors,
+                                   rows=functools.partial(lora_rows, scale=self.scale))
         factors = [getattr(self, n) for n in EXPERT_FACTORS]
         return lora_experts(x2, self.w13, self.w2, ids, weights, factors, self.scale, **self.expert_extras())
+
+    @torch.no_grad()
+    def keep_experts(self, experts: list[int]) -> None:
+        super().keep_experts(experts)
+        ids = torch.tensor(experts, device=self.w13.device)
+        for n in EXPERT_FACTORS:
+            t = getattr(self, n)
+            setattr(self, n, nn.Parameter(t[ids].clone(), requires_grad=t.requires_grad))
 
 
 _CLASSES: dict[type, type] = {}
@@ -65,25 +80,40 @@ def lora_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torc
     likewise. x (M, D); ids (M, k); weights (M, k) fp32; factors: A13 (E or 1, r, D), B13 (E, 2I, r),
     A2 (E, r, I), B2 (E or 1, D, r) -> (M, D) in x.dtype. The steps are kernels.moe_experts' torch path
     (sort, per expert the row-chunked linear, the fixed-order combine), so a row's bits depend on no other row."""
-    A13, B13, A2, B2 = factors
     M, k = ids.shape
-    I = w2.shape[2]
     order, counts = kernels.sort_slots(ids, w13.shape[0])
+    ws = dict(zip(EXPERT_FACTORS, factors), w13=w13, w2=w2, b13=b13, b2=b2)
+    per_slot = _slots(x, k, order, counts, ws, weights.reshape(-1), scale, swiglu)   # (M*k, D) fp32
+    return kernels.combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
+
+
+def lora_rows(x: torch.Tensor, ws: dict, ids: torch.Tensor, weights: torch.Tensor, swiglu=None, *,
+              scale: float) -> torch.Tensor:
+    """An expert-parallel owner's rows (parallel/expert_parallel.moe_experts' `rows`): each row through
+    expert ids[r] with its adapters, weighted, fp32: x (R, D); ws: the expert tensors by name (this rank's
+    shard, adapters included); ids, weights (R,) -> (R, D), a row's bits those of its slot in lora_experts."""
+    order, counts = kernels.sort_slots(ids.reshape(-1, 1), ws["w13"].shape[0])
+    return _slots(x, 1, order, counts, ws, weights.reshape(-1), scale, swiglu)
+
+
+def _slots(x, k: int, order, counts: list[int], ws: dict, weights, scale: float, swiglu) -> torch.Tensor:
+    """kernels.grouped_experts with the adapters: (R*k, D) fp32 in slot order, slot s reading row s // k."""
+    w13, w2, b13, b2 = ws["w13"], ws["w2"], ws.get("b13"), ws.get("b2")
+    A13, B13, A2, B2 = (ws[n] for n in EXPERT_FACTORS)
+    I = w2.shape[2]
     outs, start = [], 0
     for e, n in enumerate(counts):                                   # empty experts too: the same ops
         slots = order[start:start + n]
         start += n
-        xe = x[slots // k]                                           # (n, D)
-        h = _adapted(xe, w13[e], A13[e % len(A13)], B13[e], scale)   # (n, 2I)
+        h = _adapted(x[slots // k], w13[e], A13[e % len(A13)], B13[e], scale)   # (n, 2I)
         if b13 is not None:
             h = h + b13[e]
         a = kernels.silu_mul(h[:, :I], h[:, I:]) if swiglu is None else kernels.clamped_swiglu(h[:, :I], h[:, I:], *swiglu)
         y = _adapted(a, w2[e], A2[e], B2[e % len(B2)], scale)       # (n, D)
         if b2 is not None:
             y = y + b2[e]
-        outs.append(y.float() * weights.reshape(-1)[slots, None])
-    per_slot = torch.cat(outs)[torch.argsort(order)]                # (M*k, D) fp32, slot order
-    return kernels.combine_slots(per_slot.view(M, k, x.shape[1]), x.dtype)
+        outs.append(y.float() * weights[slots, None])
+    return torch.cat(outs)[torch.argsort(order)]
 
 
 def _adapted(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -133,10 +163,12 @@ def check_targets(model: Transformer, words: set[str], rank: int) -> None:
 
 
 def adapt(model: Transformer, rank: int, alpha: float, words: set[str], shared_outer: bool, seed: int,
-          frozen_dtype: torch.dtype, router_dtype: torch.dtype) -> list[str]:
+          frozen_dtype: torch.dtype, router_dtype: torch.dtype, experts: list[int] | None = None) -> list[str]:
     """Freeze every weight, cast the frozen ones to their compute dtype (routers: router_dtype), add the
     adapters (A: PEFT's kaiming-uniform init from `seed`, the same on every rank; B: zeros) in the
-    masters' dtype -> the adapted layers' names."""
+    masters' dtype -> the adapted layers' names. experts: the logical experts the model holds (an EP
+    rank's shard), whose rows of the per-expert factors it keeps: every expert's are drawn, so a shard
+    holds EP=1's values."""
     master = next(model.parameters()).dtype
     found = targets(model, words)
     model.requires_grad_(False)
@@ -156,11 +188,14 @@ def adapt(model: Transformer, rank: int, alpha: float, words: set[str], shared_o
     for _, m in found:
         m.scale = alpha / rank
         if isinstance(m, MoE):
-            (E, I2, D), I = m.w13.shape, m.w2.shape[2]
+            (_, I2, D), I, E = m.w13.shape, m.w2.shape[2], model.config.num_experts
             outer = 1 if shared_outer else E
             m.lora_A13, m.lora_B13 = new((outer, rank, D), D), new((E, I2, rank), rank, zero=True)
             m.lora_A2, m.lora_B2 = new((E, rank, I), I), new((outer, D, rank), rank, zero=True)
             m.__class__ = _adapted_class(type(m), AdaptedExperts)
+            if experts is not None:                                  # the shard's rows (per_expert factors)
+                for n in EXPERT_FACTORS:
+                    setattr(m, n, nn.Parameter(getattr(m, n)[experts].clone()))
         else:
             out, inp = m.weight.shape
             m.lora_A, m.lora_B = new((rank, inp), inp), new((out, rank), rank, zero=True)
@@ -229,9 +264,9 @@ def is_lora_checkpoint(path: str) -> bool:
 
 
 @torch.no_grad()
-def continue_from(model: Transformer, ckpt: str, tcfg) -> None:
+def continue_from(model: Transformer, ckpt: str, tcfg, experts: list[int] | None = None) -> None:
     """The base and the adapters of a LoRA run's checkpoint into the adapted model, at their saved bits
-    (its HF export, which from_pretrained read, is the merged weights)."""
+    (its HF export, which from_pretrained read, is the merged weights); experts: an EP rank's, read alone."""
     from support.checkpoint import load_trainer_state, load_weights
     saved = load_trainer_state(ckpt)["train_config"]
     for key in ("lora_rank", "lora_targets", "lora_expert_factors"):
@@ -239,7 +274,7 @@ def continue_from(model: Transformer, ckpt: str, tcfg) -> None:
             raise ConfigError(f"--init_from={ckpt} holds adapters of --{key}={saved.get(key)!r}, this run asks for "
                               f"{getattr(tcfg, key)!r}: pass the checkpoint's to continue them (or init from its "
                               "merged weights without --lora_rank)")
-    state = load_weights(ckpt, model)
+    state = load_weights(ckpt, model, experts)
     for k, t in model.state_dict().items():
         t.copy_(state[k])
 
@@ -259,14 +294,17 @@ class Lora(Hooks):
     def check_build(self, task, config) -> None:
         with torch.device("meta"):
             check_targets(Transformer(config), self.words, self.tcfg.lora_rank)
+        if self.merged_rollout and getattr(self.tcfg, "expert_parallel", 1) > 1:
+            raise ConfigError("--lora_rollout=merged with --expert_parallel > 1: the merged copy holds whole "
+                              "experts; run the lab's fault at EP=1")
 
-    def adapt(self, model) -> None:
+    def adapt(self, model, experts=None) -> None:
         from support.distributed import router_dtype                 # a hook's code may read the core's rules
         t = self.tcfg
         adapt(model, t.lora_rank, t.lora_alpha, self.words, t.lora_expert_factors == "shared_outer", t.seed + 1,
-              getattr(torch, t.dtype), router_dtype(t, model.config.model_type))
+              getattr(torch, t.dtype), router_dtype(t, model.config.model_type), experts)
         if is_lora_checkpoint(t.init_from):
-            continue_from(model, t.init_from, t)
+            continue_from(model, t.init_from, t, experts)
         if t.lora_init:
             from lora.export import read_adapter
             read_adapter(model, t.lora_init, t.lora_rank, t.lora_alpha)

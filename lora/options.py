@@ -39,9 +39,16 @@ class LoraOptions:
                      f"--lora_expert_factors={self.lora_expert_factors!r}: choose one of {', '.join(FACTORS)}")
         self.require(not self.lora_init or self.lora_rank, "--lora_init needs --lora_rank (the adapters' rank)")
         if self.lora_rank:
-            self.require(getattr(self, "expert_parallel", 1) == 1 or "experts" not in targets,
-                         "--lora_rank with --expert_parallel > 1 and experts among --lora_targets: the exchange "
-                         "does not carry expert adapters yet; drop experts from --lora_targets or EP")
+            ep = getattr(self, "expert_parallel", 1) > 1 and "experts" in targets
+            self.require(not ep or self.lora_expert_factors == "per_expert",
+                         "--lora_expert_factors=shared_outer with --expert_parallel > 1: a factor shared by every "
+                         "expert is not an expert's row to shard; use per_expert under EP")
+            self.require(not ep or not getattr(self, "eplb_redundant", 0),
+                         "--lora_rank with --eplb_redundant and experts among --lora_targets: not supported yet; "
+                         "drop --eplb_redundant (or experts from --lora_targets)")
+            self.require(not self.lora_init or getattr(self, "expert_parallel", 1) == 1,
+                         "--lora_init with --expert_parallel > 1: the base's hash needs whole experts; start "
+                         "from the adapter at EP=1 and resume that run under EP")
             self.require(getattr(self, "parallel", "ddp") != "fsdp",
                          "--lora_rank with --parallel=fsdp: not supported yet; use ddp (the frozen base is "
                          "not sharded: one copy a rank)")

@@ -38,6 +38,7 @@ Run: tests/test_expert_parallel.py launches tests/ep_check.py and tests/eplb_che
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import weakref
@@ -50,9 +51,10 @@ import kernels
 from config import ConfigError
 
 # A MoE layer's stacked expert tensors, (E, ...) each: the weights, then gpt-oss's biases where the layer
-# has them (model.MoE: b13 (E, 2I), b2 (E, D)). Wherever experts are cut, kept, gathered, exchanged or saved,
-# all of them are.
-EXPERT_TENSORS = ("w13", "w2", "b13", "b2")
+# has them (model.MoE: b13 (E, 2I), b2 (E, D)), then LoRA's adapters stacked by expert where it adds them
+# (lora/adapters.py; their rows are experts too). Wherever experts are cut, kept, gathered, exchanged or
+# saved, all of them are.
+EXPERT_TENSORS = ("w13", "w2", "b13", "b2", "lora_A13", "lora_B13", "lora_A2", "lora_B2")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -379,15 +381,18 @@ def _exchange_counts(send: torch.Tensor, group) -> list[int]:
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor, ep: ExpertParallel, moe: nn.Module | None = None,
                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+                swiglu: tuple[float, float] | None = None, extra: dict | None = None, rows=None) -> torch.Tensor:
     """kernels.moe_experts with the experts on their owners: x (M, D) this rank's tokens; w13 (E/N, 2I, D),
     w2 (E/N, D, I) this rank's shard (b13 (E/N, 2I), b2 (E/N, D) and swiglu: gpt-oss's, as in
     kernels.moe_experts); ids (M, k) logical ids; weights (M, k) fp32 -> (M, D) in x.dtype.
     moe: the calling MoE module (under EPLB, its layer's layout and slot weights: _layout). Every rank
-    of the group must call it (with M = 0 if it has no tokens)."""
+    of the group must call it (with M = 0 if it has no tokens). extra: more expert tensors by their
+    EXPERT_TENSORS names (LoRA's adapters), which rows(x, ws, ids, weights, swiglu) -> (R, D) fp32, the
+    owner's computation of each row through its expert (default: kernels.expert_rows), reads."""
     M, k = ids.shape
-    given = dict(w13=w13, w2=w2, b13=b13, b2=b2)
-    pl, ws, keys = _layout(moe, {n: given[n] for n in EXPERT_TENSORS if given[n] is not None}, ep)
+    given = dict(w13=w13, w2=w2, b13=b13, b2=b2, **(extra or {}))
+    pl, ws, keys = _layout(moe, {n: given[n] for n in EXPERT_TENSORS if given.get(n) is not None}, ep)
+    run = functools.partial(rows or _rows, swiglu=swiglu)
     # 1. the token's rank: its slots in EP=1's order (by logical expert). With a gradient, each expert's
     #    rows are gathered separately as grouped_experts does, so x's gradient sums a token's k slots in
     #    EP=1's order; the decode step (no gradient) gathers them at once, without reading counts back
@@ -403,7 +408,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     by_dest = torch.sort(dest, stable=True).indices                 # grouped by owner, EP=1's order inside
     local_ids = pl.local(e_sorted, ep.rank)[by_dest]                # each row's slot in its owner's shard
     if ep.capacity:
-        return _moe_experts_fixed(x, ws, swiglu, x_sorted[by_dest], w_sorted[by_dest], local_ids,
+        return _moe_experts_fixed(x, ws, run, x_sorted[by_dest], w_sorted[by_dest], local_ids,
                                   dest[by_dest], order[by_dest], (M, k), ep)
     send = torch.bincount(dest, minlength=ep.size)
     send_l = send.tolist()
@@ -412,7 +417,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     x_in = Exchange.apply(x_sorted[by_dest], send_l, recv_l, ep.group)          # (R, D)
     w_in = Exchange.apply(w_sorted[by_dest], send_l, recv_l, ep.group)          # (R,) fp32
     local = _all_to_all(local_ids, send_l, recv_l, ep.group)                    # (R,) local slot ids
-    y = _owner_rows(x_in, ws, local, w_in, recv_l, ep, keys, swiglu)            # (R, D) fp32, arrival order
+    y = _owner_rows(x_in, ws, local, w_in, recv_l, ep, keys, run)               # (R, D) fp32, arrival order
     # 3. back to the token's rank: into slot order, then EP=1's combine
     y_back = Exchange.apply(y, recv_l, send_l, ep.group)                        # (M*k, D) in by_dest order
     slot_of_row = order[by_dest]                                                # row i holds slot slot_of_row[i]
@@ -431,7 +436,7 @@ def _layout(moe, ws: dict, ep: ExpertParallel):
     r = ep.eplb
     if r is None:
         return ep.placement, ws, keys
-    if torch.is_grad_enabled() and ws["w13"].requires_grad and sink is None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ws.values()) and sink is None:
         raise RuntimeError("EPLB: a backward through expert replicas needs the exact gradient sum "
                            "(--grad_reduce=exact), which folds their gradients into their experts'")
     layout, have = r.layouts[moe.ep_layer], r.copies.get(moe)
@@ -501,19 +506,18 @@ def _rows(x, ws: dict, ids, weights, swiglu) -> torch.Tensor:
     return kernels.expert_rows(x, ws["w13"], ws["w2"], ids, weights, b13=ws.get("b13"), b2=ws.get("b2"), swiglu=swiglu)
 
 
-def _owner_rows(x_in, ws: dict, local, w_in, recv: list[int], ep: ExpertParallel, keys=None,
-                swiglu=None) -> torch.Tensor:
+def _owner_rows(x_in, ws: dict, local, w_in, recv: list[int], ep: ExpertParallel, keys, run) -> torch.Tensor:
     """The owner's expert rows, source by source. In a training forward under an exact gradient sum
     (keys: the sink's name of each expert tensor, _layout), each source rank's rows run through the
-    experts on their own and the gradients of the expert tensors (biases too) go to the sink apart: a
+    experts (run: moe_experts') on their own and the gradients of the expert tensors (biases too) go to the sink apart: a
     source's rows are one micro-batch's, in EP=1's order, so each piece (and x's gradient, and the
     routing weights') has the bits EP=1 computes for that micro-batch; one call over every source's
     rows would sum the micro-batches' gradients in fp32 inside it. Every source is run, an empty one too: the backward's exchanges need every rank's
     graph to reach them."""
     if keys is None:
-        return _rows(x_in, ws, local, w_in, swiglu)
+        return run(x_in, ws, local, w_in)
     sink = ep.grad_sink
-    outs = [_rows(xs, {n: _Sink.apply(t, sink, keys[n]) for n, t in ws.items()}, ls, wts, swiglu)
+    outs = [run(xs, {n: _Sink.apply(t, sink, keys[n]) for n, t in ws.items()}, ls, wts)
             for xs, ls, wts in zip(x_in.split(recv), local.split(recv), w_in.split(recv))]
     return torch.cat(outs)
 
@@ -533,12 +537,12 @@ class _Sink(torch.autograd.Function):
         return None, None, None
 
 
-def _moe_experts_fixed(x, ws, swiglu, x_rows, w_rows, local, dest, slot_of_row, shape, ep):
+def _moe_experts_fixed(x, ws, run, x_rows, w_rows, local, dest, slot_of_row, shape, ep):
     """The decode step's exchange: every rank sends ep.capacity rows to every rank (its rows for that
     owner, then padding), so no counts are exchanged and nothing is read back to the host. Padding rows
     run through expert 0 with weight 0 and are dropped; a real row's bits are those of the counted path
-    (the expert kernel is row-invariant). ws: the expert tensors (_layout); x_rows, w_rows, local, dest:
-    the slots grouped by owner."""
+    (the expert kernel is row-invariant). ws: the expert tensors (_layout), run: their rows (moe_experts);
+    x_rows, w_rows, local, dest: the slots grouped by owner."""
     M, k = shape
     S, C, N, D = x_rows.shape[0], ep.capacity, ep.size, x.shape[1]
     counts = torch.zeros(N, dtype=torch.long, device=x.device).scatter_add_(0, dest, torch.ones_like(dest))
@@ -551,7 +555,7 @@ def _moe_experts_fixed(x, ws, swiglu, x_rows, w_rows, local, dest, slot_of_row, 
     x_in = _all_to_all(x_buf, even, even, ep.group)                 # (N*C, D) C rows from each source
     w_in = _all_to_all(w_buf, even, even, ep.group)
     l_in = _all_to_all(l_buf, even, even, ep.group)
-    y = _rows(x_in, ws, l_in, w_in, swiglu)
+    y = run(x_in, ws, l_in, w_in)
     y_back = _all_to_all(y, even, even, ep.group)[at]              # (M*k, D) in by-owner order
     per_slot = y_back[torch.argsort(slot_of_row)]
     return kernels.combine_slots(per_slot.view(M, k, D), x.dtype)
@@ -651,8 +655,20 @@ def whole_model(model: nn.Module) -> nn.Module | None:
         return None
     with torch.device("meta"):
         out = type(model)(model.config)
+    if set(state) != set(out.state_dict()):          # a plug-in's tensors (LoRA's adapters): its layers as they are
+        out = _meta_copy(model, state)
     out.load_state_dict(state, assign=True)
     return out
+
+
+def _meta_copy(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A copy of model's modules (their classes, a plug-in's swapped ones too) whose tensors are meta
+    tensors of state's shapes (whole experts where model holds a shard): nothing is allocated."""
+    memo = {}
+    for k, t in model.state_dict(keep_vars=True).items():
+        empty = torch.empty(state[k].shape, dtype=state[k].dtype, device="meta")
+        memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
 
 
 def _expert_state(opt_state: dict, names: dict, fn) -> dict:

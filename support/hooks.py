@@ -7,8 +7,9 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     check_build(task, config)   before the model is built: the options against the task and the model
     sampler_model(full, refresh)   -> (the model the sampler runs, its refresh): a copy of the compute weights
     wrap_sampler(sampler)    -> the sampler the run rolls out with
-    adapt(model)             the model was built, no weight is loaded yet (a resume's come next): add to its
-                             layers (LoRA's adapters, lora/), freeze what stays fixed
+    adapt(model, experts)    the model was built, no weight is loaded yet (a resume's come next): add to its
+                             layers (LoRA's adapters, lora/), freeze what stays fixed; experts: the logical
+                             experts it holds (EP's shard, in its order), or None: every one
     setup(run, resumed)      the run is built, no forward has run; resumed: checkpoint.Resumed or None
     before_steps(run, forward, micro_batches, save)   before RL step 1 (the supervised phase), with train.py's
                              forward, trainer_micro_batches and checkpoint: no second training path
@@ -57,7 +58,7 @@ class Hooks:
     def wrap_sampler(self, sampler):
         return sampler
 
-    def adapt(self, model) -> None:
+    def adapt(self, model, experts) -> None:
         pass
 
     def setup(self, run, resumed) -> None:
@@ -139,9 +140,9 @@ def shard(hooks: list[Hooks], model) -> None:
         h.shard(model)
 
 
-def adapt(hooks: list[Hooks], model) -> None:
+def adapt(hooks: list[Hooks], model, experts: list[int] | None) -> None:
     for h in hooks:
-        h.adapt(model)
+        h.adapt(model, experts)
 
 
 def exported(hooks: list[Hooks], model):

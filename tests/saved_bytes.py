@@ -22,9 +22,12 @@ from support.packing import Packing  # noqa: E402
 
 
 def saved_bytes_per_token(cfg: ModelConfig, length: int, n_seqs: int, backend: str = "torch",
-                          dtype: torch.dtype = torch.float32) -> float:
+                          dtype: torch.dtype = torch.float32, lora_rank: int = 0) -> float:
     torch.manual_seed(0)
     model = Transformer(cfg).to(dtype)
+    if lora_rank:                                    # every target but the router, the base frozen in dtype
+        from lora.adapters import adapt
+        adapt(model, lora_rank, 32.0, {"attention", "mlp", "experts"}, False, 1, dtype, dtype)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     tokens = torch.randint(0, cfg.vocab_size, (1, length * n_seqs))
     seen = {}

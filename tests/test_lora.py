@@ -256,7 +256,7 @@ def test_a_lora_checkpoint_and_its_exported_adapter_start_new_runs(tmp_path):
 
 def test_the_plan_counts_the_frozen_base_once_and_the_adapters_state():
     """Qwen3-30B-A3B, rank 32 on every target, bf16 over fp32 adapter masters, 1,024-token responses, one
-    141 GB GPU: the plan fits; its base is one bf16 copy of every base weight, its masters 4 bytes an adapter
+    141 GB GPU: the plan fits (and on 8 x 80 GB with EP=8); its base is one bf16 copy of every base weight, its masters 4 bytes an adapter
     parameter of the adapted model (a meta build), and the adapters' factors shared cost less."""
     from config import apply_command_line, parse_args
     from lora.adapters import adapted_shapes
@@ -265,6 +265,9 @@ def test_the_plan_counts_the_frozen_base_once_and_the_adapters_state():
             "--lora_rank=32"]
     text, fits = plan.main(args + ["--world_size=1"])
     assert fits and "frozen base" in text and "fits: the run needs" in text
+    text, fits = plan.main([a for a in args if "gpu_memory_gb" not in a]
+                           + ["--gpu_memory_gb=80", "--world_size=8", "--expert_parallel=8"])
+    assert fits and "8 rank(s), DDP, --expert_parallel=8" in text               # 8 x 80 GB with EP
     tcfg, rcfg = TrainConfig(), RolloutConfig()
     apply_command_line(parse_args([a for a in args if "gpu_memory_gb" not in a]), tcfg, rcfg)
     p, _, _ = plan.plan_of(tcfg, rcfg, 1)
@@ -295,7 +298,9 @@ def test_the_merged_rollout_fault_samples_from_merged_weights_and_breaks_the_con
     (["--lora_targets=foo"], "a comma-separated subset"),
     (["--lora_rank=100"], "above layers.0.self_attn.k_proj's smaller dimension"),
     (["--lora_targets=experts", "--init_from=tiny-dense"], "no layer of this model matches"),
-    (["--lora_targets=experts", "--expert_parallel=2"], "does not carry expert adapters"),
+    (["--expert_parallel=2", "--lora_expert_factors=shared_outer"], "is not an expert's row to shard"),
+    (["--expert_parallel=2", "--eplb_redundant=2"], "with --eplb_redundant and experts"),
+    (["--expert_parallel=2", "--lora_init=x"], "the base's hash needs whole experts"),
     (["--parallel=fsdp"], "not supported yet"),
 ])
 def test_lora_options_that_cannot_apply_are_one_line(tmp_path, args, words):
@@ -305,3 +310,23 @@ def test_lora_options_that_cannot_apply_are_one_line(tmp_path, args, words):
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode != 0 and lines[-1].startswith("error:") and words in lines[-1], lines[-3:]
     assert "Traceback" not in r.stderr
+
+
+def test_an_ep_shard_holds_ep1s_adapter_rows_and_the_merged_fault_stays_at_ep1():
+    """adapt on a model holding experts [5, 2] (an EP rank's shard, built so) draws every expert's factors
+    and keeps those rows: the shard's adapters are EP=1's rows 5 and 2, the dense ones equal (the EP=2 run
+    against one process: tests/world_check.py). The lab's merged copy needs whole experts: one line under EP."""
+    from lora.adapters import Lora
+    cfg = ModelConfig.preset("tiny")
+    whole, shard = Transformer(cfg), Transformer(cfg)
+    shard.keep_experts([5, 2])
+    for m, experts in ((whole, None), (shard, [5, 2])):
+        adapt(m, 4, 8.0, {"attention", "experts"}, False, 1, torch.float32, torch.float32, experts)
+    mine, ref = shard.state_dict(), whole.state_dict()
+    for k, v in mine.items():
+        if "lora_" in k:
+            assert torch.equal(v, ref[k][[5, 2]] if k.rsplit(".", 1)[-1][-2:] in ("13", "A2", "B2") else ref[k]), k
+    assert not torch.equal(mine["layers.1.mlp.lora_A13"], ref["layers.1.mlp.lora_A13"][:2])      # control: rows differ
+    tcfg = TrainConfig(lora_rank=4, expert_parallel=2)
+    with pytest.raises(ConfigError, match="the merged copy holds whole experts"):
+        Lora(tcfg, RolloutConfig(lora_rollout="merged")).check_build(None, cfg)

@@ -8,10 +8,11 @@ Runs train.py's loop in-process for each layout of this world size (LAYOUTS: DDP
 without --expert_parallel=2; at 2 ranks FSDP2 with each block recomputed in the backward and EP=2 with
 each MoE layer, --activation_checkpointing, both with the optimizer on the host, --offload_optimizer)
 of each run (RUNS: fp32 with packed micro-batches, bf16 compute over fp32 masters with padded ones and the
-router bias, and --grad_reduce=fast, the control), and writes
+router bias, LoRA's adapters over a bf16 base, and --grad_reduce=fast, the control), and writes
 OUT/world{N}.json: per layout, every metrics row without its per-layout keys, and the SHA-256 of the
 checkpoint's tensors (whole experts). The 1- and 4-rank launches also resume the 2-rank DDP EP=2 fp32
-run from its step-3 checkpoint. tests/test_distributed.py compares the files.
+run from its step-3 checkpoint, the 1-rank one the LoRA run's too (RESUMED). tests/test_distributed.py
+compares the files.
 """
 import gc
 import hashlib
@@ -38,19 +39,22 @@ RUNS = {   # what defines a run: the micro-batches (--micro_batch_tokens / --mic
     "bf16": dict(dtype="bfloat16", micro_batch_tokens=0, micro_batch_size=10, init_from="tiny-sigmoid",
                  expert_bias_update_rate=1e-3),                   # padded slices of 10 (the last one short)
     "fast": dict(micro_batch_tokens=64, grad_reduce="fast"),      # the control: fp32 accumulation and all-reduce
+    "lora": dict(dtype="bfloat16", micro_batch_tokens=64, lora_rank=4,   # lora/: adapters on every target (the
+                 lora_targets="attention,mlp,experts,router"),           # experts' by expert, cut by EP), bf16 base
 }
 DDP, FSDP = dict(parallel="ddp"), dict(parallel="fsdp")
 EP2 = dict(expert_parallel=2)
 AC = dict(activation_checkpointing="full"), dict(activation_checkpointing="moe")   # memory/: the same bits
 OFF = dict(offload_optimizer=True)        # memory/: the masters apart (FSDP2's CPUOffloadPolicy; a copy under DDP)
 LAYOUTS = {   # world size -> (run, layout name, layout): DDP and FSDP2, EP=2 with one and with two EP groups
-    1: [("fp32", "one", {}), ("bf16", "one", {}), ("fast", "one", {})],
+    1: [("fp32", "one", {}), ("bf16", "one", {}), ("fast", "one", {}), ("lora", "one", {})],
     2: [("fp32", "fsdp", {**FSDP, **AC[0], **OFF}), ("fp32", "ddp-ep2", {**DDP, **EP2}),
-        ("bf16", "ddp-ep2", {**DDP, **EP2, **AC[1], **OFF}), ("fast", "ddp", DDP)],
+        ("bf16", "ddp-ep2", {**DDP, **EP2, **AC[1], **OFF}), ("fast", "ddp", DDP), ("lora", "ddp-ep2", {**DDP, **EP2})],
     4: [("bf16", "fsdp-ep2", {**FSDP, **EP2})],
 }
-LEG = "w2-fp32-ddp-ep2"                   # its step-3 checkpoint, resumed by 1 rank and by 4 (DDP, EP=2:
-RESUMED = {1: {}, 4: dict(DDP, **EP2)}    # two EP groups, the experts' sums all-reduced over their replicas)
+# a 2-rank run's step-3 checkpoint resumed: fp32 DDP EP=2 by 1 rank and by 4 (DDP, EP=2: two EP groups, the
+# experts' sums all-reduced over their replicas), LoRA's EP=2 by 1 rank (its adapters' expert rows gathered)
+RESUMED = {1: [("fp32", "ddp-ep2", {}), ("lora", "ddp-ep2", {})], 4: [("fp32", "ddp-ep2", dict(DDP, **EP2))]}
 PER_LAYOUT = runlog.PER_LAYOUT                                       # what a layout means by itself
 
 
@@ -86,17 +90,17 @@ def main(out: str) -> None:
     for name, layout, kw in LAYOUTS[world]:
         rows = run(f"{out}/w{world}-{name}-{layout}", d, **RUNS[name], **kw)
         found[f"{name}/{layout}"] = summary(rows, f"{out}/w{world}-{name}-{layout}")
-    if world in RESUMED:                              # the 2-rank fp32 run from its step-3 checkpoint
-        mine = f"{out}/w{world}-resumed"
+    for name, leg, kw in RESUMED.get(world, []):      # a 2-rank run from its step-3 checkpoint
+        mine = f"{out}/w{world}-{name}-resumed"
         if d.rank == 0:
-            shutil.copytree(f"{out}/{LEG}", mine)
+            shutil.copytree(f"{out}/w2-{name}-{leg}", mine)
             shutil.rmtree(f"{mine}/ckpt-{STEPS:06d}")                  # as if the run had stopped at step 3
             with open(f"{mine}/latest", "w") as f:
                 f.write(f"ckpt-{STEPS // 2:06d}")
         if world > 1:
             dist.barrier()
-        rows = run(mine, d, resume=True, **RUNS["fp32"], **RESUMED[world])
-        found["fp32/resumed"] = summary(rows, mine)
+        rows = run(mine, d, resume=True, **RUNS[name], **kw)
+        found[f"{name}/resumed"] = summary(rows, mine)
     if d.rank == 0:
         with open(f"{out}/world{world}.json", "w") as f:
             json.dump(found, f)

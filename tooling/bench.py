@@ -1163,9 +1163,9 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     # partial rollouts: a response unfinished after max_new_tokens // 2 tokens continues in the next batch
     "stale K=1 partial": ["--max_staleness=1", "--partial_rollout=true"],
     # LoRA (lora/) in a bf16 trainer: the adapter run unmerged by the sampler, and merged into the bf16 weights
-    # after each update as engines refit (--lora_rollout=merged); LoRA's learning rate, ten times full fine-tuning's
-    "lora bf16": ["--recompute_old_logp=true", "--dtype=bfloat16", "--lora_rank=16", "--lr=1e-2"],
-    "lora bf16 merged": ["--recompute_old_logp=true", "--dtype=bfloat16", "--lora_rank=16", "--lr=1e-2",
+    # after each update as engines refit (--lora_rollout=merged); LoRA at three times full fine-tuning's learning rate (ten times collapses here: docs/results.md)
+    "lora bf16": ["--recompute_old_logp=true", "--dtype=bfloat16", "--lora_rank=16", "--lr=3e-3"],
+    "lora bf16 merged": ["--recompute_old_logp=true", "--dtype=bfloat16", "--lora_rank=16", "--lr=3e-3",
                          "--lora_rollout=merged"],
     # the 2026 families' attention at tiny sizes: gpt-oss (sinks, a sliding window) and MLA (a latent KV cache),
     # invariant and on the fast rollout (SDPA with the sink as an extra key / the expanded MLA, in bf16)

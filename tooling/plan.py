@@ -256,21 +256,26 @@ def mlp_terms(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
 
 
 def train_bytes_per_token(cfg: ModelConfig, backend: str, dtype_bytes: int, seq_len: int,
-                          recompute: str = "none") -> float:
+                          recompute: str = "none", frozen_norms: bool = False) -> float:
     """A: what the trainer's forward keeps for the backward per token, over every layer (the docstring).
     recompute (--activation_checkpointing): a recomputed block (full) or MoE layer (moe) keeps its input
-    alone, b D, and the backward holds one of them whole again at a time (the largest)."""
-    D = cfg.hidden_size
+    alone, b D, and the backward holds one of them whole again at a time (the largest). frozen_norms
+    (--lora_rank): the torch RMSNorm's normalised output is kept only for its weight's gradient, so a
+    frozen norm keeps 4 D (4 Q + 4 K for q and k's norms) a token less."""
+    D, Q, K = layer_widths(cfg)
+    norms = 4 * (2 * D + (Q + K if cfg.qk_norm != "none" else 0)) if frozen_norms and backend == "torch" else 0
     kept = again = 0.0
     for layer in range(cfg.num_hidden_layers):
         attn, mlp = layer_bytes(cfg, backend, dtype_bytes, seq_len, layer)
+        attn -= norms
         if recompute == "full":
             kept, again = kept + dtype_bytes * D, max(again, attn + mlp)
         elif recompute == "moe" and cfg.is_moe_layer(layer):
             kept, again = kept + attn + dtype_bytes * D, max(again, mlp)
         else:
             kept += attn + mlp
-    return kept + again + (4 * (3 * D + cfg.head_dim) if backend == "torch" else 2 * dtype_bytes * D)
+    final = 4 * ((2 if norms else 3) * D + cfg.head_dim) if backend == "torch" else 2 * dtype_bytes * D
+    return kept + again + final
 
 
 def layer_bytes(cfg: ModelConfig, backend: str, b: int, seq_len: int, layer: int) -> tuple[float, float]:
@@ -349,7 +354,8 @@ def activations(cfg: ModelConfig, tcfg: TrainConfig, rcfg: RolloutConfig, backen
         M = (tcfg.micro_batch_size or mb_seqs) * L
     b = {"float32": 4, "bfloat16": 2}[tcfg.dtype]
     recompute = getattr(tcfg, "activation_checkpointing", "none")   # memory/'s option ("none" without it)
-    train = M * train_bytes_per_token(cfg, backend, b, L, recompute)
+    frozen = bool(getattr(tcfg, "lora_rank", 0))                     # lora/'s: the norms frozen
+    train = M * train_bytes_per_token(cfg, backend, b, L, recompute, frozen)
     train += logits_bytes(cfg, backend, b, min(M, tcfg.logits_chunk or M))
     prefill = min(rcfg.max_num_batched_tokens, seqs * prompt_len)
     decode = min(rcfg.max_batch_size, seqs)
