@@ -14,8 +14,10 @@ also takes a preset's ModelConfig fields (--num_hidden_layers=2) into TrainConfi
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
 import importlib
 import inspect
 import math
@@ -808,17 +810,59 @@ class LogOptions(Options):
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def plugin_modules() -> list:
-    """Each plug-in folder's options.py, folders by name: its option groups (TRAIN, ROLLOUT) and, where it
-    has any, its step hooks (`hooks`, support/hooks.py). A deleted folder takes both with it."""
-    folders = sorted(n for n in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, n, "options.py")))
-    return [importlib.import_module(f"{n}.options") for n in folders]
+def plugin_folders() -> dict[str, tuple[set[str], bool]]:
+    """{folder: (the options its options.py declares, whether a GPU run imports it)}, read from the source
+    (ast), not imported: a plug-in's code, its options module included, loads only for a run that names
+    one of its options (a default run imports no plug-in). `ON_GPU = True` in an options.py: every GPU run
+    needs it (tooling's check of the run's plan against the GPU)."""
+    out = {}
+    for n in sorted(os.listdir(ROOT)):
+        path = os.path.join(ROOT, n, "options.py")
+        if not os.path.isfile(path):
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        top = {t.id: st.value for st in tree.body if isinstance(st, ast.Assign) for t in st.targets
+               if isinstance(t, ast.Name)}
+        groups = {e.id for k in ("TRAIN", "ROLLOUT") if isinstance(top.get(k), ast.List) for e in top[k].elts}
+        fields = {st.target.id for c in tree.body if isinstance(c, ast.ClassDef) and c.name in groups
+                  for st in c.body if isinstance(st, ast.AnnAssign)}
+        out[n] = fields, isinstance(top.get("ON_GPU"), ast.Constant) and top["ON_GPU"].value is True
+    return out
 
 
-def plugin_options(kind: str) -> list[type]:
-    """The option groups the plug-in folders declare beside their code (their --keys; a deleted folder's
-    become unknown keys)."""
-    return [g for m in plugin_modules() for g in getattr(m, kind)]
+def plugin_modules(folders=None) -> list:
+    """The options modules of these plug-in folders (None: every one), by name: option groups (TRAIN,
+    ROLLOUT) and, where it has any, step hooks (`hooks`, support/hooks.py). A deleted folder takes both."""
+    return [importlib.import_module(f"{n}.options") for n in sorted(plugin_folders() if folders is None else folders)]
+
+
+def configs(folders=None) -> tuple[type, type]:
+    """(TrainConfig, RolloutConfig) with the core's groups and these plug-in folders' (None: every one's;
+    `config.TrainConfig` is that). One class per set of folders, so a run's configs compare and copy."""
+    return _configs(frozenset(plugin_folders() if folders is None else folders))
+
+
+@functools.cache
+def _configs(folders: frozenset[str]) -> tuple[type, type]:
+    mods = plugin_modules(folders)
+    tcls = compose("TrainConfig", TrainOptions, [TaskOptions, ObjectiveOptions, RouteOptions, LogOptions,
+                                                 *(g for m in mods for g in m.TRAIN)])
+    rcls = compose("RolloutConfig", RolloutOptions, [g for m in mods for g in m.ROLLOUT])
+    tcls.plugins = rcls.plugins = tuple(mods)                    # their step hooks (support/hooks.plugin_hooks)
+    return tcls, rcls
+
+
+def configs_for(keys, gpu: bool = False) -> tuple[type, type]:
+    """The configs of a run whose options (a command line's, a saved run's) are `keys`: the plug-ins that
+    declare any of them, and on a GPU those marked ON_GPU."""
+    return configs({n for n, (fields, on_gpu) in plugin_folders().items() if fields & set(keys) or gpu and on_gpu})
+
+
+def __getattr__(name: str):
+    """config.TrainConfig / config.RolloutConfig: with every plug-in's options (--help, tests, tools)."""
+    if name in ("TrainConfig", "RolloutConfig"):
+        return configs()[name == "RolloutConfig"]
+    raise AttributeError(f"module 'config' has no attribute {name!r}")
 
 
 def compose(name: str, core: type, groups: list[type]) -> type:
@@ -837,11 +881,6 @@ def compose(name: str, core: type, groups: list[type]) -> type:
 def option_groups(cls) -> list[type]:
     """A config's groups in --help's order: the core's, then each plug-in's ([cls] for a plain dataclass)."""
     return [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c) and vars(c).get("__annotations__")]
-
-
-TrainConfig = compose("TrainConfig", TrainOptions, [TaskOptions, ObjectiveOptions, RouteOptions, LogOptions,
-                                                    *plugin_options("TRAIN")])
-RolloutConfig = compose("RolloutConfig", RolloutOptions, plugin_options("ROLLOUT"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -933,7 +972,9 @@ def apply_command_line(overrides: dict[str, str], tcfg: TrainConfig, rcfg: Rollo
     every other key is apply_overrides'."""
     types_ = typing.get_type_hints(ModelConfig)
     model = {k: _convert(k, raw, types_[k]) for k, raw in overrides.items() if k in MODEL_OPTIONS}
-    apply_overrides({k: v for k, v in overrides.items() if k not in model}, tcfg, rcfg, also_known=MODEL_OPTIONS)
+    plugins = [f for fields, _ in plugin_folders().values() for f in fields]     # a typo's nearest name among them too
+    apply_overrides({k: v for k, v in overrides.items() if k not in model}, tcfg, rcfg,
+                    also_known=[*MODEL_OPTIONS, *plugins])
     if model:
         tcfg.model_overrides = {**tcfg.model_overrides, **model}
         tcfg.__post_init__()
@@ -959,7 +1000,7 @@ def field_docs(cls) -> dict[str, str]:
     """{field: its description}: the trailing comment of the field's line in the class source, with the
     comment-only lines that continue it (indented past the field, or `#` then aligned text). The one place
     an option is described: --help prints these. A composed config's are its groups'."""
-    if cls in (TrainConfig, RolloutConfig):
+    if hasattr(cls, "plugins"):
         return {k: v for g in option_groups(cls) for k, v in field_docs(g).items()}
     docs, last = {}, None
     for line in inspect.getsource(cls).splitlines():

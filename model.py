@@ -474,6 +474,12 @@ class Block(nn.Module):
         return x + self.mlp(h), None
 
 
+def expert_group(model: nn.Module):
+    """The expert-parallel group a model's MoE layers were sharded with (parallel/expert_parallel.shard_experts
+    sets each layer's `ep`); None for whole experts, the core's case, which then calls nothing of parallel/."""
+    return next((m.ep for m in model.modules() if isinstance(m, MoE) and getattr(m, "ep", None) is not None), None)
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()

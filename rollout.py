@@ -97,16 +97,19 @@ import itertools
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from tqdm.auto import tqdm
 
 import kernels
-from config import RolloutConfig, check_sampling
-from model import PagedKV, Transformer, kv_caches
+from config import RolloutOptions, check_sampling, configs_for
+from model import PagedKV, Transformer, expert_group, kv_caches
 from parallel import expert_parallel
 from scheduler import BlockManager, Scheduler, Sequence, Step
+
+if TYPE_CHECKING:                     # a run's class: config.configs_for
+    from config import RolloutConfig
 
 CPU_KV_BYTES = 1 << 30            # the KV pool's cap on the CPU, where there is no free-memory query
 OBSERVATION_LOGPROB = 0.0         # SequenceOutput.logprobs at the environment's ids (the policy did not sample them)
@@ -252,7 +255,7 @@ class ModelRunner:
         capture NCCL collectives, replayed by ranks that captured different batch buckets, are not yet
         tested on GPUs: off by default there (cuda_graphs=True turns them on)."""
         cfg = self.model.config
-        if expert_parallel.of(self.model) is not None:
+        if expert_group(self.model) is not None:
             return False
         return self.device.type == "cuda" and kernels.get_backend() != "torch" and (
             not other_moe or not self.model.n_moe_layers
@@ -600,9 +603,12 @@ class Sampler:
         num_prefilled_tokens, prefix_hit_rate; num_drafted_tokens, num_accepted_tokens, spec_accept_rate
         (speculative decoding); all of them as a run logs them: `counters`.
         """
-        if config is not None and not isinstance(config, RolloutConfig):
+        if config is not None and not isinstance(config, RolloutOptions):
             raise TypeError(f"config must be a config.RolloutConfig, got {type(config).__name__}")
-        self.config = RolloutConfig(**overrides) if config is None else dataclasses.replace(config, **overrides)
+        fields = {} if config is None else vars(config)
+        if config is None or not set(overrides) <= set(fields):     # the class of the plug-ins the options name
+            config = configs_for([*fields, *overrides])[1](**fields)
+        self.config = dataclasses.replace(config, **overrides)
         self.model = model
         self.ops = self.config.rollout_ops()            # the op set its steps run (kernels.op_set): invariant: {}
         self.max_model_len = model.config.max_position_embeddings
@@ -740,20 +746,7 @@ class Sampler:
         budgets = self._budgets(max_new_tokens, prompts, on_turn_end)
         sp = SamplingParams(temperature, top_p, top_k, max_new_tokens if budgets is None else max(budgets, default=1),
                             tuple(stop_token_ids), seed)
-        if not _is_int(n) or n < 1:
-            raise ValueError(f"n={n!r}: need an integer >= 1 (samples per prompt)")
-        if not _is_int(index_offset) or index_offset < 0:
-            raise ValueError(f"index_offset={index_offset!r}: need an integer >= 0")
-        if on_turn_end is not None and not callable(on_turn_end):
-            raise TypeError(f"on_turn_end must be a function (index, turn ids) -> ids or None, "
-                            f"got {type(on_turn_end).__name__}")
-        if max_episode_tokens is not None and (not _is_int(max_episode_tokens) or max_episode_tokens < 1):
-            raise ValueError(f"max_episode_tokens={max_episode_tokens!r}: need an integer >= 1, or None")
-        if on_step is not None and self.draft_tokens:
-            raise ValueError(f"on_step (an in-flight weight update) with speculative_tokens="
-                             f"{self.draft_tokens}: the update lands after a number of engine steps "
-                             f"and a verify step samples several tokens, so which version samples a token would "
-                             f"change; use speculative_tokens=0")
+        self._check_request(n, index_offset, on_turn_end, max_episode_tokens, on_step)
         seqs = self._sequences(prompts, sp, n, index_offset, on_turn_end is not None, max_episode_tokens, budgets)
         if self.runner.weights_key() != self.weights_key:          # e.g. model.to(...) after building
             raise RuntimeError("the model's weights moved to new memory since this Sampler was built (e.g. "
@@ -791,6 +784,23 @@ class Sampler:
         self.num_drafted_tokens, self.num_accepted_tokens = sched.num_drafted_tokens, sched.num_accepted_tokens
         return [s.output for s in seqs]
 
+    def _check_request(self, n, index_offset, on_turn_end, max_episode_tokens, on_step) -> None:
+        """generate's arguments beyond the prompts and the sampling parameters: one line for a wrong one."""
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"n={n!r}: need an integer >= 1 (samples per prompt)")
+        if not _is_int(index_offset) or index_offset < 0:
+            raise ValueError(f"index_offset={index_offset!r}: need an integer >= 0")
+        if on_turn_end is not None and not callable(on_turn_end):
+            raise TypeError(f"on_turn_end must be a function (index, turn ids) -> ids or None, "
+                            f"got {type(on_turn_end).__name__}")
+        if max_episode_tokens is not None and (not _is_int(max_episode_tokens) or max_episode_tokens < 1):
+            raise ValueError(f"max_episode_tokens={max_episode_tokens!r}: need an integer >= 1, or None")
+        if on_step is not None and self.draft_tokens:
+            raise ValueError(f"on_step (an in-flight weight update) with speculative_tokens="
+                             f"{self.draft_tokens}: the update lands after a number of engine steps "
+                             f"and a verify step samples several tokens, so which version samples a token would "
+                             f"change; use speculative_tokens=0")
+
     def _sequences(self, prompts, sp: SamplingParams, n: int, index_offset: int, episodes: bool,
                    max_episode_tokens: int | None, budgets: list[int] | None) -> list[Sequence]:
         """The request's sequences, n per prompt: each turn ends at max_new_tokens (the prompt's own, with
@@ -821,7 +831,7 @@ class Sampler:
 
     def _run(self, sched: Scheduler, req: Request) -> None:
         """The engine loop: schedule, run the step on the device, end turns, retire what finished."""
-        runner, ep, sp, bar = self.runner, expert_parallel.of(self.model), req.sp, req.bar
+        runner, ep, sp, bar = self.runner, expert_group(self.model), req.sp, req.bar
         while True:
             done = sched.is_finished()
             step = None if done else sched.schedule()

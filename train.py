@@ -43,7 +43,7 @@ import signal
 import sys
 import time
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 
 import kernels
 import replay
-from config import ConfigError, RolloutConfig, TrainConfig, help_text, model_help, parse_args
+from config import ConfigError, configs, help_text, model_help, parse_args
 from losses import (Normalisers, correction_weights, group_advantages, rejects, router_metrics, router_objective,
                     token_objective)
 from model import Transformer
@@ -69,6 +69,9 @@ from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, bann
                             latency_metrics, log_routes, log_row, log_samples, open_logger, open_outputs, run_cli, say,
                             stop_requested, summary, warn_low_entropy)
 from support.tasks import Episodes, TaskError, compute_rewards
+
+if TYPE_CHECKING:                     # a run's classes: config.configs_for
+    from config import RolloutConfig, TrainConfig
 
 
 @dataclasses.dataclass
@@ -575,7 +578,7 @@ def check_ranks(tcfg: TrainConfig, d: Dist) -> None:
 # ---------------------------------------------------------------------------------------------------
 def main(argv: list[str]) -> None:
     if "--help" in argv or "-h" in argv:
-        print("\n".join([__doc__, help_text(TrainConfig(), RolloutConfig()), model_help(), *plugin_help()]))
+        print("\n".join([__doc__, help_text(*(cls() for cls in configs())), model_help(), *plugin_help()]))
         return
     if "--plan" in argv:                        # bytes per rank, nothing loaded (tooling/plan.py)
         from tooling import plan

@@ -49,6 +49,7 @@ import torch.nn as nn
 
 import kernels
 from config import ConfigError
+from model import expert_group
 
 # A MoE layer's stacked expert tensors, (E, ...) each: the weights, then gpt-oss's biases where the layer
 # has them (model.MoE: b13 (E, 2I), b2 (E, D)), then LoRA's adapters stacked by expert where it adds them
@@ -249,8 +250,8 @@ def layout(tcfg, n_experts: int, world: int) -> tuple[ExpertParallel | None, lis
 
 
 def of(model: nn.Module) -> ExpertParallel | None:
-    """The ExpertParallel a model's MoE layers were sharded with (None: whole experts)."""
-    return next((m.ep for _, m in _moe_layers(model) if getattr(m, "ep", None) is not None), None)
+    """The ExpertParallel a model's MoE layers were sharded with (None: whole experts; model.expert_group)."""
+    return expert_group(model)
 
 
 def is_expert(name: str) -> bool:

@@ -32,16 +32,20 @@ import pickle
 import re
 import shutil
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
-from config import (MODEL_PRESETS, ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args,
+from config import (MODEL_PRESETS, ConfigError, ModelConfig, TrainOptions, apply_command_line, configs_for, parse_args,
                     parse_bool)
 from families.hf import (CheckpointError, Identity, config_from_hf, eos_token_ids, expert_rows, hf_to_state,
                          read_safetensors_dir, read_safetensors_file, write_identity)
-from model import Transformer
+from model import Transformer, expert_group
 from parallel import expert_parallel
 from support.tasks import make_task
+
+if TYPE_CHECKING:                     # a run's classes: config.configs_for
+    from config import RolloutConfig, TrainConfig
 
 MASTERS = "masters.safetensors"                                       # the exact weights, when the export rounds
 SFT_CKPT = "ckpt-000000"                                               # the end of --sft_steps' phase (tooling/sft.py)
@@ -63,7 +67,7 @@ def optimizer_state(scorer, opt, full: bool):
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
         state = get_optimizer_state_dict(scorer, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return expert_parallel.gather_optimizer_state(opt, scorer, state)
+    return state if expert_group(scorer) is None else expert_parallel.gather_optimizer_state(opt, scorer, state)
 
 
 def load_optimizer_state(scorer, opt, state, full: bool):
@@ -451,24 +455,30 @@ def check_resume_changes(saved: tuple, now: tuple, print0) -> None:
 
 def command_line_configs(overrides: dict[str, str], print0) -> tuple[TrainConfig, RolloutConfig]:
     """The configs a command line runs: the defaults with its options; with --resume=true the saved
-    run's (out_dir/latest's) with its options on top, checked by check_resume_changes."""
+    run's (out_dir/latest's) with its options on top, checked by check_resume_changes. They carry the
+    plug-ins whose options the command line (or the saved run) names (config.configs_for)."""
+    gpu = overrides.get("device", "auto") != "cpu" and torch.cuda.is_available()
     if not parse_bool("resume", overrides.get("resume", "false")):
-        tcfg, rcfg = TrainConfig(), RolloutConfig()
+        tcls, rcls = configs_for(overrides, gpu)
+        tcfg, rcfg = tcls(), rcls()
         apply_command_line(overrides, tcfg, rcfg)
         return tcfg, rcfg
-    ckpt = latest_checkpoint(overrides.get("out_dir", TrainConfig.out_dir))
+    ckpt = latest_checkpoint(overrides.get("out_dir", TrainOptions.out_dir))
     state = load_trainer_state(ckpt)
-    tcfg, rcfg = saved_configs(state, ckpt)
+    tcfg, rcfg = saved_configs(state, ckpt, overrides, gpu)
     apply_command_line(overrides, tcfg, rcfg)
-    check_resume_changes(saved_configs(state, ckpt), (tcfg, rcfg), print0)
+    check_resume_changes(saved_configs(state, ckpt, overrides, gpu), (tcfg, rcfg), print0)
     return tcfg, rcfg
 
 
-def saved_configs(state: dict, ckpt: str) -> tuple[TrainConfig, RolloutConfig]:
-    """The configs a checkpoint was trained with (plain dicts in trainer_state.pt), ready to resume."""
+def saved_configs(state: dict, ckpt: str, keys=(), gpu: bool = False) -> tuple[TrainConfig, RolloutConfig]:
+    """The configs a checkpoint was trained with (plain dicts in trainer_state.pt), ready to resume; with
+    the plug-ins its options and `keys` (a resume's command line) name."""
     try:
-        tcfg = TrainConfig(**{**state["train_config"], "overwrite": False})   # overwriting was the first leg's act
-        return tcfg, RolloutConfig(**state["rollout_config"])
+        saved = {**state["train_config"], **state["rollout_config"]}
+        tcls, rcls = configs_for([*saved, *keys], gpu)
+        tcfg = tcls(**{**state["train_config"], "overwrite": False})   # overwriting was the first leg's act
+        return tcfg, rcls(**state["rollout_config"])
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{ckpt}/trainer_state.pt: its configs do not fit this train.py ({e}); "
                               "was it written by another version?") from None

@@ -25,19 +25,23 @@ import hashlib
 import math
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import ConfigError, TrainConfig
+from config import ConfigError
 from families import hf
-from model import MoE, RouteDetail, Transformer
+from model import MoE, RouteDetail, Transformer, expert_group
 from parallel import expert_parallel
 from support import exact_sum
 from support.checkpoint import RunError
 from support.packing import Scored, deal
+
+if TYPE_CHECKING:                     # a run's classes: config.configs_for
+    from config import TrainConfig
 
 
 @dataclasses.dataclass
@@ -128,10 +132,10 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
     scorer = Scorer(model)
     if d.world == 1:
         return scorer, model, lambda: None
-    ep = expert_parallel.of(model)
-    if tcfg.parallel == "ddp" and tcfg.grad_reduce == "exact":       # the reduction is exact_sum.Reducer's
+    ep = expert_group(model)
+    if getattr(tcfg, "parallel", "ddp") == "ddp" and tcfg.grad_reduce == "exact":       # the reduction is exact_sum.Reducer's
         return scorer, model, lambda: None
-    if tcfg.parallel == "ddp":
+    if getattr(tcfg, "parallel", "ddp") == "ddp":
         if ep is not None:
             DDP._set_params_and_buffers_to_ignore_for_model(scorer, expert_names(scorer))
         return DDP(scorer, device_ids=[d.device.index] if d.device.type == "cuda" else None), model, lambda: None
@@ -171,7 +175,7 @@ def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, rout
     # EP=1 and DDP. So the warning is silenced for exactly these modules.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(Router|MoE)\) returned a view tensor",
                             category=UserWarning)
-    ep = expert_parallel.of(model)
+    ep = expert_group(model)
     kw = {} if policy is None else {"mp_policy": policy}
     router_kw = kw if router_policy is None else {"mp_policy": router_policy}
     if offload:
@@ -209,12 +213,12 @@ def finish_grads(trained: nn.Module, mp, max_norm: float, d: Dist, reducer=None)
         reducer.finish()
         if reducer.bad:
             return math.nan
-        ep = expert_parallel.of(trained)
+        ep = expert_group(trained)
         experts = {id(p) for p in expert_parallel.split_params(trained)[1]} if ep is not None else set()
         return exact_sum.clip_grad_norm(list(trained.parameters()), max_norm, d, expert_ids=experts, ep=ep)
     if mp is not None:
         mp.reduce_grads()
-    ep = expert_parallel.of(trained)
+    ep = expert_group(trained)
     if ep is None:
         gn = torch.nn.utils.clip_grad_norm_(trained.parameters(), max_norm)
         return gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
@@ -315,7 +319,7 @@ class MixedPrecision:
         self.master, self.d, self.apart = master, d, apart
         self.dtype = getattr(torch, tcfg.dtype)
         self.router = router_dtype(tcfg, master.config.model_type)
-        self.fsdp = d.world > 1 and tcfg.parallel == "fsdp"
+        self.fsdp = d.world > 1 and getattr(tcfg, "parallel", "ddp") == "fsdp"
         self.full_model = cast_for_compute(master, self.dtype, self.router, d.device)
         if self.fsdp:
             self.scorer = self._shard()
@@ -375,7 +379,7 @@ class MixedPrecision:
         if self.d.world == 1 or self.fsdp:
             return
         params = self.parameters()
-        ep = expert_parallel.of(self.master)
+        ep = expert_group(self.master)
         if ep is not None:                                            # experts: over their replicas only
             params, experts = expert_parallel.split_params(self.master)
             expert_parallel.reduce_expert_grads(experts, ep, self.d.world, self.d.device)
@@ -398,7 +402,7 @@ class MixedPrecision:
     def master_state(self) -> dict[str, torch.Tensor]:
         """The full fp32 masters (state_dict keys, buffers included), whole experts; a collective under
         FSDP2 and EP."""
-        ep = expert_parallel.of(self.master)
+        ep = expert_group(self.master)
         if ep is not None:
             return expert_parallel.gather_experts(self.master, ep)
         return {k: expert_parallel.unsharded(v) for k, v in self.master.state_dict().items()}
@@ -452,7 +456,8 @@ class Policy:
 
     def refresh(self) -> None:
         self._refresh()
-        expert_parallel.weights_changed(self.master)                 # EPLB: the slots' weights, gathered again
+        if expert_group(self.master) is not None:
+            expert_parallel.weights_changed(self.master)             # EPLB: the slots' weights, gathered again
 
     def compute_copy(self, model: Transformer) -> Transformer:
         """Another model (the frozen reference) in the trainer's compute dtypes."""
@@ -492,7 +497,8 @@ class Policy:
             update_expert_bias(self.master, load.to(self.d.device), self.tcfg.expert_bias_update_rate, self.d)
         if self.mp is not None:
             self.mp.refresh()
-        expert_parallel.weights_changed(self.master)
+        if expert_group(self.master) is not None:
+            expert_parallel.weights_changed(self.master)
 
     def reserve_bytes(self) -> int:
         """What the optimizer will still allocate once the sampler has sized its KV pool: the gradients
@@ -500,7 +506,8 @@ class Policy:
         shard under FSDP2; EPLB: the experts' slots, in each copy that runs forwards."""
         has_state = bool(self.optimizer.state)
         sums = 0 if self.reducer is None else self.reducer.reserve_bytes()
-        sums += expert_parallel.slot_bytes(self.full) * (1 + (self.sampler is not self.full) + is_fsdp(self.master))
+        if expert_group(self.full) is not None:                     # EPLB's slots
+            sums += expert_parallel.slot_bytes(self.full) * (1 + (self.sampler is not self.full) + is_fsdp(self.master))
         if self.mp is not None:
             return self.mp.reserve_bytes(has_state) + sums
         param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in self.trainer.parameters())
@@ -510,8 +517,8 @@ class Policy:
 def exact_reducer(model: Transformer, trainer: nn.Module, mp, tcfg: TrainConfig, d: Dist) -> exact_sum.Reducer:
     """--grad_reduce=exact: the Reducer of this policy's gradients, hooked where the backward produces
     them: the compute copy's parameters (mixed precision), the masters themselves, or FSDP2's groups."""
-    fsdp = d.world > 1 and tcfg.parallel == "fsdp"
-    ep = expert_parallel.of(model)
+    fsdp = d.world > 1 and getattr(tcfg, "parallel", "ddp") == "fsdp"
+    ep = expert_group(model)
     experts = {id(p) for p in expert_parallel.split_params(model)[1]} if ep is not None else set()
     if fsdp:
         return exact_sum.Reducer(model, d, trained=trainer, ep=ep, fsdp=True, experts=experts)
@@ -754,7 +761,7 @@ def _digest(tensors) -> str:
 def check_in_sync(model: Transformer, d: Dist) -> str:
     """Raise unless every rank holds bit-identical weights (and buffers); returns their digest. With
     sharded experts: the replicated state on every rank, each expert shard on the ranks holding it."""
-    ep = expert_parallel.of(model)
+    ep = expert_group(model)
     names = expert_names(model) if ep is not None else []
     state = dict(model.named_parameters())
     dense = [p for n, p in state.items() if n not in names] + list(model.buffers())

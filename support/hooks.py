@@ -111,8 +111,9 @@ class Hooks:
 
 
 def plugin_hooks(tcfg, rcfg) -> list[Hooks]:
-    """Every plug-in's hooks for this run's options, in the folders' order (config.plugin_modules)."""
-    return [h for m in config.plugin_modules() if hasattr(m, "hooks") for h in m.hooks(tcfg, rcfg)]
+    """The hooks of the plug-ins this run's configs carry (config.configs_for), in the folders' order."""
+    mods = sorted({*type(tcfg).plugins, *type(rcfg).plugins}, key=lambda m: m.__name__)
+    return [h for m in mods if hasattr(m, "hooks") for h in m.hooks(tcfg, rcfg)]
 
 
 def sampler_model(hooks: list[Hooks], full, refresh):

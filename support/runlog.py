@@ -23,19 +23,23 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 import replay
-from config import ConfigError, TrainConfig
+from config import ConfigError
 from families import hf
 from families.hf import CheckpointError
 from model import Transformer
 from support.checkpoint import RunError, latest_checkpoint, trim_metrics, write_run_json
 from support.distributed import PER_RANK, Dist, all_cat
 from support.tasks import TaskError, generation_line
+
+if TYPE_CHECKING:                     # a run's classes: config.configs_for
+    from config import TrainConfig
 
 
 # ---- the run's outputs besides metrics.jsonl -------------------------------------------------------
@@ -97,7 +101,7 @@ def banner(run, max_new: int, episode_tokens: int | None = None) -> str:
     with torch.device("meta"):                                        # the whole model, also under EP
         n_params = sum(p.numel() for p in Transformer(cfg).parameters())
     moe = f", {cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else ""
-    where = f"{d.device}" + (f" x {d.world} ranks ({tcfg.parallel})" if d.world > 1 else "")
+    where = f"{d.device}" + (f" x {d.world} ranks ({getattr(tcfg, 'parallel', 'ddp')})" if d.world > 1 else "")
     start = (f"resume: continuing from step {run.start} ({latest_checkpoint(tcfg.out_dir)}) to step {tcfg.steps}"
              if run.start else f"steps 1..{tcfg.steps}")
     name = tcfg.init_from + "".join(f" --{k}={v}" for k, v in tcfg.model_overrides.items())   # a preset, resized

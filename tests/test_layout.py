@@ -87,3 +87,32 @@ def test_a_deleted_plugin_leaves_the_default_run_and_its_bits(plugin, reference,
     strip = [{k: v for k, v in row.items() if k not in TIMINGS} for row in rows]
     assert strip == [{k: v for k, v in row.items() if k not in TIMINGS} for row in reference]
     assert len(rows) == 2 and all(r["train_rollout_kl"] == 0 for r in rows)
+
+
+def test_a_default_step_runs_no_more_lines_than_its_budget(tmp_path):
+    """tools/lines.py --trace on a default two-step run: the distinct project lines it executes (a function
+    that ran counts whole) and their files stay within tools/lines.BUDGET, which may only go down."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import lines
+    r = subprocess.run([sys.executable, "tools/lines.py", "--trace", "--", f"--out_dir={tmp_path / 'out'}"], cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _, files, _, total, _ = r.stdout.splitlines()[-1].split()          # "total: N files  lines  width"
+    assert 0 < int(total) <= lines.BUDGET[0] and int(files) <= lines.BUDGET[1], r.stdout[-1500:]
+
+
+def test_a_default_run_imports_no_plugin_and_a_named_option_brings_its_own(tmp_path):
+    """The configs carry the plug-ins whose options a run names (config.configs_for): a default run imports
+    no module of a deletable plug-in, options included (the core still imports families/ and parallel/:
+    CORE_IMPORTS); --lora_rank brings lora/ alone, and a typo of a plug-in's option gets its nearest name."""
+    probe = ("import sys, train\ntrain.main(sys.argv[1:])\n"
+             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {DELETABLE!r}))")
+    for extra, expect in (([], "[]"), (["--lora_rank=2"], "['lora', 'lora.adapters', 'lora.options']")):
+        r = subprocess.run([sys.executable, "-c", probe, "--steps=1", "--prompts_per_step=2", "--group_size=2",
+                            "--minibatch_size=4", "--progress=false", f"--out_dir={tmp_path / str(len(extra))}",
+                            *extra], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0 and r.stdout.splitlines()[-1] == expect, r.stdout[-800:] + r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "train.py", "--lora_rnk=2"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "did you mean --lora_rank?" in r.stderr and "Traceback" not in r.stderr, r.stderr

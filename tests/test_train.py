@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import config
 import kernels
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
@@ -714,8 +715,9 @@ def test_a_stop_leaves_the_bar_at_the_step_it_saved(tmp_path, capsys, monkeypatc
 def test_run_json_holds_every_setting_and_a_resume_says_what_changed(tmp_path, capsys):
     train.cli(TINY_RUN + [f"--out_dir={tmp_path}", "--steps=1"])
     run = json.loads((tmp_path / "run.json").read_text())                       # strict JSON, readable
-    assert set(run["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
-    assert set(run["rollout"]) == {f.name for f in dataclasses.fields(RolloutConfig)} and run["start_step"] == 0
+    core_train, core_rollout = config.configs(())                                # the run names no plug-in's option
+    assert set(run["train"]) == {f.name for f in dataclasses.fields(core_train)} and "lora_rank" not in run["train"]
+    assert set(run["rollout"]) == {f.name for f in dataclasses.fields(core_rollout)} and run["start_step"] == 0
     assert run["model"]["num_hidden_layers"] == 4 and run["train"]["lr_decay_steps"] == 1
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:                                         # a change of the run's numbers

@@ -74,5 +74,6 @@ def hooks(tcfg, rcfg) -> list:
     return out
 
 
+ON_GPU = True                   # every GPU run imports these options: Preflight checks its plan first (config.configs_for)
 TRAIN = [EvalOptions]
 ROLLOUT = []
