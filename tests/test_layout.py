@@ -23,7 +23,7 @@ CORE_IMPORTS = {"families": {"model.py", "support/checkpoint.py", "support/distr
                              "support/exact_sum.py"},
                 "tooling": {"train.py"},                             # lazily: --plan, --help's plan keys
                 "kernels_triton": {"kernels.py"}}                    # lazily, for CUDA tensors (or the interpreter)
-DELETABLE = ["asynchrony", "kernels_triton", "lab", "lora", "memory", "sampling", "tooling"]   # the default run on the CPU imports none
+DELETABLE = ["asynchrony", "hybrids", "kernels_triton", "lab", "lora", "memory", "sampling", "tooling"]   # the default run on the CPU imports none
 
 
 def core_files() -> list[str]:

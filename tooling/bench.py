@@ -3,7 +3,7 @@
     python -m tooling.bench                        # the speed sections, CPU, about 1-3 minutes on 2 cores
     python -m tooling.bench --only rollout,moe     # a comma-separated list of sections
     python -m tooling.bench --only gpu             # on a GPU: the rollout engine at Qwen3-30B-A3B layer shapes
-    python -m tooling.bench --only lab             # the mismatch lab: 50 training runs a seed (150 steps; two drift
+    python -m tooling.bench --only lab             # the mismatch lab: 52 training runs a seed (150 steps; two drift
                                                    # rows 450), ~2.3 hours a seed on a core
     python -m tooling.bench --only lab --lab-seeds=0,1,2   # ... each over three seeds (mean and sd of the reward)
     python -m tooling.bench --prompts 64 --max-new-tokens 96 --repeats 5 --threads 0   # 0: torch's thread default
@@ -72,6 +72,8 @@ What is measured (the tiny preset model, `ModelConfig.preset('tiny')`, random we
   held x layers), and a check that both gave the same ids, log-probs and routes.
 * lora (`--only lora`): the trainer's forward+backward with every weight trained against --lora-rank adapters
   (the base frozen), and the sampler's tokens/s on the base against the base with the adapters unmerged.
+* gdn (`--only gdn`): a Gated DeltaNet layer (hybrids/gdn.py): decode on the absolute chunk grid (the
+  trainer's bits) against the recurrent decode engines use, and the chunked forward against the recurrent.
 * lab: train.py on the same task and seeds, invariant vs a deviating rollout (batch-variant kernels,
   lower-precision weights) without and with each fix; prints one table.
 
@@ -359,6 +361,52 @@ def bench_lora(args) -> list[tuple[str, float, str]]:
             ("rollout, the base", n_gen / roll["base"][0], "tokens/s"),
             (f"rollout, LoRA r{args.lora_rank} unmerged", n_gen / roll["lora"][0], "tokens/s"),
             ("LoRA / base, rollout time", roll["lora"][0] / roll["base"][0], "ratio")]
+
+
+def bench_gdn(args) -> list[tuple[str, float, str]]:
+    """A Gated DeltaNet layer (hybrids/gdn.py; hidden 256, 2 key and 4 value heads of 64): the sampler's
+    decode on the absolute grid (each token recomputes its open chunk from the last boundary's state: the
+    trainer's bits) against the engines' recurrent decode (the state stepped a token at a time), --prompts
+    sequences of --max-prompt-len then --max-new-tokens each; and the trainer's chunked forward against the
+    recurrent form over the same tokens. Interleaved."""
+    from hybrids import gdn
+    torch.manual_seed(args.seed)
+    layer = gdn.GatedDeltaNet(256, 2, 4, 64, 64)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.05)
+    n, P, N = args.prompts, args.max_prompt_len, args.max_new_tokens
+    x = torch.randn(n, P + N, 256)
+    K = layer.conv1d.shape[1]
+
+    @torch.no_grad()
+    def grid():
+        caches = [layer.new_cache() for _ in range(n)]
+        for i, c in enumerate(caches):
+            layer.extend(x[i:i + 1, :P], c)
+        for t in range(P, P + N):
+            for i, c in enumerate(caches):
+                layer.extend(x[i:i + 1, t:t + 1], c)
+
+    @torch.no_grad()
+    def recurrent():
+        rule, z, mixed = layer.rule_inputs(x[:, :P], x.new_zeros(n, K - 1, layer.conv_dim))
+        _, state = gdn.recurrent(*rule)
+        conv = mixed[:, -(K - 1):]                                         # the conv's last K-1 inputs
+        for t in range(P, P + N):
+            rule, z, mixed = layer.rule_inputs(x[:, t:t + 1], conv)
+            conv = torch.cat([conv, mixed], dim=1)[:, 1:]
+            out, state = gdn.recurrent(*rule, state=state)
+            layer.output(out, z, x.dtype)
+
+    dec = interleaved({"grid": grid, "recurrent": recurrent}, args.warmup, args.repeats)
+    fwd = interleaved({"chunked": lambda: layer(x), "recurrent": lambda: gdn.recurrent(
+        *layer.rule_inputs(x, x.new_zeros(n, K - 1, layer.conv_dim))[0])}, args.warmup, args.repeats)
+    return [(f"GDN decode on the grid, {n} x {N} tokens after {P}", n * N / dec["grid"][0], "tokens/s"),
+            ("GDN decode, recurrent (engines)", n * N / dec["recurrent"][0], "tokens/s"),
+            ("grid / recurrent, decode time", dec["grid"][0] / dec["recurrent"][0], "ratio"),
+            (f"GDN forward, chunked ({n}, {P + N})", n * (P + N) / fwd["chunked"][0], "tokens/s"),
+            ("GDN forward, recurrent", n * (P + N) / fwd["recurrent"][0], "tokens/s")]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1315,7 +1363,7 @@ def bench_async(args) -> list[tuple[str, float, str]]:
 BENCHMARKS = {"rollout": bench_rollout, "forward": bench_forward, "fast": bench_fast, "packing": bench_packing, "moe": bench_moe,
               "decode": bench_decode, "sessions": bench_sessions, "async": bench_async, "ep": bench_ep, "reduce": bench_reduce,
               "speculative": bench_speculative, "window": bench_window, "gpu": bench_gpu,
-              "lab": bench_lab, "memory": bench_memory, "lora": bench_lora}
+              "lab": bench_lab, "memory": bench_memory, "lora": bench_lora, "gdn": bench_gdn}
 DEFAULT = "rollout,forward,fast,packing,moe,ep,decode"
 
 

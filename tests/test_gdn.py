@@ -1,0 +1,175 @@
+"""hybrids/gdn.py: the Gated DeltaNet on an absolute chunk grid. Against transformers' torch forms (chunked
+and recurrent) within fp32's reach of them; bitwise: a row's output does not depend on how many rows follow
+it (a prompt's prefix, each decode step's open chunk from the last boundary's state) or on the batch beside
+it; control: the recurrent form, what engines decode with, gives other bits. Gradients against autograd of
+the recurrence in fp64.
+
+    python -m pytest -q tests/test_gdn.py
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from hybrids import gdn  # noqa: E402
+
+
+def inputs(B=2, L=150, H=2, dk=8, dv=8, seed=0, dtype=torch.float32):
+    """What the layer hands the rule: q, k l2-normalised (q scaled by dk^-0.5), g = -exp(A) softplus(a) < 0,
+    beta = sigmoid(b)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)            # noqa: E731
+    q, k = (torch.nn.functional.normalize(r(B, L, H, dk), dim=-1) for _ in range(2))
+    g = -r(H).exp() * torch.nn.functional.softplus(r(B, L, H))
+    return q * dk ** -0.5, k, r(B, L, H, dv), g, torch.sigmoid(r(B, L, H))
+
+
+def test_both_forms_match_transformers_torch_gdn():
+    mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    q, k, v, g, beta = inputs()
+    ref_c, ref_s = mod.torch_chunk_gated_delta_rule(q * 8 ** 0.5, k, v, g, beta, output_final_state=True)
+    ref_r, _ = mod.torch_recurrent_gated_delta_rule(q * 8 ** 0.5, k, v, g, beta)
+    out, boundary, covered = gdn.chunked(q, k, v, g, beta)
+    rec, _ = gdn.recurrent(q, k, v, g, beta)
+    assert covered == 128 and out.shape == v.shape
+    assert (out - ref_c).abs().max() < 2e-5 and (out - ref_r).abs().max() < 2e-5
+    assert (rec - ref_r).abs().max() < 2e-5
+    full, _, _ = gdn.chunked(q[:, :128], k[:, :128], v[:, :128], g[:, :128], beta[:, :128])
+    _, end = gdn.recurrent(q[:, :128], k[:, :128], v[:, :128], g[:, :128], beta[:, :128])
+    assert (boundary - end).abs().max() < 2e-5                            # the state at the boundary
+
+
+def decode_rows(q, k, v, g, beta, start: int, C: int = gdn.CHUNK):
+    """The sampler's view: positions from `start` on, one at a time, each from the state at the last
+    boundary before it and the open chunk's rows so far (recomputed every step)."""
+    _, state, covered = gdn.chunked(q[:, :start], k[:, :start], v[:, :start], g[:, :start], beta[:, :start])
+    rows = []
+    for t in range(start, q.shape[1]):
+        if t - covered == C:                                              # a boundary: the complete chunk's state
+            _, state, _ = gdn.chunked(*(x[:, covered:t] for x in (q, k, v, g, beta)), state=state)
+            covered = t
+        out, _, _ = gdn.chunked(*(x[:, covered:t + 1] for x in (q, k, v, g, beta)), state=state)
+        rows.append(out[:, -1])
+    return torch.stack(rows, dim=1)
+
+
+@pytest.mark.parametrize("prompt", [1, 63, 64, 65, 130])
+def test_a_row_is_the_same_bits_in_a_prefill_a_prefix_and_each_decode_step(prompt):
+    q, k, v, g, beta = inputs(L=140)
+    full, _, _ = gdn.chunked(q, k, v, g, beta)
+    part, _, _ = gdn.chunked(q[:, :prompt], k[:, :prompt], v[:, :prompt], g[:, :prompt], beta[:, :prompt])
+    assert torch.equal(part, full[:, :prompt])
+    assert torch.equal(decode_rows(q, k, v, g, beta, prompt), full[:, prompt:])
+
+
+def test_a_sequence_is_the_same_bits_alone_and_in_a_padded_batch():
+    q, k, v, g, beta = inputs(B=3, L=150, seed=1)
+    batch, _, _ = gdn.chunked(q, k, v, g, beta)
+    alone, _, _ = gdn.chunked(*(x[1:2, :100] for x in (q, k, v, g, beta)))
+    assert torch.equal(alone, batch[1:2, :100])
+
+
+def test_control_the_recurrent_form_gives_other_bits():
+    """What engines decode with: close to the chunked form, not equal to it (and it compounds)."""
+    q, k, v, g, beta = inputs(L=140)
+    full, _, _ = gdn.chunked(q, k, v, g, beta)
+    rec, _ = gdn.recurrent(q, k, v, g, beta)
+    assert not torch.equal(rec, full) and (rec - full).abs().max() < 2e-5
+
+
+def test_gradients_through_the_chunks_are_the_recurrences():
+    q, k, v, g, beta = (x.requires_grad_() for x in inputs(B=1, L=70, dtype=torch.float64))
+    w = torch.randn(1, 70, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for form in (lambda: gdn.chunked(q, k, v, g, beta)[0], lambda: gdn.recurrent(q, k, v, g, beta)[0]):
+        grads.append(torch.autograd.grad((form() * w).sum(), (q, k, v, g, beta)))
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() < 1e-10 * (1 + b.abs().max())
+
+
+def tiny_layer(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    layer = gdn.GatedDeltaNet(hidden=32, key_heads=2, value_heads=4, key_dim=8, value_dim=8, dtype=dtype)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "proj" in name or name == "conv1d" else 0.5))
+    return layer
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_the_layer_matches_transformers(family):
+    """Our layer with a transformers layer's weights (Qwen3-Next's fused projections split, Qwen3.5's as
+    they are): outputs within 2e-5 in fp32 at 140 positions (three chunks, the last partial)."""
+    tf = pytest.importorskip("transformers")
+    if family == "qwen3_next":
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet as Ref
+        cfg = tf.Qwen3NextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                                 linear_key_head_dim=8, linear_value_head_dim=8, num_hidden_layers=1)
+    else:
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet as Ref
+        cfg = tf.Qwen3_5MoeTextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                                      linear_key_head_dim=8, linear_value_head_dim=8, num_hidden_layers=1)
+    torch.manual_seed(0)
+    ref = Ref(cfg, 0).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    state = {n: p.detach() for n, p in ref.named_parameters()}
+    ours = gdn.GatedDeltaNet(32, 2, 4, 8, 8)
+    split = (gdn.split_qwen3_next(state["in_proj_qkvz.weight"], state["in_proj_ba.weight"], 2, 4, 8, 8)
+             if family == "qwen3_next" else {k: state[f"{k}.weight"] for k in ("in_proj_qkv", "in_proj_z",
+                                                                               "in_proj_b", "in_proj_a")})
+    with torch.no_grad():
+        for k, v in {**split, "conv1d": state["conv1d.weight"][:, 0], "dt_bias": state["dt_bias"],
+                     "A_log": state["A_log"], "norm": state["norm.weight"],
+                     "out_proj": state["out_proj.weight"]}.items():
+            getattr(ours, k).copy_(v)
+    x = torch.randn(2, 140, 32)
+    with torch.no_grad():
+        assert (ours(x) - ref(x)).abs().max() < 2e-5 * (1 + ref(x).abs().max())
+
+
+@pytest.mark.parametrize("prompt, dtype", [(5, torch.float32), (64, torch.float32), (65, torch.float32),
+                                           (65, torch.bfloat16)])
+def test_the_samplers_steps_are_the_trainers_forward_bitwise(prompt, dtype):
+    """A prompt prefilled in two pieces, then one token at a time through `extend` (the sampler), against
+    one forward of the whole sequence in a batch of three (the trainer): every row torch.equal, fp32 and
+    bf16 weights. Control: decoding with the recurrent form's state (what engines do) gives other bits."""
+    layer = tiny_layer(dtype=dtype)
+    x = torch.randn(3, 140, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        full = layer(x)
+        cache, cut = layer.new_cache(dtype), prompt // 2
+        rows = [layer.extend(x[1:2, :cut], cache), layer.extend(x[1:2, cut:prompt], cache)]
+        rows += [layer.extend(x[1:2, t:t + 1], cache) for t in range(prompt, 140)]
+        assert torch.equal(torch.cat(rows, dim=1), full[1:2])
+        rule, z, _ = layer.rule_inputs(x[1:2], torch.zeros(1, 3, layer.conv_dim, dtype=dtype))
+        engine, _ = gdn.recurrent(*rule)                                  # the rule's fp32 output: bf16's
+        assert not torch.equal(engine, gdn.chunked(*rule)[0])             # rounding of the layer's can hide it here
+
+
+def test_the_layers_gradients_match_the_recurrences():
+    """Every parameter's and the input's gradient through the chunks against the same layer with the
+    recurrent rule (the projections compute in fp32 either way: within 1e-5 of the largest); the rule's own
+    backward is checked in fp64 above."""
+    layer = tiny_layer(dtype=torch.float32)
+    x = torch.randn(2, 70, 32, requires_grad=True)
+    grads = []
+    for form in ("chunked", "recurrent"):
+        rule, z, _ = layer.rule_inputs(x, x.new_zeros(2, 3, layer.conv_dim))
+        core = gdn.chunked(*rule)[0] if form == "chunked" else gdn.recurrent(*rule)[0]
+        out = layer.output(core, z, x.dtype)
+        grads.append(torch.autograd.grad(out.pow(2).sum(), [x, *layer.parameters()]))
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-5 * (1 + b.abs().max())
+
+
+def test_bench_gdn_section_times_both_decodes(capsys):
+    from tooling import bench
+    bench.main(["--only", "gdn", "--prompts=2", "--max-prompt-len=8", "--max-new-tokens=3", "--repeats=1",
+                "--warmup=0", "--threads=1"])
+    out = capsys.readouterr().out
+    assert "grid / recurrent, decode time" in out and "GDN forward, recurrent" in out
