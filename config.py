@@ -151,7 +151,8 @@ class ModelConfig:
         _require(not bad, f"mlp_only_layers {bad} are outside [0, num_hidden_layers={self.num_hidden_layers})")
         if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
             _require_range(self, "intermediate_size", lambda v: v > 0, "> 0: the config has dense layers")
-        self._check_family_knobs()
+        if any(getattr(self, k) != v for k, v in FAMILY_KNOBS.items()):   # Qwen3-MoE's defaults pass them all
+            self._check_family_knobs()
 
     def _check_family_knobs(self):
         _require(self.router_scoring in ("softmax", "sigmoid", "topk_softmax"),
@@ -257,6 +258,13 @@ class ModelConfig:
         if name not in MODEL_PRESETS:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
         return ModelConfig(**MODEL_PRESETS[name])
+
+
+# the other families' knobs and their defaults (Qwen3-MoE's): their checks run when a config sets one
+_MODEL_FIELDS = dataclasses.fields(ModelConfig)
+_FIRST_KNOB = [f.name for f in _MODEL_FIELDS].index("router_scoring")        # the fields from it on
+FAMILY_KNOBS = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                for f in _MODEL_FIELDS[_FIRST_KNOB:]}
 
 
 MODEL_PRESETS: dict[str, dict] = {

@@ -201,6 +201,24 @@ class GatedDeltaNet(nn.Module):
         cache.open = [r[:, covered:] for r in rows]                       # what the next boundary still needs
         return self.output(core[:, -n:], z, x.dtype)
 
+    def decode(self, x: torch.Tensor, caches: list["GDNCache"]) -> torch.Tensor:
+        """One decode token for each of S sequences, x (S, 1, D), in one call -> (S, 1, D): every sequence's
+        open chunk (its rows since its last boundary, then the new one) zero-padded to a 64-row block and all
+        of them computed by one `chunk` call from their boundary states. The kernel is row- and
+        batch-invariant, so each row has the bits `extend` (and the trainer) give it."""
+        S, C = x.shape[0], CHUNK
+        rule, z, mixed = self.rule_inputs(x, torch.cat([c.conv for c in caches]))
+        rows = [[torch.cat([o, r[i:i + 1]], dim=1) for o, r in zip(c.open, rule)] for i, c in enumerate(caches)]
+        n = [r[0].shape[1] for r in rows]                                 # each open chunk's rows, 1..C
+        padded = [torch.cat([_to_chunks(r[j], 1, C)[:, :, 0] for r in rows]) for j in range(5)]   # (S, H, C, ...)
+        core, end = chunk(*padded, torch.cat([c.state for c in caches]))
+        for i, c in enumerate(caches):
+            c.conv = torch.cat([c.conv, mixed[i:i + 1]], dim=1)[:, 1:]
+            c.open = rows[i] if n[i] < C else [r[:, C:] for r in rows[i]]   # a complete chunk: a boundary
+            c.state = end[i:i + 1] if n[i] == C else c.state
+        out = torch.stack([core[i, :, n[i] - 1] for i in range(S)])[:, None]   # (S, 1, H, dv)
+        return self.output(out, z, x.dtype)
+
     def new_cache(self, dtype=torch.float32, device=None) -> "GDNCache":
         conv = torch.zeros(1, self.conv1d.shape[1] - 1, self.conv_dim, dtype=dtype, device=device)
         state = torch.zeros(1, self.h, self.dk, self.dv, device=device)

@@ -26,7 +26,6 @@ from torch import nn
 import kernels
 from config import ConfigError
 from model import MLP, MoE, Linear, Router, Transformer
-from support.hooks import Hooks
 
 EXPERT_FACTORS = ("lora_A13", "lora_B13", "lora_A2", "lora_B2")
 
@@ -277,52 +276,3 @@ def continue_from(model: Transformer, ckpt: str, tcfg, experts: list[int] | None
     state = load_weights(ckpt, model, experts)
     for k, t in model.state_dict().items():
         t.copy_(state[k])
-
-
-# ---------------------------------------------------------------------------------------------------
-# the plug-in's hook
-# ---------------------------------------------------------------------------------------------------
-class Lora(Hooks):
-    """--lora_rank: the adapters added before any weight is loaded (a resume reads them back with the
-    rest), the base frozen; a checkpoint's HF export holds the merged weights (exported), its masters
-    file the base and the adapter apart (what a resume reads)."""
-
-    def __init__(self, tcfg, rcfg=None):
-        self.tcfg, self.merged_rollout = tcfg, getattr(rcfg, "lora_rollout", "adapter") == "merged"
-        self.words = tcfg.lora_target_set()
-
-    def check_build(self, task, config) -> None:
-        with torch.device("meta"):
-            check_targets(Transformer(config), self.words, self.tcfg.lora_rank)
-        if self.merged_rollout and getattr(self.tcfg, "expert_parallel", 1) > 1:
-            raise ConfigError("--lora_rollout=merged with --expert_parallel > 1: the merged copy holds whole "
-                              "experts; run the lab's fault at EP=1")
-
-    def adapt(self, model, experts=None) -> None:
-        from support.distributed import router_dtype                 # a hook's code may read the core's rules
-        t = self.tcfg
-        adapt(model, t.lora_rank, t.lora_alpha, self.words, t.lora_expert_factors == "shared_outer", t.seed + 1,
-              getattr(torch, t.dtype), router_dtype(t, model.config.model_type), experts)
-        if is_lora_checkpoint(t.init_from):
-            continue_from(model, t.init_from, t, experts)
-        if t.lora_init:
-            from lora.export import read_adapter
-            read_adapter(model, t.lora_init, t.lora_rank, t.lora_alpha)
-
-    def sampler_model(self, model, refresh):
-        """--lora_rollout=merged (the lab's fault): the sampler runs a plain copy, the adapter merged into its
-        weights' dtype after each update, as an engine's refit does; else the adapted model itself."""
-        if not self.merged_rollout:
-            return model, refresh
-        copy = merged(model)
-        state = copy.state_dict()
-
-        @torch.no_grad()
-        def sync():
-            refresh()
-            for k, v in merged_state(model).items():
-                state[k].copy_(v)
-        return copy, sync
-
-    def exported(self, model):
-        return None if model is None else merged(model)

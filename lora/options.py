@@ -70,7 +70,7 @@ def hooks(tcfg, rcfg) -> list:
     """The step hooks of the options that are set (support/hooks.py), their code imported only then."""
     if not tcfg.lora_rank:
         return []
-    from lora.adapters import Lora
+    from lora.hooks import Lora
     return [Lora(tcfg, rcfg)]
 
 

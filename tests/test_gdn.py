@@ -151,6 +151,23 @@ def test_the_samplers_steps_are_the_trainers_forward_bitwise(prompt, dtype):
         assert not torch.equal(engine, gdn.chunked(*rule)[0])             # rounding of the layer's can hide it here
 
 
+def test_a_batched_decode_step_is_each_sequences_own_bits():
+    """GatedDeltaNet.decode: three sequences of different prompt lengths (3, 64, 100) decoded together a token a
+    step through 70 steps (each crosses a boundary) -> every row torch.equal to the trainer's forward."""
+    layer = tiny_layer(dtype=torch.float32)
+    x = torch.randn(3, 170, 32, generator=torch.Generator().manual_seed(2))
+    lengths = (3, 64, 100)
+    with torch.no_grad():
+        caches = [layer.new_cache() for _ in lengths]
+        for i, (c, p) in enumerate(zip(caches, lengths)):
+            layer.extend(x[i:i + 1, :p], c)
+        steps = [layer.decode(torch.stack([x[i, p + t] for i, p in enumerate(lengths)])[:, None], caches)
+                 for t in range(70)]
+        full = layer(x)
+    for i, p in enumerate(lengths):
+        assert torch.equal(torch.cat([s[i] for s in steps]), full[i, p:p + 70])
+
+
 def test_the_layers_gradients_match_the_recurrences():
     """Every parameter's and the input's gradient through the chunks against the same layer with the
     recurrent rule (the projections compute in fp32 either way: within 1e-5 of the largest); the rule's own

@@ -107,7 +107,8 @@ def test_a_default_run_imports_no_plugin_and_a_named_option_brings_its_own(tmp_p
     CORE_IMPORTS); --lora_rank brings lora/ alone, and a typo of a plug-in's option gets its nearest name."""
     probe = ("import sys, train\ntrain.main(sys.argv[1:])\n"
              f"print(sorted(m for m in sys.modules if m.split('.')[0] in {DELETABLE!r}))")
-    for extra, expect in (([], "[]"), (["--lora_rank=2"], "['lora', 'lora.adapters', 'lora.options']")):
+    lora = "['lora', 'lora.adapters', 'lora.export', 'lora.hooks', 'lora.options']"
+    for extra, expect in (([], "[]"), (["--lora_rank=2"], lora)):
         r = subprocess.run([sys.executable, "-c", probe, "--steps=1", "--prompts_per_step=2", "--group_size=2",
                             "--minibatch_size=4", "--progress=false", f"--out_dir={tmp_path / str(len(extra))}",
                             *extra], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,

@@ -226,7 +226,7 @@ def test_a_lora_checkpoint_and_its_exported_adapter_start_new_runs(tmp_path):
     export are one line each, and support.checkpoint's export of it is the merged weights."""
     import subprocess
     from safetensors.torch import load_file
-    from lora.adapters import Lora
+    from lora.hooks import Lora
     from support.checkpoint import build_model, export, run_task
     lora_run(tmp_path, "run", steps=2)
     ckpt = tmp_path / "run" / "ckpt-000002"
@@ -316,7 +316,7 @@ def test_an_ep_shard_holds_ep1s_adapter_rows_and_the_merged_fault_stays_at_ep1()
     """adapt on a model holding experts [5, 2] (an EP rank's shard, built so) draws every expert's factors
     and keeps those rows: the shard's adapters are EP=1's rows 5 and 2, the dense ones equal (the EP=2 run
     against one process: tests/world_check.py). The lab's merged copy needs whole experts: one line under EP."""
-    from lora.adapters import Lora
+    from lora.hooks import Lora
     cfg = ModelConfig.preset("tiny")
     whole, shard = Transformer(cfg), Transformer(cfg)
     shard.keep_experts([5, 2])
