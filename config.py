@@ -818,11 +818,12 @@ class LogOptions(Options):
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def plugin_folders() -> dict[str, tuple[set[str], bool]]:
+@functools.cache
+def plugin_folders() -> dict[str, tuple[frozenset[str], bool]]:
     """{folder: (the options its options.py declares, whether a GPU run imports it)}, read from the source
     (ast), not imported: a plug-in's code, its options module included, loads only for a run that names
     one of its options (a default run imports no plug-in). `ON_GPU = True` in an options.py: every GPU run
-    needs it (tooling's check of the run's plan against the GPU)."""
+    needs it (tooling's check of the run's plan against the GPU). Read once a process."""
     out = {}
     for n in sorted(os.listdir(ROOT)):
         path = os.path.join(ROOT, n, "options.py")
@@ -832,8 +833,8 @@ def plugin_folders() -> dict[str, tuple[set[str], bool]]:
         top = {t.id: st.value for st in tree.body if isinstance(st, ast.Assign) for t in st.targets
                if isinstance(t, ast.Name)}
         groups = {e.id for k in ("TRAIN", "ROLLOUT") if isinstance(top.get(k), ast.List) for e in top[k].elts}
-        fields = {st.target.id for c in tree.body if isinstance(c, ast.ClassDef) and c.name in groups
-                  for st in c.body if isinstance(st, ast.AnnAssign)}
+        fields = frozenset(st.target.id for c in tree.body if isinstance(c, ast.ClassDef) and c.name in groups
+                           for st in c.body if isinstance(st, ast.AnnAssign))
         out[n] = fields, isinstance(top.get("ON_GPU"), ast.Constant) and top["ON_GPU"].value is True
     return out
 
