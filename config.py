@@ -130,6 +130,14 @@ class ModelConfig:
     v_head_dim: int = 0                  # MLA: each value head's dims
     rope_interleave: bool = False        # MLA: RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek)
     group_score: str = "top2_sum"        # grouped top-k ranks a group by top2_sum (DeepSeek-V3, GLM) | max (V2)
+    # linear-attention hybrids (Qwen3.5-MoE, Qwen3-Next; the hybrids/ plug-in): layer_types linear_attention
+    # (Gated DeltaNet) and gated_attention (q_proj doubled into query and gate, out * sigmoid(gate))
+    zero_centered_norm: bool = False     # every RMSNorm scales by (1 + w), in fp32 before rounding (w stored - 1)
+    linear_num_key_heads: int = 0        # Gated DeltaNet: key (and query) heads
+    linear_num_value_heads: int = 0      # Gated DeltaNet: value heads (the state's), a multiple of the key heads
+    linear_key_head_dim: int = 0         # Gated DeltaNet: dims of a key head
+    linear_value_head_dim: int = 0       # Gated DeltaNet: dims of a value head
+    linear_conv_kernel_dim: int = 4      # Gated DeltaNet: taps of the causal depthwise conv
 
     def __post_init__(self):
         _require_finite(self)
@@ -186,9 +194,13 @@ class ModelConfig:
 
     def _check_gpt_oss_knobs(self):
         _require(self.sliding_window >= 0, f"sliding_window={self.sliding_window}: must be >= 0 (0: none)")
-        kinds = ("full_attention", "sliding_attention")
+        hybrid = self.model_type in model_type_folders()      # a plug-in's family: its layer kinds (model.MIXERS)
+        kinds = ("full_attention", "sliding_attention") + (("gated_attention", "linear_attention") if hybrid else ())
         _require(all(t in kinds for t in self.layer_types),
-                 f"layer_types={self.layer_types}: each entry full_attention or sliding_attention")
+                 f"layer_types={self.layer_types}: each entry one of {', '.join(kinds)}"
+                 + ("" if hybrid else " (gated_attention, linear_attention: model_type qwen3_5_moe_text or qwen3_next)"))
+        _require(("linear_attention" in self.layer_types) == bool(self.linear_num_value_heads),
+                 "linear_attention layers (Gated DeltaNet) and linear_num_value_heads > 0 go together")
         _require(not self.layer_types or len(self.layer_types) == self.num_hidden_layers,
                  f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}")
         _require(("sliding_attention" in self.layer_types) == (self.sliding_window > 0),
@@ -205,12 +217,25 @@ class ModelConfig:
         _require_range(self, "swiglu_alpha swiglu_limit", lambda v: v > 0, "> 0")
         _require(self.group_score in ("top2_sum", "max"), f"group_score={self.group_score!r}: top2_sum or max")
         _require_range(self, "kv_lora_rank q_lora_rank qk_nope_head_dim v_head_dim", lambda v: v >= 0, ">= 0")
+        if self.linear_num_value_heads:
+            self._check_linear_knobs()
         if self.kv_lora_rank:
             _require(self.qk_nope_head_dim > 0 and self.v_head_dim > 0,
                      "MLA (kv_lora_rank > 0) needs qk_nope_head_dim > 0 and v_head_dim > 0")
             _require(self.qk_norm == "none" and self.partial_rotary_factor == 1 and not self.attention_sinks
                      and not self.sliding_window, "MLA (kv_lora_rank > 0) has no q/k norm, partial RoPE, sinks or "
                      "sliding window: set qk_norm=none and leave the others off")
+
+    def _check_linear_knobs(self):
+        _require_range(self, "linear_num_key_heads linear_key_head_dim linear_value_head_dim linear_conv_kernel_dim",
+                       lambda v: v > 0, "> 0 for Gated DeltaNet layers (linear_num_value_heads > 0)")
+        _require(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+                 f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of linear_num_key_heads "
+                 f"({self.linear_num_key_heads})")
+
+    def is_linear(self, layer_idx: int) -> bool:
+        """A Gated DeltaNet layer (hybrids/): a recurrent state per sequence, no KV cache."""
+        return bool(self.layer_types) and self.layer_types[layer_idx] == "linear_attention"
 
     def yarn(self) -> dict | None:
         """YaRN's parameters as kernels.rope_tables takes them; None for default RoPE."""
@@ -311,6 +336,27 @@ MODEL_PRESETS: dict[str, dict] = {
         decoder_sparse_step=1, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         max_position_embeddings=40960),
 }
+# Qwen3.5-MoE's line (hybrids/): three Gated DeltaNet layers, then one gated softmax-attention layer (partial
+# RoPE, (1 + w) norms); every MLP a softmax top-k MoE with a sigmoid-gated shared expert.
+_HYBRID = dict(model_type="qwen3_5_moe_text", zero_centered_norm=True, partial_rotary_factor=0.25, mlp_only_layers=[],
+               norm_topk_prob=True, linear_conv_kernel_dim=4)
+# The tiny model as a hybrid, for tests and the lab: 2 key / 4 value heads of 16 in the linear layers.
+MODEL_PRESETS["tiny-hybrid"] = dict(
+    _HYBRID, shared_expert_intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "gated_attention"])
+# Qwen3.5-35B-A3B's text model (its config.json's text_config): 40 layers, 256 experts of 512 top-8 + a shared one.
+MODEL_PRESETS["qwen3.5-35b-a3b"] = dict(
+    _HYBRID, vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    intermediate_size=512, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, rope_theta=10_000_000.0, max_position_embeddings=262144,
+    layer_types=["gated_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)])
+# Qwen3-Next-80B-A3B: 48 layers, 512 experts of 512 top-10 + a shared one; its linear layers' projections fused.
+MODEL_PRESETS["qwen3-next-80b-a3b"] = dict(
+    MODEL_PRESETS["qwen3.5-35b-a3b"], model_type="qwen3_next", vocab_size=151936, num_hidden_layers=48,
+    num_experts=512, num_experts_per_tok=10, intermediate_size=5120,
+    layer_types=["gated_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)])
 # Qwen3-235B-A22B's: Qwen3-30B-A3B's family at 94 layers, 128 experts of 1536, 22B active (for --plan at scale).
 MODEL_PRESETS["qwen3-235b-a22b"] = dict(MODEL_PRESETS["qwen3-30b-a3b"], hidden_size=4096, num_hidden_layers=94,
                                         num_attention_heads=64, moe_intermediate_size=1536, intermediate_size=12288)
@@ -825,18 +871,29 @@ def plugin_folders() -> dict[str, tuple[frozenset[str], bool]]:
     one of its options (a default run imports no plug-in). `ON_GPU = True` in an options.py: every GPU run
     needs it (tooling's check of the run's plan against the GPU). Read once a process."""
     out = {}
-    for n in sorted(os.listdir(ROOT)):
-        path = os.path.join(ROOT, n, "options.py")
-        if not os.path.isfile(path):
-            continue
-        tree = ast.parse(open(path, encoding="utf-8").read())
-        top = {t.id: st.value for st in tree.body if isinstance(st, ast.Assign) for t in st.targets
-               if isinstance(t, ast.Name)}
+    for n, (tree, top) in _options_sources().items():
         groups = {e.id for k in ("TRAIN", "ROLLOUT") if isinstance(top.get(k), ast.List) for e in top[k].elts}
         fields = frozenset(st.target.id for c in tree.body if isinstance(c, ast.ClassDef) and c.name in groups
                            for st in c.body if isinstance(st, ast.AnnAssign))
         out[n] = fields, isinstance(top.get("ON_GPU"), ast.Constant) and top["ON_GPU"].value is True
     return out
+
+
+@functools.cache
+def _options_sources() -> dict[str, tuple]:
+    """{folder: (its options.py parsed, its top-level assignments by name)} for every plug-in folder."""
+    paths = {n: os.path.join(ROOT, n, "options.py") for n in sorted(os.listdir(ROOT))}
+    trees = {n: ast.parse(open(p, encoding="utf-8").read()) for n, p in paths.items() if os.path.isfile(p)}
+    return {n: (t, {a.id: st.value for st in t.body if isinstance(st, ast.Assign) for a in st.targets
+                    if isinstance(a, ast.Name)}) for n, t in trees.items()}
+
+
+@functools.cache
+def model_type_folders() -> dict[str, str]:
+    """{model_type: the plug-in folder whose options.py lists it in MODEL_TYPES}: the families a plug-in adds
+    (its `family` module registers them in families/hf.FAMILIES when a config of that type is read)."""
+    return {e.value: n for n, (_, top) in _options_sources().items()
+            if isinstance(top.get("MODEL_TYPES"), (ast.Tuple, ast.List)) for e in top["MODEL_TYPES"].elts}
 
 
 def plugin_modules(folders=None) -> list:

@@ -238,6 +238,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf / torch.sqrt(var + eps)).to(x.dtype)
 
 
+def rms_norm_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The zero-centred RMSNorm of Qwen3-Next / Qwen3.5 (weights stored minus one): normalise and scale by
+    (1 + w), both in fp32, then round to x.dtype once (as transformers does)."""
+    xf = x.float()
+    var = (xf * xf).mean(-1, keepdim=True)
+    return (xf / torch.sqrt(var + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in fp32 with the row-invariant x / (1 + exp(-x))."""
     g = gate.float()
@@ -445,19 +453,11 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
           forced_ids: torch.Tensor | None = None, *, scoring: str = "softmax", bias: torch.Tensor | None = None,
           n_group: int = 1, topk_group: int = 1, scaling: float = 1.0, detail: bool = False,
           group_score: str = "top2_sum") -> tuple[torch.Tensor, ...]:
-    """Router: scores in fp32, top-k with lowest-index tie-break, optional renormalisation and scaling.
+    """Router: softmax scores in fp32, top-k with lowest-index tie-break, optional renormalisation.
 
     logits (M, E) -> ids (M, k) int64 used, weights (M, k) fp32, chosen (M, k) int64: the router's own
-    top-k (equal to ids unless forced).
-    scoring: "softmax" (Qwen, Mixtral, OLMoE), "sigmoid" (DeepSeek-V3, GLM-4.5; written 1 / (1 + exp(-z)),
-        which is row-invariant where torch.sigmoid is not) or "topk_softmax" (gpt-oss: the top-k of the fp32
-        logits, weighted by a softmax over those k, exp(z - max) / sum in k order; norm_topk_prob must be set).
-    bias (E,): the score-correction bias, added to the scores for the CHOICE only; the weights are the
-        unbiased scores of the chosen experts (DeepSeek-V3's aux-loss-free balancing).
-    n_group, topk_group: group-limited top-k; the E experts form n_group consecutive groups, each ranked
-        by the sum of its two best (biased) scores (group_score "top2_sum"; "max": its best, DeepSeek-V2),
-        and the top-k is taken inside the topk_group best.
-    scaling: routed_scaling_factor, applied to the weights last.
+    top-k (equal to ids unless forced). The other families' knobs (scoring, bias, n_group, topk_group,
+    group_score, scaling) are family_scores' and family_weights'; at their defaults neither runs.
     forced_ids (M, k): replay (R3) these experts instead of choosing; the weights are still the
     model's own scores of those experts (then the same renormalisation and scaling), so the router
     keeps its gradient. A row of all -1 (a position nobody recorded, e.g. padding) is routed normally.
@@ -465,23 +465,14 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     router_entropy); the first three outputs keep their bits.
 
     Every step is row-local torch (sorts are stable and descending: ties go to the lowest index), also
-    on CUDA, where no Triton kernel replaces it; tests/test_hf.py's GPU test shows the row
-    invariance there. With the defaults this runs exactly the softmax ops it always ran.
+    on CUDA, where no Triton kernel replaces it; tests/test_hf.py's GPU test shows the row invariance there.
     """
     logits = round_router_logits(logits)                             # as it is (another op set may round it)
-    if scoring == "softmax":
-        probs = torch.softmax(logits.float(), dim=-1)
-    elif scoring == "sigmoid":
-        probs = sigmoid(logits)
-    elif scoring == "topk_softmax":                                  # gpt-oss: chosen on the logits themselves
-        probs = logits.float()
+    if scoring != "softmax" or bias is not None or n_group > 1:
+        probs, choice = family_scores(logits, scoring, bias, n_group, topk_group, group_score)
     else:
-        raise ValueError(f"router scoring {scoring!r}: softmax, sigmoid or topk_softmax")
-    choice = probs if bias is None else probs + bias.float()
-    if n_group > 1:
-        choice = _group_limit(choice, n_group, topk_group, group_score)
-    ids = ranked(choice, top_k)[1]
-    chosen = ids
+        probs = choice = torch.softmax(logits.float(), dim=-1)
+    ids = chosen = ranked(choice, top_k)[1]
     if detail:
         margin = route_margin(choice, top_k)
         entropy = router_entropy(torch.softmax(probs, -1) if scoring == "topk_softmax" else probs)
@@ -496,14 +487,36 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
         total = weights[:, 0]
         for j in range(1, top_k):                                    # fixed order, k ascending
             total = total + weights[:, j]
-        if scoring == "sigmoid":
-            total = total + 1e-20                                    # as DeepSeek-V3: sigmoids can all be 0
-        weights = weights / total[:, None]
+        weights = weights / (total + 1e-20 if scoring == "sigmoid" else total)[:, None]   # sigmoids can all be 0
     if scaling != 1.0:
         weights = weights * scaling
-    if detail:
-        return ids, weights, chosen, margin, entropy
-    return ids, weights, chosen
+    return (ids, weights, chosen, margin, entropy) if detail else (ids, weights, chosen)
+
+
+def family_scores(logits: torch.Tensor, scoring: str, bias: torch.Tensor | None, n_group: int, topk_group: int,
+                  group_score: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The other families' router scores -> (probs: what the weights are taken from, choice: what the top-k is
+    taken on), fp32 (M, E).
+    scoring: "softmax" (Qwen, Mixtral, OLMoE), "sigmoid" (DeepSeek-V3, GLM-4.5; written 1 / (1 + exp(-z)),
+        which is row-invariant where torch.sigmoid is not) or "topk_softmax" (gpt-oss: the top-k of the fp32
+        logits, weighted by a softmax over those k, exp(z - max) / sum in k order; norm_topk_prob must be set).
+    bias (E,): the score-correction bias, added to the scores for the CHOICE only; the weights are the
+        unbiased scores of the chosen experts (DeepSeek-V3's aux-loss-free balancing).
+    n_group, topk_group: group-limited top-k; the E experts form n_group consecutive groups, each ranked
+        by the sum of its two best (biased) scores (group_score "top2_sum"; "max": its best, DeepSeek-V2),
+        and the top-k is taken inside the topk_group best. (route applies routed_scaling_factor last.)"""
+    if scoring == "softmax":
+        probs = torch.softmax(logits.float(), dim=-1)
+    elif scoring == "sigmoid":
+        probs = sigmoid(logits)
+    elif scoring == "topk_softmax":                                  # gpt-oss: chosen on the logits themselves
+        probs = logits.float()
+    else:
+        raise ValueError(f"router scoring {scoring!r}: softmax, sigmoid or topk_softmax")
+    choice = probs if bias is None else probs + bias.float()
+    if n_group > 1:
+        choice = _group_limit(choice, n_group, topk_group, group_score)
+    return probs, choice
 
 
 def route_margin(choice: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -99,6 +99,8 @@ class PagedKV:
     positions (B, T): absolute position of each new token.
     window_table, window_slots: the same for the sliding-window layers where their pages are a pool of
         their own (the sampler's window pool: freed once below every query's window), else None.
+    states: for layers without pages (hybrids/), (their pools (Transformer.state_pool), each batch row's pool
+        row (B,), the fed tokens (B, T) bool: each row's first ones), else None.
     """
     caches: list[tuple[torch.Tensor, torch.Tensor]]
     block_table: torch.Tensor
@@ -106,6 +108,7 @@ class PagedKV:
     positions: torch.Tensor
     window_table: torch.Tensor | None = None
     window_slots: torch.Tensor | None = None
+    states: tuple | None = None
 
 
 class Linear(nn.Module):
@@ -135,12 +138,16 @@ class Router(Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """centered: the weight is stored minus one and scales by (1 + w) (Qwen3-Next, Qwen3.5: zero_centered_norm)."""
+
+    def __init__(self, dim: int, eps: float, centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if centered else torch.ones(dim))
+        self.eps, self.centered = eps, centered
 
     def forward(self, x):
+        if self.centered:
+            return kernels.rms_norm_centered(x, self.weight, self.eps)
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
@@ -181,7 +188,8 @@ def kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype, device,
     caches = []
     for layer in range(cfg.num_hidden_layers):
         pages = window_pages if window_pages and cfg.window(layer) else num_pages
-        k = torch.zeros(pages, page_size, heads, dim, dtype=dtype, device=device)
+        h = 0 if cfg.is_linear(layer) else heads           # a recurrent layer: pages of no heads, no bytes
+        k = torch.zeros(pages, page_size, h, dim, dtype=dtype, device=device)
         caches.append((k, k) if cfg.kv_lora_rank else (k, torch.zeros_like(k)))
     return caches
 
@@ -200,9 +208,9 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, kd, cfg.attention_bias)
         self.o_proj = Linear(qd, cfg.hidden_size, cfg.attention_out_bias)
         if cfg.qk_norm != "none":   # per head (Qwen3, GLM) or over the whole projection (OLMoE)
-            per_head = cfg.qk_norm == "head"
-            self.q_norm = RMSNorm(self.head_dim if per_head else qd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim if per_head else kd, cfg.rms_norm_eps)
+            per_head, centered = cfg.qk_norm == "head", cfg.zero_centered_norm
+            self.q_norm = RMSNorm(self.head_dim if per_head else qd, cfg.rms_norm_eps, centered)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kd, cfg.rms_norm_eps, centered)
 
     def forward(self, x, cos, sin, positions, kv: PagedKV | PackedPages | None, layer_idx: int):
         B, T, _ = x.shape
@@ -453,20 +461,30 @@ class MoE(nn.Module):
                 setattr(self, name, nn.Parameter(t[ids].clone(), requires_grad=t.requires_grad))
 
 
+# Token mixers a plug-in adds, by layer kind (ModelConfig.layer_types): kind -> (the Block's attribute, the
+# class, called as cls(cfg, layer_idx); its forward takes attention's arguments). hybrids/ adds
+# "linear_attention" (Gated DeltaNet) and "gated_attention", registered when its family loads (hf.load_plugin).
+MIXERS: dict[str, tuple[str, type]] = {}
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.is_moe = cfg.is_moe_layer(layer_idx)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg, layer_idx) if cfg.kv_lora_rank else Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        centered = cfg.zero_centered_norm
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, centered)
+        kind = cfg.layer_types[layer_idx] if cfg.layer_types else "full_attention"
+        self.mixer, mixer = MIXERS.get(kind) or ("self_attn", MLA if cfg.kv_lora_rank else Attention)
+        setattr(self, self.mixer, mixer(cfg, layer_idx))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, centered)
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.layer_idx = layer_idx
 
     def forward(self, x, cos, sin, positions, kv: PagedKV | PackedPages | None, forced_ids=None,
                 detail: list | None = None, kept: KeptLogits | None = None):
         """x (B, T, D) -> (B, T, D), and the router's own top-k ids (B, T, top_k) on MoE layers (else None)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, self.layer_idx)
+        mix = getattr(self, self.mixer)
+        x = x + mix(self.input_layernorm(x), cos, sin, positions, kv, self.layer_idx)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             out, ids = self.mlp(h, forced_ids, detail, kept)
@@ -484,9 +502,12 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        if config.model_type not in hf.FAMILIES:
+            hf.load_plugin(config.model_type)              # a plug-in's family registers its layers (MIXERS)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norm)
+        self.extra_tensors: dict[str, torch.Tensor] = {}   # checkpoint tensors kept for save, unused (MTP layers)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.n_moe_layers = len(config.moe_layers)
         self._rope: dict = {}    # device -> (cos, sin) fp32; not a buffer so .to(bf16) leaves it fp32
@@ -496,10 +517,11 @@ class Transformer(nn.Module):
     def reset_parameters(self, seed: int | None = None):
         g = torch.Generator().manual_seed(seed) if seed is not None else None
         std = self.config.initializer_range
+        centered = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm) and m.centered}
         for name, p in self.named_parameters():
             with torch.no_grad():
                 if name.endswith("norm.weight"):
-                    p.fill_(1.0)
+                    p.fill_(0.0 if id(p) in centered else 1.0)
                 elif name.endswith((".bias", ".b13", ".b2")):
                     p.zero_()
                 else:
@@ -510,6 +532,13 @@ class Transformer(nn.Module):
         for layer in self.layers:
             if layer.is_moe:
                 layer.mlp.keep_experts(experts)
+
+    def state_pool(self, rows: int, device) -> dict | None:
+        """The sampler's memory of the layers that keep a state per sequence instead of pages (hybrids/: Gated
+        DeltaNet): {layer index: its pool of `rows` rows}; None for a model without such layers."""
+        mixers = {i: getattr(b, b.mixer) for i, b in enumerate(self.layers)}
+        return {i: m.new_pool(rows, self.embed_tokens.weight.dtype, device) for i, m in mixers.items()
+                if hasattr(m, "new_pool")} or None
 
     def lm_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

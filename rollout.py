@@ -233,6 +233,7 @@ class ModelRunner:
         cfg, n_moe, k = self.model.config, self.model.n_moe_layers, self.model.config.num_experts_per_tok
         self.caches = kv_caches(cfg, self.num_blocks + 1, self.block_size, self.dtype, self.device,
                                 window_pages=self.window_blocks + 1 if self.window_blocks else 0)
+        self.states = self.model.state_pool(self.max_batch_size + 1, self.device)   # recurrent layers' rows
         pages = (self.num_blocks + 1, self.block_size, n_moe)
         self.route_pages = torch.zeros(*pages, k, dtype=self.route_dtype, device=self.device)
         detail = pages if self.record_detail else (0, self.block_size, n_moe)
@@ -242,7 +243,7 @@ class ModelRunner:
     def release_pages(self) -> None:
         """Free the pages until allocate_pages (the synchronous loop's update reuses their memory); graphs
         captured over them go with them."""
-        self.caches = self.route_pages = self.weight_pages = self.margin_pages = None
+        self.caches = self.route_pages = self.weight_pages = self.margin_pages = self.states = None
         self.graphs.clear()
         self.warm.clear()
         self.pool = None
@@ -349,6 +350,8 @@ class ModelRunner:
         slots = bt.gather(1, positions // bs) * bs + positions % bs            # (B, T)
         slots = torch.where(valid, slots, self.scratch_page * bs)
         kv = PagedKV(self.caches, bt, slots, positions)
+        if self.states is not None:                                            # recurrent layers: their rows
+            kv.states = self.states, rows, valid
         if self.window_blocks:                                                 # the sliding layers' pages
             wt = self.window_tables[rows]                                      # (B, W)
             wslots = wt.gather(1, positions // bs) * bs + positions % bs       # (B, T)
@@ -409,12 +412,22 @@ class ModelRunner:
                 if self.window_blocks else None
             self._copy_pages(*torch.tensor(pages, device=dev).unbind(1),
                              window and torch.tensor(window, device=dev).unbind(1))
+        if self.states is not None:
+            self._copy_states([s for s in last if s.parent is not None])
         rows = torch.tensor([s.row for s in last], device=dev)
         n_tok = torch.tensor([s.num_tokens for s in last], device=dev)
         logits = self.model.compute_logits(h_last[torch.tensor([index[id(s.parent or s)] for s in last], device=dev)])
         tokens, logp = self._sample(logits, rows, n_tok, sp)                    # logits (B, V)
         finished = dict(zip(map(id, last), self._record(rows, n_tok, tokens, logp).tolist()))
         return [finished.get(id(s), False) for s in seqs]
+
+    def _copy_states(self, members: list[Sequence]) -> None:
+        """Group members sample after their leader's prompt: their rows of the recurrent layers' pools become
+        the leader's."""
+        if members:
+            src, dst = torch.tensor([[s.parent.row, s.row] for s in members], device=self.device).unbind(1)
+            for pool in self.states.values():
+                pool.copy_rows(src, dst)
 
     def _prefill_forward(self, leaders: list[tuple[Sequence, int]]) -> torch.Tensor:
         """The leaders' chunks right-padded to the longest (padding repeats a chunk's last position and
@@ -614,6 +627,8 @@ class Sampler:
         self.max_model_len = model.config.max_position_embeddings
         drafts = self.config.draft_policy()
         self.draft_tokens = 0 if drafts is None else drafts.k        # a verify step's drafts (0: plain decoding)
+        if any(map(model.config.is_linear, range(model.config.num_hidden_layers))):
+            self._linear_engine()
         self.num_blocks = self.config.num_blocks or self._pool_blocks(reserve_bytes)
         self.window_blocks = min(self.num_blocks, self._window_blocks())
         self.runner = ModelRunner(model, self.config, self.num_blocks, self.window_blocks, drafts)
@@ -626,6 +641,15 @@ class Sampler:
         self.num_preemptions = self.num_cached_tokens = self.num_prefilled_tokens = 0
         self.num_drafted_tokens = self.num_accepted_tokens = 0
 
+    def _linear_engine(self) -> None:
+        """What a model with linear-attention layers (hybrids/) runs without: drafts (a rejected one would roll
+        their state back) are refused; the prefix cache is off (its entries would need the state at their
+        grid boundary, not kept yet)."""
+        if self.draft_tokens:
+            raise ValueError("speculative decoding (speculative_tokens > 0) is not supported with linear-attention "
+                             "layers yet; set it to 0")
+        self.config = dataclasses.replace(self.config, prefix_cache=False)
+
     def _pool_blocks(self, reserve_bytes: int) -> int:
         """The KV pool's size where the config leaves it (num_blocks=0): on CUDA, kv_memory_fraction of
         the free memory left after reserve_bytes; on the CPU, at most CPU_KV_BYTES; never more than
@@ -636,8 +660,9 @@ class Sampler:
         p = next(self.model.parameters())
         n_moe, k = self.model.n_moe_layers, cfg.num_experts_per_tok
         layer_bytes = cfg.kv_numbers_per_token * p.element_size()              # K and V (MLA: the latent)
-        windowed = sum(bool(cfg.window(i)) for i in range(cfg.num_hidden_layers)) if self._window_blocks() else 0
-        per_slot = (cfg.num_hidden_layers - windowed) * layer_bytes
+        paged = [i for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)]   # linear: a state per row
+        windowed = sum(bool(cfg.window(i)) for i in paged) if self._window_blocks() else 0
+        per_slot = (len(paged) - windowed) * layer_bytes
         per_slot += n_moe * k * route_dtype(cfg.num_experts).itemsize
         per_slot += 4 * n_moe * (k + 1) if self.config.record_route_detail else 0
         block_bytes = bs * per_slot
@@ -645,9 +670,14 @@ class Sampler:
         wanted = self.config.max_batch_size * -(-self.max_model_len // bs)
         if p.device.type == "cuda":
             free = torch.cuda.mem_get_info(p.device)[0]
-            return kv_pool_blocks(free, self.config.kv_memory_fraction, reserve_bytes + window_bytes, block_bytes,
-                                  wanted)
+            aside = reserve_bytes + window_bytes + self._state_bytes()
+            return kv_pool_blocks(free, self.config.kv_memory_fraction, aside, block_bytes, wanted)
         return kv_pool_blocks(CPU_KV_BYTES, 1.0, window_bytes, block_bytes, wanted)
+
+    def _state_bytes(self) -> int:
+        """The recurrent layers' pools (hybrids/) the runner allocates beside the KV pool, for every row."""
+        pools = self.model.state_pool(self.config.max_batch_size + 1, "meta") or {}
+        return sum(t.numel() * t.element_size() for p in pools.values() for t in vars(p).values())
 
     def _window_blocks(self) -> int:
         """The window pool's blocks, 0 for none (a model without sliding-window layers, or window_blocks=-1);

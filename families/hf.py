@@ -40,6 +40,7 @@ non-finite tensor: a poisoned checkpoint never loads silently.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -48,7 +49,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from config import ConfigError, ModelConfig
+from config import ConfigError, ModelConfig, model_type_folders
 
 
 class CheckpointError(ValueError):
@@ -83,6 +84,10 @@ class Family:
     write_hook: Callable | None = None                    # (ModelConfig, config.json dict): its inverse
     router_dtype: str = "compute"                         # --router_dtype=auto: the gate and bias in "float32"
     #                                                       or in the "compute" dtype, as transformers' model runs
+    load_tensors: Callable | None = None                  # (HF tensors, ModelConfig) -> the layout the keys name
+    save_tensors: Callable | None = None                  # its inverse, on the HF keys written
+    kept: str = ""                                        # regex of HF keys kept aside and saved back (MTP layers)
+    dropped: str = ""                                     # regex of HF keys not read (a vision tower)
 
 
 # Fields every family spells the same way.
@@ -302,7 +307,20 @@ MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", 
               "router_bias", "expert_bias", "moe_act", "swiglu_alpha", "swiglu_limit", "group_score")
 
 
+def load_plugin(model_type: str) -> None:
+    """Import the plug-in whose options.py lists model_type (config.model_type_folders): its `family` module
+    registers the family here and its layers in model.MIXERS. Nothing for the families of this file."""
+    if folder := model_type_folders().get(model_type):
+        importlib.import_module(f"{folder}.family")
+
+
+# A multimodal model_type -> its text model's: config.json's text_config is read, the text weights loaded.
+TEXT_OF = {"qwen3_5_moe": "qwen3_5_moe_text"}
+
+
 def family(model_type: str) -> Family:
+    if model_type not in FAMILIES:
+        load_plugin(model_type)
     if model_type not in FAMILIES:
         raise ConfigError(f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))} "
                           "(a new family is one entry in hf.FAMILIES)")
@@ -416,6 +434,8 @@ def config_from_hf(path_or_dict: str | dict) -> ModelConfig:
                 hf = json.load(f)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if isinstance(hf.get("text_config"), dict) and hf.get("model_type") in TEXT_OF:   # a multimodal checkpoint
+        hf = {**hf["text_config"], "model_type": TEXT_OF[hf["model_type"]]}
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") if k not in hf]
     if missing:
         raise ConfigError(f"config.json{'' if isinstance(path_or_dict, dict) else ' at ' + repr(path_or_dict)} "
@@ -498,8 +518,13 @@ def hf_to_state(tensors: dict[str, torch.Tensor], model: torch.nn.Module,
     want = {k: v.shape for k, v in model.state_dict().items()}
     if fam.mxfp4:
         tensors = dequantize_mxfp4(tensors)
+    if fam.load_tensors is not None:
+        tensors = fam.load_tensors(tensors, cfg)
     src, hf_name = {}, {}                        # our spelling -> tensor, and -> the checkpoint's key
+    model.extra_tensors = {k: t for k, t in tensors.items() if fam.kept and re.match(fam.kept, k)}
     for key, t in tensors.items():
+        if key in model.extra_tensors or (fam.dropped and re.match(fam.dropped, key)):
+            continue
         ours = hf_key_to_ours(fam, key, cfg.num_hidden_layers)
         if ours is not None:
             src[ours], hf_name[ours] = t, key
@@ -591,7 +616,9 @@ def state_to_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                     out[our_key_to_hf(fam, f"{pre}.{e}.down_proj.weight")] = t[e].clone()
         else:
             out[our_key_to_hf(fam, name)] = t
-    return out
+    if fam.save_tensors is not None:
+        out = fam.save_tensors(out, cfg)
+    return {**out, **getattr(model, "extra_tensors", {})}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,11 +22,14 @@ fewer key heads repeats them first, `expand_heads`); q is already scaled and bot
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import kernels
+from model import Linear, RMSNorm
 
 CHUNK = 64               # the grid: Qwen3-Next's and FLA's chunk size
 
@@ -36,15 +39,30 @@ def expand_heads(x: torch.Tensor, value_heads: int) -> torch.Tensor:
     return x.repeat_interleave(value_heads // x.shape[2], dim=2)
 
 
-def _inverse_unit_lower(n: torch.Tensor) -> torch.Tensor:
+class _InverseUnitLower(torch.autograd.Function):
     """(I + N)^-1 for N (..., C, C) strictly lower, by forward substitution: row i from the rows before it
-    (the same ops for row i whatever follows it, unlike a batched triangular solve)."""
-    C = n.shape[-1]
-    rows = [torch.zeros_like(n[..., 0, :])]                               # row 0 of the inverse, less I
-    for i in range(1, C):
-        before = torch.stack(rows, dim=-2)                                # (..., i, C)
-        rows.append(-n[..., i, :] - (n[..., i, :i, None] * before).sum(-2))
-    return torch.stack(rows, dim=-2) + torch.eye(C, dtype=n.dtype, device=n.device)
+    (the same ops for row i whatever follows it, unlike a batched triangular solve). Row i's sum over the
+    rows before it is one (1 x i) @ (i x C) product per matrix: its shape is i's alone, not the batch's.
+    The backward is the inverse's own: with T = (I + N)^-1, dT = -T dN T, so dN = -(T^T G T^T), strictly
+    lower (two matmuls, not the 63 steps' graph)."""
+
+    @staticmethod
+    def forward(ctx, n):
+        C = n.shape[-1]
+        inv = torch.zeros_like(n)
+        for i in range(1, C):
+            inv[..., i:i + 1, :] = -n[..., i:i + 1, :] - n[..., i:i + 1, :i] @ inv[..., :i, :]
+        inv = inv + torch.eye(C, dtype=n.dtype, device=n.device)
+        ctx.save_for_backward(inv)
+        return inv
+
+    @staticmethod
+    def backward(ctx, g):
+        t = ctx.saved_tensors[0].transpose(-1, -2)
+        return -(t @ g @ t).tril(-1)
+
+
+_inverse_unit_lower = _InverseUnitLower.apply
 
 
 def chunk(q, k, v, g, beta, state):
@@ -85,8 +103,11 @@ def chunked(q, k, v, g, beta, state=None, C: int = CHUNK):
     qs, ks, vs, gs, bs = (_to_chunks(x, n, C) for x in (q, k, v, g, beta))
     s = q.new_zeros(B, H, dk, v.shape[-1]) if state is None else state
     outs, boundary = [], s
+    # With a gradient, each chunk is recomputed in the backward from its inputs and start state (the
+    # forward substitution's rows would keep O(C) numbers per token and head); the recompute is the same bits.
+    step = chunk if not torch.is_grad_enabled() else functools.partial(checkpoint, chunk, use_reentrant=False)
     for c in range(n):
-        o, s = chunk(qs[:, :, c], ks[:, :, c], vs[:, :, c], gs[:, :, c], bs[:, :, c], s)
+        o, s = step(qs[:, :, c], ks[:, :, c], vs[:, :, c], gs[:, :, c], bs[:, :, c], s)
         outs.append(o)
         if (c + 1) * C <= L:
             boundary = s
@@ -145,94 +166,155 @@ def causal_conv(x: torch.Tensor, w: torch.Tensor, before: torch.Tensor) -> torch
     return _silu(acc)
 
 
+class _Conv(nn.Module):
+    """The depthwise conv's weight, (channels, 1, K) as transformers' nn.Conv1d holds it (its key: conv1d.weight)."""
+
+    def __init__(self, channels: int, K: int, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, K, dtype=dtype))
+
+
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer of Qwen3.5-MoE and Qwen3-Next: x -> in_proj_qkv (q, k for Hk heads, v for H
     heads) -> causal conv + silu -> l2-normalised q (scaled) and k; beta = sigmoid(in_proj_b x),
     g = -exp(A_log) softplus(in_proj_a x + dt_bias) -> the gated delta rule on the grid -> RMSNorm per head,
-    gated by silu(in_proj_z x) -> out_proj. Projections by kernels.linear, the row-invariant matmul."""
+    gated by silu(in_proj_z x) -> out_proj. Projections by kernels.linear, the row-invariant matmul; the
+    parameters' names are transformers' (Qwen3.5's: Qwen3-Next's fused projections are split on load)."""
 
     def __init__(self, hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
                  conv_kernel: int = 4, eps: float = 1e-6, dtype=torch.float32):
         super().__init__()
         self.hk, self.h, self.dk, self.dv, self.eps = key_heads, value_heads, key_dim, value_dim, eps
         self.conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
-        p = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=dtype))   # noqa: E731
-        self.in_proj_qkv, self.in_proj_z = p(self.conv_dim, hidden), p(value_heads * value_dim, hidden)
-        self.in_proj_b, self.in_proj_a = p(value_heads, hidden), p(value_heads, hidden)
-        self.conv1d, self.dt_bias, self.A_log = p(self.conv_dim, conv_kernel), p(value_heads), p(value_heads)
-        self.norm, self.out_proj = p(value_dim), p(hidden, value_heads * value_dim)
+        lin = lambda i, o: Linear(i, o).to(dtype)                         # noqa: E731
+        self.in_proj_qkv, self.in_proj_z = lin(hidden, self.conv_dim), lin(hidden, value_heads * value_dim)
+        self.in_proj_b, self.in_proj_a = lin(hidden, value_heads), lin(hidden, value_heads)
+        self.conv1d = _Conv(self.conv_dim, conv_kernel, dtype)
+        self.dt_bias = nn.Parameter(torch.empty(value_heads, dtype=dtype))
+        self.A_log = nn.Parameter(torch.empty(value_heads, dtype=dtype))
+        self.norm = RMSNorm(value_dim, eps).to(dtype)                    # not centred: transformers' RMSNormGated
+        self.out_proj = lin(value_heads * value_dim, hidden)
+
+    @property
+    def conv_taps(self) -> torch.Tensor:
+        return self.conv1d.weight[:, 0]                                   # (conv_dim, K)
+
+    def projections(self, x: torch.Tensor):
+        """x (B, L, D) -> what the open chunk keeps of each position: the conv's input (B, L, conv_dim),
+        g and beta (B, L, H) fp32."""
+        mixed = self.in_proj_qkv(x)
+        beta = kernels.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * _softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        return mixed, g, beta
+
+    def rule_qkv(self, mixed: torch.Tensor, before: torch.Tensor):
+        """The conv's inputs (B, L, conv_dim) and the K-1 before them -> the rule's q, k, v (value heads, fp32)."""
+        B, L, _ = mixed.shape
+        q, k, v = causal_conv(mixed, self.conv_taps, before).split([self.hk * self.dk, self.hk * self.dk,
+                                                                    self.h * self.dv], dim=-1)
+        q = expand_heads(_l2norm(q.view(B, L, self.hk, self.dk)), self.h) * self.dk ** -0.5
+        k = expand_heads(_l2norm(k.view(B, L, self.hk, self.dk)), self.h)
+        return q, k, v.reshape(B, L, self.h, self.dv)
 
     def rule_inputs(self, x: torch.Tensor, before: torch.Tensor):
         """x (B, L, D) and the conv's K-1 earlier inputs (B, K-1, conv_dim) -> the rule's q, k, v, g, beta
-        (fp32, value heads), the gate z (B, L, H, dv) and the conv's inputs (B, L, conv_dim)."""
-        B, L, _ = x.shape
-        mixed = kernels.linear(x, self.in_proj_qkv)                        # (B, L, conv_dim)
-        qkv = causal_conv(mixed, self.conv1d, before)
-        q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.h * self.dv], dim=-1)
-        q = expand_heads(_l2norm(q.view(B, L, self.hk, self.dk)), self.h) * self.dk ** -0.5
-        k = expand_heads(_l2norm(k.view(B, L, self.hk, self.dk)), self.h)
-        beta = kernels.sigmoid(kernels.linear(x, self.in_proj_b))
-        g = -self.A_log.float().exp() * _softplus(kernels.linear(x, self.in_proj_a).float() + self.dt_bias.float())
-        z = kernels.linear(x, self.in_proj_z).view(B, L, self.h, self.dv)
-        return (q, k, v.reshape(B, L, self.h, self.dv), g, beta), z, mixed
+        (fp32, value heads) and the conv's inputs (B, L, conv_dim)."""
+        mixed, g, beta = self.projections(x)
+        return (*self.rule_qkv(mixed, before), g, beta), mixed
 
-    def output(self, core: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
-        """The rule's output (B, L, H, dv) -> (B, L, D): RMSNorm per head (kernels.rms_norm), times silu(z)."""
-        normed = kernels.rms_norm(core.to(dtype), self.norm, self.eps)
-        gated = (normed.float() * _silu(z)).to(dtype)
-        return kernels.linear(gated.flatten(2), self.out_proj)
+    def output(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The rule's output (B, L, H, dv) -> (B, L, D): RMSNorm per head, times silu(in_proj_z x)."""
+        B, L, _ = x.shape
+        z = self.in_proj_z(x).view(B, L, self.h, self.dv)
+        gated = (self.norm(core.to(x.dtype)).float() * _silu(z)).to(x.dtype)
+        return self.out_proj(gated.flatten(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The trainer's forward: whole sequences from position 0, (B, L, D) -> (B, L, D)."""
-        before = x.new_zeros(x.shape[0], self.conv1d.shape[1] - 1, self.conv_dim)
-        rule, z, _ = self.rule_inputs(x, before)
+        before = x.new_zeros(x.shape[0], self.conv_taps.shape[1] - 1, self.conv_dim)
+        rule, _ = self.rule_inputs(x, before)
         core, _, _ = chunked(*rule)
-        return self.output(core, z, x.dtype)
+        return self.output(core, x)
 
-    def extend(self, x: torch.Tensor, cache: "GDNCache") -> torch.Tensor:
-        """The sampler's step for one sequence: its next tokens x (1, n, D) (a prefill piece or one decode
-        token) on its cache -> (1, n, D). The rows since the last boundary are recomputed with the new ones,
-        from the boundary's state, by `chunked` from that boundary: the trainer's chunks, the same bits."""
-        rule, z, mixed = self.rule_inputs(x, cache.conv)
-        cache.conv = torch.cat([cache.conv, mixed], dim=1)[:, -cache.conv.shape[1]:]
-        n, rows = x.shape[1], [torch.cat([o, r], dim=1) for o, r in zip(cache.open, rule)]
-        core, state, covered = chunked(*rows, state=cache.state)
-        cache.state = state
-        cache.open = [r[:, covered:] for r in rows]                       # what the next boundary still needs
-        return self.output(core[:, -n:], z, x.dtype)
+    # ---- the sampler: a pool of per-sequence state, one row a sequence ----
+    def new_pool(self, rows: int, dtype, device) -> "GDNPool":
+        K1, C = self.conv_taps.shape[1] - 1, CHUNK
+        return GDNPool(torch.zeros(rows, K1 + C, self.conv_dim, dtype=dtype, device=device),
+                       torch.zeros(rows, C, self.h, device=device), torch.zeros(rows, C, self.h, device=device),
+                       torch.zeros(rows, self.h, self.dk, self.dv, device=device))
 
-    def decode(self, x: torch.Tensor, caches: list["GDNCache"]) -> torch.Tensor:
-        """One decode token for each of S sequences, x (S, 1, D), in one call -> (S, 1, D): every sequence's
-        open chunk (its rows since its last boundary, then the new one) zero-padded to a 64-row block and all
-        of them computed by one `chunk` call from their boundary states. The kernel is row- and
-        batch-invariant, so each row has the bits `extend` (and the trainer) give it."""
-        S, C = x.shape[0], CHUNK
-        rule, z, mixed = self.rule_inputs(x, torch.cat([c.conv for c in caches]))
-        rows = [[torch.cat([o, r[i:i + 1]], dim=1) for o, r in zip(c.open, rule)] for i, c in enumerate(caches)]
-        n = [r[0].shape[1] for r in rows]                                 # each open chunk's rows, 1..C
-        padded = [torch.cat([_to_chunks(r[j], 1, C)[:, :, 0] for r in rows]) for j in range(5)]   # (S, H, C, ...)
-        core, end = chunk(*padded, torch.cat([c.state for c in caches]))
-        for i, c in enumerate(caches):
-            c.conv = torch.cat([c.conv, mixed[i:i + 1]], dim=1)[:, 1:]
-            c.open = rows[i] if n[i] < C else [r[:, C:] for r in rows[i]]   # a complete chunk: a boundary
-            c.state = end[i:i + 1] if n[i] == C else c.state
-        out = torch.stack([core[i, :, n[i] - 1] for i in range(S)])[:, None]   # (S, 1, H, dv)
-        return self.output(out, z, x.dtype)
+    def step(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
+             pool: "GDNPool") -> torch.Tensor:
+        """The sampler's forward of new tokens x (B, T, D) at `positions` (B, T) of the sequences in pool
+        `rows` (B,); valid (B, T): fed tokens, each row's first, the rest padding. A decode step (T = 1) is a
+        fixed set of tensor ops (no host sync: a CUDA graph); a prefill reads its positions and feeds its
+        tokens a grid chunk at a time (the first piece up to the next boundary). -> (B, T, D)."""
+        mixed, g, beta = self.projections(x)
+        if x.shape[1] == 1:
+            core = self._feed(pool, rows, mixed, g, beta, positions[:, 0] % CHUNK, valid[:, 0].long(),
+                              positions[:, 0] == 0)
+            return self.output(core, x)
+        core = torch.zeros(*x.shape[:2], self.h, self.dv, device=x.device)
+        first, count = positions[:, 0].tolist(), valid.sum(1).tolist()
+        done = [0] * len(first)                                           # tokens fed so far, per row
+        while any(d < n for d, n in zip(done, count)):
+            o = [(p + d) % CHUNK for p, d in zip(first, done)]
+            take = [min(n - d, CHUNK - oo) for n, d, oo in zip(count, done, o)]
+            t = torch.tensor(done, device=x.device)[:, None] + torch.arange(CHUNK, device=x.device)   # (B, C)
+            t = t.clamp(max=x.shape[1] - 1)
+            pick = lambda a: a.gather(1, t.view(*t.shape, *[1] * (a.dim() - 2)).expand(-1, -1, *a.shape[2:]))  # noqa
+            out = self._feed(pool, rows, pick(mixed), pick(g), pick(beta), torch.tensor(o, device=x.device),
+                             torch.tensor(take, device=x.device),
+                             torch.tensor([p == 0 and d == 0 for p, d in zip(first, done)], device=x.device))
+            for b in range(len(first)):
+                core[b, done[b]:done[b] + take[b]] = out[b, :take[b]]
+            done = [d + k for d, k in zip(done, take)]
+        return self.output(core, x)
 
-    def new_cache(self, dtype=torch.float32, device=None) -> "GDNCache":
-        conv = torch.zeros(1, self.conv1d.shape[1] - 1, self.conv_dim, dtype=dtype, device=device)
-        state = torch.zeros(1, self.h, self.dk, self.dv, device=device)
-        empty = [torch.zeros(1, 0, self.h, d, device=device) for d in (self.dk, self.dk, self.dv)]
-        return GDNCache(conv, state, empty + [torch.zeros(1, 0, self.h, device=device)] * 2)
+    def _feed(self, pool, rows, mixed, g, beta, o, n, fresh):
+        """Feed n (B,) rows of mixed / g / beta (B, T', ...) into each sequence's open chunk at offset o (B,)
+        (o + n <= CHUNK), from its boundary state; fresh (B,): a sequence's start (the state and the conv's
+        earlier inputs zero). The chunk is one C-row block computed by `chunk` with its rows past the last
+        fed one zeroed: each row's bits are the trainer's. -> the fed rows' outputs (B, T', H, dv)."""
+        C, K1 = CHUNK, self.conv_taps.shape[1] - 1
+        B, T = mixed.shape[:2]
+        keep = ~fresh[:, None, None]
+        buf, state = pool.conv[rows] * keep, pool.state[rows] * keep[..., None]   # (B, K-1+C, ..), (B, H, dk, dv)
+        j = torch.arange(C, device=o.device)[None, :]                          # (1, C) the chunk's rows
+        src = (j - o[:, None]).clamp(0, T - 1)                                  # (B, C) the fed row each takes
+        new = (j >= o[:, None]) & (j < (o + n)[:, None])                        # (B, C)
+        take = lambda a, old: torch.where(new.view(B, C, *[1] * (a.dim() - 2)),   # noqa: E731
+                                          a.gather(1, src.view(B, C, *[1] * (a.dim() - 2)).expand(-1, -1, *a.shape[2:])), old)
+        rows_in = take(mixed, buf[:, K1:])                                      # (B, C, conv_dim)
+        gs, bs = take(g, pool.g[rows]), take(beta, pool.beta[rows])              # (B, C, H)
+        live = (j < (o + n)[:, None])                                           # rows of the chunk so far
+        q, k, v = self.rule_qkv(rows_in, buf[:, :K1])
+        m = live[..., None, None].float()
+        hm = live[..., None].float()
+        out, end = chunk(*(a.transpose(1, 2) for a in (q * m, k * m, v * m)), (gs * hm).transpose(1, 2),
+                         (bs * hm).transpose(1, 2), state)                       # (B, H, C, dv), (B, H, dk, dv)
+        full = (o + n == C)[:, None]                                            # a boundary: the chunk is complete
+        pool.state[rows] = torch.where(full[..., None, None], end, state)
+        pool.conv[rows] = torch.cat([torch.where(full[..., None], rows_in[:, C - K1:], buf[:, :K1]), rows_in], 1)
+        pool.g[rows], pool.beta[rows] = gs, bs
+        at = (o[:, None] + torch.arange(T, device=o.device)[None, :]).clamp(max=C - 1)   # (B, T') the fed rows
+        return out.transpose(1, 2).gather(1, at[..., None, None].expand(-1, -1, self.h, self.dv))
 
 
 @dataclasses.dataclass
-class GDNCache:
-    """A sequence's linear-attention memory in the sampler: the conv's last K-1 inputs, the state at the
-    last grid boundary, and the rule's inputs since then (at most CHUNK - 1 rows)."""
+class GDNPool:
+    """The sampler's Gated DeltaNet memory for one layer, a row per sequence slot: conv (R, K-1+C, conv_dim)
+    the conv's K-1 inputs before the open chunk, then the open chunk's inputs; g, beta (R, C, H) fp32 of the
+    open chunk; state (R, H, dk, dv) fp32 at the last grid boundary. A sequence's bytes: its row's."""
     conv: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
     state: torch.Tensor
-    open: list
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """A group member's row becomes its leader's (the prompt the leader prefilled for both)."""
+        for t in (self.conv, self.g, self.beta, self.state):
+            t[dst] = t[src]
 
 
 def split_qwen3_next(qkvz: torch.Tensor, ba: torch.Tensor, key_heads: int, value_heads: int, key_dim: int,
@@ -246,3 +328,15 @@ def split_qwen3_next(qkvz: torch.Tensor, ba: torch.Tensor, key_heads: int, value
     flat = lambda t: t.reshape(-1, D)                                     # noqa: E731
     return {"in_proj_qkv": torch.cat([flat(q), flat(k), flat(v)]), "in_proj_z": flat(z),
             "in_proj_b": flat(b), "in_proj_a": flat(a)}
+
+
+def fuse_qwen3_next(parts: dict[str, torch.Tensor], key_heads: int, value_heads: int, key_dim: int,
+                    value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """split_qwen3_next's inverse: {"qkv", "z", "b", "a"} weights -> (in_proj_qkvz, in_proj_ba)."""
+    r, D = value_heads // key_heads, parts["qkv"].shape[-1]
+    q, k, v = parts["qkv"].split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim])
+    per_head = lambda t, rows: t.reshape(key_heads, rows, D)               # noqa: E731
+    qkvz = torch.cat([per_head(q, key_dim), per_head(k, key_dim), per_head(v, r * value_dim),
+                      per_head(parts["z"], r * value_dim)], dim=1).reshape(-1, D)
+    ba = torch.cat([per_head(parts["b"], r), per_head(parts["a"], r)], dim=1).reshape(-1, D)
+    return qkvz, ba

@@ -44,7 +44,30 @@ def rollout_copy(full: Transformer, tcfg: TrainConfig, rcfg: RolloutConfig, refr
         model, refresh = lower_precision_copy(full, getattr(torch, rcfg.rollout_dtype), refresh)
     if rcfg.rollout_router_fault != "none":
         model, refresh = router_fault_copy(model, full, rcfg.rollout_router_fault, refresh)
+    if rcfg.rollout_linear_decode == "recurrent":
+        model, refresh = recurrent_decode_copy(model, full, refresh)
     return model, refresh
+
+
+def check_linear_decode(config, mode: str) -> None:
+    if mode == "recurrent" and not any(map(config.is_linear, range(config.num_hidden_layers))):
+        raise ConfigError("--rollout_linear_decode=recurrent needs Gated DeltaNet layers (--init_from=tiny-hybrid "
+                          "or a qwen3_5_moe / qwen3_next checkpoint)")
+
+
+def recurrent_decode_copy(rollout_model: Transformer, full: Transformer, refresh):
+    """The rollout's weights with their Gated DeltaNet layers decoding by the recurrent form (hybrids/family.
+    EngineDecode: what inference engines run), on a copy of its own; the trainer keeps the grid."""
+    if not any(map(full.config.is_linear, range(full.config.num_hidden_layers))):
+        raise ConfigError("--rollout_linear_decode=recurrent needs Gated DeltaNet layers (--init_from=tiny-hybrid "
+                          "or a qwen3_5_moe / qwen3_next checkpoint)")
+    from hybrids.family import EngineDecode, LinearAttention
+    if rollout_model is full:
+        rollout_model, refresh = lower_precision_copy(full, None, refresh)
+    for layer in rollout_model.layers:
+        if isinstance(getattr(layer, layer.mixer), LinearAttention):
+            getattr(layer, layer.mixer).__class__ = EngineDecode
+    return rollout_model, refresh
 
 
 class Faults(Hooks):
@@ -58,6 +81,7 @@ class Faults(Hooks):
     def check_build(self, task, config) -> None:
         check_router_fault(config, self.rcfg.rollout_router_fault)
         check_episode_fault(task, self.rcfg.rollout_episode_fault)
+        check_linear_decode(config, self.rcfg.rollout_linear_decode)
 
     def sampler_model(self, full, refresh):
         return rollout_copy(full, self.tcfg, self.rcfg, refresh)

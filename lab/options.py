@@ -42,6 +42,8 @@ class FaultOptions:
                                         # rollout's routing wrong in that one way (ROUTER_FAULTS), the trainer's right
     rollout_episode_fault: str = "none"  # none | retokenize | dummy_last_route | stale_prefix_kv: an episode's
                                         # consistency broken as shipped systems break it (EPISODE_FAULTS, lab/faults.py)
+    rollout_linear_decode: str = "grid"  # grid | recurrent: the rollout's Gated DeltaNet layers (hybrids/) run the
+                                        # recurrent form, a token at a time, as inference engines decode them
 
     @property
     def quantized(self) -> bool:
@@ -67,6 +69,8 @@ class FaultOptions:
         self.require(self.rollout_episode_fault in EPISODE_FAULTS,
                      f"--rollout_episode_fault={self.rollout_episode_fault!r}: choose one of "
                      f"{', '.join(EPISODE_FAULTS)}")
+        self.require(self.rollout_linear_decode in ("grid", "recurrent"),
+                     f"--rollout_linear_decode={self.rollout_linear_decode!r}: grid or recurrent")
         self.require(self.rollout_router_fault in ROUTER_FAULTS,
                      f"--rollout_router_fault={self.rollout_router_fault!r}: choose one of {', '.join(ROUTER_FAULTS)}")
 
@@ -86,7 +90,8 @@ def hooks(tcfg, rcfg) -> list:
     """The hooks of the options that are set (support/hooks.py), their code imported only then. The fast
     kernels (--rollout_mode, --router_bf16) are the sampler's op set: rollout.Sampler asks rollout_ops."""
     out = []
-    if rcfg.rollout_dtype or rcfg.rollout_router_fault != "none" or rcfg.rollout_episode_fault != "none":
+    if (rcfg.rollout_dtype or rcfg.rollout_router_fault != "none" or rcfg.rollout_episode_fault != "none"
+            or rcfg.rollout_linear_decode != "grid"):
         from lab.faults import Faults
         out.append(Faults(tcfg, rcfg))
     if tcfg.log_hotness:

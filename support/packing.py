@@ -108,7 +108,7 @@ class Packing:
         table = first[seq, None] + torch.minimum(torch.arange(max(blocks))[None], nb[seq, None] - 1)
         positions = j[:, None] * block + torch.arange(block)[None]
         slots = torch.repeat_interleave(first * block, L, output_size=sum(self.lengths)) + _local_positions(self.lengths)
-        return PackedPages(*(t.to(device) for t in (self._token_index(), slots, table, positions)))
+        return PackedPages(*(t.to(device) for t in (self._token_index(), slots, table, positions)), self)
 
 
 def _local_positions(lengths: tuple[int, ...]) -> torch.Tensor:
@@ -127,12 +127,13 @@ class PackedPages:
     query sees its own sequence's keys at the positions it would see them padded, and attention
     costs what the real tokens need (a block only walks its sequence's keys up to its own position).
     tokens (n,): flat index into the R*N packed tokens; slots (n,); block_table (n_blocks, width);
-    positions (n_blocks, block).
+    positions (n_blocks, block); packing: the Packing (a layer that runs whole sequences unpacks them with it).
     """
     tokens: torch.Tensor
     slots: torch.Tensor
     block_table: torch.Tensor
     positions: torch.Tensor
+    packing: Packing
 
 
 def packed_attention(q, k, v, pages: PackedPages, scale: float, **attn) -> torch.Tensor:

@@ -236,6 +236,14 @@ FAMILY_HF = {
                                           qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
                                           mlp_layer_types=["dense", "sparse", "sparse"])),
 }
+# The linear-attention hybrids (the hybrids/ plug-in): 3 Gated DeltaNet layers of 2 key / 4 value heads of 8, then
+# gated attention; a shared expert. Qwen3.5's config class is its text model's.
+if os.path.isdir(os.path.join(ROOT, "hybrids")):
+    _LINEAR = dict(head_dim=16, num_hidden_layers=4, num_experts=8, moe_intermediate_size=24,
+                   shared_expert_intermediate_size=40, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=8, linear_value_head_dim=8, partial_rotary_factor=0.25)
+    FAMILY_HF["qwen3_5_moe_text"] = (("Qwen3_5MoeText", "Qwen3_5Moe"), dict(_LINEAR))
+    FAMILY_HF["qwen3_next"] = ("Qwen3Next", dict(_LINEAR, norm_topk_prob=False, mlp_only_layers=[1]))
 
 
 def make_hf_family(model_type: str, seed: int = 0, std: float = 0.15, **overrides):
@@ -248,9 +256,11 @@ def make_hf_family(model_type: str, seed: int = 0, std: float = 0.15, **override
     kw["rope_parameters"] = {"rope_type": "default", **kw.pop("rope_parameters", {}), "rope_theta": theta}
     if "partial_rotary_factor" in kw:
         kw["rope_parameters"]["partial_rotary_factor"] = kw.pop("partial_rotary_factor")
-    cfg = getattr(transformers, prefix + "Config")(**kw, attn_implementation="eager", experts_implementation="eager")
+    config_prefix, model_prefix = prefix if isinstance(prefix, tuple) else (prefix, prefix)
+    cfg = getattr(transformers, config_prefix + "Config")(**kw, attn_implementation="eager",
+                                                          experts_implementation="eager")
     torch.manual_seed(seed)
-    model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
+    model = getattr(transformers, model_prefix + "ForCausalLM")(cfg).eval()
     randomize_(model, seed, std)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -258,6 +268,22 @@ def make_hf_family(model_type: str, seed: int = 0, std: float = 0.15, **override
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return model
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """model_type -> (a random transformers model of FAMILY_HF, its own checkpoint directory, our model loaded
+    from it), made once a test module."""
+    cache = {}
+
+    def get(mt):
+        if mt not in cache:
+            hf = make_hf_family(mt, seed=1)
+            path = str(tmp_path_factory.mktemp(mt))
+            hf.save_pretrained(path)
+            cache[mt] = hf, path, Transformer.from_pretrained(path).eval()
+        return cache[mt]
+    return get
 
 
 def load_hf_auto(path: str, dtype=torch.float32):

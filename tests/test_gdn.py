@@ -95,14 +95,14 @@ def tiny_layer(seed=0, dtype=torch.float64):
     layer = gdn.GatedDeltaNet(hidden=32, key_heads=2, value_heads=4, key_dim=8, value_dim=8, dtype=dtype)
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if "proj" in name or name == "conv1d" else 0.5))
+            p.copy_(torch.randn_like(p) * (0.3 if "proj" in name or "conv1d" in name else 0.5))
     return layer
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
 def test_the_layer_matches_transformers(family):
     """Our layer with a transformers layer's weights (Qwen3-Next's fused projections split, Qwen3.5's as
-    they are): outputs within 2e-5 in fp32 at 140 positions (three chunks, the last partial)."""
+    they are: the same names): outputs within 2e-5 in fp32 at 140 positions (three chunks, the last partial)."""
     tf = pytest.importorskip("transformers")
     if family == "qwen3_next":
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet as Ref
@@ -118,70 +118,89 @@ def test_the_layer_matches_transformers(family):
         for p in ref.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
     state = {n: p.detach() for n, p in ref.named_parameters()}
+    if family == "qwen3_next":
+        split = gdn.split_qwen3_next(state.pop("in_proj_qkvz.weight"), state.pop("in_proj_ba.weight"), 2, 4, 8, 8)
+        state.update({f"{k}.weight": v for k, v in split.items()})
     ours = gdn.GatedDeltaNet(32, 2, 4, 8, 8)
-    split = (gdn.split_qwen3_next(state["in_proj_qkvz.weight"], state["in_proj_ba.weight"], 2, 4, 8, 8)
-             if family == "qwen3_next" else {k: state[f"{k}.weight"] for k in ("in_proj_qkv", "in_proj_z",
-                                                                               "in_proj_b", "in_proj_a")})
-    with torch.no_grad():
-        for k, v in {**split, "conv1d": state["conv1d.weight"][:, 0], "dt_bias": state["dt_bias"],
-                     "A_log": state["A_log"], "norm": state["norm.weight"],
-                     "out_proj": state["out_proj.weight"]}.items():
-            getattr(ours, k).copy_(v)
+    ours.load_state_dict(state)                                           # strict: every name is transformers'
     x = torch.randn(2, 140, 32)
     with torch.no_grad():
         assert (ours(x) - ref(x)).abs().max() < 2e-5 * (1 + ref(x).abs().max())
 
 
+def test_qwen3_next_fused_projections_round_trip():
+    qkvz, ba = torch.randn(2 * (2 * 8 + 2 * 2 * 8), 32), torch.randn(2 * 2 * 2, 32)
+    parts = gdn.split_qwen3_next(qkvz, ba, 2, 4, 8, 8)
+    back = gdn.fuse_qwen3_next({k.removeprefix("in_proj_"): v for k, v in parts.items()}, 2, 4, 8, 8)
+    assert torch.equal(back[0], qkvz) and torch.equal(back[1], ba)
+
+
+def feed(layer, pool, x, pieces, row=0):
+    """The sampler's calls for one sequence in pool row `row`: x (1, L, D) fed in pieces (prefill chunks,
+    then decode tokens) through `step` -> the outputs (1, L, D)."""
+    out, at = [], 0
+    for n in pieces:
+        piece = x[:, at:at + n]
+        positions = torch.arange(at, at + n)[None]
+        out.append(layer.step(piece, positions, torch.ones(1, n, dtype=torch.bool), torch.tensor([row]), pool))
+        at += n
+    return torch.cat(out, dim=1)
+
+
 @pytest.mark.parametrize("prompt, dtype", [(5, torch.float32), (64, torch.float32), (65, torch.float32),
                                            (65, torch.bfloat16)])
 def test_the_samplers_steps_are_the_trainers_forward_bitwise(prompt, dtype):
-    """A prompt prefilled in two pieces, then one token at a time through `extend` (the sampler), against
-    one forward of the whole sequence in a batch of three (the trainer): every row torch.equal, fp32 and
-    bf16 weights. Control: decoding with the recurrent form's state (what engines do) gives other bits."""
+    """A prompt prefilled in two pieces (off the grid), then one token at a time through `step` on a pool row
+    (the sampler), against one forward of the whole sequence in a batch of three (the trainer): every row
+    torch.equal, fp32 and bf16 weights. Control: the recurrent form (what engines do) gives other bits."""
     layer = tiny_layer(dtype=dtype)
     x = torch.randn(3, 140, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.no_grad():
         full = layer(x)
-        cache, cut = layer.new_cache(dtype), prompt // 2
-        rows = [layer.extend(x[1:2, :cut], cache), layer.extend(x[1:2, cut:prompt], cache)]
-        rows += [layer.extend(x[1:2, t:t + 1], cache) for t in range(prompt, 140)]
-        assert torch.equal(torch.cat(rows, dim=1), full[1:2])
-        rule, z, _ = layer.rule_inputs(x[1:2], torch.zeros(1, 3, layer.conv_dim, dtype=dtype))
+        pool = layer.new_pool(2, dtype, None)
+        got = feed(layer, pool, x[1:2], [prompt // 2, prompt - prompt // 2] + [1] * (140 - prompt), row=1)
+        assert torch.equal(got, full[1:2])
+        rule, _ = layer.rule_inputs(x[1:2], torch.zeros(1, 3, layer.conv_dim, dtype=dtype))
         engine, _ = gdn.recurrent(*rule)                                  # the rule's fp32 output: bf16's
         assert not torch.equal(engine, gdn.chunked(*rule)[0])             # rounding of the layer's can hide it here
 
 
 def test_a_batched_decode_step_is_each_sequences_own_bits():
-    """GatedDeltaNet.decode: three sequences of different prompt lengths (3, 64, 100) decoded together a token a
-    step through 70 steps (each crosses a boundary) -> every row torch.equal to the trainer's forward."""
+    """Three sequences of different prompt lengths (3, 64, 100) prefilled together in one padded call, then
+    decoded together a token a step through 70 steps (each crosses a boundary; one step, one chunk call)
+    -> every row torch.equal to the trainer's forward; the padding tokens of the prefill change nothing."""
     layer = tiny_layer(dtype=torch.float32)
     x = torch.randn(3, 170, 32, generator=torch.Generator().manual_seed(2))
-    lengths = (3, 64, 100)
+    lengths = torch.tensor([3, 64, 100])
+    rows = torch.tensor([2, 0, 1])
     with torch.no_grad():
-        caches = [layer.new_cache() for _ in lengths]
-        for i, (c, p) in enumerate(zip(caches, lengths)):
-            layer.extend(x[i:i + 1, :p], c)
-        steps = [layer.decode(torch.stack([x[i, p + t] for i, p in enumerate(lengths)])[:, None], caches)
-                 for t in range(70)]
+        pool = layer.new_pool(3, torch.float32, None)
+        t = torch.arange(100)
+        valid = t[None] < lengths[:, None]
+        positions = torch.minimum(t[None], lengths[:, None] - 1)
+        layer.step(x[:, :100], positions, valid, rows, pool)
+        steps = [layer.step(x[torch.arange(3), lengths + s][:, None], (lengths + s)[:, None],
+                            torch.ones(3, 1, dtype=torch.bool), rows, pool) for s in range(70)]
         full = layer(x)
-    for i, p in enumerate(lengths):
+    for i, p in enumerate(lengths.tolist()):
         assert torch.equal(torch.cat([s[i] for s in steps]), full[i, p:p + 70])
 
 
 def test_the_layers_gradients_match_the_recurrences():
     """Every parameter's and the input's gradient through the chunks against the same layer with the
-    recurrent rule (the projections compute in fp32 either way: within 1e-5 of the largest); the rule's own
+    recurrent rule (the projections compute in fp32 either way: within 3e-5 of the largest, the conv taps' sums
+    over every position the loosest at 1.7e-5); the rule's own
     backward is checked in fp64 above."""
     layer = tiny_layer(dtype=torch.float32)
     x = torch.randn(2, 70, 32, requires_grad=True)
     grads = []
     for form in ("chunked", "recurrent"):
-        rule, z, _ = layer.rule_inputs(x, x.new_zeros(2, 3, layer.conv_dim))
+        rule, _ = layer.rule_inputs(x, x.new_zeros(2, 3, layer.conv_dim))
         core = gdn.chunked(*rule)[0] if form == "chunked" else gdn.recurrent(*rule)[0]
-        out = layer.output(core, z, x.dtype)
+        out = layer.output(core, x)
         grads.append(torch.autograd.grad(out.pow(2).sum(), [x, *layer.parameters()]))
     for a, b in zip(*grads):
-        assert (a - b).abs().max() <= 1e-5 * (1 + b.abs().max())
+        assert (a - b).abs().max() <= 3e-5 * (1 + b.abs().max())
 
 
 def test_bench_gdn_section_times_both_decodes(capsys):
@@ -189,4 +208,4 @@ def test_bench_gdn_section_times_both_decodes(capsys):
     bench.main(["--only", "gdn", "--prompts=2", "--max-prompt-len=8", "--max-new-tokens=3", "--repeats=1",
                 "--warmup=0", "--threads=1"])
     out = capsys.readouterr().out
-    assert "grid / recurrent, decode time" in out and "GDN forward, recurrent" in out
+    assert "grid / recurrent, rollout time" in out and "GDN layer forward, recurrent" in out

@@ -47,21 +47,6 @@ TOL = 1e-5
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    """model_type -> (transformers model, its own checkpoint directory, our model loaded from it)."""
-    cache = {}
-
-    def get(mt):
-        if mt not in cache:
-            hf = make_hf_family(mt, seed=1)
-            path = str(tmp_path_factory.mktemp(mt))
-            hf.save_pretrained(path)
-            cache[mt] = hf, path, Transformer.from_pretrained(path).eval()
-        return cache[mt]
-    return get
-
-
 def tokens(B=3, T=24, seed=0):
     return torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(seed))
 
@@ -96,7 +81,10 @@ def test_logits_and_routes_match_transformers(family, mt):
         _, routes = model.score(toks)
     err = rel_err(logits, ref)
     print(f"\n[rel-err vs transformers] {mt}: {err:.2e}")
-    assert err < TOL, f"{mt}: logits differ from transformers by {err:.2e} relative"
+    # Gated DeltaNet's fp32 state chain: transformers' own fp32 forward is 1-3e-5 from its fp64 here
+    # (test_hybrids.py compares both against fp64)
+    tol = 1e-4 if model.config.linear_num_value_heads else TOL
+    assert err < tol, f"{mt}: logits differ from transformers by {err:.2e} relative"
     assert len(ref_ids) == model.n_moe_layers
     for j, r in enumerate(ref_ids):                        # the same experts (as sets) at every token
         assert torch.equal(routes[:, :, j].reshape(r.shape).sort(-1).values, r.sort(-1).values), (mt, j)
@@ -136,11 +124,13 @@ def test_gradients_match_transformers(family, mt):
     ref.backward()
     ref_grads = hf_state_as_ours(hf, model, grads=True)
     worst = 0.0
+    # the hybrids' GDN layers: transformers' own fp32 gradients are up to 1.7e-4 from its fp64 here
+    tol = 5e-4 if model.config.linear_num_value_heads else 1e-4
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.shape == ref_grads[name].shape, name
         err = rel_err(p.grad, ref_grads[name])
         worst = max(worst, err)
-        assert err < 1e-4, f"{mt} {name}: grad rel error {err:.2e}"
+        assert err < tol, f"{mt} {name}: grad rel error {err:.2e}"
     print(f"\n[grad rel-err] {mt}: worst {worst:.2e}")
 
 
@@ -828,6 +818,13 @@ def test_family_config_fields():
         "glm4_moe_lite": dict(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=12, v_head_dim=16, rope_type="default",
                               router_scoring="sigmoid", n_group=2, mlp_only_layers=[0], moe_layers=[1, 2]),
     }
+    hybrid = dict(zero_centered_norm=True, qk_norm="head", partial_rotary_factor=0.25, rotary_dim=4,
+                  shared_expert_intermediate_size=40, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention"] * 3 + ["gated_attention"])
+    if "qwen3_next" in FAMILY_HF:                                    # hybrids/ (a plug-in: its tests go with it)
+        expect["qwen3_5_moe_text"] = dict(hybrid, norm_topk_prob=True, moe_layers=[0, 1, 2, 3])
+        expect["qwen3_next"] = dict(hybrid, norm_topk_prob=False, mlp_only_layers=[1], moe_layers=[0, 2, 3])
     assert set(expect) == set(FAMILY_HF)
     for mt, want in expect.items():
         cfg = config_from_hf(make_hf_family(mt).config.to_dict())

@@ -122,7 +122,7 @@ def test_lab_command_runs_every_row_end_to_end(tmp_path):
     assert float(rows["int8"][6]) > 0 and float(rows["dense fast"][8]) == 0   # a gap; no router, no flips
     assert float(rows["fast"][6]) > 0                                          # numerics
     # the contract: KL, |dlogp|, flips 0; a stale row's one step trains version 0 on version 0's batch
-    for name in ("invariant", "gpt-oss", "mla", "stale K=1", "stale K=4 decoupled"):
+    for name in ("invariant", "gpt-oss", "mla", "hybrid", "stale K=1", "stale K=4 decoupled"):
         assert float(rows[name][4]) == 0 and float(rows[name][6]) == 0 and float(rows[name][8]) == 0, name
     assert (tmp_path / "stale K=1" / "seed0" / "metrics.jsonl").is_file()
 

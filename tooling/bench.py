@@ -364,48 +364,41 @@ def bench_lora(args) -> list[tuple[str, float, str]]:
 
 
 def bench_gdn(args) -> list[tuple[str, float, str]]:
-    """A Gated DeltaNet layer (hybrids/gdn.py; hidden 256, 2 key and 4 value heads of 64): the sampler's
-    decode on the absolute grid (each token recomputes its open chunk from the last boundary's state: the
-    trainer's bits) against the engines' recurrent decode (the state stepped a token at a time), --prompts
-    sequences of --max-prompt-len then --max-new-tokens each; and the trainer's chunked forward against the
-    recurrent form over the same tokens. Interleaved."""
+    """A linear-attention hybrid (tiny-hybrid at width 256: three Gated DeltaNet layers, then gated
+    attention) in the sampler: its decode on the absolute grid (each token recomputes its open chunk from
+    the last boundary's state: the trainer's bits) against the same weights decoding their GDN layers by the
+    recurrent form (the lab's --rollout_linear_decode=recurrent: what engines run, one state step a token),
+    --prompts sequences of --max-prompt-len then --max-new-tokens each; and one layer's forward, chunked
+    (the trainer's) against recurrent. Interleaved, so the grid's cost is a ratio measured side by side."""
+    import dataclasses
+
     from hybrids import gdn
+    from lab.faults import recurrent_decode_copy
     torch.manual_seed(args.seed)
-    layer = gdn.GatedDeltaNet(256, 2, 4, 64, 64)
+    cfg = dataclasses.replace(ModelConfig.preset("tiny-hybrid"), hidden_size=256,
+                              max_position_embeddings=max(256, args.max_prompt_len + args.max_new_tokens + 1))
+    model = Transformer(cfg)
+    model.reset_parameters(seed=args.seed)
+    model.eval()
+    engine, _ = recurrent_decode_copy(model, model, lambda: None)
+    prompts = make_prompts(args, cfg.vocab_size)
+    n, N = len(prompts), args.max_new_tokens
+    samplers = {"grid": Sampler(model, max_batch_size=n), "recurrent": Sampler(engine, max_batch_size=n)}
+    dec = interleaved({k: (lambda s=s: run_ours(s, prompts, args)) for k, s in samplers.items()}, args.warmup,
+                      args.repeats)
+    layer = model.layers[0].linear_attn
+    x = torch.randn(n, args.max_prompt_len + N, cfg.hidden_size)
+    K = layer.conv_taps.shape[1]
     with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.05)
-    n, P, N = args.prompts, args.max_prompt_len, args.max_new_tokens
-    x = torch.randn(n, P + N, 256)
-    K = layer.conv1d.shape[1]
-
-    @torch.no_grad()
-    def grid():
-        caches = [layer.new_cache() for _ in range(n)]
-        for i, c in enumerate(caches):
-            layer.extend(x[i:i + 1, :P], c)
-        for t in range(P, P + N):                                          # the sequences' open chunks in one call
-            layer.decode(x[:, t:t + 1], caches)
-
-    @torch.no_grad()
-    def recurrent():
-        rule, z, mixed = layer.rule_inputs(x[:, :P], x.new_zeros(n, K - 1, layer.conv_dim))
-        _, state = gdn.recurrent(*rule)
-        conv = mixed[:, -(K - 1):]                                         # the conv's last K-1 inputs
-        for t in range(P, P + N):
-            rule, z, mixed = layer.rule_inputs(x[:, t:t + 1], conv)
-            conv = torch.cat([conv, mixed], dim=1)[:, 1:]
-            out, state = gdn.recurrent(*rule, state=state)
-            layer.output(out, z, x.dtype)
-
-    dec = interleaved({"grid": grid, "recurrent": recurrent}, args.warmup, args.repeats)
-    fwd = interleaved({"chunked": lambda: layer(x), "recurrent": lambda: gdn.recurrent(
-        *layer.rule_inputs(x, x.new_zeros(n, K - 1, layer.conv_dim))[0])}, args.warmup, args.repeats)
-    return [(f"GDN decode on the grid, {n} x {N} tokens after {P}", n * N / dec["grid"][0], "tokens/s"),
-            ("GDN decode, recurrent (engines)", n * N / dec["recurrent"][0], "tokens/s"),
-            ("grid / recurrent, decode time", dec["grid"][0] / dec["recurrent"][0], "ratio"),
-            (f"GDN forward, chunked ({n}, {P + N})", n * (P + N) / fwd["chunked"][0], "tokens/s"),
-            ("GDN forward, recurrent", n * (P + N) / fwd["recurrent"][0], "tokens/s")]
+        fwd = interleaved({"chunked": lambda: layer(x), "recurrent": lambda: gdn.recurrent(
+            *layer.rule_inputs(x, x.new_zeros(n, K - 1, layer.conv_dim))[0])}, args.warmup, args.repeats)
+    L = x.shape[1]
+    return [(f"hybrid rollout on the grid, {n} x {N} tokens after {args.max_prompt_len}", n * N / dec["grid"][0],
+             "tokens/s"),
+            ("hybrid rollout, GDN decoded recurrently (engines)", n * N / dec["recurrent"][0], "tokens/s"),
+            ("grid / recurrent, rollout time", dec["grid"][0] / dec["recurrent"][0], "ratio"),
+            (f"GDN layer forward, chunked ({n}, {L})", n * L / fwd["chunked"][0], "tokens/s"),
+            ("GDN layer forward, recurrent", n * L / fwd["recurrent"][0], "tokens/s")]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1218,6 +1211,10 @@ LAB = {   # name -> train.py overrides; "fast" = batch-variant rollout kernels i
     # invariant and on the fast rollout (SDPA with the sink as an extra key / the expanded MLA, in bf16)
     **{f"{family}{fast}": ["--recompute_old_logp=true", f"--init_from=tiny-{preset}"]
        for family, preset in (("gpt-oss", "gpt-oss"), ("mla", "mla")) for fast in ("", " fast")},
+    # the linear-attention hybrid (hybrids/: Gated DeltaNet layers on the grid), and its rollout decoding them
+    # recurrently as engines do (--rollout_linear_decode=recurrent), the invariant kernels otherwise
+    "hybrid": ["--recompute_old_logp=true", "--init_from=tiny-hybrid"],
+    "hybrid recurrent decode": ["--recompute_old_logp=true", "--init_from=tiny-hybrid", "--rollout_linear_decode=recurrent"],
 }
 LAB_FAST = [name for name in LAB if name == "fast" or name.startswith(("fast+", "fast drift")) or name.endswith(" fast")]
 LAB_LONGER = {"fast drift constant lr": 3, "fast drift halving": 3}    # these rows run 3 x --lab-steps

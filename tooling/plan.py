@@ -128,6 +128,7 @@ class MemoryPlan:
                                    # norm's fp64 rows and the gradient scan's int32 buffer of the largest tensor
     frozen: int = 0                # --lora_rank: the frozen base in --dtype, one copy the trainer and the sampler read
     frozen_params: int = 0         # its parameters (whole); the fields above are then the adapters'
+    states: int = 0                # hybrids/: the sampler rows' Gated DeltaNet state (freed with the KV pool)
 
     @property
     def optimizer(self) -> int:
@@ -147,7 +148,7 @@ class MemoryPlan:
         the update frees it), the trainer's activations (and, on the GPU, the exact sums' conversion), the
         optimizer step's temporaries (on the GPU)."""
         act = self.activations or Activations(0, 0, 0, 0)
-        sampler = act.sampler + (self.kv_pool if self.kv_released else 0)
+        sampler = act.sampler + (self.kv_pool + self.states if self.kv_released else 0)
         on_device = self.sum_temps if self.reduce_on_device or not self.offload else 0
         train, step = act.train + on_device, 0 if self.offload else self.step_temps
         return max(sampler, train, step)
@@ -156,7 +157,7 @@ class MemoryPlan:
     def total(self) -> int:
         """The GPU's bytes."""
         return ((0 if self.offload else self.optimizer) + self.frozen + self.compute_copy + self.sampler_copy + self.reference
-                + (0 if self.kv_released else self.kv_pool) + self.buffers + self.phase)
+                + (0 if self.kv_released else self.kv_pool + self.states) + self.buffers + self.phase)
 
 
 @dataclasses.dataclass
@@ -279,15 +280,32 @@ def train_bytes_per_token(cfg: ModelConfig, backend: str, dtype_bytes: int, seq_
 
 
 def layer_bytes(cfg: ModelConfig, backend: str, b: int, seq_len: int, layer: int) -> tuple[float, float]:
-    """(attention and the norms, the MLP) of one layer's A, per token."""
+    """(attention and the norms, the MLP) of one layer's A, per token; a Gated DeltaNet layer's mixer
+    (hybrids/) is gdn_bytes' in place of attention's."""
     D, Q, K = layer_widths(cfg)
     slots, I, dense = mlp_terms(cfg, layer)
     router = cfg.is_moe_layer(layer)
     if backend == "torch":                                           # 4-byte values
-        return (4 * (8 * D + 6 * Q + 5 * K + key_tiles(cfg, seq_len)),
-                4 * (slots * (2 * D + 6 * I) + (4 * cfg.num_experts + D if router else 0)
-                     + (2 * D + 6 * dense if dense else 0)))
-    return triton_layer_bytes(cfg, b, seq_len, slots, dense, router)
+        attn = 4 * 2 * D + gdn_bytes(cfg, b, backend) if cfg.is_linear(layer) else \
+            4 * (8 * D + 6 * Q + 5 * K + key_tiles(cfg, seq_len))
+        return (attn, 4 * (slots * (2 * D + 6 * I) + (4 * cfg.num_experts + D if router else 0)
+                           + (2 * D + 6 * dense if dense else 0)))
+    attn, mlp = triton_layer_bytes(cfg, b, seq_len, slots, dense, router)
+    return (b * 2 * D + gdn_bytes(cfg, b, backend) if cfg.is_linear(layer) else attn), mlp
+
+
+def gdn_bytes(cfg: ModelConfig, b: int, backend: str) -> float:
+    """What a Gated DeltaNet layer's forward keeps for the backward per token (hybrids/gdn.py; the chunks are
+    recomputed, so the chunk kernel's C x C matrices are not kept), counted from its saved tensors on the CPU:
+    the projections' inputs (the torch backend's fp32 copies padded to 32-row chunks; a Triton GEMM keeps x
+    and the output side's input), the conv's fp32 input and silu (16 conv_dim), the value-wide fp32 chain of
+    the output (norm, gate: 30 V, and 2 V in the model dtype), the chunks' q and k (8 H dk), a chunk's start
+    state per 64 positions (H dk dv / 16) and the gates' small terms (44 H)."""
+    D, H, dk = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    V = H * cfg.linear_value_head_dim
+    conv = 2 * cfg.linear_num_key_heads * dk + V
+    linear = 4.25 * (4 * D + V) if backend == "torch" else b * (D + V)
+    return linear + 16 * conv + 30 * V + 2 * b * V + 8 * H * dk + H * dk * cfg.linear_value_head_dim / 16 + 44 * H
 
 
 def triton_layer_bytes(cfg: ModelConfig, b: int, seq_len: int, slots: int, dense: int,
@@ -541,6 +559,8 @@ def plan_of(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, kv_tokens: int =
     whole = plan.load_peak // nbytes[tcfg.master_dtype] + base          # dense + this rank's experts
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
+    plan.states = (rcfg.max_batch_size + 1) * state_bytes_per_sequence(cfg, nbytes[sampler_dtype]) \
+        if paged_layers(cfg) < cfg.num_hidden_layers else 0
     plan.activations = act
     plan.kv_released = not (any(getattr(tcfg, k, 0) for k in ("max_staleness", "partial_rollout", "rollout_ranks"))
                             or getattr(rcfg, "rollout_episode_fault", "") == "stale_prefix_kv")   # its cache stays
@@ -578,10 +598,25 @@ def one_term(tcfg: TrainConfig, world: int, act: Activations, longest: int) -> b
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, detail: bool) -> int:
-    """A KV-pool position: K and V of every layer, and its routes (their weights and margins: detail)."""
+    """A KV-pool position: K and V of every paged layer (not a Gated DeltaNet's), and its routes (their weights
+    and margins: detail)."""
     n_moe, k = len(cfg.moe_layers), cfg.num_experts_per_tok
     routes = n_moe * k * (1 if cfg.num_experts <= 256 else 2) + (4 * n_moe * (k + 1) if detail else 0)
-    return cfg.num_hidden_layers * cfg.kv_numbers_per_token * dtype_bytes + routes     # MLA: its latent per layer
+    return paged_layers(cfg) * cfg.kv_numbers_per_token * dtype_bytes + routes     # MLA: its latent per layer
+
+
+def paged_layers(cfg: ModelConfig) -> int:
+    return sum(not cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
+
+
+def state_bytes_per_sequence(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """A sampler row's Gated DeltaNet memory over its linear layers (hybrids/gdn.GDNPool): the conv's K-1
+    inputs and the open chunk's (64) in the model dtype, its g and beta (fp32), the boundary state (fp32)."""
+    H, conv = cfg.linear_num_value_heads, 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim \
+        + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    per_layer = (cfg.linear_conv_kernel_dim - 1 + 64) * conv * dtype_bytes + 2 * 64 * H * 4 \
+        + H * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return (cfg.num_hidden_layers - paged_layers(cfg)) * per_layer
 
 
 def rollout_positions(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, longest: int) -> int:
@@ -592,9 +627,14 @@ def rollout_positions(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, longes
 
 def kv_line(cfg: ModelConfig, nbytes: int) -> str:
     """What the KV pool holds per token: the layers' numbers, and for MLA what per-head keys and values would."""
-    per_token = cfg.num_hidden_layers * cfg.kv_numbers_per_token * nbytes
-    line = (f"KV cache: {per_token:,} bytes per token ({cfg.num_hidden_layers} layers x "
+    per_token = paged_layers(cfg) * cfg.kv_numbers_per_token * nbytes
+    line = (f"KV cache: {per_token:,} bytes per token ({paged_layers(cfg)} layers x "
             f"{cfg.kv_numbers_per_token:,} numbers")
+    if paged_layers(cfg) < cfg.num_hidden_layers:                     # hybrids/: a state per sequence instead
+        state = state_bytes_per_sequence(cfg, nbytes)
+        line = (f"linear-attention state: {state / 2 ** 20:,.1f} MiB per sequence ({cfg.num_hidden_layers - paged_layers(cfg)}"
+                f" Gated DeltaNet layers x {state / (cfg.num_hidden_layers - paged_layers(cfg)) / 2 ** 20:.2f} MiB: the "
+                f"boundary state, the open chunk, the conv's inputs), whatever its length; " + line)
     windowed = sum(bool(cfg.window(i)) for i in range(cfg.num_hidden_layers))
     if windowed:                                  # rollout.Sampler's window pool
         return line + (f": keys and values of {cfg.num_key_value_heads} heads x {cfg.head_dim}); {windowed} sliding "
@@ -633,6 +673,7 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     rows += [in_flight] if plan.reduce_on_device else []
     freed = "; freed while the update runs" if plan.kv_released else ""
     rows += [(f"KV pool ({plan.kv_tokens:,} tokens{freed})", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
+    rows += [(f"linear-attention state (a row per sampler row{freed})", plan.states)] if plan.states else []
     if act is not None:
         recompute = getattr(tcfg, "activation_checkpointing", "none")
         how = backend + ("" if recompute == "none" else f", {recompute} recomputed")

@@ -44,7 +44,8 @@ fi
 xdist=()
 python -c "import xdist" 2>/dev/null && xdist=(-n 4)
 part "sampler and families CUDA tests" rollout_cuda.log "${ROLLOUT_TIMEOUT:-70}" \
-    python -m pytest -q -rfEs "${xdist[@]}" tests/test_rollout.py tests/test_hf.py tests/test_memory.py -k cuda "${tests_with[@]}"
+    python -m pytest -q -rfEs "${xdist[@]}" tests/test_rollout.py tests/test_hf.py tests/test_memory.py tests/test_hybrids.py \
+        -k cuda "${tests_with[@]}"
 part "tooling/bench.py --only gpu" bench_gpu.log "${BENCH_TIMEOUT:-150}" python -m tooling.bench --only gpu "${bench_with[@]}"
 echo "gpu_check.sh: exit $rc (logs in $LOG_DIR)"
 exit $rc
