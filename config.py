@@ -159,7 +159,7 @@ class ModelConfig:
         _require(not bad, f"mlp_only_layers {bad} are outside [0, num_hidden_layers={self.num_hidden_layers})")
         if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
             _require_range(self, "intermediate_size", lambda v: v > 0, "> 0: the config has dense layers")
-        if any(getattr(self, k) != v for k, v in FAMILY_KNOBS.items()):   # Qwen3-MoE's defaults pass them all
+        if self.model_type != "qwen3_moe" or any(getattr(self, k) != v for k, v in FAMILY_KNOBS.items()):
             self._check_family_knobs()
 
     def _check_family_knobs(self):
@@ -201,6 +201,9 @@ class ModelConfig:
                  + ("" if hybrid else " (gated_attention, linear_attention: model_type qwen3_5_moe_text or qwen3_next)"))
         _require(("linear_attention" in self.layer_types) == bool(self.linear_num_value_heads),
                  "linear_attention layers (Gated DeltaNet) and linear_num_value_heads > 0 go together")
+        _require(not hybrid or (self.layer_types and set(self.layer_types) <= {"gated_attention", "linear_attention"}),
+                 f"model_type {self.model_type} needs layer_types of gated_attention and linear_attention layers "
+                 "(its full attention is gated), one per layer")
         _require(not self.layer_types or len(self.layer_types) == self.num_hidden_layers,
                  f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}")
         _require(("sliding_attention" in self.layer_types) == (self.sliding_window > 0),

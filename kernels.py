@@ -457,7 +457,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
 
     logits (M, E) -> ids (M, k) int64 used, weights (M, k) fp32, chosen (M, k) int64: the router's own
     top-k (equal to ids unless forced). The other families' knobs (scoring, bias, n_group, topk_group,
-    group_score, scaling) are family_scores' and family_weights'; at their defaults neither runs.
+    group_score) are family_scores'; at their defaults it does not run; scaling is routed_scaling_factor.
     forced_ids (M, k): replay (R3) these experts instead of choosing; the weights are still the
     model's own scores of those experts (then the same renormalisation and scaling), so the router
     keeps its gradient. A row of all -1 (a position nobody recorded, e.g. padding) is routed normally.

@@ -154,11 +154,11 @@ class EngineDecode(LinearAttention):
         if x.shape[1] == 1:                                               # decode: the batch in one recurrent step
             keep = ((positions[:, 0] != 0) & valid[:, 0]).float()
             fed = valid[:, 0, None, None]
-            conv, state = pool.conv[rows], pool.state[rows]
-            rule, mixed = self.rule_inputs(x, conv * keep[:, None, None].to(conv.dtype))
+            conv, state = pool.conv[rows] * keep[:, None, None].to(pool.conv.dtype), pool.state[rows]
+            rule, mixed = self.rule_inputs(x, conv)
             core, new = gdn.recurrent(*rule, state=state * keep[:, None, None, None])
             pool.state[rows] = torch.where(fed[..., None], new, state)
-            pool.conv[rows] = torch.where(fed, torch.cat([conv, mixed], dim=1)[:, 1:], conv)
+            pool.conv[rows] = torch.where(fed, torch.cat([conv, mixed], dim=1)[:, 1:], pool.conv[rows])
             return self.output(core, x)
         core = torch.zeros(*x.shape[:2], self.h, self.dv, device=x.device)
         for b, (n, first, r) in enumerate(zip(valid.sum(1).tolist(), positions[:, 0].tolist(), rows.tolist())):

@@ -659,6 +659,7 @@ def whole_model(model: nn.Module) -> nn.Module | None:
     if set(state) != set(out.state_dict()):          # a plug-in's tensors (LoRA's adapters): its layers as they are
         out = _meta_copy(model, state)
     out.load_state_dict(state, assign=True)
+    out.extra_tensors = model.extra_tensors                        # MTP weights, kept as loaded
     return out
 
 

@@ -103,6 +103,7 @@ def export_model(model: Transformer, masters: dict | None, save_dtype: str) -> T
     with torch.device("meta"):
         out = Transformer(model.config)
     out.load_state_dict({k: v.detach().to(dtype) for k, v in state.items()}, assign=True)
+    out.extra_tensors = {k: v.to(dtype) for k, v in model.extra_tensors.items()}   # MTP weights, kept as loaded
     return out
 
 

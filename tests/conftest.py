@@ -286,6 +286,20 @@ def family(tmp_path_factory):
     return get
 
 
+def assert_greedy_like_generate(hf, model, prompts: list[list[int]], n: int) -> list:
+    """Our sampler's greedy tokens (n each) equal transformers' `generate` from the same checkpoint; -> the
+    sampler's outputs."""
+    from rollout import Sampler
+    outs = Sampler(model).generate(prompts, max_new_tokens=n, temperature=0, progress=False)
+    for p, o in zip(prompts, outs):
+        x = torch.tensor([p])
+        with torch.no_grad():
+            y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                            min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+        assert y[0, len(p):].tolist() == o.tokens, f"{model.config.model_type}: prompt of length {len(p)}"
+    return outs
+
+
 def load_hf_auto(path: str, dtype=torch.float32):
     """transformers' AutoModelForCausalLM (the class config.json's model_type names); fails if any weight
     was missing, unused or mis-shaped."""

@@ -34,8 +34,8 @@ import kernels
 import train
 from lab import faults as lab
 from support import distributed
-from conftest import (FAMILY_HF, assert_contract, assert_same_weights, hf_classes, load_hf, load_hf_auto,
-                      make_hf_family, make_model, rel_err, tiny_config)
+from conftest import (FAMILY_HF, assert_contract, assert_greedy_like_generate, assert_same_weights, hf_classes,
+                      load_hf, load_hf_auto, make_hf_family, make_model, rel_err, tiny_config)
 from config import MODEL_PRESETS, ConfigError, ModelConfig
 from families.hf import CheckpointError, config_from_hf, config_to_hf, hf_to_state
 from model import Transformer
@@ -274,14 +274,7 @@ def test_sampler_contract(family, mt):
 @pytest.mark.parametrize("mt", FAMS)
 def test_greedy_matches_transformers_generate(family, mt):
     hf, _, model = family(mt)
-    prompts = [s.tolist() for s in seqs_(seed=7)[:3]]
-    outs = Sampler(model).generate(prompts, max_new_tokens=6, temperature=0, progress=False)
-    for p, o in zip(prompts, outs):
-        x = torch.tensor([p])
-        with torch.no_grad():
-            y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=6,
-                            min_new_tokens=6, pad_token_id=0, eos_token_id=None)
-        assert y[0, len(p):].tolist() == o.tokens, f"{mt}: prompt of length {len(p)}"
+    assert_greedy_like_generate(hf, model, [s.tolist() for s in seqs_(seed=7)[:3]], 6)
 
 
 # ---------------------------------------------------------------------------------------------------

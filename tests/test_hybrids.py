@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from conftest import assert_contract, make_model, rel_err
+from conftest import assert_contract, assert_greedy_like_generate, make_model, rel_err
 from config import ModelConfig
 from families.hf import CheckpointError
 from model import Transformer
@@ -115,14 +115,7 @@ def test_control_the_engines_recurrent_decode_breaks_the_contract():
 @pytest.mark.parametrize("mt", ["qwen3_5_moe_text", "qwen3_next"])
 def test_greedy_across_a_boundary_matches_transformers_generate(family, mt):
     hf, _, model = family(mt)
-    ps = prompts((60, 64, 3))
-    outs = Sampler(model).generate(ps, max_new_tokens=8, temperature=0, progress=False)
-    for p, o in zip(ps, outs):
-        x = torch.tensor([p])
-        with torch.no_grad():
-            y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8,
-                            min_new_tokens=8, pad_token_id=0, eos_token_id=None)
-        assert y[0, len(p):].tolist() == o.tokens, f"{mt}: prompt of length {len(p)}"
+    assert_greedy_like_generate(hf, model, prompts((60, 64, 3)), 8)
 
 
 def test_a_multimodal_qwen3_5_checkpoint_loads_as_its_text_model_and_mtp_is_kept(family, tmp_path):
@@ -190,11 +183,22 @@ def saved_bytes_per_token(module, x) -> float:
     return sum(seen.values()) / (x.shape[0] * x.shape[1])
 
 
+class Call(torch.nn.Module):
+    """An attention layer called on x alone (the rest of its arguments fixed), for saved_bytes_per_token."""
+
+    def __init__(self, layer, cos, sin, positions):
+        super().__init__()
+        self.layer, self.args = layer, (cos, sin, positions, None, 0)
+
+    def forward(self, x):
+        return self.layer(x, *self.args)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_plan_counts_a_gdn_layers_activations_and_the_state_pool(dtype):
     """tooling/plan.gdn_bytes against what autograd keeps for one Gated DeltaNet layer on the CPU (torch
-    backend), within 10%, at two shapes; the state a sampler row holds is the pool's bytes exactly; and the
-    KV bytes per token count the paged layers alone."""
+    backend), within 10%, at two shapes; a gated attention layer's extra over a plain one within 10%; the state
+    a sampler row holds is the pool's bytes exactly; and the KV bytes per token count the paged layers alone."""
     from tooling import plan
     for heads, dims, D in ((4, 16, 128), (8, 64, 256)):
         cfg = dataclasses.replace(ModelConfig.preset("tiny-hybrid"), hidden_size=D, linear_num_key_heads=heads // 2,
@@ -204,6 +208,16 @@ def test_the_plan_counts_a_gdn_layers_activations_and_the_state_pool(dtype):
         want = plan.gdn_bytes(cfg, dtype.itemsize, "torch")
         assert abs(want - real) <= 0.1 * real, (heads, dims, want, real)
     model = make_model(ModelConfig.preset("tiny-hybrid")).to(dtype)
+    # the gated attention layer: what it keeps over a plain attention layer's, against the plan's gate term
+    plain_cfg = dataclasses.replace(ModelConfig.preset("tiny"), partial_rotary_factor=0.25)
+    cos, sin = model.rope("cpu")
+    pos = torch.arange(256)[None].expand(2, 256)
+    x = torch.randn(2, 256, 128, dtype=dtype, requires_grad=True)
+    kept = [saved_bytes_per_token(Call(m, cos[pos], sin[pos], pos), x)
+            for m in (model.layers[3].self_attn, Transformer(plain_cfg).to(dtype).layers[1].self_attn)]
+    want = plan.layer_bytes(model.config, "torch", dtype.itemsize, 256, 3)[0] - \
+        plan.layer_bytes(plain_cfg, "torch", dtype.itemsize, 256, 1)[0]
+    assert abs(want - (kept[0] - kept[1])) <= 0.1 * (kept[0] - kept[1]), (want, kept)
     pools = Sampler(model, max_batch_size=3).runner.states
     pool_bytes = sum(t.numel() * t.element_size() for p in pools.values() for t in vars(p).values())
     assert plan.state_bytes_per_sequence(model.config, dtype.itemsize) * 4 == pool_bytes
@@ -252,3 +266,27 @@ def test_the_hybrid_contract_on_cuda(dtype):
     outs = Sampler(model).generate(prompts((5, 63, 65), vocab=32), max_new_tokens=70, temperature=1.0, n=2, seed=3,
                                    progress=False)
     assert_contract(model, outs, 1.0)
+
+
+def test_what_a_hybrid_refuses_is_one_line(tmp_path):
+    """A hybrid family with a layer kind it cannot hold, LoRA on a hybrid, the prefix-cache fault (its cache is
+    off): each a ConfigError naming it, before anything is built."""
+    import train
+    with pytest.raises(ValueError, match="its full attention is gated"):
+        dataclasses.replace(ModelConfig.preset("tiny-hybrid"), layer_types=["linear_attention"] * 3 + ["full_attention"])
+    with pytest.raises(ValueError, match="its full attention is gated"):
+        ModelConfig(model_type="qwen3_5_moe_text")
+    for extra, says in ((["--lora_rank=4"], "--lora_rank with linear-attention layers"),
+                        (["--task=lookup", "--rollout_episode_fault=stale_prefix_kv"], "needs the prefix cache")):
+        with pytest.raises(ValueError, match=says):                     # config.ConfigError: main's one line
+            train.main(["--init_from=tiny-hybrid", "--steps=1", f"--out_dir={tmp_path / 'r'}", *extra])
+
+
+def test_mtp_weights_survive_an_export_in_another_dtype(family, tmp_path):
+    """The MTP tensors a checkpoint carried are written by every save path (here: the export's dtype cast)."""
+    from support.checkpoint import export_model
+    _, _, model = family("qwen3_next")
+    model = copy.deepcopy(model)
+    model.extra_tensors = {"mtp.fc.weight": torch.ones(4, 8)}
+    out = export_model(model, None, "bfloat16")
+    assert out is not model and out.extra_tensors["mtp.fc.weight"].dtype == torch.bfloat16

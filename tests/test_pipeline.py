@@ -404,6 +404,7 @@ def _same_but_waits(a, b):
 @pytest.mark.parametrize("trainers, rollout_ranks, extra", [
     (1, 1, ["--max_staleness=1", "--inflight_update=recompute_kv"]),
     (2, 1, ["--max_staleness=2", "--inflight_update=keep_kv", "--parallel=fsdp"]),
+    (2, 2, ["--max_staleness=0"]),                                     # 4 processes, synchronous: KL 0
     # EP groups on both sides, shard to shard, under FSDP2 with the KV kept across an in-flight update
     (2, 2, ["--max_staleness=1", "--expert_parallel=2", "--parallel=fsdp", "--inflight_update=keep_kv"]),
 ])

@@ -27,7 +27,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import rollout  # noqa: E402
-from conftest import assert_contract, rel_err  # noqa: E402
+from conftest import assert_contract, assert_greedy_like_generate, rel_err  # noqa: E402
 from config import ConfigError, ModelConfig, RolloutConfig  # noqa: E402
 from kernels import sample_tokens  # noqa: E402
 from model import Transformer      # noqa: E402
@@ -349,15 +349,8 @@ def test_greedy_matches_transformers_generate(tmp_path):
         str(tmp_path), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     hf.eval()
-    prompts = make_prompts([1, 5, 15, 17, 30], seed=1)
-    outs = Sampler(model).generate(prompts, max_new_tokens=MAX_NEW, temperature=0, progress=False)
-    for p, o in zip(prompts, outs):
-        x = torch.tensor([p])
-        with torch.no_grad():
-            y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
-                            min_new_tokens=MAX_NEW, pad_token_id=0, eos_token_id=None)
-        assert y[0, len(p):].tolist() == o.tokens, f"prompt of length {len(p)}"
-        assert o.finish_reason == "length"
+    outs = assert_greedy_like_generate(hf, model, make_prompts([1, 5, 15, 17, 30], seed=1), MAX_NEW)
+    assert all(o.finish_reason == "length" for o in outs)
 
 
 # ---------------------------------------------------------------------------------------------------
