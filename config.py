@@ -240,6 +240,11 @@ class ModelConfig:
         """A Gated DeltaNet layer (hybrids/): a recurrent state per sequence, no KV cache."""
         return bool(self.layer_types) and self.layer_types[layer_idx] == "linear_attention"
 
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers' indices (none outside the hybrids)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_linear(i))
+
     def yarn(self) -> dict | None:
         """YaRN's parameters as kernels.rope_tables takes them; None for default RoPE."""
         if self.rope_type != "yarn":

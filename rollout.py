@@ -627,7 +627,7 @@ class Sampler:
         self.max_model_len = model.config.max_position_embeddings
         drafts = self.config.draft_policy()
         self.draft_tokens = 0 if drafts is None else drafts.k        # a verify step's drafts (0: plain decoding)
-        if any(map(model.config.is_linear, range(model.config.num_hidden_layers))):
+        if model.config.linear_layers:
             self._linear_engine()
         self.num_blocks = self.config.num_blocks or self._pool_blocks(reserve_bytes)
         self.window_blocks = min(self.num_blocks, self._window_blocks())

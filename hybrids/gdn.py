@@ -140,6 +140,11 @@ def _silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1.0 + torch.exp(-x))
 
 
+def _rows(a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """a (B, T, ...) at rows idx (B, C) of dim 1 -> (B, C, ...)."""
+    return a.gather(1, idx.view(*idx.shape, *[1] * (a.dim() - 2)).expand(-1, -1, *a.shape[2:]))
+
+
 def _softplus(x: torch.Tensor) -> torch.Tensor:
     """log(1 + exp(x)) in fp32, x itself past 20 (F.softplus's threshold); F.softplus is not row-invariant
     on a vector CPU, log1p and exp are. exp's input is clamped so that its gradient never meets inf."""
@@ -262,8 +267,7 @@ class GatedDeltaNet(nn.Module):
             take = [min(n - d, CHUNK - oo) for n, d, oo in zip(count, done, o)]
             t = torch.tensor(done, device=x.device)[:, None] + torch.arange(CHUNK, device=x.device)   # (B, C)
             t = t.clamp(max=x.shape[1] - 1)
-            pick = lambda a: a.gather(1, t.view(*t.shape, *[1] * (a.dim() - 2)).expand(-1, -1, *a.shape[2:]))  # noqa
-            out = self._feed(pool, rows, pick(mixed), pick(g), pick(beta), torch.tensor(o, device=x.device),
+            out = self._feed(pool, rows, _rows(mixed, t), _rows(g, t), _rows(beta, t), torch.tensor(o, device=x.device),
                              torch.tensor(take, device=x.device),
                              torch.tensor([p == 0 and d == 0 for p, d in zip(first, done)], device=x.device))
             for b in range(len(first)):
@@ -283,8 +287,7 @@ class GatedDeltaNet(nn.Module):
         j = torch.arange(C, device=o.device)[None, :]                          # (1, C) the chunk's rows
         src = (j - o[:, None]).clamp(0, T - 1)                                  # (B, C) the fed row each takes
         new = (j >= o[:, None]) & (j < (o + n)[:, None])                        # (B, C)
-        take = lambda a, old: torch.where(new.view(B, C, *[1] * (a.dim() - 2)),   # noqa: E731
-                                          a.gather(1, src.view(B, C, *[1] * (a.dim() - 2)).expand(-1, -1, *a.shape[2:])), old)
+        take = lambda a, old: torch.where(new.view(B, C, *[1] * (a.dim() - 2)), _rows(a, src), old)   # noqa: E731
         rows_in = take(mixed, buf[:, K1:])                                      # (B, C, conv_dim)
         gs, bs = take(g, pool.g[rows]), take(beta, pool.beta[rows])              # (B, C, H)
         live = (j < (o + n)[:, None])                                           # rows of the chunk so far

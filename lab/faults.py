@@ -50,7 +50,7 @@ def rollout_copy(full: Transformer, tcfg: TrainConfig, rcfg: RolloutConfig, refr
 
 
 def check_linear_decode(config, mode: str) -> None:
-    if mode == "recurrent" and not any(map(config.is_linear, range(config.num_hidden_layers))):
+    if mode == "recurrent" and not config.linear_layers:
         raise ConfigError("--rollout_linear_decode=recurrent needs Gated DeltaNet layers (--init_from=tiny-hybrid "
                           "or a qwen3_5_moe / qwen3_next checkpoint)")
 
@@ -58,7 +58,7 @@ def check_linear_decode(config, mode: str) -> None:
 def recurrent_decode_copy(rollout_model: Transformer, full: Transformer, refresh):
     """The rollout's weights with their Gated DeltaNet layers decoding by the recurrent form (hybrids/family.
     EngineDecode: what inference engines run), on a copy of its own; the trainer keeps the grid."""
-    if not any(map(full.config.is_linear, range(full.config.num_hidden_layers))):
+    if not full.config.linear_layers:
         raise ConfigError("--rollout_linear_decode=recurrent needs Gated DeltaNet layers (--init_from=tiny-hybrid "
                           "or a qwen3_5_moe / qwen3_next checkpoint)")
     from hybrids.family import EngineDecode, LinearAttention
@@ -82,8 +82,7 @@ class Faults(Hooks):
         check_router_fault(config, self.rcfg.rollout_router_fault)
         check_episode_fault(task, self.rcfg.rollout_episode_fault)
         check_linear_decode(config, self.rcfg.rollout_linear_decode)
-        if self.rcfg.rollout_episode_fault == "stale_prefix_kv" and any(map(config.is_linear,
-                                                                             range(config.num_hidden_layers))):
+        if self.rcfg.rollout_episode_fault == "stale_prefix_kv" and config.linear_layers:
             raise ConfigError("--rollout_episode_fault=stale_prefix_kv needs the prefix cache, which a model with "
                               "linear-attention layers runs without")
 

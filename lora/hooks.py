@@ -22,7 +22,7 @@ class Lora(Hooks):
         self.words = tcfg.lora_target_set()
 
     def check_build(self, task, config) -> None:
-        if any(map(config.is_linear, range(config.num_hidden_layers))):
+        if config.linear_layers:
             raise ConfigError("--lora_rank with linear-attention layers (hybrids/) is not supported yet; train the "
                               "hybrid's weights without --lora_rank")
         with torch.device("meta"):

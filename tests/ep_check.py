@@ -7,8 +7,8 @@ each EP degree that divides the world (with the contiguous and a permuted placem
 the tokens and compares; and holds plan.memory_plan against the bytes an EP=2 run allocates. gpt-oss's
 experts (biases, the clamped SwiGLU) too: score, gradients and the sampler (fp32 and bf16) at EP=2, and
 on 4 processes at EP=4 and as two EP=2 groups; the controls (a bias or the SwiGLU lost on the exchanged
-path changes the bits) on 2. The MLA preset (its latent cache, GLM-4.5's router): score and the sampler
-at EP=2. Prints one `ok ...` line per check on rank 0; any mismatch raises.
+path changes the bits) on 2. The MLA preset (its latent cache, GLM-4.5's router) and the tiny hybrid (Gated DeltaNet
+layers across a grid boundary, a gated shared expert): score and the sampler at EP=2. Prints one `ok ...` line per check on rank 0; any mismatch raises.
 tests/test_expert_parallel.py runs it with 2 and 4 processes.
 """
 import copy
@@ -66,9 +66,9 @@ def split(total, n, r):
     return cuts[r], cuts[r + 1]
 
 
-def check_score(cfg, dtype, n, name, placement, tag=""):
+def check_score(cfg, dtype, n, name, placement, tag="", length=12):
     model = build(cfg, dtype)
-    tokens = torch.randint(0, cfg.vocab_size, (2 * n, 12), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, cfg.vocab_size, (2 * n, length), generator=torch.Generator().manual_seed(1))
     ref_logp, ref_routes = model.score(tokens)
     ep = init_expert_parallel(n, placement)
     whole = {k: v.clone() for k, v in model.state_dict().items()}
@@ -229,13 +229,13 @@ def score_outputs(model, outs):
     return [(logp[i, len(o.prompt) - 1:n - 1], routes[i, :n - 1]) for i, (o, n) in enumerate(zip(outs, lengths))]
 
 
-def sample_ep2(whole, cfg):
-    """The sampler at EP=2 over a copy of whole: each rank its own prompts and lengths -> its outputs and
-    the number of decode steps that ran the fixed-size exchange."""
+def sample_ep2(whole, cfg, shortest=3):
+    """The sampler at EP=2 over a copy of whole: each rank its own prompts and lengths (from shortest) ->
+    its outputs and the number of decode steps that ran the fixed-size exchange."""
     from rollout import Sampler
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(10 + rank)
-    prompts = [torch.randint(1, cfg.vocab_size, (3 + 2 * rank + i,), generator=g).tolist() for i in range(1 + rank)]
+    prompts = [torch.randint(1, cfg.vocab_size, (shortest + 2 * rank + i,), generator=g).tolist() for i in range(1 + rank)]
     model = shard_experts(copy.deepcopy(whole), init_expert_parallel(2, n_experts=cfg.num_experts))
     sampler = Sampler(model, max_batch_size=4, num_blocks=64)
     fixed, calls = expert_parallel._moe_experts_fixed, []
@@ -248,14 +248,16 @@ def sample_ep2(whole, cfg):
     return outs, len(calls)
 
 
-def check_sampler(cfg, dtype, tag=""):
+def check_sampler(cfg, dtype, tag="", shortest=3):
     """The sampler at EP=2 (ranks of a group with different prompts, so they finish at different steps:
     prefill and decode mix in one group step, a finished rank exchanges zero rows) against score at
     EP=1 and at EP=world, bitwise."""
     whole = build(cfg, dtype)
     world = dist.get_world_size()
-    outs, calls = sample_ep2(whole, cfg)
+    outs, calls = sample_ep2(whole, cfg, shortest)
     assert calls, "no decode step ran the fixed-size exchange"
+    assert shortest < 60 or all(len(o.prompt) <= 64 < len(o.prompt) + len(o.tokens) for o in outs), \
+        "a long prompt's decode did not cross the 64-position boundary"
     ref = score_outputs(whole, outs)
     wide = shard_experts(copy.deepcopy(whole), init_expert_parallel(world, n_experts=cfg.num_experts))
     for name, scored in (("EP=1", ref), (f"EP={world}", score_outputs(wide, outs))):
@@ -346,6 +348,7 @@ def main():
     oss = ModelConfig.preset("tiny-gpt-oss")                          # biased experts, the clamped SwiGLU
     oss4 = ModelConfig(**{**oss.__dict__, "num_experts_per_tok": 4})
     mla = ModelConfig.preset("tiny-mla")                              # MLA's latent cache, GLM-4.5's router
+    hybrid = ModelConfig.preset("tiny-hybrid")                        # Gated DeltaNet layers, a shared expert
     check_decode_reads_nothing_back(tiny)
     for parallel in ("ddp", "fsdp"):
         check_plan_bytes(tiny, parallel)
@@ -368,6 +371,11 @@ def main():
             _, permuted = list(placements(mla.num_experts, 2))[1]
             check_score(mla, dtype, 2, "permuted", permuted, tag="mla ")
             check_sampler(mla, dtype, tag="mla ")
+            # the hybrid: 70 positions score across the 64-position grid's boundary; prompts of 61 to 64
+            # tokens decode across it, each rank's GDN state per row beside the experts' exchange
+            _, permuted = list(placements(hybrid.num_experts, 2))[1]
+            check_score(hybrid, dtype, 2, "permuted", permuted, tag="hybrid ", length=70)
+            check_sampler(hybrid, dtype, tag="hybrid ", shortest=61)
     if world == 2:
         check_gpt_oss_controls(oss)
         check_plan_bytes(oss, "ddp", tag="gpt-oss ")                  # b13, b2 counted as expert shards

@@ -56,7 +56,7 @@ def launch(nproc, out):
 
 
 def test_one_run_at_1_2_and_4_ranks(tmp_path):
-    """6 steps of each run at every layout of tests/world_check.py (DDP, FSDP2, EP=2 with one and two EP
+    """4 steps of each run at every layout of tests/world_check.py (DDP, FSDP2, EP=2 with one and two EP
     groups; fp32 packed, bf16 compute over fp32 masters padded, LoRA at EP=2): the same metrics.jsonl but for the
     per-layout keys, and the same weights and masters, as one process; a 2-rank EP=2 checkpoint resumed by
     1 rank and by 4 (DDP, EP=2 in two groups), and LoRA's by 1 rank, continues the run bit for bit. Control: --grad_reduce=fast
@@ -74,9 +74,9 @@ def test_one_run_at_1_2_and_4_ranks(tmp_path):
     assert compared == 5
     for n, name in ((1, "fp32"), (4, "fp32"), (1, "lora")):
         got = found[n][f"{name}/resumed"]
-        assert got["metrics"] == ref[name]["metrics"][3:] and got["digest"] == ref[name]["digest"], (n, name)
+        assert got["metrics"] == ref[name]["metrics"][2:] and got["digest"] == ref[name]["digest"], (n, name)
     for rows in [ref["fp32"]["metrics"], ref["bf16"]["metrics"]]:
-        assert len(rows) == 6 and all(r["train_rollout_kl"] == 0 and r["route_flip_frac"] == 0 for r in rows)
+        assert len(rows) == 4 and all(r["train_rollout_kl"] == 0 and r["route_flip_frac"] == 0 for r in rows)
     fast, fast2 = ref["fast"]["metrics"], found[2]["fast/ddp"]["metrics"]
     assert fast[0]["reward_mean"] == fast2[0]["reward_mean"]            # the same samples at step 1
     assert fast != fast2 and ref["fast"]["digest"] != found[2]["fast/ddp"]["digest"]

@@ -123,7 +123,8 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
     oss = [line for line in ok if line.startswith(("ok gpt-oss", "ok control gpt-oss"))]
     oss_degrees = [2] if nproc == 2 else [2, 4]
     assert len(oss) == 3 * 2 * len(oss_degrees) + 2 + (2 if nproc == 2 else 0), oss
-    assert len(ok) == 3 * 2 * 2 * len(degrees) + 6 + len(oss) + (4 if nproc == 2 else 0), r.stdout   # score, grads, exact grads; 2 dtypes, 2 placements
+    # score, grads, exact grads; 2 dtypes, 2 placements; on 2 processes MLA's and the hybrid's 4 each
+    assert len(ok) == 3 * 2 * 2 * len(degrees) + 6 + len(oss) + (8 if nproc == 2 else 0), r.stdout
     assert sum("b13, b2 bitwise" in line or "w13 / w2 / b13 / b2 bitwise" in line for line in oss) == 4 * len(oss_degrees)
     for n in oss_degrees:
         assert sum(f"EP={n} " in line for line in oss if line.startswith(("ok gpt-oss score", "ok gpt-oss grads"))) == 4
@@ -131,6 +132,9 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
     mla = [line for line in ok if line.startswith("ok mla ")]     # score and the sampler, 2 dtypes, 2 processes
     assert len(mla) == (4 if nproc == 2 else 0), mla
     assert sum(line.startswith(("ok mla score EP=2", "ok mla sampler EP=2")) for line in mla) == len(mla)
+    hybrid = [line for line in ok if line.startswith("ok hybrid ")]   # across the GDN grid's boundary, 2 dtypes
+    assert len(hybrid) == (4 if nproc == 2 else 0), hybrid
+    assert sum(line.startswith(("ok hybrid score EP=2", "ok hybrid sampler EP=2")) for line in hybrid) == len(hybrid)
     assert any(line.startswith("ok decode exchange: no host read") for line in ok)
     assert any(line.startswith("ok expert_map fault: EP=2 equals EP=1") for line in ok)
     assert sum(line.startswith("ok sampler EP=2") for line in ok) == 2

@@ -30,7 +30,7 @@ from config import RolloutConfig, TrainConfig                      # noqa: E402
 from support import exact_sum, runlog                              # noqa: E402
 from support.distributed import Dist                               # noqa: E402
 
-STEPS = 6
+STEPS = 4
 BASE = dict(device="cpu", task="copy", n_digits=2, prompts_per_step=8, group_size=4, minibatch_size=32,
             progress=False, lr=1e-2, warmup_steps=1, logits_chunk=24, steps=STEPS, save_every=STEPS // 2,
             keep_checkpoints=2)
@@ -90,11 +90,11 @@ def main(out: str) -> None:
     for name, layout, kw in LAYOUTS[world]:
         rows = run(f"{out}/w{world}-{name}-{layout}", d, **RUNS[name], **kw)
         found[f"{name}/{layout}"] = summary(rows, f"{out}/w{world}-{name}-{layout}")
-    for name, leg, kw in RESUMED.get(world, []):      # a 2-rank run from its step-3 checkpoint
+    for name, leg, kw in RESUMED.get(world, []):      # a 2-rank run from its middle checkpoint
         mine = f"{out}/w{world}-{name}-resumed"
         if d.rank == 0:
             shutil.copytree(f"{out}/w2-{name}-{leg}", mine)
-            shutil.rmtree(f"{mine}/ckpt-{STEPS:06d}")                  # as if the run had stopped at step 3
+            shutil.rmtree(f"{mine}/ckpt-{STEPS:06d}")                  # as if the run had stopped halfway
             with open(f"{mine}/latest", "w") as f:
                 f.write(f"ckpt-{STEPS // 2:06d}")
         if world > 1:

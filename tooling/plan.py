@@ -610,7 +610,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, detail: bool) -> int:
 
 
 def paged_layers(cfg: ModelConfig) -> int:
-    return sum(not cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
+    return cfg.num_hidden_layers - len(cfg.linear_layers)
 
 
 def state_bytes_per_sequence(cfg: ModelConfig, dtype_bytes: int) -> int:

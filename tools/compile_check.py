@@ -245,6 +245,8 @@ def main() -> int:
     ap.add_argument("--arch", type=int, nargs="+", default=[90], help="CUDA compute capabilities (default 90)")
     ap.add_argument("--control", action="store_true",
                     help="only the geometry check, with the matmul's row count specialized again: must report problems")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), nargs="+", default=["bfloat16", "float32"],
+                    help="the compute dtypes whose binaries are compiled (default both)")
     args = ap.parse_args()
     t0 = time.time()
     if args.control:     # shows the geometry check can fail: M == 1 (decode) then compiles its own binary
@@ -253,7 +255,7 @@ def main() -> int:
         print("\n".join(problems) or "no problem found")
         return 1 if problems else 0
     rows, problems, launches, n_forwards = [], [], {}, 0
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in [getattr(torch, name) for name in args.dtype]:
         model = make_model(dtype)
         found, n = check_geometries(model)
         problems += [f"{dtype}: {p}" for p in found]
