@@ -28,6 +28,7 @@ from config import ConfigError
 from model import MLP, MoE, Linear, Router, Transformer
 
 EXPERT_FACTORS = ("lora_A13", "lora_B13", "lora_A2", "lora_B2")
+GATES = ("shared_expert_gate", "in_proj_a", "in_proj_b")   # per-token scalars (per head), never adapted
 
 
 class Adapted:
@@ -125,10 +126,13 @@ def _adapted(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 # ---------------------------------------------------------------------------------------------------
 def targets(model: Transformer, words: set[str]) -> list[tuple[str, nn.Module]]:
     """(name, module) of the layers --lora_targets names: Linears (attention, mlp: dense MLPs and shared
-    experts, not the shared expert's 1-wide gate), Routers (router), MoE layers (experts)."""
+    experts, not the shared expert's 1-wide gate), Routers (router), MoE layers (experts). A hybrid's Gated
+    DeltaNet is attention here: its in_proj_qkv, in_proj_z and out_proj, not in_proj_a / in_proj_b (one
+    number per value head, the decay's and the write strength's gates: a rank above their width is no
+    low-rank adapter)."""
     found = []
     for i, block in enumerate(model.layers):
-        groups = {"attention": [(f"layers.{i}.self_attn", block.self_attn)]}
+        groups = {"attention": [(f"layers.{i}.{block.mixer}", getattr(block, block.mixer))]}
         mlp, pre = block.mlp, f"layers.{i}.mlp"
         if isinstance(mlp, MLP):
             groups["mlp"] = [(pre, mlp)]
@@ -143,7 +147,7 @@ def targets(model: Transformer, words: set[str]) -> list[tuple[str, nn.Module]]:
                     found.append((pre, m))
                     continue
                 found += [(f"{pre}.{n}", sub) for n, sub in m.named_modules()
-                          if type(sub) is Linear and n and not n.endswith("shared_expert_gate")]
+                          if type(sub) is Linear and n and not n.endswith(GATES)]
     return found
 
 

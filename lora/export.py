@@ -42,16 +42,28 @@ def base_sha256(model: Transformer) -> str:
     return h.hexdigest()
 
 
+def no_peft_layout(model: Transformer) -> str:
+    """Why model's adapters have no PEFT layout here ("" when they have): a layer the family stores fused
+    in another shape than ours."""
+    fam = hf.family(model.config.model_type)
+    for name, m in model.named_modules():
+        if isinstance(m, AdaptedExperts) and fam.architecture == "GptOssForCausalLM":
+            return ("gpt-oss's experts are stored (E, D, 2I) with gate and up interleaved; PEFT's expert layout for "
+                    "them is not written yet: train without experts in --lora_targets")
+        if isinstance(m, Adapted) and model.config.model_type == "qwen3_next" and ".linear_attn.in_proj_" in name:
+            return ("Qwen3-Next stores its Gated DeltaNet's in_proj_qkv and in_proj_z fused and interleaved "
+                    "(in_proj_qkvz); PEFT's layout for an adapter there is not written yet")
+    return ""
+
+
 def peft_state(model: Transformer) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
     """-> (PEFT's adapter tensors by key, target module names, target parameter names)."""
     fam = hf.family(model.config.model_type)
+    if no_peft_layout(model):
+        raise ConfigError(f"lora: {no_peft_layout(model)}; the merged checkpoint is written (python -m lora.export)")
     state, modules, params = {}, set(), []
     for name, m in model.named_modules():
         if isinstance(m, AdaptedExperts):
-            if fam.architecture == "GptOssForCausalLM":
-                raise ConfigError("lora.export: gpt-oss's experts are stored (E, D, 2I) with gate and up interleaved; "
-                                  "PEFT's expert layout for them is not written yet: train without experts in "
-                                  "--lora_targets, or use the merged checkpoint")
             pre = "base_model.model." + hf.our_key_to_hf(fam, name) + ".experts"
             A13, B13, A2, B2 = (getattr(m, n).detach().float() for n in EXPERT_FACTORS)
             E = m.w13.shape[0]
@@ -64,7 +76,7 @@ def peft_state(model: Transformer) -> tuple[dict[str, torch.Tensor], list[str], 
             path = hf.our_key_to_hf(fam, name + ".weight").removesuffix(".weight")
             state[f"base_model.model.{path}.lora_A.weight"] = m.lora_A.detach().float()
             state[f"base_model.model.{path}.lora_B.weight"] = m.lora_B.detach().float()
-            if ".self_attn." in path:
+            if ".self_attn." in path or ".linear_attn." in path:
                 modules.add(path)
             else:       # the router, dense MLPs, shared experts: PEFT 0.21 would read their names as v4 experts
                 params.append(re.sub(r"^model\.layers\.\d+\.", "", path) + ".weight")
@@ -135,7 +147,8 @@ def check_base(adapter_dir: str, model: Transformer) -> None:
 
 
 def export(ckpt: str, out: str) -> str:
-    """OUT/adapter (PEFT) and OUT/merged (HF) from a LoRA run's checkpoint folder."""
+    """OUT/adapter (PEFT) and OUT/merged (HF) from a LoRA run's checkpoint folder -> what was written (the
+    merged checkpoint alone, and why, where the family has no PEFT layout for an adapted layer)."""
     from support.checkpoint import checkpoint_folder, load_trainer_state, load_weights
     from lora.adapters import adapt
     ckpt = checkpoint_folder(ckpt)
@@ -153,13 +166,15 @@ def export(ckpt: str, out: str) -> str:
     model.load_state_dict(load_weights(ckpt, model), assign=True)      # the masters: base and adapter apart
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    write_adapter(model, os.path.join(tmp, "adapter"), run["lora_rank"], run["lora_alpha"], run.get("init_from", ""))
+    skipped = no_peft_layout(model)
+    if not skipped:
+        write_adapter(model, os.path.join(tmp, "adapter"), run["lora_rank"], run["lora_alpha"], run.get("init_from", ""))
     merged(model).save_pretrained(os.path.join(tmp, "merged"))
     hf.write_identity(os.path.join(tmp, "merged"), hf.read_identity(ckpt))
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)
-    return out
+    return f"{out}/merged only: {skipped}" if skipped else out
 
 
 def main(argv: list[str]) -> None:

@@ -22,9 +22,6 @@ class Lora(Hooks):
         self.words = tcfg.lora_target_set()
 
     def check_build(self, task, config) -> None:
-        if config.linear_layers:
-            raise ConfigError("--lora_rank with linear-attention layers (hybrids/) is not supported yet; train the "
-                              "hybrid's weights without --lora_rank")
         with torch.device("meta"):
             check_targets(Transformer(config), self.words, self.tcfg.lora_rank)
         if self.merged_rollout and getattr(self.tcfg, "expert_parallel", 1) > 1:

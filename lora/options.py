@@ -18,7 +18,8 @@ class LoraOptions:
     --lora_rank run's checkpoint continues its adapters on its base (without --lora_rank: its merged weights)."""
     lora_rank: int = 0                        # r > 0: train LoRA adapters of rank r, the weights frozen; 0: off
     lora_alpha: float = 32.0                  # the adapters' scale is alpha / r (PEFT's lora_alpha)
-    lora_targets: str = "attention,mlp,experts"   # comma-separated: attention (every projection), mlp (dense MLPs
+    lora_targets: str = "attention,mlp,experts"   # comma-separated: attention (every projection; a Gated DeltaNet's
+                                              # in_proj_qkv, in_proj_z, out_proj), mlp (dense MLPs
                                               # and shared experts), experts (the routed experts, stacked by
                                               # expert), router (the MoE gate)
     lora_expert_factors: str = "per_expert"   # per_expert: A and B for every expert | shared_outer: the factors on

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from conftest import assert_contract, assert_greedy_like_generate, make_model, rel_err
+from conftest import assert_contract, assert_greedy_like_generate, load_hf_auto, make_model, rel_err
 from config import ModelConfig
 from families.hf import CheckpointError
 from model import Transformer
@@ -269,15 +269,14 @@ def test_the_hybrid_contract_on_cuda(dtype):
 
 
 def test_what_a_hybrid_refuses_is_one_line(tmp_path):
-    """A hybrid family with a layer kind it cannot hold, LoRA on a hybrid, the prefix-cache fault (its cache is
-    off): each a ConfigError naming it, before anything is built."""
+    """A hybrid family with a layer kind it cannot hold, the prefix-cache fault (its cache is off): each a
+    ConfigError naming it, before anything is built."""
     import train
     with pytest.raises(ValueError, match="its full attention is gated"):
         dataclasses.replace(ModelConfig.preset("tiny-hybrid"), layer_types=["linear_attention"] * 3 + ["full_attention"])
     with pytest.raises(ValueError, match="its full attention is gated"):
         ModelConfig(model_type="qwen3_5_moe_text")
-    for extra, says in ((["--lora_rank=4"], "--lora_rank with linear-attention layers"),
-                        (["--task=lookup", "--rollout_episode_fault=stale_prefix_kv"], "needs the prefix cache")):
+    for extra, says in ((["--task=lookup", "--rollout_episode_fault=stale_prefix_kv"], "needs the prefix cache"),):
         with pytest.raises(ValueError, match=says):                     # config.ConfigError: main's one line
             train.main(["--init_from=tiny-hybrid", "--steps=1", f"--out_dir={tmp_path / 'r'}", *extra])
 
@@ -290,3 +289,88 @@ def test_mtp_weights_survive_an_export_in_another_dtype(family, tmp_path):
     model.extra_tensors = {"mtp.fc.weight": torch.ones(4, 8)}
     out = export_model(model, None, "bfloat16")
     assert out is not model and out.extra_tensors["mtp.fc.weight"].dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA on a hybrid: the Gated DeltaNet's projections adapted like attention's
+# ---------------------------------------------------------------------------------------------------
+def lora_hybrid(model, words=("attention", "mlp", "experts"), dtype=torch.float32):
+    """model with rank-4 adapters on words, B drawn nonzero (as after training)."""
+    from lora.adapters import adapt
+    model = copy.deepcopy(model)
+    adapt(model, 4, 8.0, set(words), False, 1, dtype, torch.float32 if dtype == torch.float32 else dtype)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_on_the_gdn_keeps_the_contract_across_boundaries(dtype):
+    """The GDN's in_proj_qkv, in_proj_z and out_proj and gated attention's projections adapted (not the
+    per-head gates in_proj_a / in_proj_b): the sampler's log-probs and routes are score's bit for bit across
+    grid boundaries, with a pool small enough to preempt; control: the adapter merged into the weights (an
+    engine's refit) gives other log-probs."""
+    from lora.adapters import merged
+    model = lora_hybrid(make_model(ModelConfig.preset("tiny-hybrid"), std=0.1), dtype=dtype).eval()
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {"layers.0.linear_attn.in_proj_qkv.lora_A", "layers.0.linear_attn.in_proj_z.lora_B",
+            "layers.0.linear_attn.out_proj.lora_A", "layers.3.self_attn.q_proj.lora_B"} <= names
+    assert not any(".in_proj_a." in n or ".in_proj_b." in n for n in names)
+    for engine in (dict(), dict(num_blocks=14, block_size=16)):
+        sampler = Sampler(model, **engine)
+        outs = sampler.generate(prompts((5, 63, 64, 65), vocab=32), max_new_tokens=40, temperature=1.0, n=2, seed=3,
+                                progress=False)
+        assert_contract(model, outs, 1.0)
+    assert sampler.num_preemptions > 0
+    o = outs[1]
+    logp = merged(model).score(torch.tensor([o.prompt + o.tokens]))[0][0, len(o.prompt) - 1:]
+    assert not torch.equal(logp, torch.tensor(o.logprobs))
+
+
+def test_a_lora_run_on_a_hybrid_keeps_the_contract(tmp_path):
+    """train.py with --lora_rank on tiny-hybrid (packed rows): KL, |dlogp| and flips exactly 0 each step, the
+    adapters move."""
+    import train
+    from config import RolloutConfig, TrainConfig
+    tcfg = TrainConfig(init_from="tiny-hybrid", out_dir=str(tmp_path / "r"), steps=2, prompts_per_step=4, group_size=4,
+                       minibatch_size=8, lora_rank=4, progress=False)
+    rows = train.train(tcfg, RolloutConfig())
+    assert all(r["train_rollout_kl"] == 0 and r["logp_max_abs_diff"] == 0 and r["route_flip_frac"] == 0 for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows)
+
+
+def test_a_qwen3_5_adapter_loads_into_peft_and_qwen3_next_exports_merged(family, tmp_path):
+    """Qwen3.5: the PEFT adapter folder (GDN projections among target_modules) loads onto transformers' model
+    of the checkpoint: its logits are ours within 2e-4 relative (the adapter moves them by more than 0.1), and
+    so are the merged checkpoint's. The bound is twice the base's (tests/test_hf.py): B drawn at 0.3 makes
+    weights whose fp32 rounding the GDN's state carries further (measured against transformers' fp64: ours
+    4.2e-5 / 1.4e-4 for Qwen3.5 / Qwen3-Next, transformers' own fp32 2.9e-5 / 3.7e-5). Qwen3-Next fuses in_proj_qkv and in_proj_z (in_proj_qkvz): its adapter has no
+    PEFT layout here, one line; the merged checkpoint loads into transformers with our logits."""
+    peft = pytest.importorskip("peft")
+    from lora.adapters import merged
+    from lora.export import peft_state, write_adapter
+    from config import ConfigError
+    toks = torch.randint(0, 50, (2, 70), generator=torch.Generator().manual_seed(0))
+    for mt in ("qwen3_5_moe_text", "qwen3_next"):
+        hf, path, base = family(mt)
+        model = lora_hybrid(base)
+        with torch.no_grad():
+            ours = model(toks)
+            assert (ours - base(toks)).abs().max() > 0.1
+        if mt == "qwen3_5_moe_text":
+            write_adapter(model, str(tmp_path / mt), 4, 8.0)
+            with open(tmp_path / mt / "adapter_config.json") as f:
+                assert "linear_attn" in json.load(f)["target_modules"]
+            with torch.no_grad():
+                theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / mt))(toks).logits
+            assert rel_err(theirs, ours) < 2e-4
+        else:
+            with pytest.raises(ConfigError, match="in_proj_qkvz"):
+                peft_state(model)
+        merged(model).save_pretrained(str(tmp_path / f"{mt}-merged"))
+        flat = load_hf_auto(str(tmp_path / f"{mt}-merged"))
+        with torch.no_grad():
+            assert rel_err(flat(toks).logits, ours) < 2e-4
