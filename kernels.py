@@ -77,8 +77,9 @@ class set_backend:
         _backend = self.previous
 
 
-def _triton_for(t: torch.Tensor):
-    """The kernels_triton module if tensor t goes to the Triton backend, else None (lazy import)."""
+def triton_for(t: torch.Tensor):
+    """The kernels_triton module if tensor t goes to the Triton backend, else None (lazy import); a
+    plug-in's own kernels ask it too (hybrids/gdn_triton.py)."""
     if _backend == "torch" or (_backend == "auto" and not t.is_cuda):
         return None
     from kernels_triton import ops as kernels_triton
@@ -193,7 +194,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     x (..., K), w (N, K) -> (..., N) in x.dtype.
     """
-    if (kt := _triton_for(x)) is not None:    # triton backend dispatch
+    if (kt := triton_for(x)) is not None:    # triton backend dispatch
         return kt.linear(x, w)
     lead, K = x.shape[:-1], x.shape[-1]
     N = w.shape[0]
@@ -213,7 +214,7 @@ def linear_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per head h, y[..., h, :] = x[..., h, :] @ w[h].T with fp32 accumulation, bitwise independent of the
     number of rows. x (..., H, K), w (H, N, K) -> (..., H, N) in x.dtype (MLA's absorbed key and value
     projections). The torch path is linear()'s: fixed ROW_CHUNK-row tiles, one batched matmul for all heads."""
-    if (kt := _triton_for(x)) is not None:    # triton backend: the matmul kernel, one launch per head
+    if (kt := triton_for(x)) is not None:    # triton backend: the matmul kernel, one launch per head
         return torch.stack([kt.linear(x[..., h, :], w[h]) for h in range(w.shape[0])], -2)
     lead, (H, K), N = x.shape[:-2], x.shape[-2:], w.shape[1]
     x2 = x.reshape(-1, H, K).transpose(0, 1)                        # (H, M, K)
@@ -231,7 +232,7 @@ def linear_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3 RMSNorm: normalise in fp32, round to x.dtype, then scale (as transformers does)."""
-    if (kt := _triton_for(x)) is not None:    # triton backend dispatch
+    if (kt := triton_for(x)) is not None:    # triton backend dispatch
         return kt.rms_norm(x, weight, eps)
     xf = x.float()
     var = (xf * xf).mean(-1, keepdim=True)
@@ -326,7 +327,7 @@ def packed_block(t: torch.Tensor) -> int:
     """Positions per query block and page of a packed forward's attention (packing.PackedPages): the
     torch kernel's key tile; on Triton the forward's query rows per program, so a query sits at the
     place of its program's tile it has in the padded forward."""
-    if (kt := _triton_for(t)) is not None:
+    if (kt := triton_for(t)) is not None:
         return max(KV_BLOCK, kt.ATTN_TABLE["fwd"][0])
     return KV_BLOCK
 
@@ -354,7 +355,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     and stops does not change its bits: a decode step skips the tiles below its window, and gives the
     bits of the prefill that walked them.
     """
-    if (kt := _triton_for(q)) is not None:    # triton backend dispatch
+    if (kt := triton_for(q)) is not None:    # triton backend dispatch
         return kt.paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks, window)
     assert k_cache.shape[1] % KV_BLOCK == 0, "page_size must be a multiple of KV_BLOCK"
     # Each row walks its own tiles only: rows sorted by tile count (descending, stable), so at step i
@@ -588,7 +589,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     between them (sort_slots and grouped_experts on the expert's owner, combine_slots on the token's rank).
     """
     extras = dict(b13=b13, b2=b2, swiglu=swiglu)
-    if _triton_for(x) is not None:            # triton backend dispatch (the fused MoE has its own file)
+    if triton_for(x) is not None:            # triton backend dispatch (the fused MoE has its own file)
         from kernels_triton import moe as kernels_triton_moe
         return kernels_triton_moe.moe_experts(x, w13, w2, ids, weights, **extras)
     M, k = ids.shape
@@ -608,7 +609,7 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     same row-invariant kernels).
     """
     extras = dict(b13=b13, b2=b2, swiglu=swiglu)
-    if _triton_for(x) is not None:            # the fused Triton MoE, a slot per row
+    if triton_for(x) is not None:            # the fused Triton MoE, a slot per row
         from kernels_triton import moe as kernels_triton_moe
         return kernels_triton_moe.expert_rows(x, w13, w2, ids, weights, **extras)
     order, counts = sort_slots(ids.reshape(-1, 1), w13.shape[0])
@@ -690,7 +691,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     softmax(logits / T), from the same pass over the vocabulary. The entropy is detached (no
     gradient: it is for logging); logp is bitwise the same with or without it.
     """
-    if _triton_for(logits) is not None:       # triton backend dispatch (the vocabulary ops have their own file)
+    if triton_for(logits) is not None:       # triton backend dispatch (the vocabulary ops have their own file)
         from kernels_triton import vocab as kernels_triton_vocab
         return kernels_triton_vocab.token_logprobs(logits, targets, temperature, with_entropy)
     logp_all = torch.log_softmax(_scaled(logits, temperature), dim=-1)
@@ -735,7 +736,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
     logits about once (kernels_triton_vocab.sample_tokens); its sums run in another order, so the two backends
     agree except where u * total falls within rounding of a token's boundary.
     """
-    if top_k == 0 and top_p >= 1.0 and _triton_for(logits) is not None:
+    if top_k == 0 and top_p >= 1.0 and triton_for(logits) is not None:
         from kernels_triton import vocab as kernels_triton_vocab
         return kernels_triton_vocab.sample_tokens(logits, temperature, u)
     z = logits.float()

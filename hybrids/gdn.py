@@ -68,7 +68,16 @@ _inverse_unit_lower = _InverseUnitLower.apply
 def chunk(q, k, v, g, beta, state):
     """One chunk of the grid: q, k (B, H, C, dk), v (B, H, C, dv), g, beta (B, H, C), state (B, H, dk, dv) at
     the chunk's start -> (out (B, H, C, dv), the state at its end). Rows past a partial chunk's last token
-    are zero (then the end state is not a boundary's: the caller keeps the start's)."""
+    are zero (then the end state is not a boundary's: the caller keeps the start's). The triton backend
+    runs hybrids/gdn_triton.py's kernel, the torch backend chunk_torch: one per run, sampler and trainer."""
+    if kernels.triton_for(q) is None:
+        return chunk_torch(q, k, v, g, beta, state)
+    from hybrids import gdn_triton
+    return gdn_triton.Chunk.apply(q, k, v, g, beta, state)
+
+
+def chunk_torch(q, k, v, g, beta, state):
+    """chunk in torch ops."""
     C = g.shape[-1]
     causal = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
     cum = g.cumsum(-1)                                                    # (B, H, C): log decay since the start
@@ -105,7 +114,9 @@ def chunked(q, k, v, g, beta, state=None, C: int = CHUNK):
     outs, boundary = [], s
     # With a gradient, each chunk is recomputed in the backward from its inputs and start state (the
     # forward substitution's rows would keep O(C) numbers per token and head); the recompute is the same bits.
-    step = chunk if not torch.is_grad_enabled() else functools.partial(checkpoint, chunk, use_reentrant=False)
+    # (The Triton kernel's backward recomputes already.)
+    recompute = torch.is_grad_enabled() and kernels.triton_for(q) is None
+    step = functools.partial(checkpoint, chunk, use_reentrant=False) if recompute else chunk
     for c in range(n):
         o, s = step(qs[:, :, c], ks[:, :, c], vs[:, :, c], gs[:, :, c], bs[:, :, c], s)
         outs.append(o)

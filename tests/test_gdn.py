@@ -14,6 +14,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton's own @jit helpers (tl.sum's) are made
 from hybrids import gdn  # noqa: E402
 
 
@@ -209,3 +211,63 @@ def test_bench_gdn_section_times_both_decodes(capsys):
                 "--warmup=0", "--threads=1"])
     out = capsys.readouterr().out
     assert "grid / recurrent, rollout time" in out and "GDN layer forward, recurrent" in out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the triton backend's kernel (hybrids/gdn_triton.py), under the interpreter on the CPU: its rows the
+# same bits however many follow them and whatever the batch (the chunk's rows sit at their grid
+# positions in the trainer and the sampler alike, so BLAS's position-dependent bits cannot part them)
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def triton_backend():
+    pytest.importorskip("triton")
+    import kernels
+    with kernels.set_backend("triton"):
+        yield
+
+
+def test_the_triton_chunk_is_the_torch_chunk_within_fp32(triton_backend):
+    """Dims that are not powers of two (12 keys, 20 values: padded tiles, three value blocks), a complete and
+    a partial chunk: output and end state within 1e-5 relative of the torch form's."""
+    q, k, v, g, beta = (gdn._to_chunks(x, 1, gdn.CHUNK)[:, :, 0] for x in inputs(L=64, dk=12, dv=20))
+    state = torch.randn(2, 2, 12, 20, generator=torch.Generator().manual_seed(4)) * 0.3
+    for n in (64, 37):
+        part = [x.clone() for x in (q, k, v, g, beta)]
+        for x in part:
+            x[:, :, n:] = 0
+        got, want = gdn.chunk(*part, state), gdn.chunk_torch(*part, state)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max(), n
+
+
+def test_triton_rows_are_the_same_bits_in_a_prefix_each_decode_step_and_a_batch(triton_backend):
+    """A batch of three sequences of 70 positions; the middle one alone as prefixes of 5, 64 and 65 positions
+    and decoded a token at a time from 60 (across the boundary): every row torch.equal to the batch's.
+    Control: the recurrent form differs."""
+    q, k, v, g, beta = inputs(B=3, L=70, dk=16, dv=16, seed=2)
+    full, _, _ = gdn.chunked(q, k, v, g, beta)
+    one = [x[1:2] for x in (q, k, v, g, beta)]
+    for prompt in (5, 64, 65):
+        part, _, _ = gdn.chunked(*(x[:, :prompt] for x in one))
+        assert torch.equal(part, full[1:2, :prompt]), prompt
+    assert torch.equal(decode_rows(*one, 60), full[1:2, 60:])
+    assert not torch.equal(gdn.recurrent(*one)[0], full[1:2])
+
+
+def test_triton_chunk_gradients_are_the_torch_forms(triton_backend):
+    """The kernel's backward (autograd through the torch form, recomputed from the kernel's inputs): every
+    input's gradient through `chunked` (two chunks, the state carried: the second chunk starts from the
+    kernel's end state, within fp32 of the torch form's) within 1e-5 of the torch backend's for the same
+    upstream gradient, and so is the forward."""
+    import kernels
+    ins = inputs(B=1, L=70, dk=16, dv=16, seed=3)
+    w = torch.randn(1, 70, 2, 16, generator=torch.Generator().manual_seed(5))
+    found = []
+    for backend in ("triton", "torch"):
+        with kernels.set_backend(backend):
+            xs = [x.clone().requires_grad_() for x in ins]
+            out = gdn.chunked(*xs)[0]
+            found.append((out.detach(), torch.autograd.grad((out * w).sum(), xs)))
+    (out_t, grads_t), (out_p, grads_p) = found
+    assert (out_t - out_p).abs().max() <= 1e-5 * out_p.abs().max()
+    assert all((a - b).abs().max() <= 1e-5 * b.abs().max() for a, b in zip(grads_t, grads_p))

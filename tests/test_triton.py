@@ -87,12 +87,12 @@ def test_backend_selection():
     x = torch.zeros(2, 3)
     assert kernels.get_backend() in kernels.BACKENDS
     with kernels.set_backend("torch"):
-        assert kernels._triton_for(x) is None
+        assert kernels.triton_for(x) is None
         with kernels.set_backend("triton"):
-            assert kernels._triton_for(x) is kt
+            assert kernels.triton_for(x) is kt
         assert kernels.get_backend() == "torch"               # the context manager restores
     with kernels.set_backend("auto"):
-        assert kernels._triton_for(x) is None                 # CPU tensors stay on torch in auto mode
+        assert kernels.triton_for(x) is None                 # CPU tensors stay on torch in auto mode
     with pytest.raises(ValueError, match="choose one of"):
         kernels.set_backend("cuda")
 

@@ -2,6 +2,7 @@
 
     python tools/compile_check.py              # sm_90 (H100/H200), bf16 and fp32
     python tools/compile_check.py --arch 80 90 # also sm_80 (A100)
+    python tools/compile_check.py --gdn        # also the hybrids' Gated DeltaNet kernel
 
 The interpreter tests (tests/test_triton.py) check what the kernels compute; they cannot show that the
 kernels compile, since the interpreter runs the Python body. This script drives the trainer (score
@@ -40,6 +41,7 @@ from config import ModelConfig                                     # noqa: E402
 from kernels_triton import ops as kt                               # noqa: E402
 from kernels_triton import moe as ktm                              # noqa: E402
 from kernels_triton import vocab as ktv                            # noqa: E402
+from hybrids import gdn_triton as ktg                              # noqa: E402
 from model import Transformer                                      # noqa: E402
 from rollout import Sampler                                        # noqa: E402
 
@@ -76,7 +78,7 @@ class intercept:
 
     def __enter__(self):
         self.launches: list = []
-        self.originals = [(mod, n, f) for mod in (kt, ktm, ktv) for n, f in vars(mod).items()
+        self.originals = [(mod, n, f) for mod in (kt, ktm, ktv, ktg) for n, f in vars(mod).items()
                           if isinstance(f, JITFunction) and n.endswith("_kernel")]
         for mod, name, fn in self.originals:
             setattr(mod, name, Recorder(fn, self.launches))
@@ -141,6 +143,13 @@ def mla_launches(dtype: torch.dtype) -> None:
     logp.float().sum().backward()
     with torch.no_grad():
         rollout(model, [23, 5], 2, 16)
+
+
+def gdn_launches() -> None:
+    """Qwen3.5-MoE's Gated DeltaNet chunk (hybrids/gdn_triton.py: 128 key and value dims a head, fp32 in
+    any compute dtype): about a minute and a half of ptxas, so only with --gdn."""
+    q = torch.randn(1, 2, 64, 128)
+    ktg.chunk_forward(q, q, q, q[..., 0], q[..., 0], torch.randn(1, 2, 128, 128))
 
 
 def trainer_forward(model, B, T):
@@ -247,6 +256,7 @@ def main() -> int:
                     help="only the geometry check, with the matmul's row count specialized again: must report problems")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), nargs="+", default=["bfloat16", "float32"],
                     help="the compute dtypes whose binaries are compiled (default both)")
+    ap.add_argument("--gdn", action="store_true", help="also the hybrids' Gated DeltaNet chunk kernel (fp32)")
     args = ap.parse_args()
     t0 = time.time()
     if args.control:     # shows the geometry check can fail: M == 1 (decode) then compiles its own binary
@@ -282,6 +292,10 @@ def main() -> int:
             mla_launches(dtype)                                                 # Moonlight-16B-A3B's MLA
         for launch in recorded:
             launches.setdefault(spec_key(*launch), launch)
+    if args.gdn:
+        with intercept() as recorded:
+            gdn_launches()
+        launches.update((spec_key(*launch), launch) for launch in recorded)
     for (name, _, _), (fn, a, kw) in launches.items():
         consts = {k: v for k, v in kw.items() if k != "enable_fp_fusion"}
         dt = next(str(x.dtype).removeprefix("torch.") for x in a if isinstance(x, torch.Tensor))
