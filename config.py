@@ -590,7 +590,6 @@ class TrainOptions(Options):
         _require_range(self, "lr", lambda v: v >= 0, ">= 0 (0: a frozen policy)")
         _require_range(self, "grad_clip tis_cap", lambda v: v > 0, "> 0")
         _require_range(self, "kl_coef eps_high gspo_eps_high weight_decay", lambda v: v >= 0, ">= 0")
-        _require_range(self, "router_aux_loss_coef router_z_loss_coef", lambda v: v >= 0, ">= 0 (0: off)")
         _require_range(self, "eps_low gspo_eps_low", lambda v: 0 <= v < 1, "in [0, 1)")
         _require_range(self, "beta1 beta2", lambda v: 0 <= v < 1, "in [0, 1)")
         self._check_schedule()
@@ -710,8 +709,7 @@ class TrainOptions(Options):
         """The options that need the model: the route options refuse a model without a router (they
         would do nothing), the bias update needs a bias, and the task's ids must fit the vocabulary."""
         if not model.moe_layers:
-            for name, off in (("replay", "none"), ("route_filter", "none"),
-                              ("route_filter_tokens", ""), ("router_aux_loss_coef", 0.0), ("router_z_loss_coef", 0.0)):
+            for name, off in (("replay", "none"), ("route_filter", "none"), ("route_filter_tokens", "")):
                 _require(getattr(self, name) == off,
                          f"--{name}={getattr(self, name)}: the model has no MoE layer (no routes); drop it")
         _require(self.expert_bias_update_rate == 0 or model.score_correction_bias,
@@ -735,11 +733,6 @@ class TrainOptions(Options):
         _require(self.expert_bias_update_rate == 0 or self.master_dtype == "float32" or self.router_dtype == "float32",
                  "--expert_bias_update_rate needs a float32 bias: keep --master_dtype=float32 (or pass "
                  "--router_dtype=float32); a bf16 bias would round away updates smaller than its precision")
-
-    @property
-    def router_losses(self) -> bool:
-        """Whether the trainer's forwards keep the router's logits (model.score(router_logits=True))."""
-        return self.router_aux_loss_coef > 0 or self.router_z_loss_coef > 0
 
     @property
     def mixed_precision(self) -> bool:
@@ -807,7 +800,7 @@ class TaskOptions(Options):
 
 @dataclass
 class ObjectiveOptions(Options):
-    """The objectives' other knobs (losses.py's tables) and the router's training."""
+    """The objectives' other knobs (losses.py's tables) and the router's training (its losses: router_losses/)."""
     dual_clip_c: float = 0.0          # > 1: GRPO tokens with A < 0 lose at most -A * c (0: off)
     gspo_eps_low: float = 3e-4        # GSPO's clip range on the sequence ratio: below 1 - this ...
     gspo_eps_high: float = 4e-4       # ... and above 1 + this
@@ -816,10 +809,6 @@ class ObjectiveOptions(Options):
     sapo_tau_neg: float = 1.05        # ... for A < 0
     entropy_coef: float = 0.0         # an entropy bonus: minus this times the entropy of softmax(logits / T) at each
                                       # response token, aggregated as the loss (0: off; e.g. 1e-3 against a collapse)
-    router_aux_loss_coef: float = 0.0 # + this times Switch's load-balancing loss E sum_i f_i P_i (1 when balanced;
-                                      # per sequence and MoE layer; losses.load_balancing_loss; 0: off; e.g. 1e-3)
-    router_z_loss_coef: float = 0.0   # + this times ST-MoE's router z-loss, the mean of logsumexp(router logits)^2
-                                      # (losses.router_z_loss; 0: off; e.g. 1e-3)
     mis_low: float = 0.5              # reject and icepop keep rho inside [mis_low, mis_high]
     mis_high: float = 5.0             # ... (mis keeps rho <= mis_high: masked IS's C)
     seq_rho: str = "geo_mean"         # seq_*: the sequence's rho as the geometric mean of its tokens' rho, or

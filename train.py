@@ -52,8 +52,7 @@ from tqdm.auto import tqdm
 import kernels
 import replay
 from config import ConfigError, configs, help_text, model_help, parse_args
-from losses import (Normalisers, correction_weights, group_advantages, rejects, router_metrics, router_objective,
-                    token_objective)
+from losses import Normalisers, correction_weights, group_advantages, rejects, token_objective
 from model import Transformer
 from rollout import Sampler
 from support.checkpoint import (RunError, build_model, check_finite_weights, command_line_configs, load_optimizer_state,
@@ -305,7 +304,6 @@ class MinibatchResult:
     entropy_sum: float               # entropy summed over its response tokens
     filtered: float                  # response tokens the route filter masked or down-weighted
     tokens: float                    # response tokens
-    router: list                     # (router_aux_loss, router_z_loss) unweighted (losses.router_objective)
     gathered: Scored | None = None   # with audit=True: every rank's forwards, in the micro-batches' order
 
 
@@ -320,12 +318,10 @@ class UpdateStats:
     entropy_sum: float = 0.0
     filtered: float = 0.0
     tokens: float = 0.0
-    router: list = dataclasses.field(default_factory=list)   # each forward's router losses (losses.router_metrics)
 
     def add_forward(self, r: MinibatchResult) -> None:
         for k in ("entropy_sum", "filtered", "tokens"):
             setattr(self, k, getattr(self, k) + getattr(r, k))
-        self.router.append(r.router)
 
     def add_update(self, r: MinibatchResult) -> None:
         self.grad_norm += r.grad_norm
@@ -363,7 +359,7 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateSta
     return stats, first
 
 
-MICRO_STATS = ("loss", "clipped", "entropy_sum", "filtered", "tokens", "router_aux", "router_z")   # micro_step's sums
+MICRO_STATS = ("loss", "clipped", "entropy_sum", "filtered", "tokens")   # micro_step's sums, then the hooks' micro_stats
 
 
 def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, step: int, mode: str,
@@ -378,7 +374,8 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     policy.start_minibatch(lr_at(step, tcfg, run.surge.step))
     micros = trainer_micro_batches(run, idx, batch.lengths)
     steps = lockstep(micros, batch.lengths, run.d)
-    table = torch.zeros(len(micros), len(MICRO_STATS), dtype=torch.float64)   # row i: micro-batch i's, by its rank
+    width = len(MICRO_STATS) + sum(len(h.micro_stats) for h in run.hooks)
+    table = torch.zeros(len(micros), width, dtype=torch.float64)     # row i: micro-batch i's, by its rank
     parts = {}                                                        # micro-batch index (None: a null one) -> forward
     for n, (i, micro) in enumerate(steps):
         with policy.grad_sync(last=n == len(steps) - 1):
@@ -386,18 +383,21 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
         if i is not None:
             table[i] = torch.tensor(sums, dtype=torch.float64)
     gn = policy.finish_grads()          # summed over ranks (exact, or the wrappers' fp32), clipped
-    loss, clipped, entropy, filtered, tokens, *router = (sum(col) for col in all_owned(table, run.d).T.tolist())
+    loss, clipped, entropy, filtered, tokens, *extra = (sum(col) for col in all_owned(table, run.d).T.tolist())
+    for h in run.hooks:                                               # the plug-ins' sums (--router_aux_loss_coef)
+        h.minibatch_sums(extra[:len(h.micro_stats)])
+        extra = extra[len(h.micro_stats):]
     real = sorted(i for i in parts if i is not None)
     scored = on_host([parts[i] for i in real]) if real else None
     gathered = gather_scored(parts, [len(m.rows) for m in micros], run.d) if audit else None
-    return MinibatchResult(loss, clipped, gn, scored, entropy, filtered, tokens, router, gathered)
+    return MinibatchResult(loss, clipped, gn, scored, entropy, filtered, tokens, gathered)
 
 
 def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: Normalisers, mode: str,
                counted: bool) -> tuple[Scored, list[float]]:
     """One micro-batch's forward and backward (its gradients go where Policy.grad_sync sends them) and
     its MICRO_STATS. A null micro-batch (counted=False) runs the same ops, its loss times 0."""
-    tcfg, device, scoring = run.tcfg, run.d.device, run.policy.master.config.router_scoring
+    tcfg, device = run.tcfg, run.d.device
     sub, mb = micro.rows, batch.select(micro.rows)
     old_routes = None if old.audit is None else old.audit.routes[sub]
     out = forward(run, run.policy.trainer, mb, micro, grad=True, with_entropy=True, counted=counted,
@@ -409,10 +409,13 @@ def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: 
     loss, clipped = token_objective(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg, norm,
                                     weights, None if old.ref_logp is None else old.ref_logp[sub].to(device),
                                     entropy=out.entropy if tcfg.entropy_coef > 0 else None)
-    loss, router = router_objective(loss, out.detail.logits, out.routes, mb.lengths, tcfg, norm, scoring)
+    extra = []
+    for h in run.hooks:                                               # the plug-ins' terms (router_losses/)
+        loss, sums = h.micro_loss(run, loss, out, mb, norm)
+        extra += sums
     (loss * (run.policy.loss_scale if counted else 0.0)).backward()
     sums = [loss.item(), (clipped.float() * mask).sum().item() / norm.tokens, (out.entropy.detach() * response).sum().item(),
-            0.0 if keep is None else ((keep < 1) * response).sum().item(), mb.mask.sum().item(), *router.tolist()]
+            0.0 if keep is None else ((keep < 1) * response).sum().item(), mb.mask.sum().item(), *extra]
     return dataclasses.replace(out, logp=logp, detail=dataclasses.replace(out.detail, logits=None)), sums   # logits freed
 
 
@@ -441,7 +444,7 @@ def forward(run: Run, score: Callable, mb: Batch, micro: MicroBatch, *, grad: bo
     with torch.set_grad_enabled(grad), trainer_forward(run, counted):
         out = score(tokens.to(dev), temperature=run.rcfg.temperature, routes=None if routes is None else routes.to(dev),
                     with_entropy=with_entropy, logits_chunk=run.tcfg.logits_chunk, packing=pk, route_detail=True,
-                    entropy_grad=entropy_grad, router_logits=grad and run.tcfg.router_losses)   # their losses' logits
+                    entropy_grad=entropy_grad, router_logits=grad and any(h.router_logits for h in run.hooks))
         logp, used, entropy, detail = out[0], out[1], out[2] if with_entropy else None, out[-1]
         if pk is not None:
             logp, used = unpack(pk, logp, T - 1), unpack(pk, used, T, fill=-1)
@@ -465,7 +468,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
     all_rewards = all_cat(rewards, run.d)
     row = {"step": step + 1, "reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std().item(),
            "response_len": all_cat(lengths, run.d).mean().item(),
-           **stats.means(), **router_metrics(run.tcfg, stats.router),
+           **stats.means(),
            **replay.mismatch_metrics(audited.logp, batch.rollout_logp[rows], batch.mask[rows]),
            **replay.route_audit(batch.routes[rows], audited.routes, batch.route_mask[rows], n_experts, audited.detail),
            # the entropy of softmax(logits / T) at the response tokens, from the training forwards

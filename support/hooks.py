@@ -14,6 +14,11 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     before_steps(run, forward, micro_batches, save)   before RL step 1 (the supervised phase), with train.py's
                              forward, trainer_micro_batches and checkpoint: no second training path
     trainer_forward(run)     a context around each counted trainer forward (not the null micro-batches)
+    micro_loss(run, loss, out, mb, norm)   -> (the micro-batch's loss with the plug-in's terms, its sums: one
+                             float per name in `micro_stats`); out: the forward (packing.Scored, the router's
+                             logits in out.detail when `router_logits`), mb: the micro-batch, norm: losses.Normalisers
+    minibatch_sums(sums)     the micro_stats' sums over the minibatch's micro-batches and the ranks (in the
+                             micro-batches' order: the same at every world size), after each minibatch's forward
     step_metrics(run, step, batch, audited)   keys beside the step's metrics, before their reduction
     after_step(run, step, batch, rewards)     keys after the step's metrics: evaluations, re-plans (rewards:
                              this rank's, (n,); batch: the global one)
@@ -48,6 +53,8 @@ import config
 class Hooks:
     """A plug-in's hooks; each does nothing here."""
     name = ""                        # its key in a checkpoint's plugin state ("": it keeps none)
+    router_logits = False            # the trainer's forwards keep the gate logits, with their gradient (micro_loss's)
+    micro_stats: tuple[str, ...] = ()   # the names of micro_loss's sums
 
     def check_build(self, task, config) -> None:
         pass
@@ -69,6 +76,12 @@ class Hooks:
 
     def trainer_forward(self, run):
         return contextlib.nullcontext()
+
+    def micro_loss(self, run, loss, out, mb, norm):
+        return loss, []
+
+    def minibatch_sums(self, sums: list[float]) -> None:
+        pass
 
     def step_metrics(self, run, step: int, batch, audited) -> dict:
         return {}

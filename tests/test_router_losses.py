@@ -1,4 +1,4 @@
-"""The router's training losses (losses.load_balancing_loss, losses.router_z_loss, losses.router_objective):
+"""The router's training losses (router_losses/router.py: load_balancing_loss, router_z_loss, router_objective):
 their values against the papers' formulas written out and against transformers' load_balancing_loss_func
 (the held-out reference), their gradients against autograd of plain references, the model's opt-in router
 logits (model.score(router_logits=True)), and the trainer's --router_aux_loss_coef / --router_z_loss_coef.
@@ -14,10 +14,11 @@ import sys
 import pytest
 import torch
 
-import losses
 import train
 from config import ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args
-from losses import Normalisers, load_balancing_loss, router_objective, router_probs, router_z_loss, token_objective
+from losses import Normalisers, token_objective
+from router_losses import router
+from router_losses.router import load_balancing_loss, router_objective, router_probs, router_z_loss
 from model import Transformer
 from rollout import Sampler
 from support.packing import pack, unpack
@@ -340,4 +341,4 @@ def test_help_lists_them(capsys):
     train.cli(["--help"])
     out = capsys.readouterr().out
     assert "--router_aux_loss_coef=0.0" in out and "--router_z_loss_coef=0.0" in out
-    assert losses.ROUTER_LOSSES == {"router_aux_loss": "router_aux_loss_coef", "router_z_loss": "router_z_loss_coef"}
+    assert router.ROUTER_LOSSES == {"router_aux_loss": "router_aux_loss_coef", "router_z_loss": "router_z_loss_coef"}
