@@ -73,7 +73,7 @@ def chunk(q, k, v, g, beta, state):
     if kernels.triton_for(q) is None:
         return chunk_torch(q, k, v, g, beta, state)
     from hybrids import gdn_triton
-    return gdn_triton.Chunk.apply(q, k, v, g, beta, state)
+    return gdn_triton.Chunk.apply(chunk_torch, q, k, v, g, beta, state)
 
 
 def chunk_torch(q, k, v, g, beta, state):

@@ -85,19 +85,20 @@ def chunk_forward(q, k, v, g, beta, state):
 
 
 class Chunk(torch.autograd.Function):
-    """The kernel's forward; the backward is autograd's through gdn.chunk's torch form, recomputed."""
+    """Chunk.apply(torch_form, q, k, v, g, beta, state): the kernel's forward; the backward is autograd's
+    through torch_form (gdn.chunk_torch, handed in: this file imports nothing of hybrids/), recomputed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, state):
+    def forward(ctx, torch_form, q, k, v, g, beta, state):
+        ctx.torch_form = torch_form
         ctx.save_for_backward(q, k, v, g, beta, state)
         return chunk_forward(q, k, v, g, beta, state)
 
     @staticmethod
     def backward(ctx, d_out, d_end):
-        from hybrids.gdn import chunk_torch
         ins = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         with torch.enable_grad():
-            outs = chunk_torch(*ins)
+            outs = ctx.torch_form(*ins)
         wanted = [x for x in ins if x.requires_grad]
         grads = iter(torch.autograd.grad(outs, wanted, (d_out, d_end), allow_unused=True))
-        return tuple(next(grads) if x.requires_grad else None for x in ins)
+        return (None, *(next(grads) if x.requires_grad else None for x in ins))

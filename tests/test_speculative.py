@@ -27,7 +27,7 @@ from support import runlog
 from conftest import assert_contract
 from model import Transformer
 from rollout import Sampler
-from scheduler import BlockManager, Scheduler, Sequence, Step
+from scheduler import BlockManager, Scheduler, Sequence
 from support.distributed import sampler_rates
 from test_rollout import cuda, make_model
 from test_sessions import ToyEnv, assert_episode_contract
