@@ -548,6 +548,8 @@ class TrainOptions(Options):
     tis_cap: float = 2.0              # tis: the cap C of min(rho, C)
     replay: str = "none"              # none | r3 (the rollout's routes) | old (the recomputed old policy's routes,
                                       # "vanilla routing replay"; needs --recompute_old_logp)
+    replay_steps: int = 0             # > 0: replay on the first N optimizer steps of each batch only (bounded
+                                      # replay), then the router's own routes (0: on every one)
     # logging
     log_every: int = 1                # write a metrics.jsonl row every N steps
     save_every: int = 50              # checkpoint every N steps (and at the end)
@@ -585,7 +587,6 @@ class TrainOptions(Options):
         bad = sorted(set(self.model_overrides) - set(MODEL_OPTIONS))
         _require(not bad, f"model_overrides {bad}: not ModelConfig fields the command line can set")
         _require(not self.env or self.task == "jsonl", f"--env={self.env!r}: needs --task=jsonl (its prompts and tokenizer)")
-        _require_range(self, "route_filter_threshold", lambda v: 0 <= v <= 1, "in [0, 1]")
         _require_range(self, "save_every log_every", lambda v: v > 0, ">= 1")
         _require_range(self, "lr", lambda v: v >= 0, ">= 0 (0: a frozen policy)")
         _require_range(self, "grad_clip tis_cap", lambda v: v > 0, "> 0")
@@ -666,34 +667,14 @@ class TrainOptions(Options):
         _require(self.kl_estimator in KL_ESTIMATORS, f"--kl_estimator={self.kl_estimator!r}: {', '.join(KL_ESTIMATORS)}")
 
     def _check_replay(self):
-        """--replay and --route_filter against replay.py's tables (the life of a route has one home)."""
-        from replay import REPLAY_MODES, ROUTE_FILTER_LEVELS, ROUTE_FILTERS
+        """--replay against replay.py's table (the life of a route has one home)."""
+        from replay import REPLAY_MODES
         _require(self.replay in REPLAY_MODES, f"--replay={self.replay!r}: choose one of {', '.join(REPLAY_MODES)}")
         _require(self.replay != "old" or self.recompute_old_logp,
                  "--replay=old replays the routes of the recomputed old-policy forward: add --recompute_old_logp=true")
         _require(self.replay_steps >= 0, f"--replay_steps={self.replay_steps}: must be >= 0 (0: replay on every update)")
         _require(not self.replay_steps or self.replay != "none",
                  f"--replay_steps={self.replay_steps} bounds a replay: add --replay=r3 or --replay=old")
-        _require(self.route_filter in ROUTE_FILTERS, f"--route_filter: {', '.join(ROUTE_FILTERS)}")
-        _require(self.route_filter_level in ROUTE_FILTER_LEVELS,
-                 f"--route_filter_level={self.route_filter_level!r}: {' or '.join(ROUTE_FILTER_LEVELS)}")
-        _require(all(re.fullmatch(r"\d+|[A-Za-z_]\w*", t) for t in self._key_token_items()),
-                 f"--route_filter_tokens={self.route_filter_tokens!r}: comma-separated token ids and / or a task's "
-                 "token class, e.g. --route_filter_tokens=digits or --route_filter_tokens=15,16")
-
-    def _key_token_items(self) -> list[str]:
-        return [t.strip() for t in self.route_filter_tokens.split(",")] if self.route_filter_tokens.strip() else []
-
-    def route_filter_token_ids(self, task, vocab_size: int) -> tuple[int, ...]:
-        """--route_filter_tokens as sorted ids: its ids and its classes' (task.token_class, which refuses a class
-        the task does not define); an id outside the model's vocabulary is one line. () when off."""
-        ids = set()
-        for item in self._key_token_items():
-            ids.update([int(item)] if item.isdigit() else task.token_class(item))
-        bad = sorted(i for i in ids if i >= vocab_size)
-        _require(not bad, f"--route_filter_tokens={self.route_filter_tokens}: ids {bad[:5]} are not in the model's "
-                 f"vocabulary of {vocab_size} ids (0..{vocab_size - 1})")
-        return tuple(sorted(ids))
 
     def check_ranks(self, n_train: int, n_rollout: int = 0) -> None:
         """The batch must split evenly over the training ranks (and --rollout_ranks' ranks)."""
@@ -709,9 +690,7 @@ class TrainOptions(Options):
         """The options that need the model: the route options refuse a model without a router (they
         would do nothing), the bias update needs a bias, and the task's ids must fit the vocabulary."""
         if not model.moe_layers:
-            for name, off in (("replay", "none"), ("route_filter", "none"), ("route_filter_tokens", "")):
-                _require(getattr(self, name) == off,
-                         f"--{name}={getattr(self, name)}: the model has no MoE layer (no routes); drop it")
+            _require(self.replay == "none", f"--replay={self.replay}: the model has no MoE layer (no routes); drop it")
         _require(self.expert_bias_update_rate == 0 or model.score_correction_bias,
                  "--expert_bias_update_rate needs a model with a score-correction bias "
                  "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")
@@ -820,20 +799,6 @@ class ObjectiveOptions(Options):
 
 
 @dataclass
-class RouteOptions(Options):
-    """A route's life beyond R3 (replay.py): bounded replay, the route filters."""
-    replay_steps: int = 0             # > 0: replay on the first N optimizer steps of each batch only (bounded
-                                      # replay), then the router's own routes (0: on every one)
-    route_filter: str = "none"        # none | mask | downweight: the loss of tokens whose rollout/trainer top-k
-                                      # overlap is below --route_filter_threshold (masked, or times the overlap)
-    route_filter_threshold: float = 0.9    # --route_filter: the overlap (mean over MoE layers) a token needs
-    route_filter_level: str = "token"      # token | sequence: filter whole responses by their mean overlap
-    route_filter_tokens: str = ""     # key tokens: comma-separated ids and / or a task's token class (digits); such a
-                                      # response token gets loss weight 0 where its top-1 expert flipped in any MoE
-                                      # layer (times --route_filter's weight if both are on); "": off
-
-
-@dataclass
 class LogOptions(Options):
     """What a run shows and writes beyond metrics.jsonl (support/runlog.py, replay.py's diagnostics)."""
     FREE_ON_RESUME = ("log_samples", "log_to", "diagnostics", "entropy_warn", "entropy_warn_steps")
@@ -908,7 +873,7 @@ def configs(folders=None) -> tuple[type, type]:
 @functools.cache
 def _configs(folders: frozenset[str]) -> tuple[type, type]:
     mods = plugin_modules(folders)
-    tcls = compose("TrainConfig", TrainOptions, [TaskOptions, ObjectiveOptions, RouteOptions, LogOptions,
+    tcls = compose("TrainConfig", TrainOptions, [TaskOptions, ObjectiveOptions, LogOptions,
                                                  *(g for m in mods for g in m.TRAIN)])
     rcls = compose("RolloutConfig", RolloutOptions, [g for m in mods for g in m.ROLLOUT])
     tcls.plugins = rcls.plugins = tuple(mods)                    # their step hooks (support/hooks.plugin_hooks)

@@ -1,6 +1,6 @@
-"""The life of a route: record -> pack -> replay -> audit -> filter.
+"""The life of a route: record -> pack -> replay -> audit (-> filter: route_filter/, a plug-in).
 
-    from replay import pack_routes, routes_to_replay, route_audit, route_filter_weights
+    from replay import pack_routes, routes_to_replay, route_audit
     routes = pack_routes([o.routes for o in outs], lengths, T)     # the rollout's routes, batch-shaped
     forced = routes_to_replay("r3", routes, old_routes=None)       # what the trainer's forward replays
     logp, used = model.score(tokens, routes=forced)                # used: the router's own choice
@@ -23,13 +23,12 @@ A route is the top-k expert ids of one token at one MoE layer; a batch of them i
    `mismatch_metrics` does the same for log-probs; `load_histogram`, `route_drift` and `diagnostics`
    feed routes.jsonl, the probe and diagnostics.jsonl (`hold_out`: its sequences chosen before the update,
    and kept out of it).
-5. **Filter.** `route_filter_weights`: the loss weights of tokens by their top-k overlap (the cheaper
-   alternative to R3), `key_token_weights`: 0 for chosen key tokens whose top-1 expert flipped; composed
-   into the objective by losses.token_objective.
+5. **Filter.** route_filter/ (a plug-in): the loss weights of tokens by their top-k overlap (the cheaper
+   alternative to R3) and of key tokens whose top-1 expert flipped, through the step's `token_weights` seam.
 `topk_overlap` and `expert_load` are the two measures the rest is built from (the aux-loss-free bias
 update, distributed.Policy.step, balances the load).
-The replay options' names are the tables below (REPLAY_MODES, ROUTE_FILTERS, ROUTE_FILTER_LEVELS);
-config.TrainConfig validates --replay and --route_filter against them.
+The replay options' names are the table below (REPLAY_MODES); config.TrainConfig validates --replay
+against it.
 """
 from __future__ import annotations
 
@@ -38,8 +37,6 @@ import math
 import torch
 
 REPLAY_MODES = ("none", "r3", "old")          # --replay: nothing, the rollout's routes, the old policy's
-ROUTE_FILTERS = ("none", "mask", "downweight")   # --route_filter
-ROUTE_FILTER_LEVELS = ("token", "sequence")   # --route_filter_level
 
 
 def pack_routes(routes: list[torch.Tensor], lengths: list[int], T: int) -> torch.Tensor:
@@ -84,70 +81,6 @@ def topk_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     k = a.shape[-1]
     hit = (a[..., :, None] == b[..., None, :]).any(-1)               # (..., k): is a's id among b's
     return hit.sum(-1).float() / k
-
-
-def token_overlap(rollout: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
-    """Each token's top-k overlap averaged over MoE layers: routes (B, T, n_moe, k) -> (B, T); 1 where
-    the model has no MoE layer (nothing can flip)."""
-    if rollout.shape[2] == 0:
-        return torch.ones(rollout.shape[:2], device=rollout.device)
-    return topk_overlap(rollout, train).mean(-1)
-
-
-def route_filter_weights(overlap: torch.Tensor, mode: str, threshold: float, level: str = "token",
-                         mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token loss weights (B, T) from each token's top-k overlap (B, T) (token_overlap: the
-    rollout's experts against the trainer's, averaged over MoE layers). mask: 0 for tokens whose overlap
-    is below the threshold; downweight: their loss times the overlap.
-    level "sequence": the same rule on each response's mean overlap over its tokens (mask (B, T), the
-    response tokens), applied to all its tokens. Without a mismatch every overlap is 1: weights all 1."""
-    if level == "sequence":
-        m = mask.to(overlap.dtype)
-        mean = (overlap * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)   # (B, 1)
-        overlap = torch.where(m.sum(-1, keepdim=True) > 0, mean, 1.0).expand_as(overlap)
-    below = overlap < threshold
-    if mode == "mask":
-        return (~below).float()
-    if mode == "downweight":
-        return torch.where(below, overlap, 1.0)
-    return torch.ones_like(overlap)
-
-
-def route_filter(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor, cfg,
-                 tokens: torch.Tensor | None = None, key_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The route filters' per-token loss weights (B, T-1) for a forward's routes (B, T, n_moe, k) against the
-    rollout's (position j's route scores token j + 1, as logp[:, j]); mask (B, T-1): the loss tokens.
-    --route_filter's (route_filter_weights) times --route_filter_tokens' (key_token_weights of tokens (B, T)
-    and key_tokens, key_token_table's); None when both are off (cfg: a TrainConfig)."""
-    weights = None
-    if cfg.route_filter != "none":
-        overlap = token_overlap(rollout[:, :-1], train[:, :-1])
-        weights = route_filter_weights(overlap, cfg.route_filter, cfg.route_filter_threshold, cfg.route_filter_level,
-                                       mask)
-    if key_tokens is not None:
-        key = key_token_weights(rollout, train, tokens.to(rollout.device), key_tokens)
-        weights = key if weights is None else weights * key
-    return weights
-
-
-def key_token_table(ids, vocab_size: int, device=None) -> torch.Tensor | None:
-    """(V,) bool: the ids --route_filter_tokens names (TrainConfig.route_filter_token_ids); None for none (off)."""
-    if not ids:
-        return None
-    table = torch.zeros(vocab_size, dtype=torch.bool)
-    table[list(ids)] = True
-    return table.to(device)
-
-
-def key_token_weights(rollout: torch.Tensor, train: torch.Tensor, tokens: torch.Tensor,
-                      table: torch.Tensor) -> torch.Tensor:
-    """--route_filter_tokens' weights (B, T-1): 0 for a key token (table[token], (V,) bool) whose top-1 expert at
-    the position that scores it differs between the rollout's and the trainer's routes (B, T, n_moe, k) in any
-    MoE layer, else 1; tokens (B, T), column j of the result scores tokens[:, j + 1]. Without a mismatch no
-    top-1 differs: every weight is exactly 1."""
-    first_r, first_t = rollout[:, :-1, :, 0], train[:, :-1, :, 0]           # (B, T-1, n_moe): the first choices
-    flipped = ((first_r != first_t) & (first_r >= 0)).any(-1)               # an unrecorded position (-1) is no flip
-    return (~(flipped & table[tokens[:, 1:]])).float()
 
 
 def expert_load(routes: torch.Tensor, n_experts: int) -> torch.Tensor:

@@ -86,7 +86,6 @@ class Run:
     start: int                       # the first step to run (> 0 on resume)
     skipped: int                     # optimizer steps skipped for a non-finite loss or gradient so far
     metrics_path: str
-    key_tokens: torch.Tensor | None = None   # --route_filter_tokens' ids, a (V,) bool table (replay.key_token_table)
     outputs: Outputs | None = None   # identity of the exports, eval task, logger (set by open_outputs)
     rollouts: Synchronous | None = None     # where each step's batch comes from (support/hooks.py; set by setup)
     surge: LengthSurge = dataclasses.field(default_factory=LengthSurge)   # --surge_window's detector (lr_at reads it)
@@ -404,7 +403,11 @@ def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: 
                   entropy_grad=tcfg.entropy_coef > 0, routes=replay.routes_to_replay(mode, mb.routes, old_routes))
     logp = out.logp.float()
     mask, response = old.loss_mask[sub].to(device), mb.mask.to(device)
-    keep = replay.route_filter(mb.routes.to(device), out.routes, response, tcfg, mb.tokens, run.key_tokens)   # the filters
+    keep = None
+    for h in run.hooks:                                               # the plug-ins' weights (route_filter/)
+        w = h.token_weights(run, mb, out, response)
+        if w is not None:
+            keep = w if keep is None else keep * w
     weights = tuple(w for w in (None if old.weights is None else old.weights[sub].to(device), keep) if w is not None)
     loss, clipped = token_objective(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg, norm,
                                     weights, None if old.ref_logp is None else old.ref_logp[sub].to(device),
@@ -524,7 +527,6 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
     task, preset, config = run_task(tcfg, rcfg)
     experts = held_experts(hooks, tcfg, config.num_experts, d.world)   # EP: this rank's (parallel/); None: all
     tcfg.check_model(config, task.vocab_size)
-    key_tokens = replay.key_token_table(tcfg.route_filter_token_ids(task, config.vocab_size), config.vocab_size, d.device)
     for hook in hooks:
         hook.check_build(task, config)
     home = master_device(hooks, d)                                    # offload: the host (memory/)
@@ -554,7 +556,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
     # the gradients and AdamW's moments are allocated after the sampler sizes its KV pool from the free
     # memory: set aside (Policy.reserve_bytes); activations and temporaries come out of the rest
     sampler = wrap_sampler(hooks, Sampler(policy.sampler, rcfg, reserve_bytes=policy.reserve_bytes()))
-    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, key_tokens, sft_done=sft_done,
+    run = Run(tcfg, rcfg, d, task, policy, ref_model, sampler, start, skipped, metrics_path, sft_done=sft_done,
               hooks=hooks)
     for hook in run.hooks:                                            # before any forward (EPLB's layouts)
         hook.setup(run, resumed)

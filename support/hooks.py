@@ -14,6 +14,9 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     before_steps(run, forward, micro_batches, save)   before RL step 1 (the supervised phase), with train.py's
                              forward, trainer_micro_batches and checkpoint: no second training path
     trainer_forward(run)     a context around each counted trainer forward (not the null micro-batches)
+    token_weights(run, mb, out, mask)   -> per-token loss weights (k, T-1) of a micro-batch's forward, or None:
+                             multiplied into the objective (route_filter/); the core counts the tokens they lower
+                             (route_filtered_frac); mask: the response tokens
     micro_loss(run, loss, out, mb, norm)   -> (the micro-batch's loss with the plug-in's terms, its sums: one
                              float per name in `micro_stats`); out: the forward (packing.Scored, the router's
                              logits in out.detail when `router_logits`), mb: the micro-batch, norm: losses.Normalisers
@@ -76,6 +79,9 @@ class Hooks:
 
     def trainer_forward(self, run):
         return contextlib.nullcontext()
+
+    def token_weights(self, run, mb, out, mask):
+        return None
 
     def micro_loss(self, run, loss, out, mb, norm):
         return loss, []

@@ -310,3 +310,15 @@ def load_hf_auto(path: str, dtype=torch.float32):
     assert not info["unexpected_keys"], info
     assert not info.get("mismatched_keys"), info
     return model.eval()
+
+
+def with_options(run, **kw):
+    """A train.Run whose config has kw set, with the step hooks those options ask for (support/hooks.py),
+    set up on the run: a test toggling a plug-in's option between two minibatch steps."""
+    import dataclasses
+    from support.hooks import plugin_hooks
+    tcfg = dataclasses.replace(run.tcfg, **kw)
+    run = dataclasses.replace(run, tcfg=tcfg, hooks=plugin_hooks(tcfg, run.rcfg))
+    for hook in run.hooks:
+        hook.setup(run, None)
+    return run

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import losses
-import replay
 from config import ConfigError, TrainConfig
+from route_filter.filter import route_filter_weights
 
 
 def cfg(**kw) -> TrainConfig:
@@ -294,11 +294,11 @@ def test_gspo_log_ratio_max_and_k3_clamped_by_hand():
 
 
 def test_route_filter_by_hand():
-    ov = torch.tensor([[0.75, 0.5]])                               # each token's overlap (replay.token_overlap)
-    assert torch.equal(replay.route_filter_weights(ov, "mask", 0.6), torch.tensor([[1.0, 0.0]]))
-    assert torch.equal(replay.route_filter_weights(ov, "downweight", 0.6), torch.tensor([[1.0, 0.5]]))
-    assert torch.equal(replay.route_filter_weights(ov, "none", 0.6), torch.ones(1, 2))
-    assert torch.equal(replay.route_filter_weights(torch.ones(1, 2), "mask", 0.6), torch.ones(1, 2))   # no flips: 1
+    ov = torch.tensor([[0.75, 0.5]])                               # each token's overlap (route_filter.filter.token_overlap)
+    assert torch.equal(route_filter_weights(ov, "mask", 0.6), torch.tensor([[1.0, 0.0]]))
+    assert torch.equal(route_filter_weights(ov, "downweight", 0.6), torch.tensor([[1.0, 0.5]]))
+    assert torch.equal(route_filter_weights(ov, "none", 0.6), torch.ones(1, 2))
+    assert torch.equal(route_filter_weights(torch.ones(1, 2), "mask", 0.6), torch.ones(1, 2))   # no flips: 1
 
 
 def test_sequence_route_filter_by_hand():
@@ -306,16 +306,16 @@ def test_sequence_route_filter_by_hand():
     tokens (1, 0.5, 1) -> mean 5/6; row 1: (0.25, 0.25) -> 1/4; the padding (mask 0) does not count."""
     ov = torch.tensor([[1.0, 0.5, 1.0, 0.0], [0.25, 0.25, 1.0, 1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
-    w = replay.route_filter_weights(ov, "mask", 0.6, "sequence", mask)
+    w = route_filter_weights(ov, "mask", 0.6, "sequence", mask)
     assert torch.equal(w, torch.tensor([[1.0] * 4, [0.0] * 4]))
-    w = replay.route_filter_weights(ov, "downweight", 0.9, "sequence", mask)
+    w = route_filter_weights(ov, "downweight", 0.9, "sequence", mask)
     assert torch.allclose(w[0], torch.full((4,), 5 / 6)) and torch.allclose(w[1], torch.full((4,), 0.25))
     # the token level on the same input masks row 0's second token: the two levels differ
-    assert replay.route_filter_weights(ov, "mask", 0.6)[0, 1] == 0
+    assert route_filter_weights(ov, "mask", 0.6)[0, 1] == 0
     # no mismatch: exactly 1 everywhere, at any threshold, with a row without response tokens too
     ones, m = torch.ones(3, 5), torch.tensor([[1.0] * 5, [1, 1, 0, 0, 0], [0.0] * 5])
     for mode in ("mask", "downweight"):
-        assert torch.equal(replay.route_filter_weights(ones, mode, 1.0, "sequence", m), ones)
+        assert torch.equal(route_filter_weights(ones, mode, 1.0, "sequence", m), ones)
 
 
 # ---------------------------------------------------------------------------------------------------

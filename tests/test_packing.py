@@ -331,9 +331,9 @@ def trainer_batch(tmp_path_factory):
 
 def minibatch(run, batch, idx, **kw):
     """old_policy + minibatch_step under the config with kw: the result and the clipped gradients."""
-    import dataclasses
     import train
-    run = dataclasses.replace(run, tcfg=dataclasses.replace(run.tcfg, **kw))
+    from conftest import with_options
+    run = with_options(run, **kw)
     old = train.old_policy(run, batch)
     r = train.minibatch_step(run, batch, old, idx, 0, run.tcfg.replay)
     grads = {n: p.grad.clone() for n, p in run.policy.master.named_parameters()}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import replay
+from route_filter import filter as rf
 
 
 def test_pack_routes_lays_out_and_refuses_routes_that_do_not_fit():
@@ -32,11 +33,11 @@ def test_topk_overlap_and_token_overlap_by_hand():
     rollout = torch.tensor([[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]])               # (B=1, T=2, n_moe=2, k=2)
     train = torch.tensor([[[[1, 0], [2, 9]], [[4, 5], [8, 9]]]])
     assert torch.equal(replay.topk_overlap(rollout, train), torch.tensor([[[1.0, 0.5], [1.0, 0.0]]]))  # sets, not order
-    ov = replay.token_overlap(rollout, train)
+    ov = rf.token_overlap(rollout, train)
     assert torch.allclose(ov, torch.tensor([[(1 + 0.5) / 2, (1 + 0) / 2]]))   # 0.75, 0.5
-    assert torch.equal(replay.token_overlap(rollout, rollout), torch.ones(1, 2))   # no flips: 1
+    assert torch.equal(rf.token_overlap(rollout, rollout), torch.ones(1, 2))   # no flips: 1
     none = torch.zeros(1, 2, 0, 2, dtype=torch.long)                             # a dense model: no MoE layer
-    assert torch.equal(replay.token_overlap(none, none), torch.ones(1, 2))
+    assert torch.equal(rf.token_overlap(none, none), torch.ones(1, 2))
 
 
 def test_expert_load_counts_per_layer():
@@ -201,14 +202,14 @@ def test_key_token_weights_by_hand():
     train[1, 1, 1] = torch.tensor([4, 3])                             # row 1: the same flip, but ...
     rollout[1, 1] = -1                                                # ... nothing was recorded there
     tokens = torch.tensor([[9, 9, 3, 3, 11, 7], [9, 9, 3, 3, 11, 7]])
-    table = replay.key_token_table((3, 7), 13)
-    assert table.tolist() == [i in (3, 7) for i in range(13)] and replay.key_token_table((), 13) is None
-    w = replay.key_token_weights(rollout, train, tokens, table)
+    table = rf.key_token_table((3, 7), 13)
+    assert table.tolist() == [i in (3, 7) for i in range(13)] and rf.key_token_table((), 13) is None
+    w = rf.key_token_weights(rollout, train, tokens, table)
     assert torch.equal(w, torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0]]))
     mask = torch.ones(2, 5)
     cfg = SimpleNamespace(route_filter="downweight", route_filter_threshold=0.9, route_filter_level="token")
-    both = replay.route_filter(rollout, train, mask, cfg, tokens, table)
+    both = rf.route_filter(rollout, train, mask, cfg, tokens, table)
     assert torch.equal(both[0], torch.tensor([1.0, 0.0, 0.75, 1.0, 0.0]))   # overlaps 1, .75, .75, 1, .75
-    alone = replay.route_filter(rollout, train, mask, SimpleNamespace(route_filter="none"), tokens, table)
-    assert torch.equal(alone, w) and replay.route_filter(rollout, train, mask, SimpleNamespace(route_filter="none")) is None
-    assert torch.equal(replay.key_token_weights(rollout, rollout.clone(), tokens, table), torch.ones(2, 5))
+    alone = rf.route_filter(rollout, train, mask, SimpleNamespace(route_filter="none"), tokens, table)
+    assert torch.equal(alone, w) and rf.route_filter(rollout, train, mask, SimpleNamespace(route_filter="none")) is None
+    assert torch.equal(rf.key_token_weights(rollout, rollout.clone(), tokens, table), torch.ones(2, 5))

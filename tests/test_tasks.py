@@ -233,10 +233,11 @@ def test_token_classes_of_the_digit_tasks_and_of_a_tokenizer(folder):
     assert t.tok.token_to_id("a1") not in ids and t.tok.token_to_id("<|im_end|>") not in ids
     with pytest.raises(TaskError, match="its classes: digits"):
         t.token_class("letters")
-    ids_of = TrainConfig(route_filter_tokens="digits, 13").route_filter_token_ids(t, t.vocab_size)
+    from route_filter.filter import route_filter_token_ids
+    ids_of = route_filter_token_ids(TrainConfig(route_filter_tokens="digits, 13"), t, t.vocab_size)
     assert ids_of == tuple(sorted(want | {13}))                      # ids and classes together, sorted
     with pytest.raises(ConfigError, match="are not in the model's vocabulary"):
-        TrainConfig(route_filter_tokens=f"{t.vocab_size}").route_filter_token_ids(t, t.vocab_size)
+        route_filter_token_ids(TrainConfig(route_filter_tokens=f"{t.vocab_size}"), t, t.vocab_size)
 
 
 # ---- --vocab_size ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import config
 import kernels
 import train
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
+from conftest import with_options
 from model import Transformer
 from replay import pack_routes, route_audit
 from rollout import Sampler
@@ -588,9 +589,9 @@ def _step_batch(tmp, *argv):
 
 
 def _update(run, batch, idx, old=None, **kw):
-    """old_policy (unless given) and one minibatch_step of rows idx under the config with kw: the old policy,
-    the result and the clipped gradients."""
-    run = dataclasses.replace(run, tcfg=dataclasses.replace(run.tcfg, **kw))
+    """old_policy (unless given) and one minibatch_step of rows idx under the config with kw (and the step
+    hooks its options ask for): the old policy, the result and the clipped gradients."""
+    run = with_options(run, **kw)
     old = old or train.old_policy(run, batch)
     r = train.minibatch_step(run, batch, old, idx, 0, run.tcfg.replay)
     return old, r, {n: p.grad.clone() for n, p in run.policy.master.named_parameters()}
@@ -663,10 +664,11 @@ def test_key_token_filter_is_an_exact_no_op_without_mismatch(tmp_path):
     gradients are bitwise those without it; with rollout routes whose first two choices are swapped on some
     rows (the top-k sets agree: the overlap filter sees nothing) exactly their digit tokens are masked."""
     run, batch = _step_batch(tmp_path, "--route_filter_tokens=digits")
-    assert run.key_tokens.tolist() == [i < 10 for i in range(run.policy.full.config.vocab_size)]
-    off = dataclasses.replace(run, key_tokens=None)
+    table = next(h.table for h in run.hooks if type(h).__name__ == "RouteFilter")
+    assert table.tolist() == [i < 10 for i in range(run.policy.full.config.vocab_size)]
+    off = with_options(run, route_filter_tokens="")
     idx = torch.arange(batch.tokens.shape[0])
-    _, plain, g_plain = _update(off, batch, idx, route_filter_tokens="")
+    _, plain, g_plain = _update(off, batch, idx)
     _, keyed, g_keyed = _update(run, batch, idx)
     assert keyed.loss == plain.loss and keyed.filtered == plain.filtered == 0
     assert all(torch.equal(g_keyed[n], g_plain[n]) for n in g_plain)
@@ -675,7 +677,7 @@ def test_key_token_filter_is_an_exact_no_op_without_mismatch(tmp_path):
     _, masked, _ = _update(run, swapped, idx)
     digits = (batch.mask[rows] > 0) & (batch.tokens[rows, 1:] < 10)   # the response's digits, by the position before
     assert masked.filtered == digits.sum().item() > 0 and masked.loss != plain.loss
-    _, overlap, _ = _update(off, swapped, idx, route_filter_tokens="", route_filter="mask", route_filter_threshold=1.0)
+    _, overlap, _ = _update(off, swapped, idx, route_filter="mask", route_filter_threshold=1.0)
     assert overlap.filtered == 0                                     # the same sets: top-k overlap 1
     lab = _run(tmp_path / "lab", SMALL + ["--steps=1", "--router_bf16=true", "--route_filter_tokens=digits"])
     assert lab[0]["route_filtered_frac"] > 0                         # a real deviating rollout: it acts
