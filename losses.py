@@ -8,7 +8,7 @@ Every tensor is (B, T) (a sequence per row, a response token per column, `mask` 
 unless said otherwise; adv is (B,). The formulas are written out in docs/design.md ("RL losses"). A new
 loss, aggregation or correction is one function and one table entry: config validation, the training
 loop and the tests all read these tables. `token_objective` composes one micro-batch's loss from them
-(the route filter's weights come from replay.py); a plug-in adds its own terms through the step's seam
+(a plug-in's per-token weights come through the step's seam: route_filter/); a plug-in adds its own terms through the step's seam
 (support/hooks.Hooks.micro_loss: router_losses/'s load-balancing and z-losses).
 """
 from __future__ import annotations

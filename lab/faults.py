@@ -58,9 +58,7 @@ def check_linear_decode(config, mode: str) -> None:
 def recurrent_decode_copy(rollout_model: Transformer, full: Transformer, refresh):
     """The rollout's weights with their Gated DeltaNet layers decoding by the recurrent form (hybrids/family.
     EngineDecode: what inference engines run), on a copy of its own; the trainer keeps the grid."""
-    if not full.config.linear_layers:
-        raise ConfigError("--rollout_linear_decode=recurrent needs Gated DeltaNet layers (--init_from=tiny-hybrid "
-                          "or a qwen3_5_moe / qwen3_next checkpoint)")
+    check_linear_decode(full.config, "recurrent")
     from hybrids.family import EngineDecode, LinearAttention
     if rollout_model is full:
         rollout_model, refresh = lower_precision_copy(full, None, refresh)

@@ -58,9 +58,9 @@ def no_peft_layout(model: Transformer) -> str:
 
 def peft_state(model: Transformer) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
     """-> (PEFT's adapter tensors by key, target module names, target parameter names)."""
-    fam = hf.family(model.config.model_type)
-    if no_peft_layout(model):
-        raise ConfigError(f"lora: {no_peft_layout(model)}; the merged checkpoint is written (python -m lora.export)")
+    fam, why = hf.family(model.config.model_type), no_peft_layout(model)
+    if why:
+        raise ConfigError(f"lora: {why}; python -m lora.export writes the merged checkpoint alone")
     state, modules, params = {}, set(), []
     for name, m in model.named_modules():
         if isinstance(m, AdaptedExperts):

@@ -11,7 +11,6 @@ import torch
 
 from config import ConfigError
 from replay import topk_overlap
-from route_filter.options import key_token_items
 from support.hooks import Hooks
 
 
@@ -37,7 +36,7 @@ def route_filter_token_ids(cfg, task, vocab_size: int) -> tuple[int, ...]:
     """--route_filter_tokens as sorted ids: its ids and its classes' (task.token_class, which refuses a class
     the task does not define); an id outside the model's vocabulary is one line. () when off."""
     ids = set()
-    for item in key_token_items(cfg):
+    for item in cfg.key_token_items():
         ids.update([int(item)] if item.isdigit() else task.token_class(item))
     bad = sorted(i for i in ids if i >= vocab_size)
     if bad:
@@ -91,7 +90,7 @@ def route_filter(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor,
 
 
 def key_token_table(ids, vocab_size: int, device=None) -> torch.Tensor | None:
-    """(V,) bool: the ids --route_filter_tokens names (TrainConfig.route_filter_token_ids); None for none (off)."""
+    """(V,) bool: the ids --route_filter_tokens names (route_filter_token_ids); None for none (off)."""
     if not ids:
         return None
     table = torch.zeros(vocab_size, dtype=torch.bool)

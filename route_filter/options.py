@@ -28,7 +28,7 @@ class RouteFilterOptions:
         self.require(self.route_filter in ROUTE_FILTERS, f"--route_filter: {', '.join(ROUTE_FILTERS)}")
         self.require(self.route_filter_level in ROUTE_FILTER_LEVELS,
                      f"--route_filter_level={self.route_filter_level!r}: {' or '.join(ROUTE_FILTER_LEVELS)}")
-        self.require(all(re.fullmatch(r"\d+|[A-Za-z_]\w*", t) for t in key_token_items(self)),
+        self.require(all(re.fullmatch(r"\d+|[A-Za-z_]\w*", t) for t in self.key_token_items()),
                      f"--route_filter_tokens={self.route_filter_tokens!r}: comma-separated token ids and / or a "
                      "task's token class, e.g. --route_filter_tokens=digits or --route_filter_tokens=15,16")
         self.require_range("route_filter_threshold", lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -39,10 +39,9 @@ class RouteFilterOptions:
                 self.require(getattr(self, name) == off,
                              f"--{name}={getattr(self, name)}: the model has no MoE layer (no routes); drop it")
 
-
-def key_token_items(cfg) -> list[str]:
-    """--route_filter_tokens' comma-separated items."""
-    return [t.strip() for t in cfg.route_filter_tokens.split(",")] if cfg.route_filter_tokens.strip() else []
+    def key_token_items(self) -> list[str]:
+        """--route_filter_tokens' comma-separated items."""
+        return [t.strip() for t in self.route_filter_tokens.split(",")] if self.route_filter_tokens.strip() else []
 
 
 def hooks(tcfg, rcfg) -> list:

@@ -32,7 +32,7 @@ def hooks(tcfg, rcfg) -> list:
     if tcfg.router_aux_loss_coef == 0 and tcfg.router_z_loss_coef == 0:
         return []
     from router_losses.router import RouterLosses
-    return [RouterLosses(tcfg)]
+    return [RouterLosses()]
 
 
 TRAIN = [RouterLossOptions]

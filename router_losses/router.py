@@ -111,19 +111,19 @@ class RouterLosses(Hooks):
     router_logits = True
     micro_stats = ("router_aux", "router_z")
 
-    def __init__(self, tcfg):
-        self.tcfg, self.forwards = tcfg, []
+    def __init__(self):
+        self.forwards = []
 
     def micro_loss(self, run, loss, out, mb, norm):
         scoring = run.policy.master.config.router_scoring
-        loss, router = router_objective(loss, out.detail.logits, out.routes, mb.lengths, self.tcfg, norm, scoring)
+        loss, router = router_objective(loss, out.detail.logits, out.routes, mb.lengths, run.tcfg, norm, scoring)
         return loss, router.tolist()
 
     def minibatch_sums(self, sums: list[float]) -> None:
         self.forwards.append(sums)
 
     def step_metrics(self, run, step, batch, audited) -> dict:
-        row, self.forwards = router_metrics(self.tcfg, self.forwards), []
+        row, self.forwards = router_metrics(run.tcfg, self.forwards), []
         return row
 
 
