@@ -100,7 +100,8 @@ class PagedKV:
     window_table, window_slots: the same for the sliding-window layers where their pages are a pool of
         their own (the sampler's window pool: freed once below every query's window), else None.
     states: for layers without pages (hybrids/), (their pools (Transformer.state_pool), each batch row's pool
-        row (B,), the fed tokens (B, T) bool: each row's first ones), else None.
+        row (B,), the fed tokens (B, T) bool: each row's first ones, within: each row's tokens lie in its open
+        chunk of the grid (a verify step)), else None.
     """
     caches: list[tuple[torch.Tensor, torch.Tensor]]
     block_table: torch.Tensor

@@ -63,8 +63,9 @@ every op is row-invariant, so a piece of a prefill has the bits of the whole pre
   in its own ids proposes (on the device), k + 1 positions in one forward, each sampled with its own
   draw; the drafts that equal the tokens sampled before them are kept, and the first token that does
   not. Kept tokens have plain decoding's bits (the forward is a chunked prefill); a rejected position's
-  KV and routes are rewritten by the next step before anything reads them. The step's read back
-  brings each sequence's count, so a verify step's host work grows with the batch.
+  KV and routes are rewritten by the next step before anything reads them (recurrent layers, hybrids/:
+  the drafts stop short of the next grid boundary, so no chunk completes on one and none enters a state).
+  The step's read back brings each sequence's count, so a verify step's host work grows with the batch.
 * The window pool (a model with sliding-window layers; RolloutConfig.window_blocks): those layers' pages
   are a pool of their own, a block beside each of a sequence's blocks, freed once it lies below the
   window of every query the sequence will still feed (scheduler.WindowPool.release), so a
@@ -215,6 +216,8 @@ class ModelRunner:
         self.pad_to_buckets = self.cuda_graphs     # tests set it on the CPU: padded steps without graphs
         self.drafts = drafts                       # the draft policy (RolloutConfig.draft_policy): verify steps
         self.speculative_tokens = 0 if drafts is None else drafts.k
+        pools = (model.state_pool(1, "meta") or {}).values()
+        self.grid = min((p.grid for p in pools), default=0)      # recurrent layers' chunk: drafts stay inside one
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warm: set[tuple] = set()                              # buckets run once eagerly (compiled)
         self.pool = None                                           # the captured graphs' shared memory pool
@@ -342,16 +345,18 @@ class ModelRunner:
         return self.decode(step.batch, step.rows_changed, sp)
 
     # ---- the forward, shared by prefill and decode ----
-    def _forward(self, rows, tokens, positions, valid):
+    def _forward(self, rows, tokens, positions, valid, within: bool = False):
         """Forward `tokens` (B, T) at `positions` of `rows`; the KV and routes of valid positions go to
-        the rows' pages, the rest to the scratch page. -> hidden states (B, T, D)."""
+        the rows' pages, the rest to the scratch page. within: every row's tokens lie in its open chunk of
+        the recurrent layers' grid (a verify step's, capped so): one fixed set of ops there, no host read.
+        -> hidden states (B, T, D)."""
         bs = self.block_size
         bt = self.block_tables[rows]                                           # (B, W)
         slots = bt.gather(1, positions // bs) * bs + positions % bs            # (B, T)
         slots = torch.where(valid, slots, self.scratch_page * bs)
         kv = PagedKV(self.caches, bt, slots, positions)
         if self.states is not None:                                            # recurrent layers: their rows
-            kv.states = self.states, rows, valid
+            kv.states = self.states, rows, valid, within
         if self.window_blocks:                                                 # the sliding layers' pages
             wt = self.window_tables[rows]                                      # (B, W)
             wslots = wt.gather(1, positions // bs) * bs + positions % bs       # (B, T)
@@ -495,11 +500,13 @@ class ModelRunner:
         real = rows != self.pad_row
         n_tok = self.num_tokens[rows]                                           # (n,)
         room = (self.max_len[rows] - n_tok - 1).clamp(min=0) * real             # drafts the turn has room for
+        if self.grid:       # recurrent layers: no chunk completes on a draft (its state could not roll back)
+            room = torch.minimum(room, (self.grid - 2 - (n_tok - 1) % self.grid).clamp(min=0))
         drafts, n_draft = self.drafts.propose(self.token_buf[rows], n_tok, room)
         t = torch.arange(k + 1, device=self.device)
         pos = (n_tok - 1)[:, None] + torch.minimum(t[None, :], n_draft[:, None])   # (n, k+1)
         tokens = torch.cat([self.token_buf[rows, n_tok - 1][:, None], drafts], 1)  # (n, k+1)
-        h = self._forward(rows, tokens, pos, real[:, None] & (t[None, :] <= n_draft[:, None]))
+        h = self._forward(rows, tokens, pos, real[:, None] & (t[None, :] <= n_draft[:, None]), self.grid > 0)
         logits = self.model.compute_logits(h).flatten(0, 1)                    # (n*(k+1), V)
         sampled, logp = self._sample(logits, rows.repeat_interleave(k + 1), (pos + 1).flatten(), sp)
         sampled, logp = sampled.view(n, k + 1), logp.view(n, k + 1)
@@ -642,12 +649,14 @@ class Sampler:
         self.num_drafted_tokens = self.num_accepted_tokens = 0
 
     def _linear_engine(self) -> None:
-        """What a model with linear-attention layers (hybrids/) runs without: drafts (a rejected one would roll
-        their state back) are refused; the prefix cache is off (its entries would need the state at their
-        grid boundary, not kept yet)."""
-        if self.draft_tokens:
-            raise ValueError("speculative decoding (speculative_tokens > 0) is not supported with linear-attention "
-                             "layers yet; set it to 0")
+        """What a model with linear-attention layers (hybrids/) runs without: the prefix cache (its entries would
+        need the state at their grid boundary, not kept yet); drafts where a layer decodes recurrently (the lab's
+        fault: no open chunk to keep a rejected draft out of its state). Drafts on the grid never complete a
+        chunk (ModelRunner._verify_step), so a rejected one is never in a state."""
+        if self.draft_tokens and not all(p.grid for p in self.model.state_pool(1, "meta").values()):
+            raise ValueError("speculative decoding (speculative_tokens > 0) with a recurrent decode of the linear-"
+                             "attention layers (the lab's --rollout_linear_decode=recurrent): a rejected draft cannot "
+                             "be rolled back out of their state; set speculative_tokens=0")
         self.config = dataclasses.replace(self.config, prefix_cache=False)
 
     def _pool_blocks(self, reserve_bytes: int) -> int:

@@ -36,8 +36,8 @@ class LinearAttention(gdn.GatedDeltaNet):
 
     def forward(self, x, cos=None, sin=None, positions=None, kv=None, layer_idx: int = 0):
         if isinstance(kv, model.PagedKV):
-            pools, rows, valid = kv.states
-            return self.step(x, positions, valid, rows, pools[layer_idx])
+            pools, rows, valid, within = kv.states
+            return self.step(x, positions, valid, rows, pools[layer_idx], within)
         if isinstance(kv, PackedPages):        # packed: each sequence from the grid's origin, as if padded
             padded = kv.packing.to_padded(x)                               # (S, longest, D)
             return kv.packing.from_padded(super().forward(padded))         # (B, T, D), 0 on padding
@@ -150,7 +150,7 @@ class EngineDecode(LinearAttention):
                            torch.zeros(rows, 0, self.h, device=device), torch.zeros(rows, 0, self.h, device=device),
                            torch.zeros(rows, self.h, self.dk, self.dv, device=device))
 
-    def step(self, x, positions, valid, rows, pool):
+    def step(self, x, positions, valid, rows, pool, within=False):
         if x.shape[1] == 1:                                               # decode: the batch in one recurrent step
             keep = ((positions[:, 0] != 0) & valid[:, 0]).float()
             fed = valid[:, 0, None, None]

@@ -260,15 +260,15 @@ class GatedDeltaNet(nn.Module):
                        torch.zeros(rows, self.h, self.dk, self.dv, device=device))
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
-             pool: "GDNPool") -> torch.Tensor:
+             pool: "GDNPool", within: bool = False) -> torch.Tensor:
         """The sampler's forward of new tokens x (B, T, D) at `positions` (B, T) of the sequences in pool
-        `rows` (B,); valid (B, T): fed tokens, each row's first, the rest padding. A decode step (T = 1) is a
-        fixed set of tensor ops (no host sync: a CUDA graph); a prefill reads its positions and feeds its
-        tokens a grid chunk at a time (the first piece up to the next boundary). -> (B, T, D)."""
+        `rows` (B,); valid (B, T): fed tokens, each row's first, the rest padding. A decode step (T = 1) and
+        a verify step (within: each row's tokens inside its open chunk, none completing it unless it is the
+        only one) are a fixed set of tensor ops (no host sync: a CUDA graph); a prefill reads its positions and
+        feeds its tokens a grid chunk at a time (the first piece up to the next boundary). -> (B, T, D)."""
         mixed, g, beta = self.projections(x)
-        if x.shape[1] == 1:
-            core = self._feed(pool, rows, mixed, g, beta, positions[:, 0] % CHUNK, valid[:, 0].long(),
-                              positions[:, 0] == 0)
+        if x.shape[1] == 1 or within:
+            core = self._feed(pool, rows, mixed, g, beta, positions[:, 0] % CHUNK, valid.sum(1), positions[:, 0] == 0)
             return self.output(core, x)
         core = torch.zeros(*x.shape[:2], self.h, self.dv, device=x.device)
         first, count = positions[:, 0].tolist(), valid.sum(1).tolist()
@@ -324,6 +324,12 @@ class GDNPool:
     g: torch.Tensor
     beta: torch.Tensor
     state: torch.Tensor
+
+    @property
+    def grid(self) -> int:
+        """The chunk a sequence's open rows fill before its state moves on (0: a recurrent pool, which moves
+        on at every token: the lab's EngineDecode)."""
+        return self.g.shape[1]
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """A group member's row becomes its leader's (the prompt the leader prefilled for both)."""

@@ -155,10 +155,45 @@ def test_the_pool_holds_no_pages_for_linear_layers():
     assert sorted(pools) == [0, 1, 2] and pools[0].state.shape == (5, 4, 16, 16)
 
 
+def repeater():
+    """tiny-hybrid with its embeddings x20 and LM head x3: the next token leans on the current one, so the text
+    falls into loops that n-gram drafts find (test_speculative's trick)."""
+    model = make_model(ModelConfig.preset("tiny-hybrid"), std=0.1).eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(20)
+        model.lm_weight().mul_(3 if model.lm_head is not None else 1)
+    return model
+
+
+@pytest.mark.parametrize("engine", [dict(), dict(num_blocks=14, block_size=16)], ids=["whole", "preempted"])
+def test_speculative_drafts_keep_the_contract_across_boundaries(engine):
+    """Drafts (k=4) on the hybrid: a verify step never completes a chunk (ModelRunner._verify_step caps its
+    drafts at the next boundary), so no rejected draft enters a state: every output is plain decoding's bits
+    (hence score's), with drafts kept and rejected and generations crossing boundaries, also through
+    preemption. Control: drafts uncapped (runner.grid = 0: a verify step crosses the boundary through the
+    prefill's piecewise path) put rejected drafts in the state, and the outputs differ."""
+    model = repeater()
+    ps = prompts((5, 60, 64, 70), vocab=32) + [[3, 7, 9] * 20, [4, 4, 11, 2] * 16]
+    kw = dict(max_new_tokens=80 if not engine else 40, temperature=1.0, n=2, seed=3, progress=False)
+    plain = Sampler(model, **engine).generate(ps, **kw)
+    spec = Sampler(model, speculative_tokens=4, **engine)
+    outs = spec.generate(ps, **kw)
+    assert 0 < spec.num_accepted_tokens < spec.num_drafted_tokens
+    for a, b in zip(plain, outs):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs and torch.equal(a.routes, b.routes)
+    assert_contract(model, outs, 1.0)
+    naive = Sampler(model, speculative_tokens=4, **engine)
+    naive.runner.grid = 0
+    bad = naive.generate(ps, **kw)
+    assert any(a.logprobs != b.logprobs for a, b in zip(plain, bad))
+
+
 def test_refusals_are_one_line():
+    from lab.faults import recurrent_decode_copy
     model = make_model(ModelConfig.preset("tiny-hybrid")).eval()
-    with pytest.raises(ValueError, match="speculative decoding"):
-        Sampler(model, speculative_tokens=2)
+    engine, _ = recurrent_decode_copy(model, model, lambda: None)
+    with pytest.raises(ValueError, match="a rejected draft cannot be rolled back"):
+        Sampler(engine, speculative_tokens=2)
     with pytest.raises(ValueError, match="linear_num_value_heads > 0 go together"):
         dataclasses.replace(ModelConfig.preset("tiny-hybrid"), layer_types=["full_attention"] * 4)
     with pytest.raises(ValueError, match="model_type qwen3_5_moe_text or qwen3_next"):
