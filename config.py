@@ -609,10 +609,6 @@ class TrainOptions(Options):
         _require(self.chat_template or not self.system_prompt,
                  "--system_prompt goes into the checkpoint's chat template: add --chat_template=true")
         self._check_precision()
-        _require(self.diagnostics >= 0, f"--diagnostics={self.diagnostics}: must be >= 0 (0: off)")
-        _require(not self.diagnostics_holdout or (self.recompute_old_logp and self.diagnostics > 0),
-                 "--diagnostics_holdout=true holds out the sequences --diagnostics=N picks before the update, from the "
-                 "recomputed old policy: add --recompute_old_logp=true and --diagnostics=N (N > 0)")
         _check_groups(self, "check")
 
     def _check_schedule(self):
@@ -800,8 +796,8 @@ class ObjectiveOptions(Options):
 
 @dataclass
 class LogOptions(Options):
-    """What a run shows and writes beyond metrics.jsonl (support/runlog.py, replay.py's diagnostics)."""
-    FREE_ON_RESUME = ("log_samples", "log_to", "diagnostics", "entropy_warn", "entropy_warn_steps")
+    """What a run shows and writes beyond metrics.jsonl (support/runlog.py)."""
+    FREE_ON_RESUME = ("log_samples", "log_to", "entropy_warn", "entropy_warn_steps")
     log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
     log_to: str = ""                  # "" (metrics.jsonl only) | tensorboard | wandb: a copy of each row
     entropy_warn: float = 0.05        # one warning line when the mean entropy stays below this for
@@ -815,10 +811,6 @@ class LogOptions(Options):
     halving_start: str = "warmup"     # --lr_schedule=halving counts its periods from: warmup (its end) | surge (lr
                                       # holds until a response-length surge, halves on the next step, then every
                                       # period)
-    diagnostics: int = 0              # > 0: each step, the N most mismatched sequences to diagnostics.jsonl
-    diagnostics_holdout: bool = False  # --diagnostics' sequences, chosen from the recomputed old policy, are held
-                                       # out of the update (diagnostics_held_out counts them; needs
-                                       # --recompute_old_logp)
 
 # ---------------------------------------------------------------------------------------------------
 # the configs: the core's groups, then each plug-in folder's options.py

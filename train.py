@@ -138,11 +138,14 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] |
             stats, first = run.rollouts.update(step, partial(update, run, batch, old, step))   # 4. the updates
             audited = old.audit or first                                             # 5. metrics and log
             row = step_metrics(run, step, batch, outs, rewards, audited, stats, ro, t0)
-            row.update(episode_metrics(run, batch, outs, episodes, audited))
+            if episodes is not None:                                  # a multi-turn task's (tasks.Episodes)
+                row.update(episode_metrics(run, batch, outs, episodes, audited))
             for hook in run.hooks:                                    # the plug-ins': evaluations, re-plans
                 row.update(hook.after_step(run, step, batch, rewards))
             mine, seen = this_ranks(batch, audited, run.d.rank, len(outs))   # per-rank files: this rank's sequences
-            row.update(log_routes(run, step, mine, outs, rewards, seen, old.held_out))   # routes, diagnostics.jsonl
+            log_routes(run, step, mine, seen)                         # routes.jsonl
+            for hook in run.hooks:                                    # a plug-in's files (diagnostics.jsonl)
+                row.update(hook.rank_files(run, step, mine, outs, rewards, seen, old.held_out))
             row.update(run.surge.watch(run, row))                     # --surge_window: a response-length surge
             history.append(log_row(run, step, row))
             warn_low_entropy(run, history)
@@ -257,7 +260,7 @@ class OldPolicy:
     weights: torch.Tensor | None     # (B, T-1) the correction's importance weights (None without one)
     loss_mask: torch.Tensor          # (B, T-1) the tokens the loss counts (rejected ones dropped if asked)
     audit: Scored | None             # the recomputed old log-probs: a trainer forward before any update
-    held_out: torch.Tensor           # (n,) --diagnostics_holdout's rows, out of loss_mask (replay.hold_out)
+    held_out: torch.Tensor           # (n,) rows a plug-in held out of loss_mask (Hooks.hold_out)
 
 
 def old_policy(run: Run, batch: Batch) -> OldPolicy:
@@ -280,7 +283,9 @@ def old_policy(run: Run, batch: Batch) -> OldPolicy:
         logp = audit.logp
     if run.ref_model is not None:
         ref_logp = scored(run.ref_model).logp
-    loss_mask, held = replay.hold_out(batch, audit, tcfg)             # --diagnostics_holdout's sequences out of it
+    loss_mask, held = batch.mask, torch.zeros(0, dtype=torch.long)
+    for hook in run.hooks:                                            # sequences a plug-in holds out (diagnostics/)
+        loss_mask, held = hook.hold_out(run, batch, audit, loss_mask, held)
     weights = None
     if tcfg.correction != "none":
         weights = correction_weights(logp, batch.rollout_logp, batch.mask, tcfg)

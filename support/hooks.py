@@ -14,6 +14,9 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     before_steps(run, forward, micro_batches, save)   before RL step 1 (the supervised phase), with train.py's
                              forward, trainer_micro_batches and checkpoint: no second training path
     trainer_forward(run)     a context around each counted trainer forward (not the null micro-batches)
+    hold_out(run, batch, audit, mask, held)   -> (the loss mask (B, T-1), the global batch's rows (n,) held out
+                             of the update): sequences out of the loss, its normalisers and the KL (diagnostics/);
+                             audit: the recomputed old policy's packing.Scored, or None
     token_weights(run, mb, out, mask)   -> per-token loss weights (k, T-1) of a micro-batch's forward, or None:
                              multiplied into the objective (route_filter/); the core counts the tokens they lower
                              (route_filtered_frac); mask: the response tokens
@@ -25,6 +28,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     step_metrics(run, step, batch, audited)   keys beside the step's metrics, before their reduction
     after_step(run, step, batch, rewards)     keys after the step's metrics: evaluations, re-plans (rewards:
                              this rank's, (n,); batch: the global one)
+    rank_files(run, step, batch, outs, rewards, audited, held)   -> keys; a file of this rank's sequences (batch,
+                             outs, rewards, audited: this rank's; held: hold_out's rows), rank 0 appending
     diagnostics(rows)        its keys on diagnostics.jsonl's rows
     state_dict()             saved in the checkpoint under `name`, handed back as resumed.plugins[name]
     batch_source(run, generate, sample)   -> where each step's batch comes from (Synchronous's methods), or
@@ -80,6 +85,9 @@ class Hooks:
     def trainer_forward(self, run):
         return contextlib.nullcontext()
 
+    def hold_out(self, run, batch, audit, mask, held):
+        return mask, held
+
     def token_weights(self, run, mb, out, mask):
         return None
 
@@ -93,6 +101,9 @@ class Hooks:
         return {}
 
     def after_step(self, run, step: int, batch, rewards) -> dict:
+        return {}
+
+    def rank_files(self, run, step: int, batch, outs, rewards, audited, held) -> dict:
         return {}
 
     def diagnostics(self, rows: list[dict]) -> None:

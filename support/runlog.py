@@ -8,7 +8,7 @@
 metrics.jsonl is the record of a run; --log_to=tensorboard|wandb gets a copy of each row; without a
 progress bar (--progress: a bar only on a terminal) a line every --log_every steps is printed. run.json
 holds the settings in force (checkpoint.write_run_json). --log_samples=N writes responses to
-samples.jsonl; routes.jsonl and diagnostics.jsonl are appended through append_jsonl (log_routes).
+samples.jsonl; routes.jsonl (log_routes) and a plug-in's files (diagnostics/) are appended through append_jsonl.
 A SIGINT / SIGTERM asks the loop to stop after the step under way (StopRequest, stop_requested,
 Interrupted); under torchrun a rank's reason to exit goes to its error file (tell_launcher); `run_cli`
 is the command line's frame (one `error:` line per mistake, exit 1 / 130 / 143). The functions take
@@ -184,44 +184,15 @@ def append_jsonl(run, step: int, name: str, rows: list[dict]) -> None:
             f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
 
 
-def log_routes(run, step: int, batch, outs, rewards, audited, held_out: torch.Tensor | None = None) -> dict:
-    """The per-expert load histograms of the step (routes.jsonl, at logged steps, summed over ranks)
-    and, with --diagnostics=N, the step's most mismatched sequences (diagnostics.jsonl,
-    replay.diagnostics). batch: train.Batch; audited: the packing.Scored forward the step's audit used;
-    held_out: --diagnostics_holdout's rows of the global batch (replay.hold_out), whose rows are the file's.
-    Returns the metrics of the holdout: diagnostics_held_out, the sequences held out of the update."""
-    rows, E = audited.rows, run.policy.master.config.num_experts
+def log_routes(run, step: int, batch, audited) -> None:
+    """The per-expert load histograms of the step (routes.jsonl, at logged steps, summed over ranks).
+    batch: this rank's train.Batch; audited: the packing.Scored forward the step's audit used, of its rows."""
     if is_log_step(run, step):
-        m = batch.route_mask[rows]
+        rows, E, m = audited.rows, run.policy.master.config.num_experts, batch.route_mask[audited.rows]
         loads = torch.stack([replay.expert_load(batch.routes[rows][m], E), replay.expert_load(audited.routes[m], E)])
         loads = all_cat(loads[None], run.d).sum(0)                    # (2, n_moe, E) over every rank
         append_jsonl(run, step, "routes.jsonl", [{"step": step + 1, "expert_load_rollout": loads[0].tolist(),
                                                   "expert_load_train": loads[1].tolist()}])
-    if run.tcfg.diagnostics:
-        log_diagnostics(run, step, batch, outs, rewards, audited, held_out if run.tcfg.diagnostics_holdout else None)
-    return {"diagnostics_held_out": len(held_out)} if run.tcfg.diagnostics_holdout else {}
-
-
-def log_diagnostics(run, step: int, batch, outs, rewards, audited, held_out: torch.Tensor | None) -> None:
-    """diagnostics.jsonl's rows of the step: each rank writes the rows of its own sequences (global rows lo ..
-    lo + len(outs) - 1), rank 0 appends them all. Without a holdout, up to N of each rank's most mismatched;
-    with one, exactly the held-out sequences, each row by the rank that owns the sequence, in their order."""
-    lo = run.d.rank * len(outs)
-    only = None if held_out is None else [r - lo for r in held_out.tolist() if lo <= r < lo + len(outs)]
-    found = replay.diagnostics(step + 1, outs, audited.rows, audited.logp, audited.routes, batch.routes[audited.rows],
-                               rewards, run.tcfg.diagnostics, n_experts=run.policy.master.config.num_experts,
-                               decode=getattr(run.task, "decode", None), only=only, offset=lo,
-                               train_margin=None if audited.detail is None else audited.detail.margin)
-    if run.d.world > 1:
-        every = [None] * run.d.world
-        dist.all_gather_object(every, found)
-        found = [r for part in every for r in part]
-    if held_out is not None:                                          # the holdout's order, at every world size
-        order = {r: i for i, r in enumerate(held_out.tolist())}
-        found.sort(key=lambda row: order[row["sequence"]])
-    for hook in run.hooks:                                            # a plug-in's keys (EPLB: the layouts' plan)
-        hook.diagnostics(found)
-    append_jsonl(run, step, "diagnostics.jsonl", found)
 
 
 def episode_metrics(run, batch, outs, episodes, audited) -> dict:
@@ -230,8 +201,6 @@ def episode_metrics(run, batch, outs, episodes, audited) -> dict:
     their routes are replayed and audited, their log-probs are not the policy's). batch: the global
     packing.Batch; audited: the packing.Scored forward of the step's audit (over it); outs and episodes
     (tasks.Episodes, or the batch's record): this rank's, gathered here, so every value is global."""
-    if episodes is None:
-        return {}
     d = run.d
     turns = all_cat(torch.tensor([o.num_turns for o in outs], dtype=torch.float64), d)
     generated = all_cat(torch.tensor([len(o.tokens) for o in outs]), d)

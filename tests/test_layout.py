@@ -23,7 +23,8 @@ CORE_IMPORTS = {"families": {"model.py", "support/checkpoint.py", "support/distr
                              "support/exact_sum.py"},
                 "tooling": {"train.py"},                             # lazily: --plan, --help's plan keys
                 "kernels_triton": {"kernels.py"}}                    # lazily, for CUDA tensors (or the interpreter)
-DELETABLE = ["asynchrony", "hybrids", "kernels_triton", "lab", "lora", "memory", "sampling", "tooling"]   # the default run on the CPU imports none
+DELETABLE = ["asynchrony", "diagnostics", "hybrids", "kernels_triton", "lab", "lora", "memory", "route_filter",
+             "router_losses", "sampling", "tooling"]                # the default run on the CPU imports none
 
 
 def core_files() -> list[str]:
@@ -75,14 +76,16 @@ def reference(tmp_path_factory):
     return run_default(ROOT, tmp_path_factory.mktemp("whole") / "out")
 
 
-@pytest.mark.parametrize("plugin", DELETABLE)
-def test_a_deleted_plugin_leaves_the_default_run_and_its_bits(plugin, reference, tmp_path):
-    """The repository without the folder, in a scratch copy: the default run works and its metrics equal
-    the whole repository's on every key but the timings."""
+def test_the_deleted_plugins_leave_the_default_run_and_its_bits(reference, tmp_path):
+    """The repository without every deletable folder, in a scratch copy: the default run works and its metrics
+    equal the whole repository's on every key but the timings. One copy serves each folder alone as well: the
+    default run imports none of them (test_a_default_run_imports_no_plugin_...), and config.plugin_folders
+    reads the folders' options.py without importing them, so no subset can matter where all of them do not."""
     from support.runlog import TIMINGS
     copy = tmp_path / "repo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "out", "tests", "docs", "__pycache__"))
-    shutil.rmtree(copy / plugin)
+    for plugin in DELETABLE:
+        shutil.rmtree(copy / plugin)
     rows = run_default(copy, tmp_path / "out")
     strip = [{k: v for k, v in row.items() if k not in TIMINGS} for row in rows]
     assert strip == [{k: v for k, v in row.items() if k not in TIMINGS} for row in reference]
