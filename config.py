@@ -426,13 +426,15 @@ class RolloutOptions(Options):
     # the contract keeps its bits at any of them); FIXED_ON_RESUME: what it may not change even when asked
     # (support/checkpoint.check_resume_changes reads both from every group)
     FREE_ON_RESUME = ("block_size", "num_blocks", "max_batch_size", "max_num_batched_tokens", "prefix_cache",
-                      "kv_memory_fraction", "cuda_graphs", "record_route_detail")
+                      "state_snapshots", "kv_memory_fraction", "cuda_graphs", "record_route_detail")
     block_size: int = 16              # KV positions per page
     num_blocks: int = 0               # 0: sized from the device (see rollout.Sampler)
     max_batch_size: int = 256         # running sequences at most
     max_num_batched_tokens: int = 4096   # tokens per prefill forward (prompts right-padded to the longest);
                                          # a longer prompt or observation is prefilled in chunks of this many
     prefix_cache: bool = True         # reuse computed full KV blocks (and routes) of a seen token prefix, same weights
+    state_snapshots: int = 32         # linear-attention layers (hybrids/): the prefix cache's copies of their state at a
+                                      # grid boundary, where a hit must end (each: a sequence's state pool row); 0: no cache
     window_blocks: int = 0            # sliding-window layers' own pool, freed below the window: 0 sized from the batch
                                       # (rollout.Sampler), -1 none (those layers keep every block, as full ones do)
     kv_memory_fraction: float = 0.5   # CUDA: share of free memory (after grads + AdamW state) for the KV pool
@@ -451,7 +453,7 @@ class RolloutOptions(Options):
     def __post_init__(self):
         _require_finite(self)
         _require_range(self, "block_size max_batch_size max_num_batched_tokens", lambda v: v > 0, "> 0")
-        _require_range(self, "num_blocks max_new_tokens max_episode_tokens", lambda v: v >= 0, ">= 0")
+        _require_range(self, "num_blocks max_new_tokens max_episode_tokens state_snapshots", lambda v: v >= 0, ">= 0")
         _require_range(self, "window_blocks", lambda v: v >= -1, ">= -1 (0: sized from the batch, -1: none)")
         from kernels import KV_BLOCK      # a page holds whole attention tiles
         _require(self.block_size % KV_BLOCK == 0,

@@ -534,11 +534,11 @@ class Transformer(nn.Module):
             if layer.is_moe:
                 layer.mlp.keep_experts(experts)
 
-    def state_pool(self, rows: int, device) -> dict | None:
-        """The sampler's memory of the layers that keep a state per sequence instead of pages (hybrids/: Gated
-        DeltaNet): {layer index: its pool of `rows` rows}; None for a model without such layers."""
+    def state_pool(self, rows: int, device, snapshots: int = 0) -> dict | None:
+        """The sampler's memory of layers that keep a state per sequence, not pages (hybrids/: Gated DeltaNet):
+        {layer index: its pool, `rows` rows and the prefix cache's `snapshots`}; None for a model without any."""
         mixers = {i: getattr(b, b.mixer) for i, b in enumerate(self.layers)}
-        return {i: m.new_pool(rows, self.embed_tokens.weight.dtype, device) for i, m in mixers.items()
+        return {i: m.new_pool(rows, self.embed_tokens.weight.dtype, device, snapshots) for i, m in mixers.items()
                 if hasattr(m, "new_pool")} or None
 
     def lm_weight(self) -> torch.Tensor:

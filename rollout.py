@@ -57,7 +57,10 @@ every op is row-invariant, so a piece of a prefill has the bits of the whole pre
   A request's groups arrive together, so a prefix they share (a system prompt, a tool schema) is
   in no block yet: a waiting group whose next block another group's prefill is computing waits until
   that prefill registers it, and takes it as a hit (Scheduler._admit_waiting). The others are admitted
-  past it. It does not join that forward, which pads every chunk to the longest.
+  past it. It does not join that forward, which pads every chunk to the longest. Layers that keep a
+  state per sequence instead of pages (hybrids/) serve a hit from a snapshot of their state at a grid
+  boundary, kept beside the block that ends there (scheduler.RecurrentBlockManager, RolloutConfig.state_snapshots):
+  a hit is cut back to the last such block.
 * Speculative decoding (RolloutConfig.speculative_tokens = k; sampling/speculative.py): a decode step becomes
   a verify step. Each running sequence feeds its last token and up to k drafts that an n-gram lookup
   in its own ids proposes (on the device), k + 1 positions in one forward, each sampled with its own
@@ -107,7 +110,7 @@ import kernels
 from config import RolloutOptions, check_sampling, configs_for
 from model import PagedKV, Transformer, expert_group, kv_caches
 from parallel import expert_parallel
-from scheduler import BlockManager, Scheduler, Sequence, Step
+from scheduler import BlockManager, RecurrentBlockManager, Scheduler, Sequence, Step
 
 if TYPE_CHECKING:                     # a run's class: config.configs_for
     from config import RolloutConfig
@@ -200,7 +203,7 @@ class ModelRunner:
     GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
     def __init__(self, model: Transformer, config: RolloutConfig, num_blocks: int, window_blocks: int = 0,
-                 drafts=None):
+                 drafts=None, grid: int = 0):
         cfg, block_size, max_batch_size = model.config, config.block_size, config.max_batch_size
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
@@ -216,8 +219,8 @@ class ModelRunner:
         self.pad_to_buckets = self.cuda_graphs     # tests set it on the CPU: padded steps without graphs
         self.drafts = drafts                       # the draft policy (RolloutConfig.draft_policy): verify steps
         self.speculative_tokens = 0 if drafts is None else drafts.k
-        pools = (model.state_pool(1, "meta") or {}).values()
-        self.grid = min((p.grid for p in pools), default=0)      # recurrent layers' chunk: drafts stay inside one
+        self.grid = grid                                           # recurrent layers' chunk: drafts stay inside one
+        self.state_slots = config.state_snapshots if grid and config.prefix_cache else 0   # the prefix cache's
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warm: set[tuple] = set()                              # buckets run once eagerly (compiled)
         self.pool = None                                           # the captured graphs' shared memory pool
@@ -236,7 +239,7 @@ class ModelRunner:
         cfg, n_moe, k = self.model.config, self.model.n_moe_layers, self.model.config.num_experts_per_tok
         self.caches = kv_caches(cfg, self.num_blocks + 1, self.block_size, self.dtype, self.device,
                                 window_pages=self.window_blocks + 1 if self.window_blocks else 0)
-        self.states = self.model.state_pool(self.max_batch_size + 1, self.device)   # recurrent layers' rows
+        self.states = self.model.state_pool(self.max_batch_size + 1, self.device, self.state_slots)   # recurrent rows
         pages = (self.num_blocks + 1, self.block_size, n_moe)
         self.route_pages = torch.zeros(*pages, k, dtype=self.route_dtype, device=self.device)
         detail = pages if self.record_detail else (0, self.block_size, n_moe)
@@ -425,6 +428,13 @@ class ModelRunner:
         tokens, logp = self._sample(logits, rows, n_tok, sp)                    # logits (B, V)
         finished = dict(zip(map(id, last), self._record(rows, n_tok, tokens, logp).tolist()))
         return [finished.get(id(s), False) for s in seqs]
+
+    def copy_states(self, pairs: list[tuple[int, int]], load: bool = False) -> None:
+        """The prefix cache's boundary states (scheduler.RecurrentBlockManager): (row, slot) pairs saved, or
+        with load (slot, row) pairs restored, in every recurrent layer's pool."""
+        a, b = torch.tensor(pairs, device=self.device).unbind(1)
+        for pool in self.states.values():
+            (pool.load if load else pool.save)(a, b)
 
     def _copy_states(self, members: list[Sequence]) -> None:
         """Group members sample after their leader's prompt: their rows of the recurrent layers' pools become
@@ -634,13 +644,11 @@ class Sampler:
         self.max_model_len = model.config.max_position_embeddings
         drafts = self.config.draft_policy()
         self.draft_tokens = 0 if drafts is None else drafts.k        # a verify step's drafts (0: plain decoding)
-        if model.config.linear_layers:
-            self._linear_engine()
+        self.grid = self._linear_engine() if model.config.linear_layers else 0
         self.num_blocks = self.config.num_blocks or self._pool_blocks(reserve_bytes)
         self.window_blocks = min(self.num_blocks, self._window_blocks())
-        self.runner = ModelRunner(model, self.config, self.num_blocks, self.window_blocks, drafts)
-        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.prefix_cache,
-                                          model.config.sliding_window, self.window_blocks)
+        self.runner = ModelRunner(model, self.config, self.num_blocks, self.window_blocks, drafts, self.grid)
+        self.block_manager = self._block_manager()
         self.weights_key = self.runner.weights_key()
         self.weights_version = 0
         self.track_weights = True
@@ -648,16 +656,28 @@ class Sampler:
         self.num_preemptions = self.num_cached_tokens = self.num_prefilled_tokens = 0
         self.num_drafted_tokens = self.num_accepted_tokens = 0
 
-    def _linear_engine(self) -> None:
-        """What a model with linear-attention layers (hybrids/) runs without: the prefix cache (its entries would
-        need the state at their grid boundary, not kept yet); drafts where a layer decodes recurrently (the lab's
-        fault: no open chunk to keep a rejected draft out of its state). Drafts on the grid never complete a
-        chunk (ModelRunner._verify_step), so a rejected one is never in a state."""
-        if self.draft_tokens and not all(p.grid for p in self.model.state_pool(1, "meta").values()):
+    def _linear_engine(self) -> int:
+        """A model with linear-attention layers (hybrids/) -> their grid, the chunk their state moves on by (0: a
+        layer decodes recurrently, the lab's fault, whose state moves at every token). Drafts on the grid never
+        complete a chunk (ModelRunner._verify_step), so a rejected one is never in a state; a recurrent decode
+        has no open chunk to keep one out, and no boundary for the prefix cache's states (off there, and
+        with state_snapshots=0)."""
+        grid = min(p.grid for p in self.model.state_pool(1, "meta").values())
+        if self.draft_tokens and not grid:
             raise ValueError("speculative decoding (speculative_tokens > 0) with a recurrent decode of the linear-"
                              "attention layers (the lab's --rollout_linear_decode=recurrent): a rejected draft cannot "
                              "be rolled back out of their state; set speculative_tokens=0")
-        self.config = dataclasses.replace(self.config, prefix_cache=False)
+        if not grid or not self.config.state_snapshots:
+            self.config = dataclasses.replace(self.config, prefix_cache=False)
+        return grid
+
+    def _block_manager(self) -> BlockManager:
+        """A new one, every block free (recurrent layers: their boundary states kept by the prefix cache too)."""
+        c, cls = self.config, BlockManager
+        if self.grid and c.prefix_cache:
+            cls = functools.partial(RecurrentBlockManager, grid=self.grid, slots=c.state_snapshots,
+                                    copy=self.runner.copy_states)
+        return cls(self.num_blocks, c.block_size, c.prefix_cache, self.model.config.sliding_window, self.window_blocks)
 
     def _pool_blocks(self, reserve_bytes: int) -> int:
         """The KV pool's size where the config leaves it (num_blocks=0): on CUDA, kv_memory_fraction of
@@ -684,8 +704,10 @@ class Sampler:
         return kv_pool_blocks(CPU_KV_BYTES, 1.0, window_bytes, block_bytes, wanted)
 
     def _state_bytes(self) -> int:
-        """The recurrent layers' pools (hybrids/) the runner allocates beside the KV pool, for every row."""
-        pools = self.model.state_pool(self.config.max_batch_size + 1, "meta") or {}
+        """The recurrent layers' pools (hybrids/) the runner allocates beside the KV pool: every row's, and the
+        prefix cache's snapshots."""
+        slots = self.config.state_snapshots if self.config.prefix_cache else 0
+        pools = self.model.state_pool(self.config.max_batch_size + 1, "meta", slots) or {}
         return sum(t.numel() * t.element_size() for p in pools.values() for t in vars(p).values())
 
     def _window_blocks(self) -> int:
@@ -741,8 +763,7 @@ class Sampler:
         if not self.track_weights:
             return
         self.runner.release_pages()
-        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.prefix_cache,
-                                          self.model.config.sliding_window, self.window_blocks)
+        self.block_manager = self._block_manager()
 
     def _weights_counter(self) -> int:
         """The sum of torch's version counters of the model's tensors: an in-place write raises it."""
@@ -814,7 +835,7 @@ class Sampler:
             with kernels.op_set(self.ops):
                 self._run(sched, req)
         except BaseException:
-            self.block_manager.reset()          # a request cut short (the callback raised, ^C) holds no block
+            self.block_manager = self._block_manager()   # a request cut short (the callback raised, ^C) holds no block
             raise
         finally:
             bar.close()

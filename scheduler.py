@@ -385,11 +385,69 @@ class BlockManager:
             node = self.cached[key][1]
             seq.num_hashed, seq.last_node = b + 1, node
 
-    def reset(self) -> None:
-        """Every block free and unregistered (after a request was cut short)."""
-        pool = self.window_pool
-        self.__init__(len(self.ref_counts), self.block_size, self.prefix_cache, pool.window if pool else 0,
-                      pool.num_blocks if pool else 0)
+
+class RecurrentBlockManager(BlockManager):
+    """The BlockManager of a model whose layers keep a state per sequence instead of pages (linear attention,
+    hybrids/). Such a state moves on at each multiple of `grid`, so a prefill after a prefix hit starts from
+    the state at the hit's end, a boundary, which no page holds: this keeps `slots` snapshots of a row's
+    states (every such layer's, on the device: GDNPool.saved_*), each beside the registered block that ends
+    on the boundary its sequence's state is at when it registers, the least recently used evicted, and a
+    block's freed when it leaves the cache; `match` cuts a hit back to its last block with one. The runner's
+    `copy(pairs, load)` moves them as the host decides, (row, slot) when a block registers (after the step
+    that put the row there) and (slot, row) when a hit is admitted (before its prefill). A state at a
+    boundary is a function of the tokens before it alone (the grid's rule): a snapshot is the recompute's bits."""
+
+    def __init__(self, *args, grid: int, slots: int, copy: Callable[..., None]):
+        super().__init__(*args)
+        self.grid, self.slots, self.copy = grid, slots, copy
+        self.free_slots = list(range(slots - 1, -1, -1))          # pop() hands out the lowest
+        self.slot_of: OrderedDict[int, int] = OrderedDict()       # block -> its snapshot, least recently used first
+
+    def match(self, seq: Sequence) -> tuple[list[int], object]:
+        hits, node = super().match(seq)
+        if hits and hits[-1] not in self.slot_of:
+            while hits and (hits[-1] not in self.slot_of or self.window_pool and not self.window_pool.kept(hits)):
+                hits.pop()
+            node = self.cached[self.key_of[hits[-1]]][1] if hits else self.root
+        return hits, node
+
+    def next_miss(self, seq: Sequence, hits: list[int], node) -> tuple | None:
+        """BlockManager.next_miss where seq reaches a boundary past its hits (a shorter shared prefix, such as
+        a 16-token instruction, could never serve it: nothing to wait for)."""
+        boundary = (len(hits) * self.block_size // self.grid + 1) * self.grid
+        return super().next_miss(seq, hits, node) if boundary <= self._matchable(seq) * self.block_size else None
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> None:
+        super().allocate(seq, num_tokens, cached)
+        if cached:                                                # its row starts from the hit's boundary
+            self.slot_of.move_to_end(cached[-1])
+            self.copy([(self.slot_of[cached[-1]], seq.row)], load=True)
+
+    def register(self, seq: Sequence, num_computed: int) -> None:
+        """BlockManager.register, then a snapshot of seq's row for the block that ends at its state (its last
+        boundary, num_computed fed) where that block is registered and has none."""
+        super().register(seq, num_computed)
+        boundary = num_computed // self.grid * self.grid
+        b = boundary // self.block_size - 1
+        if seq.stale_kv or boundary % self.block_size or not 0 <= b < len(seq.block_table) or \
+                self.key_of[seq.block_table[b]] is None:
+            return
+        block = seq.block_table[b]
+        if block not in self.slot_of:
+            self.slot_of[block] = self.free_slots.pop() if self.free_slots else self.slot_of.popitem(last=False)[1]
+            self.copy([(seq.row, self.slot_of[block])])
+        self.slot_of.move_to_end(block)
+
+    def _take_free(self) -> int:
+        b = next(iter(self.free_block_ids))                       # the block BlockManager takes: its snapshot goes
+        if b in self.slot_of:
+            self.free_slots.append(self.slot_of.pop(b))
+        return super()._take_free()
+
+    def set_version(self, version) -> None:
+        if ("version", version) != self.root:
+            self.free_slots, self.slot_of = list(range(self.slots - 1, -1, -1)), OrderedDict()
+        super().set_version(version)
 
 
 class Scheduler:
@@ -470,6 +528,7 @@ class Scheduler:
                     self._start(s)
         else:
             self.clock += 1
+        if step.kept:                                           # a verify step's sequences move on by their own
             self._advance(step)
         done = []
         for s in [s for s, f in zip(step.batch, finished) if f]:

@@ -144,11 +144,9 @@ class EngineDecode(LinearAttention):
     after each sequence's last token. A decode step is one batched recurrent step; a prefill loops over its
     sequences."""
 
-    def new_pool(self, rows: int, dtype, device) -> gdn.GDNPool:
-        K1 = self.conv_taps.shape[1] - 1
-        return gdn.GDNPool(torch.zeros(rows, K1, self.conv_dim, dtype=dtype, device=device),
-                           torch.zeros(rows, 0, self.h, device=device), torch.zeros(rows, 0, self.h, device=device),
-                           torch.zeros(rows, self.h, self.dk, self.dv, device=device))
+    def new_pool(self, rows: int, dtype, device, snapshots: int = 0) -> gdn.GDNPool:
+        """The grid's pool with no open chunk (grid 0: no boundary, so neither drafts nor the prefix cache)."""
+        return super().new_pool(rows, dtype, device, 0, C=0)
 
     def step(self, x, positions, valid, rows, pool, within=False):
         if x.shape[1] == 1:                                               # decode: the batch in one recurrent step

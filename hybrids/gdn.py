@@ -253,11 +253,13 @@ class GatedDeltaNet(nn.Module):
         return self.output(core, x)
 
     # ---- the sampler: a pool of per-sequence state, one row a sequence ----
-    def new_pool(self, rows: int, dtype, device) -> "GDNPool":
-        K1, C = self.conv_taps.shape[1] - 1, CHUNK
+    def new_pool(self, rows: int, dtype, device, snapshots: int = 0, C: int = CHUNK) -> "GDNPool":
+        K1 = self.conv_taps.shape[1] - 1
         return GDNPool(torch.zeros(rows, K1 + C, self.conv_dim, dtype=dtype, device=device),
                        torch.zeros(rows, C, self.h, device=device), torch.zeros(rows, C, self.h, device=device),
-                       torch.zeros(rows, self.h, self.dk, self.dv, device=device))
+                       torch.zeros(rows, self.h, self.dk, self.dv, device=device),
+                       torch.zeros(snapshots, K1, self.conv_dim, dtype=dtype, device=device),
+                       torch.zeros(snapshots, self.h, self.dk, self.dv, device=device))
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
              pool: "GDNPool", within: bool = False) -> torch.Tensor:
@@ -319,17 +321,31 @@ class GatedDeltaNet(nn.Module):
 class GDNPool:
     """The sampler's Gated DeltaNet memory for one layer, a row per sequence slot: conv (R, K-1+C, conv_dim)
     the conv's K-1 inputs before the open chunk, then the open chunk's inputs; g, beta (R, C, H) fp32 of the
-    open chunk; state (R, H, dk, dv) fp32 at the last grid boundary. A sequence's bytes: its row's."""
+    open chunk; state (R, H, dk, dv) fp32 at the last grid boundary. A sequence's bytes: its row's. The prefix
+    cache's snapshots (scheduler.BoundaryStates), S slots of what a row holds at a boundary: saved_conv
+    (S, K-1, conv_dim), the conv's inputs before it, and saved_state (S, H, dk, dv)."""
     conv: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
     state: torch.Tensor
+    saved_conv: torch.Tensor
+    saved_state: torch.Tensor
 
     @property
     def grid(self) -> int:
         """The chunk a sequence's open rows fill before its state moves on (0: a recurrent pool, which moves
         on at every token: the lab's EngineDecode)."""
         return self.g.shape[1]
+
+    def save(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Snapshot rows at their boundary: the open chunk (its conv inputs, g, beta) is not part of it."""
+        self.saved_conv[slots] = self.conv[rows, :self.saved_conv.shape[1]]
+        self.saved_state[slots] = self.state[rows]
+
+    def load(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows start at a snapshot's boundary: the next fed position opens a chunk (nothing before it read)."""
+        self.conv[rows, :self.saved_conv.shape[1]] = self.saved_conv[slots]
+        self.state[rows] = self.saved_state[slots]
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """A group member's row becomes its leader's (the prompt the leader prefilled for both)."""

@@ -80,9 +80,6 @@ class Faults(Hooks):
         check_router_fault(config, self.rcfg.rollout_router_fault)
         check_episode_fault(task, self.rcfg.rollout_episode_fault)
         check_linear_decode(config, self.rcfg.rollout_linear_decode)
-        if self.rcfg.rollout_episode_fault == "stale_prefix_kv" and config.linear_layers:
-            raise ConfigError("--rollout_episode_fault=stale_prefix_kv needs the prefix cache, which a model with "
-                              "linear-attention layers runs without")
 
     def sampler_model(self, full, refresh):
         return rollout_copy(full, self.tcfg, self.rcfg, refresh)

@@ -563,8 +563,9 @@ def plan_of(tcfg: TrainConfig, rcfg: RolloutConfig, world: int, kv_tokens: int =
     whole = plan.load_peak // nbytes[tcfg.master_dtype] + base          # dense + this rank's experts
     plan.reference = whole * nbytes[tcfg.dtype] if tcfg.kl_coef > 0 else 0
     plan.buffers = (rcfg.max_batch_size + 1) * (prompt_len + max_new + 1) * 12
-    plan.states = (rcfg.max_batch_size + 1) * state_bytes_per_sequence(cfg, nbytes[sampler_dtype]) \
-        if paged_layers(cfg) < cfg.num_hidden_layers else 0
+    snapshots = rcfg.state_snapshots if rcfg.prefix_cache else 0        # the prefix cache's boundary states
+    plan.states = (rcfg.max_batch_size + 1) * state_bytes_per_sequence(cfg, nbytes[sampler_dtype]) + snapshots * \
+        state_bytes_per_sequence(cfg, nbytes[sampler_dtype], snapshot=True) if paged_layers(cfg) < cfg.num_hidden_layers else 0
     plan.activations = act
     plan.kv_released = not (any(getattr(tcfg, k, 0) for k in ("max_staleness", "partial_rollout", "rollout_ranks"))
                             or getattr(rcfg, "rollout_episode_fault", "") == "stale_prefix_kv")   # its cache stays
@@ -613,12 +614,14 @@ def paged_layers(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers - len(cfg.linear_layers)
 
 
-def state_bytes_per_sequence(cfg: ModelConfig, dtype_bytes: int) -> int:
+def state_bytes_per_sequence(cfg: ModelConfig, dtype_bytes: int, snapshot: bool = False) -> int:
     """A sampler row's Gated DeltaNet memory over its linear layers (hybrids/gdn.GDNPool): the conv's K-1
-    inputs and the open chunk's (64) in the model dtype, its g and beta (fp32), the boundary state (fp32)."""
+    inputs and the open chunk's (64) in the model dtype, its g and beta (fp32), the boundary state (fp32);
+    a snapshot (the prefix cache's) keeps the K-1 inputs and the state."""
     H, conv = cfg.linear_num_value_heads, 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim \
         + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    per_layer = (cfg.linear_conv_kernel_dim - 1 + 64) * conv * dtype_bytes + 2 * 64 * H * 4 \
+    C = 0 if snapshot else 64
+    per_layer = (cfg.linear_conv_kernel_dim - 1 + C) * conv * dtype_bytes + 2 * C * H * 4 \
         + H * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     return (cfg.num_hidden_layers - paged_layers(cfg)) * per_layer
 
@@ -677,7 +680,8 @@ def format_plan(plan: MemoryPlan, tcfg: TrainConfig, world: int, gpu_gb: float, 
     rows += [in_flight] if plan.reduce_on_device else []
     freed = "; freed while the update runs" if plan.kv_released else ""
     rows += [(f"KV pool ({plan.kv_tokens:,} tokens{freed})", plan.kv_pool), ("sampler's row buffers", plan.buffers)]
-    rows += [(f"linear-attention state (a row per sampler row{freed})", plan.states)] if plan.states else []
+    rows += [(f"linear-attention state (a row per sampler row, the prefix cache's snapshots{freed})", plan.states)] \
+        if plan.states else []
     if act is not None:
         recompute = getattr(tcfg, "activation_checkpointing", "none")
         how = backend + ("" if recompute == "none" else f", {recompute} recomputed")
