@@ -10,8 +10,11 @@ PEFT's layout (0.21, transformers 5): a Linear's adapter is `<module>.lora_A.wei
 `<module>.lora_B.weight` (out, r), matched by target_modules; the fused experts (`mlp.experts.gate_up_proj`
 (E, 2I, D), `down_proj` (E, D, I)) are target_parameters, one wrapper around the other: gate_up's factors
 under `experts.base_layer`, down's under `experts`, A as (E*r, in) expert-major and B as (out, r*E)
-expert-minor. The base's identity is a sha256 of its weights in adapter_config.json (base_sha256), which
-lora.export.check_base compares before an adapter is used on a checkpoint.
+expert-minor. Qwen3-Next stores its Gated DeltaNet's in_proj_qkv and in_proj_z as one interleaved
+in_proj_qkvz: their two rank-r adapters are one of rank 2r there (A stacked, B block-diagonal in the fused
+row order), at alpha 2 alpha (rank_pattern, alpha_pattern: the same scale), the same delta exactly. The base's
+identity is a sha256 of its weights in adapter_config.json (base_sha256), which lora.export.check_base
+compares before an adapter is used on a checkpoint.
 """
 from __future__ import annotations
 
@@ -50,10 +53,42 @@ def no_peft_layout(model: Transformer) -> str:
         if isinstance(m, AdaptedExperts) and fam.architecture == "GptOssForCausalLM":
             return ("gpt-oss's experts are stored (E, D, 2I) with gate and up interleaved; PEFT's expert layout for "
                     "them is not written yet: train without experts in --lora_targets")
-        if isinstance(m, Adapted) and model.config.model_type == "qwen3_next" and ".linear_attn.in_proj_" in name:
-            return ("Qwen3-Next stores its Gated DeltaNet's in_proj_qkv and in_proj_z fused and interleaved "
-                    "(in_proj_qkvz); PEFT's layout for an adapter there is not written yet")
     return ""
+
+
+def _fused(model: Transformer) -> bool:
+    """Whether the family stores the Gated DeltaNet's in_proj_qkv and in_proj_z fused (Qwen3-Next)."""
+    return model.config.model_type == "qwen3_next"
+
+
+def qkvz_factors(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GDN layer's in_proj_qkv and in_proj_z adapters (rank r each) -> one adapter of rank 2r on the fused
+    in_proj_qkvz: A (2r, D) stacked, B (fused rows, 2r) block-diagonal in the fused row order, so B A is the
+    two deltas interleaved as the weights are (hybrids/gdn.fuse_qwen3_next)."""
+    from hybrids.gdn import fuse_qwen3_next
+    qkv, z = layer.in_proj_qkv, layer.in_proj_z
+    r = qkv.lora_A.shape[0]
+    Bq, Bz = qkv.lora_B.detach().float(), z.lora_B.detach().float()
+    parts = {"qkv": torch.cat([Bq, torch.zeros_like(Bq)], 1), "z": torch.cat([torch.zeros_like(Bz), Bz], 1),
+             "b": torch.zeros(layer.h, 2 * r), "a": torch.zeros(layer.h, 2 * r)}          # (rows, 2r) each
+    B, _ = fuse_qwen3_next(parts, layer.hk, layer.h, layer.dk, layer.dv)
+    return torch.cat([qkv.lora_A, z.lora_A]).detach().float(), B
+
+
+@torch.no_grad()
+def split_qkvz(layer, A: torch.Tensor, B: torch.Tensor, where: str) -> None:
+    """qkvz_factors' inverse into the layer's two adapters; one line for a fused adapter whose two parts
+    share factors (no pair of rank-r adapters is it)."""
+    from hybrids.gdn import split_qwen3_next
+    r = A.shape[0] // 2
+    rows = split_qwen3_next(B, B.new_zeros(2 * layer.h, 2 * r), layer.hk, layer.h, layer.dk, layer.dv)
+    qkv, z = rows["in_proj_qkv"], rows["in_proj_z"]
+    if qkv[:, r:].any() or z[:, :r].any():
+        raise ConfigError(f"{where}: in_proj_qkvz's adapter mixes the qkv and z rows' factors; this layer adapts "
+                          "in_proj_qkv and in_proj_z apart (rank r each: the fused one's B block-diagonal)")
+    for m, a, b in ((layer.in_proj_qkv, A[:r], qkv[:, :r]), (layer.in_proj_z, A[r:], z[:, r:])):
+        m.lora_A.copy_(a)
+        m.lora_B.copy_(b)
 
 
 def peft_state(model: Transformer) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
@@ -72,10 +107,14 @@ def peft_state(model: Transformer) -> tuple[dict[str, torch.Tensor], list[str], 
                 state[f"{where}.lora_A.weight"] = A.reshape(-1, A.shape[-1]).contiguous()          # (E*r, in)
                 state[f"{where}.lora_B.weight"] = B.permute(1, 2, 0).reshape(B.shape[1], -1).contiguous()  # (out, r*E)
             params += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        elif isinstance(m, Adapted):
+        elif isinstance(m, Adapted) and not (_fused(model) and name.endswith(".linear_attn.in_proj_z")):
             path = hf.our_key_to_hf(fam, name + ".weight").removesuffix(".weight")
-            state[f"base_model.model.{path}.lora_A.weight"] = m.lora_A.detach().float()
-            state[f"base_model.model.{path}.lora_B.weight"] = m.lora_B.detach().float()
+            A, B = m.lora_A.detach().float(), m.lora_B.detach().float()
+            if _fused(model) and name.endswith(".linear_attn.in_proj_qkv"):     # with in_proj_z: in_proj_qkvz
+                layer = model.get_submodule(name.removesuffix(".in_proj_qkv"))
+                path, (A, B) = path.replace("in_proj_qkv", "in_proj_qkvz"), qkvz_factors(layer)
+            state[f"base_model.model.{path}.lora_A.weight"] = A
+            state[f"base_model.model.{path}.lora_B.weight"] = B
             if ".self_attn." in path or ".linear_attn." in path:
                 modules.add(path)
             else:       # the router, dense MLPs, shared experts: PEFT 0.21 would read their names as v4 experts
@@ -95,6 +134,8 @@ def write_adapter(model: Transformer, out: str, rank: int, alpha: float, base: s
               "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
               "target_modules": pattern, "target_parameters": params or None, "base_model_name_or_path": base,
               "base_sha256": base_sha256(model)}
+    if any(p.endswith("in_proj_qkvz") for p in modules):              # two rank-r adapters as one of 2r
+        config.update(rank_pattern={"in_proj_qkvz": 2 * rank}, alpha_pattern={"in_proj_qkvz": 2 * alpha})
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -131,7 +172,12 @@ def read_adapter(model: Transformer, adapter_dir: str, rank: int, alpha: float) 
                         raise ConfigError(f"--lora_init={adapter_dir}: {name}'s {n} differs by expert; this run "
                                           "shares it (--lora_expert_factors=shared_outer): use per_expert")
                     ours.copy_(t[:len(ours)])
-        elif isinstance(m, Adapted):
+        elif _fused(model) and name.endswith(".linear_attn"):
+            path = "base_model.model." + hf.our_key_to_hf(fam, name + ".in_proj_qkvz.weight").removesuffix(".weight")
+            if isinstance(m.in_proj_qkv, Adapted):
+                A, B = saved[f"{path}.lora_A.weight"], saved[f"{path}.lora_B.weight"]
+                split_qkvz(m, A, B, f"--lora_init={adapter_dir}")
+        elif isinstance(m, Adapted) and not (_fused(model) and ".linear_attn.in_proj_" in name):
             path = "base_model.model." + hf.our_key_to_hf(fam, name + ".weight").removesuffix(".weight")
             m.lora_A.copy_(saved[f"{path}.lora_A.weight"])
             m.lora_B.copy_(saved[f"{path}.lora_B.weight"])

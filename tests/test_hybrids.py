@@ -411,16 +411,18 @@ def test_a_lora_run_on_a_hybrid_keeps_the_contract(tmp_path):
     assert all(r["grad_norm"] > 0 for r in rows)
 
 
-def test_a_qwen3_5_adapter_loads_into_peft_and_qwen3_next_exports_merged(family, tmp_path):
-    """Qwen3.5: the PEFT adapter folder (GDN projections among target_modules) loads onto transformers' model
-    of the checkpoint: its logits are ours within 2e-4 relative (the adapter moves them by more than 0.1), and
-    so are the merged checkpoint's. The bound is twice the base's (tests/test_hf.py): B drawn at 0.3 makes
-    weights whose fp32 rounding the GDN's state carries further (measured against transformers' fp64: ours
-    4.2e-5 / 1.4e-4 for Qwen3.5 / Qwen3-Next, transformers' own fp32 2.9e-5 / 3.7e-5). Qwen3-Next fuses in_proj_qkv and in_proj_z (in_proj_qkvz): its adapter has no
-    PEFT layout here, one line; the merged checkpoint loads into transformers with our logits."""
+def test_both_families_adapters_load_into_peft_and_their_merged_checkpoints(family, tmp_path):
+    """The PEFT adapter folder (GDN projections among target_modules) loads onto transformers' model of the
+    checkpoint: its logits are ours within 2e-4 relative (the adapter moves them by more than 0.1), and so are
+    the merged checkpoint's. The bound is twice the base's (tests/test_hf.py): B drawn at 0.3 makes weights whose
+    fp32 rounding the GDN's state carries further (measured against transformers' fp64: ours 4.2e-5 / 1.4e-4 for
+    Qwen3.5 / Qwen3-Next, transformers' own fp32 2.9e-5 / 3.7e-5). Qwen3-Next fuses in_proj_qkv and in_proj_z
+    (in_proj_qkvz): its two adapters are written as one of rank 2r (rank_pattern), which --lora_init reads back
+    into the same two, bitwise; a fused adapter whose factors mix the two parts is one line."""
     peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file, save_file
     from lora.adapters import merged
-    from lora.export import peft_state, write_adapter
+    from lora.export import read_adapter, write_adapter
     from config import ConfigError
     toks = torch.randint(0, 50, (2, 70), generator=torch.Generator().manual_seed(0))
     for mt in ("qwen3_5_moe_text", "qwen3_next"):
@@ -429,17 +431,28 @@ def test_a_qwen3_5_adapter_loads_into_peft_and_qwen3_next_exports_merged(family,
         with torch.no_grad():
             ours = model(toks)
             assert (ours - base(toks)).abs().max() > 0.1
-        if mt == "qwen3_5_moe_text":
-            write_adapter(model, str(tmp_path / mt), 4, 8.0)
-            with open(tmp_path / mt / "adapter_config.json") as f:
-                assert "linear_attn" in json.load(f)["target_modules"]
-            with torch.no_grad():
-                theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / mt))(toks).logits
-            assert rel_err(theirs, ours) < 2e-4
-        else:
-            with pytest.raises(ConfigError, match="in_proj_qkvz"):
-                peft_state(model)
+        write_adapter(model, str(tmp_path / mt), 4, 8.0)
+        with open(tmp_path / mt / "adapter_config.json") as f:
+            config = json.load(f)
+        assert "linear_attn" in config["target_modules"]
+        assert ("in_proj_qkvz" in config["target_modules"]) == (mt == "qwen3_next")
+        with torch.no_grad():
+            theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / mt))(toks).logits
+        assert rel_err(theirs, ours) < 2e-4
+        again = lora_hybrid(base)
+        with torch.no_grad():
+            for p in (p for n, p in again.named_parameters() if "lora" in n):
+                p.zero_()
+        read_adapter(again, str(tmp_path / mt), 4, 8.0)
+        assert all(torch.equal(a, b) for (n, a), b in zip(model.named_parameters(), again.parameters()) if "lora" in n)
         merged(model).save_pretrained(str(tmp_path / f"{mt}-merged"))
         flat = load_hf_auto(str(tmp_path / f"{mt}-merged"))
         with torch.no_grad():
             assert rel_err(flat(toks).logits, ours) < 2e-4
+    file = tmp_path / "qwen3_next" / "adapter_model.safetensors"
+    state = load_file(str(file))
+    key = next(k for k in state if k.endswith("in_proj_qkvz.lora_B.weight"))
+    state[key] = torch.ones_like(state[key])                         # every row reads both parts' factors
+    save_file(state, str(file))
+    with pytest.raises(ConfigError, match="mixes the qkv and z rows' factors"):
+        read_adapter(lora_hybrid(base), str(tmp_path / "qwen3_next"), 4, 8.0)
