@@ -35,14 +35,37 @@ from model import Transformer
 USAGE = "usage: python -m lora.export CKPT OUT   (CKPT: a --lora_rank run's checkpoint or run folder)"
 
 
-def base_sha256(model: Transformer) -> str:
-    """A hash of the frozen weights (every tensor but the adapters', by name, as stored)."""
+def _digest(t: torch.Tensor) -> bytes:
+    return hashlib.sha256(t.detach().float().cpu().contiguous().numpy().tobytes()).digest()
+
+
+def base_sha256(model: Transformer, experts: list[int] | None = None, gather=None) -> str:
+    """A hash of the frozen weights (every tensor but the adapters', as stored): sha256 over each tensor's name
+    and digest, by name; a stacked experts tensor's digest is over its experts' row digests in expert order.
+    experts: the logical experts an expert-parallel rank holds (its rows, in order); it completes the rows from
+    its peers' (gather: {name: {expert: digest}} -> every rank's; default all_gather_object over the ranks),
+    so every rank gets the whole model's hash."""
+    from parallel.expert_parallel import is_expert
+    state = {n: t for n, t in sorted(model.state_dict().items()) if not is_adapter(n)}
+    rows = {n: {e: _digest(t[i]) for i, e in enumerate(experts if experts is not None else range(len(t)))}
+            for n, t in state.items() if is_expert(n)}
+    if experts is not None:
+        for peer in (gather or _all_gather)(rows):
+            for n, r in peer.items():
+                rows[n].update(r)
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        if not is_adapter(name):
-            h.update(name.encode())
-            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    for name, t in state.items():
+        h.update(name.encode())
+        h.update(hashlib.sha256(b"".join(v for _, v in sorted(rows[name].items()))).digest() if name in rows
+                 else _digest(t))
     return h.hexdigest()
+
+
+def _all_gather(obj) -> list:
+    import torch.distributed as dist
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def no_peft_layout(model: Transformer) -> str:
@@ -143,11 +166,12 @@ def write_adapter(model: Transformer, out: str, rank: int, alpha: float, base: s
 
 
 @torch.no_grad()
-def read_adapter(model: Transformer, adapter_dir: str, rank: int, alpha: float) -> None:
+def read_adapter(model: Transformer, adapter_dir: str, rank: int, alpha: float, experts: list[int] | None = None) -> None:
     """An adapter folder (write_adapter's layout) into model's adapters (added by adapt, same targets and
-    rank): one line for another base, rank, scale or set of adapted layers."""
+    rank; experts: an EP rank's, whose rows it takes): one line for another base, rank, scale or set of
+    adapted layers."""
     from safetensors.torch import load_file
-    check_base(adapter_dir, model)
+    check_base(adapter_dir, model, experts)
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         config = json.load(f)
     if (config.get("r"), float(config.get("lora_alpha", 0))) != (rank, float(alpha)):
@@ -155,14 +179,17 @@ def read_adapter(model: Transformer, adapter_dir: str, rank: int, alpha: float) 
                           f"run has --lora_rank={rank} --lora_alpha={alpha}: pass the adapter's")
     saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     want = peft_state(model)[0]
-    if set(saved) != set(want) or any(saved[k].shape != v.shape for k, v in want.items()):
+    E = model.config.num_experts
+    shards = E // len(experts) if experts is not None else 1                # an EP rank's factors: its rows
+    if set(saved) != set(want) or any(saved[k].numel() != v.numel() * (shards if ".experts." in k else 1)
+                                      for k, v in want.items()):
         raise ConfigError(f"--lora_init={adapter_dir}: its adapted layers are not this run's --lora_targets "
                           f"({len(saved)} tensors, this model's adapters make {len(want)}); pass the same targets")
     fam = hf.family(model.config.model_type)
     for name, m in model.named_modules():
         if isinstance(m, AdaptedExperts):
             pre = "base_model.model." + hf.our_key_to_hf(fam, name) + ".experts"
-            E = m.w13.shape[0]
+            held = torch.tensor(experts) if experts is not None else torch.arange(E)
             for where, (a, b) in ((f"{pre}.base_layer", ("lora_A13", "lora_B13")), (pre, ("lora_A2", "lora_B2"))):
                 A = saved[f"{where}.lora_A.weight"].view(E, rank, -1)                  # (E, r, in)
                 B = saved[f"{where}.lora_B.weight"].view(-1, rank, E).permute(2, 0, 1)  # (E, out, r)
@@ -171,7 +198,7 @@ def read_adapter(model: Transformer, adapter_dir: str, rank: int, alpha: float) 
                     if len(ours) == 1 and not torch.equal(t, t[:1].expand_as(t)):
                         raise ConfigError(f"--lora_init={adapter_dir}: {name}'s {n} differs by expert; this run "
                                           "shares it (--lora_expert_factors=shared_outer): use per_expert")
-                    ours.copy_(t[:len(ours)])
+                    ours.copy_(t[:1] if len(ours) == 1 else t[held])
         elif _fused(model) and name.endswith(".linear_attn"):
             path = "base_model.model." + hf.our_key_to_hf(fam, name + ".in_proj_qkvz.weight").removesuffix(".weight")
             if isinstance(m.in_proj_qkv, Adapted):
@@ -183,13 +210,14 @@ def read_adapter(model: Transformer, adapter_dir: str, rank: int, alpha: float) 
             m.lora_B.copy_(saved[f"{path}.lora_B.weight"])
 
 
-def check_base(adapter_dir: str, model: Transformer) -> None:
-    """One line when an adapter folder was trained on other base weights than model's."""
+def check_base(adapter_dir: str, model: Transformer, experts: list[int] | None = None) -> None:
+    """One line when an adapter folder was trained on other base weights than model's (experts: base_sha256's)."""
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         want = json.load(f).get("base_sha256")
-    if want and want != base_sha256(model):
+    have = base_sha256(model, experts) if want else ""
+    if want and want != have:
         raise ConfigError(f"{adapter_dir}: this adapter was trained on another base (base_sha256 {want[:12]}..., this "
-                          f"checkpoint's is {base_sha256(model)[:12]}...); load it onto the checkpoint it names")
+                          f"checkpoint's is {have[:12]}...); load it onto the checkpoint it names")
 
 
 def export(ckpt: str, out: str) -> str:

@@ -36,7 +36,7 @@ class Lora(Hooks):
         if is_lora_checkpoint(t.init_from):
             continue_from(model, t.init_from, t, experts)
         if t.lora_init:
-            read_adapter(model, t.lora_init, t.lora_rank, t.lora_alpha)
+            read_adapter(model, t.lora_init, t.lora_rank, t.lora_alpha, experts)
 
     def sampler_model(self, model, refresh):
         """--lora_rollout=merged (the lab's fault): the sampler runs a plain copy, the adapter merged into its

@@ -47,9 +47,6 @@ class LoraOptions:
             self.require(not ep or not getattr(self, "eplb_redundant", 0),
                          "--lora_rank with --eplb_redundant and experts among --lora_targets: not supported yet; "
                          "drop --eplb_redundant (or experts from --lora_targets)")
-            self.require(not self.lora_init or getattr(self, "expert_parallel", 1) == 1,
-                         "--lora_init with --expert_parallel > 1: the base's hash needs whole experts; start "
-                         "from the adapter at EP=1 and resume that run under EP")
             self.require(getattr(self, "parallel", "ddp") != "fsdp",
                          "--lora_rank with --parallel=fsdp: not supported yet; use ddp (the frozen base is "
                          "not sharded: one copy a rank)")

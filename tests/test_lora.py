@@ -202,6 +202,30 @@ def test_export_writes_a_peft_adapter_and_the_merged_checkpoint(tmp_path):
         assert json.load(f)["r"] == 4
 
 
+def test_an_expert_parallel_rank_reads_an_adapter_onto_its_experts(tmp_path, monkeypatch):
+    """--lora_init under EP: a rank holds some experts' rows (two shards of 6 here, one permuted). base_sha256
+    completes a stacked tensor's expert row digests with its peers' (all_gather_object; here the shards' own,
+    captured) into the whole model's hash; read_adapter gives each shard its experts' rows of the adapter,
+    bitwise. Control: a shard's hash without its peers' rows is another."""
+    from lora import export
+    _, model = adapted()
+    export.write_adapter(model, str(tmp_path / "a"), 4, 8.0)
+    shards = [[4, 0, 2], [1, 3, 5]]
+    parts = [adapted(trained=False)[1] for _ in shards]
+    for m, held in zip(parts, shards):
+        m.keep_experts(held)
+    sent = []                                         # each shard's own row digests, as the gather sends them
+    alone = [export.base_sha256(m, held, gather=lambda r: sent.append(r) or []) for m, held in zip(parts, shards)]
+    monkeypatch.setattr(export, "_all_gather", lambda _: sent)
+    whole = export.base_sha256(model)
+    assert all(export.base_sha256(m, held) == whole != a for m, held, a in zip(parts, shards, alone))
+    for m, held in zip(parts, shards):
+        export.read_adapter(m, str(tmp_path / "a"), 4, 8.0, held)
+        for (n, want), got in zip(model.named_parameters(), m.parameters()):
+            if "lora" in n:
+                assert torch.equal(got, want[held] if n.endswith(("A13", "B13", "A2", "B2")) else want), n
+
+
 def _nudge(m):
     if hasattr(m, "weight") and isinstance(m.weight, torch.Tensor) and m.weight.dim() == 2:
         with torch.no_grad():
@@ -300,7 +324,6 @@ def test_the_merged_rollout_fault_samples_from_merged_weights_and_breaks_the_con
     (["--lora_targets=experts", "--init_from=tiny-dense"], "no layer of this model matches"),
     (["--expert_parallel=2", "--lora_expert_factors=shared_outer"], "is not an expert's row to shard"),
     (["--expert_parallel=2", "--eplb_redundant=2"], "with --eplb_redundant and experts"),
-    (["--expert_parallel=2", "--lora_init=x"], "the base's hash needs whole experts"),
     (["--parallel=fsdp"], "not supported yet"),
 ])
 def test_lora_options_that_cannot_apply_are_one_line(tmp_path, args, words):

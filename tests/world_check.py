@@ -8,7 +8,8 @@ Runs train.py's loop in-process for each layout of this world size (LAYOUTS: DDP
 without --expert_parallel=2; at 2 ranks FSDP2 with each block recomputed in the backward and EP=2 with
 each MoE layer, --activation_checkpointing, both with the optimizer on the host, --offload_optimizer)
 of each run (RUNS: fp32 with packed micro-batches, bf16 compute over fp32 masters with padded ones and the
-router bias, LoRA's adapters over a bf16 base, and --grad_reduce=fast, the control), and writes
+router bias, LoRA's adapters over a bf16 base, started from a PEFT adapter folder (--lora_init: at EP=2 each
+rank takes its experts' rows and hashes the whole base with its peer), and --grad_reduce=fast, the control), and writes
 OUT/world{N}.json: per layout, every metrics row without its per-layout keys, and the SHA-256 of the
 checkpoint's tensors (whole experts). The 1- and 4-rank launches also resume the 2-rank DDP EP=2 fp32
 run from its step-3 checkpoint, the 1-rank one the LoRA run's too (RESUMED). tests/test_distributed.py
@@ -76,6 +77,28 @@ def run(out: str, d: Dist, resume: bool = False, **kw) -> list[dict]:
     return train._train(tcfg, RolloutConfig(), d)
 
 
+def start_adapter(out: str, d: Dist) -> str:
+    """OUT/adapter: adapters on the lora run's base (the tiny preset at the run's seed, cast to bf16), B drawn
+    nonzero, written by python -m lora.export's writer: the lora run's --lora_init, the same at every launch."""
+    from lora.export import write_adapter
+    from lora.hooks import Lora
+    from support.checkpoint import build_model, run_task
+    path = f"{out}/adapter"
+    if d.rank == 0 and not os.path.isdir(path):
+        tcfg = TrainConfig(**{**BASE, **RUNS["lora"], "out_dir": path})
+        _, preset, _ = run_task(tcfg, RolloutConfig())
+        model = build_model(tcfg, torch.device("cpu"), torch.float32, preset, None)
+        Lora(tcfg).adapt(model)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in (p for n, p in model.named_parameters() if "lora_B" in n):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        write_adapter(model, path, tcfg.lora_rank, tcfg.lora_alpha)
+    if d.world > 1:
+        dist.barrier()
+    return path
+
+
 def summary(rows: list[dict], out: str) -> dict:
     return {"metrics": [{k: v for k, v in r.items() if k not in PER_LAYOUT} for r in rows], "digest": digest(out)}
 
@@ -86,9 +109,9 @@ def main(out: str) -> None:
         dist.init_process_group("gloo")
         exact_sum.ExactReduceScatter.CHUNK = 50_000   # FSDP2's exact reduce-scatter of a block in pieces
     d = Dist(int(os.environ.get("RANK", "0")), world, torch.device("cpu"))
-    found = {}
+    found, runs = {}, dict(RUNS, lora=dict(RUNS["lora"], lora_init=start_adapter(out, d)))
     for name, layout, kw in LAYOUTS[world]:
-        rows = run(f"{out}/w{world}-{name}-{layout}", d, **RUNS[name], **kw)
+        rows = run(f"{out}/w{world}-{name}-{layout}", d, **runs[name], **kw)
         found[f"{name}/{layout}"] = summary(rows, f"{out}/w{world}-{name}-{layout}")
     for name, leg, kw in RESUMED.get(world, []):      # a 2-rank run from its middle checkpoint
         mine = f"{out}/w{world}-{name}-resumed"
@@ -99,7 +122,7 @@ def main(out: str) -> None:
                 f.write(f"ckpt-{STEPS // 2:06d}")
         if world > 1:
             dist.barrier()
-        rows = run(mine, d, resume=True, **RUNS[name], **kw)
+        rows = run(mine, d, resume=True, **runs[name], **kw)
         found[f"{name}/resumed"] = summary(rows, mine)
     if d.rank == 0:
         with open(f"{out}/world{world}.json", "w") as f:
