@@ -25,6 +25,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "load":     # -n: an idle worker takes a busy one's queued tests
+        config.option.dist = "worksteal"                   # (the minutes-long tests otherwise end on one worker)
     if config.getoption("--kernels-tuning"):       # the GPU run tests the tables its sweep chose
         import kernels
         try:
