@@ -645,8 +645,9 @@ class Sampler:
         drafts = self.config.draft_policy()
         self.draft_tokens = 0 if drafts is None else drafts.k        # a verify step's drafts (0: plain decoding)
         self.grid = self._linear_engine() if model.config.linear_layers else 0
-        self.num_blocks = self.config.num_blocks or self._pool_blocks(reserve_bytes)
-        self.window_blocks = min(self.num_blocks, self._window_blocks())
+        window = self._window_blocks() if model.config.sliding_window else 0     # the window pool's, wanted
+        self.num_blocks = self.config.num_blocks or self._pool_blocks(reserve_bytes, window)
+        self.window_blocks = min(self.num_blocks, window)
         self.runner = ModelRunner(model, self.config, self.num_blocks, self.window_blocks, drafts, self.grid)
         self.block_manager = self._block_manager()
         self.weights_key = self.runner.weights_key()
@@ -679,23 +680,23 @@ class Sampler:
                                     copy=self.runner.copy_states)
         return cls(self.num_blocks, c.block_size, c.prefix_cache, self.model.config.sliding_window, self.window_blocks)
 
-    def _pool_blocks(self, reserve_bytes: int) -> int:
+    def _pool_blocks(self, reserve_bytes: int, window_blocks: int) -> int:
         """The KV pool's size where the config leaves it (num_blocks=0): on CUDA, kv_memory_fraction of
         the free memory left after reserve_bytes; on the CPU, at most CPU_KV_BYTES; never more than
         max_batch_size full-context sequences need. A block's bytes: its K and V pages and its routes
         (and their weights and margins where recorded); the window pool's pages (sliding-window layers)
-        are set aside first, and a block of the pool holds only the other layers' K and V."""
+        are set aside first (window_blocks), and a block of the pool holds only the other layers' K and V."""
         cfg, bs = self.model.config, self.config.block_size
         p = next(self.model.parameters())
         n_moe, k = self.model.n_moe_layers, cfg.num_experts_per_tok
         layer_bytes = cfg.kv_numbers_per_token * p.element_size()              # K and V (MLA: the latent)
         paged = [i for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)]   # linear: a state per row
-        windowed = sum(bool(cfg.window(i)) for i in paged) if self._window_blocks() else 0
+        windowed = sum(bool(cfg.window(i)) for i in paged) if window_blocks else 0
         per_slot = (len(paged) - windowed) * layer_bytes
         per_slot += n_moe * k * route_dtype(cfg.num_experts).itemsize
         per_slot += 4 * n_moe * (k + 1) if self.config.record_route_detail else 0
         block_bytes = bs * per_slot
-        window_bytes = self._window_blocks() * bs * windowed * layer_bytes
+        window_bytes = window_blocks * bs * windowed * layer_bytes
         wanted = self.config.max_batch_size * -(-self.max_model_len // bs)
         if p.device.type == "cuda":
             free = torch.cuda.mem_get_info(p.device)[0]
@@ -711,12 +712,12 @@ class Sampler:
         return sum(t.numel() * t.element_size() for p in pools.values() for t in vars(p).values())
 
     def _window_blocks(self) -> int:
-        """The window pool's blocks, 0 for none (a model without sliding-window layers, or window_blocks=-1);
+        """The window pool's blocks of a model with sliding-window layers, 0 for none (window_blocks=-1);
         the config's, or sized from the batch: each running sequence holds at most the blocks its window
         spans, the one it fills, its drafts' and a spare, and a prefill step adds its tokens' blocks; at
         least a full-context sequence's (one must fit alone, prefilled whole). Never above num_blocks."""
         c, window = self.config, self.model.config.sliding_window
-        if not window or c.window_blocks < 0:
+        if c.window_blocks < 0:
             return 0
         if c.window_blocks:
             return c.window_blocks

@@ -131,7 +131,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] |
             ro = take_or_stop(run, step, saved)        # 1. rollout: batch `step`, now or (--max_staleness) earlier
             examples, outs, episodes = ro.examples, ro.outs, ro.episodes
             rewards = torch.tensor(compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1, episodes))
-            log_samples(run, step, examples, outs, rewards)
+            if run.tcfg.log_samples:                                  # a few responses to samples.jsonl
+                log_samples(run, step, examples, outs, rewards)
             batch = make_batch(outs, group_advantages(rewards, run.tcfg.group_size, run.tcfg.adv_std_norm))  # 2.
             batch = global_batch(batch, d)                            # every rank's sequences, in global order
             old = old_policy(run, batch)                                             # 3. the old policy
@@ -488,7 +489,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "step_time": time.perf_counter() - t0, "skipped_steps": run.skipped, **ro.counters, **ro.metrics}
     for hook in run.hooks:                        # the plug-ins': drops, staleness, the EP ranks' load
         row.update(hook.step_metrics(run, step, batch, audited))
-    return reduce_metrics(row, run.d)
+    return row if run.d.world == 1 else reduce_metrics(row, run.d)      # per-rank keys over the ranks
 
 
 def checkpoint(run: Run, step: int) -> None:

@@ -651,9 +651,7 @@ def all_gather_rows(t: torch.Tensor, d: Dist) -> list[torch.Tensor]:
 def all_gather_dealt(fields: dict[str, torch.Tensor], sizes: list[int], d: Dist) -> dict[str, torch.Tensor]:
     """Results of micro-batches dealt by packing.deal, in the micro-batches' order on every rank: each
     field holds this rank's micro-batches' rows back to back (in its dealt order); sizes: every
-    micro-batch's rows. The same tensors at every world size."""
-    if d.world == 1:
-        return fields
+    micro-batch's rows. The same tensors at every world size (one process: the fields themselves)."""
     got = {k: torch.cat(all_gather_rows(v, d)) for k, v in fields.items()}   # rank by rank
     at, spans = 0, {}
     for r in range(d.world):                                          # where micro-batch i's rows landed
@@ -683,7 +681,7 @@ def gather_scored(parts: dict, sizes: list[int], d: Dist) -> Scored:
     fields = {k: getattr(mine, k)[:n] for k in ("logp", "routes", "rows")}
     detail = RouteDetail.FIELDS
     fields.update({k: getattr(mine.detail, k)[:n] for k in detail} if mine.detail is not None else {})
-    got = all_gather_dealt(fields, sizes, d)
+    got = fields if d.world == 1 else all_gather_dealt(fields, sizes, d)       # one process: all of them
     return Scored(got["logp"], got["routes"], None, got["rows"],
                   RouteDetail(*(got[k] for k in detail)) if mine.detail is not None else None)
 
@@ -721,7 +719,7 @@ def reduce_metrics(row: dict, d: Dist) -> dict:
     """row with its PER_RANK keys combined over the ranks (a sum, or the slowest rank's time); every other
     key is global already."""
     keys = [k for k in PER_RANK if k in row]
-    if d.world == 1 or not keys:
+    if not keys:
         return row
     out = dict(row)
     for how in ("sum", "max"):

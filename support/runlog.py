@@ -114,7 +114,7 @@ def banner(run, max_new: int, episode_tokens: int | None = None) -> str:
 def log_samples(run, step: int, examples, outs, rewards: torch.Tensor) -> None:
     """--log_samples=N: this rank's first N responses to samples.jsonl (rank 0), the first on the console."""
     n = run.tcfg.log_samples
-    if not n or not run.d.master:
+    if not run.d.master:
         return
     G, task = run.tcfg.group_size, run.task
     rows = [{"step": step + 1, "prompt": task.decode(examples[i // G].prompt), "response": task.decode(o.tokens),

@@ -314,6 +314,16 @@ def load_hf_auto(path: str, dtype=torch.float32):
     return model.eval()
 
 
+def cli_error(argv: list[str]) -> str:
+    """train.py's command line run in this process (train.cli) -> its one error line: run_cli's exit message,
+    which a real process prints alone on stderr with status 1 (tests/test_reliability.py runs one)."""
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.cli(argv)
+    assert isinstance(e.value.code, str) and "\n" not in e.value.code, e.value.code
+    return e.value.code
+
+
 def with_options(run, **kw):
     """A train.Run whose config has kw set, with the step hooks those options ask for (support/hooks.py),
     set up on the run: a test toggling a plug-in's option between two minibatch steps."""

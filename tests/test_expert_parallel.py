@@ -67,9 +67,8 @@ def test_expert_placement_option_errors(table, n, says):
                                          (["--expert_placement=1,0,2,3,4,5,6,7"],
                                           "--expert_placement: needs --expert_parallel > 1 (one rank holds every expert)")])
 def test_expert_parallel_flags_are_one_line_in_train(tmp_path, flags, says):
-    r = subprocess.run([sys.executable, "train.py", *flags, "--steps=1", "--device=cpu", f"--out_dir={tmp_path}"],
-                       cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
-    assert r.returncode == 1 and r.stderr.strip().splitlines() == [f"error: {says}"], r.stderr
+    from conftest import cli_error
+    assert cli_error([*flags, "--steps=1", "--device=cpu", f"--out_dir={tmp_path}"]) == f"error: {says}"
 
 
 def test_shard_keeps_only_local_experts_in_placement_order():

@@ -494,7 +494,14 @@ def test_a_reward_file_that_fails_to_import_is_one_line_naming_file_and_line(jso
     msg = cli_error(*jsonl_args(jsonl_task, reward_fn=spec))
     line = 2 if "json" in source else 1
     assert msg.startswith(f"error: --reward_fn={spec}: importing it raised {says}") and f"({bad}, line {line})" in msg
-    r = subprocess.run([sys.executable, "train.py", *FAST, *jsonl_args(jsonl_task, reward_fn=spec)], cwd=ROOT,
+
+
+def test_a_reward_file_error_is_one_stderr_line_and_a_module_by_name_imports_from_the_cwd(jsonl_task):
+    """The real command line: a reward file that fails to import gives one stderr line, status 1, no
+    traceback; control: a module given by name imports from the folder train.py runs in."""
+    bad = jsonl_task / "bad_reward.py"
+    bad.write_text("import numpyy\n\ndef reward(p, r, a):\n    return 1.0\n")
+    r = subprocess.run([sys.executable, "train.py", *FAST, *jsonl_args(jsonl_task, reward_fn=f"{bad}:reward")], cwd=ROOT,
                        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     (jsonl_task / "good_mod.py").write_text("def reward(p, r, a):\n    return 1.0\n")   # control: a module by
