@@ -804,7 +804,8 @@ class Sampler:
             way a position fed before the update keeps the routes recorded then, which drew its next
             token (beside that token's log-prob); the positions fed after record the new weights'.
         """
-        budgets = self._budgets(max_new_tokens, prompts, on_turn_end)
+        per_prompt = isinstance(max_new_tokens, (list, tuple))                 # (else one int for all)
+        budgets = self._budgets(max_new_tokens, prompts, on_turn_end) if per_prompt else None
         sp = SamplingParams(temperature, top_p, top_k, max_new_tokens if budgets is None else max(budgets, default=1),
                             tuple(stop_token_ids), seed)
         self._check_request(n, index_offset, on_turn_end, max_episode_tokens, on_step)
@@ -876,10 +877,8 @@ class Sampler:
                 for i, prompt in enumerate(self._check_prompts(prompts, sp, limit)) for j in range(n)]
 
     @staticmethod
-    def _budgets(max_new_tokens, prompts, on_turn_end) -> list[int] | None:
-        """max_new_tokens given per prompt, checked where it enters -> the list (None: one int for all)."""
-        if not isinstance(max_new_tokens, (list, tuple)):
-            return None
+    def _budgets(max_new_tokens, prompts, on_turn_end) -> list[int]:
+        """max_new_tokens given per prompt, checked where it enters -> the list."""
         if on_turn_end is not None:
             raise ValueError("max_new_tokens per prompt is for single-turn requests: give one int with on_turn_end")
         if isinstance(prompts, (list, tuple)) and len(prompts) != len(max_new_tokens):   # (else _check_prompts says)

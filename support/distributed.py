@@ -121,7 +121,14 @@ class Scorer(nn.Module):
 
 
 def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
-    """-> (the scorer to train through, a full-weight model for the sampler and checkpoints, sync() refreshing it).
+    """-> (the scorer to train through, a full-weight model for the sampler and checkpoints, sync() refreshing
+    it). One process: the model itself, nothing to refresh; several: across_ranks."""
+    scorer = Scorer(model)
+    return (scorer, model, lambda: None) if d.world == 1 else across_ranks(model, scorer, tcfg, d)
+
+
+def across_ranks(model: Transformer, scorer: nn.Module, tcfg: TrainConfig, d: Dist):
+    """parallelize over several ranks.
 
     ddp: every rank holds the full model; the sampler reads it directly.
     fsdp: FSDP2 shards each block and the rest; the sampler reads a full copy, refreshed by an
@@ -129,9 +136,6 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
     Sharded experts (expert_parallel.shard_experts): DDP leaves them out (each rank's own, reduced over
     its replicas by expert_parallel.reduce_expert_grads); FSDP2 shards them over their replicas (fsdp_shard).
     """
-    scorer = Scorer(model)
-    if d.world == 1:
-        return scorer, model, lambda: None
     ep = expert_group(model)
     if getattr(tcfg, "parallel", "ddp") == "ddp" and tcfg.grad_reduce == "exact":       # the reduction is exact_sum.Reducer's
         return scorer, model, lambda: None
@@ -557,15 +561,20 @@ def lr_at(step: int, cfg: TrainConfig, surge: int | None = None) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return cfg.lr
-    if cfg.lr_schedule == "halving":                                 # halved every period, down to the floor
-        if cfg.halving_start == "warmup":
-            halvings = (step - cfg.warmup_steps) // cfg.lr_decay_period
-        else:                                                        # lr holds until the surge, halves on the step after
-            halvings = 0 if surge is None or step < surge else 1 + (step - surge) // cfg.lr_decay_period
-        return cfg.lr * max(cfg.min_lr_ratio, 0.5 ** halvings)
+    if cfg.lr_schedule == "halving":
+        return halving_lr(step, cfg, surge)
     horizon = cfg.lr_decay_steps or cfg.steps                        # past it, lr stays at its minimum
     progress = 1.0 if step >= horizon else (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def halving_lr(step: int, cfg: TrainConfig, surge: int | None) -> float:
+    """--lr_schedule=halving after the warmup: halved every --lr_decay_period steps, down to the floor."""
+    if cfg.halving_start == "warmup":
+        halvings = (step - cfg.warmup_steps) // cfg.lr_decay_period
+    else:                                                            # lr holds until the surge, halves on the step after
+        halvings = 0 if surge is None or step < surge else 1 + (step - surge) // cfg.lr_decay_period
+    return cfg.lr * max(cfg.min_lr_ratio, 0.5 ** halvings)
 
 
 def update_is_finite(step: int, loss: float, grad_norm: float, skipped: int, tcfg: TrainConfig, d: Dist) -> bool:

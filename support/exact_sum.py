@@ -317,7 +317,7 @@ class Reducer:
             for p, s in zip(dense, sums):
                 p.grad = s.value().to(p.dtype)                       # bf16 masters: one more rounding
         bad = [s.bad for s in self.sums.values()] + [c.sum.bad for c in self.comms if c.sum is not None]
-        bad += self._finish_experts()
+        bad += self._finish_experts() if self.ep is not None else []   # EP: the expert shards' own sums
         flag = torch.stack(bad).any().long() if bad else torch.zeros((), dtype=torch.long)
         flag = flag.to(self.d.device)                                 # NCCL reduces device tensors
         if self.d.world > 1:
@@ -327,8 +327,6 @@ class Reducer:
     def _finish_experts(self) -> list[torch.Tensor]:
         """The expert shards' sums: each owner's pieces over its replicas (all-reduce under DDP; under
         FSDP2 a reduce-scatter into the replica-sharded .grad); -> their out-of-range flags."""
-        if self.ep is None:
-            return []
         if self.ep.eplb is not None:
             self._fold_slots()
         found = []
