@@ -6,7 +6,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -166,13 +165,14 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 7))
 
 
-def test_cli_errors_and_help():
-    r = subprocess.run([sys.executable, "train.py", "--stepz=3"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode != 0 and "--stepz" in r.stderr
-    r = subprocess.run([sys.executable, "train.py", "--steps=x"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode != 0 and "--steps expects int" in r.stderr
-    r = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0 and "--group_size=8" in r.stdout and "--replay='none'" in r.stdout
+def test_cli_errors_and_help(capsys):
+    import train
+    from conftest import cli_error
+    assert "--stepz" in cli_error(["--stepz=3"])
+    assert "--steps expects int" in cli_error(["--steps=x"])
+    train.cli(["--help"])
+    out = capsys.readouterr().out
+    assert "--group_size=8" in out and "--replay='none'" in out
     with pytest.raises(ConfigError, match="loss"):
         TrainConfig(loss="ppo")
 
