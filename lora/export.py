@@ -10,7 +10,8 @@ PEFT's layout (0.21, transformers 5): a Linear's adapter is `<module>.lora_A.wei
 `<module>.lora_B.weight` (out, r), matched by target_modules; the fused experts (`mlp.experts.gate_up_proj`
 (E, 2I, D), `down_proj` (E, D, I)) are target_parameters, one wrapper around the other: gate_up's factors
 under `experts.base_layer`, down's under `experts`, A as (E*r, in) expert-major and B as (out, r*E)
-expert-minor. Qwen3-Next stores its Gated DeltaNet's in_proj_qkv and in_proj_z as one interleaved
+expert-minor; gpt-oss's gate_up_proj (E, D, 2I, multiplied as x @ W) alternates gate and up outputs, and so
+do the rows of its B. Qwen3-Next stores its Gated DeltaNet's in_proj_qkv and in_proj_z as one interleaved
 in_proj_qkvz: their two rank-r adapters are one of rank 2r there (A stacked, B block-diagonal in the fused
 row order), at alpha 2 alpha (rank_pattern, alpha_pattern: the same scale), the same delta exactly. The base's
 identity is a sha256 of its weights in adapter_config.json (base_sha256), which lora.export.check_base
@@ -68,15 +69,10 @@ def _all_gather(obj) -> list:
     return out
 
 
-def no_peft_layout(model: Transformer) -> str:
-    """Why model's adapters have no PEFT layout here ("" when they have): a layer the family stores fused
-    in another shape than ours."""
-    fam = hf.family(model.config.model_type)
-    for name, m in model.named_modules():
-        if isinstance(m, AdaptedExperts) and fam.architecture == "GptOssForCausalLM":
-            return ("gpt-oss's experts are stored (E, D, 2I) with gate and up interleaved; PEFT's expert layout for "
-                    "them is not written yet: train without experts in --lora_targets")
-    return ""
+def _interleaved(model: Transformer) -> bool:
+    """Whether the family stores gate_up_proj's gate and up outputs alternating (gpt-oss: 2j gate, 2j + 1 up;
+    ours and transformers' other fused experts: the gate half, then the up half)."""
+    return hf.family(model.config.model_type).experts == "gpt_oss"
 
 
 def _fused(model: Transformer) -> bool:
@@ -116,9 +112,7 @@ def split_qkvz(layer, A: torch.Tensor, B: torch.Tensor, where: str) -> None:
 
 def peft_state(model: Transformer) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
     """-> (PEFT's adapter tensors by key, target module names, target parameter names)."""
-    fam, why = hf.family(model.config.model_type), no_peft_layout(model)
-    if why:
-        raise ConfigError(f"lora: {why}; python -m lora.export writes the merged checkpoint alone")
+    fam = hf.family(model.config.model_type)
     state, modules, params = {}, set(), []
     for name, m in model.named_modules():
         if isinstance(m, AdaptedExperts):
@@ -126,6 +120,8 @@ def peft_state(model: Transformer) -> tuple[dict[str, torch.Tensor], list[str], 
             A13, B13, A2, B2 = (getattr(m, n).detach().float() for n in EXPERT_FACTORS)
             E = m.w13.shape[0]
             A13, B2 = A13.expand(E, *A13.shape[1:]), B2.expand(E, *B2.shape[1:])   # shared_outer: one row each
+            if _interleaved(model):                                   # (E, 2I, r): gate and up rows alternating
+                B13 = torch.stack(B13.chunk(2, dim=1), 2).reshape(B13.shape)
             for where, A, B in ((f"{pre}.base_layer", A13, B13), (pre, A2, B2)):
                 state[f"{where}.lora_A.weight"] = A.reshape(-1, A.shape[-1]).contiguous()          # (E*r, in)
                 state[f"{where}.lora_B.weight"] = B.permute(1, 2, 0).reshape(B.shape[1], -1).contiguous()  # (out, r*E)
@@ -193,6 +189,8 @@ def read_adapter(model: Transformer, adapter_dir: str, rank: int, alpha: float, 
             for where, (a, b) in ((f"{pre}.base_layer", ("lora_A13", "lora_B13")), (pre, ("lora_A2", "lora_B2"))):
                 A = saved[f"{where}.lora_A.weight"].view(E, rank, -1)                  # (E, r, in)
                 B = saved[f"{where}.lora_B.weight"].view(-1, rank, E).permute(2, 0, 1)  # (E, out, r)
+                if b == "lora_B13" and _interleaved(model):             # gate and up rows alternating -> halves
+                    B = torch.cat([B[:, 0::2], B[:, 1::2]], 1)
                 for n, t in ((a, A), (b, B)):
                     ours = getattr(m, n)
                     if len(ours) == 1 and not torch.equal(t, t[:1].expand_as(t)):
@@ -221,8 +219,7 @@ def check_base(adapter_dir: str, model: Transformer, experts: list[int] | None =
 
 
 def export(ckpt: str, out: str) -> str:
-    """OUT/adapter (PEFT) and OUT/merged (HF) from a LoRA run's checkpoint folder -> what was written (the
-    merged checkpoint alone, and why, where the family has no PEFT layout for an adapted layer)."""
+    """OUT/adapter (PEFT) and OUT/merged (HF) from a LoRA run's checkpoint folder -> OUT."""
     from support.checkpoint import checkpoint_folder, load_trainer_state, load_weights
     from lora.adapters import adapt
     ckpt = checkpoint_folder(ckpt)
@@ -240,15 +237,13 @@ def export(ckpt: str, out: str) -> str:
     model.load_state_dict(load_weights(ckpt, model), assign=True)      # the masters: base and adapter apart
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    skipped = no_peft_layout(model)
-    if not skipped:
-        write_adapter(model, os.path.join(tmp, "adapter"), run["lora_rank"], run["lora_alpha"], run.get("init_from", ""))
+    write_adapter(model, os.path.join(tmp, "adapter"), run["lora_rank"], run["lora_alpha"], run.get("init_from", ""))
     merged(model).save_pretrained(os.path.join(tmp, "merged"))
     hf.write_identity(os.path.join(tmp, "merged"), hf.read_identity(ckpt))
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)
-    return f"{out}/merged only: {skipped}" if skipped else out
+    return out
 
 
 def main(argv: list[str]) -> None:

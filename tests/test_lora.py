@@ -202,6 +202,34 @@ def test_export_writes_a_peft_adapter_and_the_merged_checkpoint(tmp_path):
         assert json.load(f)["r"] == 4
 
 
+def test_gpt_oss_experts_adapter_loads_into_peft_and_reads_back(family, tmp_path):
+    """gpt-oss's fused experts (gate_up_proj (E, D, 2I) with gate and up outputs alternating): the exported
+    adapter's B rows alternate as well, peft's model of the checkpoint gives our logits (the adapter moves
+    them by more than 0.1), and --lora_init reads the adapter back bitwise."""
+    peft = pytest.importorskip("peft")
+    from lora.export import read_adapter, write_adapter
+    hf, _, base = family("gpt_oss")
+
+    def with_adapters(trained):
+        model = copy.deepcopy(base)
+        adapt(model, 4, 8.0, {"attention", "experts"}, False, 1, torch.float32, torch.float32)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3 if trained else torch.zeros(p.shape))
+        return model
+    model, tok = with_adapters(True), tokens(2, 30)
+    write_adapter(model, str(tmp_path / "a"), 4, 8.0)
+    with torch.no_grad():
+        ours = model(tok)
+        theirs = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / "a"))(tok).logits
+        assert (ours - base(tok)).abs().max() > 0.1 and rel_err(theirs, ours) < 1e-4
+    again = with_adapters(False)
+    read_adapter(again, str(tmp_path / "a"), 4, 8.0)
+    assert all(torch.equal(a, b) for (n, a), b in zip(model.named_parameters(), again.parameters()) if "lora" in n)
+
+
 def test_an_expert_parallel_rank_reads_an_adapter_onto_its_experts(tmp_path, monkeypatch):
     """--lora_init under EP: a rank holds some experts' rows (two shards of 6 here, one permuted). base_sha256
     completes a stacked tensor's expert row digests with its peers' (all_gather_object; here the shards' own,
