@@ -110,7 +110,7 @@ import kernels
 from config import RolloutOptions, check_sampling, configs_for
 from model import PagedKV, Transformer, expert_group, kv_caches
 from parallel import expert_parallel
-from scheduler import BlockManager, RecurrentBlockManager, Scheduler, Sequence, Step
+from scheduler import BlockManager, RecurrentBlockManager, Scheduler, Sequence, Step, WindowBlockManager
 
 if TYPE_CHECKING:                     # a run's class: config.configs_for
     from config import RolloutConfig
@@ -673,12 +673,16 @@ class Sampler:
         return grid
 
     def _block_manager(self) -> BlockManager:
-        """A new one, every block free (recurrent layers: their boundary states kept by the prefix cache too)."""
+        """A new one, every block free; the sliding-window layers' pool beside it, or the recurrent layers'
+        boundary states kept by the prefix cache."""
         c, cls = self.config, BlockManager
-        if self.grid and c.prefix_cache:
+        if self.window_blocks:
+            cls = functools.partial(WindowBlockManager, window=self.model.config.sliding_window,
+                                    window_blocks=self.window_blocks)
+        elif self.grid and c.prefix_cache:
             cls = functools.partial(RecurrentBlockManager, grid=self.grid, slots=c.state_snapshots,
                                     copy=self.runner.copy_states)
-        return cls(self.num_blocks, c.block_size, c.prefix_cache, self.model.config.sliding_window, self.window_blocks)
+        return cls(self.num_blocks, c.block_size, c.prefix_cache)
 
     def _pool_blocks(self, reserve_bytes: int, window_blocks: int) -> int:
         """The KV pool's size where the config leaves it (num_blocks=0): on CUDA, kv_memory_fraction of

@@ -89,7 +89,7 @@ class Step:
 
 
 class WindowPool:
-    """The sliding-window layers' blocks (BlockManager's window pool): a free list in the order they were
+    """The sliding-window layers' blocks (WindowBlockManager's window pool): a free list in the order they were
     freed, reference counts, and the window block each registered block of the prefix cache kept (`of`,
     while neither is evicted). A sequence's `window_table` has one beside each block of its block_table;
     `release` frees those that lie wholly below the window of every query the sequence will feed."""
@@ -179,16 +179,12 @@ class BlockManager:
     ids, and node ids are never reused), so a hit holds the KV and routes of exactly that token prefix.
     A registered block stays registered while free, until allocation takes it (eviction, LRU).
 
-    The window pool (`window_pool`, a WindowPool; window > 0 and window_blocks > 0: a model with
-    sliding-window layers) holds those layers' pages: each block of a sequence's block_table has one
-    beside it in its window_table, handed out and shared alike, and freed early (WindowPool.release).
-    Full-attention layers and the routes keep every block. A registered block keeps the window block it
-    had then; a prefix hit needs the window blocks of its last `window` positions, so `match` shortens a
-    hit to the longest run that has them.
+    A sampler memory beside the pages is a subclass: WindowBlockManager (sliding-window layers' own pool),
+    RecurrentBlockManager (the boundary states of layers that keep a state per sequence).
     """
+    window_pool: WindowPool | None = None                # WindowBlockManager's
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False, window: int = 0,
-                 window_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False):
         self.block_size = block_size
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # an ordered set
         self.ref_counts = [0] * num_blocks
@@ -197,14 +193,11 @@ class BlockManager:
         self.cached: dict[tuple, tuple[int, int]] = {}   # (parent node, token ids) -> (block, node)
         self.key_of: list[tuple | None] = [None] * num_blocks
         self.nodes = itertools.count()
-        self.window_pool = WindowPool(window, window_blocks, block_size) if window and window_blocks else None
         self.peak_held = 0                               # the most blocks held at once (tooling/bench.py reads it)
 
     @property
     def num_free(self) -> int:
-        """Blocks a sequence can take now: each takes a window block beside it where there is a window pool."""
-        if self.window_pool:
-            return min(len(self.free_block_ids), len(self.window_pool.free))
+        """Blocks a sequence can take now."""
         return len(self.free_block_ids)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -229,26 +222,17 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> None:
         """Grow seq.block_table to hold positions [0, num_tokens): first the `cached` blocks (prefix-cache
-        hits, shared), then fresh ones; the window table beside it (a hit's window blocks from the first
-        one its window needs, -1 below)."""
-        n, pool = self.blocks_needed(seq, num_tokens) - len(cached), self.window_pool
-        live, window_hits = pool.hits(cached) if pool else (len(cached), [])
-        if n + sum(self.ref_counts[b] == 0 for b in cached) > len(self.free_block_ids) or pool and \
-                n + sum(pool.refs[w] == 0 for w in window_hits) > len(pool.free):
+        hits, shared), then fresh ones."""
+        n = self.blocks_needed(seq, num_tokens) - len(cached)
+        if n + sum(self.ref_counts[b] == 0 for b in cached) > len(self.free_block_ids):
             raise RuntimeError(f"BlockManager: need {n} blocks, {self.num_free} free (caller must preempt first)")
         for b in cached:
             if self.ref_counts[b] == 0:
                 del self.free_block_ids[b]
             self.ref_counts[b] += 1
             seq.block_table.append(b)
-        if pool and cached:
-            seq.window_table, seq.window_start = [-1] * live + window_hits, live
-            for w in window_hits:
-                pool.hold(w)
         for _ in range(n):
             seq.block_table.append(self._take_free())
-            if pool:
-                seq.window_table.append(pool.take())
 
     def _take_free(self) -> int:
         """The least recently freed block, evicted from the prefix cache if it was registered."""
@@ -256,24 +240,16 @@ class BlockManager:
         if self.key_of[b] is not None:
             del self.cached[self.key_of[b]]
             self.key_of[b] = None
-            if self.window_pool:
-                self.window_pool.forget(b)
         self.ref_counts[b] = 1
         self.peak_held = max(self.peak_held, len(self.ref_counts) - len(self.free_block_ids))
         return b
 
     def release_window(self, seq: Sequence, first_query: int) -> None:
-        """The window blocks of seq below every window it will read, from first_query on, freed (if there
-        is a window pool)."""
-        if self.window_pool:
-            self.window_pool.release(seq, first_query)
+        """The window pool's (WindowBlockManager): nothing to free here."""
 
     def num_shared(self, hits: list[int]) -> int:
-        """Prefix-cache hits that take no free block: held by another sequence now, and so is the window
-        block beside it where the hit needs one."""
-        pool = self.window_pool
-        live = pool.first_block(len(hits) * self.block_size) if pool else len(hits)
-        return sum(self.ref_counts[b] > 0 and (i < live or pool.refs[pool.of[b]] > 0) for i, b in enumerate(hits))
+        """Prefix-cache hits that take no free block: held by another sequence now."""
+        return sum(self.ref_counts[b] > 0 for b in hits)
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
         """Share the parent's full blocks of positions [0, num_tokens) with child.
@@ -285,10 +261,6 @@ class BlockManager:
         for b in parent.block_table[:n_full]:
             self.ref_counts[b] += 1
             child.block_table.append(b)
-        if self.window_pool:
-            child.window_table, child.window_start = parent.window_table[:n_full], parent.window_start
-            for w in child.window_table:
-                self.window_pool.hold(w)
         if parent.num_hashed <= n_full:                  # the child's chain in the prefix cache starts as the parent's
             child.num_hashed, child.last_node = parent.num_hashed, parent.last_node
         if num_tokens % self.block_size:
@@ -296,8 +268,6 @@ class BlockManager:
                 raise RuntimeError("BlockManager: no free block for a forked partial block")
             dst = self._take_free()
             child.block_table.append(dst)
-            if self.window_pool:                         # (the runner copies this one's pages too)
-                child.window_table.append(self.window_pool.take())
             return parent.block_table[n_full], dst
         return None
 
@@ -307,9 +277,7 @@ class BlockManager:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free_block_ids[b] = None
-        for w in reversed(seq.window_table):
-            self.window_pool.drop(w)
-        seq.block_table, seq.window_table, seq.window_start = [], [], 0
+        seq.block_table = []
 
     # ---- the prefix cache ----
     def set_version(self, version) -> None:
@@ -319,8 +287,6 @@ class BlockManager:
             self.root = ("version", version)
             self.cached.clear()
             self.key_of = [None] * len(self.key_of)
-            if self.window_pool:
-                self.window_pool.forget_all()
 
     def _key(self, seq: Sequence, b: int, node) -> tuple:
         """The cache key of seq's block b: the node of its block b - 1 (the root for the first), its ids."""
@@ -333,9 +299,7 @@ class BlockManager:
 
     def match(self, seq: Sequence) -> tuple[list[int], object]:
         """The longest run of seq's leading full blocks registered in the cache, up to its next-to-last
-        token (the last one is always fed, for the logits) -> (their blocks, the last one's node). With a
-        window pool the run ends where the window blocks of its last positions are not all kept (a
-        prefill from there reads them)."""
+        token (the last one is always fed, for the logits) -> (their blocks, the last one's node)."""
         hits, nodes = [], [self.root]
         if self.prefix_cache:
             for b in range(self._matchable(seq)):
@@ -344,9 +308,6 @@ class BlockManager:
                     break
                 hits.append(entry[0])
                 nodes.append(entry[1])
-        while self.window_pool and hits and not self.window_pool.kept(hits):
-            hits.pop()
-            nodes.pop()
         return hits, nodes[-1]
 
     def next_miss(self, seq: Sequence, hits: list[int], node) -> tuple | None:
@@ -386,6 +347,84 @@ class BlockManager:
             seq.num_hashed, seq.last_node = b + 1, node
 
 
+class WindowBlockManager(BlockManager):
+    """The BlockManager of a model with sliding-window layers whose pages are a pool of their own (`window_pool`,
+    a WindowPool of window_blocks; RolloutConfig.window_blocks): each block of a sequence's block_table has one
+    beside it in its window_table, handed out and shared alike, and freed early (WindowPool.release).
+    Full-attention layers and the routes keep every block. A registered block keeps the window block it
+    had then; a prefix hit needs the window blocks of its last `window` positions, so `match` shortens a
+    hit to the longest run that has them."""
+
+    def __init__(self, *args, window: int, window_blocks: int):
+        super().__init__(*args)
+        self.window_pool = WindowPool(window, window_blocks, self.block_size)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a sequence can take now: each takes a window block beside it."""
+        return min(len(self.free_block_ids), len(self.window_pool.free))
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> None:
+        """BlockManager.allocate, and the window table beside it: a hit's window blocks from the first one its
+        window needs (-1 below), then one for each fresh block."""
+        pool, n = self.window_pool, self.blocks_needed(seq, num_tokens) - len(cached)
+        live, window_hits = pool.hits(cached)
+        if n + sum(pool.refs[w] == 0 for w in window_hits) > len(pool.free):
+            raise RuntimeError(f"BlockManager: need {n} blocks, {self.num_free} free (caller must preempt first)")
+        super().allocate(seq, num_tokens, cached)
+        if cached:
+            seq.window_table, seq.window_start = [-1] * live + window_hits, live
+            for w in window_hits:
+                pool.hold(w)
+        seq.window_table += [pool.take() for _ in range(n)]
+
+    def _take_free(self) -> int:
+        self.window_pool.forget(next(iter(self.free_block_ids)))     # the block BlockManager takes leaves the cache
+        return super()._take_free()
+
+    def release_window(self, seq: Sequence, first_query: int) -> None:
+        """The window blocks of seq below every window it will read, from first_query on, freed."""
+        self.window_pool.release(seq, first_query)
+
+    def num_shared(self, hits: list[int]) -> int:
+        """Prefix-cache hits that take no free block: held by another sequence now, and so is the window
+        block beside it where the hit needs one."""
+        pool = self.window_pool
+        live = pool.first_block(len(hits) * self.block_size)
+        return sum(self.ref_counts[b] > 0 and (i < live or pool.refs[pool.of[b]] > 0) for i, b in enumerate(hits))
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        n_full = num_tokens // self.block_size
+        child.window_table, child.window_start = parent.window_table[:n_full], parent.window_start
+        for w in child.window_table:
+            self.window_pool.hold(w)
+        pair = super().fork(parent, child, num_tokens)
+        if pair is not None:                              # a partial block: the runner copies its window pages too
+            child.window_table.append(self.window_pool.take())
+        return pair
+
+    def free(self, seq: Sequence) -> None:
+        for w in reversed(seq.window_table):
+            self.window_pool.drop(w)
+        super().free(seq)
+        seq.window_table, seq.window_start = [], 0
+
+    def set_version(self, version) -> None:
+        if ("version", version) != self.root:
+            self.window_pool.forget_all()
+        super().set_version(version)
+
+    def match(self, seq: Sequence) -> tuple[list[int], object]:
+        """BlockManager.match, the run ending where the window blocks of its last positions are not all kept
+        (a prefill from there reads them)."""
+        hits, node = super().match(seq)
+        if hits and not self.window_pool.kept(hits):
+            while hits and not self.window_pool.kept(hits):
+                hits.pop()
+            node = self.cached[self.key_of[hits[-1]]][1] if hits else self.root
+        return hits, node
+
+
 class RecurrentBlockManager(BlockManager):
     """The BlockManager of a model whose layers keep a state per sequence instead of pages (linear attention,
     hybrids/). Such a state moves on at each multiple of `grid`, so a prefill after a prefix hit starts from
@@ -406,7 +445,7 @@ class RecurrentBlockManager(BlockManager):
     def match(self, seq: Sequence) -> tuple[list[int], object]:
         hits, node = super().match(seq)
         if hits and hits[-1] not in self.slot_of:
-            while hits and (hits[-1] not in self.slot_of or self.window_pool and not self.window_pool.kept(hits)):
+            while hits and hits[-1] not in self.slot_of:
                 hits.pop()
             node = self.cached[self.key_of[hits[-1]]][1] if hits else self.root
         return hits, node

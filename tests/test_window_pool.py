@@ -1,4 +1,4 @@
-"""The window pool (scheduler.WindowPool, BlockManager; rollout.Sampler): a model's sliding-window layers keep their
+"""The window pool (scheduler.WindowPool, WindowBlockManager; rollout.Sampler): a model's sliding-window layers keep their
 KV in a pool of their own, whose blocks are freed once they lie wholly below the window of every query a
 sequence will still feed; full-attention layers and the routes keep every block.
 
@@ -18,7 +18,7 @@ from conftest import assert_contract
 from test_rollout import make_model, make_prompts, seq
 from test_sessions import assert_episode_contract, assert_same, episodes, shared_prefix_prompts
 from rollout import Sampler
-from scheduler import BlockManager, Sequence, WindowPool
+from scheduler import Sequence, WindowBlockManager, WindowPool
 
 LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 PROMPT_LENGTHS = [1, 15, 16, 17, 31, 40, 5, 33]
@@ -134,7 +134,7 @@ def test_window_pool_groups_sharing_a_prefix_in_one_request(window):
 
 
 def test_block_manager_frees_window_blocks_below_the_window_and_forks_alike():
-    bm = BlockManager(8, 16, window=20, window_blocks=6)
+    bm = WindowBlockManager(8, 16, window=20, window_blocks=6)
     pool = bm.window_pool
     a = seq(0, 40)
     bm.allocate(a, 40)
@@ -157,7 +157,7 @@ def test_block_manager_frees_window_blocks_below_the_window_and_forks_alike():
 def test_block_manager_prefix_hits_need_the_window_blocks_of_their_last_window():
     """A registered block keeps its window block until either is evicted; a hit of h blocks needs those
     of the blocks its window reaches from position h * 16, and is shortened where they are gone."""
-    bm = BlockManager(8, 16, prefix_cache=True, window=20, window_blocks=4)
+    bm = WindowBlockManager(8, 16, True, window=20, window_blocks=4)
     pool = bm.window_pool
     a = Sequence(0, list(range(64)), max_len=1000, num_tokens=64)
     bm.allocate(a, 64)
