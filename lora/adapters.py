@@ -227,28 +227,32 @@ def is_adapter(name: str) -> bool:
 # merging: the adapter folded into the weights (the export; the lab's fault)
 # ---------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The weights with each adapter folded in, W + s B A computed in fp32 and rounded once to W's dtype;
-    the adapters' own keys dropped: a plain model's state_dict."""
-    state = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
+def merged_state(model: nn.Module, device=None) -> dict[str, torch.Tensor]:
+    """The weights with each adapter folded in, W + s B A computed in fp32 on W's device and rounded once to
+    W's dtype; the adapters' own keys dropped: a plain model's state_dict. device: where every tensor of it
+    goes (None: where it is), each merged weight as soon as it is made, so that a GPU holds one weight's fp32
+    terms at a time, never a second base."""
+    to = (lambda t: t) if device is None else (lambda t: t.to(device))         # noqa: E731
+    folded = {}
     for name, m in model.named_modules():
         if isinstance(m, Adapted):
             w = m.weight
-            state[f"{name}.weight"] = (w.float() + m.scale * (m.lora_B.float() @ m.lora_A.float())).to(w.dtype)
+            folded[f"{name}.weight"] = to((w.float() + m.scale * (m.lora_B.float() @ m.lora_A.float())).to(w.dtype))
         elif isinstance(m, AdaptedExperts):
             A13, B13, A2, B2 = (getattr(m, n).float() for n in EXPERT_FACTORS)
-            state[f"{name}.w13"] = (m.w13.float() + m.scale * (B13 @ A13)).to(m.w13.dtype)   # (E, 2I, D)
-            state[f"{name}.w2"] = (m.w2.float() + m.scale * (B2 @ A2)).to(m.w2.dtype)       # (E, D, I)
-    return state
+            folded[f"{name}.w13"] = to((m.w13.float() + m.scale * (B13 @ A13)).to(m.w13.dtype))   # (E, 2I, D)
+            folded[f"{name}.w2"] = to((m.w2.float() + m.scale * (B2 @ A2)).to(m.w2.dtype))       # (E, D, I)
+    return {k: folded[k] if k in folded else to(v) for k, v in model.state_dict().items() if not is_adapter(k)}
 
 
-def merged(model: Transformer) -> Transformer:
-    """A plain Transformer with the adapter merged into its weights (merged_state), on the meta-built
-    model's device and dtypes of the weights."""
-    state = merged_state(model)
+def merged(model: Transformer, device=None) -> Transformer:
+    """A plain Transformer with the adapter merged into its weights (merged_state), in the weights' dtypes, on
+    `device` (None: the model's); the checkpoint tensors it keeps unused (MTP's) go with it."""
+    state = merged_state(model, device)
     with torch.device("meta"):
         out = Transformer(model.config)
     out.load_state_dict(state, assign=True)
+    out.extra_tensors = {k: v if device is None else v.to(device) for k, v in model.extra_tensors.items()}   # MTP's
     return out.requires_grad_(False)
 
 

@@ -54,4 +54,4 @@ class Lora(Hooks):
         return copy, sync
 
     def exported(self, model):
-        return None if model is None else merged(model)
+        return None if model is None else merged(model, "cpu")      # on the host: a GPU never holds a second base

@@ -136,6 +136,22 @@ def test_merged_state_folds_each_adapter_once():
     assert torch.equal(state["layers.1.mlp.w13"], w)
 
 
+def test_a_checkpoints_merged_export_is_made_on_the_host():
+    """The HF export of a LoRA checkpoint (Lora.exported) is merged onto the host, a weight at a time
+    (merged_state's device), so the GPU never holds a second base (Qwen3-30B-A3B's 61 GB on a 141 GB GPU):
+    its tensors are those of the merge on the weights' own device, bitwise; the kept unused tensors (MTP's) go
+    with it. On a CPU the device is shown by routing the state to `meta`."""
+    from lora.hooks import Lora
+    _, model = adapted(torch.bfloat16)
+    model.extra_tensors = {"mtp.fc.weight": torch.ones(3)}
+    here = merged(model)
+    out = Lora(TrainConfig(lora_rank=4)).exported(model)
+    assert {t.device.type for t in [*out.state_dict().values(), *out.extra_tensors.values()]} == {"cpu"}
+    assert all(torch.equal(a, b) for a, b in zip(out.state_dict().values(), here.state_dict().values()))
+    assert torch.equal(out.extra_tensors["mtp.fc.weight"], torch.ones(3))
+    assert {t.device.type for t in merged_state(model, "meta").values()} == {"meta"}
+
+
 def lora_run(tmp_path, name, steps=3, resume=False, fault=False, **kw):
     import train
     tcfg = TrainConfig(out_dir=str(tmp_path / name), steps=steps, prompts_per_step=4, group_size=4, minibatch_size=8,
