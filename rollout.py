@@ -109,7 +109,6 @@ from tqdm.auto import tqdm
 import kernels
 from config import RolloutOptions, check_sampling, configs_for
 from model import PagedKV, Transformer, expert_group, kv_caches
-from parallel import expert_parallel
 from scheduler import BlockManager, RecurrentBlockManager, Scheduler, Sequence, Step, WindowBlockManager
 
 if TYPE_CHECKING:                     # a run's class: config.configs_for
@@ -903,20 +902,12 @@ class Sampler:
                 if done:
                     break
                 finished = runner.run(step, sp)
-            else:                                # the EP group steps together and ends together
-                all_done, prefill = expert_parallel.group_step(done, step is not None and step.is_prefill, ep)
+            else:                                # EP (parallel/): the group steps together and ends together
+                all_done, finished = ep.sampler_step(self.model, runner, step, sp)
                 if all_done:
                     break
-                # decode: fixed-size exchange buffers (no counts); a step with a prefill in the group: counted
-                ep.capacity = 0 if prefill else runner.max_batch_size * self.model.config.num_experts_per_tok * \
-                    (1 + runner.speculative_tokens)                    # a verify step feeds k + 1 tokens a row
-                try:
-                    if done:                     # nothing left here: the group's exchanges, zero rows
-                        expert_parallel.idle_step(self.model)
-                        continue
-                    finished = runner.run(step, sp)
-                finally:
-                    ep.capacity = 0
+                if step is None:                 # nothing left here: the group's exchanges ran, zero rows
+                    continue
             bar.update(sum(step.kept) if step.kept else len(step.batch))
             done = sched.postprocess(step, finished)
             for s, record in zip(done, runner.collect(done)):     # before the next step reuses their rows

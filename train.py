@@ -498,9 +498,10 @@ def checkpoint(run: Run, step: int) -> None:
     run.rollouts.before_save(step)                                    # the batches the checkpoint holds
     p.refresh()
     check_finite_weights(p.full, step)                                # on every rank: they stop together
-    digest = check_in_sync(p.full, run.d)                             # mixed precision: the compute copy
-    if p.mp is not None and not p.fsdp:                               # mixed precision: and the masters
-        check_in_sync(p.mp.master, run.d)
+    if run.d.world > 1:
+        digest = check_in_sync(p.full, run.d)                         # mixed precision: the compute copy
+        if p.mp is not None and not p.fsdp:                           # mixed precision: and the masters
+            check_in_sync(p.mp.master, run.d)
     masters = p.mp.master_state() if p.mp is not None else None       # collective under FSDP2 and EP
     opt_state = optimizer_state(p.trainer, p.optimizer, p.fsdp)       # collective under FSDP2 and EP
     full = whole_model(run.hooks, p.full)                             # EP: whole experts (collective)

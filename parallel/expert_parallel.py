@@ -50,6 +50,8 @@ import torch.nn as nn
 import kernels
 from config import ConfigError
 from model import expert_group
+from support.distributed import unsharded
+from support.exact_sum import Limbs, Reducer, _reduce_scatter_into, all_reduce_limbs
 
 # A MoE layer's stacked expert tensors, (E, ...) each: the weights, then gpt-oss's biases where the layer
 # has them (model.MoE: b13 (E, 2I), b2 (E, D)), then LoRA's adapters stacked by expert where it adds them
@@ -188,6 +190,72 @@ class ExpertParallel:
 
     def __deepcopy__(self, memo):
         return self                     # a model copy (the sampler's, the reference) shares the groups
+
+    # the core's calls (support/checkpoint.py, support/distributed.py): through the object a sharded model
+    # holds (model.expert_group), so the core imports nothing of this plug-in
+    def gather_optimizer_state(self, opt, model, opt_state: dict) -> dict:
+        return gather_optimizer_state(opt, model, opt_state)
+
+    def shard_optimizer_state(self, opt, model, opt_state: dict) -> dict:
+        return shard_optimizer_state(opt, model, opt_state)
+
+    def expert_names(self, model: nn.Module) -> list[str]:
+        return [n for n, _ in model.named_parameters() if is_expert(n)]
+
+    def split_params(self, model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        return split_params(model)
+
+    def reduce_grads(self, experts: list[nn.Parameter], world: int, device=None) -> None:
+        reduce_expert_grads(experts, self, world, device)
+
+    def finish_grads(self, model: nn.Module, max_norm: float, world: int, *, fsdp: bool, reduced: bool) -> float:
+        """--grad_reduce=fast's end of a minibatch (support/distributed.finish_grads): the expert shards'
+        gradients averaged as DDP averages the rest (FSDP2 averaged them over the replicas: divided by N
+        here; reduced: mixed precision reduced its expert masters already), the norm over the whole
+        model, clipped -> the norm before clipping."""
+        dense, experts = split_params(model)
+        if fsdp:
+            for p in experts:
+                if p.grad is not None:
+                    p.grad.div_(self.size)
+        elif not reduced:
+            reduce_expert_grads(experts, self, world)
+        return clip_grad_norm(dense, experts, max_norm, self)
+
+    def exact_reducer(self, masters: nn.Module, d, **kw):
+        """--grad_reduce=exact's Reducer of a model with expert shards (ExpertSums)."""
+        experts = {id(p) for p in split_params(masters)[1]}
+        return ExpertSums(masters, d, ep=self, experts=experts, **kw)
+
+    def gather_experts(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        return gather_experts(model, self)
+
+    def replica_mesh(self, device_type: str):
+        return replica_mesh(self, device_type)
+
+    def weights_changed(self, model: nn.Module) -> None:
+        weights_changed(model)
+
+    def slot_bytes(self, model: nn.Module) -> int:
+        return slot_bytes(model)
+
+    def sampler_step(self, model: nn.Module, runner, step, sp) -> tuple[bool, list | None]:
+        """One engine step of the sampler (rollout.Sampler._run) on this rank of the group: step None
+        when nothing is left here -> (every rank is done, the runner's finished sequences or None). The
+        group agrees first (group_step), then runs its step, or the exchanges alone with zero rows."""
+        all_done, prefill = group_step(step is None, step is not None and step.is_prefill, self)
+        if all_done:
+            return True, None
+        # decode: fixed-size exchange buffers (no counts); a step with a prefill in the group: counted
+        self.capacity = 0 if prefill else runner.max_batch_size * model.config.num_experts_per_tok * \
+            (1 + runner.speculative_tokens)                           # a verify step feeds k + 1 tokens a row
+        try:
+            if step is None:
+                idle_step(model)
+                return False, None
+            return False, runner.run(step, sp)
+        finally:
+            self.capacity = 0
 
 
 def check_degree(n: int, n_experts: int, world: int) -> None:
@@ -597,11 +665,6 @@ def shard_experts(model: nn.Module, ep: ExpertParallel, loaded: bool = False) ->
     return model
 
 
-def unsharded(t: torch.Tensor) -> torch.Tensor:
-    """A tensor whole on this rank: an FSDP2 DTensor all-gathered over its mesh (collective), else itself."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
-
-
 def replica_mesh(ep: ExpertParallel, device_type: str):
     """The DeviceMesh of the ranks holding this rank's experts (r, r + N, r + 2N, ...), for FSDP2: a 2-D
     mesh (replica, ep) over every rank, consecutive ranks forming an EP group; collective, made once."""
@@ -726,3 +789,85 @@ def shard_optimizer_state(opt, model, opt_state: dict) -> dict:
     if ep is None:
         return opt_state
     return _expert_state(opt_state, expert_keys(opt, model, opt_state), lambda t: shard_rows(t, ep))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the exact gradient sum of the shards (--grad_reduce=exact, support/exact_sum.py)
+# ---------------------------------------------------------------------------------------------------
+class ExpertSums(Reducer):
+    """Reducer with expert shards: the owner's weight gradient of each source rank's rows is handed over
+    through ep.grad_sink (this object's __call__), kept apart by (MoE module, tensor name) until finish."""
+
+    def __init__(self, masters: nn.Module, d, *, trained: nn.Module, ep, master_of: dict | None = None,
+                 fsdp: bool = False, experts: set | None = None):
+        super().__init__(masters, d, trained=trained, master_of=master_of, fsdp=fsdp, experts=experts)
+        self.ep, self.master_of = ep, master_of or {}
+        self.moes = [m for m in trained.modules() if isinstance(getattr(m, "w13", None), nn.Parameter)]
+        self.pieces: dict[tuple[int, str], Limbs] = {}               # (id(MoE module), 'w13' | ...) -> sum
+        ep.grad_sink = self
+
+    def key(self, w: torch.Tensor) -> tuple[int, str]:
+        """The (MoE module, 'w13' | 'w2' | 'b13' | 'b2') whose expert tensor w is, at forward time (under
+        FSDP2 w is the unsharded parameter, only the module knows whose it is)."""
+        for m in self.moes:
+            for name, t in expert_tensors(m).items():
+                if t is w:
+                    return id(m), name
+        raise RuntimeError("exact gradient sum: an expert weight of no MoE layer of the trained model")
+
+    def __call__(self, key: tuple[int, str], g: torch.Tensor) -> None:
+        if key not in self.pieces:
+            self.pieces[key] = Limbs(g.shape, self.home)
+        self.pieces[key].add(g.to(self.home), own=True)   # autograd's, handed over
+
+    def start(self) -> None:
+        super().start()
+        for s in self.pieces.values():
+            s.zero_()
+
+    def _finish_experts(self) -> list[torch.Tensor]:
+        """The expert shards' sums: each owner's pieces over its replicas (all-reduce under DDP; under
+        FSDP2 a reduce-scatter into the replica-sharded .grad); -> their out-of-range flags."""
+        if self.ep.eplb is not None:
+            self._fold_slots()
+        found = []
+        for m in self.moes:
+            for name, t in expert_tensors(m).items():
+                p = self.master_of.get(id(t), t)                      # after backward: sharded
+                if (id(m), name) not in self.pieces:                  # no token reached these experts here
+                    self.pieces[(id(m), name)] = Limbs(p.shape, p.device)
+                found.append((p, self.pieces[(id(m), name)]))
+        if self.fsdp:
+            for p, s in found:
+                _reduce_scatter_into(p, s, self.d.device)
+        else:
+            if self.ep.n_replicas > 1:
+                all_reduce_limbs([s for _, s in found], group=self.ep.replicas, device=self.d.device)
+            for p, s in found:
+                p.grad = s.value().to(p.dtype)
+        return [s.bad for _, s in found]
+
+    def _fold_slots(self) -> None:
+        """EPLB: the sums of this rank's expert slots (replicas included, _owner_rows' pieces under the
+        keys expert_parallel._layout gives them) added into their logical experts' sums on the experts'
+        home ranks: limbs sent as integers (expert_parallel.fold_slots), so the result is the sum without
+        replicas, every piece EP=1's of its micro-batch. Every rank folds every layer (a collective)."""
+        for j, m in enumerate(self.moes):
+            for name, t in expert_tensors(m).items():
+                p = self.master_of.get(id(t), t)
+                home = self.pieces.setdefault((id(m), name), Limbs(p.shape, p.device))
+                slots = self.pieces.get(((id(m), name), "slots"))
+                if slots is None:                                     # no row reached this rank's slots
+                    slots = Limbs((self.ep.eplb.layouts[j].per_rank, *p.shape[1:]), p.device)
+                slots.carry()                                         # lo below 2^52: N of them add in int64
+                hi, lo = fold_slots(slots.hi, j, self.ep), fold_slots(slots.lo, j, self.ep)
+                home.add_limbs(hi, lo, terms=self.ep.size)            # at most N slots an expert
+                home.bad |= slots.bad
+
+    def reserve_bytes(self) -> int:
+        """The base's, and under EPLB the (E+R)/N slots of each expert weight."""
+        slots = 0
+        if self.ep.eplb is not None:
+            slots = sum(t.numel() // t.shape[0] * pl.per_rank
+                        for m, pl in zip(self.moes, self.ep.eplb.layouts) for t in expert_tensors(m).values())
+        return super().reserve_bytes() + 16 * slots

@@ -41,7 +41,6 @@ from config import (MODEL_PRESETS, ConfigError, ModelConfig, TrainOptions, apply
 from families.hf import (CheckpointError, Identity, config_from_hf, eos_token_ids, expert_rows, hf_to_state,
                          read_safetensors_dir, read_safetensors_file, write_identity)
 from model import Transformer, expert_group
-from parallel import expert_parallel
 from support.tasks import make_task
 
 if TYPE_CHECKING:                     # a run's classes: config.configs_for
@@ -67,12 +66,15 @@ def optimizer_state(scorer, opt, full: bool):
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
         state = get_optimizer_state_dict(scorer, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state if expert_group(scorer) is None else expert_parallel.gather_optimizer_state(opt, scorer, state)
+    ep = expert_group(scorer)                                         # EP (parallel/): whole experts' moments
+    return state if ep is None else ep.gather_optimizer_state(opt, scorer, state)
 
 
 def load_optimizer_state(scorer, opt, state, full: bool):
     """The saved state into opt: under EP, this rank's experts' moments (at any EP degree)."""
-    state = expert_parallel.shard_optimizer_state(opt, scorer, state)
+    ep = expert_group(scorer)
+    if ep is not None:                                                # EP (parallel/): this rank's experts'
+        state = ep.shard_optimizer_state(opt, scorer, state)
     if not full:
         return opt.load_state_dict(state)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -346,7 +348,7 @@ def build_model(tcfg: TrainConfig, device, dtype, preset: ModelConfig | None = N
     torch.manual_seed(tcfg.seed)
     model = Transformer(initial_config(tcfg, preset))
     if experts is not None:
-        expert_parallel.keep_experts(model, experts)
+        model.keep_experts(experts)
     return model.to(device=device, dtype=dtype)
 
 

@@ -35,7 +35,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from config import ConfigError
 from families import hf
 from model import MoE, RouteDetail, Transformer, expert_group
-from parallel import expert_parallel
 from support import exact_sum
 from support.checkpoint import RunError
 from support.packing import Scored, deal
@@ -83,10 +82,15 @@ def init_distributed(device: str, split=None) -> Dist:
     its own default process group; split.single() is its one line when there is no torchrun job."""
     check_device(device)
     use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if "RANK" not in os.environ:
-        if split is not None:
-            split.single()
-        return Dist(0, 1, torch.device(("cuda" if use_cuda else "cpu") if device == "auto" else device))
+    if "RANK" in os.environ:
+        return join_torchrun(use_cuda, split)
+    if split is not None:
+        split.single()
+    return Dist(0, 1, torch.device(("cuda" if use_cuda else "cpu") if device == "auto" else device))
+
+
+def join_torchrun(use_cuda: bool, split=None) -> Dist:
+    """This process's place in the torchrun job: its rank, its device, the process group(s)."""
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     kw = {"device_id": dev} if use_cuda else {}
@@ -141,7 +145,7 @@ def across_ranks(model: Transformer, scorer: nn.Module, tcfg: TrainConfig, d: Di
         return scorer, model, lambda: None
     if getattr(tcfg, "parallel", "ddp") == "ddp":
         if ep is not None:
-            DDP._set_params_and_buffers_to_ignore_for_model(scorer, expert_names(scorer))
+            DDP._set_params_and_buffers_to_ignore_for_model(scorer, ep.expert_names(scorer))
         return DDP(scorer, device_ids=[d.device.index] if d.device.type == "cuda" else None), model, lambda: None
     full_copy = copy.deepcopy(model).requires_grad_(False)
     router_apart = any(layer.is_moe and layer.mlp.gate.weight.dtype != layer.input_layernorm.weight.dtype
@@ -194,13 +198,14 @@ def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, rout
                 for shared in (mlp.shared_experts, mlp.shared_expert, mlp.shared_expert_gate):
                     if shared is not None:
                         fully_shard(shared, **kw)
-                fully_shard(mlp, mesh=expert_parallel.replica_mesh(ep, d.device.type), **kw)   # w13, w2 (b13, b2)
+                fully_shard(mlp, mesh=ep.replica_mesh(d.device.type), **kw)   # w13, w2 (b13, b2)
         fully_shard(layer, **kw)
     fully_shard(scorer, **kw)
 
 
-def expert_names(module: nn.Module) -> list[str]:
-    return [n for n, _ in module.named_parameters() if expert_parallel.is_expert(n)]
+def unsharded(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole on this rank: an FSDP2 DTensor all-gathered over its mesh (collective), else itself."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
 def is_fsdp(model: nn.Module) -> bool:
@@ -208,32 +213,29 @@ def is_fsdp(model: nn.Module) -> bool:
     return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
-def finish_grads(trained: nn.Module, mp, max_norm: float, d: Dist, reducer=None) -> float:
-    """After a minibatch's backward: reduce what the wrappers did not (mixed precision's fp32 master
-    grads, sharded experts' grads over their replicas), clip to max_norm -> the norm before clipping.
-    reducer (--grad_reduce=exact): its sums over ranks, and the norm that is the same at every layout
-    (NaN if a gradient was out of the fixed point's range, exact_sum)."""
-    if reducer is not None:
-        reducer.finish()
-        if reducer.bad:
-            return math.nan
-        ep = expert_group(trained)
-        experts = {id(p) for p in expert_parallel.split_params(trained)[1]} if ep is not None else set()
-        return exact_sum.clip_grad_norm(list(trained.parameters()), max_norm, d, expert_ids=experts, ep=ep)
+def finish_exact_grads(trained: nn.Module, max_norm: float, d: Dist, reducer) -> float:
+    """After a minibatch's backward under --grad_reduce=exact: the reducer's sums over ranks, clipped to
+    max_norm -> the norm before clipping, the same at every layout (NaN if a gradient was out of the fixed
+    point's range, exact_sum)."""
+    reducer.finish()
+    if reducer.bad:
+        return math.nan
+    ep = expert_group(trained)
+    experts = {id(p) for p in ep.split_params(trained)[1]} if ep is not None else set()
+    return exact_sum.clip_grad_norm(list(trained.parameters()), max_norm, d, expert_ids=experts, ep=ep)
+
+
+def finish_grads(trained: nn.Module, mp, max_norm: float, d: Dist) -> float:
+    """After a minibatch's backward (--grad_reduce=fast): reduce what the wrappers did not (mixed
+    precision's fp32 master grads, sharded experts' grads over their replicas), clip to max_norm -> the
+    norm before clipping."""
     if mp is not None:
         mp.reduce_grads()
     ep = expert_group(trained)
-    if ep is None:
-        gn = torch.nn.utils.clip_grad_norm_(trained.parameters(), max_norm)
-        return gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
-    dense, experts = expert_parallel.split_params(trained)
-    if is_fsdp(trained):                                              # FSDP2 averaged them over the replicas
-        for p in experts:
-            if p.grad is not None:
-                p.grad.div_(ep.size)
-    elif mp is None:                                                  # mp reduced its expert masters already
-        expert_parallel.reduce_expert_grads(experts, ep, d.world)
-    return expert_parallel.clip_grad_norm(dense, experts, max_norm, ep)
+    if ep is not None:                                                # EP (parallel/): shards over their replicas
+        return ep.finish_grads(trained, max_norm, d.world, fsdp=is_fsdp(trained), reduced=mp is not None)
+    gn = torch.nn.utils.clip_grad_norm_(trained.parameters(), max_norm)
+    return gn.full_tensor().item() if hasattr(gn, "full_tensor") else gn.item()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -385,8 +387,8 @@ class MixedPrecision:
         params = self.parameters()
         ep = expert_group(self.master)
         if ep is not None:                                            # experts: over their replicas only
-            params, experts = expert_parallel.split_params(self.master)
-            expert_parallel.reduce_expert_grads(experts, ep, self.d.world, self.d.device)
+            params, experts = ep.split_params(self.master)
+            ep.reduce_grads(experts, self.d.world, self.d.device)
             params = [p for p in params if p.requires_grad]                # LoRA: not the frozen base
         for p in params:
             if p.grad is None:                                        # every rank reduces the same tensors
@@ -408,8 +410,8 @@ class MixedPrecision:
         FSDP2 and EP."""
         ep = expert_group(self.master)
         if ep is not None:
-            return expert_parallel.gather_experts(self.master, ep)
-        return {k: expert_parallel.unsharded(v) for k, v in self.master.state_dict().items()}
+            return ep.gather_experts(self.master)
+        return {k: unsharded(v) for k, v in self.master.state_dict().items()}
 
     def cast(self, model: Transformer) -> Transformer:
         """Another model (the frozen reference) in the compute dtypes."""
@@ -460,8 +462,8 @@ class Policy:
 
     def refresh(self) -> None:
         self._refresh()
-        if expert_group(self.master) is not None:
-            expert_parallel.weights_changed(self.master)             # EPLB: the slots' weights, gathered again
+        if (ep := expert_group(self.master)) is not None:
+            ep.weights_changed(self.master)                           # EPLB: the slots' weights, gathered again
 
     def compute_copy(self, model: Transformer) -> Transformer:
         """Another model (the frozen reference) in the trainer's compute dtypes."""
@@ -491,7 +493,9 @@ class Policy:
 
     def finish_grads(self) -> float:
         """After a minibatch's backward: the gradients reduced and clipped -> their norm before clipping."""
-        return finish_grads(self.master, self.mp, self.tcfg.grad_clip, self.d, self.reducer)
+        if self.reducer is not None:
+            return finish_exact_grads(self.master, self.tcfg.grad_clip, self.d, self.reducer)
+        return finish_grads(self.master, self.mp, self.tcfg.grad_clip, self.d)
 
     def step(self, load: torch.Tensor | None = None) -> None:
         """The optimizer step; then, given the step's expert load (n_moe, E) on this rank, the router
@@ -501,8 +505,8 @@ class Policy:
             update_expert_bias(self.master, load.to(self.d.device), self.tcfg.expert_bias_update_rate, self.d)
         if self.mp is not None:
             self.mp.refresh()
-        if expert_group(self.master) is not None:
-            expert_parallel.weights_changed(self.master)
+        if (ep := expert_group(self.master)) is not None:
+            ep.weights_changed(self.master)
 
     def reserve_bytes(self) -> int:
         """What the optimizer will still allocate once the sampler has sized its KV pool: the gradients
@@ -510,8 +514,8 @@ class Policy:
         shard under FSDP2; EPLB: the experts' slots, in each copy that runs forwards."""
         has_state = bool(self.optimizer.state)
         sums = 0 if self.reducer is None else self.reducer.reserve_bytes()
-        if expert_group(self.full) is not None:                     # EPLB's slots
-            sums += expert_parallel.slot_bytes(self.full) * (1 + (self.sampler is not self.full) + is_fsdp(self.master))
+        if (ep := expert_group(self.full)) is not None:               # EPLB's slots
+            sums += ep.slot_bytes(self.full) * (1 + (self.sampler is not self.full) + is_fsdp(self.master))
         if self.mp is not None:
             return self.mp.reserve_bytes(has_state) + sums
         param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in self.trainer.parameters())
@@ -522,13 +526,12 @@ def exact_reducer(model: Transformer, trainer: nn.Module, mp, tcfg: TrainConfig,
     """--grad_reduce=exact: the Reducer of this policy's gradients, hooked where the backward produces
     them: the compute copy's parameters (mixed precision), the masters themselves, or FSDP2's groups."""
     fsdp = d.world > 1 and getattr(tcfg, "parallel", "ddp") == "fsdp"
+    trained = trainer if fsdp else model if mp is None else mp.full_model
+    master_of = None if fsdp or mp is None else mp.master_of
     ep = expert_group(model)
-    experts = {id(p) for p in expert_parallel.split_params(model)[1]} if ep is not None else set()
-    if fsdp:
-        return exact_sum.Reducer(model, d, trained=trainer, ep=ep, fsdp=True, experts=experts)
-    trained = model if mp is None else mp.full_model
-    return exact_sum.Reducer(model, d, trained=trained, master_of=None if mp is None else mp.master_of, ep=ep,
-                             experts=experts)
+    if ep is not None:                                                # EP (parallel/): its shards' sums too
+        return ep.exact_reducer(model, d, trained=trained, master_of=master_of, fsdp=fsdp)
+    return exact_sum.Reducer(model, d, trained=trained, master_of=master_of, fsdp=fsdp)
 
 
 def build_optimizer(model: Transformer, tcfg: TrainConfig) -> torch.optim.Optimizer:
@@ -539,6 +542,11 @@ def build_optimizer(model: Transformer, tcfg: TrainConfig) -> torch.optim.Optimi
     params = [p for p in model.parameters() if p.requires_grad]     # LoRA: the adapters (the base is frozen)
     if tcfg.router_lr_scale == 1:
         return torch.optim.AdamW(params, **kw)
+    return router_lr_optimizer(model, params, tcfg, kw)
+
+
+def router_lr_optimizer(model: Transformer, params: list, tcfg: TrainConfig, kw: dict) -> torch.optim.Optimizer:
+    """--router_lr_scale=S != 1: AdamW with the routers' gates in a second group at S times the lr."""
     gates = {id(p) for m in model.modules() if isinstance(m, MoE) for p in m.gate.parameters()}
     if not gates:
         raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the model has no MoE layer (no router)")
@@ -584,9 +592,14 @@ def update_is_finite(step: int, loss: float, grad_norm: float, skipped: int, tcf
     Otherwise the step is skipped (False) while fewer than --skip_nonfinite_steps were, else RunError:
     a NaN never reaches the weights, so nothing non-finite is ever saved.
     """
-    bad = [f"{name} is {v}" for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
-    if not bad:
+    if math.isfinite(loss) and math.isfinite(grad_norm):
         return True
+    return skip_or_stop(step, loss, grad_norm, skipped, tcfg, d)
+
+
+def skip_or_stop(step: int, loss: float, grad_norm: float, skipped: int, tcfg: TrainConfig, d: Dist) -> bool:
+    """A non-finite loss or gradient norm: False (the step skipped) while --skip_nonfinite_steps allows."""
+    bad = [f"{name} is {v}" for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
     if skipped < tcfg.skip_nonfinite_steps:
         d.print0(f"step {step}: {' and '.join(bad)}; skipping this optimizer step "
                  f"({skipped + 1} of --skip_nonfinite_steps={tcfg.skip_nonfinite_steps})")
@@ -769,7 +782,7 @@ def check_in_sync(model: Transformer, d: Dist) -> str:
     """Raise unless every rank holds bit-identical weights (and buffers); returns their digest. With
     sharded experts: the replicated state on every rank, each expert shard on the ranks holding it."""
     ep = expert_group(model)
-    names = expert_names(model) if ep is not None else []
+    names = ep.expert_names(model) if ep is not None else []
     state = dict(model.named_parameters())
     dense = [p for n, p in state.items() if n not in names] + list(model.buffers())
     mine = (_digest(dense), _digest([state[n] for n in names]), ep.rank if ep else 0)

@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from config import ConfigError
-from parallel.expert_parallel import expert_tensors, fold_slots
 
 FRAC_BITS = 72                      # n counts units of 2^-72
 LIMB_BITS = 52                      # lo holds n's low 52 bits, hi the rest
@@ -230,7 +229,7 @@ class Reducer:
     Gradients enter three ways, each converted the moment it exists: (1) one process / DDP: a
     post-accumulate hook per trained parameter adds the micro-batch's .grad and frees it (no DDP
     wrapper: this is the reduction); (2) expert parallelism: the owner's weight gradient of each
-    source rank's rows, kept apart (expert_parallel._owner_rows), through ep.grad_sink; (3) FSDP2: its
+    source rank's rows, kept apart (a subclass: parallel/expert_parallel.ExpertSums); (3) FSDP2: its
     reduce-scatter, replaced by ExactReduceScatter (every micro-batch step: an int64 reduce-scatter of
     the step's unsharded gradients into a sharded accumulator; the last step writes the sum).
     finish() sums (1) and (2) over the ranks and writes fp32 .grad on every master parameter. The sums
@@ -238,38 +237,37 @@ class Reducer:
     """
 
     def __init__(self, masters: nn.Module, d, *, trained: nn.Module, master_of: dict | None = None,
-                 ep=None, fsdp: bool = False, experts: set | None = None):
+                 fsdp: bool = False, experts: set | None = None):
         """master_of: id(trained parameter) -> its master (mixed precision; else itself); experts: ids of
-        the masters' expert-shard parameters (EP)."""
+        the masters' expert-shard parameters (EP: parallel/expert_parallel.ExpertSums, this class's own)."""
         if d.world > MAX_RANKS:
             raise ConfigError(f"--grad_reduce=exact sums over at most {MAX_RANKS} ranks ({d.world} here); "
                               "use --grad_reduce=fast")
-        self.masters, self.d, self.ep, self.fsdp = masters, d, ep, fsdp
+        self.masters, self.d, self.fsdp = masters, d, fsdp
         self.home = next(masters.parameters()).device                 # offload: the host
         self.experts = experts or set()
         self.sums: dict[int, Limbs] = {}                             # id(master parameter) -> its sum
-        self.pieces: dict[tuple[int, str], Limbs] = {}               # EP: (id(MoE module), 'w13' | ...) -> sum
         self.comms: list[ExactReduceScatter] = []
         self.last = False                                            # the minibatch's last micro-batch step
         self.bad = False
-        master_of = master_of or {}
         if fsdp:
-            from torch.distributed.fsdp import FSDPModule
-            for m in trained.modules():
-                if isinstance(m, FSDPModule):
-                    comm = ExactReduceScatter(self)
-                    m.set_custom_reduce_scatter(comm)
-                    m.set_force_sum_reduction_for_comms(True)        # a sum: no pre- or post-division
-                    m.set_gradient_divide_factor(1.0)
-                    self.comms.append(comm)
-        else:
-            for p in trained.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._hook(master_of.get(id(p), p)))
-        if ep is not None:
-            self.moes = [m for m in trained.modules() if isinstance(getattr(m, "w13", None), nn.Parameter)]
-            self.master_of = master_of
-            ep.grad_sink = self
+            self._replace_reduce_scatters(trained)
+            return
+        master_of = master_of or {}
+        for p in trained.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook(master_of.get(id(p), p)))
+
+    def _replace_reduce_scatters(self, trained: nn.Module) -> None:
+        """FSDP2: every group's reduce-scatter becomes an ExactReduceScatter of this reducer."""
+        from torch.distributed.fsdp import FSDPModule
+        for m in trained.modules():
+            if isinstance(m, FSDPModule):
+                comm = ExactReduceScatter(self)
+                m.set_custom_reduce_scatter(comm)
+                m.set_force_sum_reduction_for_comms(True)        # a sum: no pre- or post-division
+                m.set_gradient_divide_factor(1.0)
+                self.comms.append(comm)
 
     def _hook(self, master: nn.Parameter):
         def take(p):
@@ -284,24 +282,9 @@ class Reducer:
             s = self.sums[id(master)] = Limbs(master.shape, master.device)
         return s
 
-    # ---- EP: the owner's per-source weight gradients (expert_parallel._owner_rows) ----------------
-    def key(self, w: torch.Tensor) -> tuple[int, str]:
-        """The (MoE module, 'w13' | 'w2' | 'b13' | 'b2') whose expert tensor w is, at forward time (under
-        FSDP2 w is the unsharded parameter, only the module knows whose it is)."""
-        for m in self.moes:
-            for name, t in expert_tensors(m).items():
-                if t is w:
-                    return id(m), name
-        raise RuntimeError("exact gradient sum: an expert weight of no MoE layer of the trained model")
-
-    def __call__(self, key: tuple[int, str], g: torch.Tensor) -> None:
-        if key not in self.pieces:
-            self.pieces[key] = Limbs(g.shape, self.home)
-        self.pieces[key].add(g.to(self.home), own=True)   # autograd's, handed over
-
     # ---- the minibatch ---------------------------------------------------------------------------
     def start(self) -> None:
-        for s in [*self.sums.values(), *self.pieces.values(), *(c.sum for c in self.comms if c.sum is not None)]:
+        for s in [*self.sums.values(), *(c.sum for c in self.comms if c.sum is not None)]:
             s.zero_()
         self.last = False
 
@@ -317,7 +300,7 @@ class Reducer:
             for p, s in zip(dense, sums):
                 p.grad = s.value().to(p.dtype)                       # bf16 masters: one more rounding
         bad = [s.bad for s in self.sums.values()] + [c.sum.bad for c in self.comms if c.sum is not None]
-        bad += self._finish_experts() if self.ep is not None else []   # EP: the expert shards' own sums
+        bad += self._finish_experts()                                # EP: the expert shards' own sums
         flag = torch.stack(bad).any().long() if bad else torch.zeros((), dtype=torch.long)
         flag = flag.to(self.d.device)                                 # NCCL reduces device tensors
         if self.d.world > 1:
@@ -325,53 +308,14 @@ class Reducer:
         self.bad = bool(flag)
 
     def _finish_experts(self) -> list[torch.Tensor]:
-        """The expert shards' sums: each owner's pieces over its replicas (all-reduce under DDP; under
-        FSDP2 a reduce-scatter into the replica-sharded .grad); -> their out-of-range flags."""
-        if self.ep.eplb is not None:
-            self._fold_slots()
-        found = []
-        for m in self.moes:
-            for name, t in expert_tensors(m).items():
-                p = self.master_of.get(id(t), t)                      # after backward: sharded
-                if (id(m), name) not in self.pieces:                  # no token reached these experts here
-                    self.pieces[(id(m), name)] = Limbs(p.shape, p.device)
-                found.append((p, self.pieces[(id(m), name)]))
-        if self.fsdp:
-            for p, s in found:
-                _reduce_scatter_into(p, s, self.d.device)
-        else:
-            if self.ep.n_replicas > 1:
-                all_reduce_limbs([s for _, s in found], group=self.ep.replicas, device=self.d.device)
-            for p, s in found:
-                p.grad = s.value().to(p.dtype)
-        return [s.bad for _, s in found]
-
-    def _fold_slots(self) -> None:
-        """EPLB: the sums of this rank's expert slots (replicas included, _owner_rows' pieces under the
-        keys expert_parallel._layout gives them) added into their logical experts' sums on the experts'
-        home ranks: limbs sent as integers (expert_parallel.fold_slots), so the result is the sum without
-        replicas, every piece EP=1's of its micro-batch. Every rank folds every layer (a collective)."""
-        for j, m in enumerate(self.moes):
-            for name, t in expert_tensors(m).items():
-                p = self.master_of.get(id(t), t)
-                home = self.pieces.setdefault((id(m), name), Limbs(p.shape, p.device))
-                slots = self.pieces.get(((id(m), name), "slots"))
-                if slots is None:                                     # no row reached this rank's slots
-                    slots = Limbs((self.ep.eplb.layouts[j].per_rank, *p.shape[1:]), p.device)
-                slots.carry()                                         # lo below 2^52: N of them add in int64
-                hi, lo = fold_slots(slots.hi, j, self.ep), fold_slots(slots.lo, j, self.ep)
-                home.add_limbs(hi, lo, terms=self.ep.size)            # at most N slots an expert
-                home.bad |= slots.bad
+        """Whole experts: none (EP's sums of the expert shards: parallel/expert_parallel.ExpertSums)."""
+        return []
 
     def reserve_bytes(self) -> int:
         """The accumulators' bytes on this rank: 16 per element it sums (its shard of an FSDP2 tensor;
         an expert shard whole, also when FSDP2 cuts it over its replicas; EPLB: its slots' too)."""
-        mine = sum(p.numel() if id(p) in self.experts or not hasattr(p, "to_local") else p.to_local().numel()
-                   for p in self.masters.parameters() if p.requires_grad)
-        if self.ep is not None and self.ep.eplb is not None:            # (E+R)/N slots of each expert weight
-            mine += sum(t.numel() // t.shape[0] * pl.per_rank
-                        for m, pl in zip(self.moes, self.ep.eplb.layouts) for t in expert_tensors(m).values())
-        return 16 * mine
+        return 16 * sum(p.numel() if id(p) in self.experts or not hasattr(p, "to_local") else p.to_local().numel()
+                        for p in self.masters.parameters() if p.requires_grad)
 
 
 def _reduce_scatter_into(p: nn.Parameter, s: Limbs, device) -> None:

@@ -24,7 +24,7 @@ from parallel import eplb                                                       
 from support import exact_sum                                                   # noqa: E402
 from support.distributed import Dist                                            # noqa: E402
 from ep_check import build                                        # noqa: E402
-from parallel.expert_parallel import (Placement, Replicas, expert_tensors, init_expert_parallel, is_expert,
+from parallel.expert_parallel import (ExpertSums, Placement, Replicas, expert_tensors, init_expert_parallel, is_expert,
                                       shard_experts)                                                                       # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -129,10 +129,10 @@ def check_sampler(cfg, dtype):
 
 
 def exact_grads(model, tokens, d, ep):
-    """One minibatch of one micro-batch per rank (its rows of tokens) through an exact_sum.Reducer ->
+    """One minibatch of one micro-batch per rank (its rows of tokens) through an exact_sum.Reducer (ExpertSums) ->
     the gradients of the expert tensors per MoE layer (this rank's shard) and of the router gates."""
     experts = {id(p) for name, p in model.named_parameters() if is_expert(name)}
-    reducer = exact_sum.Reducer(model, d, trained=model, ep=ep, experts=experts)
+    reducer = ExpertSums(model, d, trained=model, ep=ep, experts=experts)
     reducer.start()
     reducer.last = True
     logp, _ = model.score(tokens)
