@@ -5,7 +5,7 @@
 
 Field names follow Hugging Face's Qwen3-MoE config; the knobs of other families (sigmoid routing, a
 score-correction bias, grouped top-k, shared experts, biases, partial RoPE; gpt-oss's sinks, windows,
-YaRN and experts; DeepSeek's MLA) are extra fields that are off by default. families/hf.py translates each
+YaRN and experts; DeepSeek's MLA) are extra fields that are off by default. support/hf.py translates each
 family's config.json onto them (hf.config_from_hf) and checks model_type; this file imports nothing of it.
 Every dataclass validates itself in `__post_init__`; `apply_overrides` turns command-line
 `--key=value` strings into typed fields and rejects unknown keys and bad values by name (with the
@@ -89,7 +89,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False    # the LM head shares the embedding's weights
     max_position_embeddings: int = 256   # the longest sequence (prompt + response)
     initializer_range: float = 0.02      # std of the random initial weights
-    # other families (families/hf.py); every default below is Qwen3-MoE, which uses none of them
+    # other families (support/hf.py); every default below is Qwen3-MoE, which uses none of them
     model_type: str = "qwen3_moe"        # the HF family (hf.FAMILIES): config names and weight keys on load and save
     router_scoring: str = "softmax"      # softmax | sigmoid (DeepSeek-V3, GLM-4.5), in fp32
     score_correction_bias: bool = False  # a per-expert bias added to the scores for the choice only
@@ -194,16 +194,15 @@ class ModelConfig:
 
     def _check_gpt_oss_knobs(self):
         _require(self.sliding_window >= 0, f"sliding_window={self.sliding_window}: must be >= 0 (0: none)")
-        hybrid = self.model_type in model_type_folders()      # a plug-in's family: its layer kinds (model.MIXERS)
-        kinds = ("full_attention", "sliding_attention") + (("gated_attention", "linear_attention") if hybrid else ())
+        own = family_layer_types(self.model_type)     # a plug-in family's own layer kinds (model.MIXERS)
+        kinds = ("full_attention", "sliding_attention") + own
         _require(all(t in kinds for t in self.layer_types),
                  f"layer_types={self.layer_types}: each entry one of {', '.join(kinds)}"
-                 + ("" if hybrid else " (gated_attention, linear_attention: model_type qwen3_5_moe_text or qwen3_next)"))
+                 + ("" if own else " (gated_attention, linear_attention: model_type qwen3_5_moe_text or qwen3_next)"))
         _require(("linear_attention" in self.layer_types) == bool(self.linear_num_value_heads),
                  "linear_attention layers (Gated DeltaNet) and linear_num_value_heads > 0 go together")
-        _require(not hybrid or (self.layer_types and set(self.layer_types) <= {"gated_attention", "linear_attention"}),
-                 f"model_type {self.model_type} needs layer_types of gated_attention and linear_attention layers "
-                 "(its full attention is gated), one per layer")
+        _require(not own or (self.layer_types and set(self.layer_types) <= set(own)),
+                 f"model_type {self.model_type} needs layer_types of {' and '.join(own)} layers, one per layer")
         _require(not self.layer_types or len(self.layer_types) == self.num_hidden_layers,
                  f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}")
         _require(("sliding_attention" in self.layer_types) == (self.sliding_window > 0),
@@ -847,9 +846,15 @@ def _options_sources() -> dict[str, tuple]:
 @functools.cache
 def model_type_folders() -> dict[str, str]:
     """{model_type: the plug-in folder whose options.py lists it in MODEL_TYPES}: the families a plug-in adds
-    (its `family` module registers them in families/hf.FAMILIES when a config of that type is read)."""
+    (its `family` module registers them in support/hf.FAMILIES when a config of that type is read)."""
     return {e.value: n for n, (_, top) in _options_sources().items()
             if isinstance(top.get("MODEL_TYPES"), (ast.Tuple, ast.List)) for e in top["MODEL_TYPES"].elts}
+
+
+def family_layer_types(model_type: str) -> tuple[str, ...]:
+    """The layer kinds (LAYER_TYPES in its options.py) of the plug-in that adds model_type; () for the rest."""
+    top = _options_sources().get(model_type_folders().get(model_type), (None, {}))[1]
+    return tuple(e.value for e in top["LAYER_TYPES"].elts) if "LAYER_TYPES" in top else ()
 
 
 def plugin_modules(folders=None) -> list:

@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts transformer (Qwen3-MoE semantics), its checkpoints (via families/hf.py), and forced routes.
+"""The Mixture-of-Experts transformer (Qwen3-MoE semantics), its checkpoints (via support/hf.py), and forced routes.
 
     from config import ModelConfig
     from model import Transformer
@@ -19,7 +19,7 @@ Layer: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)), where mlp is MoE on layers c
 ModelConfig.is_moe_layer and a dense SwiGLU elsewhere. Attention: GQA, per-head RMSNorm on q and k
 before NeoX RoPE, scale head_dim^-0.5, no biases. Router: softmax(gate(x)) in fp32, top-k,
 optional renormalisation. Experts are stacked: w13 (E, 2I, D) with gate rows first, w2 (E, D, I).
-That is Qwen3-MoE; the other families (families/hf.py) switch on config knobs, each off by default:
+That is Qwen3-MoE; the other families (support/hf.py) switch on config knobs, each off by default:
 q/k/v and o biases (added after the matmul, in the model dtype), q/k norm over the whole projection or
 none, partial RoPE (the first rotary_dim dims of each head), YaRN RoPE tables, sigmoid routing with a
 score-correction bias and grouped top-k (kernels.route), routed_scaling_factor, shared experts (see MoE);
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import kernels
 from config import ModelConfig
-from families import hf
+from support import hf
 from support.packing import PackedPages, Packing, packed_attention
 
 
@@ -706,7 +706,7 @@ class Transformer(nn.Module):
                 entropy = kernels.softmax_entropy(logits, temperature)
         return (logp, used) + ((entropy,) if with_entropy else ()) + tuple(detail)
 
-    # ---- Hugging Face checkpoints: the translation lives in families/hf.py ----
+    # ---- Hugging Face checkpoints: the translation lives in support/hf.py ----
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype | None = None, device="cpu",
                         experts: list[int] | None = None) -> "Transformer":

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from config import ConfigError, ModelConfig, apply_overrides, parse_args  # noqa: E402
-from families import hf  # noqa: E402
+from support import hf  # noqa: E402
 from model import Transformer  # noqa: E402
 
 EOS = "<|endoftext|>"

@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE and Qwen3-Next in the model: their families (families/hf.FAMILIES) and the Gated DeltaNet
+"""Qwen3.5-MoE and Qwen3-Next in the model: their families (support/hf.FAMILIES) and the Gated DeltaNet
 layer as the token mixer of their linear_attention layers (model.MIXERS). Imported by hf.load_plugin when
 a config of one of hybrids/options.MODEL_TYPES is read or a model of one is built.
 
@@ -19,8 +19,8 @@ import torch
 import kernels
 import model
 from config import ModelConfig
-from families import hf
-from families.hf import HF, Family
+from support import hf
+from support.hf import HF, Family
 from hybrids import gdn
 from support.packing import PackedPages
 

@@ -29,7 +29,7 @@ import sys
 import torch
 
 from config import ConfigError
-from families import hf
+from support import hf
 from lora.adapters import EXPERT_FACTORS, Adapted, AdaptedExperts, is_adapter, merged
 from model import Transformer
 

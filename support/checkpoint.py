@@ -38,7 +38,7 @@ import torch
 
 from config import (MODEL_PRESETS, ConfigError, ModelConfig, TrainOptions, apply_command_line, configs_for, parse_args,
                     parse_bool)
-from families.hf import (CheckpointError, Identity, config_from_hf, eos_token_ids, expert_rows, hf_to_state,
+from support.hf import (CheckpointError, Identity, config_from_hf, eos_token_ids, expert_rows, hf_to_state,
                          read_safetensors_dir, read_safetensors_file, write_identity)
 from model import Transformer, expert_group
 from support.tasks import make_task
@@ -499,7 +499,7 @@ def export(ckpt: str, out: str, save_dtype: str = "") -> str:
     --save_dtype, else its --dtype, else the checkpoint's), config.json, generation_config.json and the
     tokenizer files; no optimizer state, no masters. Written to out.tmp and renamed; an out that holds
     files is refused."""
-    from families.hf import config_from_hf, read_identity
+    from support.hf import config_from_hf, read_identity
     ckpt = checkpoint_folder(ckpt)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"export: {out!r} exists and is not an empty folder; pass a new one (nothing is overwritten)")

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import ConfigError
-from families import hf
+from support import hf
 from model import MoE, RouteDetail, Transformer, expert_group
 from support import exact_sum
 from support.checkpoint import RunError

@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 
 import replay
 from config import ConfigError
-from families import hf
-from families.hf import CheckpointError
+from support import hf
+from support.hf import CheckpointError
 from model import Transformer
 from support.checkpoint import RunError, latest_checkpoint, trim_metrics, write_run_json
 from support.distributed import PER_RANK, Dist, all_cat

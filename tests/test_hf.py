@@ -1,6 +1,6 @@
-"""families/hf.py (model families, config.json, weight keys, safetensors) and the router semantics the families
-need: each family against transformers, the contract for every new op, and the score-correction bias
-as state.
+"""support/hf.py and families/ (model families, config.json, weight keys, safetensors) and the router
+semantics the families need: each family against transformers, the contract for every new op, and the
+score-correction bias as state.
 
     python -m pytest -q tests/test_hf.py
 
@@ -37,7 +37,7 @@ from support import distributed
 from conftest import (FAMILY_HF, assert_contract, assert_greedy_like_generate, assert_same_weights, hf_classes,
                       load_hf, load_hf_auto, make_hf_family, make_model, rel_err, tiny_config)
 from config import MODEL_PRESETS, ConfigError, ModelConfig
-from families.hf import CheckpointError, config_from_hf, config_to_hf, hf_to_state
+from support.hf import CheckpointError, config_from_hf, config_to_hf, hf_to_state
 from model import Transformer
 from rollout import Sampler
 
@@ -686,7 +686,7 @@ def _mxfp4_checkpoint(src: str, dst: str, seed: int = 0) -> dict:
 def test_mxfp4_dequantize_is_transformers_bits():
     """hf.mxfp4_dequantize against transformers' own dequantizer, every code and scales from the
     subnormal range to near overflow, in bf16 and fp32."""
-    from families.hf import mxfp4_dequantize
+    from support.hf import mxfp4_dequantize
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=g, dtype=torch.uint8)
@@ -724,7 +724,7 @@ def test_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path, dtype):
 
 
 def test_mxfp4_errors(tmp_path, family):
-    from families.hf import dequantize_mxfp4, mxfp4_dequantize
+    from support.hf import dequantize_mxfp4, mxfp4_dequantize
     with pytest.raises(CheckpointError, match="no .*_scales"):
         dequantize_mxfp4({"a_blocks": torch.zeros(1, 2, 1, 16, dtype=torch.uint8)})
     with pytest.raises(CheckpointError, match="do not match"):
@@ -858,11 +858,11 @@ def test_validation_of_the_new_fields(overrides, needle):
 
 
 def test_unknown_model_type_is_refused_where_config_json_is_read_or_written(tmp_path):
-    """ModelConfig takes model_type as a plain name; families/hf.py refuses one it has no family for, naming the
+    """ModelConfig takes model_type as a plain name; support/hf.py refuses one it has no family for, naming the
     supported ones, before anything is written."""
     cfg = tiny_config(model_type="llama")
     for call in (lambda: config_to_hf(cfg), lambda: make_model(cfg).save_pretrained(str(tmp_path / "out"))):
-        with pytest.raises(ConfigError, match=r"model_type 'llama' is not supported; supported: .*qwen3_moe"):
+        with pytest.raises(ConfigError, match=r"model_type 'llama' is not supported; supported: .*gpt_oss.*qwen3_moe"):
             call()
     assert not (tmp_path / "out").exists()
     assert config_to_hf(tiny_config())["model_type"] == "qwen3_moe"       # control: a known family writes

@@ -16,12 +16,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["config.py", "kernels.py", "model.py", "rollout.py", "scheduler.py", "replay.py", "losses.py", "train.py"]
 PLUGINS = sorted(n for n in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, n, "__init__.py")) and n != "support")
-# what the core imports of each plug-in today: the seams still to build (docs/design.md lists them)
-CORE_IMPORTS = {"families": {"model.py", "support/checkpoint.py", "support/distributed.py",
-                                                         "support/runlog.py"},
-                "tooling": {"train.py"},                             # lazily: --plan, --help's plan keys
+# what the core imports of a plug-in: lazily, where an option or a device asks for it (docs/design.md)
+CORE_IMPORTS = {"tooling": {"train.py"},                             # lazily: --plan, --help's plan keys
                 "kernels_triton": {"kernels.py"}}                    # lazily, for CUDA tensors (or the interpreter)
-DELETABLE = ["asynchrony", "diagnostics", "hybrids", "kernels_triton", "lab", "lora", "memory", "parallel",
+DELETABLE = ["asynchrony", "diagnostics", "families", "hybrids", "kernels_triton", "lab", "lora", "memory", "parallel",
              "route_filter", "router_losses", "sampling", "tooling"]                # the default run on the CPU imports none
 
 
@@ -104,7 +102,7 @@ def test_a_default_step_runs_no_more_lines_than_its_budget(tmp_path):
 
 def test_a_default_run_imports_no_plugin_and_a_named_option_brings_its_own(tmp_path):
     """The configs carry the plug-ins whose options a run names (config.configs_for): a default run imports
-    no module of a deletable plug-in, options included (the core still imports families/:
+    no module of a deletable plug-in, options included (the core imports none at all but lazily:
     CORE_IMPORTS); --lora_rank brings lora/ alone, and a typo of a plug-in's option gets its nearest name."""
     probe = ("import sys, train\ntrain.main(sys.argv[1:])\n"
              f"print(sorted(m for m in sys.modules if m.split('.')[0] in {DELETABLE!r}))")

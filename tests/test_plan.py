@@ -117,7 +117,7 @@ def test_kv_pool_from_tokens_or_the_room_left():
 
 
 def test_qwen3_30b_a3b_on_eight_96gb_gpus_fits_only_with_expert_parallelism(tmp_path):
-    from families.hf import config_to_hf
+    from support.hf import config_to_hf
     folder = tmp_path / "qwen3-30b-a3b"                # a checkpoint folder's config.json: the plan reads no weight
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config_to_hf(ModelConfig.preset("qwen3-30b-a3b"))))

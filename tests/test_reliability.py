@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import train
 from config import ModelConfig, RolloutConfig, TrainConfig, apply_overrides, parse_args
-from families.hf import CheckpointError
+from support.hf import CheckpointError
 from model import Transformer
 from support import tasks, runlog
 

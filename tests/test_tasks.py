@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples", "arithmetic"))
 import config  # noqa: E402
 from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides  # noqa: E402
-from families import hf  # noqa: E402
+from support import hf  # noqa: E402
 from support import tasks  # noqa: E402
 from support.tasks import JsonlTask, TaskError  # noqa: E402
 

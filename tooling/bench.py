@@ -110,7 +110,7 @@ import torch  # noqa: E402
 
 import kernels
 from config import ModelConfig
-from families.hf import config_to_hf
+from support.hf import config_to_hf
 from lab import fast_ops
 from model import Transformer
 from rollout import Sampler

@@ -232,7 +232,7 @@ def parse(argv: list[str]) -> tuple[str, dict]:
 
 def main(argv: list[str]) -> dict:
     from config import ConfigError
-    from families import hf
+    from support import hf
     from model import Transformer
     from rollout import Sampler
     from support.tasks import make_task
@@ -257,7 +257,7 @@ def main(argv: list[str]) -> dict:
 
 def cli(argv: list[str]) -> None:
     from config import ConfigError
-    from families.hf import CheckpointError
+    from support.hf import CheckpointError
     from support.checkpoint import RunError
     from support.tasks import TaskError
     if "--help" in argv or "-h" in argv:
