@@ -194,11 +194,11 @@ class ModelConfig:
 
     def _check_gpt_oss_knobs(self):
         _require(self.sliding_window >= 0, f"sliding_window={self.sliding_window}: must be >= 0 (0: none)")
-        own = family_layer_types(self.model_type)     # a plug-in family's own layer kinds (model.MIXERS)
+        own = family_layer_types().get(self.model_type, ())   # a plug-in family's own layer kinds (model.MIXERS)
         kinds = ("full_attention", "sliding_attention") + own
-        _require(all(t in kinds for t in self.layer_types),
-                 f"layer_types={self.layer_types}: each entry one of {', '.join(kinds)}"
-                 + ("" if own else " (gated_attention, linear_attention: model_type qwen3_5_moe_text or qwen3_next)"))
+        if not all(t in kinds for t in self.layer_types):
+            raise ConfigError(f"layer_types={self.layer_types}: each entry one of {', '.join(kinds)}"
+                              + ("" if own else _plugin_kinds_hint()))
         _require(("linear_attention" in self.layer_types) == bool(self.linear_num_value_heads),
                  "linear_attention layers (Gated DeltaNet) and linear_num_value_heads > 0 go together")
         _require(not own or (self.layer_types and set(self.layer_types) <= set(own)),
@@ -851,10 +851,20 @@ def model_type_folders() -> dict[str, str]:
             if isinstance(top.get("MODEL_TYPES"), (ast.Tuple, ast.List)) for e in top["MODEL_TYPES"].elts}
 
 
-def family_layer_types(model_type: str) -> tuple[str, ...]:
-    """The layer kinds (LAYER_TYPES in its options.py) of the plug-in that adds model_type; () for the rest."""
-    top = _options_sources().get(model_type_folders().get(model_type), (None, {}))[1]
-    return tuple(e.value for e in top["LAYER_TYPES"].elts) if "LAYER_TYPES" in top else ()
+@functools.cache
+def family_layer_types() -> dict[str, tuple[str, ...]]:
+    """{model_type: its layer kinds} for the families of plug-ins whose options.py declares LAYER_TYPES."""
+    tops = {t: _options_sources()[n][1] for t, n in model_type_folders().items()}
+    return {t: tuple(e.value for e in top["LAYER_TYPES"].elts) for t, top in tops.items() if "LAYER_TYPES" in top}
+
+
+def _plugin_kinds_hint() -> str:
+    """' (gated_attention, linear_attention: model_type qwen3_5_moe_text or qwen3_next)': who has which kinds."""
+    by_kinds: dict[tuple, list] = {}
+    for t, kinds in family_layer_types().items():
+        by_kinds.setdefault(kinds, []).append(t)
+    hint = "; ".join(f"{', '.join(k)}: model_type {' or '.join(ts)}" for k, ts in by_kinds.items())
+    return f" ({hint})" if hint else ""
 
 
 def plugin_modules(folders=None) -> list:

@@ -84,7 +84,6 @@ def _mlp_layer_types_write(cfg: ModelConfig, d: dict) -> None:
     d["mlp_layer_types"] = ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_hidden_layers)]
 
 
-
 FAMILIES.update({
     "qwen3": Family(   # dense Qwen3: the same layers, no experts
         "Qwen3ForCausalLM", config=dict(BIAS_QKVO), fixed={"num_experts": 0, "mlp_only_layers": []},
