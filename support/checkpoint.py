@@ -38,8 +38,8 @@ import torch
 
 from config import (MODEL_PRESETS, ConfigError, ModelConfig, TrainOptions, apply_command_line, configs_for, parse_args,
                     parse_bool)
-from support.hf import (CheckpointError, Identity, config_from_hf, eos_token_ids, expert_rows, hf_to_state,
-                         read_safetensors_dir, read_safetensors_file, write_identity)
+from support.hf import (CheckpointError, Identity, config_from_hf, config_to_hf, eos_token_ids, expert_rows,
+                         hf_to_state, read_safetensors_dir, read_safetensors_file, write_identity)
 from model import Transformer, expert_group
 from support.tasks import make_task
 
@@ -328,14 +328,18 @@ def initial_config(tcfg: TrainConfig, preset: ModelConfig | None = None) -> Mode
 
 
 def run_task(tcfg: TrainConfig, rcfg: RolloutConfig):
-    """The task, the preset (None for a checkpoint folder) and the model config --init_from names."""
+    """The task, the preset (None for a checkpoint folder) and the model config --init_from names, refused
+    now, not at the first save, if its family's config.json cannot express it (a preset's field set on the
+    command line)."""
     from_dir = os.path.isdir(tcfg.init_from)
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens,
                      stop_tokens=rcfg.stop_token_ids, model_eos=eos_token_ids(tcfg.init_from) if from_dir else ((), ""),
                      chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,
                      checkpoint=tcfg.init_from if from_dir else "", env=tcfg.env)
     preset = tcfg.model_preset(task.vocab_size, tokenizer=tcfg.task == "jsonl")
-    return task, preset, initial_config(tcfg, preset)
+    config = initial_config(tcfg, preset)
+    config_to_hf(config)
+    return task, preset, config
 
 
 def build_model(tcfg: TrainConfig, device, dtype, preset: ModelConfig | None = None,

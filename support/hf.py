@@ -320,7 +320,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if lost:
         raise ConfigError(f"model_type {cfg.model_type!r} cannot express {lost[0]}={getattr(cfg, lost[0])!r} "
                           f"(it would load back as {getattr(back, lost[0])!r}); pick the model_type of a "
-                          "family that has this knob (see hf.FAMILIES)")
+                          "family that has this knob (FAMILIES: support/hf.py, families/family.py)")
     return d
 
 

@@ -431,6 +431,18 @@ def test_cli_mistakes_get_one_line(tmp_path, case):
     assert needle in cli_error(f"--out_dir={tmp_path / 'out'}", *argv)
 
 
+def test_a_preset_field_the_family_cannot_save_is_refused_before_the_run(tmp_path):
+    """A preset's field set on the command line that its family's config.json cannot carry (a score-correction bias
+    under qwen3_moe) would load back as another model: refused at the start, before a step runs (not at the first
+    save, after the steps)."""
+    out = tmp_path / "out"
+    assert "model_type 'qwen3_moe' cannot express score_correction_bias=True" in cli_error(
+        f"--out_dir={out}", "--score_correction_bias=true")
+    assert not (out / "metrics.jsonl").exists()
+    train.cli(FAST + [f"--out_dir={out}", "--steps=1", "--score_correction_bias=true", "--init_from=tiny-sigmoid"])
+    assert (out / "metrics.jsonl").exists()
+
+
 HOLDOUT_AND_KEY_TOKEN_CASES = {   # --route_filter_tokens and --diagnostics_holdout: argv -> what the one line says
     "unknown class": (["--route_filter_tokens=vowels"],
                       "--route_filter_tokens=vowels: not a token id nor a token class of task 'copy' (its classes: digits)"),
