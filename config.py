@@ -163,8 +163,9 @@ class ModelConfig:
             self._check_family_knobs()
 
     def _check_family_knobs(self):
-        _require(self.router_scoring in ("softmax", "sigmoid", "topk_softmax"),
-                 f"router_scoring={self.router_scoring!r}: softmax, sigmoid or topk_softmax")
+        from kernels import ROUTER_SCORES                             # the table the router runs
+        _require(self.router_scoring in ROUTER_SCORES,
+                 f"router_scoring={self.router_scoring!r}: {', '.join(ROUTER_SCORES)}")
         _require(self.router_scoring != "topk_softmax" or (self.norm_topk_prob and not self.score_correction_bias
                                                            and self.n_group == 1),
                  "router_scoring=topk_softmax (a softmax over the chosen k logits) needs norm_topk_prob=true, "

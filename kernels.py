@@ -454,11 +454,13 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
           forced_ids: torch.Tensor | None = None, *, scoring: str = "softmax", bias: torch.Tensor | None = None,
           n_group: int = 1, topk_group: int = 1, scaling: float = 1.0, detail: bool = False,
           group_score: str = "top2_sum") -> tuple[torch.Tensor, ...]:
-    """Router: softmax scores in fp32, top-k with lowest-index tie-break, optional renormalisation.
+    """Router: the scores of ROUTER_SCORES[scoring] in fp32 (softmax by default), top-k with lowest-index
+    tie-break, optional renormalisation.
 
     logits (M, E) -> ids (M, k) int64 used, weights (M, k) fp32, chosen (M, k) int64: the router's own
-    top-k (equal to ids unless forced). The other families' knobs (scoring, bias, n_group, topk_group,
-    group_score) are family_scores'; at their defaults it does not run; scaling is routed_scaling_factor.
+    top-k (equal to ids unless forced). bias (E,): the score-correction bias, added to the scores for the
+    choice only (DeepSeek-V3's aux-loss-free balancing); n_group, topk_group: group-limited top-k
+    (_group_limit, group_score); scaling: routed_scaling_factor, applied last.
     forced_ids (M, k): replay (R3) these experts instead of choosing; the weights are still the
     model's own scores of those experts (then the same renormalisation and scaling), so the router
     keeps its gradient. A row of all -1 (a position nobody recorded, e.g. padding) is routed normally.
@@ -468,56 +470,28 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     Every step is row-local torch (sorts are stable and descending: ties go to the lowest index), also
     on CUDA, where no Triton kernel replaces it; tests/test_hf.py's GPU test shows the row invariance there.
     """
-    logits = round_router_logits(logits)                             # as it is (another op set may round it)
-    if scoring != "softmax" or bias is not None or n_group > 1:
-        probs, choice = family_scores(logits, scoring, bias, n_group, topk_group, group_score)
-    else:
-        probs = choice = torch.softmax(logits.float(), dim=-1)
+    kind = ROUTER_SCORES[scoring]
+    probs = kind.scores(round_router_logits(logits))                 # (M, E) fp32; another op set may round the logits
+    choice = probs if bias is None else probs + bias.float()
+    if n_group > 1:
+        choice = _group_limit(choice, n_group, topk_group, group_score)
     ids = chosen = ranked(choice, top_k)[1]
     if detail:
         margin = route_margin(choice, top_k)
-        entropy = router_entropy(torch.softmax(probs, -1) if scoring == "topk_softmax" else probs)
+        entropy = router_entropy(kind.distribution(probs))
     if forced_ids is not None:
         forced_ids = forced_ids.long()
         free = (forced_ids < 0).all(-1, keepdim=True)               # (M, 1) unrecorded rows
         ids = torch.where(free, ids, forced_ids)
-    weights = probs.gather(-1, ids)
-    if scoring == "topk_softmax":     # softmax over the k chosen logits: exp(z - max), normalised below
-        weights = torch.exp(weights - weights.amax(-1, keepdim=True))
+    weights = kind.weigh(probs.gather(-1, ids))
     if norm_topk_prob:
         total = weights[:, 0]
         for j in range(1, top_k):                                    # fixed order, k ascending
             total = total + weights[:, j]
-        weights = weights / (total + 1e-20 if scoring == "sigmoid" else total)[:, None]   # sigmoids can all be 0
+        weights = weights / (total + kind.eps if kind.eps else total)[:, None]
     if scaling != 1.0:
         weights = weights * scaling
     return (ids, weights, chosen, margin, entropy) if detail else (ids, weights, chosen)
-
-
-def family_scores(logits: torch.Tensor, scoring: str, bias: torch.Tensor | None, n_group: int, topk_group: int,
-                  group_score: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The other families' router scores -> (probs: what the weights are taken from, choice: what the top-k is
-    taken on), fp32 (M, E).
-    scoring: "softmax" (Qwen, Mixtral, OLMoE), "sigmoid" (DeepSeek-V3, GLM-4.5; written 1 / (1 + exp(-z)),
-        which is row-invariant where torch.sigmoid is not) or "topk_softmax" (gpt-oss: the top-k of the fp32
-        logits, weighted by a softmax over those k, exp(z - max) / sum in k order; norm_topk_prob must be set).
-    bias (E,): the score-correction bias, added to the scores for the CHOICE only; the weights are the
-        unbiased scores of the chosen experts (DeepSeek-V3's aux-loss-free balancing).
-    n_group, topk_group: group-limited top-k; the E experts form n_group consecutive groups, each ranked
-        by the sum of its two best (biased) scores (group_score "top2_sum"; "max": its best, DeepSeek-V2),
-        and the top-k is taken inside the topk_group best. (route applies routed_scaling_factor last.)"""
-    if scoring == "softmax":
-        probs = torch.softmax(logits.float(), dim=-1)
-    elif scoring == "sigmoid":
-        probs = sigmoid(logits)
-    elif scoring == "topk_softmax":                                  # gpt-oss: chosen on the logits themselves
-        probs = logits.float()
-    else:
-        raise ValueError(f"router scoring {scoring!r}: softmax, sigmoid or topk_softmax")
-    choice = probs if bias is None else probs + bias.float()
-    if n_group > 1:
-        choice = _group_limit(choice, n_group, topk_group, group_score)
-    return probs, choice
 
 
 def route_margin(choice: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -562,6 +536,34 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """
     z = x.float().clamp(min=-80.0)
     return 1.0 / (1.0 + torch.exp(-z))
+
+
+class RouterScores:
+    """One kind of router scores (ModelConfig.router_scoring, a key of ROUTER_SCORES): route takes the top-k
+    on scores(logits) (plus the bias, group-limited) and weighs the chosen experts by weigh(their scores),
+    renormalised over k with eps added (norm_topk_prob); distribution(scores) is what the route entropy is
+    of. Each is row-local (the same bits in the sampler and the trainer)."""
+
+    def __init__(self, scores, weigh=None, eps: float = 0.0, distribution=None):
+        self.scores = scores                                          # logits (M, E) -> fp32 (M, E)
+        self.weigh = weigh or (lambda w: w)                           # the chosen ones' scores (M, k) -> weights
+        self.eps = eps
+        self.distribution = distribution or (lambda p: p)
+
+
+def _softmax_of_chosen(w: torch.Tensor) -> torch.Tensor:
+    """gpt-oss: a softmax over the k chosen logits, exp(z - max) (route's renormalisation divides, in k order)."""
+    return torch.exp(w - w.amax(-1, keepdim=True))
+
+
+# Qwen, Mixtral, OLMoE: softmax over E; DeepSeek-V3, GLM-4.5: sigmoids (1 / (1 + exp(-z)): torch.sigmoid was not
+# row-invariant), which can all be 0; gpt-oss: the top-k of the logits themselves, weighted by a softmax over those k
+ROUTER_SCORES: dict[str, RouterScores] = {
+    "softmax": RouterScores(lambda z: torch.softmax(z.float(), dim=-1)),
+    "sigmoid": RouterScores(lambda z: sigmoid(z), eps=1e-20),            # (looked up at each call: an op set's)
+    "topk_softmax": RouterScores(lambda z: z.float(), weigh=_softmax_of_chosen,
+                                 distribution=lambda p: torch.softmax(p, -1)),
+}
 
 
 def _group_limit(choice: torch.Tensor, n_group: int, topk_group: int, score: str = "top2_sum") -> torch.Tensor:

@@ -211,8 +211,8 @@ class ModelRunner:
         # + the scratch page; sliding-window layers' pages from the window pool where there is one
         self.window_blocks, self.window_scratch = window_blocks, window_blocks
         self.cuda_graphs = config.cuda_graphs
-        if self.cuda_graphs is None:
-            self.cuda_graphs = self._graphs_usable("moe_experts" in config.rollout_ops())
+        if self.cuda_graphs is None:                               # graphs are CUDA's: off elsewhere
+            self.cuda_graphs = self.device.type == "cuda" and self._graphs_usable("moe_experts" in config.rollout_ops())
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         self.pad_to_buckets = self.cuda_graphs     # tests set it on the CPU: padded steps without graphs
@@ -254,16 +254,16 @@ class ModelRunner:
         self.pool = None
 
     def _graphs_usable(self, other_moe: bool) -> bool:
-        """Whether decode steps can be CUDA graphs: not with the torch backend or another op set's MoE (the
-        lab's fast one: a host-side expert loop unless kernels.grouped_mm_usable), which read the device
-        inside a step. Under expert
-        parallelism the decode step reads nothing back either (fixed exchange buffers), but graphs that
-        capture NCCL collectives, replayed by ranks that captured different batch buckets, are not yet
-        tested on GPUs: off by default there (cuda_graphs=True turns them on)."""
+        """Whether decode steps on a CUDA device can be CUDA graphs: not with the torch backend or another op
+        set's MoE (the lab's fast one: a host-side expert loop unless kernels.grouped_mm_usable), which read
+        the device inside a step. Under expert parallelism the decode step reads nothing back either (fixed
+        exchange buffers), but graphs that capture NCCL collectives, replayed by ranks that captured
+        different batch buckets, are not yet tested on GPUs: off by default there (cuda_graphs=True turns
+        them on)."""
         cfg = self.model.config
         if expert_group(self.model) is not None:
             return False
-        return self.device.type == "cuda" and kernels.get_backend() != "torch" and (
+        return kernels.get_backend() != "torch" and (
             not other_moe or not self.model.n_moe_layers
             or kernels.grouped_mm_usable(self.device, self.dtype, cfg.hidden_size, cfg.moe_intermediate_size))
 

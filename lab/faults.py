@@ -156,13 +156,13 @@ def biased_weights(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor, 
                    scoring: str, scaling: float, **_) -> torch.Tensor:
     """The bias_in_weights fault: kernels.route's combine weights, but of the biased scores.
     logits (M, E), ids (M, k) -> weights (M, k) fp32."""
-    probs = torch.softmax(logits.float(), dim=-1) if scoring == "softmax" else kernels.sigmoid(logits)
-    weights = (probs + bias.float()).gather(-1, ids)
+    kind = kernels.ROUTER_SCORES[scoring]
+    weights = kind.weigh((kind.scores(logits) + bias.float()).gather(-1, ids))
     if norm_topk_prob:
         total = weights[:, 0]
         for j in range(1, weights.shape[1]):                          # k ascending, as route
             total = total + weights[:, j]
-        weights = weights / (total[:, None] + (1e-20 if scoring == "sigmoid" else 0.0))
+        weights = weights / (total[:, None] + kind.eps)
     return weights * scaling if scaling != 1.0 else weights
 
 

@@ -141,9 +141,9 @@ def across_ranks(model: Transformer, scorer: nn.Module, tcfg: TrainConfig, d: Di
     its replicas by expert_parallel.reduce_expert_grads); FSDP2 shards them over their replicas (fsdp_shard).
     """
     ep = expert_group(model)
-    if getattr(tcfg, "parallel", "ddp") == "ddp" and tcfg.grad_reduce == "exact":       # the reduction is exact_sum.Reducer's
+    if not uses_fsdp(tcfg, d) and tcfg.grad_reduce == "exact":       # the reduction is exact_sum.Reducer's
         return scorer, model, lambda: None
-    if getattr(tcfg, "parallel", "ddp") == "ddp":
+    if not uses_fsdp(tcfg, d):
         if ep is not None:
             DDP._set_params_and_buffers_to_ignore_for_model(scorer, ep.expert_names(scorer))
         return DDP(scorer, device_ids=[d.device.index] if d.device.type == "cuda" else None), model, lambda: None
@@ -161,6 +161,11 @@ def across_ranks(model: Transformer, scorer: nn.Module, tcfg: TrainConfig, d: Di
         for name, b in model.named_buffers():                         # FSDP2 leaves buffers whole on each rank
             full_buffers[name].copy_(b)
     return scorer, full_copy, sync
+
+
+def uses_fsdp(tcfg: TrainConfig, d: Dist) -> bool:
+    """Whether FSDP2 shards the masters: --parallel=fsdp (parallel/'s option; else DDP) over several ranks."""
+    return d.world > 1 and getattr(tcfg, "parallel", "ddp") == "fsdp"
 
 
 def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, router_policy=None,
@@ -325,7 +330,7 @@ class MixedPrecision:
         self.master, self.d, self.apart = master, d, apart
         self.dtype = getattr(torch, tcfg.dtype)
         self.router = router_dtype(tcfg, master.config.model_type)
-        self.fsdp = d.world > 1 and getattr(tcfg, "parallel", "ddp") == "fsdp"
+        self.fsdp = uses_fsdp(tcfg, d)
         self.full_model = cast_for_compute(master, self.dtype, self.router, d.device)
         if self.fsdp:
             self.scorer = self._shard()
@@ -525,7 +530,7 @@ class Policy:
 def exact_reducer(model: Transformer, trainer: nn.Module, mp, tcfg: TrainConfig, d: Dist) -> exact_sum.Reducer:
     """--grad_reduce=exact: the Reducer of this policy's gradients, hooked where the backward produces
     them: the compute copy's parameters (mixed precision), the masters themselves, or FSDP2's groups."""
-    fsdp = d.world > 1 and getattr(tcfg, "parallel", "ddp") == "fsdp"
+    fsdp = uses_fsdp(tcfg, d)
     trained = trainer if fsdp else model if mp is None else mp.full_model
     master_of = None if fsdp or mp is None else mp.master_of
     ep = expert_group(model)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from config import ConfigError
 from kernels import KV_BLOCK, ROW_CHUNK
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -355,6 +356,25 @@ def test_clamped_swiglu_and_expert_biases():
     naive(*refs).pow(2).sum().backward()
     for p, r in zip(params, refs):
         assert rel(p.grad, r.grad) < 1e-5
+
+
+def test_a_new_router_is_one_entry_of_router_scores(monkeypatch):
+    """A fork's router scores (README, "A router"): one entry of kernels.ROUTER_SCORES. ModelConfig accepts its
+    name, the sampler and the trainer's score run it, and the contract holds: the sampler's log-probs and routes
+    are score()'s bits. Control: the entry is what routes (the same weights under softmax choose other experts)."""
+    from conftest import assert_contract, make_model, tiny_config
+    from rollout import Sampler
+    with pytest.raises(ConfigError, match="router_scoring='abs_softmax': softmax, sigmoid, topk_softmax"):
+        tiny_config(router_scoring="abs_softmax")
+    monkeypatch.setitem(kernels.ROUTER_SCORES, "abs_softmax",
+                        kernels.RouterScores(lambda z: torch.softmax(z.float().abs(), dim=-1)))
+    model = make_model(tiny_config(router_scoring="abs_softmax"), seed=3)
+    outs = Sampler(model, num_blocks=64).generate([[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=6, n=2, seed=1)
+    assert_contract(model, outs)
+    plain = make_model(tiny_config(), seed=3)
+    plain.load_state_dict(model.state_dict())
+    tokens = torch.tensor([outs[0].prompt + outs[0].tokens])
+    assert not torch.equal(model.score(tokens)[1], plain.score(tokens)[1])
 
 
 def test_topk_softmax_route():
