@@ -396,10 +396,12 @@ def preset_summary(name: str) -> str:
 
 
 
-def check_sampling(temperature, top_p, top_k) -> None:
+def check_sampling(temperature, **filters) -> None:
     """The sampling ranges, the one rule for RolloutConfig (the command line) and for each request
-    (rollout.SamplingParams, generate()'s arguments): the same words for the same value."""
+    (rollout.SamplingParams, generate()'s arguments): the same words for the same value; filters: by name,
+    checked by their entries of kernels.SAMPLING_FILTERS."""
     import numbers
+    from kernels import SAMPLING_FILTERS
 
     def real(x):
         return isinstance(x, numbers.Real) and not isinstance(x, bool)
@@ -408,9 +410,11 @@ def check_sampling(temperature, top_p, top_k) -> None:
         return f"{x:g}" if real(x) else repr(x)
     _require(real(temperature) and math.isfinite(temperature) and temperature >= 0,
              f"--temperature={shown(temperature)}: must be >= 0 and finite (0 samples greedily)")
-    _require(real(top_p) and 0 < top_p <= 1, f"--top_p={shown(top_p)}: must be in (0, 1]")
-    _require(isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and top_k >= 0,
-             f"--top_k={top_k!r}: must be an integer >= 0 (0 turns it off)")
+    for name, value in filters.items():
+        rule = SAMPLING_FILTERS.get(name)
+        _require(rule is not None, f"{name}={value!r}: not a sampling filter ({', '.join(SAMPLING_FILTERS)})")
+        said = repr(value) if isinstance(rule.off, int) else shown(value)     # a count: as given
+        _require(rule.valid(value), f"--{name}={said}: {rule.rule}")
 
 
 
@@ -459,9 +463,14 @@ class RolloutOptions(Options):
         _require(self.block_size % KV_BLOCK == 0,
                  f"--block_size={self.block_size}: must be a multiple of kernels.KV_BLOCK={KV_BLOCK}")
         _require(0 < self.kv_memory_fraction <= 1, f"--kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
-        check_sampling(self.temperature, self.top_p, self.top_k)
+        check_sampling(self.temperature, **self.sampling_filters())
         self.stop_token_ids                                          # parses --stop_tokens (errors name it)
         _check_groups(self, "check")
+
+    def sampling_filters(self) -> dict:
+        """The draw's filters this config sets, by name (kernels.SAMPLING_FILTERS: top_p, top_k, a fork's)."""
+        from kernels import SAMPLING_FILTERS
+        return {name: getattr(self, name) for name in SAMPLING_FILTERS if hasattr(self, name)}
 
     def check_training(self, tcfg: "TrainConfig") -> None:
         """The rollout settings against the training's (train.py, every rank): the groups' own."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 
 import torch
@@ -727,26 +728,28 @@ def _entropy(logp_all: torch.Tensor) -> torch.Tensor:
 # sampling: one token per row by the inverse CDF at a given uniform
 # ---------------------------------------------------------------------------------------------------
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
-                  u: torch.Tensor) -> torch.Tensor:
-    """Draw one token per row from softmax(logits / temperature), restricted by top-k and top-p.
+                  u: torch.Tensor, **filters) -> torch.Tensor:
+    """Draw one token per row from softmax(logits / temperature), restricted by top-k, top-p and any other of
+    SAMPLING_FILTERS (filters: their values by name; each at its `off` value does nothing).
 
     logits (B, V); u (B,) float64 uniforms in (0, 1] (the sampler's rollout.draw_keys); returns (B,)
     int64 on the logits' device. Inverse CDF: the first token whose cumulative probability (in float64)
     reaches u * total. Every op works along the row (softmax, sort, cumsum, comparison), so a row's draw
     depends on its logits and its u alone, not on the other rows; a few batched ops, whatever the batch.
-    Without top-k / top-p the Triton backend computes the same inverse CDF in two kernels that read the
+    Without a filter the Triton backend computes the same inverse CDF in two kernels that read the
     logits about once (kernels_triton_vocab.sample_tokens); its sums run in another order, so the two backends
     agree except where u * total falls within rounding of a token's boundary.
     """
-    if top_k == 0 and top_p >= 1.0 and triton_for(logits) is not None:
+    on = {name: v for name, v in {"top_k": top_k, "top_p": top_p, **filters}.items() if v != SAMPLING_FILTERS[name].off}
+    if not on and triton_for(logits) is not None:
         from kernels_triton import vocab as kernels_triton_vocab
         return kernels_triton_vocab.sample_tokens(logits, temperature, u)
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
     p = torch.softmax(z, dim=-1)                                            # (B, V)
-    if top_k > 0 or top_p < 1.0:
-        p = _truncate(p, top_p, top_k)
+    if on:
+        p = _truncate(p, on)
     cum = _row_cumsum(p.double())                                           # (B, V)
     return (cum < (u * cum[:, -1])[:, None]).sum(-1)                        # first index reaching it
 
@@ -758,16 +761,41 @@ def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x if B > 1 else x.repeat(2, 1), dim=-1)[:B]
 
 
-def _truncate(p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
-    """Zero outside the top_k most likely and outside the smallest prefix of mass >= top_p (the top
-    token is always kept); p (B, V) fp32 probabilities."""
+def _truncate(p: torch.Tensor, on: dict) -> torch.Tensor:
+    """Zero the tokens a filter of `on` ({name: value} of SAMPLING_FILTERS) drops (the top token is always
+    kept); p (B, V) fp32 probabilities."""
     sorted_p, idx = torch.sort(p, dim=-1, descending=True, stable=True)
     keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if top_k > 0:
-        keep[:, top_k:] = False
-    if top_p < 1.0:
-        keep &= (_row_cumsum(sorted_p) - sorted_p) < top_p
+    for name, value in on.items():
+        keep &= SAMPLING_FILTERS[name].keep(sorted_p, value)
     return torch.zeros_like(p).scatter(-1, idx, torch.where(keep, sorted_p, 0.0))
+
+
+class SamplingFilter:
+    """A rule that narrows the draw (SAMPLING_FILTERS): keep(sorted_p, value) -> (B, V) bool, the tokens kept
+    of each row's probabilities sorted descending (fp32, ties by index; row-local, and keeping the first);
+    off: the value that keeps every token; valid(value) and rule: its check and the words of a refusal."""
+
+    def __init__(self, keep, off, valid, rule: str):
+        self.keep, self.off, self.valid, self.rule = keep, off, valid, rule
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+# The draw's filters, by the name of the option (a RolloutConfig field) and of generate()'s argument that sets
+# each: config's check, the run's sampler and the draw read this table; a new one is an entry and a field
+SAMPLING_FILTERS: dict[str, SamplingFilter] = {
+    "top_p": SamplingFilter(lambda p, q: (_row_cumsum(p) - p) < q, 1.0,    # the smallest prefix of mass >= q
+                            lambda v: _is_real(v) and 0 < v <= 1, "must be in (0, 1]"),
+    "top_k": SamplingFilter(lambda p, k: torch.arange(p.shape[-1], device=p.device) < k, 0,
+                            lambda v: _is_count(v) and v >= 0, "must be an integer >= 0 (0 turns it off)"),
+}
 
 
 def grouped_mm_usable(device: torch.device, dtype: torch.dtype, D: int, I: int) -> bool:

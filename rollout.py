@@ -143,9 +143,10 @@ class SamplingParams:
     max_new_tokens: int = 64          # per turn
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    filters: dict = field(default_factory=dict)   # the draw's other filters by name (kernels.SAMPLING_FILTERS)
 
     def __post_init__(self):
-        check_sampling(self.temperature, self.top_p, self.top_k)     # the ranges RolloutConfig checks too
+        check_sampling(self.temperature, top_p=self.top_p, top_k=self.top_k, **self.filters)   # as RolloutConfig
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: need an integer >= 1")
         if not _is_int(self.seed) or not 0 <= self.seed < 2 ** 64:
@@ -387,7 +388,7 @@ class ModelRunner:
             tokens = torch.argmax(logits, dim=-1)                              # first maximum on ties
         else:
             u = draw_keys(self.seed, self.seq_id[rows], positions)
-            tokens = kernels.sample_tokens(logits, sp.temperature, sp.top_p, sp.top_k, u)
+            tokens = kernels.sample_tokens(logits, sp.temperature, sp.top_p, sp.top_k, u, **sp.filters)
         return tokens, kernels.token_logprobs(logits, tokens, sp.temperature)
 
     def _record(self, rows, n_tok, tokens, logp) -> torch.Tensor:
@@ -480,7 +481,7 @@ class ModelRunner:
             self.rows[:n] = torch.tensor([s.row for s in seqs], device=self.device)
         if not self.cuda_graphs or kernels.get_backend() == "torch":   # (the torch backend syncs the host)
             return step_fn(bucket, sp)[:n]
-        key = (step_fn.__name__, bucket, sp.temperature, sp.top_p, sp.top_k)
+        key = (step_fn.__name__, bucket, sp.temperature, sp.top_p, sp.top_k, *sorted(sp.filters.items()))
         if key not in self.graphs:
             if key not in self.warm:                               # first use runs eagerly: compiles kernels
                 self.warm.add(key)
@@ -780,7 +781,8 @@ class Sampler:
                  top_p: float = 1.0, top_k: int = 0, n: int = 1, stop_token_ids: tuple[int, ...] = (),
                  seed: int = 0, progress: bool = False, index_offset: int = 0,
                  on_turn_end: TurnEnd | None = None, max_episode_tokens: int | None = None, version: int = 0,
-                 on_step: Callable[[], int | None] | None = None, recompute_kv: bool = False) -> list[SequenceOutput]:
+                 on_step: Callable[[], int | None] | None = None, recompute_kv: bool = False,
+                 **filters) -> list[SequenceOutput]:
         """Sample n continuations of each prompt; returns len(prompts) * n outputs, prompt-major.
 
         max_new_tokens: an int, or one per prompt (single-turn requests: a partial rollout continues
@@ -789,6 +791,7 @@ class Sampler:
         through n) are prefilled once and share their KV blocks. index_offset: the index of this
         request's first sequence in a larger one (a data-parallel rank passes its global offset, so its
         draws equal those of a single process sampling the whole request). progress=True draws a bar.
+        filters: the draw's filters besides top_p and top_k, by name (kernels.SAMPLING_FILTERS).
 
         on_turn_end: makes each sequence an episode. When a turn ends (a stop token, or max_new_tokens,
             which then counts per turn) it is called with (the sequence's index in the returned list,
@@ -810,7 +813,7 @@ class Sampler:
         per_prompt = isinstance(max_new_tokens, (list, tuple))                 # (else one int for all)
         budgets = self._budgets(max_new_tokens, prompts, on_turn_end) if per_prompt else None
         sp = SamplingParams(temperature, top_p, top_k, max_new_tokens if budgets is None else max(budgets, default=1),
-                            tuple(stop_token_ids), seed)
+                            tuple(stop_token_ids), seed, filters)
         self._check_request(n, index_offset, on_turn_end, max_episode_tokens, on_step)
         seqs = self._sequences(prompts, sp, n, index_offset, on_turn_end is not None, max_episode_tokens, budgets)
         if self.runner.weights_key() != self.weights_key:          # e.g. model.to(...) after building

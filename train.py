@@ -220,8 +220,8 @@ def sample(run: Run, j: int, prompts: list[list[int]], max_new: int | list[int],
     run.policy.refresh()
     run.policy.master.eval()
     try:
-        outs = run.sampler.generate(prompts, max_new_tokens=max_new, temperature=rcfg.temperature, top_p=rcfg.top_p,
-                                    top_k=rcfg.top_k, stop_token_ids=run.task.stop_token_ids, progress=False,
+        outs = run.sampler.generate(prompts, max_new_tokens=max_new, temperature=rcfg.temperature,
+                                    **rcfg.sampling_filters(), stop_token_ids=run.task.stop_token_ids, progress=False,
                                     seed=tcfg.seed * 1_000_003 + (j if draw is None else draw), **kw)
     except TaskError:                                                  # an environment's answer: its own line
         raise

@@ -523,6 +523,26 @@ def test_sampling_ranges_have_one_owner(bad):
     RolloutConfig(**ok), SamplingParams(**ok)
 
 
+def test_a_new_sampling_filter_is_one_entry_of_sampling_filters(monkeypatch):
+    """A fork's sampling rule (README, "A sampling rule"): one entry of kernels.SAMPLING_FILTERS, here min-p (keep
+    the tokens of at least min_p times the row's top probability), then generate(min_p=...) (and a RolloutConfig
+    field of its name, the command line's) draws with it under the contract. min_p=1 keeps only the most likely
+    token: the draws are greedy's. Control: without it the same seed draws others. Its check says what is wrong."""
+    import kernels
+    monkeypatch.setitem(kernels.SAMPLING_FILTERS, "min_p", kernels.SamplingFilter(
+        lambda p, m: p >= m * p[:, :1], 0.0, lambda v: isinstance(v, float) and 0 <= v <= 1, "must be in [0, 1]"))
+    model, prompts = fp32_model(), [[1, 2, 3, 4], [5, 6, 7]]
+    kept = Sampler(model, num_blocks=64).generate(prompts, max_new_tokens=8, n=3, seed=4, min_p=1.0)
+    assert_contract(model, kept)
+    greedy = Sampler(model, num_blocks=64).generate(prompts, max_new_tokens=8, n=3, temperature=0.0)
+    free = Sampler(model, num_blocks=64).generate(prompts, max_new_tokens=8, n=3, seed=4)
+    assert [o.tokens for o in kept] == [o.tokens for o in greedy] != [o.tokens for o in free]
+    with pytest.raises(ConfigError, match=r"--min_p=1.5: must be in \[0, 1\]"):
+        Sampler(model, num_blocks=64).generate(prompts, max_new_tokens=8, min_p=1.5)
+    with pytest.raises(ConfigError, match="min_q=0.5: not a sampling filter"):
+        Sampler(model, num_blocks=64).generate(prompts, max_new_tokens=8, min_q=0.5)
+
+
 # ---------------------------------------------------------------------------------------------------
 # BlockManager and Scheduler
 # ---------------------------------------------------------------------------------------------------

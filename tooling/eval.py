@@ -33,13 +33,13 @@ PASS_REWARD = 1.0             # a response with reward >= this counts as solved
 EVAL_SEED = 1_000_003         # the sampled responses' seed: the same draws at every evaluation
 
 
-def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: float, top_p: float = 1.0,
-             top_k: int = 0, stop_token_ids=(), step: int = 0, d=None) -> dict:
+def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: float, stop_token_ids=(),
+             step: int = 0, d=None, **filters) -> dict:
     """Greedy and sampled reward and pass rates of sampler's model on every example of `task` (a JSONL
     task, read from its start each time), rewarded by tasks.compute_rewards (a bad reward stops with the
     example named). Under torchrun each rank answers a contiguous slice of the prompts and the rewards
     are gathered in the examples' order before they are summed, so every rank returns the same dict, the
-    same at every world size."""
+    same at every world size. filters: the draw's (top_p, top_k, ...: kernels.SAMPLING_FILTERS)."""
     import torch
     from support.distributed import all_gather_rows
     from support.tasks import compute_rewards
@@ -53,8 +53,7 @@ def evaluate(sampler, task, *, samples: int, max_new_tokens: int, temperature: f
     lo, mine = rank * per, examples[rank * per:(rank + 1) * per]
     greedy, sampled = torch.zeros(0), torch.zeros(0, samples)     # (prompts,), (prompts, k): this rank's
     if mine:
-        kw = dict(max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k, stop_token_ids=stop_token_ids,
-                  progress=False)
+        kw = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, progress=False, **filters)
         prompts = [ex.prompt for ex in mine]
         greedy = score(mine, sampler.generate(prompts, temperature=0.0, n=1, index_offset=lo, **kw), 1)
         outs = sampler.generate(prompts, temperature=temperature, n=samples, seed=EVAL_SEED,
@@ -79,7 +78,7 @@ def maybe_evaluate(run, step: int, task) -> dict:
     run.policy.master.eval()
     return evaluate(run.sampler, task, samples=tcfg.eval_samples,
                     max_new_tokens=run.rcfg.max_new_tokens or run.task.max_new_tokens, temperature=run.rcfg.temperature,
-                    top_p=run.rcfg.top_p, top_k=run.rcfg.top_k, stop_token_ids=run.task.stop_token_ids, step=step + 1,
+                    **run.rcfg.sampling_filters(), stop_token_ids=run.task.stop_token_ids, step=step + 1,
                     d=run.d)
 
 
