@@ -608,16 +608,22 @@ def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: d
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-        total = sum(v.numel() * v.element_size() for v in tensors.values())
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        _write_shards(path, shards)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def _write_shards(path: str, shards: list[dict[str, torch.Tensor]]) -> None:
+    """Several safetensors files, model-0000i-of-0000n, and the index naming each tensor's file."""
+    from safetensors.torch import save_file
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        total += sum(v.numel() * v.element_size() for v in shard.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -352,13 +352,17 @@ class LengthSurge:
             return {}
         fired = self.observe(tcfg, row["step"], row["response_len"])
         if fired and run.d.master:
-            W = tcfg.surge_window
-            then = ("lr halves from the next step (--halving_start=surge)" if tcfg.halving_start == "surge" else
-                    "--lr_schedule=halving --halving_start=surge would halve lr from here")
-            say(run, f"warning: step {row['step']}: response length surged to {sum(self.lengths[W:]) / W:.1f} tokens "
-                     f"(mean of the last {W} steps) from {sum(self.lengths[:W]) / W:.1f} (the {W} before), over 1 + "
-                     f"{tcfg.surge_ratio:g} times; {then} (--surge_window=0: no warning)")
+            self.warn(run, row["step"])
         return {"length_surge": int(fired)}
+
+    def warn(self, run, step: int) -> None:
+        """The one line of a surge seen at `step`: the two windows' mean lengths, and what the lr does."""
+        tcfg, W = run.tcfg, run.tcfg.surge_window
+        then = ("lr halves from the next step (--halving_start=surge)" if tcfg.halving_start == "surge" else
+                "--lr_schedule=halving --halving_start=surge would halve lr from here")
+        say(run, f"warning: step {step}: response length surged to {sum(self.lengths[W:]) / W:.1f} tokens "
+                 f"(mean of the last {W} steps) from {sum(self.lengths[:W]) / W:.1f} (the {W} before), over 1 + "
+                 f"{tcfg.surge_ratio:g} times; {then} (--surge_window=0: no warning)")
 
     def state_dict(self) -> dict:
         return {"step": self.step, "lengths": list(self.lengths)}
