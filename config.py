@@ -400,15 +400,11 @@ def check_sampling(temperature, **filters) -> None:
     """The sampling ranges, the one rule for RolloutConfig (the command line) and for each request
     (rollout.SamplingParams, generate()'s arguments): the same words for the same value; filters: by name,
     checked by their entries of kernels.SAMPLING_FILTERS."""
-    import numbers
-    from kernels import SAMPLING_FILTERS
-
-    def real(x):
-        return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    from kernels import SAMPLING_FILTERS, is_real
 
     def shown(x):
-        return f"{x:g}" if real(x) else repr(x)
-    _require(real(temperature) and math.isfinite(temperature) and temperature >= 0,
+        return f"{x:g}" if is_real(x) else repr(x)
+    _require(is_real(temperature) and math.isfinite(temperature) and temperature >= 0,
              f"--temperature={shown(temperature)}: must be >= 0 and finite (0 samples greedily)")
     for name, value in filters.items():
         rule = SAMPLING_FILTERS.get(name)

@@ -780,11 +780,13 @@ class SamplingFilter:
         self.keep, self.off, self.valid, self.rule = keep, off, valid, rule
 
 
-def _is_count(v) -> bool:
+def is_int(v) -> bool:
+    """An integer, not a bool (the checks of a count: SAMPLING_FILTERS, the sampler's arguments)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _is_real(v) -> bool:
+def is_real(v) -> bool:
+    """A real number, not a bool (the checks of a setting: SAMPLING_FILTERS, config.check_sampling)."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
@@ -792,9 +794,9 @@ def _is_real(v) -> bool:
 # each: config's check, the run's sampler and the draw read this table; a new one is an entry and a field
 SAMPLING_FILTERS: dict[str, SamplingFilter] = {
     "top_p": SamplingFilter(lambda p, q: (_row_cumsum(p) - p) < q, 1.0,    # the smallest prefix of mass >= q
-                            lambda v: _is_real(v) and 0 < v <= 1, "must be in (0, 1]"),
+                            lambda v: is_real(v) and 0 < v <= 1, "must be in (0, 1]"),
     "top_k": SamplingFilter(lambda p, k: torch.arange(p.shape[-1], device=p.device) < k, 0,
-                            lambda v: _is_count(v) and v >= 0, "must be an integer >= 0 (0 turns it off)"),
+                            lambda v: is_int(v) and v >= 0, "must be an integer >= 0 (0 turns it off)"),
 }
 
 

@@ -98,7 +98,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -124,10 +123,6 @@ TurnEnd = Callable[[int, list], "list[int] | None"]
 KeptRoutes = list[torch.Tensor]
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def route_dtype(num_experts: int) -> torch.dtype:
     """Routes take n_moe * top_k ids per position (384 at 48 layers, top-8), so they are stored in the
     smallest type that holds every expert id."""
@@ -147,11 +142,11 @@ class SamplingParams:
 
     def __post_init__(self):
         check_sampling(self.temperature, top_p=self.top_p, top_k=self.top_k, **self.filters)   # as RolloutConfig
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not kernels.is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: need an integer >= 1")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2 ** 64:
+        if not kernels.is_int(self.seed) or not 0 <= self.seed < 2 ** 64:
             raise ValueError(f"seed={self.seed!r}: need an integer in [0, 2**64)")
-        if not all(_is_int(t) for t in self.stop_token_ids):
+        if not all(kernels.is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: need integer token ids")
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.top_k, self.max_new_tokens, self.seed = int(self.top_k), int(self.max_new_tokens), int(self.seed)
@@ -854,14 +849,14 @@ class Sampler:
 
     def _check_request(self, n, index_offset, on_turn_end, max_episode_tokens, on_step) -> None:
         """generate's arguments beyond the prompts and the sampling parameters: one line for a wrong one."""
-        if not _is_int(n) or n < 1:
+        if not kernels.is_int(n) or n < 1:
             raise ValueError(f"n={n!r}: need an integer >= 1 (samples per prompt)")
-        if not _is_int(index_offset) or index_offset < 0:
+        if not kernels.is_int(index_offset) or index_offset < 0:
             raise ValueError(f"index_offset={index_offset!r}: need an integer >= 0")
         if on_turn_end is not None and not callable(on_turn_end):
             raise TypeError(f"on_turn_end must be a function (index, turn ids) -> ids or None, "
                             f"got {type(on_turn_end).__name__}")
-        if max_episode_tokens is not None and (not _is_int(max_episode_tokens) or max_episode_tokens < 1):
+        if max_episode_tokens is not None and (not kernels.is_int(max_episode_tokens) or max_episode_tokens < 1):
             raise ValueError(f"max_episode_tokens={max_episode_tokens!r}: need an integer >= 1, or None")
         if on_step is not None and self.draft_tokens:
             raise ValueError(f"on_step (an in-flight weight update) with speculative_tokens="
@@ -891,7 +886,7 @@ class Sampler:
             raise ValueError(f"max_new_tokens has {len(max_new_tokens)} budgets for {len(prompts)} prompts: give one "
                              "per prompt")
         for i, b in enumerate(max_new_tokens):
-            if not _is_int(b) or b < 1:
+            if not kernels.is_int(b) or b < 1:
                 raise ValueError(f"max_new_tokens[{i}]={b!r}: need an integer >= 1")
         return [int(b) for b in max_new_tokens]
 
@@ -982,7 +977,7 @@ class Sampler:
                              f"to end the episode")
         vocab = self.model.config.vocab_size
         for j, t in enumerate(ids):
-            if not _is_int(t):
+            if not kernels.is_int(t):
                 raise ValueError(f"{where}: item {j} of the observation is {t!r}, not an integer token id")
             if not 0 <= t < vocab:
                 raise ValueError(f"{where}: item {j} of the observation, id {t}, is outside [0, vocab_size={vocab})")
@@ -999,7 +994,7 @@ class Sampler:
                 if prompt.dim() != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:
                     raise ValueError(f"prompt {i} must be a 1-D integer tensor or a list of integer token ids")
                 prompt = prompt.tolist()
-            if not isinstance(prompt, (list, tuple)) or not all(_is_int(t) for t in prompt):
+            if not isinstance(prompt, (list, tuple)) or not all(kernels.is_int(t) for t in prompt):
                 raise ValueError(f"prompt {i} must be a list of integer token ids")
             prompt = [int(t) for t in prompt]
             if not prompt:
