@@ -500,10 +500,10 @@ def checkpoint(run: Run, step: int) -> None:
     check_finite_weights(p.full, step)                                # on every rank: they stop together
     if run.d.world > 1:
         digest = check_in_sync(p.full, run.d)                         # mixed precision: the compute copy
-        if p.mp is not None and not p.fsdp:                           # mixed precision: and the masters
+        if p.mp is not None and p.sharding is None:                   # mixed precision: and the masters
             check_in_sync(p.mp.master, run.d)
     masters = p.mp.master_state() if p.mp is not None else None       # collective under FSDP2 and EP
-    opt_state = optimizer_state(p.trainer, p.optimizer, p.fsdp)       # collective under FSDP2 and EP
+    opt_state = optimizer_state(p.trainer, p.optimizer, p.sharding)   # collective under FSDP2 and EP
     full = whole_model(run.hooks, p.full)                             # EP: whole experts (collective)
     if run.d.master:
         extra = {"skipped_steps": run.skipped, "rollouts": run.rollouts.state_dict(),
@@ -557,7 +557,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
     start, skipped, sft_done = (resumed.start, resumed.skipped, resumed.sft_done) if resumed is not None else (0, 0, 0)
     metrics_path = os.path.join(tcfg.out_dir, "metrics.jsonl")
     if resumed is not None:
-        load_optimizer_state(policy.trainer, policy.optimizer, resumed.optimizer, policy.fsdp)
+        load_optimizer_state(policy.trainer, policy.optimizer, resumed.optimizer, policy.sharding)
         if d.master:
             trim_metrics(metrics_path, start, sft_done)
     # the gradients and AdamW's moments are allocated after the sampler sizes its KV pool from the free

@@ -51,7 +51,7 @@ import kernels
 from config import ConfigError
 from model import expert_group
 from support.distributed import unsharded
-from support.exact_sum import Limbs, Reducer, _reduce_scatter_into, all_reduce_limbs
+from support.exact_sum import Limbs, Reducer, all_reduce_limbs
 
 # A MoE layer's stacked expert tensors, (E, ...) each: the weights, then gpt-oss's biases where the layer
 # has them (model.MoE: b13 (E, 2I), b2 (E, D)), then LoRA's adapters stacked by expert where it adds them
@@ -799,8 +799,8 @@ class ExpertSums(Reducer):
     through ep.grad_sink (this object's __call__), kept apart by (MoE module, tensor name) until finish."""
 
     def __init__(self, masters: nn.Module, d, *, trained: nn.Module, ep, master_of: dict | None = None,
-                 fsdp: bool = False, experts: set | None = None):
-        super().__init__(masters, d, trained=trained, master_of=master_of, fsdp=fsdp, experts=experts)
+                 experts: set | None = None):
+        super().__init__(masters, d, trained=trained, master_of=master_of, experts=experts)
         self.ep, self.master_of = ep, master_of or {}
         self.moes = [m for m in trained.modules() if isinstance(getattr(m, "w13", None), nn.Parameter)]
         self.pieces: dict[tuple[int, str], Limbs] = {}               # (id(MoE module), 'w13' | ...) -> sum
@@ -826,8 +826,8 @@ class ExpertSums(Reducer):
             s.zero_()
 
     def _finish_experts(self) -> list[torch.Tensor]:
-        """The expert shards' sums: each owner's pieces over its replicas (all-reduce under DDP; under
-        FSDP2 a reduce-scatter into the replica-sharded .grad); -> their out-of-range flags."""
+        """The expert shards' sums: each owner's pieces over its replicas (_write_experts); -> their
+        out-of-range flags."""
         if self.ep.eplb is not None:
             self._fold_slots()
         found = []
@@ -837,15 +837,16 @@ class ExpertSums(Reducer):
                 if (id(m), name) not in self.pieces:                  # no token reached these experts here
                     self.pieces[(id(m), name)] = Limbs(p.shape, p.device)
                 found.append((p, self.pieces[(id(m), name)]))
-        if self.fsdp:
-            for p, s in found:
-                _reduce_scatter_into(p, s, self.d.device)
-        else:
-            if self.ep.n_replicas > 1:
-                all_reduce_limbs([s for _, s in found], group=self.ep.replicas, device=self.d.device)
-            for p, s in found:
-                p.grad = s.value().to(p.dtype)
+        self._write_experts(found)
         return [s.bad for _, s in found]
+
+    def _write_experts(self, found: list[tuple[nn.Parameter, Limbs]]) -> None:
+        """Each (expert shard, its sum) all-reduced over the shard's replicas, as its .grad (FSDP2 cuts the
+        shards over their replicas: parallel/fsdp.ShardedExpertSums)."""
+        if self.ep.n_replicas > 1:
+            all_reduce_limbs([s for _, s in found], group=self.ep.replicas, device=self.d.device)
+        for p, s in found:
+            p.grad = s.value().to(p.dtype)
 
     def _fold_slots(self) -> None:
         """EPLB: the sums of this rank's expert slots (replicas included, _owner_rows' pieces under the

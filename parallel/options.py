@@ -1,5 +1,5 @@
 """The parallel plug-in's options: FSDP2, expert parallelism, EPLB, token dropping
-(support/distributed.py's FSDP2 path, parallel/expert_parallel.py, parallel/eplb.py, parallel/hooks.capacity_limit).
+(parallel/fsdp.py, parallel/expert_parallel.py, parallel/eplb.py, parallel/hooks.capacity_limit).
 
 config.py composes these fields into TrainConfig (one flat --key=value namespace; --help lists them under
 this class).
@@ -58,6 +58,15 @@ def hooks(tcfg, rcfg) -> list:
     return ([ExpertLayout()] if layout else []) + \
         ([TokenDropping(tcfg.train_capacity_factor)] if tcfg.train_capacity_factor else []) + \
         ([DeviceLoad()] if tcfg.expert_parallel > 1 else []) + ([Eplb()] if tcfg.eplb_redundant else [])
+
+
+def sharding(tcfg, d):
+    """FSDP2's sharding of the trained weights (support/distributed.sharding's seam) under --parallel=fsdp
+    over several ranks, else None (DDP, the core's)."""
+    if tcfg.parallel != "fsdp" or d.world == 1:
+        return None
+    from parallel.fsdp import Fsdp
+    return Fsdp()
 
 
 TRAIN = [ParallelOptions]

@@ -59,26 +59,23 @@ class RunError(RuntimeError):
 # checkpoints: out_dir/ckpt-NNNNNN/ (HF weights + trainer_state.pt), out_dir/latest names the newest.
 # The weights are saved full (FSDP2 gathers them), by rank 0 alone.
 # ---------------------------------------------------------------------------------------------------
-def optimizer_state(scorer, opt, full: bool):
-    """AdamW's state as saved: whole (FSDP2 gathers it), whole experts under EP (collective on every rank)."""
-    if not full:
-        state = opt.state_dict()
-    else:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-        state = get_optimizer_state_dict(scorer, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def optimizer_state(scorer, opt, sharding=None):
+    """AdamW's state as saved: whole (a sharding plug-in gathers it: parallel/fsdp.py), whole experts under EP
+    (collective on every rank)."""
+    state = opt.state_dict() if sharding is None else sharding.optimizer_state(scorer, opt)
     ep = expert_group(scorer)                                         # EP (parallel/): whole experts' moments
     return state if ep is None else ep.gather_optimizer_state(opt, scorer, state)
 
 
-def load_optimizer_state(scorer, opt, state, full: bool):
-    """The saved state into opt: under EP, this rank's experts' moments (at any EP degree)."""
+def load_optimizer_state(scorer, opt, state, sharding=None):
+    """The saved state into opt: under EP, this rank's experts' moments (at any EP degree); sharded by the
+    sharding plug-in that saved it whole."""
     ep = expert_group(scorer)
     if ep is not None:                                                # EP (parallel/): this rank's experts'
         state = ep.shard_optimizer_state(opt, scorer, state)
-    if not full:
+    if sharding is None:
         return opt.load_state_dict(state)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(scorer, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+    sharding.load_optimizer_state(scorer, opt, state)
 
 
 CKPT_NAME = re.compile(r"ckpt-\d{6}")                               # the only names `latest` may hold

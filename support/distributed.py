@@ -4,15 +4,15 @@
     policy = Policy(model, tcfg, d)                           # the weights' copies, the optimizer, the step
     policy.refresh()                                          # before a rollout: policy.sampler is up to date
 
-What train.py needs beyond one process: the parallel wrappers (DDP, FSDP2 with a full copy of the
-weights for the sampler), the weight syncs (parameters and buffers: a router's score-correction bias
-is state the rollout must see bit for bit), gradient-sync control, reductions of metrics over ranks,
-and the check that every rank holds the same bits; mixed precision (MixedPrecision: fp32 masters for
-the optimizer, one compute copy that the trainer and the sampler both read, fp32 gradients); and
-`Policy`, the one owner of the policy's copies and of the end of an optimizer step. Under
---grad_reduce=exact (the default) the gradient sum is exact_sum.Reducer's (no DDP wrapper; FSDP2's
-reduce-scatter replaced), and the batch and the metrics are global (global_batch, all_gather_rows,
-reduce_metrics): the same bits at every world size.
+What train.py needs beyond one process: the parallel wrapper (DDP; a plug-in may shard the weights
+instead: `sharding`, parallel/fsdp.py's FSDP2), the weight syncs (parameters and buffers: a router's
+score-correction bias is state the rollout must see bit for bit), gradient-sync control, reductions of
+metrics over ranks, and the check that every rank holds the same bits; mixed precision (MixedPrecision:
+fp32 masters for the optimizer, one compute copy that the trainer and the sampler both read, fp32
+gradients); and `Policy`, the one owner of the policy's copies and of the end of an optimizer step. Under
+--grad_reduce=exact (the default) the gradient sum is exact_sum.Reducer's (no DDP wrapper), and the batch
+and the metrics are global (global_batch, all_gather_rows, reduce_metrics): the same bits at every world
+size.
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import functools
 import hashlib
 import math
 import os
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -132,80 +131,24 @@ def parallelize(model: Transformer, tcfg: TrainConfig, d: Dist):
 
 
 def across_ranks(model: Transformer, scorer: nn.Module, tcfg: TrainConfig, d: Dist):
-    """parallelize over several ranks.
-
-    ddp: every rank holds the full model; the sampler reads it directly.
-    fsdp: FSDP2 shards each block and the rest; the sampler reads a full copy, refreshed by an
-    all-gather before each rollout (bit-identical to the weights the trainer computes with).
-    Sharded experts (expert_parallel.shard_experts): DDP leaves them out (each rank's own, reduced over
-    its replicas by expert_parallel.reduce_expert_grads); FSDP2 shards them over their replicas (fsdp_shard).
-    """
-    ep = expert_group(model)
-    if not uses_fsdp(tcfg, d) and tcfg.grad_reduce == "exact":       # the reduction is exact_sum.Reducer's
+    """parallelize over several ranks: every rank holds the full model and the sampler reads it directly
+    (DDP; no wrapper under --grad_reduce=exact, whose reduction is exact_sum.Reducer's), or a sharding
+    plug-in's layout (parallel/'s FSDP2: sharding). Sharded experts (expert_parallel.shard_experts): DDP
+    leaves them out (each rank's own, reduced over its replicas by expert_parallel.reduce_expert_grads)."""
+    if (shards := sharding(tcfg, d)) is not None:
+        return shards.wrap(model, scorer, d)
+    if tcfg.grad_reduce == "exact":
         return scorer, model, lambda: None
-    if not uses_fsdp(tcfg, d):
-        if ep is not None:
-            DDP._set_params_and_buffers_to_ignore_for_model(scorer, ep.expert_names(scorer))
-        return DDP(scorer, device_ids=[d.device.index] if d.device.type == "cuda" else None), model, lambda: None
-    full_copy = copy.deepcopy(model).requires_grad_(False)
-    router_apart = any(layer.is_moe and layer.mlp.gate.weight.dtype != layer.input_layernorm.weight.dtype
-                       for layer in model.layers)                     # an fp32 router: one dtype per FSDP group
-    fsdp_shard(model, scorer, d, router_apart=router_apart)
-    full_params = dict(full_copy.named_parameters())
-    full_buffers = dict(full_copy.named_buffers())
-
-    @torch.no_grad()
-    def sync():
-        for name, p in model.named_parameters():
-            full_params[name].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)   # an expert shard: itself
-        for name, b in model.named_buffers():                         # FSDP2 leaves buffers whole on each rank
-            full_buffers[name].copy_(b)
-    return scorer, full_copy, sync
+    if (ep := expert_group(model)) is not None:
+        DDP._set_params_and_buffers_to_ignore_for_model(scorer, ep.expert_names(scorer))
+    return DDP(scorer, device_ids=[d.device.index] if d.device.type == "cuda" else None), model, lambda: None
 
 
-def uses_fsdp(tcfg: TrainConfig, d: Dist) -> bool:
-    """Whether FSDP2 shards the masters: --parallel=fsdp (parallel/'s option; else DDP) over several ranks."""
-    return d.world > 1 and getattr(tcfg, "parallel", "ddp") == "fsdp"
-
-
-def fsdp_shard(model: Transformer, scorer: nn.Module, d: Dist, policy=None, router_policy=None,
-               router_apart: bool = False, offload: bool = False) -> None:
-    """FSDP2 over every rank: each block, then the rest (scorer); policy: a MixedPrecisionPolicy;
-    offload: the shards, their gradients and so AdamW's state on the host (CPUOffloadPolicy, pinned
-    when the device is a GPU), each copied to the device before its all-gather.
-
-    The router gets a group of its own when its dtype differs (router_policy, one dtype per group) and
-    under EP. Sharded experts (expert_parallel.shard_experts) are sharded over their replicas, the ranks
-    holding the same E/N experts (torchtitan's dp-mod-ep mesh): each MoE layer's expert tensors form a group
-    on that mesh, the shared experts a group on every rank. FSDP2 averages their gradient over the
-    replicas; finish_grads divides it by N too, DDP's mean over the world (each owner's gradient already
-    sums its EP group's tokens). A custom divide factor would need PREMUL_SUM, which gloo lacks.
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-    # FSDP2 warns when a wrapped module returns a view: an in-place op on it would skip the module's
-    # pre-backward all-gather. The router and the MoE layer return reshaped views, and every caller
-    # uses them out of place (x = x + mlp(...)); tests/ep_train_check.py holds these gradients against
-    # EP=1 and DDP. So the warning is silenced for exactly these modules.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(Router|MoE)\) returned a view tensor",
-                            category=UserWarning)
-    ep = expert_group(model)
-    kw = {} if policy is None else {"mp_policy": policy}
-    router_kw = kw if router_policy is None else {"mp_policy": router_policy}
-    if offload:
-        kw = {**kw, "offload_policy": CPUOffloadPolicy(pin_memory=d.device.type == "cuda")}
-        router_kw = {**router_kw, "offload_policy": kw["offload_policy"]}
-    for layer in model.layers:
-        if layer.is_moe:
-            mlp = layer.mlp
-            if router_apart or ep is not None:          # its own group (Router casts inside its forward)
-                fully_shard(mlp.gate, **router_kw)
-            if ep is not None:
-                for shared in (mlp.shared_experts, mlp.shared_expert, mlp.shared_expert_gate):
-                    if shared is not None:
-                        fully_shard(shared, **kw)
-                fully_shard(mlp, mesh=ep.replica_mesh(d.device.type), **kw)   # w13, w2 (b13, b2)
-        fully_shard(layer, **kw)
-    fully_shard(scorer, **kw)
+def sharding(tcfg: TrainConfig, d: Dist):
+    """The plug-in that shards the trained weights over the ranks (an options module's `sharding(tcfg, d)`:
+    parallel/'s FSDP2 under --parallel=fsdp), or None: every rank holds them whole (one process, DDP)."""
+    found = (m.sharding(tcfg, d) for m in type(tcfg).plugins if hasattr(m, "sharding"))
+    return next((s for s in found if s is not None), None)
 
 
 def unsharded(t: torch.Tensor) -> torch.Tensor:
@@ -283,7 +226,7 @@ def place_weights(model: Transformer, tcfg: TrainConfig, d: Dist, apart: bool = 
                  "ulp of its weight (2e-3 to 4e-3 relative) is lost (float32 masters keep it)")
     store_routers(model, tcfg)                     # one dtype: the masters' gates as one set of weights keeps them
     if tcfg.mixed_precision or apart:
-        mp = MixedPrecision(model, tcfg, d, apart)
+        mp = mixed_precision(model, tcfg, d, apart)
         return mp.scorer, mp.full_model, mp.sync_full_weights, mp
     return (*parallelize(model, tcfg, d), None)
 
@@ -318,24 +261,21 @@ class MixedPrecision:
     accumulated it (a post-accumulate hook), so micro-batches accumulate in fp32; across ranks the fp32
     master grads are averaged by all-reduce (reduce_grads; no DDP wrapper, whose reduction would run in
     bf16). Under --grad_reduce=exact the hooks are exact_sum.Reducer's (master_of maps a compute
-    parameter to its master). FSDP2: the masters are sharded with MixedPrecisionPolicy(param_dtype=--dtype,
-    reduce_dtype=fp32) (routers: param_dtype = the router's), so FSDP2 casts each shard and all-gathers
-    the compute dtype for the forward; the sampler's full copy is the same cast shards all-gathered.
+    parameter to its master). Sharded masters (FSDP2): parallel/fsdp.ShardedMixedPrecision.
     apart (offload): the masters, their gradients and AdamW's state stay where they were built (the host)
-    and the compute copy is made on d.device, also in the masters' dtype; FSDP2 keeps the shards there
-    (CPUOffloadPolicy) and copies each to the device before its all-gather.
+    and the compute copy is made on d.device, also in the masters' dtype.
     """
 
     def __init__(self, master: Transformer, tcfg: TrainConfig, d: Dist, apart: bool = False):
         self.master, self.d, self.apart = master, d, apart
         self.dtype = getattr(torch, tcfg.dtype)
         self.router = router_dtype(tcfg, master.config.model_type)
-        self.fsdp = uses_fsdp(tcfg, d)
         self.full_model = cast_for_compute(master, self.dtype, self.router, d.device)
-        if self.fsdp:
-            self.scorer = self._shard()
-            self.sync_full_weights = self._gather
-            return
+        self._attach(tcfg)
+
+    def _attach(self, tcfg: TrainConfig) -> None:
+        """The trainer runs on the compute copy; its gradients go to the masters' fp32 .grad."""
+        master, d = self.master, self.d
         self.scorer, self.sync_full_weights = Scorer(self.full_model), lambda: None
         masters = dict(master.named_parameters())
         self.master_of = {id(p): masters[name] for name, p in self.full_model.named_parameters()}
@@ -344,50 +284,24 @@ class MixedPrecision:
                 if p.requires_grad:                                   # LoRA: not the frozen base
                     p.register_post_accumulate_grad_hook(functools.partial(_accumulate_into, masters[name]))
         self._pairs = [(m, c) for m, c in zip(model_state(master), model_state(self.full_model)) if m is not c]
-        if apart and d.device.type == "cuda":                        # pinned: the recast's copies run async
+        if self.apart and d.device.type == "cuda":                   # pinned: the recast's copies run async
             for t in model_state(master):
                 t.data = t.data.pin_memory()
 
     def parameters(self) -> list[nn.Parameter]:
-        """What the optimizer updates and clipping measures: the trained masters (sharded under FSDP2)."""
-        return [p for p in (self.scorer if self.fsdp else self.master).parameters() if p.requires_grad]
-
-    def _shard(self) -> nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        f32 = torch.float32
-        # cast_forward_inputs off: the fp32 RoPE tables enter every block as they do in the full copy
-        policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=f32, cast_forward_inputs=False)
-        router = MixedPrecisionPolicy(param_dtype=self.router, reduce_dtype=f32, cast_forward_inputs=False)
-        scorer = Scorer(self.master)
-        fsdp_shard(self.master, scorer, self.d, policy, router, router_apart=self.router != self.dtype,
-                   offload=self.apart)
-        self.full_model.requires_grad_(False)
-        self._full = dict(self.full_model.named_parameters())
-        self._full_buffers = dict(self.full_model.named_buffers())
-        return scorer
-
-    @torch.no_grad()
-    def _gather(self) -> None:
-        """The sampler's copy: each fp32 shard cast to its compute dtype, then all-gathered (half the
-        bytes of gathering fp32; the same bits, a cast being elementwise)."""
-        for name, p in self.master.named_parameters():
-            full = self._full[name]
-            full.copy_(p.to(full.device, full.dtype).full_tensor())
-        for name, b in self.master.named_buffers():                  # whole on every rank (the router bias)
-            self._full_buffers[name].copy_(b)
+        """What the optimizer updates and clipping measures: the trained masters."""
+        return [p for p in self.master.parameters() if p.requires_grad]
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """After an optimizer step (and the bias update): the compute copy cast from the masters.
-        FSDP2 casts at each all-gather and the full copy is gathered before a rollout: nothing to do."""
-        if not self.fsdp:
-            for m, c in self._pairs:
-                c.copy_(m, non_blocking=True)                     # host to device: from pinned memory, queued
+        """After an optimizer step (and the bias update): the compute copy cast from the masters."""
+        for m, c in self._pairs:
+            c.copy_(m, non_blocking=True)                         # host to device: from pinned memory, queued
 
     @torch.no_grad()
     def reduce_grads(self, bucket_bytes: int = 64 << 20) -> None:
-        """Average the fp32 master grads over ranks (one process, FSDP2: nothing to do), in buckets."""
-        if self.d.world == 1 or self.fsdp:
+        """Average the fp32 master grads over ranks (one process: nothing to do), in buckets."""
+        if self.d.world == 1:
             return
         params = self.parameters()
         ep = expert_group(self.master)
@@ -412,7 +326,7 @@ class MixedPrecision:
 
     def master_state(self) -> dict[str, torch.Tensor]:
         """The full fp32 masters (state_dict keys, buffers included), whole experts; a collective under
-        FSDP2 and EP."""
+        sharding and EP."""
         ep = expert_group(self.master)
         if ep is not None:
             return ep.gather_experts(self.master)
@@ -424,13 +338,22 @@ class MixedPrecision:
 
     def reserve_bytes(self, opt_has_state: bool) -> int:
         """Bytes still to come on the device after the sampler is built: fp32 master grads and AdamW's two
-        moments (this rank's shard under FSDP2; none when they are apart, on the host) and the compute
-        grads in flight (the largest one; under FSDP2 a block's unsharded fp32 grads kept while
-        micro-batches accumulate, bounded by the full model)."""
+        moments (this rank's shard when sharded; none when they are apart, on the host) and the compute
+        grads in flight (in_flight_bytes)."""
         local = 0 if self.apart else sum(getattr(p, "to_local", lambda: p)().nbytes for p in self.parameters())
-        extra = (sum(p.numel() for p in self.full_model.parameters()) * 4 if self.fsdp
-                 else max(p.nbytes for p in self.full_model.parameters()))
-        return (1 if opt_has_state else 3) * local + extra
+        return (1 if opt_has_state else 3) * local + self.in_flight_bytes()
+
+    def in_flight_bytes(self) -> int:
+        """The compute gradients alive at once: the largest one (each goes to its master when accumulated)."""
+        return max(p.nbytes for p in self.full_model.parameters())
+
+
+def mixed_precision(master: Transformer, tcfg: TrainConfig, d: Dist, apart: bool = False) -> MixedPrecision:
+    """MixedPrecision over these masters, or the sharding plug-in's (parallel/fsdp.ShardedMixedPrecision)."""
+    shards = sharding(tcfg, d)
+    if shards is None:
+        return MixedPrecision(master, tcfg, d, apart)
+    return shards.mixed_precision(master, tcfg, d, apart)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -447,7 +370,7 @@ class Policy:
               themselves with one dtype and no FSDP2)
     sampler   what the rollout runs: `full`, or the mismatch lab's copy of it (lab.rollout_copy)
     mp        MixedPrecision when the compute weights are a copy of the masters, else None
-    fsdp      whether FSDP2 shards the masters (--parallel=fsdp on more than one rank)
+    sharding  the plug-in that shards the masters over the ranks (parallel/'s FSDP2), or None
     optimizer AdamW over the masters (build_optimizer)
     refresh() brings full and sampler up to date before anything reads them (a rollout, a checkpoint);
     step() is the end of an optimizer step: the step, the router bias update, the compute copy recast.
@@ -456,9 +379,8 @@ class Policy:
     def __init__(self, model: Transformer, tcfg: TrainConfig, d: Dist, sampler_copy=None, apart: bool = False):
         """sampler_copy(full, refresh) -> (sampler model, its refresh): the lab's rollout copy, or None;
         apart: the model (the masters) stays where it is, the compute weights are a copy on d.device."""
-        self.master, self.tcfg, self.d = model, tcfg, d
+        self.master, self.tcfg, self.d, self.sharding = model, tcfg, d, sharding(tcfg, d)
         self.trainer, self.full, self._refresh, self.mp = place_weights(model, tcfg, d, apart)
-        self.fsdp = is_fsdp(model)
         self.sampler = self.full
         if sampler_copy is not None:
             self.sampler, self._refresh = sampler_copy(self.full, self._refresh)
@@ -520,7 +442,7 @@ class Policy:
         has_state = bool(self.optimizer.state)
         sums = 0 if self.reducer is None else self.reducer.reserve_bytes()
         if (ep := expert_group(self.full)) is not None:               # EPLB's slots
-            sums += ep.slot_bytes(self.full) * (1 + (self.sampler is not self.full) + is_fsdp(self.master))
+            sums += ep.slot_bytes(self.full) * (1 + (self.sampler is not self.full) + (self.sharding is not None))
         if self.mp is not None:
             return self.mp.reserve_bytes(has_state) + sums
         param_bytes = sum(getattr(p, "to_local", lambda: p)().nbytes for p in self.trainer.parameters())
@@ -529,14 +451,15 @@ class Policy:
 
 def exact_reducer(model: Transformer, trainer: nn.Module, mp, tcfg: TrainConfig, d: Dist) -> exact_sum.Reducer:
     """--grad_reduce=exact: the Reducer of this policy's gradients, hooked where the backward produces
-    them: the compute copy's parameters (mixed precision), the masters themselves, or FSDP2's groups."""
-    fsdp = uses_fsdp(tcfg, d)
-    trained = trainer if fsdp else model if mp is None else mp.full_model
-    master_of = None if fsdp or mp is None else mp.master_of
+    them: the compute copy's parameters (mixed precision), the masters themselves, or a sharding plug-in's
+    (parallel/'s FSDP2: its groups' reduce-scatters)."""
+    if (shards := sharding(tcfg, d)) is not None:
+        return shards.reducer(model, trainer, d)
+    trained, master_of = (model, None) if mp is None else (mp.full_model, mp.master_of)
     ep = expert_group(model)
     if ep is not None:                                                # EP (parallel/): its shards' sums too
-        return ep.exact_reducer(model, d, trained=trained, master_of=master_of, fsdp=fsdp)
-    return exact_sum.Reducer(model, d, trained=trained, master_of=master_of, fsdp=fsdp)
+        return ep.exact_reducer(model, d, trained=trained, master_of=master_of)
+    return exact_sum.Reducer(model, d, trained=trained, master_of=master_of)
 
 
 def build_optimizer(model: Transformer, tcfg: TrainConfig) -> torch.optim.Optimizer:

@@ -230,44 +230,32 @@ class Reducer:
     post-accumulate hook per trained parameter adds the micro-batch's .grad and frees it (no DDP
     wrapper: this is the reduction); (2) expert parallelism: the owner's weight gradient of each
     source rank's rows, kept apart (a subclass: parallel/expert_parallel.ExpertSums); (3) FSDP2: its
-    reduce-scatter, replaced by ExactReduceScatter (every micro-batch step: an int64 reduce-scatter of
-    the step's unsharded gradients into a sharded accumulator; the last step writes the sum).
+    reduce-scatter, replaced by an exact one (a subclass: parallel/fsdp.ShardedSums).
     finish() sums (1) and (2) over the ranks and writes fp32 .grad on every master parameter. The sums
     live where the masters do (offload: on the host, memory/offload.py), each term copied there.
     """
 
     def __init__(self, masters: nn.Module, d, *, trained: nn.Module, master_of: dict | None = None,
-                 fsdp: bool = False, experts: set | None = None):
+                 experts: set | None = None):
         """master_of: id(trained parameter) -> its master (mixed precision; else itself); experts: ids of
         the masters' expert-shard parameters (EP: parallel/expert_parallel.ExpertSums, this class's own)."""
         if d.world > MAX_RANKS:
             raise ConfigError(f"--grad_reduce=exact sums over at most {MAX_RANKS} ranks ({d.world} here); "
                               "use --grad_reduce=fast")
-        self.masters, self.d, self.fsdp = masters, d, fsdp
+        self.masters, self.d = masters, d
         self.home = next(masters.parameters()).device                 # offload: the host
         self.experts = experts or set()
         self.sums: dict[int, Limbs] = {}                             # id(master parameter) -> its sum
-        self.comms: list[ExactReduceScatter] = []
         self.last = False                                            # the minibatch's last micro-batch step
         self.bad = False
-        if fsdp:
-            self._replace_reduce_scatters(trained)
-            return
-        master_of = master_of or {}
+        self._attach(trained, master_of or {})
+
+    def _attach(self, trained: nn.Module, master_of: dict) -> None:
+        """Where the gradients enter: a post-accumulate hook on every trained parameter (FSDP2's
+        reduce-scatters instead: parallel/fsdp.ShardedSums)."""
         for p in trained.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._hook(master_of.get(id(p), p)))
-
-    def _replace_reduce_scatters(self, trained: nn.Module) -> None:
-        """FSDP2: every group's reduce-scatter becomes an ExactReduceScatter of this reducer."""
-        from torch.distributed.fsdp import FSDPModule
-        for m in trained.modules():
-            if isinstance(m, FSDPModule):
-                comm = ExactReduceScatter(self)
-                m.set_custom_reduce_scatter(comm)
-                m.set_force_sum_reduction_for_comms(True)        # a sum: no pre- or post-division
-                m.set_gradient_divide_factor(1.0)
-                self.comms.append(comm)
 
     def _hook(self, master: nn.Parameter):
         def take(p):
@@ -283,8 +271,12 @@ class Reducer:
         return s
 
     # ---- the minibatch ---------------------------------------------------------------------------
+    def accumulators(self) -> list[Limbs]:
+        """Every sum this reducer keeps (zeroed at a minibatch's start, checked for range at its finish)."""
+        return list(self.sums.values())
+
     def start(self) -> None:
-        for s in [*self.sums.values(), *(c.sum for c in self.comms if c.sum is not None)]:
+        for s in self.accumulators():
             s.zero_()
         self.last = False
 
@@ -292,20 +284,21 @@ class Reducer:
     def finish(self) -> None:
         """The sums over ranks, as fp32 .grad of every master parameter (zeros where nothing arrived);
         self.bad on every rank if any term anywhere was out of range."""
-        dense = [p for p in self.masters.parameters() if id(p) not in self.experts and p.requires_grad]
-        if not self.fsdp:
-            sums = [self.sum_of(p) for p in dense]
-            if self.d.world > 1:
-                all_reduce_limbs(sums, device=self.d.device)
-            for p, s in zip(dense, sums):
-                p.grad = s.value().to(p.dtype)                       # bf16 masters: one more rounding
-        bad = [s.bad for s in self.sums.values()] + [c.sum.bad for c in self.comms if c.sum is not None]
-        bad += self._finish_experts()                                # EP: the expert shards' own sums
+        self._finish_dense([p for p in self.masters.parameters() if id(p) not in self.experts and p.requires_grad])
+        bad = [s.bad for s in self.accumulators()] + self._finish_experts()   # EP: the expert shards' own sums
         flag = torch.stack(bad).any().long() if bad else torch.zeros((), dtype=torch.long)
         flag = flag.to(self.d.device)                                 # NCCL reduces device tensors
         if self.d.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.bad = bool(flag)
+
+    def _finish_dense(self, dense: list[nn.Parameter]) -> None:
+        """The sums of the whole (not expert) parameters, all-reduced, as their .grad."""
+        sums = [self.sum_of(p) for p in dense]
+        if self.d.world > 1:
+            all_reduce_limbs(sums, device=self.d.device)
+        for p, s in zip(dense, sums):
+            p.grad = s.value().to(p.dtype)                           # bf16 masters: one more rounding
 
     def _finish_experts(self) -> list[torch.Tensor]:
         """Whole experts: none (EP's sums of the expert shards: parallel/expert_parallel.ExpertSums)."""
@@ -316,61 +309,6 @@ class Reducer:
         an expert shard whole, also when FSDP2 cuts it over its replicas; EPLB: its slots' too)."""
         return 16 * sum(p.numel() if id(p) in self.experts or not hasattr(p, "to_local") else p.to_local().numel()
                         for p in self.masters.parameters() if p.requires_grad)
-
-
-def _reduce_scatter_into(p: nn.Parameter, s: Limbs, device) -> None:
-    """An FSDP2 expert shard's sum: reduce-scatter the (E/N, ...) limbs over its mesh (sent from device),
-    rows in torch.chunk's pieces as FSDP2 shards them (dim 0, the last piece short), into p.grad."""
-    from torch.distributed.tensor import DTensor
-    s.carry()                                                         # lo below 2^52 on every rank
-    mesh, local = p.device_mesh, p.to_local()
-    n, R = mesh.size(), s.hi.shape[0]
-    chunk = -(-R // n)
-    limbs = []
-    for t in (s.hi.to(device), s.lo.to(device)):
-        padded = torch.cat([t, t.new_zeros(chunk * n - R, *t.shape[1:])]) if chunk * n > R else t
-        out = t.new_empty(chunk, *t.shape[1:])
-        dist.reduce_scatter_single(out, padded.contiguous(), group=mesh.get_group())
-        limbs.append(out[:local.shape[0]].to(local.device))
-    value = from_limbs(*limbs).to(local.dtype)
-    p.grad = DTensor.from_local(value, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-
-
-class ExactReduceScatter:
-    """FSDP2's reduce-scatter of one parameter group (FSDPModule.set_custom_reduce_scatter), exact.
-
-    FSDP2 hands over the step's unsharded fp32 gradients, flat and laid out by rank; they are converted
-    elementwise (the grid is the same for every element, so the layout does not matter), reduce-
-    scattered as int64 limbs and added to this group's sharded sum, CHUNK elements of each rank's piece
-    at a time (so the limbs in flight are 16 x ranks x CHUNK bytes, not 16 a gradient of the whole
-    block; integers add the same in pieces). FSDP2 accumulates what is written into `output` onto the
-    sharded .grad: zeros until the minibatch's last step, then the sum (0 + x is exact)."""
-    CHUNK = 1 << 20
-
-    def __init__(self, reducer: Reducer):
-        self.reducer, self.sum = reducer, None
-
-    def allocate(self, size, *, dtype, device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
-        n, shard, home = group.size(), output_tensor.numel(), self.reducer.home
-        if self.sum is None:
-            self.sum = Limbs(output_tensor.shape, home)
-        by_rank = input_tensor.view(n, shard)                         # (ranks, shard): rank r's piece in row r
-        for at in range(0, shard, self.CHUNK):
-            hi, lo, bad = to_limbs(by_rank[:, at:at + self.CHUNK])    # (ranks, c), contiguous
-            out_hi, out_lo = hi.new_empty(hi.shape[1]), lo.new_empty(lo.shape[1])
-            dist.reduce_scatter_single(out_hi, hi.reshape(-1), group=group)
-            dist.reduce_scatter_single(out_lo, lo.reshape(-1), group=group)
-            last = at + self.CHUNK >= shard
-            self.sum.add_limbs(out_hi.to(home), out_lo.to(home), terms=n if last else 0, at=at)
-            self.sum.bad |= bad.to(home)
-        if self.reducer.last:
-            output_tensor.copy_(self.sum.value())
-        else:
-            output_tensor.zero_()
-        return None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from config import ModelConfig, RolloutConfig, TrainConfig, apply_overrides, par
 from model import Transformer                                           # noqa: E402
 from support import runlog                                              # noqa: E402
 from support.checkpoint import latest_checkpoint, load_trainer_state, saved_configs  # noqa: E402
-from support.distributed import Dist, MixedPrecision, cast_for_compute  # noqa: E402
+from support.distributed import Dist, MixedPrecision, cast_for_compute, mixed_precision  # noqa: E402
 
 SMALL = ["--device=cpu", "--task=copy", "--n_digits=2", "--prompts_per_step=8", "--group_size=4",
          "--minibatch_size=32", "--progress=false"]
@@ -365,7 +365,7 @@ def fsdp_cast_check():
     d = init_distributed("cpu")
     tcfg, _ = configs("--dtype=bfloat16", "--parallel=fsdp")
     master = initial("tiny-sigmoid")
-    mp = MixedPrecision(master, tcfg, d)
+    mp = mixed_precision(master, tcfg, d)                                 # FSDP2's: parallel/fsdp.py
     seen = {}                                                           # what the blocks compute with
     for i, layer in enumerate(master.layers):
         def grab(mod, args, i=i):

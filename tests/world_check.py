@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train                                                       # noqa: E402
 from config import RolloutConfig, TrainConfig                      # noqa: E402
-from support import exact_sum, runlog                              # noqa: E402
+from support import runlog                                         # noqa: E402
 from support.distributed import Dist                               # noqa: E402
 
 STEPS = 4
@@ -107,7 +107,8 @@ def main(out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
-        exact_sum.ExactReduceScatter.CHUNK = 50_000   # FSDP2's exact reduce-scatter of a block in pieces
+        from parallel import fsdp
+        fsdp.ExactReduceScatter.CHUNK = 50_000        # FSDP2's exact reduce-scatter of a block in pieces
     d = Dist(int(os.environ.get("RANK", "0")), world, torch.device("cpu"))
     found, runs = {}, dict(RUNS, lora=dict(RUNS["lora"], lora_init=start_adapter(out, d)))
     for name, layout, kw in LAYOUTS[world]:

@@ -195,7 +195,7 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     its largest block, unsharded; FSDP2 casts each shard to --dtype as it gathers it, so the root and two
     blocks in --dtype are the trainer's compute copy: there is no copy of the shards (the sampler's whole
     copy is the one kept); a block's fp32 gradients (and exact: the limbs of a piece of them,
-    exact_sum.ExactReduceScatter.CHUNK elements a rank) are its reduction in flight."""
+    parallel/fsdp.ExactReduceScatter.CHUNK elements a rank) are its reduction in flight."""
     N, fsdp = expert_parallel, parallel == "fsdp" and world > 1
     dense = sum(math.prod(s) for s, e in shapes if not e)
     expert = sum(math.prod(s) for s, e in shapes if e)
@@ -227,7 +227,7 @@ def memory_plan(shapes: list[tuple[tuple[int, ...], bool]], world: int, parallel
     plan.offload = offload
     plan.sum_temps = 24 * largest_sum if exact else 0
     if fsdp:         # a block's unsharded fp32 gradients, reduce-scattered (exact: as limbs, a piece at a time)
-        from support.exact_sum import ExactReduceScatter
+        from parallel.fsdp import ExactReduceScatter
         piece = min(block, world * ExactReduceScatter.CHUNK)
         plan.sum_temps, plan.reduce_on_device = 4 * block + (24 * piece if exact else 0), True
         plan.largest_group = max(root, block) * mb
