@@ -65,7 +65,7 @@ from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, adapt
 from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
                              unpack)
 from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, bar_postfix, episode_metrics,
-                            latency_metrics, log_routes, log_row, log_samples, open_logger, open_outputs, run_cli, say,
+                            latency_metrics, log_routes, log_row, log_samples, open_outputs, run_cli, say,
                             stop_requested, summary, warn_low_entropy)
 from support.tasks import Episodes, TaskError, compute_rewards
 
@@ -86,7 +86,7 @@ class Run:
     start: int                       # the first step to run (> 0 on resume)
     skipped: int                     # optimizer steps skipped for a non-finite loss or gradient so far
     metrics_path: str
-    outputs: Outputs | None = None   # identity of the exports, eval task, logger (set by open_outputs)
+    outputs: Outputs | None = None   # identity of the exports, the progress bar (set by open_outputs)
     rollouts: Synchronous | None = None     # where each step's batch comes from (support/hooks.py; set by setup)
     surge: LengthSurge = dataclasses.field(default_factory=LengthSurge)   # --surge_window's detector (lr_at reads it)
     sft_done: int = 0                # --sft_steps' supervised steps the weights have had (tooling/sft.py)
@@ -122,7 +122,7 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] |
     d.print0(banner(run, max_new_tokens(run), episode_tokens(run) if run.task.episodic else None))
     history, saved = [], run.start
     bar = tqdm(desc="train", disable=not run.outputs.bar, initial=run.start, total=run.tcfg.steps)
-    exit_code = 1                                                     # what the logger is told, unless set below
+    exit_code = 1                                                     # what the hooks are told, unless set below
     try:
         for hook in run.hooks:                                        # the supervised phase (--sft_steps)
             hook.before_steps(run, forward, trainer_micro_batches, checkpoint)
@@ -168,7 +168,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] |
         raise
     finally:
         bar.close()
-        run.outputs.close(exit_code)
+        for hook in run.hooks:                                        # a tracker's run ends (trackers/)
+            hook.finish(exit_code)
     return history
 
 
@@ -575,14 +576,12 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
 
 
 def check_ranks(tcfg: TrainConfig, d: Dist) -> None:
-    """The checks that need the ranks (TrainConfig.check_ranks), the batch notice, the logger's package."""
+    """The checks that need the ranks (TrainConfig.check_ranks), the batch notice."""
     tcfg.check_ranks(d.world, d.bridge.n_rollout if d.bridge is not None else 0)
     batch = tcfg.prompts_per_step * tcfg.group_size
     if tcfg.minibatch_size > batch:
         d.print0(f"--minibatch_size={tcfg.minibatch_size} is more than the batch of {batch} (prompts_per_step x "
                  f"group_size): one optimizer step of {batch} per epoch")
-    if tcfg.log_to:
-        open_logger(tcfg.log_to, tcfg.out_dir, probe=True)               # a missing package: one line, before work
 
 
 # ---------------------------------------------------------------------------------------------------

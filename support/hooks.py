@@ -31,6 +31,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     rank_files(run, step, batch, outs, rewards, audited, held)   -> keys; a file of this rank's sequences (batch,
                              outs, rewards, audited: this rank's; held: hold_out's rows), rank 0 appending
     diagnostics(rows)        its keys on diagnostics.jsonl's rows
+    log(row)                 a metrics row as rank 0 wrote it to metrics.jsonl (a log step's; trackers/)
+    finish(exit_code)        the run ends: 0 finished, else it failed or stopped (128 + the signal)
     state_dict()             saved in the checkpoint under `name`, handed back as resumed.plugins[name]
     batch_source(run, generate, sample)   -> where each step's batch comes from (Synchronous's methods), or
                              None: the core's own, Synchronous (generate: train.rollout of the run; sample:
@@ -107,6 +109,12 @@ class Hooks:
         return {}
 
     def diagnostics(self, rows: list[dict]) -> None:
+        pass
+
+    def log(self, row: dict) -> None:
+        pass
+
+    def finish(self, exit_code: int) -> None:
         pass
 
     def state_dict(self):

@@ -1,11 +1,11 @@
 """What a run shows and writes beside its checkpoints, and how it stops.
 
-    run.outputs = open_outputs(run)      # the exports' identity, the eval task, the optional logger
+    run.outputs = open_outputs(run)      # the exports' identity, run.json, the progress bar or lines
     print(banner(run, max_new))          # two lines: what trains where, what the rollout stops on
     row.update(run.surge.watch(run, row))     # --surge_window: length_surge (and its one warning line)
-    history.append(log_row(run, step, row))   # metrics.jsonl (strict JSON), the logger, a progress line
+    history.append(log_row(run, step, row))   # metrics.jsonl (strict JSON), a tracker's copy, a progress line
 
-metrics.jsonl is the record of a run; --log_to=tensorboard|wandb gets a copy of each row; without a
+metrics.jsonl is the record of a run (trackers/'s --log_to=tensorboard|wandb copies each row); without a
 progress bar (--progress: a bar only on a terminal) a line every --log_every steps is printed. run.json
 holds the settings in force (checkpoint.write_run_json). --log_samples=N writes responses to
 samples.jsonl; routes.jsonl (log_routes) and a plug-in's files (diagnostics/) are appended through append_jsonl.
@@ -45,27 +45,20 @@ if TYPE_CHECKING:                     # a run's classes: config.configs_for
 # ---- the run's outputs besides metrics.jsonl -------------------------------------------------------
 @dataclasses.dataclass
 class Outputs:
-    """The run's other outputs: its exports' identity, the optional logger (rank 0), and whether this
-    process draws a progress bar (else progress lines: progress_bar)."""
+    """The run's other outputs: its exports' identity and whether this process draws a progress bar (else
+    progress lines: progress_bar)."""
     identity: hf.Identity
-    logger: object | None
     bar: bool = False
-
-    def close(self, exit_code: int) -> None:
-        if self.logger is not None:
-            self.logger.close(exit_code)
 
 
 def open_outputs(run) -> Outputs:
     tcfg = run.tcfg
-    config = {"train": dataclasses.asdict(tcfg), "rollout": dataclasses.asdict(run.rcfg)}
-    logger = open_logger(tcfg.log_to, tcfg.out_dir, config=config) if tcfg.log_to and run.d.master else None
     samples = os.path.join(tcfg.out_dir, "samples.jsonl")
     if run.start and run.d.master and os.path.exists(samples):      # a resume: drop the rows past its checkpoint
         trim_metrics(samples, run.start)
     if run.d.master:                                                  # the configs in force, readable
         write_run_json(tcfg.out_dir, tcfg, run.rcfg, run.policy.full.config, run.start)
-    return Outputs(export_identity(tcfg, run.task), logger, bar=run.d.master and progress_bar(tcfg))
+    return Outputs(export_identity(tcfg, run.task), bar=run.d.master and progress_bar(tcfg))
 
 
 def progress_bar(tcfg: TrainConfig) -> bool:
@@ -160,8 +153,8 @@ def log_row(run, step: int, row: dict) -> dict:
     if run.d.master and is_log_step(run, step):
         with open(run.metrics_path, "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
-        if run.outputs is not None and run.outputs.logger is not None:
-            run.outputs.logger.log(row)
+        for hook in run.hooks:                                        # a tracker's copy (trackers/)
+            hook.log(row)
         if run.outputs is None or not run.outputs.bar:
             print(progress_line(run, row), flush=True)
     return row
@@ -220,62 +213,6 @@ def episode_metrics(run, batch, outs, episodes, audited) -> dict:
     row["route_flip_frac_observation"] = replay.route_audit(batch.routes[rows], audited.routes, m, E).get(
         "route_flip_frac", math.nan)                                  # nan: no observation token in this step
     return row
-
-
-class Logger:
-    """A copy of each metrics row to tensorboard or wandb; metrics.jsonl stays the record.
-    log(row) takes a metrics row, close(exit_code) ends the run (0: it finished, else failed or stopped)."""
-
-    def __init__(self, log, close):
-        self.log, self.close = log, close
-
-
-def logged_scalars(row: dict) -> dict[str, float]:
-    """A metrics row as the loggers' scalars: each number by its key, a list's numbers as key/i (e.g. one
-    per layer; key/i/j in a list of lists); a null (a non-finite value in metrics.jsonl) and the step
-    itself are left out."""
-    def flat(key, v):
-        if isinstance(v, list):
-            return [item for i, x in enumerate(v) for item in flat(f"{key}/{i}", x)]
-        return [(key, v)]
-    items = [item for k, v in row.items() if k != "step" for item in flat(k, v)]
-    return {k: float(x) for k, x in items if isinstance(x, (int, float))}
-
-
-def open_logger(kind: str, out_dir: str, probe: bool = False, config: dict | None = None) -> Logger | None:
-    """--log_to=tensorboard|wandb. probe: only check that the package is there (ConfigError if not).
-    config: the run's configs, which wandb keeps with the run."""
-    package = {"tensorboard": "tensorboard", "wandb": "wandb"}[kind]
-    try:
-        if kind == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-        else:
-            import wandb
-    except ImportError:
-        raise ConfigError(f"--log_to={kind} needs the {package} package: pip install {package} "
-                          "(or drop --log_to: metrics.jsonl has every row)") from None
-    if probe:
-        return None
-    if kind == "tensorboard":
-        w = SummaryWriter(os.path.join(out_dir, "tensorboard"))
-        return Logger(lambda row: [w.add_scalar(k, v, row["step"]) for k, v in logged_scalars(row).items()],
-                      lambda exit_code: w.close())
-    mode = os.environ.get("WANDB_MODE") or ("online" if network_reachable("api.wandb.ai") else "offline")
-    try:
-        r = wandb.init(project=os.environ.get("WANDB_PROJECT", "moe-rl"), dir=out_dir, mode=mode, config=config)
-    except wandb.errors.Error as e:                                   # e.g. online without `wandb login`
-        raise ConfigError(f"--log_to=wandb: {e} (or WANDB_MODE=offline: the run is kept in {out_dir}/wandb "
-                          "for `wandb sync`)") from None
-    return Logger(lambda row: r.log(logged_scalars(row), step=row["step"]), lambda exit_code: r.finish(exit_code))
-
-
-def network_reachable(host: str) -> bool:
-    import socket
-    try:
-        socket.create_connection((host, 443), timeout=3).close()
-        return True
-    except OSError:
-        return False
 
 
 def stale(row: dict) -> bool:

@@ -147,7 +147,7 @@ def reference_batch(task, examples, config, sft_step: int) -> Batch:
 
 def log_sft_row(run, row: dict) -> None:
     """A supervised step's row to metrics.jsonl (rank 0, every --log_every steps and the last) and a line on the
-    console. The loggers (--log_to) get RL's rows only: their x axis is the RL step."""
+    console. The trackers (--log_to) get RL's rows only: their x axis is the RL step."""
     k, n = row["sft_step"], run.tcfg.sft_steps
     if not run.d.master or (k % run.tcfg.log_every and k != n):
         return
