@@ -600,14 +600,11 @@ class TrainOptions(Options):
         _require_range(self, "eps_low gspo_eps_low", lambda v: 0 <= v < 1, "in [0, 1)")
         _require_range(self, "beta1 beta2", lambda v: 0 <= v < 1, "in [0, 1)")
         self._check_schedule()
-        _require(self.router_lr_scale >= 0,
-                 f"--router_lr_scale={self.router_lr_scale}: must be >= 0 (0 freezes the router)")
         _require(self.dtype in ("float32", "bfloat16"), f"--dtype={self.dtype!r}: float32 or bfloat16")
         _require_range(self, "group_size", lambda v: v >= 2, ">= 2: advantages compare responses within a group")
         _require(self.grad_reduce in ("exact", "fast"), f"--grad_reduce={self.grad_reduce!r}: exact or fast")
         _require(self.kernels_backend in ("", "auto", "torch", "triton"),
                  f"--kernels_backend={self.kernels_backend!r}: auto, torch or triton (or '' for KERNELS_BACKEND)")
-        _require_range(self, "expert_bias_update_rate", lambda v: v >= 0, ">= 0 (0: the bias is frozen)")
         _require(self.vocab_size in ("", "auto") or (self.vocab_size.isdigit() and int(self.vocab_size) > 0),
                  f"--vocab_size={self.vocab_size!r}: auto (the task's tokenizer) or a number of token ids > 0")
         _require(self.task == "jsonl" or not (self.chat_template or self.system_prompt),
@@ -688,14 +685,15 @@ class TrainOptions(Options):
                  "each rollout rank samples an equal share")
         _check_groups(self, "check_with_ranks", n_train, n_rollout)
 
+    def check_saved(self, saved: dict) -> None:
+        """A resume against the checkpoint's train config (its dict): each group's check_with_saved."""
+        _check_groups(self, "check_with_saved", saved)
+
     def check_model(self, model: ModelConfig, task_vocab: int) -> None:
         """The options that need the model: the route options refuse a model without a router (they
-        would do nothing), the bias update needs a bias, and the task's ids must fit the vocabulary."""
+        would do nothing), and the task's ids must fit the vocabulary; then each group's check_with_model."""
         if not model.moe_layers:
             _require(self.replay == "none", f"--replay={self.replay}: the model has no MoE layer (no routes); drop it")
-        _require(self.expert_bias_update_rate == 0 or model.score_correction_bias,
-                 "--expert_bias_update_rate needs a model with a score-correction bias "
-                 "(score_correction_bias=True: e.g. --init_from=tiny-sigmoid or a glm4_moe checkpoint)")
         _require(task_vocab <= model.vocab_size,
                  f"task {self.task!r} uses {task_vocab} token ids, the model has vocab_size={model.vocab_size}")
         _check_groups(self, "check_with_model", model)
@@ -711,9 +709,6 @@ class TrainOptions(Options):
                  f"--router_dtype={self.router_dtype!r}: auto, float32 or --dtype ({self.dtype})")
         _require(self.save_dtype in ("", "float32", "bfloat16"),
                  f"--save_dtype={self.save_dtype!r}: '' (--dtype), float32 or bfloat16")
-        _require(self.expert_bias_update_rate == 0 or self.master_dtype == "float32" or self.router_dtype == "float32",
-                 "--expert_bias_update_rate needs a float32 bias: keep --master_dtype=float32 (or pass "
-                 "--router_dtype=float32); a bf16 bias would round away updates smaller than its precision")
 
     @property
     def mixed_precision(self) -> bool:
@@ -781,7 +776,7 @@ class TaskOptions(Options):
 
 @dataclass
 class ObjectiveOptions(Options):
-    """The objectives' other knobs (losses.py's tables) and the router's training (its losses: router_losses/)."""
+    """The objectives' other knobs (losses.py's tables; the router's training is router_training/'s)."""
     dual_clip_c: float = 0.0          # > 1: GRPO tokens with A < 0 lose at most -A * c (0: off)
     gspo_eps_low: float = 3e-4        # GSPO's clip range on the sequence ratio: below 1 - this ...
     gspo_eps_high: float = 4e-4       # ... and above 1 + this
@@ -795,9 +790,6 @@ class ObjectiveOptions(Options):
     seq_rho: str = "geo_mean"         # seq_*: the sequence's rho as the geometric mean of its tokens' rho, or
                                       # their product (the papers' Seq-TIS / Seq-MIS, verl's rollout_is=sequence)
     rejected_tokens: str = "zero_weight"   # zero_weight (still counted in the token mean, still carry KL) | drop
-    router_lr_scale: float = 1.0      # the MoE router gate weights train at lr * S (0 freezes them; the
-                                      # score-correction bias is --expert_bias_update_rate's)
-    expert_bias_update_rate: float = 0.0  # > 0: after each optimizer step, router bias += rate * sign(mean load - load)
 
 
 @dataclass

@@ -9,7 +9,7 @@ unless said otherwise; adv is (B,). The formulas are written out in docs/design.
 loss, aggregation or correction is one function and one table entry: config validation, the training
 loop and the tests all read these tables. `token_objective` composes one micro-batch's loss from them
 (a plug-in's per-token weights come through the step's seam: route_filter/); a plug-in adds its own terms through the step's seam
-(support/hooks.Hooks.micro_loss: router_losses/'s load-balancing and z-losses).
+(support/hooks.Hooks.micro_loss: router_training/'s load-balancing and z-losses).
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ class Normalisers:
     sequences: int                # sequences in the minibatch, over every rank
     max_new_tokens: int           # drgrpo's constant
     router_tokens: float = 0.0    # token positions the router saw in the minibatch (prompts too), over every rank
-                                  # (router_losses/'s normaliser)
+                                  # (router_training/'s normaliser)
 
     @classmethod
     def of(cls, loss_mask: torch.Tensor, idx: torch.Tensor, held_out: torch.Tensor, max_new_tokens: int,

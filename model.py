@@ -306,7 +306,7 @@ class RouteDetail:
     All detached. The sampler stores weights and margin (rollout.SequenceOutput); the trainer gets all
     three from score(route_detail=True); under the contract both sides' bits are equal.
     logits (B, T, n_moe, E), only with score(router_logits=True), else None: the gate's logits in the
-    router's dtype, WITH their gradient (the router losses, router_losses/router.router_objective). Not one of FIELDS:
+    router's dtype, WITH their gradient (the router losses, router_training/router.router_objective). Not one of FIELDS:
     moving the detail to the host (packing.on_host) or gathering it drops them.
     """
     weights: torch.Tensor
@@ -682,7 +682,7 @@ class Transformer(nn.Module):
         entropy_grad: with with_entropy, the entropy carries its gradient (kernels.softmax_entropy: the
         entropy bonus, --entropy_coef); logp's bits and gradient do not change.
         router_logits: with route_detail, the detail also holds each MoE layer's gate logits (B, T, n_moe, E)
-        with their gradient (RouteDetail.logits: the router losses, router_losses/router.py). Only kept
+        with their gradient (RouteDetail.logits: the router losses, router_training/router.py). Only kept
         references to the tensors the router computes anyway: every other output keeps its bits, and
         without it (the default) nothing is kept.
         """

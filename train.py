@@ -59,9 +59,9 @@ from support.checkpoint import (RunError, build_model, check_finite_weights, com
                                 optimizer_state, prepare_out_dir, resume, run_task, save_checkpoint, trim_metrics)
 from support.distributed import (Dist, Policy, all_cat, all_owned, check_in_sync, gather_scored, global_batch,
                                  init_distributed, lr_at, on_host, reduce_metrics, store_routers, update_is_finite)
-from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, adapt, batch_source, exported, held_experts,
-                           master_device, plugin_hooks, rank_split, sampler_model, serving_hook, shard, trainer_forward,
-                           whole_model, wrap_sampler)
+from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, adapt, after_update, batch_source, exported,
+                           held_experts, master_device, plugin_hooks, rank_split, sampler_model, serving_hook, shard,
+                           trainer_forward, whole_model, wrap_sampler)
 from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
                              unpack)
 from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, bar_postfix, episode_metrics,
@@ -359,8 +359,7 @@ def update(run: Run, batch: Batch, old: OldPolicy, step: int) -> tuple[UpdateSta
             if not update_is_finite(step + 1, r.loss, r.grad_norm, run.skipped, tcfg, run.d):
                 run.skipped += 1                                      # as if this update had not run
                 continue
-            policy.step(replay.chosen_load(r.scored, batch.mask, policy.master.config)
-                        if tcfg.expert_bias_update_rate > 0 else None)
+            policy.step(partial(after_update, run.hooks, policy, r.scored, batch))   # router_training/'s bias
             stats.add_update(r)
     return stats, first
 
@@ -420,7 +419,7 @@ def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: 
                                     weights, None if old.ref_logp is None else old.ref_logp[sub].to(device),
                                     entropy=out.entropy if tcfg.entropy_coef > 0 else None)
     extra = []
-    for h in run.hooks:                                               # the plug-ins' terms (router_losses/)
+    for h in run.hooks:                                               # the plug-ins' terms (router_training/)
         loss, sums = h.micro_loss(run, loss, out, mb, norm)
         extra += sums
     (loss * (run.policy.loss_scale if counted else 0.0)).backward()
@@ -552,7 +551,7 @@ def setup(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] | 
     for m in (model, ref_model):
         if m is not None:
             shard(hooks, m)                                           # EP: route its MoE layers through the exchange
-    policy = Policy(model, tcfg, d, sampler_copy=partial(sampler_model, hooks), apart=home is not None)
+    policy = Policy(model, tcfg, d, sampler_copy=partial(sampler_model, hooks), apart=home is not None, hooks=hooks)
     if ref_model is not None:                                         # mixed precision: the reference computes in bf16
         ref_model = policy.compute_copy(ref_model)
     start, skipped, sft_done = (resumed.start, resumed.skipped, resumed.sft_done) if resumed is not None else (0, 0, 0)

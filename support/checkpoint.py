@@ -411,10 +411,7 @@ def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
         if was != getattr(tcfg, name):
             raise ConfigError(f"--{name}={getattr(tcfg, name)}: the run was saved with {name}={was} and its batches "
                               "generated ahead by that schedule; resume with the same value")
-    scale = ckpt_cfg.get("router_lr_scale", 1.0)
-    if (scale == 1) != (tcfg.router_lr_scale == 1):          # one param group or two: distributed.build_optimizer
-        raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the checkpoint's optimizer was built with "
-                          f"router_lr_scale={scale}; resume with 1 on both sides or != 1 on both sides")
+    tcfg.check_saved(ckpt_cfg)                                        # each group's check_with_saved
     return dataclasses.replace(tcfg, lr_decay_steps=horizon)
 
 

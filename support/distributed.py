@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import ConfigError
 from support import hf
-from model import MoE, RouteDetail, Transformer, expert_group
+from model import RouteDetail, Transformer, expert_group
 from support import exact_sum
 from support.checkpoint import RunError
 from support.packing import Scored, deal
@@ -376,15 +376,17 @@ class Policy:
     step() is the end of an optimizer step: the step, the router bias update, the compute copy recast.
     """
 
-    def __init__(self, model: Transformer, tcfg: TrainConfig, d: Dist, sampler_copy=None, apart: bool = False):
+    def __init__(self, model: Transformer, tcfg: TrainConfig, d: Dist, sampler_copy=None, apart: bool = False,
+                 hooks=()):
         """sampler_copy(full, refresh) -> (sampler model, its refresh): the lab's rollout copy, or None;
-        apart: the model (the masters) stays where it is, the compute weights are a copy on d.device."""
+        apart: the model (the masters) stays where it is, the compute weights are a copy on d.device;
+        hooks: the plug-ins' (an optimizer of their own: support/hooks.py)."""
         self.master, self.tcfg, self.d, self.sharding = model, tcfg, d, sharding(tcfg, d)
         self.trainer, self.full, self._refresh, self.mp = place_weights(model, tcfg, d, apart)
         self.sampler = self.full
         if sampler_copy is not None:
             self.sampler, self._refresh = sampler_copy(self.full, self._refresh)
-        self.optimizer = build_optimizer(model, tcfg)
+        self.optimizer = build_optimizer(model, tcfg, hooks)
         self.reducer = exact_reducer(model, self.trainer, self.mp, tcfg, d) if tcfg.grad_reduce == "exact" else None
 
     def refresh(self) -> None:
@@ -424,12 +426,12 @@ class Policy:
             return finish_exact_grads(self.master, self.tcfg.grad_clip, self.d, self.reducer)
         return finish_grads(self.master, self.mp, self.tcfg.grad_clip, self.d)
 
-    def step(self, load: torch.Tensor | None = None) -> None:
-        """The optimizer step; then, given the step's expert load (n_moe, E) on this rank, the router
-        bias update; then the compute copy recast from the masters."""
+    def step(self, after=None) -> None:
+        """The optimizer step; then after() (the hooks' after_update: router_training/'s bias balancing);
+        then the compute copy recast from the masters."""
         self.optimizer.step()
-        if load is not None:
-            update_expert_bias(self.master, load.to(self.d.device), self.tcfg.expert_bias_update_rate, self.d)
+        if after is not None:
+            after()
         if self.mp is not None:
             self.mp.refresh()
         if (ep := expert_group(self.master)) is not None:
@@ -462,31 +464,13 @@ def exact_reducer(model: Transformer, trainer: nn.Module, mp, tcfg: TrainConfig,
     return exact_sum.Reducer(model, d, trained=trained, master_of=master_of)
 
 
-def build_optimizer(model: Transformer, tcfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters, one param group. With --router_lr_scale=S != 1 the MoE router
-    gates get a second group whose lr is S times the first's, set just before each step (the loop sets
-    every group's lr); S = 0 also drops their weight decay, so frozen gates keep their bits."""
+def build_optimizer(model: Transformer, tcfg: TrainConfig, hooks=()) -> torch.optim.Optimizer:
+    """AdamW over the model's trained parameters, one param group; or a hook's optimizer (router_training/:
+    the gates in a group of their own)."""
     kw = dict(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]     # LoRA: the adapters (the base is frozen)
-    if tcfg.router_lr_scale == 1:
-        return torch.optim.AdamW(params, **kw)
-    return router_lr_optimizer(model, params, tcfg, kw)
-
-
-def router_lr_optimizer(model: Transformer, params: list, tcfg: TrainConfig, kw: dict) -> torch.optim.Optimizer:
-    """--router_lr_scale=S != 1: AdamW with the routers' gates in a second group at S times the lr."""
-    gates = {id(p) for m in model.modules() if isinstance(m, MoE) for p in m.gate.parameters()}
-    if not gates:
-        raise ConfigError(f"--router_lr_scale={tcfg.router_lr_scale}: the model has no MoE layer (no router)")
-    opt = torch.optim.AdamW([{"params": [p for p in params if id(p) not in gates]},
-                             {"params": [p for p in params if id(p) in gates]}], **kw)
-
-    def scale_router_lr(opt, args, kwargs):
-        main, router = opt.param_groups
-        router["lr"] = main["lr"] * tcfg.router_lr_scale
-        router["weight_decay"] = tcfg.weight_decay if tcfg.router_lr_scale > 0 else 0.0
-    opt.register_step_pre_hook(scale_router_lr)
-    return opt
+    opts = [o for o in (h.optimizer(model, params, kw) for h in hooks) if o is not None]
+    return opts[0] if opts else torch.optim.AdamW(params, **kw)
 
 
 def lr_at(step: int, cfg: TrainConfig, surge: int | None = None) -> float:
@@ -535,22 +519,6 @@ def skip_or_stop(step: int, loss: float, grad_norm: float, skipped: int, tcfg: T
     raise RunError(f"step {step}: the {' and the '.join(bad)} before the optimizer step; stopped before it reached "
                    "the weights (the last checkpoint is good). Lower --lr or check the rewards, then --resume; "
                    f"--skip_nonfinite_steps=N skips up to N such steps ({skipped} skipped so far)")
-
-
-@torch.no_grad()
-def update_expert_bias(model: Transformer, load: torch.Tensor, rate: float, d: Dist) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
-
-    load (n_moe, E) is this rank's count (replay.expert_load); it is summed over ranks first, so every
-    rank applies the same update to its copy of the bias.
-    """
-    if d.world > 1:
-        dist.all_reduce(load)
-    load = load.double()
-    step = rate * torch.sign(load.mean(-1, keepdim=True) - load)    # (n_moe, E): underloaded experts go up
-    for j, i in enumerate(model.config.moe_layers):
-        bias = model.layers[i].mlp.gate.e_score_correction_bias
-        bias.add_(step[j].to(bias.device, bias.dtype))
 
 
 def model_state(model: nn.Module) -> list[torch.Tensor]:

@@ -37,6 +37,11 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     batch_source(run, generate, sample)   -> where each step's batch comes from (Synchronous's methods), or
                              None: the core's own, Synchronous (generate: train.rollout of the run; sample:
                              train.sample of the run)
+    optimizer(model, params, kw)   -> the optimizer of the trained params (AdamW's kw: lr, betas, weight_decay), or
+                             None: AdamW(params, **kw) (router_training/: the gates in a group of their own)
+    after_update(policy, scored, batch)   after each optimizer step, before the compute copy is recast from the
+                             masters (router_training/'s bias balancing); scored: the minibatch's forward
+                             (packing.Scored), batch: the global batch
     master_device(d)         -> where the optimizer's weights live, apart from the compute weights on d.device (their
                              fp32 masters, gradient sums and AdamW's moments: memory/offload.py's host), or None
     experts(tcfg, n_experts, world)   -> the logical experts this rank holds (expert parallelism; a collective),
@@ -123,6 +128,12 @@ class Hooks:
     def batch_source(self, run, generate, sample):
         return None
 
+    def optimizer(self, model, params, kw):
+        return None
+
+    def after_update(self, policy, scored, batch) -> None:
+        pass
+
     def master_device(self, d):
         return None
 
@@ -167,6 +178,11 @@ def held_experts(hooks: list[Hooks], tcfg, n_experts: int, world: int) -> list[i
     asked (each may run a collective), the first answer counts."""
     held = [h.experts(tcfg, n_experts, world) for h in hooks]
     return next((e for e in held if e is not None), None)
+
+
+def after_update(hooks: list[Hooks], policy, scored, batch) -> None:
+    for h in hooks:
+        h.after_update(policy, scored, batch)
 
 
 def master_device(hooks: list[Hooks], d):

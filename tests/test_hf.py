@@ -1229,7 +1229,8 @@ def test_expert_load_and_bias_update():
     E = model.config.num_experts
     load = torch.zeros(len(model.config.moe_layers), E, dtype=torch.long)
     load[:, 0], load[:, 1], load[:, 2] = 10, 3, 1                      # mean 2: 0 and 1 busy, the rest idle
-    distributed.update_expert_bias(model, load, 0.01, distributed.Dist(0, 1, torch.device("cpu")))
+    from router_training.balance import update_expert_bias
+    update_expert_bias(model, load, 0.01, distributed.Dist(0, 1, torch.device("cpu")))
     for i in model.config.moe_layers:
         b = model.layers[i].mlp.gate.e_score_correction_bias
         assert torch.equal(b, torch.tensor([-0.01, -0.01] + [0.01] * (E - 2)))   # one step of rate each

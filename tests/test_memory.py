@@ -186,7 +186,7 @@ def test_offload_keeps_the_masters_apart_and_the_run_bitwise(tmp_path, monkeypat
     assert offloaded16[0] == plain16[0]                          # bf16 weights, fp32 gates and bias, offloaded too
     assert all(torch.equal(offloaded16[1][k], v) for k, v in plain16[1].items())
     build = distributed.build_optimizer
-    monkeypatch.setattr(distributed, "build_optimizer", lambda model, tcfg: torch.optim.AdamW(
+    monkeypatch.setattr(distributed, "build_optimizer", lambda model, tcfg, hooks=(): torch.optim.AdamW(
         model.parameters(), lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay, fused=True))
     fused = two_steps("fused", offload_optimizer=True)
     monkeypatch.setattr(distributed, "build_optimizer", build)

@@ -1,4 +1,4 @@
-"""The router's training losses (router_losses/router.py: load_balancing_loss, router_z_loss, router_objective):
+"""The router's training losses (router_training/router.py: load_balancing_loss, router_z_loss, router_objective):
 their values against the papers' formulas written out and against transformers' load_balancing_loss_func
 (the held-out reference), their gradients against autograd of plain references, the model's opt-in router
 logits (model.score(router_logits=True)), and the trainer's --router_aux_loss_coef / --router_z_loss_coef.
@@ -17,8 +17,8 @@ import torch
 import train
 from config import ModelConfig, RolloutConfig, TrainConfig, apply_command_line, parse_args
 from losses import Normalisers, token_objective
-from router_losses import router
-from router_losses.router import load_balancing_loss, router_objective, router_probs, router_z_loss
+from router_training import router
+from router_training.router import load_balancing_loss, router_objective, router_probs, router_z_loss
 from model import Transformer
 from rollout import Sampler
 from support.packing import pack, unpack

@@ -291,13 +291,19 @@ def _gate_weights(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
 
 
+def hooks_of(tcfg):
+    """The step hooks a run of tcfg has (router_training/'s optimizer where --router_lr_scale != 1)."""
+    from support.hooks import plugin_hooks
+    return plugin_hooks(tcfg, RolloutConfig())
+
+
 @pytest.mark.parametrize("scale", [0.0, 0.5])
 def test_router_lr_scale_trains_the_gates_at_lr_times_s(scale):
     tcfg = cfg(router_lr_scale=scale, weight_decay=0.1, lr=1e-2)
     model, gates_only = _model(), _model()
     gates0 = _gate_weights(model)
     assert len(gates0) == len(model.config.moe_layers)
-    opt = distributed.build_optimizer(model, tcfg)
+    opt = distributed.build_optimizer(model, tcfg, hooks_of(tcfg))
     ref = torch.optim.AdamW([p for n, p in gates_only.named_parameters() if n in gates0], lr=tcfg.lr * scale,
                             betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay if scale else 0.0)
     for step in range(3):
@@ -321,7 +327,7 @@ def test_router_lr_scale_trains_the_gates_at_lr_times_s(scale):
 
 def test_router_lr_scale_default_keeps_one_param_group_and_adamws_bits():
     model, plain = _model(), _model()
-    opt = distributed.build_optimizer(model, cfg(weight_decay=0.1))
+    opt = distributed.build_optimizer(model, cfg(weight_decay=0.1), hooks_of(cfg()))
     assert len(opt.param_groups) == 1
     ref = torch.optim.AdamW(plain.parameters(), lr=cfg().lr, betas=(cfg().beta1, cfg().beta2), weight_decay=0.1)
     for step in range(2):
@@ -329,14 +335,14 @@ def test_router_lr_scale_default_keeps_one_param_group_and_adamws_bits():
         opt.step(), ref.step()
     for (n, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), n
-    frozen = distributed.build_optimizer(_model(), cfg(router_lr_scale=0.0))
+    frozen = distributed.build_optimizer(_model(), cfg(router_lr_scale=0.0), hooks_of(cfg(router_lr_scale=0.0)))
     assert len(frozen.param_groups) == 2                             # control: S != 1 splits the gates off
 
 
 def test_router_lr_scale_errors():
     dense = Transformer(ModelConfig(num_experts=0))
     with pytest.raises(ConfigError, match="no MoE layer"):
-        distributed.build_optimizer(dense, cfg(router_lr_scale=0.0))
+        distributed.build_optimizer(dense, cfg(router_lr_scale=0.0), hooks_of(cfg(router_lr_scale=0.0)))
     with pytest.raises(ConfigError, match="--router_lr_scale=-1.0"):
         cfg(router_lr_scale=-1.0)
     state = {"step": 2, "train_config": dataclasses.asdict(cfg(steps=2))}

@@ -28,13 +28,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from functools import partial
 
 import torch
 
-import replay
 from config import ConfigError
 from support.distributed import all_owned, lr_at, on_host, update_is_finite
-from support.hooks import Hooks
+from support.hooks import Hooks, after_update
 from support.packing import Batch, lockstep
 from support.runlog import Interrupted, json_row, say, stop_requested
 
@@ -82,8 +82,7 @@ def sft_step(run, forward, micro_batches, k: int) -> dict:
     lr = lr_at(k, dataclasses.replace(tcfg, lr_schedule="constant"))   # the warmup, then --lr
     loss, grad_norm, scored = gradients(run, forward, micro_batches, batch, lr)
     if update_is_finite(0, loss, grad_norm, run.skipped, tcfg, run.d):
-        cfg = policy.master.config
-        policy.step(replay.chosen_load(scored, batch.mask, cfg) if tcfg.expert_bias_update_rate > 0 else None)
+        policy.step(partial(after_update, run.hooks, policy, scored, batch))   # router_training/'s bias
     else:
         run.skipped += 1
     return {"step": 0, "phase": "sft", "sft_step": k + 1, "sft_loss": loss, "grad_norm": grad_norm, "lr": lr,
