@@ -155,7 +155,7 @@ class Normalisers:
     def of(cls, loss_mask: torch.Tensor, idx: torch.Tensor, held_out: torch.Tensor, max_new_tokens: int,
            lengths: torch.Tensor) -> "Normalisers":
         """The global minibatch idx's: its loss tokens (loss_mask (B, T)) and its sequences but the held-out
-        rows (--diagnostics_holdout, replay.hold_out), each at least 1 (nothing left to learn from: loss 0);
+        rows (--diagnostics_holdout, diagnostics/rows.hold_out), each at least 1 (nothing left to learn from: loss 0);
         the router's tokens, every sequence's (lengths (B,): the router's losses see every sequence)."""
         n_seq = len(idx) - int(torch.isin(idx, held_out).sum())
         return cls(max(1.0, float(loss_mask[idx].sum())), max(1, n_seq), max_new_tokens, float(lengths[idx].sum()))

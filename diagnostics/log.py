@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import replay
+from diagnostics.rows import diagnostics, hold_out
 from support.hooks import Hooks
 from support.runlog import append_jsonl
 
@@ -13,10 +13,10 @@ class Diagnostics(Hooks):
 
     def hold_out(self, run, batch, audit, mask, held):
         """--diagnostics_holdout: the loss mask without the step's diagnostics sequences and their rows of the
-        global batch (replay.hold_out); as given without it."""
+        global batch (diagnostics/rows.hold_out); as given without it."""
         if not run.tcfg.diagnostics_holdout:
             return mask, held
-        out, rows = replay.hold_out(batch, audit, run.tcfg)
+        out, rows = hold_out(batch, audit, run.tcfg)
         return mask * out, rows
 
     def rank_files(self, run, step, batch, outs, rewards, audited, held) -> dict:
@@ -32,10 +32,10 @@ def log_diagnostics(run, step: int, batch, outs, rewards, audited, held_out: tor
     lo + len(outs) - 1), rank 0 appends them all. Without a holdout, up to N of each rank's most mismatched;
     with one, exactly the held-out sequences, each row by the rank that owns the sequence, in their order.
     batch: this rank's train.Batch; audited: the packing.Scored forward the step's audit used, of its rows;
-    held_out: --diagnostics_holdout's rows of the global batch (replay.hold_out), whose rows are the file's."""
+    held_out: --diagnostics_holdout's rows of the global batch (diagnostics/rows.hold_out), whose rows are the file's."""
     lo = run.d.rank * len(outs)
     only = None if held_out is None else [r - lo for r in held_out.tolist() if lo <= r < lo + len(outs)]
-    found = replay.diagnostics(step + 1, outs, audited.rows, audited.logp, audited.routes, batch.routes[audited.rows],
+    found = diagnostics(step + 1, outs, audited.rows, audited.logp, audited.routes, batch.routes[audited.rows],
                                rewards, run.tcfg.diagnostics, n_experts=run.policy.master.config.num_experts,
                                decode=getattr(run.task, "decode", None), only=only, offset=lo,
                                train_margin=None if audited.detail is None else audited.detail.margin)

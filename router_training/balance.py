@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import replay
 from config import ConfigError
 from model import MoE, Transformer
+from replay import expert_load
 from support.hooks import Hooks
 
 
@@ -44,8 +44,18 @@ class ExpertBias(Hooks):
         self.rate = rate
 
     def after_update(self, policy, scored, batch) -> None:
-        load = replay.chosen_load(scored, batch.mask, policy.master.config)
+        load = chosen_load(scored, batch.mask, policy.master.config)
         update_expert_bias(policy.master, load.to(policy.d.device), self.rate, policy.d)
+
+
+def chosen_load(scored, mask: torch.Tensor, config) -> torch.Tensor:
+    """(n_moe, E) a rank's expert load at the response-scoring positions (mask (B, T-1)) of its forwards'
+    rows (scored: a packing.Scored; None: it ran none): what the aux-loss-free bias update sums over
+    ranks (integers) and balances (ExpertBias). config: the model's."""
+    if scored is None:
+        return torch.zeros(len(config.moe_layers), config.num_experts, dtype=torch.long)
+    chosen = scored.routes[:, :-1][mask[scored.rows].bool()]         # (N, n_moe, k)
+    return expert_load(chosen, config.num_experts)
 
 
 @torch.no_grad()

@@ -144,8 +144,16 @@ def probe(run, step: int, holder) -> dict:
     if holder.probe.first is None:
         holder.probe.first, holder.probe.first_routes = batch, routes
     _, now, _ = probe_score(run, holder.probe.first.tokens)
-    row["route_drift"] = replay.route_drift(holder.probe.first_routes, now, holder.probe.first.route_mask)
+    row["route_drift"] = route_drift(holder.probe.first_routes, now, holder.probe.first.route_mask)
     return {f"probe_{k}": v for k, v in row.items()}
+
+
+def route_drift(before, after, mask) -> float:
+    """The share of (token, layer) decisions at mask (B, T) whose top-k set differs between two
+    routings (B, T, n_moe, k) of the same tokens, e.g. by the first and the current weights."""
+    import replay
+    m = mask.bool()
+    return (replay.topk_overlap(before[m], after[m]) < 1).float().mean().item() if m.any() else 0.0
 
 
 def probe_score(run, tokens):
