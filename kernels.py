@@ -87,81 +87,6 @@ def triton_for(t: torch.Tensor):
     return kernels_triton
 
 
-def load_tuning(path: str | dict) -> dict:
-    """Replace the Triton backend's tile tables with a GPU sweep's choice (a JSON file or its dict), for
-    this process.
-
-    `python tools/gpu_check.py --tuning-out tuning.json` writes the file: per table the fastest
-    candidate that kept the contract on that GPU (a matmul config gives every row the table's bits; an
-    attention forward config gives decode the bits of prefill, also through parallel splits). The
-    benchmarks and the CUDA tests then run with it (`tooling/bench.py --tuning`, `pytest --kernels-tuning`);
-    to keep it, paste it into the tables (kernels_triton.MM_TABLE, ATTN_KEYS, ATTN_TABLE,
-    ATTN_SPLIT_BELOW; kernels_triton_moe.MOE_TILES). Sampler and trainer must load the same file: the
-    attention and MoE configs decide bits. Returns the tuning; a malformed file raises ValueError and
-    changes nothing.
-    """
-    import json
-    from kernels_triton import ops as kt
-    from kernels_triton import moe as ktm
-    tuning, path = (path, "(dict)") if isinstance(path, dict) else (None, path)
-    try:
-        if tuning is None:
-            with open(path) as f:
-                tuning = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"tuning file {path}: cannot read it as JSON ({e})") from None
-
-    def bad(what):
-        return ValueError(f"tuning file {path}: {what} (write it with tools/gpu_check.py --tuning-out)")
-
-    def ints(value, n, what, pow2=0):
-        # the first pow2 entries (tile sizes, warps) must be powers of two: tl.arange and num_warps need it,
-        # and the kernels would fail only at their first launch
-        if not (isinstance(value, list) and len(value) == n and all(type(v) is int and v > 0 for v in value)
-                and not any(v & (v - 1) for v in value[:pow2])):
-            raise bad(f"{what} = {value!r}, need a list of {n} positive integers"
-                      + (f", the first {pow2} powers of two" if pow2 else ""))
-        return tuple(value)
-
-    def entries(key):
-        value = tuning.get(key, {})
-        if not isinstance(value, dict):
-            raise bad(f"{key} must be an object")
-        return value.items()
-
-    if not isinstance(tuning, dict) or set(tuning) - {"mm", "moe", "attn", "attn_keys", "attn_split_below"}:
-        raise bad("need an object with entries among mm, moe, attn, attn_keys, attn_split_below")
-    dtypes = {"bfloat16": (torch.bfloat16, torch.float16), "float32": (torch.float32,)}
-    sets = []                                          # (table, key, value): applied once all are checked
-    for name, rows in entries("mm"):
-        # [[largest M, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages], ..., [null, ...]], largest M increasing
-        if (name not in dtypes or not isinstance(rows, list) or not rows
-                or not all(isinstance(row, list) and len(row) == 6 for row in rows) or rows[-1][0] is not None):
-            raise bad(f"mm {name!r}: need a dtype in {list(dtypes)} and rows of 6 numbers, the last one's M null")
-        bounds = ints([row[0] for row in rows[:-1]], len(rows) - 1, f"mm {name} largest M")
-        if list(bounds) != sorted(set(bounds)):
-            raise bad(f"mm {name} largest M {bounds}: need increasing")
-        table = tuple((row[0],) + ints(row[1:], 5, f"mm {name} row {i}", pow2=4) for i, row in enumerate(rows))
-        sets += [(kt.MM_TABLE, dtype, table) for dtype in dtypes[name]]
-    for name, tiles in entries("moe"):
-        if name not in dtypes:
-            raise bad(f"moe {name!r}: need a dtype in {list(dtypes)}")
-        sets += [(ktm.MOE_TILES, dtype, ints(tiles, 5, f"moe {name}", pow2=4)) for dtype in dtypes[name]]
-    for name, cfg in entries("attn"):
-        if name not in kt.ATTN_TABLE:
-            raise bad(f"attn {name!r}: need one of {list(kt.ATTN_TABLE)}")
-        sets.append((kt.ATTN_TABLE, name, ints(cfg, 3, f"attn {name}", pow2=2)))
-    for key, attr in (("attn_keys", "ATTN_KEYS"), ("attn_split_below", "ATTN_SPLIT_BELOW")):
-        if key in tuning:
-            pow2 = key == "attn_keys"                                             # the key tile: tl.arange
-            if type(tuning[key]) is not int or tuning[key] <= 0 or pow2 and tuning[key] & (tuning[key] - 1):
-                raise bad(f"{key} = {tuning[key]!r}, need a positive integer" + (", a power of two" if pow2 else ""))
-            sets.append((vars(kt), attr, tuning[key]))                       # vars(module)[name]: its global
-    for table, key, value in sets:
-        table[key] = value
-    return tuning
-
-
 # --- end backend selection --------------------------------------------------------------------------
 
 # --- another op set: the rollout's, from outside (the lab's fast ops, lab/fast_ops.py) ------------------
@@ -317,12 +242,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------------------------------
 # attention over a paged KV cache
 # ---------------------------------------------------------------------------------------------------
-def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Each sequence's pages in table order as one contiguous run: cache (P, page, KVH, D), block_table
-    (B, n) -> (B, n * page, KVH, D). index_select copies whole pages (7x faster than cache[table] on a CPU)."""
-    B, n = block_table.shape
-    return cache.index_select(0, block_table.reshape(-1).long()).view(B, n * cache.shape[1], *cache.shape[2:])
-
 
 def packed_block(t: torch.Tensor) -> int:
     """Positions per query block and page of a packed forward's attention (packing.PackedPages): the
@@ -625,22 +544,6 @@ def sort_slots(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[in
     order = torch.sort(slot_expert, stable=True).indices
     counts = torch.bincount(slot_expert, minlength=n_experts).tolist()
     return order, counts
-
-
-def capacity_keep(ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
-    """Which (row, slot) pairs fit an expert capacity: ids (R, k) -> keep (R, k) bool.
-
-    Each expert keeps its first `capacity` slots in slot order (s = row * k + j: earlier rows first,
-    then the row's slots j ascending), the order sort_slots groups them in; the rest are dropped.
-    Which rows are dropped depends on the whole batch by design: that is token dropping.
-    """
-    slot_expert = ids.reshape(-1)                                    # (R*k,)
-    order = torch.sort(slot_expert, stable=True).indices             # grouped by expert, slot order inside
-    counts = torch.bincount(slot_expert, minlength=n_experts)
-    first = torch.cumsum(counts, 0) - counts                         # (E,) each expert's first sorted place
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=ids.device) - first[slot_expert[order]]
-    return (rank < capacity).view(ids.shape)
 
 
 def grouped_experts(x: torch.Tensor, k: int, order: torch.Tensor, counts: list[int], w13: torch.Tensor,

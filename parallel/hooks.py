@@ -5,11 +5,10 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 
-import kernels
 from model import MoE
 from parallel import eplb, expert_parallel
-from support.distributed import all_sum_counts
 from support.hooks import Hooks
 from support.runlog import append_jsonl
 
@@ -17,7 +16,7 @@ from support.runlog import append_jsonl
 class CapacityLimit:
     """--train_capacity_factor: under `with capacity_limit(limit, *models):` each of the models' MoE layers
     lets every expert take at most ceil(factor * M * k / E) of its M tokens' (token, slot) rows, kept in
-    slot order (kernels.capacity_keep: earlier token positions of the flattened (B, T) batch first, padding
+    slot order (capacity_keep: earlier token positions of the flattened (B, T) batch first, padding
     included, then slots j ascending); a dropped row gets weight 0, so its token keeps the other
     experts' outputs (and the residual). Counts accumulate on the device (no host sync) until read."""
 
@@ -26,7 +25,7 @@ class CapacityLimit:
 
     def apply(self, ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> torch.Tensor:
         M, k = ids.shape
-        keep = kernels.capacity_keep(ids, n_experts, math.ceil(self.factor * M * k / n_experts))
+        keep = capacity_keep(ids, n_experts, math.ceil(self.factor * M * k / n_experts))
         self.rows, self.dropped = self.rows + M * k, self.dropped + (~keep).sum()
         return weights * keep
 
@@ -36,6 +35,31 @@ class CapacityLimit:
         out = {"capacity_dropped": dropped, "capacity_drop_frac": dropped / self.rows if self.rows else 0.0}
         self.rows, self.dropped = 0, 0
         return out
+
+
+def capacity_keep(ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """Which (row, slot) pairs fit an expert capacity: ids (R, k) -> keep (R, k) bool.
+
+    Each expert keeps its first `capacity` slots in slot order (s = row * k + j: earlier rows first,
+    then the row's slots j ascending), the order kernels.sort_slots groups them in; the rest are dropped.
+    Which rows are dropped depends on the whole batch by design: that is token dropping.
+    """
+    slot_expert = ids.reshape(-1)                                    # (R*k,)
+    order = torch.sort(slot_expert, stable=True).indices             # grouped by expert, slot order inside
+    counts = torch.bincount(slot_expert, minlength=n_experts)
+    first = torch.cumsum(counts, 0) - counts                         # (E,) each expert's first sorted place
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=ids.device) - first[slot_expert[order]]
+    return (rank < capacity).view(ids.shape)
+
+
+def all_sum_counts(counts: list[int], d) -> list[int]:
+    """Integer counts summed over the ranks (int64: exact)."""
+    if d.world == 1:
+        return counts
+    t = torch.tensor(counts, dtype=torch.long, device=d.device)
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 @contextlib.contextmanager

@@ -604,14 +604,6 @@ def gather_scored(parts: dict, sizes: list[int], d: Dist) -> Scored:
                   RouteDetail(*(got[k] for k in detail)) if mine.detail is not None else None)
 
 
-def all_sum_counts(counts: list[int], d: Dist) -> list[int]:
-    """Integer counts summed over the ranks (int64: exact)."""
-    if d.world == 1:
-        return counts
-    t = torch.tensor(counts, dtype=torch.long, device=d.device)
-    dist.all_reduce(t)
-    return t.tolist()
-
 
 def global_batch(batch, d: Dist):
     """The rollout batch of every rank, in rank order (rank r sampled the global sequences r * B ...):

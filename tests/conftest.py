@@ -21,16 +21,16 @@ from model import Transformer   # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption("--kernels-tuning", default="", metavar="FILE",
-                     help="Triton tile configs from this file (tools/gpu_check.py --tuning-out; kernels.load_tuning)")
+                     help="Triton tile configs from this file (tools/gpu_check.py --tuning-out; kernels_triton/tuning.py)")
 
 
 def pytest_configure(config):
     if getattr(config.option, "dist", "no") == "load":     # -n: an idle worker takes a busy one's queued tests
         config.option.dist = "worksteal"                   # (the minutes-long tests otherwise end on one worker)
     if config.getoption("--kernels-tuning"):       # the GPU run tests the tables its sweep chose
-        import kernels
+        from kernels_triton.tuning import load_tuning
         try:
-            kernels.load_tuning(config.getoption("--kernels-tuning"))
+            load_tuning(config.getoption("--kernels-tuning"))
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
 
@@ -134,7 +134,7 @@ def hf_checkpoint(tmp_path):
 
 @pytest.fixture
 def tables(monkeypatch):
-    """The Triton tile tables, restored after the test (kernels.load_tuning and gpu_check's sweep change
+    """The Triton tile tables, restored after the test (load_tuning and gpu_check's sweep change
     them for the process). For tests that already imported kernels_triton (under the interpreter)."""
     from kernels_triton import ops as kt
     from kernels_triton import moe as ktm

@@ -352,11 +352,12 @@ def test_router_fault_is_on_the_rollout_copy_only(tmp_path):
 
 
 def test_capacity_keep_by_hand():
+    from parallel.hooks import capacity_keep
     ids = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
     # slot order: e0 gets slots (0,0) (1,0) (2,0) (3,1), e1 (0,1) (2,1) (3,0), e2 (1,1); capacity 2
     want = torch.tensor([[True, True], [True, True], [False, True], [False, False]])
-    assert torch.equal(kernels.capacity_keep(ids, 3, 2), want)
-    assert kernels.capacity_keep(ids, 3, 4).all()
+    assert torch.equal(capacity_keep(ids, 3, 2), want)
+    assert capacity_keep(ids, 3, 4).all()
 
 
 def test_train_capacity_drops_only_inside_the_trainers_forward(tmp_path):

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.skipif(CUDA, reason="on a GPU run tools/gpu_check.py itself")
 def test_gpu_check_script_runs_on_cpu(tmp_path):
     """tools/gpu_check.py: without CUDA it says so (exit 2); its sweep and benchmark code run at tiny
-    shapes, and the sweep's choice is written as a tuning file that kernels.load_tuning accepts."""
+    shapes, and the sweep's choice is written as a tuning file that kernels_triton.tuning.load_tuning accepts."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "tools/gpu_check.py"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "no CUDA device" in r.stderr

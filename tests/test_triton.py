@@ -33,6 +33,7 @@ pytest.importorskip("triton")
 
 import kernels  # noqa: E402
 from kernels_triton import ops as kt  # noqa: E402
+from kernels_triton.tuning import load_tuning  # noqa: E402
 from kernels_triton import moe as ktm  # noqa: E402
 from kernels_triton import vocab as ktv  # noqa: E402
 from conftest import assert_contract, make_model, tiny_config  # noqa: E402
@@ -109,7 +110,7 @@ def test_import_kernels_does_not_import_triton():
 
 
 def test_load_tuning_replaces_the_tables_and_rejects_a_bad_file_whole(tmp_path, tables):
-    """kernels.load_tuning: a sweep's file replaces each table it names (bf16 also serves fp16); a
+    """kernels_triton.tuning.load_tuning: a sweep's file replaces each table it names (bf16 also serves fp16); a
     malformed one raises one ValueError naming the entry, and changes no table (not even the valid
     entries before the bad one)."""
     good = {"mm": {"bfloat16": [[8, 16, 16, 64, 2, 4], [None, 64, 128, 64, 4, 3]]},
@@ -118,7 +119,7 @@ def test_load_tuning_replaces_the_tables_and_rejects_a_bad_file_whole(tmp_path, 
     path = tmp_path / "t.json"
     path.write_text(json.dumps(good))
     before = (dict(kt.MM_TABLE), dict(kt.ATTN_TABLE), dict(ktm.MOE_TILES))
-    assert kernels.load_tuning(str(path)) == good
+    assert load_tuning(str(path)) == good
     assert kt.mm_config(8, torch.bfloat16) == [16, 16, 64, 2, 4] and kt.mm_config(9, torch.float16) == [64, 128, 64, 4, 3]
     assert kt.MM_TABLE[torch.float32] == before[0][torch.float32]
     assert ktm.MOE_TILES[torch.float32] == (16, 16, 16, 2, 2) and ktm.MOE_TILES[torch.bfloat16] == before[2][torch.bfloat16]
@@ -140,14 +141,14 @@ def test_load_tuning_replaces_the_tables_and_rejects_a_bad_file_whole(tmp_path, 
     for tuning, says in bad:
         path.write_text(json.dumps(tuning))
         with pytest.raises(ValueError, match="tuning file") as e:
-            kernels.load_tuning(str(path))
+            load_tuning(str(path))
         assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
         assert (dict(kt.MM_TABLE), dict(kt.ATTN_TABLE), dict(ktm.MOE_TILES), kt.ATTN_KEYS, kt.ATTN_SPLIT_BELOW) == applied
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read it as JSON"):
-        kernels.load_tuning(str(path))
+        load_tuning(str(path))
     with pytest.raises(ValueError, match="cannot read"):
-        kernels.load_tuning(str(tmp_path / "missing.json"))
+        load_tuning(str(tmp_path / "missing.json"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1434,7 +1434,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens-gpu", type=int, default=128, help="gpu: new tokens per sequence")
     p.add_argument("--cpu-smoke", action="store_true", help="gpu: run its code once on the CPU at tiny sizes")
     p.add_argument("--tuning", default="", help="Triton tile configs from this file (tools/gpu_check.py "
-                   "--tuning-out writes it; kernels.load_tuning)")
+                   "--tuning-out writes it; kernels_triton/tuning.py)")
     p.add_argument("--async-steps", type=int, default=6, help="train.py steps per async run (the first is start-up)")
     p.add_argument("--async-max-new", type=int, default=48, help="async: the longest response (most end at random EOS)")
     lab_options(p)
@@ -1452,8 +1452,9 @@ def main(argv=None):
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
     if args.tuning:
+        from kernels_triton.tuning import load_tuning
         try:
-            print(f"tile configs from {args.tuning}: {kernels.load_tuning(args.tuning)}")
+            print(f"tile configs from {args.tuning}: {load_tuning(args.tuning)}")
         except ValueError as e:
             p.error(str(e))
 

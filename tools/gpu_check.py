@@ -1,7 +1,7 @@
 """GPU check of the Triton backend: its tests on CUDA (bf16 and fp32), a sweep of tile configs, a timing table.
 
     python tools/gpu_check.py               # tests, sweep, then the table with the sweep's configs; ~4 minutes
-    python tools/gpu_check.py --tuning-out tuning.json   # ... and write the sweep's choice (kernels.load_tuning)
+    python tools/gpu_check.py --tuning-out tuning.json   # ... and write the sweep's choice (kernels_triton/tuning.py)
     python tools/gpu_check.py --bench-only  # only the sweep + table;  --tests-only: only the tests
     python tools/gpu_check.py --sweep       # only the sweep;  --no-sweep: tests + table (of the committed tables,
                                             # or of --tuning FILE's)
@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--test-timeout", type=int, default=360, help="seconds allowed for the tests (default 360)")
     ap.add_argument("--tuning-out", metavar="FILE",
                     help="also write the sweep's choice of tile configs here (JSON; the table always times it)")
-    ap.add_argument("--tuning", metavar="FILE", help="time the table with this tuning (kernels.load_tuning)")
+    ap.add_argument("--tuning", metavar="FILE", help="time the table with this tuning (kernels_triton/tuning.py)")
     ap.add_argument("--sweep-budget", type=float, metavar="S",
                     help="seconds the sweep may take; then it keeps what it has timed (the table still runs)")
     ap.add_argument("--warm", choices=SWEEP_SECTIONS, help=argparse.SUPPRESS)   # start_warmup's processes
@@ -124,9 +124,9 @@ def tune(tuning: dict | None, path: str | None) -> None:
     """Apply the sweep's tuning (and write it to path, if given) or, with tuning None, path's: the table
     and whatever runs next in this process time those configs."""
     import json
-    import kernels
+    from kernels_triton.tuning import load_tuning
     written = tuning is not None and path
-    tuning = kernels.load_tuning(path if tuning is None else tuning)     # checked (and applied) before written
+    tuning = load_tuning(path if tuning is None else tuning)     # checked (and applied) before written
     if written:
         with open(path, "w") as f:                                   # one line per table
             f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in tuning.items()) + "\n}\n")
@@ -476,7 +476,7 @@ SWEEP_SECTIONS = ("moe", "matmul", "attention")
 
 
 def sweep(dev: str = "cuda", budget_s: float | None = None, sections=SWEEP_SECTIONS, timer=None) -> dict:
-    """Times candidate configs per real shape and returns the tuning (kernels.load_tuning's format):
+    """Times candidate configs per real shape and returns the tuning (kernels_triton/tuning.py's format):
     per table the fastest candidate that keeps the contract. budget_s: seconds the sweep may take (the
     table after it must still run). dev="cpu": one call per candidate at tiny shapes (a smoke run).
     sections: which tables; timer: instead of do_bench (the warm-up runs each candidate once)."""

@@ -6,7 +6,7 @@
 #      invariance), with the sweep's tile configs
 #   3. tooling/bench.py --only gpu, with them: the rollout engine at Qwen3-30B-A3B layer shapes (tok/s,
 #      bandwidth share, the fast path, the contract)
-# Paste tuning.json into the tables (kernels_triton/ops.py, kernels_triton/moe.py; see kernels.load_tuning)
+# Paste tuning.json into the tables (kernels_triton/ops.py, kernels_triton/moe.py; see kernels_triton/tuning.py)
 # to keep what was measured. Logs go to $LOG_DIR (default out/gpu); each part has its own time limit,
 # so one slow part cannot take the others' time. Extra arguments go to gpu_check.py.
 set -o pipefail
