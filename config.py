@@ -576,7 +576,9 @@ class TrainOptions(Options):
         for name in ("micro_batch_tokens", "micro_batch_size", "logits_chunk", "lr_decay_steps", "skip_nonfinite_steps",
                      "warmup_steps"):
             _require(getattr(self, name) >= 0, f"--{name}={getattr(self, name)}: must be >= 0")
-        _require(self.task in TASKS, f"--task={self.task!r}: choose one of {tuple(TASKS)}")
+        if self.task not in TASKS:                                      # a plug-in's (multi_turn/), or none
+            tasks = declared_by("TASKS")
+            _require(self.task in tasks, f"--task={self.task!r}: choose one of {(*TASKS, *tasks)}")
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                  f"--device={self.device!r}: choose auto, cpu, cuda or cuda:N")
         _require(not (self.resume and self.overwrite), "--resume and --overwrite contradict each other: pick one")
@@ -762,7 +764,7 @@ class TrainOptions(Options):
 @dataclass
 class TaskOptions(Options):
     """The task (support/tasks.py): built-in or your JSONL, its reward or environment."""
-    task: str = "copy"                # a name in tasks.TASKS: copy | reverse | lookup | fix (multi-turn) | jsonl
+    task: str = "copy"                # a name in tasks.TASKS: copy | reverse | jsonl, or lookup | fix (multi-turn: multi_turn/)
     n_digits: int = 4                 # copy / reverse / lookup / fix: digits per prompt
     data: str = ""                    # --task=jsonl: the JSONL file
     tokenizer: str = ""               # --task=jsonl: an HF tokenizer.json
@@ -840,17 +842,18 @@ def _options_sources() -> dict[str, tuple]:
 
 
 @functools.cache
-def model_type_folders() -> dict[str, str]:
-    """{model_type: the plug-in folder whose options.py lists it in MODEL_TYPES}: the families a plug-in adds
-    (its `family` module registers them in support/hf.FAMILIES when a config of that type is read)."""
+def declared_by(key: str) -> dict[str, str]:
+    """{name: the plug-in folder whose options.py lists it in `key`}: MODEL_TYPES, the families a plug-in adds (its
+    `family` module registers them in support/hf.FAMILIES); TASKS, its tasks (its `tasks` module adds them to
+    support/tasks.TASKS: multi_turn/'s lookup and fix)."""
     return {e.value: n for n, (_, top) in _options_sources().items()
-            if isinstance(top.get("MODEL_TYPES"), (ast.Tuple, ast.List)) for e in top["MODEL_TYPES"].elts}
+            if isinstance(top.get(key), (ast.Tuple, ast.List)) for e in top[key].elts}
 
 
 @functools.cache
 def family_layer_types() -> dict[str, tuple[str, ...]]:
     """{model_type: its layer kinds} for the families of plug-ins whose options.py declares LAYER_TYPES."""
-    tops = {t: _options_sources()[n][1] for t, n in model_type_folders().items()}
+    tops = {t: _options_sources()[n][1] for t, n in declared_by("MODEL_TYPES").items()}
     return {t: tuple(e.value for e in top["LAYER_TYPES"].elts) for t, top in tops.items() if "LAYER_TYPES" in top}
 
 

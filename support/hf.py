@@ -51,7 +51,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from config import ConfigError, ModelConfig, model_type_folders
+from config import ConfigError, ModelConfig, declared_by
 
 
 class CheckpointError(ValueError):
@@ -149,9 +149,9 @@ MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", 
 
 
 def load_plugin(model_type: str) -> None:
-    """Import the plug-in whose options.py lists model_type (config.model_type_folders): its `family` module
+    """Import the plug-in whose options.py lists model_type (config.declared_by): its `family` module
     registers the family here (and its layers in model.MIXERS, the hybrids). Nothing for Qwen3-MoE."""
-    if folder := model_type_folders().get(model_type):
+    if folder := declared_by("MODEL_TYPES").get(model_type):
         importlib.import_module(f"{folder}.family")
 
 
@@ -164,7 +164,7 @@ def family(model_type: str) -> Family:
         load_plugin(model_type)
     if model_type not in FAMILIES:
         raise ConfigError(f"model_type {model_type!r} is not supported; supported: "
-                          f"{', '.join(sorted({*FAMILIES, *model_type_folders()}))} (a new family: hf.FAMILIES)")
+                          f"{', '.join(sorted({*FAMILIES, *declared_by('MODEL_TYPES')}))} (a new family: hf.FAMILIES)")
     return FAMILIES[model_type]
 
 

@@ -23,7 +23,8 @@ from support import tasks
 from conftest import ROOT
 from rollout import Sampler
 from support.packing import make_batch
-from support.tasks import Episodes, FixTask, LookupTask, TaskError, Turn
+from multi_turn.tasks import FixTask, LookupTask
+from support.tasks import Episodes, TaskError, Turn
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

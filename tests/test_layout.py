@@ -19,8 +19,8 @@ PLUGINS = sorted(n for n in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT
 # what the core imports of a plug-in: lazily, where an option or a device asks for it (docs/design.md)
 CORE_IMPORTS = {"tooling": {"train.py"},                             # lazily: --plan, --help's plan keys
                 "kernels_triton": {"kernels.py"}}                    # lazily, for CUDA tensors (or the interpreter)
-DELETABLE = ["asynchrony", "diagnostics", "families", "hybrids", "kernels_triton", "lab", "lora", "memory", "parallel",
-             "route_filter", "router_training", "sampling", "tooling", "trackers"]                # the default run on the CPU imports none
+DELETABLE = ["asynchrony", "diagnostics", "families", "hybrids", "kernels_triton", "lab", "lora", "memory", "multi_turn",
+             "parallel", "route_filter", "router_training", "sampling", "tooling", "trackers"]                # the default run on the CPU imports none
 
 
 def core_files() -> list[str]:
