@@ -850,6 +850,13 @@ def declared_by(key: str) -> dict[str, str]:
             if isinstance(top.get(key), (ast.Tuple, ast.List)) for e in top[key].elts}
 
 
+def import_task(name: str) -> None:
+    """Import the plug-in whose options.py lists task `name` in TASKS: its `tasks` module adds the task to
+    support/tasks.TASKS (multi_turn/'s lookup and fix). Nothing for the core's tasks."""
+    if folder := declared_by("TASKS").get(name):
+        importlib.import_module(f"{folder}.tasks")
+
+
 @functools.cache
 def family_layer_types() -> dict[str, tuple[str, ...]]:
     """{model_type: its layer kinds} for the families of plug-ins whose options.py declares LAYER_TYPES."""

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from config import (MODEL_PRESETS, ConfigError, ModelConfig, TrainOptions, apply_command_line, configs_for, parse_args,
-                    parse_bool)
+from config import (MODEL_PRESETS, ConfigError, ModelConfig, TrainOptions, apply_command_line, configs_for, import_task,
+                    parse_args, parse_bool)
 from support.hf import (CheckpointError, Identity, config_from_hf, config_to_hf, eos_token_ids, expert_rows,
                          hf_to_state, read_safetensors_dir, read_safetensors_file, write_identity)
 from model import Transformer, expert_group
-from support.tasks import make_task
+from support.tasks import TASKS, make_task
 
 if TYPE_CHECKING:                     # a run's classes: config.configs_for
     from config import RolloutConfig, TrainConfig
@@ -329,6 +329,8 @@ def run_task(tcfg: TrainConfig, rcfg: RolloutConfig):
     now, not at the first save, if its family's config.json cannot express it (a preset's field set on the
     command line)."""
     from_dir = os.path.isdir(tcfg.init_from)
+    if tcfg.task not in TASKS:                                        # a plug-in's task (multi_turn/)
+        import_task(tcfg.task)
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens,
                      stop_tokens=rcfg.stop_token_ids, model_eos=eos_token_ids(tcfg.init_from) if from_dir else ((), ""),
                      chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,

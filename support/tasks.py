@@ -685,24 +685,15 @@ def _jsonl_task(name: str, seed: int, data: str, tokenizer: str, reward_fn: str,
 # answer needs its tool's reply first, and --env's environments have no reference (config.py checks both)
 SUPERVISED_TASKS = ("copy", "reverse", "fix", "jsonl")
 
-# the core's tasks; a plug-in's (multi_turn/: lookup, fix) join when a run names one (load_plugin_task)
+# the core's tasks; a plug-in's (multi_turn/: lookup, fix) join when a run names one (config.import_task)
 TASKS: dict[str, Callable] = {**{name: _digit_task for name in DigitTask.TRANSFORMS}, "jsonl": _jsonl_task}
 
-
-def load_plugin_task(name: str) -> None:
-    """Import the plug-in whose options.py lists the task (config.declared_by): its `tasks` module adds its
-    entries to TASKS. Nothing for the core's tasks."""
-    from config import declared_by
-    if folder := declared_by("TASKS").get(name):
-        importlib.import_module(f"{folder}.tasks")
 
 
 def make_task(name: str, seed: int = 0, n_digits: int = 4, data: str = "", tokenizer: str = "",
               reward_fn: str = "", max_new_tokens: int = 0, **options):
     """TASKS[name] built from the run's options; `options` are JsonlTask's keyword arguments (stop_tokens,
     model_eos, chat_template, system_prompt, checkpoint), stop_tokens also the digit tasks'."""
-    if name not in TASKS:
-        load_plugin_task(name)
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     return TASKS[name](name=name, seed=seed, n_digits=n_digits, data=data, tokenizer=tokenizer,

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples", "arithmetic"))
 import train                    # noqa: E402
-from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides  # noqa: E402
+from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, import_task  # noqa: E402
 from support import checkpoint  # noqa: E402
 from support import distributed  # noqa: E402
 from support import runlog      # noqa: E402
@@ -97,6 +97,7 @@ def test_each_supervised_task_has_a_reference_that_earns_the_full_reward(tmp_pat
         task = tasks.make_task(name, n_digits=4)
         for ex in task.sample(5):
             assert task.reference(ex)[-1] == task.EOS and task.reward(ex, task.reference(ex)) == 1.0
+    import_task("fix")                                               # multi_turn/'s lookup and fix
     fix = tasks.make_task("fix", n_digits=3)                         # solved at the first turn: the episode ends
     for ex in fix.sample(5):
         turn = fix.make_env(ex).step(fix.reference(ex))

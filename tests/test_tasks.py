@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples", "arithmetic"))
 import config  # noqa: E402
-from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides  # noqa: E402
+from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, import_task  # noqa: E402
 from support import hf  # noqa: E402
 from support import tasks  # noqa: E402
 from support.tasks import JsonlTask, TaskError  # noqa: E402
@@ -218,6 +218,7 @@ def test_token_classes_of_the_digit_tasks_and_of_a_tokenizer(folder):
     """digits: the ids 0..9 of the digit tasks (the episodes' too); with a tokenizer every id whose decoded
     text is digits, whitespace around them aside (not a special token, not a mix with letters). A class a
     task does not define is one TaskError line naming the classes."""
+    import_task("lookup")                                            # multi_turn/'s
     for name in ("copy", "lookup"):
         t = tasks.make_task(name, n_digits=3)
         assert t.token_class("digits") == list(range(10)) and [t.decode([i]) for i in range(10)] == list("0123456789")

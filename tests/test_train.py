@@ -14,7 +14,7 @@ import torch
 import config
 import kernels
 import train
-from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides
+from config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, apply_overrides, import_task
 from conftest import with_options
 from model import Transformer
 from replay import pack_routes, route_audit
@@ -414,6 +414,7 @@ def test_console_names_staleness_and_an_episodes_budget():
     assert "train-rollout kl 2.0e-03 (staleness; numerics -), route flips 0.010 (staleness)" in line
     assert set(runlog.bar_postfix(row)) == {"reward", "kl", "flip"}
     assert set(runlog.bar_postfix({**row, "kl_staleness": 2e-3})) == {"reward", "stale_kl", "stale_flip"}
+    import_task("lookup")                                            # multi_turn/'s
     task = make_task("lookup")
     assert "at most 4 new tokens (--max_new_tokens)" in generation_line(task, 4)
     line = generation_line(task, 4, 30)
