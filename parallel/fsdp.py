@@ -29,7 +29,8 @@ from support.exact_sum import Limbs, Reducer, from_limbs, to_limbs
 
 class Fsdp:
     """The sharding the core's seam asks for (support/distributed.sharding): FSDP2's wrappers, its mixed
-    precision, its exact reduction, its optimizer state."""
+    precision, its exact reduction, its optimizer state; `name`, what the run's first line calls the layout."""
+    name = "fsdp"
 
     def wrap(self, model: Transformer, scorer: nn.Module, d: Dist):
         """-> (the scorer to train through, a full copy for the sampler, sync() refreshing it): FSDP2 shards

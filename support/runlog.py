@@ -94,7 +94,7 @@ def banner(run, max_new: int, episode_tokens: int | None = None) -> str:
     with torch.device("meta"):                                        # the whole model, also under EP
         n_params = sum(p.numel() for p in Transformer(cfg).parameters())
     moe = f", {cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else ""
-    where = f"{d.device}" + (f" x {d.world} ranks ({getattr(tcfg, 'parallel', 'ddp')})" if d.world > 1 else "")
+    where = f"{d.device}" + (f" x {d.world} ranks ({getattr(run.policy.sharding, 'name', 'ddp')})" if d.world > 1 else "")
     start = (f"resume: continuing from step {run.start} ({latest_checkpoint(tcfg.out_dir)}) to step {tcfg.steps}"
              if run.start else f"steps 1..{tcfg.steps}")
     name = tcfg.init_from + "".join(f" --{k}={v}" for k, v in tcfg.model_overrides.items())   # a preset, resized

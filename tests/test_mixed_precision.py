@@ -344,6 +344,7 @@ def test_two_ranks_bf16_compute_keep_the_contract(parallel, tmp_path):
     stdout = torchrun(*SMALL, f"--out_dir={out}", "--steps=2", "--dtype=bfloat16", f"--parallel={parallel}",
                       "--init_from=tiny-sigmoid", "--expert_bias_update_rate=0.01", "--micro_batch_size=8")
     assert "step 2: weights identical on 2 ranks" in stdout             # the digest of the compute copy
+    assert f"on cpu x 2 ranks ({parallel})" in stdout                   # the layout, as the first line says
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
