@@ -387,7 +387,7 @@ class Policy:
         if sampler_copy is not None:
             self.sampler, self._refresh = sampler_copy(self.full, self._refresh)
         self.optimizer = build_optimizer(model, tcfg, hooks)
-        self.reducer = exact_reducer(model, self.trainer, self.mp, tcfg, d) if tcfg.grad_reduce == "exact" else None
+        self.reducer = exact_reducer(self) if tcfg.grad_reduce == "exact" else None
 
     def refresh(self) -> None:
         self._refresh()
@@ -451,12 +451,13 @@ class Policy:
         return (1 if has_state else 3) * param_bytes + sums
 
 
-def exact_reducer(model: Transformer, trainer: nn.Module, mp, tcfg: TrainConfig, d: Dist) -> exact_sum.Reducer:
-    """--grad_reduce=exact: the Reducer of this policy's gradients, hooked where the backward produces
-    them: the compute copy's parameters (mixed precision), the masters themselves, or a sharding plug-in's
-    (parallel/'s FSDP2: its groups' reduce-scatters)."""
-    if (shards := sharding(tcfg, d)) is not None:
-        return shards.reducer(model, trainer, d)
+def exact_reducer(policy: Policy) -> exact_sum.Reducer:
+    """--grad_reduce=exact: the Reducer of the policy's gradients, hooked where the backward produces them:
+    the compute copy's parameters (mixed precision), the masters themselves, or the policy's sharding
+    plug-in's (parallel/'s FSDP2: its groups' reduce-scatters)."""
+    model, mp, d = policy.master, policy.mp, policy.d
+    if policy.sharding is not None:
+        return policy.sharding.reducer(model, policy.trainer, d)
     trained, master_of = (model, None) if mp is None else (mp.full_model, mp.master_of)
     ep = expert_group(model)
     if ep is not None:                                                # EP (parallel/): its shards' sums too
@@ -469,8 +470,8 @@ def build_optimizer(model: Transformer, tcfg: TrainConfig, hooks=()) -> torch.op
     the gates in a group of their own)."""
     kw = dict(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]     # LoRA: the adapters (the base is frozen)
-    opts = [o for o in (h.optimizer(model, params, kw) for h in hooks) if o is not None]
-    return opts[0] if opts else torch.optim.AdamW(params, **kw)
+    found = next((o for o in (h.optimizer(model, params, kw) for h in hooks) if o is not None), None)
+    return torch.optim.AdamW(params, **kw) if found is None else found
 
 
 def lr_at(step: int, cfg: TrainConfig, surge: int | None = None) -> float:
@@ -602,7 +603,6 @@ def gather_scored(parts: dict, sizes: list[int], d: Dist) -> Scored:
     got = fields if d.world == 1 else all_gather_dealt(fields, sizes, d)       # one process: all of them
     return Scored(got["logp"], got["routes"], None, got["rows"],
                   RouteDetail(*(got[k] for k in detail)) if mine.detail is not None else None)
-
 
 
 def global_batch(batch, d: Dist):
