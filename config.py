@@ -531,7 +531,7 @@ class TrainOptions(Options):
     min_lr_ratio: float = 0.1         # the schedule's floor, as a fraction of lr
     warmup_steps: int = 5             # linear warmup from lr / warmup_steps
     lr_schedule: str = "cosine"       # cosine | constant | halving (after warmup, halve every lr_decay_period
-                                      # steps, never below lr * min_lr_ratio)
+                                      # steps, never below lr * min_lr_ratio: lr_halving/)
     lr_decay_steps: int = 0           # the cosine's horizon; 0: --steps (on resume: docs/design.md, "The learning-rate horizon")
     weight_decay: float = 0.0         # AdamW's decoupled weight decay
     beta1: float = 0.9                # AdamW's first-moment decay
@@ -617,25 +617,18 @@ class TrainOptions(Options):
         _check_groups(self, "check")
 
     def _check_schedule(self):
-        """The lr schedule (distributed.lr_at) and the response-length surge that can start its halving
-        (runlog.LengthSurge)."""
-        _require(self.lr_schedule in ("cosine", "constant", "halving"),
-                 f"--lr_schedule={self.lr_schedule!r}: cosine, constant or halving")
-        _require(self.lr_schedule != "halving" or self.lr_decay_period >= 1,
-                 f"--lr_decay_period={self.lr_decay_period}: --lr_schedule=halving needs a period of >= 1 steps")
-        _require(self.lr_schedule == "halving" or self.lr_decay_period == 0,
-                 f"--lr_decay_period={self.lr_decay_period}: only --lr_schedule=halving uses it "
-                 f"(this run's is {self.lr_schedule})")
-        _require(self.lr_schedule != "halving" or 0 <= self.min_lr_ratio <= 1,
-                 f"--min_lr_ratio={self.min_lr_ratio}: --lr_schedule=halving needs a floor in [0, 1]")
+        """The lr schedule (distributed.lr_at; a plug-in's, its LR_SCHEDULES: lr_halving/) and the
+        response-length surge detector (runlog.LengthSurge)."""
+        schedules = {"cosine": None, "constant": None, **declared_by("LR_SCHEDULES")}
+        _require(self.lr_schedule in schedules,
+                 f"--lr_schedule={self.lr_schedule!r}: {', '.join(list(schedules)[:-1])} or {list(schedules)[-1]}")
+        folder = schedules[self.lr_schedule]                          # a plug-in's schedule needs its options
+        options = plugin_folders()[folder][0] if folder else frozenset()
+        _require(options <= {f.name for f in dataclasses.fields(self)},
+                 f"--lr_schedule={self.lr_schedule} takes the options of {folder}/: set them too "
+                 f"({', '.join('--' + f for f in sorted(options))})")
         _require_range(self, "surge_window", lambda v: v >= 0, ">= 0 (0: off)")
         _require_range(self, "surge_ratio", lambda v: v > 0, "> 0 (the growth that counts as a surge)")
-        _require(self.halving_start in ("warmup", "surge"), f"--halving_start={self.halving_start!r}: warmup or surge")
-        _require(self.halving_start == "warmup" or self.lr_schedule == "halving",
-                 f"--halving_start={self.halving_start}: only --lr_schedule=halving uses it (this run's is "
-                 f"{self.lr_schedule})")
-        _require(self.halving_start == "warmup" or self.surge_window >= 1,
-                 "--halving_start=surge waits for a response-length surge: it needs --surge_window >= 1")
 
     def _check_objective(self):
         """The objective against losses.py's tables: the loss, its aggregation over minibatches, the corrections, the
@@ -806,10 +799,6 @@ class LogOptions(Options):
                                       # (1 + surge_ratio) times that of the W before; one warning line, length_surge
                                       # 1 on that step (once a run; 0: off)
     surge_ratio: float = 0.5          # ... r: the growth that counts as a surge
-    lr_decay_period: int = 0          # --lr_schedule=halving: steps per halving (required there, 0 elsewhere)
-    halving_start: str = "warmup"     # --lr_schedule=halving counts its periods from: warmup (its end) | surge (lr
-                                      # holds until a response-length surge, halves on the next step, then every
-                                      # period)
 
 # ---------------------------------------------------------------------------------------------------
 # the configs: the core's groups, then each plug-in folder's options.py

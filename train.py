@@ -88,7 +88,7 @@ class Run:
     metrics_path: str
     outputs: Outputs | None = None   # identity of the exports, the progress bar (set by open_outputs)
     rollouts: Synchronous | None = None     # where each step's batch comes from (support/hooks.py; set by setup)
-    surge: LengthSurge = dataclasses.field(default_factory=LengthSurge)   # --surge_window's detector (lr_at reads it)
+    surge: LengthSurge = dataclasses.field(default_factory=LengthSurge)   # --surge_window's detector (lr_halving/ reads it)
     sft_done: int = 0                # --sft_steps' supervised steps the weights have had (tooling/sft.py)
     hooks: list[Hooks] = dataclasses.field(default_factory=list)   # the plug-ins' (support/hooks.py)
 
@@ -376,7 +376,7 @@ def minibatch_step(run: Run, batch: Batch, old: OldPolicy, idx: torch.Tensor, st
     tcfg, policy = run.tcfg, run.policy
     # normalisers over the global minibatch, so the micro-batches' losses add up to the global one
     norm = Normalisers.of(old.loss_mask, idx, old.held_out, max_new_tokens(run), batch.lengths)
-    policy.start_minibatch(lr_at(step, tcfg, run.surge.step))
+    policy.start_minibatch(lr_at(step, tcfg, run.hooks))
     micros = trainer_micro_batches(run, idx, batch.lengths)
     steps = lockstep(micros, batch.lengths, run.d)
     width = len(MICRO_STATS) + sum(len(h.micro_stats) for h in run.hooks)
@@ -484,7 +484,7 @@ def step_metrics(run: Run, step: int, batch: Batch, outs, rewards, audited: Scor
            "entropy": stats.entropy_sum / stats.tokens,
            "neg_logp_mean": -(batch.rollout_logp * batch.mask).sum().item() / batch.mask.sum().item(),
            "route_filtered_frac": stats.filtered / stats.tokens,
-           "lr": lr_at(step, run.tcfg, run.surge.step), "rollout_tokens_per_s": lengths.sum().item() / ro.seconds,
+           "lr": lr_at(step, run.tcfg, run.hooks), "rollout_tokens_per_s": lengths.sum().item() / ro.seconds,
            **latency_metrics(outs, run.d),
            "step_time": time.perf_counter() - t0, "skipped_steps": run.skipped, **ro.counters, **ro.metrics}
     for hook in run.hooks:                        # the plug-ins': drops, staleness, the EP ranks' load

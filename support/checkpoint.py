@@ -402,12 +402,12 @@ def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
         print0(f"resume: --steps={tcfg.steps} extends the run past its lr horizon of {horizon} steps: lr follows "
                f"the planned cosine to step {horizon}, then holds at {tcfg.lr * tcfg.min_lr_ratio:.3g} "
                f"(pass --lr_decay_steps={tcfg.steps} to re-plan the schedule instead)")
-    keys = (("lr_schedule", "cosine"), ("lr_decay_period", 0), ("halving_start", "warmup"))  # halving has no horizon:
-    was, now = [ckpt_cfg.get(k, d) for k, d in keys], [getattr(tcfg, k) for k, _ in keys]   # these are its plan
-    if was != now:
-        print0(f"resume: the lr schedule changes from {schedule_words(*was)} to {schedule_words(*now)}: lr is re-planned "
-               f"from step {done + 1}")
     fields = {f.name: f for f in dataclasses.fields(tcfg)}
+    plan = ("lr_schedule", *resume_rule(tcfg, "LR_PLAN"))            # a plug-in schedule's plan (lr_halving/'s)
+    was, now = [ckpt_cfg.get(k, fields[k].default) for k in plan], [getattr(tcfg, k) for k in plan]
+    if was != now:
+        print0(f"resume: the lr schedule changes from {schedule_words(plan, was)} to {schedule_words(plan, now)}: "
+               f"lr is re-planned from step {done + 1}")
     for name in resume_rule(tcfg, "FIXED_ON_RESUME"):               # the batches ahead (and in flight) were made so
         was = ckpt_cfg.get(name, fields[name].default)
         if was != getattr(tcfg, name):
@@ -417,15 +417,17 @@ def resume_plan(tcfg: TrainConfig, state: dict, print0) -> TrainConfig:
     return dataclasses.replace(tcfg, lr_decay_steps=horizon)
 
 
-def schedule_words(schedule: str, period: int, start: str) -> str:
-    """An lr schedule as resume_plan prints it: `halving (period 2, from the surge)`, `cosine (period 0)`."""
-    return f"{schedule} (period {period}" + (f", from the {start})" if schedule == "halving" else ")")
+def schedule_words(plan: tuple[str, ...], values: list) -> str:
+    """An lr schedule as resume_plan prints it: `halving (lr_decay_period 2, halving_start surge)`, `cosine`."""
+    rest = ", ".join(f"{k} {v}" for k, v in zip(plan[1:], values[1:]))
+    return f"{values[0]} ({rest})" if rest else str(values[0])
 
 
 def resume_rule(cfg, rule: str) -> tuple[str, ...]:
     """The option names every group of cfg's class lists under `rule`: FREE_ON_RESUME (what a resume may
     change without changing the run's numbers; any other setting that differs is refused unless
-    --resume_changes=allow, docs/design.md "Reliability") or FIXED_ON_RESUME (never changed on resume)."""
+    --resume_changes=allow, docs/design.md "Reliability"), FIXED_ON_RESUME (never changed on resume) or LR_PLAN
+    (a plug-in schedule's options: a change re-plans lr, resume_plan)."""
     return tuple(dict.fromkeys(n for cls in reversed(type(cfg).__mro__) for n in vars(cls).get(rule, ())))   # in order
 
 

@@ -474,28 +474,19 @@ def build_optimizer(model: Transformer, tcfg: TrainConfig, hooks=()) -> torch.op
     return torch.optim.AdamW(params, **kw) if found is None else found
 
 
-def lr_at(step: int, cfg: TrainConfig, surge: int | None = None) -> float:
-    """The learning rate of optimizer step `step` (0-based): warmup, then --lr_schedule (docs/design.md,
-    "The learning-rate horizon"). surge: the step (1-based) a response-length surge was detected on
-    (runlog.LengthSurge, saved in checkpoints), or None: --halving_start=surge halves from the step after."""
+def lr_at(step: int, cfg: TrainConfig, hooks=()) -> float:
+    """The learning rate of optimizer step `step` (0-based): warmup, then a plug-in's schedule (a hook's
+    `lr`: lr_halving/), else --lr_schedule's (docs/design.md, "The learning-rate horizon")."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    planned = next((lr for lr in (h.lr(step, cfg) for h in hooks) if lr is not None), None)
+    if planned is not None:
+        return planned
     if cfg.lr_schedule == "constant":
         return cfg.lr
-    if cfg.lr_schedule == "halving":
-        return halving_lr(step, cfg, surge)
     horizon = cfg.lr_decay_steps or cfg.steps                        # past it, lr stays at its minimum
     progress = 1.0 if step >= horizon else (step - cfg.warmup_steps) / max(1, horizon - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def halving_lr(step: int, cfg: TrainConfig, surge: int | None) -> float:
-    """--lr_schedule=halving after the warmup: halved every --lr_decay_period steps, down to the floor."""
-    if cfg.halving_start == "warmup":
-        halvings = (step - cfg.warmup_steps) // cfg.lr_decay_period
-    else:                                                            # lr holds until the surge, halves on the step after
-        halvings = 0 if surge is None or step < surge else 1 + (step - surge) // cfg.lr_decay_period
-    return cfg.lr * max(cfg.min_lr_ratio, 0.5 ** halvings)
 
 
 def update_is_finite(step: int, loss: float, grad_norm: float, skipped: int, tcfg: TrainConfig, d: Dist) -> bool:

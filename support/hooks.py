@@ -39,6 +39,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
                              train.sample of the run)
     optimizer(model, params, kw)   -> the optimizer of the trained params (AdamW's kw: lr, betas, weight_decay), or
                              None: AdamW(params, **kw) (router_training/: the gates in a group of their own)
+    lr(step, cfg)            -> the lr of optimizer step `step` (0-based) after the warmup, or None: --lr_schedule's
+                             (lr_halving/'s halving; support/distributed.lr_at)
     after_update(policy, scored, batch)   after each optimizer step, before the compute copy is recast from the
                              masters (router_training/'s bias balancing); scored: the minibatch's forward
                              (packing.Scored), batch: the global batch
@@ -129,6 +131,9 @@ class Hooks:
         return None
 
     def optimizer(self, model, params, kw):
+        return None
+
+    def lr(self, step: int, cfg):
         return None
 
     def after_update(self, policy, scored, batch) -> None:

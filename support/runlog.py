@@ -265,7 +265,7 @@ def is_length_surge(lengths: list[float], window: int, ratio: float) -> bool:
 @dataclasses.dataclass
 class LengthSurge:
     """--surge_window: the response-length surge detector's state, saved in checkpoints, so a resumed run
-    detects on the same step as the uninterrupted one and --halving_start=surge plans the same lr.
+    detects on the same step as the uninterrupted one and --halving_start=surge (lr_halving/) plans the same lr.
     step: the step (1-based) the surge was detected on, once a run, or None; lengths: the last 2W steps'
     response_len (global, the same on every rank)."""
     step: int | None = None
@@ -295,11 +295,10 @@ class LengthSurge:
     def warn(self, run, step: int) -> None:
         """The one line of a surge seen at `step`: the two windows' mean lengths, and what the lr does."""
         tcfg, W = run.tcfg, run.tcfg.surge_window
-        then = ("lr halves from the next step (--halving_start=surge)" if tcfg.halving_start == "surge" else
-                "--lr_schedule=halving --halving_start=surge would halve lr from here")
         say(run, f"warning: step {step}: response length surged to {sum(self.lengths[W:]) / W:.1f} tokens "
                  f"(mean of the last {W} steps) from {sum(self.lengths[:W]) / W:.1f} (the {W} before), over 1 + "
-                 f"{tcfg.surge_ratio:g} times; {then} (--surge_window=0: no warning)")
+                 f"{tcfg.surge_ratio:g} times; with --lr_schedule=halving --halving_start=surge lr halves from the "
+                 "next step (--surge_window=0: no warning)")
 
     def state_dict(self) -> dict:
         return {"step": self.step, "lengths": list(self.lengths)}

@@ -5,7 +5,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 
 import pytest
@@ -193,46 +192,6 @@ def test_kernels_backend_field(monkeypatch):
 
 
 # ---- the lr schedule and the router's lr ------------------------------------------------------------
-def test_halving_lr_by_hand():
-    c = cfg(lr=1.0, warmup_steps=2, lr_schedule="halving", lr_decay_period=3, min_lr_ratio=0.1)
-    expected = [0.5, 1.0] + [1.0] * 3 + [0.5] * 3 + [0.25] * 3 + [0.125] * 3 + [0.1] * 2     # warmup 2, period 3
-    assert [train.lr_at(s, c) for s in range(16)] == expected
-    assert train.lr_at(10_000, c) == 0.1                             # the floor, for good
-    for bad, needle in ((dict(lr_schedule="halving"), "--lr_decay_period=0"),
-                        (dict(lr_decay_period=5), "only --lr_schedule=halving uses it"),
-                        (dict(lr_schedule="halving", lr_decay_period=5, min_lr_ratio=2.0), "--min_lr_ratio=2.0"),
-                        (dict(lr_schedule="step"), "--lr_schedule='step'")):
-        with pytest.raises(ConfigError, match=needle):
-            cfg(**bad)
-
-
-def test_halving_resume_continues_the_same_lr_sequence(tmp_path, capsys):
-    timing = set(runlog.TIMINGS)
-    halving = ["--lr_schedule=halving", "--lr_decay_period=2", "--warmup_steps=1"]
-    full = _run(tmp_path / "a", SMALL + halving + ["--steps=6", "--save_every=3"])
-    assert [h["lr"] for h in full] == [1e-2 * f for f in (1, 1, 1, 0.5, 0.5, 0.25)]   # warmup 1, then halvings
-    _run(tmp_path / "b", SMALL + halving + ["--steps=3", "--save_every=3"])       # a 3-step run, then extended
-    resumed = _run(tmp_path / "b", SMALL + halving + ["--steps=6", "--resume=true"])
-    for a, b in zip(full[3:], resumed):
-        assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
-    assert "re-planned" not in capsys.readouterr().out
-    _run(tmp_path / "b", SMALL + ["--lr_schedule=halving", "--lr_decay_period=1", "--steps=7", "--resume=true"])
-    assert "re-planned from step 7" in capsys.readouterr().out       # another period is a new plan, and says so
-
-
-def test_halving_from_a_surge_by_hand():
-    """--halving_start=surge: lr holds (after the warmup) until the step a surge was detected on, halves on
-    the step after it, then every period, down to the floor; no surge: it holds for good. The default
-    (warmup) ignores the surge."""
-    c = cfg(lr=1.0, warmup_steps=2, lr_schedule="halving", lr_decay_period=3, min_lr_ratio=0.1, halving_start="surge")
-    expected = [0.5, 1.0] + [1.0] * 4 + [0.5] * 3 + [0.25] * 3 + [0.125] * 3 + [0.1] * 2   # surge on step 6 (1-based)
-    assert [train.lr_at(s, c, 6) for s in range(17)] == expected
-    assert [train.lr_at(s, c, None) for s in range(17)] == [0.5] + [1.0] * 16
-    assert train.lr_at(10_000, c, 6) == 0.1 and train.lr_at(1, c, 1) == 1.0    # the floor; warmup first
-    plain = dataclasses.replace(c, halving_start="warmup")
-    assert [train.lr_at(s, plain, 6) for s in range(16)] == [train.lr_at(s, plain) for s in range(16)]
-
-
 def test_length_surge_fires_once_at_the_step_it_is_detected():
     """The mean of the last W response lengths over (1 + r) times the mean of the W before: not before
     2W steps, not at exactly (1 + r) times, once a run (the state a checkpoint saves), never when off."""
@@ -252,33 +211,6 @@ def test_length_surge_fires_once_at_the_step_it_is_detected():
     fresh = runlog.LengthSurge()
     fresh.load_state_dict(None)                                               # a checkpoint from before it
     assert fresh == runlog.LengthSurge()
-
-
-def test_a_length_surge_starts_the_halving_and_a_resume_keeps_it(tmp_path, capsys):
-    """A surge made on purpose: 3 steps of 1-token responses, then a resume that allows 3 tokens. The
-    window spans the resume (the checkpoint keeps the lengths), so the surge is detected at step 4, said in
-    one line, logged as length_surge; lr holds until then and halves every step after. A run that
-    resumes again after the surge gives the same rows and says nothing more."""
-    surge = ["--surge_window=2", "--surge_ratio=0.2", "--lr_schedule=halving", "--lr_decay_period=1",
-             "--halving_start=surge", "--save_every=1"]
-    first = _run(tmp_path / "a", TINY_RUN + surge + ["--steps=3", "--max_new_tokens=1"])
-    assert [h["response_len"] for h in first] == [1.0] * 3 and [h["length_surge"] for h in first] == [0] * 3
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    capsys.readouterr()
-    longer = ["--max_new_tokens=3", "--resume=true", "--resume_changes=allow"]
-    rest = _run(tmp_path / "a", TINY_RUN + surge + longer + ["--steps=7"])
-    assert (1.0 + rest[0]["response_len"]) / 2 > 1.2 * 1.0                   # the surge the test builds: steps 3-4
-    assert [h["length_surge"] for h in rest] == [1, 0, 0, 0]                  # steps 4..7
-    assert [h["lr"] for h in first + rest] == [1e-3] * 4 + [5e-4, 2.5e-4, 1.25e-4]
-    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
-    assert len(warned) == 1 and warned[0].startswith("warning: step 4: response length surged to")
-    assert "lr halves from the next step" in warned[0]
-    _run(tmp_path / "b", TINY_RUN + surge + longer + ["--steps=6"])            # again, in legs across the surge
-    legs = _run(tmp_path / "b", TINY_RUN + surge + ["--steps=7", "--resume=true"])
-    timing = set(runlog.TIMINGS)
-    assert [{k: v for k, v in h.items() if k not in timing} for h in legs] == \
-        [{k: v for k, v in h.items() if k not in timing} for h in rest[-1:]]
-    assert sum(line.startswith("warning:") for line in capsys.readouterr().out.splitlines()) == 1   # leg 2's
 
 
 def _grads(model, seed):
