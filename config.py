@@ -539,7 +539,7 @@ class TrainOptions(Options):
     grad_clip: float = 1.0            # clip the global gradient norm to this
     skip_nonfinite_steps: int = 0     # optimizer steps with a non-finite loss or grad norm to skip before stopping
     # loss
-    loss: str = "grpo"                # grpo | gspo | gspo_token | sapo | cispo (losses.LOSSES)
+    loss: str = "grpo"                # grpo | gspo | gspo_token (losses.LOSSES) | sapo | cispo (policy_losses/)
     agg: str = "auto"                 # auto (the loss's own: per sequence for GSPO and SAPO) | token_mean |
     #                                   seq_mean_token_mean | seq_mean_token_sum | drgrpo
     adv_std_norm: bool = True         # False: Dr.GRPO advantages (no division by the group std)
@@ -571,14 +571,10 @@ class TrainOptions(Options):
     def __post_init__(self):
         _require_finite(self)
         self.progress = _progress_value(self.progress)
-        for name in ("steps", "prompts_per_step", "epochs", "minibatch_size", "n_digits"):
-            _require(getattr(self, name) > 0, f"--{name}={getattr(self, name)}: must be >= 1")
-        for name in ("micro_batch_tokens", "micro_batch_size", "logits_chunk", "lr_decay_steps", "skip_nonfinite_steps",
-                     "warmup_steps"):
-            _require(getattr(self, name) >= 0, f"--{name}={getattr(self, name)}: must be >= 0")
-        if self.task not in TASKS:                                      # a plug-in's (multi_turn/), or none
-            tasks = declared_by("TASKS")
-            _require(self.task in tasks, f"--task={self.task!r}: choose one of {(*TASKS, *tasks)}")
+        _require_range(self, "steps prompts_per_step epochs minibatch_size n_digits", lambda v: v > 0, ">= 1")
+        _require_range(self, "micro_batch_tokens micro_batch_size logits_chunk lr_decay_steps skip_nonfinite_steps "
+                       "warmup_steps", lambda v: v >= 0, ">= 0")
+        plugin_value(self, "task", TASKS)                              # or a plug-in's task (multi_turn/)
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                  f"--device={self.device!r}: choose auto, cpu, cuda or cuda:N")
         _require(not (self.resume and self.overwrite), "--resume and --overwrite contradict each other: pick one")
@@ -617,16 +613,8 @@ class TrainOptions(Options):
         _check_groups(self, "check")
 
     def _check_schedule(self):
-        """The lr schedule (distributed.lr_at; a plug-in's, its LR_SCHEDULES: lr_halving/) and the
-        response-length surge detector (runlog.LengthSurge)."""
-        schedules = {"cosine": None, "constant": None, **declared_by("LR_SCHEDULES")}
-        _require(self.lr_schedule in schedules,
-                 f"--lr_schedule={self.lr_schedule!r}: {', '.join(list(schedules)[:-1])} or {list(schedules)[-1]}")
-        folder = schedules[self.lr_schedule]                          # a plug-in's schedule needs its options
-        options = plugin_folders()[folder][0] if folder else frozenset()
-        _require(options <= {f.name for f in dataclasses.fields(self)},
-                 f"--lr_schedule={self.lr_schedule} takes the options of {folder}/: set them too "
-                 f"({', '.join('--' + f for f in sorted(options))})")
+        """The lr schedule (distributed.lr_at, or a plug-in's) and the length surge's (runlog.LengthSurge)."""
+        plugin_value(self, "lr_schedule", ("cosine", "constant"))   # or a plug-in's (lr_halving/)
         _require_range(self, "surge_window", lambda v: v >= 0, ">= 0 (0: off)")
         _require_range(self, "surge_ratio", lambda v: v > 0, "> 0 (the growth that counts as a surge)")
 
@@ -634,7 +622,7 @@ class TrainOptions(Options):
         """The objective against losses.py's tables: the loss, its aggregation over minibatches, the corrections, the
         KL; the replay options (replay.py's)."""
         from losses import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, LOSSES, SEQ_RHOS   # the tables the loop runs
-        _require(self.loss in LOSSES, f"--loss={self.loss!r}: choose one of {', '.join(LOSSES)}")
+        plugin_value(self, "loss", LOSSES)                            # or a plug-in's loss (policy_losses/)
         _require(self.agg == "auto" or self.agg in AGGREGATIONS,
                  f"--agg={self.agg!r}: choose auto or one of {', '.join(AGGREGATIONS)}")
         _require(not LOSSES[self.loss].per_sequence or self.agg in ("auto", "seq_mean_token_mean"),
@@ -776,8 +764,6 @@ class ObjectiveOptions(Options):
     gspo_eps_low: float = 3e-4        # GSPO's clip range on the sequence ratio: below 1 - this ...
     gspo_eps_high: float = 4e-4       # ... and above 1 + this
     gspo_log_ratio_max: float = 20.0  # GSPO's sequence log-ratio clamped to [-20, this] (verl: 10)
-    sapo_tau_pos: float = 1.0         # SAPO's gate temperature for A > 0
-    sapo_tau_neg: float = 1.05        # ... for A < 0
     entropy_coef: float = 0.0         # an entropy bonus: minus this times the entropy of softmax(logits / T) at each
                                       # response token, aggregated as the loss (0: off; e.g. 1e-3 against a collapse)
     mis_low: float = 0.5              # reject and icepop keep rho inside [mis_low, mis_high]
@@ -830,6 +816,24 @@ def _options_sources() -> dict[str, tuple]:
                     if isinstance(a, ast.Name)}) for n, t in trees.items()}
 
 
+PLUGIN_VALUES = {"task": "TASKS", "loss": "LOSSES", "lr_schedule": "LR_SCHEDULES"}   # a core option's values a
+# plug-in may add: the list in its options.py that names them (declared_by), and its module that adds them to the
+# core's table (multi_turn/tasks.py, policy_losses/losses.py; lr_halving/lr_schedules.py's is a step hook); naming
+# one brings the plug-in (configs_for) and imports that module (plugin_value)
+
+
+def plugin_value(cfg, option: str, core) -> str | None:
+    """The plug-in folder that adds cfg.<option>'s value (PLUGIN_VALUES), or None: `core`'s; else one line."""
+    value, added = getattr(cfg, option), declared_by(PLUGIN_VALUES[option])
+    names, fields = [*(v for v in core if v not in added), *added], {f.name for f in dataclasses.fields(cfg)}
+    here = value not in added or plugin_folders()[added[value]][0] <= fields           # its options in cfg
+    _require(value in names and here, f"--{option}={value!r}: choose one of {', '.join(names)}"
+             + ("" if here else f" ({added[value]}/'s, whose options this config lacks: config.configs_for)"))
+    if value in added:                                   # its module of that name adds it to the core's table
+        importlib.import_module(f"{added[value]}.{PLUGIN_VALUES[option].lower()}")
+    return added.get(value)
+
+
 @functools.cache
 def declared_by(key: str) -> dict[str, str]:
     """{name: the plug-in folder whose options.py lists it in `key`}: MODEL_TYPES, the families a plug-in adds (its
@@ -840,8 +844,8 @@ def declared_by(key: str) -> dict[str, str]:
 
 
 def import_task(name: str) -> None:
-    """Import the plug-in whose options.py lists task `name` in TASKS: its `tasks` module adds the task to
-    support/tasks.TASKS (multi_turn/'s lookup and fix). Nothing for the core's tasks."""
+    """Import the plug-in whose options.py lists task `name` in TASKS (a task made without a config: tests): its
+    `tasks` module adds the task to support/tasks.TASKS (multi_turn/'s lookup and fix). Nothing for the core's."""
     if folder := declared_by("TASKS").get(name):
         importlib.import_module(f"{folder}.tasks")
 
@@ -885,9 +889,13 @@ def _configs(folders: frozenset[str]) -> tuple[type, type]:
 
 
 def configs_for(keys, gpu: bool = False) -> tuple[type, type]:
-    """The configs of a run whose options (a command line's, a saved run's) are `keys`: the plug-ins that
-    declare any of them, and on a GPU those marked ON_GPU."""
-    return configs({n for n, (fields, on_gpu) in plugin_folders().items() if fields & set(keys) or gpu and on_gpu})
+    """The configs of a run whose options (a command line's, a saved run's) are `keys` (a dict: with their
+    values): the plug-ins that declare any of them or add one of their values (PLUGIN_VALUES: --loss=sapo
+    brings policy_losses/), and on a GPU those marked ON_GPU."""
+    values = keys if isinstance(keys, dict) else {}                   # a value a plug-in adds brings it
+    chosen = {declared_by(t).get(str(values[k])) for k, t in PLUGIN_VALUES.items() if k in values}
+    return configs({n for n, (fields, on_gpu) in plugin_folders().items()
+                    if fields & set(keys) or gpu and on_gpu or n in chosen})
 
 
 def __getattr__(name: str):

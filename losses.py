@@ -84,21 +84,6 @@ def gspo_token_loss(logp, old_logp, A, mask, cfg):
     return _gspo_clip(s, A, cfg)
 
 
-def sapo_loss(logp, old_logp, A, mask, cfg):
-    """SAPO: a soft gate instead of a hard clip, f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau per sign of A."""
-    ratio = _ratio(logp, old_logp)
-    tau = torch.where(A > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
-    return -gate * A, torch.zeros_like(mask, dtype=torch.bool)
-
-
-def cispo_loss(logp, old_logp, A, mask, cfg):
-    """CISPO: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp: the clipped IS weight, no gradient through it."""
-    ratio = _ratio(logp, old_logp)
-    w = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high).detach()
-    return -w * A * logp, (ratio < 1 - cfg.eps_low) | (ratio > 1 + cfg.eps_high)
-
-
 @dataclass(frozen=True)
 class Loss:
     fn: Callable
@@ -113,8 +98,6 @@ LOSSES: dict[str, Loss] = {
     "grpo": Loss(grpo_loss, "token_mean", dual_clip=True),
     "gspo": Loss(gspo_loss, "seq_mean_token_mean", per_sequence=True, weighted=gspo_token_loss),
     "gspo_token": Loss(gspo_token_loss, "seq_mean_token_mean", per_sequence=True),
-    "sapo": Loss(sapo_loss, "seq_mean_token_mean"),      # averaged per sequence, then over sequences
-    "cispo": Loss(cispo_loss, "token_mean"),
 }
 
 

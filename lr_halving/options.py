@@ -1,4 +1,4 @@
-"""The lr-halving plug-in's options: --lr_schedule=halving's period and its start (lr_halving/schedule.py).
+"""The lr-halving plug-in's options: --lr_schedule=halving's period and its start (lr_halving/lr_schedules.py).
 
 config.py composes these fields into TrainConfig (one flat --key=value namespace; --help lists them under
 this class); the core's --lr_schedule takes `halving` from LR_SCHEDULES below (config.declared_by).
@@ -41,7 +41,7 @@ def hooks(tcfg, rcfg) -> list:
     """The schedule's hook under --lr_schedule=halving (support/hooks.py), its code imported only then."""
     if tcfg.lr_schedule != "halving":
         return []
-    from lr_halving.schedule import Halving
+    from lr_halving.lr_schedules import Halving
     return [Halving()]
 
 

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from config import (MODEL_PRESETS, ConfigError, ModelConfig, TrainOptions, apply_command_line, configs_for, import_task,
+from config import (MODEL_PRESETS, ConfigError, ModelConfig, TrainOptions, apply_command_line, configs_for,
                     parse_args, parse_bool)
 from support.hf import (CheckpointError, Identity, config_from_hf, config_to_hf, eos_token_ids, expert_rows,
                          hf_to_state, read_safetensors_dir, read_safetensors_file, write_identity)
 from model import Transformer, expert_group
-from support.tasks import TASKS, make_task
+from support.tasks import make_task
 
 if TYPE_CHECKING:                     # a run's classes: config.configs_for
     from config import RolloutConfig, TrainConfig
@@ -329,8 +329,6 @@ def run_task(tcfg: TrainConfig, rcfg: RolloutConfig):
     now, not at the first save, if its family's config.json cannot express it (a preset's field set on the
     command line)."""
     from_dir = os.path.isdir(tcfg.init_from)
-    if tcfg.task not in TASKS:                                        # a plug-in's task (multi_turn/)
-        import_task(tcfg.task)
     task = make_task(tcfg.task, tcfg.seed, tcfg.n_digits, tcfg.data, tcfg.tokenizer, tcfg.reward_fn, rcfg.max_new_tokens,
                      stop_tokens=rcfg.stop_token_ids, model_eos=eos_token_ids(tcfg.init_from) if from_dir else ((), ""),
                      chat_template=tcfg.chat_template, system_prompt=tcfg.system_prompt,
@@ -481,7 +479,7 @@ def saved_configs(state: dict, ckpt: str, keys=(), gpu: bool = False) -> tuple[T
     the plug-ins its options and `keys` (a resume's command line) name."""
     try:
         saved = {**state["train_config"], **state["rollout_config"]}
-        tcls, rcls = configs_for([*saved, *keys], gpu)
+        tcls, rcls = configs_for({**saved, **dict(keys)}, gpu)
         tcfg = tcls(**{**state["train_config"], "overwrite": False})   # overwriting was the first leg's act
         return tcfg, rcls(**state["rollout_config"])
     except (KeyError, TypeError) as e:

@@ -479,9 +479,8 @@ def lr_at(step: int, cfg: TrainConfig, hooks=()) -> float:
     `lr`: lr_halving/), else --lr_schedule's (docs/design.md, "The learning-rate horizon")."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    planned = next((lr for lr in (h.lr(step, cfg) for h in hooks) if lr is not None), None)
-    if planned is not None:
-        return planned
+    if (planned := next((lr for lr in (h.lr(step, cfg) for h in hooks) if lr is not None), None)) is not None:
+        return planned                                               # a plug-in's schedule
     if cfg.lr_schedule == "constant":
         return cfg.lr
     horizon = cfg.lr_decay_steps or cfg.steps                        # past it, lr stays at its minimum

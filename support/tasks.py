@@ -685,7 +685,7 @@ def _jsonl_task(name: str, seed: int, data: str, tokenizer: str, reward_fn: str,
 # answer needs its tool's reply first, and --env's environments have no reference (config.py checks both)
 SUPERVISED_TASKS = ("copy", "reverse", "fix", "jsonl")
 
-# the core's tasks; a plug-in's (multi_turn/: lookup, fix) join when a run names one (config.import_task)
+# the core's tasks; a plug-in's (multi_turn/: lookup, fix) join when a run names one (config.plugin_value)
 TASKS: dict[str, Callable] = {**{name: _digit_task for name in DigitTask.TRANSFORMS}, "jsonl": _jsonl_task}
 
 

@@ -127,7 +127,7 @@ def test_apply_overrides_wrong_type(key, raw):
     ({"device": "cuda:x"}, "--device='cuda:x'"),
     ({"task": "nope"}, "--task='nope'"),
     ({"resume": "true", "overwrite": "true"}, "--resume and --overwrite contradict"),
-    ({"lr_schedule": "linear"}, "--lr_schedule='linear': cosine, constant or halving"),
+    ({"lr_schedule": "linear"}, "--lr_schedule='linear': choose one of cosine, constant, halving"),
     ({"surge_window": "-1"}, "--surge_window=-1: must be >= 0 (0: off)"),
     ({"surge_ratio": "0"}, "--surge_ratio=0: must be > 0"),
     ({"router_lr_scale": "-0.5"}, "--router_lr_scale=-0.5: must be >= 0"),

@@ -50,10 +50,7 @@ def test_a_loss_built_on_grpo_takes_the_dual_clip(monkeypatch):
 
 def test_auto_aggregation_follows_each_paper():
     assert cfg(loss="grpo").aggregation == "token_mean"
-    assert cfg(loss="cispo").aggregation == "token_mean"
     assert cfg(loss="gspo").aggregation == cfg(loss="gspo_token").aggregation == "seq_mean_token_mean"
-    assert cfg(loss="sapo").aggregation == "seq_mean_token_mean"      # per sequence, then over sequences
-    assert cfg(loss="sapo", agg="token_mean").aggregation == "token_mean"
 
 
 def test_group_advantages_by_hand():
@@ -88,18 +85,6 @@ def test_gspo_by_hand():
     assert s > 1 + c.gspo_eps_high
     assert torch.allclose(loss, torch.full((1, 4), -(1 + c.gspo_eps_high)))
     assert clipped[0, :3].all()
-
-
-def test_sapo_and_cispo_by_hand():
-    logp = torch.log(torch.tensor([[1.2, 0.9]]))
-    old, mask = torch.zeros(1, 2), torch.ones(1, 2)
-    loss, _ = losses.policy_loss(logp, old, torch.tensor([1.0]), mask, cfg(loss="sapo"))
-    r = torch.tensor([1.2, 0.9])
-    assert torch.allclose(loss[0], -(torch.sigmoid(r - 1) * 4))
-    loss, _ = losses.policy_loss(logp, old, torch.tensor([-2.0]), mask, cfg(loss="sapo"))
-    assert torch.allclose(loss[0], 2 * torch.sigmoid(1.05 * (r - 1)) * 4 / 1.05)
-    loss, _ = losses.policy_loss(logp, old, torch.tensor([1.0]), mask, cfg(loss="cispo"))
-    assert torch.allclose(loss[0], -torch.tensor([1.2, 0.9]) * logp[0])
 
 
 def test_aggregations_by_hand():
@@ -415,8 +400,6 @@ VERL_CASES = {
     "grpo_k2": (dict(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k2"), ("vanilla", "token-mean", None, None, "k2")),
     "grpo_k3": (dict(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k3_clamped"),
                 ("vanilla", "token-mean", None, None, "k3")),
-    "cispo": (dict(loss="cispo"), ("cispo", "token-mean", None, None, None)),
-    "sapo": (dict(loss="sapo"), ("sapo", "seq-mean-token-mean", None, None, None)),
     "gspo": (dict(loss="gspo", gspo_log_ratio_max=10.0), ("gspo", "seq-mean-token-mean", None, None, None)),
     "gspo_token": (dict(loss="gspo_token", gspo_log_ratio_max=10.0), ("gspo", "seq-mean-token-mean", None, None, None)),
     "tis": (dict(dual_clip_c=3.0, correction="tis"), ("vanilla", "token-mean", ("token", 2.0), None, None)),

@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 
+import config
 from config import ConfigError, RolloutConfig, TrainConfig, apply_overrides
-from lr_halving.schedule import Halving
+from lr_halving.lr_schedules import Halving
 from support import runlog
 from support.distributed import lr_at
 from test_reliability import cli_error
@@ -109,8 +110,11 @@ def test_halving_options_name_the_bad_field(overrides, needle):
     assert needle in str(e.value)
 
 
-def test_halving_alone_names_the_options_it_takes(tmp_path):
-    """--lr_schedule=halving on a command line that names none of lr_halving/'s options: one line saying
-    which to set (the run's configs carry a plug-in's options only when one is named)."""
-    assert "--lr_schedule=halving takes the options of lr_halving/: set them too (--halving_start, --lr_decay_period)" \
+def test_halving_alone_brings_its_plugin_and_asks_for_a_period(tmp_path):
+    """--lr_schedule=halving names none of lr_halving/'s options, yet brings the plug-in (its LR_SCHEDULES:
+    config.configs_for), whose check asks for the period; a config built without the plug-in refuses it."""
+    assert "--lr_decay_period=0: --lr_schedule=halving needs a period of >= 1 steps" \
         in cli_error(f"--out_dir={tmp_path}", "--lr_schedule=halving")
+    tcls, _ = config.configs(set())                                  # the core's options only
+    with pytest.raises(ConfigError, match="lr_halving/'s, whose options this config lacks"):
+        tcls(lr_schedule="halving")
