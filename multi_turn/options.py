@@ -2,5 +2,6 @@
 one of its TASKS, and multi_turn.tasks then adds them to support/tasks.TASKS. Nothing of the project is imported at
 this module's top: deleting the folder takes these tasks with it."""
 TASKS = ("lookup", "fix")
+SUPERVISED_TASKS = ("fix",)           # with reference answers: --sft_steps trains on them
 TRAIN: list = []
 ROLLOUT: list = []

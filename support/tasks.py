@@ -682,8 +682,8 @@ def _jsonl_task(name: str, seed: int, data: str, tokenizer: str, reward_fn: str,
 
 
 # the tasks whose examples have a reference response (task.reference), what --sft_steps trains on; lookup's
-# answer needs its tool's reply first, and --env's environments have no reference (config.py checks both)
-SUPERVISED_TASKS = ("copy", "reverse", "fix", "jsonl")
+# answer needs its tool's reply first, and --env's environments have no reference (tooling/options.py checks both)
+SUPERVISED_TASKS = ("copy", "reverse", "jsonl")          # and a plug-in's (multi_turn/options.py: fix)
 
 # the core's tasks; a plug-in's (multi_turn/: lookup, fix) join when a run names one (config.plugin_value)
 TASKS: dict[str, Callable] = {**{name: _digit_task for name in DigitTask.TRANSFORMS}, "jsonl": _jsonl_task}

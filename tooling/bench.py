@@ -1283,13 +1283,13 @@ def lab_sft_starts(args, runs: list[str], seed: int) -> dict[str, str]:
     preset -> the folder of its ckpt-000000, which every row and seed of that preset starts from."""
     import train
     from config import RolloutConfig, TrainConfig, apply_overrides, parse_args
-    from support.tasks import SUPERVISED_TASKS
+    from tooling.options import supervised_tasks
     rows = {name: [a.format(steps=args.lab_steps) for a in LAB[name]] for name in runs}
     unsupervised = [name for name, row in rows.items()
-                    if next((a.split("=", 1)[1] for a in row if a.startswith("--task=")), "copy") not in SUPERVISED_TASKS]
+                    if next((a.split("=", 1)[1] for a in row if a.startswith("--task=")), "copy") not in supervised_tasks()]
     if unsupervised:
         raise SystemExit(f"--lab-sft-steps: {unsupervised} train a task without reference answers "
-                         f"(those with them: {', '.join(SUPERVISED_TASKS)}); leave them out of --lab-runs")
+                         f"(those with them: {', '.join(supervised_tasks())}); leave them out of --lab-runs")
     starts = {}
     for preset in dict.fromkeys(lab_preset(row) for row in rows.values()):
         out = f"{args.lab_out}/sft-{preset}"

@@ -29,7 +29,7 @@ class EvalOptions:
 
     def check(self):
         """The held-out set needs a JSONL task's tokenizer and reward; supervised steps need reference answers
-        (tasks.SUPERVISED_TASKS, checked against the task in support/tasks.py) and the trainers' sampler."""
+        (supervised_tasks, checked against the tasks in support/tasks.py) and the trainers' sampler."""
         self.require(self.eval_samples >= 1, f"--eval_samples={self.eval_samples}: must be >= 1")
         self.require(self.eval_every >= 0, f"--eval_every={self.eval_every}: must be >= 0")
         self.require(not self.eval_every or self.eval_data,
@@ -42,10 +42,9 @@ class EvalOptions:
         self.require(self.probe_prompts > 0, f"--probe_prompts={self.probe_prompts}: must be >= 1")
         self.require(self.sft_steps >= 0, f"--sft_steps={self.sft_steps}: must be >= 0 (0: no supervised steps)")
         if self.sft_steps:
-            from support.tasks import SUPERVISED_TASKS                     # the core's task table
-            self.require(self.task in SUPERVISED_TASKS and not self.env,
+            self.require(self.task in supervised_tasks() and not self.env,
                          f"--sft_steps={self.sft_steps}: --task={self.task}{' with --env' if self.env else ''} has no "
-                         f"reference answers to train on; the tasks that have them: {', '.join(SUPERVISED_TASKS)} "
+                         f"reference answers to train on; the tasks that have them: {', '.join(supervised_tasks())} "
                          "(jsonl without --env)")
         self.require(not (self.sft_steps and getattr(self, "rollout_ranks", 0)),
                      f"--sft_steps={self.sft_steps} with --rollout_ranks: the rollout ranks would not see the "
@@ -75,5 +74,13 @@ def hooks(tcfg, rcfg) -> list:
 
 
 ON_GPU = True                   # every GPU run imports these options: Preflight checks its plan first (config.configs_for)
+def supervised_tasks() -> tuple[str, ...]:
+    """The tasks with reference answers (--sft_steps' targets): the core's (support/tasks.SUPERVISED_TASKS) and
+    those a plug-in's options.py lists in SUPERVISED_TASKS (multi_turn/'s fix)."""
+    from config import declared_by
+    from support.tasks import SUPERVISED_TASKS
+    return (*SUPERVISED_TASKS, *declared_by("SUPERVISED_TASKS"))
+
+
 TRAIN = [EvalOptions]
 ROLLOUT = []
