@@ -580,7 +580,6 @@ class TrainOptions(Options):
         _require(not (self.resume and self.overwrite), "--resume and --overwrite contradict each other: pick one")
         self._check_objective()
         _require(self.keep_checkpoints >= 1, f"--keep_checkpoints={self.keep_checkpoints}: must be >= 1")
-        _require(self.log_samples >= 0, f"--log_samples={self.log_samples}: must be >= 0")
         for name in ("data", "tokenizer", "reward_fn"):                 # else the digit task runs, ignoring them
             _require(self.task == "jsonl" or not getattr(self, name),
                      f"--{name}={getattr(self, name)!r} is for your own task: add --task=jsonl (--task={self.task} "
@@ -776,8 +775,7 @@ class ObjectiveOptions(Options):
 @dataclass
 class LogOptions(Options):
     """What a run shows and writes beyond metrics.jsonl (support/runlog.py)."""
-    FREE_ON_RESUME = ("log_samples", "entropy_warn", "entropy_warn_steps")
-    log_samples: int = 0              # N sampled responses per step to out_dir/samples.jsonl (one shown)
+    FREE_ON_RESUME = ("entropy_warn", "entropy_warn_steps")
     entropy_warn: float = 0.05        # one warning line when the mean entropy stays below this for
                                       # --entropy_warn_steps steps in a row (0: never)
     entropy_warn_steps: int = 10      # ... that many consecutive steps

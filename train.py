@@ -65,7 +65,7 @@ from support.hooks import (Hooks, PeerLost, Rollout, Stopped, Synchronous, adapt
 from support.packing import (Batch, MicroBatch, Scored, in_row_order, lockstep, make_batch, micro_batches, this_ranks,
                              unpack)
 from support.runlog import (Interrupted, LengthSurge, Outputs, StopRequest, banner, bar_postfix, episode_metrics,
-                            latency_metrics, log_routes, log_row, log_samples, open_outputs, run_cli, say,
+                            latency_metrics, log_routes, log_row, open_outputs, run_cli, say,
                             stop_requested, summary, warn_low_entropy)
 from support.tasks import Episodes, TaskError, compute_rewards
 
@@ -131,8 +131,8 @@ def _train(tcfg: TrainConfig, rcfg: RolloutConfig, d: Dist, hooks: list[Hooks] |
             ro = take_or_stop(run, step, saved)        # 1. rollout: batch `step`, now or (--max_staleness) earlier
             examples, outs, episodes = ro.examples, ro.outs, ro.episodes
             rewards = torch.tensor(compute_rewards(run.task, examples, outs, run.tcfg.group_size, step + 1, episodes))
-            if run.tcfg.log_samples:                                  # a few responses to samples.jsonl
-                log_samples(run, step, examples, outs, rewards)
+            for hook in run.hooks:                                    # the sampled batch (trackers/' samples.jsonl)
+                hook.samples(run, step, examples, outs, rewards)
             batch = make_batch(outs, group_advantages(rewards, run.tcfg.group_size, run.tcfg.adv_std_norm))  # 2.
             batch = global_batch(batch, d)                            # every rank's sequences, in global order
             old = old_policy(run, batch)                                             # 3. the old policy

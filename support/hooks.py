@@ -14,6 +14,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     before_steps(run, forward, micro_batches, save)   before RL step 1 (the supervised phase), with train.py's
                              forward, trainer_micro_batches and checkpoint: no second training path
     trainer_forward(run)     a context around each counted trainer forward (not the null micro-batches)
+    samples(run, step, examples, outs, rewards)   the step's sampled batch, this rank's: its examples, the
+                             sampler's outputs and their rewards (n,), before training (trackers/' samples.jsonl)
     hold_out(run, batch, audit, mask, held)   -> (the loss mask (B, T-1), the global batch's rows (n,) held out
                              of the update): sequences out of the loss, its normalisers and the KL (diagnostics/);
                              audit: the recomputed old policy's packing.Scored, or None
@@ -93,6 +95,9 @@ class Hooks:
 
     def trainer_forward(self, run):
         return contextlib.nullcontext()
+
+    def samples(self, run, step: int, examples, outs, rewards) -> None:
+        pass
 
     def hold_out(self, run, batch, audit, mask, held):
         return mask, held

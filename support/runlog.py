@@ -7,8 +7,8 @@
 
 metrics.jsonl is the record of a run (trackers/'s --log_to=tensorboard|wandb copies each row); without a
 progress bar (--progress: a bar only on a terminal) a line every --log_every steps is printed. run.json
-holds the settings in force (checkpoint.write_run_json). --log_samples=N writes responses to
-samples.jsonl; routes.jsonl (log_routes) and a plug-in's files (diagnostics/) are appended through append_jsonl.
+holds the settings in force (checkpoint.write_run_json). routes.jsonl (log_routes) and a plug-in's files
+(diagnostics/, trackers/' samples.jsonl) are appended through append_jsonl.
 A SIGINT / SIGTERM asks the loop to stop after the step under way (StopRequest, stop_requested,
 Interrupted); under torchrun a rank's reason to exit goes to its error file (tell_launcher); `run_cli`
 is the command line's frame (one `error:` line per mistake, exit 1 / 130 / 143). The functions take
@@ -53,9 +53,6 @@ class Outputs:
 
 def open_outputs(run) -> Outputs:
     tcfg = run.tcfg
-    samples = os.path.join(tcfg.out_dir, "samples.jsonl")
-    if run.start and run.d.master and os.path.exists(samples):      # a resume: drop the rows past its checkpoint
-        trim_metrics(samples, run.start)
     if run.d.master:                                                  # the configs in force, readable
         write_run_json(tcfg.out_dir, tcfg, run.rcfg, run.policy.full.config, run.start)
     return Outputs(export_identity(tcfg, run.task), bar=run.d.master and progress_bar(tcfg))
@@ -102,21 +99,6 @@ def banner(run, max_new: int, episode_tokens: int | None = None) -> str:
             f"{tcfg.dtype}; task {tcfg.task}; out_dir {tcfg.out_dir}; {start}\n"
             f"{generation_line(run.task, max_new, episode_tokens)}; temperature {run.rcfg.temperature}, "
             f"{tcfg.prompts_per_step} prompts x {tcfg.group_size} responses")
-
-
-def log_samples(run, step: int, examples, outs, rewards: torch.Tensor) -> None:
-    """--log_samples=N: this rank's first N responses to samples.jsonl (rank 0), the first on the console."""
-    n = run.tcfg.log_samples
-    if not run.d.master:
-        return
-    G, task = run.tcfg.group_size, run.task
-    rows = [{"step": step + 1, "prompt": task.decode(examples[i // G].prompt), "response": task.decode(o.tokens),
-             "answer": examples[i // G].answer, "reward": rewards[i].item()} for i, o in enumerate(outs[:n])]
-    with open(os.path.join(run.tcfg.out_dir, "samples.jsonl"), "a") as f:
-        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
-    r = rows[0]
-    line = f"step {r['step']} sample: {r['prompt'][-60:]!r} -> {r['response'][:80]!r} (reward {r['reward']:.3f})"
-    say(run, line)
 
 
 # ---- metrics rows: metrics.jsonl, the loggers, progress lines ----------------------------------

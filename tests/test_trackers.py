@@ -1,5 +1,6 @@
 """The trackers plug-in (trackers/): --log_to=tensorboard|wandb copies each metrics.jsonl row, a missing
-package is one line before any work, and wandb's run ends with the run's exit code.
+package is one line before any work, and wandb's run ends with the run's exit code; --log_samples writes
+samples.jsonl.
 
     python -m pytest -q tests/test_trackers.py
 """
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 import train
+from support.runlog import TIMINGS
 from test_reliability import FAST, cli_error
+from test_train import SMALL, _run
 from trackers import log
 from trackers.log import logged_scalars
 
@@ -86,3 +89,35 @@ def test_log_to_wandb_offline_holds_every_metrics_row_and_the_stop(tmp_path, mon
     summary = json.loads(subprocess.run(cli + ["--summary", "--json"], capture_output=True, text=True,
                                         check=True, timeout=120).stdout)
     assert summary["exit_code"] == 143 and summary["config"]["train"]["steps"] == 4, summary
+
+
+# ---- --log_samples: samples.jsonl -------------------------------------------------------------------
+def test_samples_jsonl_rows_console_lines_and_a_resume(tmp_path, capsys):
+    """--log_samples=3: 3 rows a step in strict JSON (the prompt and response as text, the answer, the reward), the
+    first on the console; a resume drops the rows past its checkpoint (a killed run's) and continues them."""
+    argv = ["--task=copy", "--n_digits=2", "--prompts_per_step=2", "--group_size=2", "--minibatch_size=4",
+            f"--out_dir={tmp_path}", "--progress=false", "--save_every=2", "--log_every=2", "--log_samples=3"]
+    train.cli(argv + ["--steps=4"])
+    out = capsys.readouterr().out.splitlines()
+    shown = [line for line in out if " sample: " in line]
+    assert len(shown) == 4 and shown[0].startswith("step 1 sample: '^")
+    rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]   # strict JSON, 3 a step
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    assert all(set(r) == {"step", "prompt", "response", "answer", "reward"} and 0 <= r["reward"] <= 1 for r in rows)
+    assert all(len(r["answer"]) == 3 and r["answer"][-1] == 12 for r in rows)       # the target: 2 digits and EOS
+    assert all(r["prompt"].startswith("^") and r["prompt"].endswith("=") for r in rows)
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "prompt": "lost", "response": "", "reward": 0.0}) + "\n")
+    train.cli(argv + ["--steps=6", "--resume=true"])
+    rows = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert [r["step"] for r in rows] == [s for s in range(1, 7) for _ in range(3)]
+    assert "lost" not in {r["prompt"] for r in rows}
+
+
+def test_log_samples_changes_no_metric(tmp_path):
+    timing = set(TIMINGS)
+    a = _run(tmp_path / "a", SMALL + ["--steps=2"])
+    b = _run(tmp_path / "b", SMALL + ["--steps=2", "--log_samples=4", "--keep_checkpoints=3"])
+    assert [{k: v for k, v in r.items() if k not in timing} for r in a] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in b]
+
