@@ -342,6 +342,13 @@ def check_plan_bytes(cfg, parallel, tag=""):
 
 def main():
     dist.init_process_group("gloo")
+    checks()
+    dist.barrier()
+    gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
+    dist.destroy_process_group()
+
+
+def checks():
     world = dist.get_world_size()
     tiny = ModelConfig.preset("tiny")
     top4 = ModelConfig(**{**tiny.__dict__, "num_experts_per_tok": 4})   # k > 2: the slot order matters
@@ -379,9 +386,6 @@ def main():
     if world == 2:
         check_gpt_oss_controls(oss)
         check_plan_bytes(oss, "ddp", tag="gpt-oss ")                  # b13, b2 counted as expert shards
-    dist.barrier()
-    gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

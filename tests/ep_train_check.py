@@ -139,6 +139,13 @@ def check_gpt_oss(out, **kw):
 
 def main(out):
     dist.init_process_group("gloo")
+    checks(out)
+    dist.barrier()
+    gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
+    dist.destroy_process_group()
+
+
+def checks(out):
     world = dist.get_world_size()
     if world == 4:
         for preset in ("tiny", "tiny-gpt-oss"):
@@ -194,9 +201,6 @@ def main(out):
     run(f"{out}/leg2", expert_parallel=n, steps=1, lr_decay_steps=3, **kw)
     moved = resume(f"{out}/leg2", expert_parallel=other, steps=3, **kw)
     compare(straight[1:], moved, f"resume EP={n} -> EP={other}")
-    dist.barrier()
-    gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

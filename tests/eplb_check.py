@@ -244,6 +244,13 @@ def runlog_timings():
 
 def main(out=None):
     dist.init_process_group("gloo")
+    checks(out)
+    dist.barrier()
+    gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
+    dist.destroy_process_group()
+
+
+def checks(out=None):
     tiny = ModelConfig.preset("tiny")
     for dtype in DTYPES.values():
         check_score(tiny, dtype)
@@ -255,9 +262,6 @@ def main(out=None):
         check_exact_grads(ModelConfig(**{**oss.__dict__, "num_experts_per_tok": 4}), tag="gpt-oss ")
     if out is not None:
         (check_training if dist.get_world_size() == 2 else check_training_fsdp)(out)
-    dist.barrier()
-    gc.collect()      # the runs' cycles (their gloo work) go while Python is alive, as in train.py
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

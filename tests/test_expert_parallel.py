@@ -1,8 +1,9 @@
 """Expert parallelism: placement, the degree checks, the slot-order combine (with its control), and
 tests/ep_check.py under torchrun with 2 and 4 gloo processes (score and gradients against EP=1, the
 memory plan against the bytes allocated; gpt-oss's biased experts with their controls); EPLB: placements with replicas, the plan, its checks, and
-tests/eplb_check.py under torchrun (replicas against none, bitwise)."""
+tests/eplb_check.py under torchrun (replicas against none, bitwise); the three run as one torchrun job, tests/ep_suite.py."""
 import os
+import re
 import subprocess
 import sys
 
@@ -108,22 +109,34 @@ def test_slot_order_combine_and_its_control():
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
+def test_expert_parallel_under_torchrun(nproc, tmp_path):
+    """tests/ep_suite.py: ep_check, ep_train_check and eplb_check in one torchrun job of nproc gloo processes,
+    each one's lines read apart and checked below."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "tests/ep_check.py"]
+           "tests/ep_suite.py", str(tmp_path)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       timeout=300)
+                       timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    parts = dict(re.findall(r"^== (\w+)\n(.*?)(?=^== |\Z)", r.stdout, flags=re.M | re.S))
+    assert list(parts) == ["ep_check", "ep_train_check", "eplb_check"], r.stdout[-2000:]
+    check_ep_score_and_grads(nproc, parts["ep_check"])
+    check_training_under_ep(nproc, parts["ep_train_check"], r.stderr)
+    check_eplb_replicas(nproc, parts["eplb_check"])
+
+
+def check_ep_score_and_grads(nproc, stdout):
+    """tests/ep_check.py: score and gradients at EP > 1 against EP=1, bit for bit."""
     degrees = [n for n in (1, 2, 4) if nproc % n == 0]
-    ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
+    ok = [line for line in stdout.splitlines() if line.startswith("ok ")]
     # gpt-oss: 3 checks x 2 dtypes at each EP degree (2; on 4 processes 2 and 4) and the sampler in 2 dtypes;
     # on 2 processes also the controls and the plan
     oss = [line for line in ok if line.startswith(("ok gpt-oss", "ok control gpt-oss"))]
     oss_degrees = [2] if nproc == 2 else [2, 4]
     assert len(oss) == 3 * 2 * len(oss_degrees) + 2 + (2 if nproc == 2 else 0), oss
     # score, grads, exact grads; 2 dtypes, 2 placements; on 2 processes MLA's and the hybrid's 4 each
-    assert len(ok) == 3 * 2 * 2 * len(degrees) + 6 + len(oss) + (8 if nproc == 2 else 0), r.stdout
+    assert len(ok) == 3 * 2 * 2 * len(degrees) + 6 + len(oss) + (8 if nproc == 2 else 0), stdout
     assert sum("b13, b2 bitwise" in line or "w13 / w2 / b13 / b2 bitwise" in line for line in oss) == 4 * len(oss_degrees)
     for n in oss_degrees:
         assert sum(f"EP={n} " in line for line in oss if line.startswith(("ok gpt-oss score", "ok gpt-oss grads"))) == 4
@@ -142,27 +155,20 @@ def test_ep_score_and_grads_equal_ep1_under_torchrun(nproc):
         assert sum(f"EP={n} " in line for line in ok if line.startswith(("ok score", "ok grads"))) == 8
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_training_under_ep_equals_ep1_under_torchrun(nproc, tmp_path):
-    """train.py's loop at EP>1 against EP=1, bit for bit: the router bias, R3, a placement, a checkpoint
-    folder, gpt-oss's biased experts (with a control; on 4 ranks under FSDP2 over two replicas), resume at
-    the same and another EP degree (DDP / FSDP2 x fp32 / bf16: tests/world_check.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "tests/ep_train_check.py", str(tmp_path)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == (12 if nproc == 2 else 6), r.stdout
+def check_training_under_ep(nproc, stdout, stderr):
+    """tests/ep_train_check.py: train.py's loop at EP>1 against EP=1, bit for bit: the router bias, R3, a placement,
+    a checkpoint folder, gpt-oss's biased experts (with a control; on 4 ranks under FSDP2 over two replicas), resume
+    at the same and another EP degree (DDP / FSDP2 x fp32 / bf16: tests/world_check.py)."""
+    ok = [line for line in stdout.splitlines() if line.startswith("ok ")]
+    assert len(ok) == (12 if nproc == 2 else 6), stdout
     for what in ("checkpoint folder EP=2", "gpt-oss from a checkpoint folder EP=2", "control gpt-oss EP=2", "R3 replay EP=2",
                  "permuted placement EP=2", "device load EP=2", "expert_map fault EP=1 vs EP=2"):
-        assert nproc == 4 or any(what in line for line in ok), (what, r.stdout)
+        assert nproc == 4 or any(what in line for line in ok), (what, stdout)
     for what in ("fsdp EP=2 on 4 ranks, tiny:", "fsdp EP=2 on 4 ranks, tiny-gpt-oss:", "w13, w2, b13, b2",
                  "gpt-oss from a checkpoint folder EP=2 fsdp on 4 ranks", "control gpt-oss EP=2 fsdp on 4 ranks"):
-        assert nproc == 2 or any(what in line for line in ok), (what, r.stdout)
+        assert nproc == 2 or any(what in line for line in ok), (what, stdout)
     assert any("resume EP=2 -> EP=2" in line and "every metric bit for bit" in line for line in ok)
-    assert "returned a view tensor" not in r.stderr        # FSDP2's warning, silenced for the Router and the MoE
+    assert "returned a view tensor" not in stderr          # FSDP2's warning, silenced for the Router and the MoE
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,17 +242,11 @@ def test_eplb_against_the_model_is_one_line(r, n, says):
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_eplb_replicas_equal_no_replicas_under_torchrun(nproc, tmp_path):
+def check_eplb_replicas(nproc, stdout):
     """tests/eplb_check.py: score, the sampler and the exact gradient sums with replicas at EP=nproc equal
-    EP=1's (with the one-ulp control; gpt-oss's biases on the replicas too); with 2 ranks train.py's loop too (fp32, bf16, a resume, the files);
-    with 4, two EP groups of 2 under FSDP2."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "tests/eplb_check.py", str(tmp_path)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    ok = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(ok) == 8 + (9 if nproc == 2 else 1), r.stdout        # 2 processes: gpt-oss's 2 layouts, control, grads
+    EP=1's (with the one-ulp control; gpt-oss's biases on the replicas too); with 2 ranks train.py's loop too (fp32,
+    bf16, a resume, the files); with 4, two EP groups of 2 under FSDP2."""
+    ok = [line for line in stdout.splitlines() if line.startswith("ok ")]
+    assert len(ok) == 8 + (9 if nproc == 2 else 1), stdout          # 2 processes: gpt-oss's 2 layouts, control, grads
     assert sum(line.startswith("ok control") for line in ok) == 2 + 2 * (nproc == 2)
-    assert sum(line.startswith("ok gpt-oss") for line in ok) == 3 * (nproc == 2), r.stdout
+    assert sum(line.startswith("ok gpt-oss") for line in ok) == 3 * (nproc == 2), stdout
