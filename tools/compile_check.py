@@ -249,6 +249,31 @@ def check_geometries(model) -> tuple[list[str], int]:
     return problems, n_forwards
 
 
+def compile_row(name: str, launch, arch: int, rows: list, problems: list) -> None:
+    """Compile one distinct launch for sm_`arch`: its table row (registers, shared memory, spilled bytes, the
+    tensor-core instruction) into rows, what is wrong with it (a failure, over the shared-memory limit, a bf16
+    binary spilling past SPILL_BUDGET) into problems."""
+    fn, a, kw = launch
+    consts = {k: v for k, v in kw.items() if k != "enable_fp_fusion"}
+    dt = next(str(x.dtype).removeprefix("torch.") for x in a if isinstance(x, torch.Tensor))
+    try:
+        k = compile_launch(fn, a, kw, arch)
+    except Exception as e:                                              # report every failure, then fail
+        problems.append(f"{name} sm_{arch} {dt} {consts}: {type(e).__name__}: {str(e)[:300]}")
+        rows.append((name, f"sm_{arch}", dt, str(consts), "FAILED"))
+        return
+    res, shared = resources(k.asm["cubin"]), k.metadata.shared
+    bad = []
+    if shared > SHARED_LIMIT.get(arch, 99 * 1024):
+        bad.append(f"shared {shared} B > {SHARED_LIMIT.get(arch, 99 * 1024)} B")
+    spilled = res.get("STACK", 0) + res.get("LOCAL", 0)
+    if spilled > (SPILL_BUDGET if dt == "bfloat16" else 1 << 30):
+        bad.append(f"spills {spilled} B (stack and local memory; the bf16 budget is {SPILL_BUDGET} B)")
+    problems += [f"{name} sm_{arch} {dt} {consts}: {b}" for b in bad]
+    mma = next((m for m in ("tcgen05.mma", "wgmma", "mma.sync") if m in k.asm["ptx"]), "-")   # tensor-core instruction
+    rows.append((name, f"sm_{arch}", dt, str(consts), f"{res['REG']}", f"{shared}", f"{spilled}", mma))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, nargs="+", default=[90], help="CUDA compute capabilities (default 90)")
@@ -296,27 +321,9 @@ def main() -> int:
         with intercept() as recorded:
             gdn_launches()
         launches.update((spec_key(*launch), launch) for launch in recorded)
-    for (name, _, _), (fn, a, kw) in launches.items():
-        consts = {k: v for k, v in kw.items() if k != "enable_fp_fusion"}
-        dt = next(str(x.dtype).removeprefix("torch.") for x in a if isinstance(x, torch.Tensor))
+    for (name, _, _), launch in launches.items():
         for arch in args.arch:
-            try:
-                k = compile_launch(fn, a, kw, arch)
-            except Exception as e:                                      # report every failure, then fail
-                problems.append(f"{name} sm_{arch} {dt} {consts}: {type(e).__name__}: {str(e)[:300]}")
-                rows.append((name, f"sm_{arch}", dt, str(consts), "FAILED"))
-                continue
-            res, shared = resources(k.asm["cubin"]), k.metadata.shared
-            bad = []
-            if shared > SHARED_LIMIT.get(arch, 99 * 1024):
-                bad.append(f"shared {shared} B > {SHARED_LIMIT.get(arch, 99 * 1024)} B")
-            spilled = res.get("STACK", 0) + res.get("LOCAL", 0)
-            if spilled > (SPILL_BUDGET if dt == "bfloat16" else 1 << 30):
-                bad.append(f"spills {spilled} B (stack and local memory; the bf16 budget is {SPILL_BUDGET} B)")
-            problems += [f"{name} sm_{arch} {dt} {consts}: {b}" for b in bad]
-            ptx = k.asm["ptx"]
-            mma = next((m for m in ("tcgen05.mma", "wgmma", "mma.sync") if m in ptx), "-")   # tensor-core instruction
-            rows.append((name, f"sm_{arch}", dt, str(consts), f"{res['REG']}", f"{shared}", f"{spilled}", mma))
+            compile_row(name, launch, arch, rows, problems)
     head = ("kernel", "arch", "dtype", "constexprs", "regs", "shared B", "spilled B", "mma")
     widths = [max(len(r[i]) for r in rows + [head] if len(r) > i) for i in range(len(head))]
     for r in [head] + sorted(rows):
