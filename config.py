@@ -584,7 +584,7 @@ class TrainOptions(Options):
             _require(self.task == "jsonl" or not getattr(self, name),
                      f"--{name}={getattr(self, name)!r} is for your own task: add --task=jsonl (--task={self.task} "
                      "is a built-in digit task and would ignore it)")
-        _require_range(self, "entropy_coef entropy_warn", lambda v: v >= 0, ">= 0 (0: off)")
+        _require_range(self, "entropy_warn", lambda v: v >= 0, ">= 0 (0: off)")
         _require_range(self, "entropy_warn_steps", lambda v: v >= 1, ">= 1")
         _require(self.resume_changes in ("refuse", "allow"), f"--resume_changes={self.resume_changes!r}: refuse or allow")
         bad = sorted(set(self.model_overrides) - set(MODEL_OPTIONS))
@@ -763,8 +763,6 @@ class ObjectiveOptions(Options):
     gspo_eps_low: float = 3e-4        # GSPO's clip range on the sequence ratio: below 1 - this ...
     gspo_eps_high: float = 4e-4       # ... and above 1 + this
     gspo_log_ratio_max: float = 20.0  # GSPO's sequence log-ratio clamped to [-20, this] (verl: 10)
-    entropy_coef: float = 0.0         # an entropy bonus: minus this times the entropy of softmax(logits / T) at each
-                                      # response token, aggregated as the loss (0: off; e.g. 1e-3 against a collapse)
     mis_low: float = 0.5              # reject and icepop keep rho inside [mis_low, mis_high]
     mis_high: float = 5.0             # ... (mis keeps rho <= mis_high: masked IS's C)
     seq_rho: str = "geo_mean"         # seq_*: the sequence's rho as the geometric mean of its tokens' rho, or

@@ -144,14 +144,13 @@ class Normalisers:
         return cls(max(1.0, float(loss_mask[idx].sum())), max(1, n_seq), max_new_tokens, float(lengths[idx].sum()))
 
 
-def token_objective(logp, old_logp, adv, mask, cfg, norm: Normalisers, weights=(), ref_logp=None, entropy=None):
+def token_objective(logp, old_logp, adv, mask, cfg, norm: Normalisers, weights=(), ref_logp=None, terms=()):
     """The loss of one micro-batch, and its (B, T) bool of clipped tokens.
 
     policy loss (cfg.loss) -> times each per-token weight in `weights` in turn (the correction's
     importance weights, the route filter's; (B, T) each, no gradient) -> plus kl_coef times the KL to the
-    reference (ref_logp given) -> minus entropy_coef times the entropy of softmax(logits / T) (entropy
-    given: (B, T) with its gradient, model.score(entropy_grad=True); the bonus is not importance-weighted)
-    -> aggregated (cfg.aggregation) with the minibatch's normalisers.
+    reference (ref_logp given) -> plus each per-token term in `terms` in turn ((B, T) each, not importance-
+    weighted: a plug-in's, entropy_bonus/'s -c H_t) -> aggregated (cfg.aggregation) with the minibatch's normalisers.
     A loss whose gradient reaches a token only through a shared sequence ratio (GSPO) cannot carry a
     weight per token: multiplied afterwards, every token would get its sequence's mean weight (a token
     IcePop zeroes would still get gradient). With weights it runs its `weighted` form (GSPO-token: the
@@ -163,8 +162,8 @@ def token_objective(logp, old_logp, adv, mask, cfg, norm: Normalisers, weights=(
         loss_tok = loss_tok * w
     if ref_logp is not None:
         loss_tok = loss_tok + cfg.kl_coef * kl_penalty(logp, ref_logp, cfg.kl_estimator)
-    if entropy is not None and cfg.entropy_coef:
-        loss_tok = loss_tok - cfg.entropy_coef * entropy
+    for term in terms:
+        loss_tok = loss_tok + term
     return aggregate(loss_tok, mask, cfg.aggregation, norm.tokens, norm.sequences, norm.max_new_tokens), clipped
 
 

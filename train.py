@@ -406,7 +406,7 @@ def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: 
     sub, mb = micro.rows, batch.select(micro.rows)
     old_routes = None if old.audit is None else old.audit.routes[sub]
     out = forward(run, run.policy.trainer, mb, micro, grad=True, with_entropy=True, counted=counted,
-                  entropy_grad=tcfg.entropy_coef > 0, routes=replay.routes_to_replay(mode, mb.routes, old_routes))
+                  entropy_grad=any(h.entropy_grad for h in run.hooks), routes=replay.routes_to_replay(mode, mb.routes, old_routes))
     logp = out.logp.float()
     mask, response = old.loss_mask[sub].to(device), mb.mask.to(device)
     keep = None
@@ -415,9 +415,9 @@ def micro_step(run: Run, batch: Batch, old: OldPolicy, micro: MicroBatch, norm: 
         if w is not None:
             keep = w if keep is None else keep * w
     weights = tuple(w for w in (None if old.weights is None else old.weights[sub].to(device), keep) if w is not None)
+    terms = [t for t in (h.token_terms(run, out, mb) for h in run.hooks) if t is not None]   # entropy_bonus/'s
     loss, clipped = token_objective(logp, old.logp[sub].to(device), mb.adv.to(device), mask, tcfg, norm,
-                                    weights, None if old.ref_logp is None else old.ref_logp[sub].to(device),
-                                    entropy=out.entropy if tcfg.entropy_coef > 0 else None)
+                                    weights, None if old.ref_logp is None else old.ref_logp[sub].to(device), terms)
     extra = []
     for h in run.hooks:                                               # the plug-ins' terms (router_training/)
         loss, sums = h.micro_loss(run, loss, out, mb, norm)

@@ -22,6 +22,8 @@ on every rank (a hook may run collectives); the loop itself never tests a plug-i
     token_weights(run, mb, out, mask)   -> per-token loss weights (k, T-1) of a micro-batch's forward, or None:
                              multiplied into the objective (route_filter/); the core counts the tokens they lower
                              (route_filtered_frac); mask: the response tokens
+    token_terms(run, out, mb)   -> a per-token term (k, T-1) added to a micro-batch's per-token loss before its
+                             aggregation (after the corrections' weights and the KL), or None (entropy_bonus/)
     micro_loss(run, loss, out, mb, norm)   -> (the micro-batch's loss with the plug-in's terms, its sums: one
                              float per name in `micro_stats`); out: the forward (packing.Scored, the router's
                              logits in out.detail when `router_logits`), mb: the micro-batch, norm: losses.Normalisers
@@ -73,6 +75,7 @@ class Hooks:
     """A plug-in's hooks; each does nothing here."""
     name = ""                        # its key in a checkpoint's plugin state ("": it keeps none)
     router_logits = False            # the trainer's forwards keep the gate logits, with their gradient (micro_loss's)
+    entropy_grad = False             # the trainer's forwards' entropy carries its gradient (token_terms')
     micro_stats: tuple[str, ...] = ()   # the names of micro_loss's sums
 
     def check_build(self, task, config) -> None:
@@ -103,6 +106,9 @@ class Hooks:
         return mask, held
 
     def token_weights(self, run, mb, out, mask):
+        return None
+
+    def token_terms(self, run, out, mb):
         return None
 
     def micro_loss(self, run, loss, out, mb, norm):

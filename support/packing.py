@@ -315,7 +315,7 @@ class Scored:
     """A trainer forward over some rows of the rollout batch."""
     logp: torch.Tensor               # (N, T-1) log-probs of tokens[:, 1:]
     routes: torch.Tensor             # (N, T, n_moe, k) the router's own choice (also under R3 replay)
-    entropy: torch.Tensor | None     # (N, T-1) when asked for (detached, unless --entropy_coef > 0)
+    entropy: torch.Tensor | None     # (N, T-1) when asked for (detached, unless a hook asks its gradient: entropy_bonus/)
     rows: torch.Tensor               # (N,) which rows of the rollout batch
     detail: object = None            # model.RouteDetail (N, T, ...): the routes' weights, margins, router entropy
 

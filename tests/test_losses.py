@@ -501,22 +501,3 @@ def test_entropy_gradient_equals_autograd_of_a_plain_reference(chunk):
     assert not plain[2].requires_grad                                                  # control: detached
     z1 = model(tokens)[:, :-1].float()
     assert not torch.allclose(ent, -(torch.softmax(z1, -1) * torch.log_softmax(z1, -1)).sum(-1), rtol=1e-3)
-
-
-@pytest.mark.parametrize("loss", ["grpo", "gspo"])
-def test_entropy_bonus_is_minus_coef_times_the_aggregated_entropy(loss):
-    g = torch.Generator().manual_seed(0)
-    logp = -torch.rand(4, 6, generator=g) - 0.1
-    old, ent = logp + 0.05 * torch.randn(4, 6, generator=g), torch.rand(4, 6, generator=g).requires_grad_()
-    adv, mask = torch.randn(4, generator=g), (torch.rand(4, 6, generator=g) > 0.3).float()
-    norm = losses.Normalisers(float(mask.sum()), 4, 6)
-    base, _ = losses.token_objective(logp, old, adv, mask, cfg(loss=loss), norm)
-    with_bonus, _ = losses.token_objective(logp, old, adv, mask, cfg(loss=loss, entropy_coef=0.01), norm, entropy=ent)
-    agg = cfg(loss=loss).aggregation
-    expected = base - 0.01 * losses.aggregate(ent, mask, agg, norm.tokens, norm.sequences, 6)
-    assert torch.allclose(with_bonus, expected, rtol=1e-6)
-    with_bonus.backward()
-    assert torch.allclose(ent.grad, -0.01 * torch.autograd.grad(losses.aggregate(ent, mask, agg, norm.tokens,
-                                                                                 norm.sequences, 6), ent)[0])
-    off, _ = losses.token_objective(logp, old, adv, mask, cfg(loss=loss), norm, entropy=ent)   # coef 0: ignored
-    assert torch.equal(off, base)

@@ -657,15 +657,9 @@ def test_run_json_holds_every_setting_and_a_resume_says_what_changed(tmp_path, c
     assert "resume: --save_every=1 (the saved run's: 50)\n" in out and "done: 1 step" in out
 
 
-def test_the_entropy_bonus_is_in_the_trainers_loss_and_the_warning_is_one_line(tmp_path, capsys):
-    """One minibatch a step (token mean): the loss with --entropy_coef=c is the loss without it minus c times
-    the logged entropy at step 1 (the same rollout). The warning: once, when the entropy has stayed below
-    --entropy_warn for --entropy_warn_steps steps; control: --entropy_warn=0 says nothing."""
-    off = _run(tmp_path / "a", TINY_RUN + ["--steps=1"])[0]
-    on = _run(tmp_path / "b", TINY_RUN + ["--steps=1", "--entropy_coef=0.5"])[0]
-    assert on["entropy"] == off["entropy"] and on["reward_mean"] == off["reward_mean"]
-    assert on["loss"] == pytest.approx(off["loss"] - 0.5 * off["entropy"], rel=1e-5, abs=1e-7)
-    capsys.readouterr()
+def test_a_low_entropy_warning_is_one_line(tmp_path, capsys):
+    """The warning: once, when the entropy has stayed below --entropy_warn for --entropy_warn_steps steps;
+    control: --entropy_warn=0 says nothing."""
     train.cli(TINY_RUN + [f"--out_dir={tmp_path / 'c'}", "--steps=4", "--entropy_warn=100", "--entropy_warn_steps=2"])
     warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     assert len(warned) == 1 and warned[0].startswith("warning: step 2: entropy below 100 for 2 steps")

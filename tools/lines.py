@@ -25,7 +25,7 @@ from collections import Counter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a default step may execute: (lines, files), today's, lowered as the core shrinks (tests/test_layout.py
 # holds it); the goal is 2,500 lines in 10 files (docs/design.md, "The core and its plug-ins")
-BUDGET = (3_968, 16)
+BUDGET = (3_967, 16)
 README = os.path.join(ROOT, "README.md")
 ITEM = re.compile(r"`([\w/]+\.py)` \((\d+)\)")     # "`model.py` (726)" in the reading order's items
 
