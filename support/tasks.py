@@ -30,7 +30,7 @@ one user message (after --system_prompt's system message) with the generation pr
 
 A new built-in task is one entry in TASKS (at the bottom): --task=NAME builds it, and config.py checks
 --task against the same table (and the plug-ins' TASKS: multi_turn/'s lookup and fix). A task's `reference(example)` is the response that earns the full reward, stop
-token included: what --sft_steps trains on (tooling/sft.py; SUPERVISED_TASKS names the tasks that have one).
+token included: what --sft_steps trains on (tooling/sft.py; SUPERVISED_TASKS names the core's tasks that have one, tooling.options.supervised_tasks adds a plug-in's).
 A task's `token_class(name)` gives the ids of a class of tokens (TOKEN_CLASSES: digits) that
 --route_filter_tokens may name instead of ids. Mistakes in a task's files raise TaskError (one line `error: ...`).
 """
