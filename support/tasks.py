@@ -29,8 +29,10 @@ tokenizer_config.json's chat_template, next to the tokenizer or in --init_from),
 one user message (after --system_prompt's system message) with the generation prompt.
 
 A new built-in task is one entry in TASKS (at the bottom): --task=NAME builds it, and config.py checks
---task against the same table (and the plug-ins' TASKS: multi_turn/'s lookup and fix). A task's `reference(example)` is the response that earns the full reward, stop
-token included: what --sft_steps trains on (tooling/sft.py; SUPERVISED_TASKS names the core's tasks that have one, tooling.options.supervised_tasks adds a plug-in's).
+--task against the same table (and the plug-ins' TASKS: multi_turn/'s lookup and fix). A task's
+`reference(example)` is the response that earns the full reward, stop token included: what --sft_steps trains
+on (tooling/sft.py; SUPERVISED_TASKS names the core's tasks that have one, tooling.options.supervised_tasks
+adds a plug-in's).
 A task's `token_class(name)` gives the ids of a class of tokens (TOKEN_CLASSES: digits) that
 --route_filter_tokens may name instead of ids. Mistakes in a task's files raise TaskError (one line `error: ...`).
 """
